@@ -1,0 +1,34 @@
+"""inductor_rocm_attn: a paged-attention backend (ROCM_ATTN design) for torch.compile.
+
+Importing registers the ``rocm_attn`` ops (and nothing else: no tracing, builds, files or
+device queries).
+"""
+
+from . import ops  # noqa: F401  (registers torch.ops.rocm_attn.*)
+from .backend import RocmAttentionBackend, RocmAttentionImpl
+from .block_allocator import BlockAllocator
+from .capabilities import AttentionType
+from .forward_context import get_forward_context, set_forward_context
+from .layer import Attention, attention_layers, bind_kv_caches
+from .layout import CacheLayout, KVCacheSpec, allocate_kv_cache
+from .metadata import AttentionMetadata, MetadataBuffers, build_attention_metadata
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Attention",
+    "AttentionMetadata",
+    "AttentionType",
+    "BlockAllocator",
+    "CacheLayout",
+    "KVCacheSpec",
+    "MetadataBuffers",
+    "RocmAttentionBackend",
+    "RocmAttentionImpl",
+    "allocate_kv_cache",
+    "attention_layers",
+    "bind_kv_caches",
+    "build_attention_metadata",
+    "get_forward_context",
+    "set_forward_context",
+]

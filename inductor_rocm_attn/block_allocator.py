@@ -1,0 +1,60 @@
+"""A small paged block allocator: hands out cache blocks per sequence and frees them."""
+
+from __future__ import annotations
+
+import random
+
+
+class BlockAllocator:
+    """Free-list allocator over ``num_blocks`` cache blocks of ``block_size`` tokens.
+
+    ``shuffle_seed`` randomises the free list so tests exercise scattered block placement.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, shuffle_seed: int | None = None):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"BlockAllocator: num_blocks {num_blocks} and block_size {block_size} must be positive")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self._free = list(range(num_blocks))
+        if shuffle_seed is not None:
+            random.Random(shuffle_seed).shuffle(self._free)
+        self._free.reverse()  # pop() from the end hands out the list's first entries first
+        self._tables: dict[object, list[int]] = {}
+        self._lengths: dict[object, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def allocate(self, seq_id, num_new_tokens: int) -> list[int]:
+        """Grow ``seq_id`` by ``num_new_tokens`` tokens; returns its whole block table."""
+        table = self._tables.setdefault(seq_id, [])
+        length = self._lengths.get(seq_id, 0) + num_new_tokens
+        need = self.blocks_needed(length) - len(table)
+        if need > len(self._free):
+            if not table:
+                del self._tables[seq_id]
+            raise MemoryError(
+                f"BlockAllocator: sequence {seq_id!r} needs {need} more blocks, {len(self._free)} free "
+                f"of {self.num_blocks}"
+            )
+        for _ in range(need):
+            table.append(self._free.pop())
+        self._lengths[seq_id] = length
+        return table
+
+    def free(self, seq_id) -> None:
+        table = self._tables.pop(seq_id, None)
+        if table is None:
+            raise KeyError(f"BlockAllocator: unknown sequence {seq_id!r}")
+        self._lengths.pop(seq_id, None)
+        self._free.extend(reversed(table))
+
+    def block_table(self, seq_id) -> list[int]:
+        return self._tables[seq_id]
+
+    def num_tokens(self, seq_id) -> int:
+        return self._lengths.get(seq_id, 0)

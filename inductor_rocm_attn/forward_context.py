@@ -1,0 +1,71 @@
+"""Forward context: how layer-level ops reach their layer, KV cache and per-step metadata.
+
+Compiled graphs carry only a layer's name; the impl, cache and the metadata of the current
+step are looked up here at run time, so a graph never bakes in per-step values and can be
+replayed from a HIP/CUDA graph. Metadata is built outside the graph (plan), read inside (run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .layer import Attention
+    from .metadata import AttentionMetadata
+
+__all__ = ["ForwardContext", "set_forward_context", "get_forward_context", "register_layer",
+           "get_layer", "registered_layers"]
+
+# layer_name -> Attention, for every live layer. Weak, so dropping a model frees its names.
+_LAYERS: "weakref.WeakValueDictionary[str, Attention]" = weakref.WeakValueDictionary()
+
+
+@dataclasses.dataclass
+class ForwardContext:
+    attn_metadata: "AttentionMetadata | None" = None  # None: profiling run
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+_current = ForwardContext()
+
+
+def register_layer(name: str, layer: "Attention") -> None:
+    old = _LAYERS.get(name)
+    if old is not None and old is not layer:
+        raise ValueError(
+            f"rocm_attn: attention layer name {name!r} is already used by a live layer; "
+            "give each layer of each live model a unique name (e.g. a model prefix)"
+        )
+    _LAYERS[name] = layer
+
+
+def get_layer(name: str) -> "Attention":
+    try:
+        return _LAYERS[name]
+    except KeyError:
+        raise KeyError(
+            f"rocm_attn: no attention layer named {name!r} is alive (known: {sorted(_LAYERS)[:8]}...)"
+        ) from None
+
+
+def registered_layers() -> dict[str, "Attention"]:
+    return dict(_LAYERS)
+
+
+def get_forward_context() -> ForwardContext:
+    return _current
+
+
+@contextlib.contextmanager
+def set_forward_context(attn_metadata: "AttentionMetadata | None", **extra: Any):
+    """Make ``attn_metadata`` the metadata that layer-level ops read during this step."""
+    global _current
+    prev = _current
+    _current = ForwardContext(attn_metadata, extra)
+    try:
+        yield _current
+    finally:
+        _current = prev

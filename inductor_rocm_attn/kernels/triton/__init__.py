@@ -1,0 +1,1 @@
+"""Triton kernels (GPU provider). Same signatures as kernels.reference."""

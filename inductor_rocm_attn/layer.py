@@ -1,0 +1,128 @@
+"""The ``Attention`` layer a model author drops in, and KV-cache binding for a model.
+
+``forward`` emits exactly the layer-level ops the fusion passes look for:
+``unified_kv_cache_update`` (returns a dependency token) then
+``unified_attention_with_output`` (takes it), so write-before-read survives compilation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .backend import RocmAttentionImpl
+from .capabilities import AttentionType
+from .forward_context import register_layer
+from .layout import CacheLayout, allocate_kv_cache
+
+__all__ = ["Attention", "attention_layers", "bind_kv_caches"]
+
+
+class Attention(nn.Module):
+    """Paged attention over this layer's KV cache.
+
+    Args:
+        num_heads, head_size, num_kv_heads: query heads, channels per head, KV heads (GQA).
+        layer_name: unique name; compiled graphs refer to the layer by it.
+        scale: softmax scale (default ``head_size ** -0.5``).
+        block_size, cache_layout, kv_cache_dtype: cache geometry (see ``layout``).
+        k_scale, v_scale: per-tensor fp8 cache scales (dequant = multiply).
+        Others as in ``RocmAttentionImpl``.
+
+    ``forward(query [T, Hq*D], key [T, Hkv*D], value [T, Hkv*D]) -> [T, Hq*D]``.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        *,
+        layer_name: str,
+        num_kv_heads: int | None = None,
+        scale: float | None = None,
+        block_size: int = 16,
+        cache_layout: CacheLayout | str = CacheLayout.LHBNC,
+        kv_cache_dtype: str = "auto",
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        q_scale: float = 1.0,
+        alibi_slopes=None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        attn_type: AttentionType | str = AttentionType.DECODER,
+        sinks: torch.Tensor | None = None,
+        causal: bool | None = None,
+    ):
+        super().__init__()
+        self.impl = RocmAttentionImpl(
+            num_heads, head_size, head_size**-0.5 if scale is None else scale, num_kv_heads,
+            alibi_slopes, sliding_window, kv_cache_dtype, logits_soft_cap, attn_type, sinks,
+            causal, q_scale,
+        )
+        self.layer_name = layer_name
+        self.num_heads, self.head_size = num_heads, head_size
+        self.num_kv_heads = self.impl.num_kv_heads
+        self.block_size = block_size
+        self.cache_layout = CacheLayout(cache_layout)
+        from .capabilities import check_block_size
+
+        check_block_size(block_size, "Attention")
+        # Scales are tensors so they can change without recompiling; not parameters.
+        self.register_buffer("_k_scale", torch.tensor([k_scale], dtype=torch.float32), persistent=False)
+        self.register_buffer("_v_scale", torch.tensor([v_scale], dtype=torch.float32), persistent=False)
+        self.kv_cache = torch.empty(0)
+        register_layer(layer_name, self)
+
+    # --- cache ----------------------------------------------------------------------------
+
+    def kv_cache_spec(self, model_dtype: torch.dtype, device=None):
+        return self.impl.kv_cache_spec(self.block_size, model_dtype, self.cache_layout, device)
+
+    def set_interleaved_v_cache(self, enabled: bool = True) -> bool:
+        """Switch the V interior of this layer (converting cached data in place)."""
+        return self.impl.set_interleaved_v_cache(enabled, self.kv_cache)
+
+    @property
+    def interleaved_v(self) -> bool:
+        return self.impl.interleaved_v
+
+    # --- forward -----------------------------------------------------------------------------
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        t = query.shape[0]
+        query = query.view(t, self.num_heads, self.head_size)
+        key = key.view(t, self.num_kv_heads, self.head_size)
+        value = value.view(t, self.num_kv_heads, self.head_size)
+        output = torch.empty_like(query)
+        token = None
+        if self.impl.uses_kv_cache:
+            token = torch.ops.rocm_attn.unified_kv_cache_update(key, value, self.layer_name)
+        torch.ops.rocm_attn.unified_attention_with_output(query, key, value, output, self.layer_name, token)
+        return output.view(t, self.num_heads * self.head_size)
+
+    def extra_repr(self) -> str:
+        return f"{self.layer_name}: {self.impl!r}, block={self.block_size}, {self.cache_layout.value}"
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def bind_kv_caches(model: nn.Module, num_blocks: int, dtype: torch.dtype,
+                   device: torch.device | str = "cpu", poison: bool = False) -> dict[str, torch.Tensor]:
+    """Allocate each attention layer's cache (``num_blocks`` blocks) and attach it.
+
+    Layers that use no cache (encoder types) get none. ``poison`` fills caches with NaN
+    (or fp8 max) so a read of an unwritten slot shows up in tests.
+    """
+    caches = {}
+    for layer in attention_layers(model):
+        if not layer.impl.uses_kv_cache:
+            continue
+        spec = layer.kv_cache_spec(dtype, torch.device(device))
+        cache = allocate_kv_cache(spec, num_blocks, device)
+        if poison:
+            cache.view(torch.uint8).fill_(0xFF)  # all-ones bytes: NaN in every cache dtype
+        layer.kv_cache = cache
+        caches[layer.layer_name] = cache
+    return caches

@@ -1,0 +1,253 @@
+"""Paged KV-cache layouts (DESIGN.md, "KV cache").
+
+A layer's cache is one tensor of *logical* shape
+``[num_blocks, 2, block_size, num_kv_heads * head_size]`` (dim 1: the K and V head
+groups). The physical order is carried by its strides, so every op takes the same
+tensor and can tell the layout without an extra argument:
+
+- ``LHBNC``: the K group of all blocks, then the V group of all blocks
+  (``stride(1) == num_blocks * page``). The native kernels need it.
+- ``LBHNC``: per block, its K page then its V page (``stride(0) == 2 * page``).
+
+Inside a page (one block of one group, ``page = block_size * num_kv_heads * head_size``
+elements), with ``x = 16 // element_size``:
+
+- K:               ``[num_kv_heads, head_size // x, block_size, x]``
+- V standard:      ``[num_kv_heads, head_size, block_size]``
+- V interleaved:   ``[num_kv_heads, block_size // x, head_size, x]``
+
+The views below expose these interiors over all blocks, keeping the block stride of the
+physical layout, so kernels index ``[block, head, ...]`` the same way for both layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+__all__ = [
+    "CacheLayout",
+    "KVCacheSpec",
+    "allocate_kv_cache",
+    "cache_layout_of",
+    "cache_x",
+    "cache_torch_dtype",
+    "customize_spec",
+    "dense_kv",
+    "fp8_max",
+    "is_fp8_dtype",
+    "k_view",
+    "v_view",
+    "convert_v_layout_",
+]
+
+
+class CacheLayout(str, enum.Enum):
+    LHBNC = "LHBNC"  # [layer][head group K|V][block][token][channel]: groups contiguous
+    LBHNC = "LBHNC"  # [layer][block][head group K|V][token][channel]: blocks contiguous
+
+
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+_FP8_DTYPES = tuple(
+    getattr(torch, n)
+    for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+    if hasattr(torch, n)
+)
+
+
+def is_fp8_dtype(dtype: torch.dtype) -> bool:
+    return dtype in _FP8_DTYPES
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+def _fp8_e4m3_dtype(device: torch.device | None) -> torch.dtype:
+    # MI300 (gfx94x) hardware uses the "fnuz" e4m3 variant; everything else the OCP one.
+    if device is not None and device.type == "cuda" and torch.version.hip is not None:
+        arch = torch.cuda.get_device_properties(device).gcnArchName
+        if "gfx94" in arch:
+            return torch.float8_e4m3fnuz
+    return torch.float8_e4m3fn
+
+
+def cache_torch_dtype(
+    kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device | None = None
+) -> torch.dtype:
+    """Storage dtype of a cache for the ``kv_cache_dtype`` string a layer is configured with."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype == "float16":
+        return torch.float16
+    if kv_cache_dtype == "bfloat16":
+        return torch.bfloat16
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return _fp8_e4m3_dtype(device)
+    if kv_cache_dtype == "fp8_e5m2":
+        return torch.float8_e5m2
+    raise ValueError(
+        f"rocm_attn: kv_cache_dtype {kv_cache_dtype!r} is not supported; "
+        f"supported: {', '.join(SUPPORTED_KV_CACHE_DTYPES)}"
+    )
+
+
+def cache_x(dtype: torch.dtype) -> int:
+    """Elements per 16-byte packet: the innermost K (and interleaved V) dimension."""
+    return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+    """What a layer needs from the cache allocator (the engine-facing description)."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    layout: CacheLayout = CacheLayout.LHBNC
+    num_head_slots: int = 2  # K and V are two head groups of one page pair
+
+    @property
+    def page_elems(self) -> int:
+        """Elements in one block of one head group."""
+        return self.block_size * self.num_kv_heads * self.head_size
+
+    @property
+    def state_content_bytes(self) -> int:
+        """Bytes of one block over both head groups (what the allocator hands out per block)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_head_slots * self.page_elems * elem
+
+    page_size_bytes = state_content_bytes
+
+    def logical_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        return (num_blocks, self.num_head_slots, self.block_size, self.num_kv_heads * self.head_size)
+
+
+def customize_spec(
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    layout: CacheLayout | str = CacheLayout.LHBNC,
+) -> KVCacheSpec:
+    """Spec of a ROCM_ATTN layer's cache: two head groups (K, V), one page pair per block."""
+    from . import capabilities
+
+    capabilities.check_cache_geometry(block_size, head_size)
+    return KVCacheSpec(block_size, num_kv_heads, head_size, dtype, CacheLayout(layout))
+
+
+def allocate_kv_cache(
+    spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Allocate one layer's cache in logical shape, physically ordered by ``spec.layout``.
+
+    Returns ``[num_blocks, 2, block_size, num_kv_heads * head_size]`` of ``spec.dtype``;
+    contents are uninitialised (engines never read a slot before writing it).
+    """
+    nb, g, bs, hd = spec.logical_shape(num_blocks)
+    if spec.layout == CacheLayout.LBHNC:
+        return torch.empty((nb, g, bs, hd), dtype=spec.dtype, device=device)
+    # LHBNC: allocate [2, num_blocks, ...] and present it in logical order.
+    return torch.empty((g, nb, bs, hd), dtype=spec.dtype, device=device).transpose(0, 1)
+
+
+def cache_layout_of(kv_cache: torch.Tensor) -> CacheLayout:
+    """Which physical layout a logical-shape cache tensor has (read from its strides)."""
+    if kv_cache.dim() != 4 or kv_cache.shape[1] != 2:
+        raise ValueError(
+            "rocm_attn: kv_cache must have logical shape "
+            f"[num_blocks, 2, block_size, num_kv_heads*head_size], got {tuple(kv_cache.shape)}"
+        )
+    page = kv_cache.shape[2] * kv_cache.shape[3]
+    s0, s1, s2, s3 = kv_cache.stride()
+    if s3 != 1 or s2 != kv_cache.shape[3]:
+        raise ValueError(f"rocm_attn: kv_cache pages must be contiguous, got strides {kv_cache.stride()}")
+    if s1 == page and (s0 == 2 * page or kv_cache.shape[0] == 1):
+        return CacheLayout.LBHNC
+    if s0 == page and s1 == kv_cache.shape[0] * page:
+        return CacheLayout.LHBNC
+    raise ValueError(
+        f"rocm_attn: kv_cache strides {kv_cache.stride()} match neither LHBNC nor LBHNC"
+    )
+
+
+def _group_offset_and_block_stride(kv_cache: torch.Tensor) -> tuple[int, int]:
+    return kv_cache.stride(1), kv_cache.stride(0)
+
+
+def k_view(kv_cache: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """K interior over all blocks: ``[num_blocks, num_kv_heads, head_size // x, block_size, x]``."""
+    nb, _, bs, hd = kv_cache.shape
+    d = hd // num_kv_heads
+    x = cache_x(kv_cache.dtype)
+    _, block_stride = _group_offset_and_block_stride(kv_cache)
+    return kv_cache.as_strided(
+        (nb, num_kv_heads, d // x, bs, x),
+        (block_stride, d * bs, bs * x, x, 1),
+        kv_cache.storage_offset(),
+    )
+
+
+def v_view(kv_cache: torch.Tensor, num_kv_heads: int, interleaved: bool) -> torch.Tensor:
+    """V interior over all blocks.
+
+    standard: ``[num_blocks, num_kv_heads, head_size, block_size]``;
+    interleaved: ``[num_blocks, num_kv_heads, block_size // x, head_size, x]``.
+    """
+    nb, _, bs, hd = kv_cache.shape
+    d = hd // num_kv_heads
+    group_offset, block_stride = _group_offset_and_block_stride(kv_cache)
+    offset = kv_cache.storage_offset() + group_offset
+    if not interleaved:
+        return kv_cache.as_strided((nb, num_kv_heads, d, bs), (block_stride, d * bs, bs, 1), offset)
+    x = cache_x(kv_cache.dtype)
+    return kv_cache.as_strided(
+        (nb, num_kv_heads, bs // x, d, x), (block_stride, d * bs, d * x, x, 1), offset
+    )
+
+
+def dense_kv(
+    kv_cache: torch.Tensor, num_kv_heads: int, interleaved_v: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy the cache out as two dense ``[num_blocks, block_size, num_kv_heads, head_size]`` tensors.
+
+    For the reference path and tests; kernels index the interiors directly.
+    """
+    nb, _, bs, hd = kv_cache.shape
+    d = hd // num_kv_heads
+    k = k_view(kv_cache, num_kv_heads).permute(0, 3, 1, 2, 4).reshape(nb, bs, num_kv_heads, d)
+    v = v_view(kv_cache, num_kv_heads, interleaved_v)
+    if interleaved_v:
+        v = v.permute(0, 1, 2, 4, 3).reshape(nb, num_kv_heads, bs, d).permute(0, 2, 1, 3)
+    else:
+        v = v.permute(0, 3, 1, 2)
+    return k.contiguous(), v.contiguous()
+
+
+def convert_v_layout_(kv_cache: torch.Tensor, num_kv_heads: int, to_interleaved: bool) -> None:
+    """Rewrite every block's V page in place between standard and interleaved order.
+
+    Used when a layer is switched to (or from) interleaved V while its cache holds data,
+    so no token is ever read in the wrong layout. Works block-chunk by block-chunk to keep
+    the temporary small.
+    """
+    nb = kv_cache.shape[0]
+    src_view = v_view(kv_cache, num_kv_heads, interleaved=not to_interleaved)
+    dst_view = v_view(kv_cache, num_kv_heads, interleaved=to_interleaved)
+    chunk = max(1, (64 << 20) // max(1, kv_cache[0, 1].numel() * kv_cache.element_size()))
+    for start in range(0, nb, chunk):
+        end = min(nb, start + chunk)
+        src = src_view[start:end]
+        if to_interleaved:  # [n, H, D, B] -> [n, H, B/x, D, x]
+            n, h, d, bs = src.shape
+            x = dst_view.shape[-1]
+            dense = src.reshape(n, h, d, bs // x, x).permute(0, 1, 3, 2, 4).clone()
+        else:  # [n, H, B/x, D, x] -> [n, H, D, B]
+            n, h, bx, d, x = src.shape
+            dense = src.permute(0, 1, 3, 2, 4).reshape(n, h, d, bx * x).clone()
+        dst_view[start:end].copy_(dense)

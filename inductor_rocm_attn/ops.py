@@ -1,0 +1,317 @@
+"""The ``rocm_attn`` op namespace: schemas, fake (meta) kernels and implementations.
+
+Registered through ``torch.library.Library.define`` (the cheapest registration: these ops
+sit on the per-step path) with one implementation for all devices that validates, picks a
+provider from the capability table and calls its kernel. Every mutated tensor is declared
+with ``(a!)``. Fake kernels sit beside each schema and compute metadata only.
+
+Kernel-level ops take explicit tensors. Layer-level ops find their layer's impl, KV cache
+and per-step metadata through the forward context; the cache update returns a dependency
+token that the attention op takes, so a compiled graph orders write before read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import providers, validation
+from .forward_context import get_forward_context, get_layer
+
+NAMESPACE = "rocm_attn"
+_lib = torch.library.Library(NAMESPACE, "DEF")
+
+_SCHEMAS = {
+    # --- kernel level ------------------------------------------------------------------
+    "reshape_and_cache": (
+        "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
+        "Tensor k_scale, Tensor v_scale, bool interleaved_v=False) -> ()"
+    ),
+    "paged_attention": (
+        "paged_attention(Tensor(a!) output, Tensor query, Tensor? key, Tensor? value, "
+        "Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, Tensor block_table, "
+        "int max_query_len, int max_seq_len, float scale, Tensor k_scale, Tensor v_scale, "
+        "bool causal=True, int sliding_window=-1, Tensor? alibi_slopes=None, Tensor? sinks=None, "
+        "float logits_soft_cap=0.0, bool interleaved_v=False, Tensor? output_scale=None) -> ()"
+    ),
+    "rotary_embedding": (
+        "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, "
+        "Tensor cos_sin_cache, bool is_neox) -> ()"
+    ),
+    "rope_and_cache": (
+        "rope_and_cache(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor value, "
+        "Tensor(c!) kv_cache, Tensor slot_mapping, Tensor cos_sin_cache, bool is_neox, "
+        "Tensor k_scale, Tensor v_scale, bool interleaved_v=False) -> ()"
+    ),
+    "qk_norm_rope_and_cache": (
+        "qk_norm_rope_and_cache(Tensor qkv, Tensor q_weight, Tensor k_weight, float eps, "
+        "Tensor positions, Tensor cos_sin_cache, bool is_neox, Tensor(a!) kv_cache, "
+        "Tensor slot_mapping, Tensor k_scale, Tensor v_scale, bool interleaved_v, int num_heads, "
+        "int num_kv_heads, int head_size) -> (Tensor, Tensor, Tensor)"
+    ),
+    "encoder_attention": (
+        "encoder_attention(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens, "
+        "int max_seqlen, float scale, bool causal=False, int sliding_window=-1, "
+        "Tensor? alibi_slopes=None, Tensor? sinks=None, float logits_soft_cap=0.0) -> Tensor"
+    ),
+    "rms_norm": "rms_norm(Tensor input, Tensor weight, float eps) -> Tensor",
+    "static_scaled_fp8_quant": (
+        "static_scaled_fp8_quant(Tensor input, Tensor scale, ScalarType out_dtype) -> Tensor"
+    ),
+    # --- layer level ---------------------------------------------------------------------
+    "unified_kv_cache_update": "unified_kv_cache_update(Tensor key, Tensor value, str layer_name) -> Tensor",
+    "unified_attention_with_output": (
+        "unified_attention_with_output(Tensor query, Tensor key, Tensor value, Tensor(a!) output, "
+        "str layer_name, Tensor? kv_cache_dependency=None, Tensor? output_scale=None) -> ()"
+    ),
+    "unified_rope_and_kv_cache_update": (
+        "unified_rope_and_kv_cache_update(Tensor positions, Tensor query, Tensor key, Tensor value, "
+        "Tensor cos_sin_cache, bool is_neox, str layer_name) -> (Tensor, Tensor, Tensor)"
+    ),
+    "unified_qk_norm_rope_and_kv_cache_update": (
+        "unified_qk_norm_rope_and_kv_cache_update(Tensor qkv, Tensor q_weight, Tensor k_weight, "
+        "float eps, Tensor positions, Tensor cos_sin_cache, bool is_neox, int num_heads, "
+        "int num_kv_heads, int head_size, str layer_name) -> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+}
+
+for _schema in _SCHEMAS.values():
+    _lib.define(_schema)
+
+
+def _impl(name: str):
+    def deco(fn):
+        _lib.impl(name, fn, "CompositeExplicitAutograd")
+        return fn
+
+    return deco
+
+
+def _fake(name: str):
+    return torch.library.register_fake(f"{NAMESPACE}::{name}", lib=_lib)
+
+
+# === kernel level ===========================================================================
+
+
+@_impl("reshape_and_cache")
+def _reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, interleaved_v=False):
+    op = "rocm_attn.reshape_and_cache"
+    validation.check_cache_write(op, key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    _, fn = providers.select(
+        "reshape_and_cache", device=key.device, head_size=key.shape[2], dtype=key.dtype,
+        kv_cache=kv_cache, interleaved_v=interleaved_v,
+    )
+    fn(key, value, kv_cache, slot_mapping, k_scale, v_scale, interleaved_v)
+
+
+@_fake("reshape_and_cache")
+def _reshape_and_cache_fake(key, value, kv_cache, slot_mapping, k_scale, v_scale, interleaved_v=False):
+    return None
+
+
+@_impl("paged_attention")
+def _paged_attention(output, query, key, value, kv_cache, query_start_loc, seq_lens, block_table,
+                     max_query_len, max_seq_len, scale, k_scale, v_scale, causal=True,
+                     sliding_window=-1, alibi_slopes=None, sinks=None, logits_soft_cap=0.0,
+                     interleaved_v=False, output_scale=None):
+    validation.check_paged_attention(
+        "rocm_attn.paged_attention", output, query, key, value, kv_cache, query_start_loc,
+        seq_lens, block_table, alibi_slopes, sinks, output_scale,
+    )
+    feats = providers.attention_features(
+        causal=causal, sliding_window=sliding_window, alibi_slopes=alibi_slopes, sinks=sinks,
+        logits_soft_cap=logits_soft_cap, output_scale=output_scale,
+    )
+    _, fn = providers.select(
+        "paged_attention", device=query.device, head_size=query.shape[2], dtype=query.dtype
+        if query.dtype in (torch.float16, torch.bfloat16, torch.float32) else key.dtype,
+        kv_cache=kv_cache, interleaved_v=interleaved_v, features=feats,
+    )
+    fn(output, query, key, value, kv_cache, query_start_loc, seq_lens, block_table, scale,
+       k_scale, v_scale, causal, sliding_window, alibi_slopes, sinks, logits_soft_cap,
+       interleaved_v, output_scale)
+
+
+@_fake("paged_attention")
+def _paged_attention_fake(*args, **kwargs):
+    return None
+
+
+@_impl("rotary_embedding")
+def _rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
+    op = "rocm_attn.rotary_embedding"
+    validation.check_rotary(op, positions, query, key, head_size, cos_sin_cache)
+    _, fn = providers.select("rotary_embedding", device=query.device, head_size=head_size, dtype=query.dtype)
+    fn(positions, query, key, head_size, cos_sin_cache, is_neox)
+
+
+@_fake("rotary_embedding")
+def _rotary_embedding_fake(positions, query, key, head_size, cos_sin_cache, is_neox):
+    return None
+
+
+@_impl("rope_and_cache")
+def _rope_and_cache(positions, query, key, value, kv_cache, slot_mapping, cos_sin_cache, is_neox,
+                    k_scale, v_scale, interleaved_v=False):
+    op = "rocm_attn.rope_and_cache"
+    head_size = value.shape[-1]
+    validation.check_rotary(op, positions, query, key, head_size, cos_sin_cache)
+    validation.check_cache_write(op, key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    _, fn = providers.select(
+        "rope_and_cache", device=query.device, head_size=head_size, dtype=query.dtype,
+        kv_cache=kv_cache, interleaved_v=interleaved_v,
+    )
+    fn(positions, query, key, value, kv_cache, slot_mapping, cos_sin_cache, is_neox, k_scale,
+       v_scale, interleaved_v)
+
+
+@_fake("rope_and_cache")
+def _rope_and_cache_fake(*args, **kwargs):
+    return None
+
+
+@_impl("qk_norm_rope_and_cache")
+def _qk_norm_rope_and_cache(qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox,
+                            kv_cache, slot_mapping, k_scale, v_scale, interleaved_v, num_heads,
+                            num_kv_heads, head_size):
+    op = "rocm_attn.qk_norm_rope_and_cache"
+    validation.check_qk_norm_rope(op, qkv, q_weight, k_weight, positions, cos_sin_cache,
+                                  num_heads, num_kv_heads, head_size)
+    validation.check_kv_cache(op, kv_cache, num_kv_heads, head_size)
+    validation.check_slot_mapping(op, slot_mapping, kv_cache, qkv.shape[0])
+    _, fn = providers.select(
+        "qk_norm_rope_and_cache", device=qkv.device, head_size=head_size, dtype=qkv.dtype,
+        kv_cache=kv_cache, interleaved_v=interleaved_v,
+    )
+    return fn(qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, kv_cache,
+              slot_mapping, k_scale, v_scale, interleaved_v, num_heads, num_kv_heads, head_size)
+
+
+@_fake("qk_norm_rope_and_cache")
+def _qk_norm_rope_and_cache_fake(qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox,
+                                 kv_cache, slot_mapping, k_scale, v_scale, interleaved_v, num_heads,
+                                 num_kv_heads, head_size):
+    t = qkv.shape[0]
+    return (qkv.new_empty(t, num_heads, head_size), qkv.new_empty(t, num_kv_heads, head_size),
+            qkv.new_empty(t, num_kv_heads, head_size))
+
+
+@_impl("encoder_attention")
+def _encoder_attention(query, key, value, cu_seqlens, max_seqlen, scale, causal=False,
+                       sliding_window=-1, alibi_slopes=None, sinks=None, logits_soft_cap=0.0):
+    op = "rocm_attn.encoder_attention"
+    validation.check_encoder_attention(op, query, key, value, cu_seqlens, alibi_slopes, sinks)
+    feats = providers.attention_features(
+        causal=causal, sliding_window=sliding_window, alibi_slopes=alibi_slopes, sinks=sinks,
+        logits_soft_cap=logits_soft_cap, output_scale=None,
+    )
+    _, fn = providers.select("encoder_attention", device=query.device, head_size=query.shape[2],
+                             dtype=query.dtype, features=feats)
+    output = torch.empty_like(query)
+    fn(output, query, key, value, cu_seqlens, scale, causal, sliding_window, alibi_slopes, sinks,
+       logits_soft_cap, None)
+    return output
+
+
+@_fake("encoder_attention")
+def _encoder_attention_fake(query, key, value, cu_seqlens, max_seqlen, scale, causal=False,
+                            sliding_window=-1, alibi_slopes=None, sinks=None, logits_soft_cap=0.0):
+    return torch.empty_like(query)
+
+
+@_impl("rms_norm")
+def _rms_norm(input, weight, eps):
+    """RMSNorm over the last dim, computed in fp32, in ``input.dtype`` (HF semantics)."""
+    x = input.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (x * weight.float()).to(input.dtype)
+
+
+@_fake("rms_norm")
+def _rms_norm_fake(input, weight, eps):
+    return torch.empty_like(input)
+
+
+@_impl("static_scaled_fp8_quant")
+def _static_scaled_fp8_quant(input, scale, out_dtype):
+    m = torch.finfo(out_dtype).max
+    return (input.float() / scale.float()).clamp(-m, m).to(out_dtype)
+
+
+@_fake("static_scaled_fp8_quant")
+def _static_scaled_fp8_quant_fake(input, scale, out_dtype):
+    return torch.empty_like(input, dtype=out_dtype)
+
+
+# === layer level ============================================================================
+
+
+def _token(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(0)
+
+
+@_impl("unified_kv_cache_update")
+def _unified_kv_cache_update(key, value, layer_name):
+    layer = get_layer(layer_name)
+    metadata = get_forward_context().attn_metadata
+    if metadata is not None:  # profiling run: nothing to cache
+        layer.impl.do_kv_cache_update(layer, key, value, layer.kv_cache, metadata.slot_mapping)
+    return _token(key)
+
+
+@_fake("unified_kv_cache_update")
+def _unified_kv_cache_update_fake(key, value, layer_name):
+    return _token(key)
+
+
+@_impl("unified_attention_with_output")
+def _unified_attention_with_output(query, key, value, output, layer_name, kv_cache_dependency=None,
+                                   output_scale=None):
+    layer = get_layer(layer_name)
+    metadata = get_forward_context().attn_metadata
+    layer.impl.forward(layer, query, key, value, layer.kv_cache, metadata, output,
+                       output_scale=output_scale)
+
+
+@_fake("unified_attention_with_output")
+def _unified_attention_with_output_fake(*args, **kwargs):
+    return None
+
+
+@_impl("unified_rope_and_kv_cache_update")
+def _unified_rope_and_kv_cache_update(positions, query, key, value, cos_sin_cache, is_neox, layer_name):
+    layer = get_layer(layer_name)
+    metadata = get_forward_context().attn_metadata
+    query, key = query.clone(), key.clone()  # functional op: rotate fresh copies
+    layer.impl.do_rope_and_kv_cache_update(
+        layer, positions, query, key, value, cos_sin_cache, is_neox, layer.kv_cache, metadata
+    )
+    return query, key, _token(key)
+
+
+@_fake("unified_rope_and_kv_cache_update")
+def _unified_rope_and_kv_cache_update_fake(positions, query, key, value, cos_sin_cache, is_neox, layer_name):
+    return torch.empty_like(query), torch.empty_like(key), _token(key)
+
+
+@_impl("unified_qk_norm_rope_and_kv_cache_update")
+def _unified_qk_norm_rope_and_kv_cache_update(qkv, q_weight, k_weight, eps, positions, cos_sin_cache,
+                                              is_neox, num_heads, num_kv_heads, head_size, layer_name):
+    layer = get_layer(layer_name)
+    metadata = get_forward_context().attn_metadata
+    q, k, v = layer.impl.do_qk_norm_rope_kvcache_update(
+        layer, qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, layer.kv_cache, metadata
+    )
+    return q, k, v, _token(k)
+
+
+@_fake("unified_qk_norm_rope_and_kv_cache_update")
+def _unified_qk_norm_rope_and_kv_cache_update_fake(qkv, q_weight, k_weight, eps, positions,
+                                                   cos_sin_cache, is_neox, num_heads, num_kv_heads,
+                                                   head_size, layer_name):
+    t = qkv.shape[0]
+    k = qkv.new_empty(t, num_kv_heads, head_size)
+    return (qkv.new_empty(t, num_heads, head_size), k, qkv.new_empty(t, num_kv_heads, head_size), _token(k))
+
+
+OP_NAMES = tuple(_SCHEMAS)
