@@ -1,0 +1,64 @@
+"""Command line: ``python -m inductor_rocm_attn {demo,info}``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import platform
+import sys
+
+import torch
+
+
+def _info() -> int:
+    from . import capabilities
+
+    print(f"inductor_rocm_attn {__import__('inductor_rocm_attn').__version__}")
+    print(f"platform: {platform.platform()}, Python {platform.python_version()}")
+    triton_version = "not installed"
+    if importlib.util.find_spec("triton") is not None:
+        import triton
+
+        triton_version = triton.__version__
+    gpu = "none"
+    if torch.cuda.is_available():
+        backend = f"ROCm {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}"
+        gpu = f"{torch.cuda.get_device_name()} ({backend})"
+    print(f"torch {torch.__version__}, triton {triton_version}, GPU: {gpu}")
+    print("providers:")
+    for provider in capabilities.PROVIDERS:
+        why = capabilities.provider_unavailable(provider)
+        caps = capabilities.CAPS[provider]
+        status = "usable" if why is None else f"unavailable: {why}"
+        print(f"  {provider:<10} {status}")
+        print(f"  {'':<10} ops: {', '.join(caps.ops)}; head sizes {caps.head_sizes}; "
+              f"block sizes {caps.block_sizes or 'any multiple of 16'}")
+    return 0
+
+
+def _demo(args) -> int:
+    from .demo import run_demo
+
+    compile_ = not args.eager
+    if compile_ and importlib.util.find_spec("inductor_rocm_attn.plugin") is None:
+        print("note: the compile plugin is not part of this build; running eagerly")
+        compile_ = False
+    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
+    result = run_demo(compile=compile_, device=args.device, dtype=dtype)
+    return 0 if result["ok"] else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m inductor_rocm_attn")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    demo = sub.add_parser("demo", help="serve a small Qwen3-style model through the paged path")
+    demo.add_argument("--eager", action="store_true", help="skip torch.compile")
+    demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    demo.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    sub.add_parser("info", help="platform, versions and which providers are usable here")
+    args = parser.parse_args(argv)
+    return _info() if args.cmd == "info" else _demo(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

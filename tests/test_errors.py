@@ -1,0 +1,160 @@
+"""Every unsupported input named in DESIGN.md raises a clear error naming op, value and what is supported."""
+
+import pytest
+import torch
+
+import inductor_rocm_attn as ira
+from inductor_rocm_attn import validation
+from inductor_rocm_attn.layout import KVCacheSpec, allocate_kv_cache, customize_spec
+
+from cases import make_paged_case, poison
+
+
+def _attn(case, **over):
+    args = dict(output=poison(torch.empty_like(case.query)), query=case.query, key=case.key,
+                value=case.value, kv_cache=case.kv_cache, query_start_loc=case.query_start_loc,
+                seq_lens=case.seq_lens, block_table=case.block_table,
+                max_query_len=case.max_query_len, max_seq_len=case.max_seq_len, scale=0.1,
+                k_scale=case.k_scale, v_scale=case.v_scale)
+    args.update(over)
+    torch.ops.rocm_attn.paged_attention(**args)
+
+
+@pytest.mark.parametrize("block_size", [8, 24, 0, 100])
+def test_block_size_not_multiple_of_16(block_size):
+    with pytest.raises(ValueError, match=rf"block_size {block_size} is not supported.*multiple of 16"):
+        customize_spec(block_size, 2, 64, torch.float16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ira.Attention(4, 64, layer_name=f"bad_bs_{block_size}", block_size=block_size)
+
+
+@pytest.mark.parametrize("head_size", [16, 48, 100, 512])
+def test_unsupported_head_size(head_size):
+    with pytest.raises(ValueError, match=rf"head_size {head_size} is not supported; supported: \(32, 64"):
+        ira.RocmAttentionImpl(4, head_size, 0.1)
+
+
+def test_encoder_decoder_rejected_with_reason():
+    with pytest.raises(NotImplementedError, match="encoder_decoder is not supported: cross-attention"):
+        ira.RocmAttentionImpl(4, 64, 0.1, attn_type="encoder_decoder")
+
+
+def test_unknown_attention_type():
+    with pytest.raises(ValueError, match="attention type 'sideways' is unknown"):
+        ira.RocmAttentionImpl(4, 64, 0.1, attn_type="sideways")
+
+
+def test_output_block_scale_rejected():
+    impl = ira.RocmAttentionImpl(4, 64, 0.1)
+    out = torch.empty(3, 4, 64)
+    with pytest.raises(NotImplementedError, match="output_block_scale"):
+        impl.forward(None, out, out, out, None, None, out, output_block_scale=torch.ones(1))
+
+
+def test_fp8_query_scale_rejected():
+    with pytest.raises(NotImplementedError, match=r"q_scale=0.5.*must be 1.0"):
+        ira.RocmAttentionImpl(4, 64, 0.1, kv_cache_dtype="fp8", q_scale=0.5)
+    ira.RocmAttentionImpl(4, 64, 0.1, kv_cache_dtype="fp8", q_scale=1.0)  # fine
+
+
+def test_bad_kv_cache_dtype():
+    with pytest.raises(ValueError, match=r"kv_cache_dtype 'int4' is not supported; supported: \('auto'"):
+        ira.RocmAttentionImpl(4, 64, 0.1, kv_cache_dtype="int4")
+
+
+def test_gqa_ratio_must_divide():
+    with pytest.raises(ValueError, match="num_heads 6 must be a multiple of num_kv_heads 4"):
+        ira.RocmAttentionImpl(6, 64, 0.1, num_kv_heads=4)
+
+
+def test_slot_mapping_outside_cache():
+    case = make_paged_case([3], [5], dtype=torch.float32)
+    nslots = case.kv_cache.shape[0] * case.kv_cache.shape[2]
+    slots = torch.tensor([0, 1, nslots], dtype=torch.int64)
+    with pytest.raises(IndexError, match=rf"reshape_and_cache: slot_mapping entry {nslots} is outside the cache"):
+        torch.ops.rocm_attn.reshape_and_cache(case.key, case.value, case.kv_cache, slots, case.k_scale,
+                                              case.v_scale, False)
+
+
+def test_slot_mapping_dtype():
+    case = make_paged_case([3], [5], dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"slot_mapping has dtype torch.float32; supported"):
+        torch.ops.rocm_attn.reshape_and_cache(case.key, case.value, case.kv_cache, torch.zeros(3),
+                                              case.k_scale, case.v_scale, False)
+
+
+def test_block_table_entry_outside_cache():
+    case = make_paged_case([3, 1], [5, 17], dtype=torch.float32)
+    case.block_table[1, 1] = case.kv_cache.shape[0] + 3
+    with pytest.raises(IndexError, match=r"paged_attention: block_table entry \d+ is outside the cache"):
+        _attn(case)
+
+
+def test_block_table_too_narrow():
+    case = make_paged_case([3], [40], dtype=torch.float32)
+    with pytest.raises(ValueError, match="needs 3 blocks but block_table has 2 columns"):
+        _attn(case, block_table=case.block_table[:, :2])
+
+
+def test_mismatched_dtypes():
+    case = make_paged_case([3], [5], dtype=torch.float32)
+    with pytest.raises(ValueError, match="key dtype torch.float16 != query dtype torch.float32"):
+        _attn(case, key=case.key.half(), value=case.value.half())
+    with pytest.raises(ValueError, match="key dtype torch.float32 != value dtype torch.float16"):
+        torch.ops.rocm_attn.reshape_and_cache(case.key, case.value.half(), case.kv_cache,
+                                              case.slot_mapping, case.k_scale, case.v_scale, False)
+    with pytest.raises(ValueError, match="output dtype torch.float16 != query dtype torch.float32"):
+        _attn(case, output=torch.empty_like(case.query, dtype=torch.float16))
+
+
+def test_mismatched_devices():
+    # Dispatch sends any meta tensor to the fake kernel, so check the validator directly.
+    with pytest.raises(ValueError, match=r"all tensors must be on one device, got query on cpu, kv_cache on meta"):
+        validation.check_same_device("rocm_attn.paged_attention", query=torch.empty(1),
+                                     kv_cache=torch.empty(1, device="meta"))
+
+
+def test_unsupported_model_dtype():
+    k = torch.zeros(2, 2, 64, dtype=torch.float64)
+    cache = allocate_kv_cache(KVCacheSpec(16, 2, 64, torch.float32), 2)
+    with pytest.raises(ValueError, match=r"key has dtype torch.float64; supported"):
+        torch.ops.rocm_attn.reshape_and_cache(k, k, cache, torch.zeros(2, dtype=torch.int64),
+                                              torch.ones(1), torch.ones(1), False)
+
+
+def test_cache_shape_mismatch():
+    case = make_paged_case([3], [5], dtype=torch.float32, num_kv_heads=2)
+    with pytest.raises(ValueError, match=r"kv_cache last dim 128 != num_kv_heads \* head_size = 1 \* 64"):
+        torch.ops.rocm_attn.reshape_and_cache(case.key[:, :1], case.value[:, :1], case.kv_cache,
+                                              case.slot_mapping, case.k_scale, case.v_scale, False)
+
+
+def test_fp8_output_needs_output_scale_dtype():
+    case = make_paged_case([3], [5], dtype=torch.float32)
+    with pytest.raises(ValueError, match="output_scale .* needs an fp8 output"):
+        _attn(case, output_scale=torch.ones(1))
+
+
+def test_metadata_builder_errors():
+    with pytest.raises(ValueError, match="needs 2 blocks of 16, but its block table has 1"):
+        ira.build_attention_metadata([5], [20], [[3]], 16)
+    with pytest.raises(ValueError, match="one entry per sequence"):
+        ira.build_attention_metadata([5, 1], [20], [[3, 4]], 16)
+
+
+def test_duplicate_layer_name():
+    keep = ira.Attention(4, 64, layer_name="dup_name")
+    with pytest.raises(ValueError, match="'dup_name' is already used by a live layer"):
+        ira.Attention(4, 64, layer_name="dup_name")
+    del keep
+
+
+def test_gpu_without_kernel_is_an_error_not_a_fallback():
+    from inductor_rocm_attn import capabilities
+
+    why = capabilities.provider_supports("native", "paged_attention", device="cuda", head_size=80,
+                                         dtype=torch.float16, block_size=16)
+    assert "head sizes (64, 128), not 80" in why
+    with pytest.raises(NotImplementedError, match="no provider supports this call"):
+        capabilities.select_provider("paged_attention", device="cuda", head_size=64, dtype=torch.float16,
+                                     exclude=("triton", "aiter", "native"))

@@ -1,0 +1,94 @@
+"""KV-cache layouts: physical order, interiors as DESIGN.md writes them, in-place V conversion."""
+
+import pytest
+import torch
+
+from inductor_rocm_attn.kernels import reference as ref
+from inductor_rocm_attn.layout import (
+    CacheLayout,
+    KVCacheSpec,
+    allocate_kv_cache,
+    cache_layout_of,
+    cache_x,
+    convert_v_layout_,
+    customize_spec,
+    dense_kv,
+    k_view,
+    v_view,
+)
+
+NB, BS, H, D = 5, 32, 2, 64
+
+
+def _filled(layout, dtype=torch.float16, interleaved=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cache = allocate_kv_cache(KVCacheSpec(BS, H, D, dtype, CacheLayout(layout)), NB)
+    cache.view(torch.uint8).fill_(0xFF)
+    k, v = torch.randn(NB * BS, H, D, generator=g), torch.randn(NB * BS, H, D, generator=g)
+    ref.reshape_and_cache(k, v, cache, torch.randperm(NB * BS, generator=g), torch.ones(1), torch.ones(1),
+                          interleaved)
+    return cache
+
+
+def test_physical_orders():
+    lh = allocate_kv_cache(KVCacheSpec(BS, H, D, torch.float16, CacheLayout.LHBNC), NB)
+    lb = allocate_kv_cache(KVCacheSpec(BS, H, D, torch.float16, CacheLayout.LBHNC), NB)
+    page = BS * H * D
+    assert lh.shape == lb.shape == (NB, 2, BS, H * D)
+    # LHBNC: the K group of all blocks first, then V; LBHNC: K then V of each block.
+    assert lh[:, 1].storage_offset() - lh.storage_offset() == NB * page and lh.stride(0) == page
+    assert lb.stride(0) == 2 * page and lb.stride(1) == page
+    assert cache_layout_of(lh) == CacheLayout.LHBNC and cache_layout_of(lb) == CacheLayout.LBHNC
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float8_e4m3fn])
+def test_interiors_match_design_formulas(dtype):
+    cache = allocate_kv_cache(KVCacheSpec(BS, H, D, dtype, CacheLayout.LBHNC), NB)
+    x = cache_x(dtype)
+    assert x == 16 // cache.element_size()
+    flat = cache.view(-1)
+    flat.view(torch.uint8).zero_()
+    b, h, t, d = 3, 1, 21, 37
+    page = BS * H * D
+    k_view(cache, H)[b, h, d // x, t, d % x] = 1.0
+    v_view(cache, H, interleaved=False)[b, h, d, t] = 2.0
+    base_k = b * 2 * page + h * D * BS
+    assert float(flat[base_k + (d // x) * BS * x + t * x + d % x]) == 1.0
+    base_v = b * 2 * page + page + h * D * BS
+    assert float(flat[base_v + d * BS + t]) == 2.0
+    v_view(cache, H, interleaved=False)[b, h, d, t] = 0.0
+    v_view(cache, H, interleaved=True)[b, h, t // x, d, t % x] = 3.0
+    assert float(flat[base_v + (t // x) * D * x + d * x + t % x]) == 3.0  # DESIGN.md's formula
+
+
+@pytest.mark.parametrize("layout", ["LHBNC", "LBHNC"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e5m2])
+def test_convert_v_layout_in_place_round_trip(layout, dtype):
+    cache = _filled(layout, dtype=dtype, interleaved=False, seed=1)
+    k0, v0 = dense_kv(cache, H, interleaved_v=False)
+    ptr = cache.data_ptr()
+    convert_v_layout_(cache, H, to_interleaved=True)
+    assert cache.data_ptr() == ptr
+    k1, v1 = dense_kv(cache, H, interleaved_v=True)
+    assert torch.equal(k0.view(torch.uint8), k1.view(torch.uint8))
+    assert torch.equal(v0.view(torch.uint8), v1.view(torch.uint8))
+    # The bytes really moved (the two interiors differ) ...
+    _, v_wrong = dense_kv(cache, H, interleaved_v=False)
+    assert not torch.equal(v_wrong.view(torch.uint8), v0.view(torch.uint8))
+    convert_v_layout_(cache, H, to_interleaved=False)
+    k2, v2 = dense_kv(cache, H, interleaved_v=False)
+    assert torch.equal(v0.view(torch.uint8), v2.view(torch.uint8))
+
+
+def test_customize_spec():
+    spec = customize_spec(544, 8, 128, torch.bfloat16, "LBHNC")
+    assert spec.num_head_slots == 2
+    assert spec.state_content_bytes == 2 * 544 * 8 * 128 * 2
+    assert spec.logical_shape(7) == (7, 2, 544, 1024)
+
+
+def test_bad_cache_tensor():
+    with pytest.raises(ValueError, match="logical shape"):
+        cache_layout_of(torch.empty(4, 3, 16, 64))
+    with pytest.raises(ValueError, match="match neither LHBNC nor LBHNC"):
+        cache_layout_of(torch.empty(4, 2, 16, 64).transpose(0, 1).contiguous().transpose(0, 1)[::2])

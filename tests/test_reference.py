@@ -1,0 +1,121 @@
+"""The reference paged_attention (the CPU implementation of the op) against an independent
+dense float64 oracle, across the feature matrix of the foundation issue."""
+
+import itertools
+
+import pytest
+import torch
+
+from cases import dense_oracle, make_paged_case, poison, rel_err
+
+OP = torch.ops.rocm_attn.paged_attention
+
+# Mixed batches: prefill from scratch, decode, chunked prefill on a cached prefix.
+MIXED = ([7, 1, 1, 9, 3], [0, 20, 47, 33, 16])
+
+
+def run_op(case, *, scale=0.11, causal=True, sliding_window=-1, alibi=None, sinks=None, cap=0.0,
+           output_scale=None, out_dtype=None):
+    out = poison(torch.empty(case.query.shape, dtype=out_dtype or case.query.dtype))
+    OP(out, case.query, case.key, case.value, case.kv_cache, case.query_start_loc, case.seq_lens,
+       case.block_table, case.max_query_len, case.max_seq_len, scale, case.k_scale, case.v_scale,
+       causal, sliding_window, alibi, sinks, cap, case.interleaved_v, output_scale)
+    return out
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)], ids=["gqa1", "gqa4", "gqa8"])
+@pytest.mark.parametrize("head_size", [64, 80, 128, 256])
+def test_gqa_and_head_sizes(heads, head_size):
+    case = make_paged_case(*MIXED, num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size,
+                           dtype=torch.float32, seed=head_size + heads[1])
+    out = run_op(case)
+    assert not out.isnan().any()
+    assert rel_err(out, dense_oracle(case, scale=0.11)) < 1e-6
+
+
+@pytest.mark.parametrize("block_size,layout,interleaved",
+                         list(itertools.product([16, 32, 544], ["LHBNC", "LBHNC"], [False, True])))
+def test_block_sizes_layouts_v_interiors(block_size, layout, interleaved):
+    ql, cl = ([5, 1, 1], [600, 30, 1100]) if block_size == 544 else MIXED
+    case = make_paged_case(ql, cl, block_size=block_size, layout=layout, interleaved_v=interleaved,
+                           dtype=torch.float16, seed=block_size)
+    out = run_op(case)
+    assert rel_err(out, dense_oracle(case, scale=0.11)) < 2e-3  # fp16 output rounding
+
+
+@pytest.mark.parametrize("feature", ["window", "alibi", "sinks", "softcap", "non_causal",
+                                     "non_causal_window", "all"])
+def test_features(feature):
+    case = make_paged_case(*MIXED, num_heads=4, num_kv_heads=2, dtype=torch.float32, seed=3)
+    g = torch.Generator().manual_seed(7)
+    kw = dict(causal=True, sliding_window=-1, alibi_slopes=None, sinks=None, logits_soft_cap=0.0)
+    if feature in ("window", "all"):
+        kw["sliding_window"] = 9
+    if feature in ("alibi", "all"):
+        kw["alibi_slopes"] = torch.rand(4, generator=g)
+    if feature in ("sinks", "all"):
+        kw["sinks"] = torch.randn(4, generator=g) * 2
+    if feature in ("softcap", "all"):
+        kw["logits_soft_cap"] = 3.0
+    if feature.startswith("non_causal"):
+        kw["causal"] = False
+        kw["sliding_window"] = 6 if feature.endswith("window") else -1
+    out = run_op(case, causal=kw["causal"], sliding_window=kw["sliding_window"],
+                 alibi=kw["alibi_slopes"], sinks=kw["sinks"], cap=kw["logits_soft_cap"])
+    ref = dense_oracle(case, scale=0.11, **kw)
+    assert rel_err(out, ref) < 1e-6
+    if feature != "non_causal":  # the feature changes the result (so the test can fail)
+        plain = dense_oracle(case, scale=0.11)
+        assert rel_err(plain, ref) > 1e-3
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_fp8_cache(cache_dtype, interleaved):
+    case = make_paged_case(*MIXED, dtype=torch.float32, cache_dtype=cache_dtype, k_scale=0.5,
+                           v_scale=0.25, interleaved_v=interleaved, seed=11)
+    out = run_op(case)
+    # Exact against the values the cache holds (the case rounds them like the writer) ...
+    assert rel_err(out, dense_oracle(case, scale=0.11)) < 1e-6
+    # ... and within e4m3/e5m2 rounding of the unquantized tokens: relative error of one
+    # element <= 2^-(mantissa bits + 1); the attention average does not amplify it.
+    mant = 3 if cache_dtype == torch.float8_e4m3fn else 2
+    exact = make_paged_case(*MIXED, dtype=torch.float32, seed=11)
+    assert rel_err(out, dense_oracle(exact, scale=0.11)) < 2 ** -(mant + 1) * 2
+
+
+def test_fp8_output_quant():
+    case = make_paged_case(*MIXED, dtype=torch.float32, seed=5)
+    scale = torch.tensor([0.02])
+    out = run_op(case, output_scale=scale, out_dtype=torch.float8_e4m3fn)
+    ref = dense_oracle(case, scale=0.11)
+    q = (ref / 0.02).clamp(-448, 448).to(torch.float8_e4m3fn).double()
+    assert torch.equal(out.double(), q) or rel_err(out.double(), q) < 0.07
+
+
+def test_padding_rows_untouched_and_padding_slots_not_written():
+    case = make_paged_case([4, 1], [10, 20], dtype=torch.float32, seed=2)
+    # Two padded tokens at the end: slot -1, rows past query_start_loc[-1].
+    q = torch.cat([case.query, torch.randn(2, *case.query.shape[1:])])
+    out = poison(torch.empty_like(q))
+    OP(out, q, torch.cat([case.key, torch.randn(2, *case.key.shape[1:])]),
+       torch.cat([case.value, torch.randn(2, *case.value.shape[1:])]), case.kv_cache,
+       case.query_start_loc, case.seq_lens, case.block_table, 4, 24, 0.11, case.k_scale, case.v_scale)
+    assert out[-2:].isnan().all() and not out[:-2].isnan().any()
+    before = case.kv_cache.clone()
+    slots = torch.tensor([-1, -1, -5], dtype=torch.int64)
+    torch.ops.rocm_attn.reshape_and_cache(torch.randn(3, 2, 64), torch.randn(3, 2, 64), case.kv_cache,
+                                          slots, case.k_scale, case.v_scale, False)
+    assert torch.equal(before.view(torch.int32), case.kv_cache.view(torch.int32))
+
+
+def test_encoder_attention_matches_oracle():
+    from cases import oracle_attention
+
+    g = torch.Generator().manual_seed(1)
+    cu = torch.tensor([0, 5, 17, 18], dtype=torch.int32)
+    q, k, v = (torch.randn(18, h, 64, generator=g) for h in (4, 2, 2))
+    out = torch.ops.rocm_attn.encoder_attention(q, k, v, cu, 12, 0.125)
+    ref = torch.cat([oracle_attention(q[a:b], k[a:b], v[a:b], q_start_pos=0, scale=0.125, causal=False)
+                     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    assert rel_err(out, ref) < 1e-6
