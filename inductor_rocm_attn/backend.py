@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from . import capabilities, providers
+from . import capabilities, providers, validation
 from .capabilities import AttentionType
 from .layout import (
     CacheLayout,
@@ -113,6 +113,9 @@ class RocmAttentionImpl:
             causal = self.attn_type == AttentionType.DECODER
         self.causal = bool(causal)
         self.interleaved_v = False
+        # (op, call signature) -> kernel: the first call of a signature is validated in full
+        # and resolved through the capability table; later steps go straight to the kernel.
+        self._kernels: dict[tuple, object] = {}
         self._features = providers.attention_features(
             causal=self.causal, sliding_window=self.sliding_window, alibi_slopes=alibi_slopes,
             sinks=sinks, logits_soft_cap=self.logits_soft_cap, output_scale=None,
@@ -144,17 +147,27 @@ class RocmAttentionImpl:
         self.interleaved_v = enabled
         return True
 
-    def _scales(self, layer):
-        return layer._k_scale, layer._v_scale
+    def _signature(self, op: str, x: torch.Tensor, kv_cache: torch.Tensor, *extra) -> tuple:
+        return (op, x.device, x.dtype, kv_cache.data_ptr(), kv_cache.dtype, self.interleaved_v, *extra)
+
+    def _resolve(self, sig: tuple, op: str, x: torch.Tensor, kv_cache: torch.Tensor, features=()):
+        _, fn = providers.select(op, device=x.device, head_size=self.head_size, dtype=x.dtype,
+                                 kv_cache=kv_cache, interleaved_v=self.interleaved_v, features=features)
+        self._kernels[sig] = fn
+        return fn
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if not self.uses_kv_cache:
             return
         key = key.view(-1, self.num_kv_heads, self.head_size)
         value = value.view(-1, self.num_kv_heads, self.head_size)
-        torch.ops.rocm_attn.reshape_and_cache(
-            key, value, kv_cache, slot_mapping, layer._k_scale, layer._v_scale, self.interleaved_v
-        )
+        sig = self._signature("reshape_and_cache", key, kv_cache)
+        fn = self._kernels.get(sig)
+        if fn is None:
+            validation.check_cache_write("rocm_attn.unified_kv_cache_update", key, value, kv_cache,
+                                         slot_mapping, layer._k_scale, layer._v_scale)
+            fn = self._resolve(sig, "reshape_and_cache", key, kv_cache)
+        fn(key, value, kv_cache, slot_mapping, layer._k_scale, layer._v_scale, self.interleaved_v)
 
     def do_rope_and_kv_cache_update(self, layer, positions, query, key, value, cos_sin_cache,
                                     is_neox, kv_cache, attn_metadata) -> None:
@@ -206,15 +219,24 @@ class RocmAttentionImpl:
             key = key.view(-1, self.num_kv_heads, self.head_size)
             value = value.view(-1, self.num_kv_heads, self.head_size)
             return self._encoder_forward(query[:n], key[:n], value[:n], attn_metadata, output, output_scale)
-        key = key.view(-1, self.num_kv_heads, self.head_size)
-        value = value.view(-1, self.num_kv_heads, self.head_size)
-        torch.ops.rocm_attn.paged_attention(
-            output[:n], query[:n], key[:n], value[:n], kv_cache, attn_metadata.query_start_loc,
-            attn_metadata.seq_lens, attn_metadata.block_table, attn_metadata.max_query_len,
-            attn_metadata.max_seq_len, self.scale, layer._k_scale, layer._v_scale, self.causal,
-            self.sliding_window, self._alibi(query), self._sinks(query), self.logits_soft_cap,
-            self.interleaved_v, output_scale,
-        )
+        key = key.view(-1, self.num_kv_heads, self.head_size)[:n]
+        value = value.view(-1, self.num_kv_heads, self.head_size)[:n]
+        md = attn_metadata
+        args = (output[:n], query[:n], key, value, kv_cache, md.query_start_loc, md.seq_lens,
+                md.block_table, self.scale, layer._k_scale, layer._v_scale, self.causal,
+                self.sliding_window, self._alibi(query), self._sinks(query), self.logits_soft_cap,
+                self.interleaved_v, output_scale)
+        sig = self._signature("paged_attention", query, kv_cache, output.dtype, output_scale is None)
+        fn = self._kernels.get(sig)
+        if fn is None:
+            validation.check_paged_attention(
+                "rocm_attn.unified_attention_with_output", output[:n], query[:n], key, value,
+                kv_cache, md.query_start_loc, md.seq_lens, md.block_table, args[13], args[14],
+                output_scale,
+            )
+            feats = self._features + (("output_scale",) if output_scale is not None else ())
+            fn = self._resolve(sig, "paged_attention", query, kv_cache, feats)
+        fn(*args)
         return output
 
     def _encoder_forward(self, query, key, value, attn_metadata, output, output_scale):
