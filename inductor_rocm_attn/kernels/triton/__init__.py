@@ -1,1 +1,6 @@
 """Triton kernels (GPU provider). Same signatures as kernels.reference."""
+
+from .qk_norm_rope_and_cache import qk_norm_rope_and_cache  # noqa: F401  (cache writers)
+from .reshape_and_cache import reshape_and_cache  # noqa: F401
+from .rope_and_cache import rope_and_cache  # noqa: F401
+from .rotary_embedding import rotary_embedding  # noqa: F401

@@ -1,0 +1,178 @@
+"""Triton ``reshape_and_cache``: K/V ``[num_tokens, num_kv_heads, head_size]`` -> paged cache.
+
+One program writes a tile of ``BLOCK_T`` tokens x one KV head (all ``head_size`` channels)
+of K and V. The cache interiors are those of DESIGN.md (see ``layout.py``); the kernel reads
+the layout (LHBNC or LBHNC) from two strides of the logical cache tensor, so both layouts
+share one compiled kernel per (block size, head size, dtype):
+
+- page base of (block b, KV head h) = ``b * stride_cache_block + h * head_size * block_size``
+  (the V group adds ``stride_cache_group``);
+- K:            ``base + (d // x) * block_size * x + t * x + d % x``
+- V standard:   ``base + d * block_size + t``
+- V interleaved ``base + (t // x) * head_size * x + d * x + t % x``
+
+The jit helpers ``_store_kv_tile`` / ``_quantize`` are shared with the fused RoPE writers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...layout import cache_x, fp8_max, is_fp8_dtype
+
+__all__ = ["reshape_and_cache"]
+
+
+@triton.jit
+def _quantize(x, scale, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    """fp32 values -> what the cache stores, still fp32: fp8 divides by the scale and saturates."""
+    if IS_FP8:
+        x = x / scale
+        x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+    return x
+
+
+@triton.jit
+def _store_kv_tile(
+    kv_cache_ptr,
+    k, v,  # [BLOCK_T, BLOCK_D] fp32, already in the model dtype's precision
+    slot,  # [BLOCK_T] int64 slot of each token
+    mask_t,  # [BLOCK_T] token is real and slot >= 0
+    head,  # KV head index (scalar)
+    offs_d, mask_d,  # [BLOCK_D] channel offsets and mask
+    k_scale, v_scale,
+    stride_cache_block, stride_cache_group,
+    HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, X: tl.constexpr,
+    INTERLEAVED_V: tl.constexpr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    """Scatter one (tokens x channels) tile of one KV head into its K and V pages."""
+    cache_ty = kv_cache_ptr.dtype.element_ty
+    # Padding tokens point at slot 0 so no out-of-range address is ever formed.
+    slot = tl.where(mask_t, slot, 0)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    # int64: the cache can exceed 2^31 elements.
+    page = blk * stride_cache_block + head.to(tl.int64) * (HEAD_SIZE * BLOCK_SIZE)
+    mask = mask_t[:, None] & mask_d[None, :]
+
+    offs_k = (offs_d // X) * (BLOCK_SIZE * X) + offs_d % X
+    k_ptrs = kv_cache_ptr + (page + off * X)[:, None] + offs_k[None, :]
+    tl.store(k_ptrs, _quantize(k, k_scale, IS_FP8, FP8_MAX).to(cache_ty), mask=mask)
+
+    if INTERLEAVED_V:
+        v_tok = (off // X) * (HEAD_SIZE * X) + off % X
+        v_ptrs = kv_cache_ptr + stride_cache_group + (page + v_tok)[:, None] + (offs_d * X)[None, :]
+    else:
+        v_ptrs = kv_cache_ptr + stride_cache_group + (page + off)[:, None] + (offs_d * BLOCK_SIZE)[None, :]
+    tl.store(v_ptrs, _quantize(v, v_scale, IS_FP8, FP8_MAX).to(cache_ty), mask=mask)
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    # pointers
+    key_ptr, value_ptr, kv_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
+    # sizes
+    num_tokens,
+    # strides (elements)
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_cache_block, stride_cache_group,
+    # meta
+    HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, X: tl.constexpr,
+    INTERLEAVED_V: tl.constexpr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """grid = (cdiv(num_tokens, BLOCK_T), num_kv_heads)."""
+    pid_t = tl.program_id(0)
+    head = tl.program_id(1)
+
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_SIZE
+    in_range = offs_t < num_tokens
+    slot = tl.load(slot_mapping_ptr + offs_t, mask=in_range, other=-1).to(tl.int64)
+    mask_t = in_range & (slot >= 0)
+    mask = mask_t[:, None] & mask_d[None, :]
+
+    tok = offs_t.to(tl.int64)
+    k_ptrs = key_ptr + tok[:, None] * stride_kt + head * stride_kh + offs_d[None, :] * stride_kd
+    v_ptrs = value_ptr + tok[:, None] * stride_vt + head * stride_vh + offs_d[None, :] * stride_vd
+    k = tl.load(k_ptrs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptrs, mask=mask, other=0.0).to(tl.float32)
+
+    k_scale = tl.load(k_scale_ptr).to(tl.float32)
+    v_scale = tl.load(v_scale_ptr).to(tl.float32)
+    _store_kv_tile(
+        kv_cache_ptr, k, v, slot, mask_t, head, offs_d, mask_d, k_scale, v_scale,
+        stride_cache_block, stride_cache_group,
+        HEAD_SIZE, BLOCK_SIZE, X, INTERLEAVED_V, IS_FP8, FP8_MAX,
+    )
+
+
+def cache_meta(kv_cache: torch.Tensor) -> dict:
+    """Constexpr arguments every cache writer derives from the cache tensor."""
+    fp8 = is_fp8_dtype(kv_cache.dtype)
+    return dict(
+        BLOCK_SIZE=kv_cache.shape[2],
+        X=cache_x(kv_cache.dtype),
+        IS_FP8=fp8,
+        FP8_MAX=fp8_max(kv_cache.dtype) if fp8 else 0.0,
+    )
+
+
+def pick_block_t(num_tokens: int) -> int:
+    """Tokens per program: 1 for decode-sized batches (more programs), up to 16 for prefill."""
+    if num_tokens <= 64:
+        return 1
+    if num_tokens <= 512:
+        return 4
+    if num_tokens <= 4096:
+        return 8
+    return 16
+
+
+def num_warps_for(block_t: int, block_d: int) -> int:
+    return max(1, min(8, block_t * block_d // 256))
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    interleaved_v: bool,
+    *,
+    block_t: int | None = None,
+) -> None:
+    """Write ``key``/``value`` into the paged cache (same semantics as the reference).
+
+    key, value: ``[num_tokens, num_kv_heads, head_size]`` fp16/bf16/fp32, any strides
+    (e.g. slices of a fused qkv tensor).
+    kv_cache: ``[num_blocks, 2, block_size, num_kv_heads * head_size]`` LHBNC or LBHNC,
+    model dtype or fp8 (e4m3fn/e5m2; quantized as ``x / scale`` saturated to the fp8 max).
+    slot_mapping: ``[n]`` int32/int64 with ``n <= num_tokens``; only the first ``n`` tokens are
+    written and entries < 0 (padding) are skipped.
+    k_scale, v_scale: one-element fp32 tensors.
+    """
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    num_kv_heads, head_size = key.shape[1], key.shape[2]
+    block_d = triton.next_power_of_2(head_size)
+    block_t = block_t or pick_block_t(n)
+    grid = (triton.cdiv(n, block_t), num_kv_heads)
+    _reshape_and_cache_kernel[grid](
+        key, value, kv_cache, slot_mapping, k_scale, v_scale,
+        n,
+        key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1),
+        HEAD_SIZE=head_size, INTERLEAVED_V=bool(interleaved_v),
+        BLOCK_T=block_t, BLOCK_D=block_d,
+        num_warps=num_warps_for(block_t, block_d),
+        **cache_meta(kv_cache),
+    )

@@ -1,0 +1,319 @@
+"""Triton cache writers and RoPE kernels against the float64 reference.
+
+Without a GPU these run in Triton's interpreter on CPU tensors (conftest sets
+TRITON_INTERPRET=1), in fp16/fp32 only: the interpreter's bf16 is broken (FACTS.md) and its
+fp32 -> fp8 conversion rounds wrongly at binade boundaries (measured here: 1.94 -> 1.0 in
+e4m3), so on CPU fp8 is checked with values that are exact in fp8 (layout, scale, saturation)
+and fp8 rounding is checked on the GPU. Every cache and output is poisoned (NaN bytes) first;
+cache comparisons cover every byte, so a slot that must not be written (padding, tokens past
+``slot_mapping``) has to stay poisoned.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cases import poison, rel_err
+from inductor_rocm_attn.kernels import reference as ref
+from inductor_rocm_attn.kernels import triton as tk
+from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache, cache_x
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+LAYOUTS = (CacheLayout.LHBNC, CacheLayout.LBHNC)
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def make_cache(block_size, num_kv_heads, head_size, dtype, layout, num_tokens, seed):
+    """Poisoned cache with room for ``num_tokens`` at random slots + a slot_mapping for them."""
+    num_blocks = math.ceil(num_tokens / block_size) + 2
+    spec = KVCacheSpec(block_size, num_kv_heads, head_size, dtype, CacheLayout(layout))
+    cache = poison(allocate_kv_cache(spec, num_blocks, DEV))
+    slots = torch.randperm(num_blocks * block_size, generator=_gen(seed))[:num_tokens]
+    return cache, slots
+
+
+def make_cos_sin(max_pos, rot_dim, dtype, base=10000.0):
+    inv = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
+    f = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cat((f.cos(), f.sin()), dim=-1).to(dtype).to(DEV)
+
+
+def make_qkv(t, hq, hkv, d, dtype, seed, pad_cols=0):
+    """A fused ``[T, (hq + 2 hkv) d + pad]`` tensor: its q/k/v slices are strided views."""
+    w = (hq + 2 * hkv) * d + pad_cols
+    return torch.randn(t, w, generator=_gen(seed), dtype=torch.float32).to(dtype).to(DEV)
+
+
+def split(qkv, hq, hkv, d):
+    t = qkv.shape[0]
+    q = qkv[:, : hq * d]
+    k = qkv[:, hq * d: (hq + hkv) * d]
+    v = qkv[:, (hq + hkv) * d: (hq + 2 * hkv) * d].view(t, hkv, d)
+    return q, k, v
+
+
+def pad_slots(slots, pad_every=3):
+    s = slots.clone()
+    s[1::pad_every] = -1  # padding: must be skipped
+    return s
+
+
+def scales(dtype, ks=0.5, vs=2.0):
+    return (torch.tensor([ks], dtype=torch.float32, device=DEV),
+            torch.tensor([vs], dtype=torch.float32, device=DEV))
+
+
+def assert_cache_equal(out, expected, cache_dtype, exact):
+    """Every byte, NaN poison included. ``exact=False``: values within rounding of the model dtype."""
+    if exact:
+        bad = (out.view(torch.uint8) != expected.view(torch.uint8)).sum().item()
+        assert bad == 0, f"{bad} cache bytes differ"
+        return
+    o, e = out.double(), expected.double()
+    assert torch.equal(o.isnan(), e.isnan()), "written/unwritten slots differ"
+    if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        rtol = 0.13 if cache_dtype == torch.float8_e4m3fn else 0.26  # one fp8 ulp
+        close = torch.isclose(o, e, rtol=rtol, atol=1e-3, equal_nan=True)
+        assert close.all(), f"{(~close).sum().item()} fp8 cache elements beyond one ulp"
+        exact_frac = (out.view(torch.uint8) == expected.view(torch.uint8)).double().mean().item()
+        assert exact_frac > 0.98, f"only {exact_frac:.4f} of fp8 cache bytes match"
+    else:
+        torch.testing.assert_close(o, e, rtol=1e-2, atol=1e-2, equal_nan=True)
+
+
+def fp8_exact(shape, dtype, scale, seed):
+    """Random values that are exactly representable as ``fp8 * scale`` (plus a few to saturate)."""
+    x = torch.randn(shape, generator=_gen(seed)) * 8
+    x = x.to(torch.float8_e4m3fn).to(torch.float32) * scale
+    flat = x.view(-1)
+    flat[::17] = 1e4 * scale  # saturates to the fp8 max
+    flat[5::17] = -1e4 * scale
+    return x.to(dtype).to(DEV)
+
+
+# --- reshape_and_cache -----------------------------------------------------------------------
+
+GEOMETRY = [(16, 64), (32, 80), (544, 128), (16, 256), (32, 128), (544, 80)]
+
+
+@pytest.mark.parametrize("block_size,head_size", GEOMETRY)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("interleaved_v", [False, True])
+def test_reshape_and_cache(block_size, head_size, layout, interleaved_v):
+    dtype = torch.float16 if head_size != 80 else torch.float32
+    t, hkv = 13, 2
+    seed = block_size + head_size + interleaved_v
+    out, slots = make_cache(block_size, hkv, head_size, dtype, layout, t, seed)
+    expected = out.cpu().clone()
+    qkv = make_qkv(t, 2, hkv, head_size, dtype, seed, pad_cols=8)
+    _, k, v = split(qkv, 2, hkv, head_size)
+    k = k.view(t, hkv, head_size)  # strided views of the fused tensor
+    slots = pad_slots(slots)[: t - 2].to(DEV)  # the last 2 tokens have no slot: not written
+    ks, vs = scales(dtype)
+    tk.reshape_and_cache(k, v, out, slots, ks, vs, interleaved_v)
+    ref.reshape_and_cache(k.cpu(), v.cpu(), expected, slots.cpu(), ks.cpu(), vs.cpu(), interleaved_v)
+    assert_cache_equal(out.cpu(), expected, dtype, exact=True)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("layout,interleaved_v,block_size", [
+    (CacheLayout.LHBNC, False, 16), (CacheLayout.LBHNC, True, 32), (CacheLayout.LHBNC, True, 544),
+])
+def test_reshape_and_cache_fp8_exact_values(cache_dtype, layout, interleaved_v, block_size):
+    """fp8 layout, scale and saturation with inputs that need no rounding (interpreter-safe)."""
+    t, hkv, d = 11, 2, 64
+    dtype = torch.float16
+    ks_val, vs_val = 0.5, 0.25
+    out, slots = make_cache(block_size, hkv, d, cache_dtype, layout, t, seed=7)
+    expected = out.cpu().clone()
+    k = fp8_exact((t, hkv, d), dtype, ks_val, 1)
+    v = fp8_exact((t, hkv, d), dtype, vs_val, 2)
+    if cache_dtype == torch.float8_e5m2:  # e5m2 grid is coarser: snap the inputs to it
+        k = (k.float() / ks_val).to(cache_dtype).float().mul(ks_val).to(dtype)
+        v = (v.float() / vs_val).to(cache_dtype).float().mul(vs_val).to(dtype)
+    slots = pad_slots(slots).to(DEV)
+    ks, vs = scales(dtype, ks_val, vs_val)
+    tk.reshape_and_cache(k, v, out, slots, ks, vs, interleaved_v)
+    ref.reshape_and_cache(k.cpu(), v.cpu(), expected, slots.cpu(), ks.cpu(), vs.cpu(), interleaved_v)
+    assert_cache_equal(out.cpu(), expected, cache_dtype, exact=True)
+
+
+# --- rotary_embedding ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("head_size,rot_dim", [(64, 64), (128, 64), (80, 80), (256, 256), (80, 32)])
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_rotary_embedding(head_size, rot_dim, is_neox, dtype):
+    t, hq, hkv = 9, 4, 2
+    seed = head_size + rot_dim + is_neox
+    qkv = make_qkv(t, hq, hkv, head_size, dtype, seed, pad_cols=16)
+    qkv_ref = qkv.cpu().clone()
+    positions = torch.randint(0, 500, (t,), generator=_gen(seed)).to(DEV)
+    cos_sin = make_cos_sin(512, rot_dim, torch.float32 if seed % 2 else dtype)
+    q, k, _ = split(qkv, hq, hkv, head_size)
+    q3 = q.view(t, hq, head_size) if is_neox else q  # 3-D and 2-D forms
+    tk.rotary_embedding(positions, q3, k, head_size, cos_sin, is_neox)
+    qr, kr, _ = split(qkv_ref, hq, hkv, head_size)
+    ref.rotary_embedding(positions.cpu(), qr, kr, head_size, cos_sin.cpu(), is_neox)
+    tol = 2e-3 if dtype == torch.float16 else 1e-6
+    assert rel_err(qkv[:, : (hq + hkv) * head_size], qkv_ref[:, : (hq + hkv) * head_size]) < tol
+    # v and the padding columns are not touched
+    assert torch.equal(qkv[:, (hq + hkv) * head_size:].cpu(), qkv_ref[:, (hq + hkv) * head_size:])
+
+
+def test_rotary_embedding_no_key():
+    t, hq, d = 5, 3, 64
+    q = torch.randn(t, hq, d, generator=_gen(3)).half().to(DEV)
+    q_ref = q.cpu().clone()
+    positions = torch.randint(0, 100, (t,), generator=_gen(4)).to(DEV)
+    cos_sin = make_cos_sin(128, d, torch.float32)
+    tk.rotary_embedding(positions, q, None, d, cos_sin, True)
+    ref.rotary_embedding(positions.cpu(), q_ref, None, d, cos_sin.cpu(), True)
+    assert rel_err(q, q_ref) < 2e-3
+
+
+# --- rope_and_cache --------------------------------------------------------------------------
+
+FUSED_CASES = [
+    # block, head, rot, layout, interleaved, neox, dtype
+    (16, 64, 64, CacheLayout.LHBNC, True, True, torch.float16),
+    (32, 128, 64, CacheLayout.LBHNC, False, False, torch.float16),
+    (544, 80, 80, CacheLayout.LHBNC, False, True, torch.float32),
+    (16, 256, 256, CacheLayout.LBHNC, True, False, torch.float16),
+    (544, 128, 128, CacheLayout.LBHNC, True, True, torch.float32),
+]
+
+
+@pytest.mark.parametrize("block_size,head_size,rot_dim,layout,interleaved_v,is_neox,dtype", FUSED_CASES)
+def test_rope_and_cache(block_size, head_size, rot_dim, layout, interleaved_v, is_neox, dtype):
+    t, hq, hkv = 10, 4, 2
+    seed = block_size + head_size + rot_dim
+    cache, slots = make_cache(block_size, hkv, head_size, dtype, layout, t, seed)
+    cache_ref = cache.cpu().clone()
+    qkv = make_qkv(t, hq, hkv, head_size, dtype, seed, pad_cols=8)
+    qkv_ref = qkv.cpu().clone()
+    positions = torch.randint(0, 1000, (t,), generator=_gen(seed)).to(DEV)
+    cos_sin = make_cos_sin(1024, rot_dim, torch.float32)
+    slots = pad_slots(slots)[: t - 1].to(DEV)
+    ks, vs = scales(dtype)
+    q, k, v = split(qkv, hq, hkv, head_size)
+    tk.rope_and_cache(positions, q, k, v, cache, slots, cos_sin, is_neox, ks, vs, interleaved_v)
+    qr, kr, vr = split(qkv_ref, hq, hkv, head_size)
+    ref.rope_and_cache(positions.cpu(), qr, kr, vr, cache_ref, slots.cpu(), cos_sin.cpu(), is_neox,
+                       ks.cpu(), vs.cpu(), interleaved_v)
+    tol = 2e-3 if dtype == torch.float16 else 1e-6
+    assert rel_err(qkv, qkv_ref) < tol
+    assert_cache_equal(cache.cpu(), cache_ref, dtype, exact=False)
+
+
+# --- qk_norm_rope_and_cache ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size,head_size,rot_dim,layout,interleaved_v,is_neox,dtype", FUSED_CASES)
+def test_qk_norm_rope_and_cache(block_size, head_size, rot_dim, layout, interleaved_v, is_neox, dtype):
+    t, hq, hkv = 9, 4, 2
+    seed = 1 + block_size + head_size + rot_dim
+    cache, slots = make_cache(block_size, hkv, head_size, dtype, layout, t, seed)
+    cache_ref = cache.cpu().clone()
+    qkv = make_qkv(t, hq, hkv, head_size, dtype, seed, pad_cols=8)[:, : (hq + 2 * hkv) * head_size]
+    g = _gen(seed + 1)
+    q_w = (1 + 0.1 * torch.randn(head_size, generator=g)).to(dtype).to(DEV)
+    k_w = (1 + 0.1 * torch.randn(head_size, generator=g)).to(dtype).to(DEV)
+    positions = torch.randint(0, 1000, (t,), generator=g).to(DEV)
+    cos_sin = make_cos_sin(1024, rot_dim, dtype)
+    slots = pad_slots(slots)[: t - 2].to(DEV)
+    ks, vs = scales(dtype)
+    args = (1e-6, positions, cos_sin, is_neox)
+    q, k, v = tk.qk_norm_rope_and_cache(qkv, q_w, k_w, *args, cache, slots, ks, vs, interleaved_v,
+                                        hq, hkv, head_size)
+    cpu = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+    qe, ke, ve = ref.qk_norm_rope_and_cache(qkv.cpu(), q_w.cpu(), k_w.cpu(), *cpu, cache_ref, slots.cpu(),
+                                            ks.cpu(), vs.cpu(), interleaved_v, hq, hkv, head_size)
+    tol = 2e-3 if dtype == torch.float16 else 1e-6
+    assert rel_err(q, qe) < tol and rel_err(k, ke) < tol
+    assert torch.equal(v.cpu(), ve)
+    assert q.shape == (t, hq, head_size) and q.is_contiguous()
+    assert_cache_equal(cache.cpu(), cache_ref, dtype, exact=False)
+
+
+# --- GPU: bf16 / fp16 / fp8, larger shapes ---------------------------------------------------
+
+GPU_DTYPES = [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+              (torch.bfloat16, torch.float8_e4m3fn), (torch.float16, torch.float8_e5m2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,cache_dtype", GPU_DTYPES)
+@pytest.mark.parametrize("block_size,layout,interleaved_v", [
+    (16, CacheLayout.LHBNC, True), (32, CacheLayout.LBHNC, False), (544, CacheLayout.LHBNC, False),
+    (16, CacheLayout.LBHNC, True),
+])
+@pytest.mark.parametrize("op", ["reshape_and_cache", "rope_and_cache", "qk_norm_rope_and_cache"])
+def test_gpu_writers(op, dtype, cache_dtype, block_size, layout, interleaved_v):
+    t, hq, hkv, d = 300, 32, 8, 128
+    seed = block_size + int(interleaved_v)
+    cache, slots = make_cache(block_size, hkv, d, cache_dtype, layout, t, seed)
+    cache_ref = cache.cpu().clone()
+    qkv = make_qkv(t, hq, hkv, d, dtype, seed)
+    qkv_ref = qkv.cpu().clone()
+    positions = torch.randint(0, 4000, (t,), generator=_gen(seed)).to(DEV)
+    cos_sin = make_cos_sin(4096, d, torch.float32)
+    slots = pad_slots(slots, 7)[: t - 5].to(DEV)
+    ks, vs = scales(dtype, 0.05, 0.03)
+    c = lambda x: x.cpu() if isinstance(x, torch.Tensor) else x  # noqa: E731
+    tol = 1e-2
+    if op == "reshape_and_cache":
+        _, k, v = split(qkv, hq, hkv, d)
+        k = k.view(t, hkv, d)
+        tk.reshape_and_cache(k, v, cache, slots, ks, vs, interleaved_v)
+        ref.reshape_and_cache(c(k), c(v), cache_ref, c(slots), c(ks), c(vs), interleaved_v)
+    elif op == "rope_and_cache":
+        q, k, v = split(qkv, hq, hkv, d)
+        tk.rope_and_cache(positions, q, k, v, cache, slots, cos_sin, True, ks, vs, interleaved_v)
+        qr, kr, vr = split(qkv_ref, hq, hkv, d)
+        ref.rope_and_cache(c(positions), qr, kr, vr, cache_ref, c(slots), c(cos_sin), True, c(ks), c(vs),
+                           interleaved_v)
+        assert rel_err(qkv, qkv_ref) < tol
+    else:
+        w = torch.randn(2, d, generator=_gen(seed), dtype=torch.float32).mul(0.1).add(1).to(dtype).to(DEV)
+        out = tk.qk_norm_rope_and_cache(qkv, w[0], w[1], 1e-6, positions, cos_sin, False, cache, slots,
+                                        ks, vs, interleaved_v, hq, hkv, d)
+        exp = ref.qk_norm_rope_and_cache(c(qkv), c(w[0]), c(w[1]), 1e-6, c(positions), c(cos_sin), False,
+                                         cache_ref, c(slots), c(ks), c(vs), interleaved_v, hq, hkv, d)
+        for o, e in zip(out, exp):
+            assert rel_err(o, e) < tol
+    torch.cuda.synchronize()
+    exact = op == "reshape_and_cache" and cache_dtype == dtype
+    assert_cache_equal(cache.cpu(), cache_ref, cache_dtype, exact=exact)
+
+
+@pytest.mark.gpu
+def test_gpu_int64_cache_offsets():
+    """A cache past 2^31 elements: the last block must be written at the right place."""
+    free = torch.cuda.mem_get_info()[0]
+    hkv, d, bs = 8, 128, 16
+    page = hkv * d * bs
+    num_blocks = (2 ** 31) // page + 8
+    if 2 * num_blocks * page * 2 > free // 2:
+        pytest.skip("not enough GPU memory for a > 2^31-element cache")
+    spec = KVCacheSpec(bs, hkv, d, torch.bfloat16, CacheLayout.LHBNC)
+    cache = allocate_kv_cache(spec, num_blocks, "cuda")
+    slots = torch.tensor([(num_blocks - 1) * bs + 3, 5], device="cuda")
+    k = torch.randn(2, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, hkv, d, device="cuda", dtype=torch.bfloat16)
+    ones = torch.ones(1, device="cuda")
+    tk.reshape_and_cache(k, v, cache, slots, ones, ones, True)
+    x = cache_x(torch.bfloat16)
+    from inductor_rocm_attn.layout import k_view, v_view
+    kv_ = k_view(cache, hkv)[num_blocks - 1, :, :, 3, :].reshape(hkv, d)
+    vv_ = v_view(cache, hkv, True)[num_blocks - 1, :, 3 // x, :, 3 % x]
+    assert torch.equal(kv_, k[0]) and torch.equal(vv_, v[0])
+    del cache
