@@ -1,0 +1,599 @@
+"""Piecewise compilation and HIP/CUDA-graph capture around the attention op.
+
+Decode steps are launch-bound, so they are replayed from graphs; attention metadata changes
+every step, so the model graph is split at the layer-level attention op and only the pieces
+between attention calls are captured (the vLLM "piecewise" scheme):
+
+1. **Trace.** Dynamo traces ``model(input_ids, positions)`` once (``fullgraph``, the token
+   dimension marked dynamic) into one FX graph; our backend receives it.
+2. **Split.** ``torch.fx.passes.split_module`` cuts the graph at every
+   ``rocm_attn.unified_attention_with_output``: ``L`` attention layers give ``L + 1``
+   compiled pieces and ``L`` attention pieces. The cache update
+   (``unified_kv_cache_update``) stays inside the piece before its attention, so the
+   plugin's RoPE / QK-norm + cache-write fusions can fire inside the pieces.
+3. **Dedup.** A piece's layer names are replaced by slot aliases (``__rocm_attn_slot0__``)
+   that resolve to the piece's own layer at run time, so the pieces of layers 1..L-1 are
+   the same graph over the same input metadata: they are compiled once (Inductor's
+   ``compile_fx``, with the plugin's post-grad pass when it is importable) and share the
+   artifact. Compile time does not grow with depth.
+4. **Capture.** On a GPU the runner captures one ``torch.cuda.CUDAGraph`` per compiled piece
+   per size in ``capture_sizes`` (token counts), all from one memory pool, in model order.
+   Inputs need no copies: parameters are static, ``input_ids`` and the metadata live in
+   persistent buffers (``MetadataBuffers``), and every other input is the output of the
+   previous piece's graph. A step pads its token count up to the next captured size
+   (padding slots are -1: skipped by writers) and replays; attention runs eagerly between
+   the graphs, reading the step's metadata through the forward context. Bigger steps run
+   the compiled pieces without graphs.
+5. **Without a GPU** the same runner runs the compiled pieces without graphs.
+
+At run time the runner calls the split graph directly with a fixed argument list (the
+persistent buffers and the parameters), bypassing Dynamo's guards: the per-step host work
+is the metadata plan, one copy of ``input_ids``, and the split graph's Python.
+
+Example::
+
+    runner = compile_piecewise(model, capture_sizes=[1, 2, 4, 8], max_num_seqs=8,
+                               max_model_len=4096)
+    md = runner.prepare(query_lens, context_lens, block_tables)   # plan -> buffers
+    logits = runner(input_ids, md)                                # [num_tokens, vocab]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import itertools
+import logging
+import time
+import types
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from . import forward_context
+from .forward_context import set_forward_context
+from .layer import attention_layers
+from .metadata import AttentionMetadata, MetadataBuffers, build_attention_metadata
+
+__all__ = ["compile_piecewise", "PiecewiseRunner", "CompileStats", "SPLITTING_OPS",
+           "split_at_attention", "plugin_context"]
+
+log = logging.getLogger(__name__)
+
+#: The op the graph is split at (attention runs eagerly between compiled pieces).
+SPLITTING_OPS = ("rocm_attn.unified_attention_with_output",)
+
+_SLOT_PREFIX = "__rocm_attn_slot"
+_RUNNER_IDS = itertools.count()
+
+
+def _slot_alias(j: int) -> str:
+    return f"{_SLOT_PREFIX}{j}__"
+
+
+def _bind_alias(alias: str, layer) -> None:
+    # The forward context resolves layer names through its registry; a slot alias is one
+    # more name for the piece's own layer, rebound before the piece runs or is captured.
+    forward_context._LAYERS[alias] = layer
+
+
+def _op_name(node: torch.fx.Node) -> str | None:
+    if node.op != "call_function":
+        return None
+    t = node.target
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return f"{t._qualified_op_name.replace('::', '.')}"
+    if isinstance(t, torch._ops.OpOverload):
+        return f"{t.namespace}.{t._schema.name.split('::')[-1]}"
+    return None
+
+
+def _is_split_node(node: torch.fx.Node) -> bool:
+    return _op_name(node) in SPLITTING_OPS
+
+
+# === plugin ==================================================================================
+
+
+def plugin_context(enabled: bool | None):
+    """Context that turns the plugin's passes on for compiles inside it.
+
+    ``enabled=None``: on when ``inductor_rocm_attn.plugin`` is importable. Returns
+    ``(context manager, plugin_active: bool)``.
+    """
+    if enabled is False:
+        return contextlib.nullcontext(), False
+    try:
+        from . import plugin  # noqa: F401  (issue #4)
+    except ImportError:
+        if enabled:
+            raise RuntimeError("compile_piecewise(plugin=True): inductor_rocm_attn.plugin is not importable")
+        return contextlib.nullcontext(), False
+    import inductor_rocm_attn as pkg
+
+    for name in ("enabled", "plugin_enabled"):
+        cm = getattr(pkg, name, None) or getattr(plugin, name, None)
+        if callable(cm):
+            return cm(), True
+    enable = getattr(pkg, "enable", None) or getattr(plugin, "enable")
+    disable = getattr(pkg, "disable", None) or getattr(plugin, "disable")
+
+    @contextlib.contextmanager
+    def _cm():
+        enable()
+        try:
+            yield
+        finally:
+            disable()
+
+    return _cm(), True
+
+
+# === split ==================================================================================
+
+
+def split_at_attention(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[str], list[str]]:
+    """Split ``gm`` at every attention op. Returns (split module, compiled piece names,
+    attention piece names), each list in execution order."""
+    part = 0
+    ids: dict[torch.fx.Node, int] = {}
+    attn_parts: set[int] = set()
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if _is_split_node(node):
+            part += 1
+            ids[node] = part
+            attn_parts.add(part)
+            part += 1
+        else:
+            ids[node] = part
+    split = torch.fx.passes.split_module.split_module(
+        gm, None, lambda n: ids[n], keep_original_order=True
+    )
+    compiled, attn = [], []
+    for node in split.graph.nodes:
+        if node.op == "call_module":
+            idx = int(node.target.rsplit("_", 1)[-1])
+            (attn if idx in attn_parts else compiled).append(node.target)
+    return split, compiled, attn
+
+
+def _fake_prop(split: torch.fx.GraphModule, fake_args: Sequence[Any]) -> dict[str, list[Any]]:
+    """Fake inputs of every submodule, in its placeholder order."""
+    seen: dict[str, list[Any]] = {}
+
+    class _Interp(torch.fx.Interpreter):
+        def call_module(self, target, args, kwargs):
+            assert not kwargs
+            seen[target] = list(args)
+            return super().call_module(target, args, kwargs)
+
+    _Interp(split).run(*fake_args)
+    return seen
+
+
+def _meta_key(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"T({tuple(map(str, x.shape))},{tuple(map(str, x.stride()))},{x.dtype},{x.device},{x.requires_grad})"
+    if isinstance(x, torch.SymInt):
+        return f"S({x.node.expr})"
+    return f"C({type(x).__name__}:{x!r})"
+
+
+def _normalize_layer_names(gm: torch.fx.GraphModule, layer_names: set[str]) -> list[str]:
+    """Replace layer-name constants in ``gm`` by slot aliases, in place; returns the names
+    in slot order."""
+    order: list[str] = []
+
+    def sub(a):
+        if isinstance(a, str) and a in layer_names:
+            if a not in order:
+                order.append(a)
+            return _slot_alias(order.index(a))
+        return a
+
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            node.args = torch.fx.node.map_aggregate(node.args, sub)
+            node.kwargs = torch.fx.node.map_aggregate(node.kwargs, sub)
+    gm.recompile()
+    return order
+
+
+def _canonicalize_names(gm: torch.fx.GraphModule) -> None:
+    """Rename every node of a piece ``n0, n1, ...`` (placeholders ``arg0, ...``), in place:
+    the pieces of different layers then have the same code, and so the same key in
+    Inductor's FX graph cache (warm compiles hit across layers, depths and processes)."""
+    i = 0
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        if node.op == "placeholder":
+            node.target = f"arg{i}"
+            node._rename(f"arg{i}")
+        else:
+            node._rename(f"n{i}")
+        i += 1
+    gm.recompile()
+
+
+def _structure_key(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> str | None:
+    """Hash of a piece's graph up to node names, plus its inputs' metadata; None when the
+    piece holds module state (get_attr) and so cannot be shared."""
+    index: dict[torch.fx.Node, int] = {}
+    parts = []
+
+    def ref(a):
+        return f"%{index[a]}" if isinstance(a, torch.fx.Node) else repr(a)
+
+    for i, node in enumerate(gm.graph.nodes):
+        if node.op == "get_attr" or node.op == "call_module":
+            return None
+        index[node] = i
+        target = node.target if isinstance(node.target, str) else torch.fx.node._get_qualified_name(node.target) \
+            if callable(node.target) and not isinstance(node.target, torch._ops.OpOverload) else str(node.target)
+        args = torch.fx.node.map_aggregate(node.args, ref)
+        kwargs = torch.fx.node.map_aggregate(node.kwargs, ref)
+        parts.append(f"{node.op}|{target if node.op != 'placeholder' else ''}|{args}|{kwargs}")
+    parts.append("inputs:" + ";".join(_meta_key(x) for x in inputs))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+# === runtime pieces =========================================================================
+
+
+@dataclasses.dataclass
+class CompileStats:
+    num_attention_pieces: int = 0
+    num_compiled_pieces: int = 0
+    num_unique_compiles: int = 0
+    num_captures: int = 0
+    trace_s: float = 0.0
+    compile_s: float = 0.0
+    capture_s: float = 0.0
+    plugin_active: bool = False
+    piece_groups: list[list[str]] = dataclasses.field(default_factory=list)
+
+
+class _Mode:
+    EAGER, CAPTURE, REPLAY = 0, 1, 2
+
+
+class _CompiledPiece:
+    """A compiled piece: runs its (shared) compiled code, or captures / replays a graph."""
+
+    __slots__ = ("name", "fn", "slots", "runner", "graphs", "_bind")
+
+    def __init__(self, name: str, fn: Callable, slots: list, runner: "PiecewiseRunner"):
+        self.name, self.fn, self.slots, self.runner = name, fn, slots, runner
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Any]] = {}
+        self._bind = [(_slot_alias(j), layer) for j, layer in enumerate(slots)]
+
+    def __call__(self, *args):
+        r = self.runner
+        mode = r._mode
+        if mode == _Mode.REPLAY:
+            graph, out = self.graphs[r._size]
+            graph.replay()
+            return out
+        for alias, layer in self._bind:
+            _bind_alias(alias, layer)
+        if mode == _Mode.CAPTURE:
+            # capture_begin/end rather than torch.cuda.graph(): that one synchronizes and
+            # empties the allocator cache on every entry (hundreds of captures here).
+            graph = torch.cuda.CUDAGraph()
+            stream = r._capture_stream
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                graph.capture_begin(pool=r._pool)
+                try:
+                    out = self.fn(*args)
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graphs[r._size] = (graph, out)
+            r.stats.num_captures += 1
+            return out
+        return self.fn(*args)
+
+
+# === the runner ==============================================================================
+
+
+class PiecewiseRunner:
+    """Owns the split, compiled pieces, persistent buffers and captured graphs of one model.
+
+    Build it with :func:`compile_piecewise`. Per step: ``md = runner.prepare(...)`` plans
+    the metadata into the persistent buffers (padded to the captured size), then
+    ``runner(input_ids, md)`` returns logits ``[num_actual_tokens, vocab]`` (a view into
+    graph memory: valid until the next step; clone to keep).
+    """
+
+    def __init__(self, model: nn.Module, *, capture_sizes: Sequence[int], max_num_seqs: int,
+                 max_num_tokens: int, max_model_len: int, use_cuda_graphs: bool,
+                 plugin: bool | None, device: torch.device):
+        self.model = model
+        self.device = device
+        # Steps are padded to these sizes also without graphs (so CPU runs cover padding).
+        self.capture_sizes = sorted(set(int(s) for s in capture_sizes))
+        self.use_cuda_graphs = use_cuda_graphs
+        self.max_num_tokens = max(max_num_tokens, max(self.capture_sizes, default=1))
+        layers = attention_layers(model)
+        if not layers:
+            raise ValueError("compile_piecewise: the model has no Attention layer")
+        self.block_size = layers[0].block_size
+        if any(layer.block_size != self.block_size for layer in layers):
+            raise ValueError("compile_piecewise: all attention layers must share one block size")
+        self.buffers = MetadataBuffers(max_num_seqs, self.max_num_tokens,
+                                       -(-max_model_len // self.block_size), device)
+        self.input_ids = torch.zeros(self.max_num_tokens, dtype=torch.long, device=device)
+        self.stats = CompileStats()
+        self._layers = {layer.layer_name: layer for layer in layers}
+        self._plugin = plugin
+        self._mode = _Mode.EAGER
+        self._size = 0
+        self._pool = None
+        self._capture_stream = None
+        self.split_gm: torch.fx.GraphModule | None = None
+        self.pieces: list[_CompiledPiece] = []
+        self.attention_pieces: list[str] = []
+        self._arg_plan: list[Any] = []  # per placeholder: ("param", tensor) | ("ids",) | ("pos",) | ("sym",)
+        self._args_by_size: dict[int, list[Any]] = {}
+        self._slot_layers: dict[str, list] = {}
+        self._captured: frozenset[int] = frozenset()
+        self._compile()
+
+    # --- compile --------------------------------------------------------------------------
+
+    def _dummy_metadata(self, num_tokens: int) -> AttentionMetadata:
+        """Metadata of ``num_tokens`` one-token sequences that write nothing (slots -1) and
+        read one block: for tracing, warm-up and capture."""
+        n = min(num_tokens, self.buffers.max_num_seqs)
+        qlens = [1] * (n - 1) + [num_tokens - (n - 1)]
+        host = dict(
+            query_start_loc=torch.tensor([0] + list(torch.tensor(qlens).cumsum(0).tolist()), dtype=torch.int32),
+            seq_lens=torch.tensor(qlens, dtype=torch.int32),
+            block_table=torch.zeros(n, 1 + max(qlens) // self.block_size, dtype=torch.int32),
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64),
+            positions=torch.arange(num_tokens, dtype=torch.int64) % 4,
+        )
+        t = self.buffers.fill(**host)
+        return AttentionMetadata(num_actual_tokens=num_tokens, max_query_len=max(qlens),
+                                 max_seq_len=max(qlens), num_decodes=sum(q == 1 for q in qlens),
+                                 num_prefills=sum(q > 1 for q in qlens), **t)
+
+    def _compile(self) -> None:
+        model = self.model
+        captured: dict[str, Any] = {}
+
+        def backend(gm: torch.fx.GraphModule, example_inputs):
+            captured["gm"] = gm
+            captured["inputs"] = list(example_inputs)
+            t0 = time.perf_counter()
+            self._build(gm, list(example_inputs))
+            self.stats.compile_s = time.perf_counter() - t0
+            return self.split_gm
+
+        def fwd(input_ids, positions):
+            return model(input_ids, positions)
+
+        # A fresh code object per runner: Dynamo caches by code object, and this one is traced
+        # exactly once (the runner then calls the split graph itself).
+        fwd = types.FunctionType(fwd.__code__.replace(co_name=f"rocm_attn_piecewise_{next(_RUNNER_IDS)}"),
+                                 fwd.__globals__, None, None, fwd.__closure__)
+
+        # Trace at a size > 1 (Dynamo specializes sizes 0 and 1) with the token dim dynamic.
+        t = min(8, self.max_num_tokens) if self.max_num_tokens >= 2 else 2
+        t = max(t, 2)
+        ids = self.input_ids[:t]
+        md = self._dummy_metadata(t)
+        pos = md.positions
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch._dynamo.mark_dynamic(pos, 0)
+        self._trace_ids, self._trace_pos = ids, pos
+        compiled = torch.compile(fwd, backend=backend, fullgraph=True, dynamic=False)
+        t0 = time.perf_counter()
+        with torch.no_grad(), set_forward_context(md):
+            compiled(ids, pos)
+        self.stats.trace_s = time.perf_counter() - t0 - self.stats.compile_s
+
+    def _build(self, gm: torch.fx.GraphModule, example_inputs: list) -> None:
+        from torch._guards import detect_fake_mode
+        from torch._inductor.compile_fx import compile_fx
+
+        # Placeholder -> run-time value.
+        params = {id(p): p for p in list(self.model.parameters()) + list(self.model.buffers())}
+        plan = []
+        for x in example_inputs:
+            if isinstance(x, torch.Tensor):
+                if x is self._trace_ids:
+                    plan.append(("ids",))
+                elif x is self._trace_pos:
+                    plan.append(("pos",))
+                elif id(x) in params:
+                    plan.append(("param", x))
+                else:
+                    raise RuntimeError(
+                        "compile_piecewise: the traced graph takes a tensor that is neither an "
+                        f"input nor a parameter/buffer of the model (shape {tuple(x.shape)})"
+                    )
+            elif isinstance(x, (int, torch.SymInt)):
+                hint = x.node.hint if isinstance(x, torch.SymInt) else x
+                if hint != self._trace_ids.shape[0]:
+                    raise RuntimeError(f"compile_piecewise: unexpected symbolic input {x}")
+                plan.append(("sym",))
+            else:
+                raise RuntimeError(f"compile_piecewise: unexpected graph input {type(x)}")
+        self._arg_plan = plan
+
+        split, compiled_names, attn_names = split_at_attention(gm)
+        self.split_gm, self.attention_pieces = split, attn_names
+        self.stats.num_attention_pieces = len(attn_names)
+        self.stats.num_compiled_pieces = len(compiled_names)
+
+        fake_mode = detect_fake_mode(example_inputs)
+        fake_args = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+        with fake_mode:
+            sub_inputs = _fake_prop(split, fake_args)
+
+        ctx, self.stats.plugin_active = plugin_context(self._plugin)
+        cache: dict[str, Callable] = {}
+        groups: dict[str, list[str]] = {}
+        names = set(self._layers)
+        with ctx:
+            for name in compiled_names:
+                sub = getattr(split, name)
+                slot_names = _normalize_layer_names(sub, names)
+                _canonicalize_names(sub)
+                slots = [self._layers[n] for n in slot_names]
+                inputs = sub_inputs.get(name, [])
+                key = _structure_key(sub, inputs) or f"unique:{name}"
+                fn = cache.get(key)
+                if fn is None:
+                    for j, layer in enumerate(slots):
+                        _bind_alias(_slot_alias(j), layer)
+                    fn = compile_fx(sub, inputs)
+                    cache[key] = fn
+                    self.stats.num_unique_compiles += 1
+                    groups[key] = [name]
+                else:
+                    groups[key].append(name)
+                    rep = self._slot_layers.get(groups[key][0], [])
+                    # A pass may have switched the representative's layer to interleaved V at
+                    # compile time: the layers sharing its code follow.
+                    for a, b in zip(rep, slots):
+                        if a.interleaved_v != b.interleaved_v:
+                            b.set_interleaved_v_cache(a.interleaved_v)
+                self._slot_layers[name] = slots
+                piece = _CompiledPiece(name, fn, slots, self)
+                split.__dict__[name] = piece  # the split graph calls it in place of the submodule
+                self.pieces.append(piece)
+        self.stats.piece_groups = list(groups.values())
+
+    # --- per step -------------------------------------------------------------------------
+
+    def padded_size(self, num_tokens: int) -> int:
+        """The captured size a step of ``num_tokens`` runs at (itself if above all sizes)."""
+        for s in self.capture_sizes:
+            if s >= num_tokens:
+                return s
+        return num_tokens
+
+    def prepare(self, query_lens: Sequence[int], context_lens: Sequence[int],
+                block_tables: Sequence[Sequence[int]]) -> AttentionMetadata:
+        """Plan a step into the persistent buffers, padded to the captured size."""
+        n = sum(query_lens)
+        return build_attention_metadata(query_lens, context_lens, block_tables, self.block_size,
+                                        self.device, num_padded_tokens=self.padded_size(n),
+                                        buffers=self.buffers)
+
+    def _args(self, size: int) -> list:
+        args = self._args_by_size.get(size)
+        if args is None:
+            ids, pos = self.input_ids[:size], self.buffers.positions[:size]
+            args = [p[1] if p[0] == "param" else ids if p[0] == "ids" else pos if p[0] == "pos" else size
+                    for p in self._arg_plan]
+            self._args_by_size[size] = args
+        return args
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, metadata: AttentionMetadata,
+                 use_graphs: bool = True) -> torch.Tensor:
+        """Logits ``[num_actual_tokens, vocab]`` of one step. ``input_ids``: ``[num_actual_tokens]``
+        (or already padded) int64. ``use_graphs=False`` runs the compiled pieces without
+        graphs at the same padded size (a check of the graphs: results are bitwise equal)."""
+        n = metadata.num_actual_tokens
+        size = metadata.slot_mapping.shape[0]
+        if metadata.slot_mapping.data_ptr() != self.buffers.slot_mapping.data_ptr():
+            raise ValueError("PiecewiseRunner: build the step's metadata with runner.prepare(...)")
+        if input_ids.shape[0] not in (n, size):
+            raise ValueError(f"PiecewiseRunner: {input_ids.shape[0]} input ids for {n} tokens")
+        self.input_ids[: input_ids.shape[0]].copy_(input_ids, non_blocking=True)
+        graphs = use_graphs and size in self._captured
+        self._mode, self._size = (_Mode.REPLAY if graphs else _Mode.EAGER), size
+        try:
+            with set_forward_context(metadata):
+                out = self.split_gm(*self._args(size))
+        finally:
+            self._mode = _Mode.EAGER
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        return out[:n]
+
+    # --- capture --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def capture(self, num_warmup: int = 1) -> None:
+        """Capture one graph per compiled piece per size, largest size first."""
+        if not self.use_cuda_graphs or not self.capture_sizes:
+            return
+        t0 = time.perf_counter()
+        self._pool = torch.cuda.graph_pool_handle()
+        self._capture_stream = torch.cuda.Stream()
+        captured = set()
+        for size in sorted(self.capture_sizes, reverse=True):
+            md = self._dummy_metadata(size)
+            args = self._args(size)
+            with set_forward_context(md):
+                # Warm up on the capture stream (cuBLAS workspaces, Triton autotuning).
+                self._capture_stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self._capture_stream):
+                    for _ in range(num_warmup):
+                        self._mode = _Mode.EAGER
+                        self.split_gm(*args)
+                torch.cuda.synchronize()
+                self._mode, self._size = _Mode.CAPTURE, size
+                try:
+                    self.split_gm(*args)
+                finally:
+                    self._mode = _Mode.EAGER
+            captured.add(size)
+        torch.cuda.synchronize()
+        self._captured = frozenset(captured)
+        self.stats.capture_s = time.perf_counter() - t0
+
+
+def compile_piecewise(
+    model: nn.Module,
+    capture_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+    *,
+    max_num_seqs: int | None = None,
+    max_num_tokens: int | None = None,
+    max_model_len: int = 4096,
+    use_cuda_graphs: bool | None = None,
+    plugin: bool | None = None,
+    capture: bool = True,
+) -> PiecewiseRunner:
+    """Split ``model`` at its attention ops, compile the pieces with Inductor and (on a GPU)
+    capture one graph per piece per size in ``capture_sizes``.
+
+    Args:
+        model: ``forward(input_ids [T] int64, positions [T] int64) -> logits [T, V]`` over
+            ``Attention`` layers, KV caches already bound (``bind_kv_caches``).
+        capture_sizes: token counts to capture; a step is padded up to the next one.
+        max_num_seqs: sequences per step (metadata buffer size; default ``max(capture_sizes)``).
+        max_num_tokens: tokens per step, also for steps above the captured sizes that run
+            without graphs (default ``max(capture_sizes)``).
+        max_model_len: longest sequence (block-table width).
+        use_cuda_graphs: default: when the model's parameters are on a CUDA/HIP device.
+        plugin: run the plugin's passes in the piece compiles (default: when importable).
+        capture: capture now (else call ``runner.capture()`` later).
+    """
+    p = next(model.parameters())
+    device = p.device
+    if use_cuda_graphs is None:
+        use_cuda_graphs = device.type == "cuda"
+    if use_cuda_graphs and device.type != "cuda":
+        raise ValueError(f"compile_piecewise: CUDA/HIP graphs need the model on a GPU, it is on {device}")
+    sizes = list(capture_sizes)
+    top = max(sizes, default=1)
+    runner = PiecewiseRunner(
+        model, capture_sizes=sizes, max_num_seqs=max_num_seqs or top,
+        max_num_tokens=max_num_tokens or top, max_model_len=max_model_len,
+        use_cuda_graphs=use_cuda_graphs, plugin=plugin, device=device,
+    )
+    if capture and use_cuda_graphs:
+        runner.capture()
+    return runner
