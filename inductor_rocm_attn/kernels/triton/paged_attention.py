@@ -1,0 +1,378 @@
+"""Paged attention over the ROCM_ATTN cache: paged decode + prefix prefill, one call.
+
+``paged_attention`` has the signature of ``kernels.reference.paged_attention``. Per call it
+launches
+- the decode kernel: one program per (decode sequence, KV head, KV split), all GQA query
+  heads of the KV head in one ``[BLOCK_H, HEAD]`` tile, so each K/V byte is read once;
+  with more than one split (flash-decoding) each program covers a slice of the context and
+  writes partial sums that ``_decode_reduce_kernel`` merges;
+- the prefix-prefill kernel (``prefix_prefill.py``) for sequences with query_len > 1.
+Each kernel skips the other's sequences, so a mixed batch needs no host-side split. The
+number of KV splits comes from host shapes only (no device sync: CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ...layout import cache_x, fp8_max, is_fp8_dtype, k_view, v_view
+from .prefix_prefill import _LOG2E, _paged_inner, _prefix_prefill_kernel, _store_rows, _tiles
+
+__all__ = ["paged_attention", "decode_config", "prefill_config", "num_kv_splits"]
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _paged_decode_kernel(
+    # pointers
+    out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    k_scale_ptr, v_scale_ptr, alibi_ptr, sinks_ptr, out_scale_ptr,
+    # scalars
+    sm_scale, softcap, window,
+    # strides (elements)
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kcb, stride_kch, stride_vcb, stride_vch, stride_bt,
+    stride_pa_s, stride_pa_h, stride_pa_k,  # part_acc [seqs, heads, splits, HEAD]
+    # constexpr
+    GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, X: tl.constexpr,
+    TILE_N: tl.constexpr, SUB: tl.constexpr, NUM_SPLITS: tl.constexpr, COMPUTE: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, FP8_KV: tl.constexpr, INTERLEAVED_V: tl.constexpr,
+    USE_OUT_SCALE: tl.constexpr, OUT_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(num_seqs, num_kv_heads * HEAD_CHUNKS, NUM_SPLITS)``; only query_len == 1.
+
+    q/out ``[num_tokens, num_heads, HEAD_SIZE]``; the decode token is the sequence's last,
+    at position ``seq_len - 1``, and every key (its own too) is read from the cache.
+    """
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1) // HEAD_CHUNKS
+    chunk = tl.program_id(1) % HEAD_CHUNKS
+    split = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) - q_start != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    offs_h = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = offs_h < GQA
+    d_ok = offs_d < HEAD_SIZE
+    heads = kv_head * GQA + offs_h
+    q = tl.load(q_ptr + q_start.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(COMPUTE)
+    q_pos = tl.zeros([BLOCK_H], tl.int32) + (seq_len - 1)
+
+    # Keys [lo, seq_len) are visible (every key is <= the query position: causal or not).
+    lo = seq_len * 0
+    if USE_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    t_lo, f_lo, f_hi, t_hi = _tiles(lo, seq_len, lo, seq_len, seq_len * 0, TILE_N)
+    if NUM_SPLITS > 1:  # this split's share of the tiles; clamp the unmasked middle to it
+        per = (t_hi - t_lo + NUM_SPLITS - 1) // NUM_SPLITS
+        s_lo = tl.minimum(t_lo + split * per, t_hi)
+        s_hi = tl.minimum(s_lo + per, t_hi)
+        f_lo = tl.minimum(tl.maximum(f_lo, s_lo), s_hi)
+        f_hi = tl.minimum(tl.maximum(f_hi, f_lo), s_hi)
+        t_lo = s_lo
+        t_hi = s_hi
+
+    sm = sm_scale
+    v_scale = 1.0
+    if FP8_KV:
+        sm = sm_scale * tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    slope = tl.zeros([BLOCK_H], tl.float32)
+    if USE_ALIBI:
+        slope += tl.load(alibi_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * _LOG2E
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    m_i = tl.zeros([BLOCK_H], tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    if USE_SINKS:
+        if split == 0:  # the sink joins once, in split 0's partial sums
+            m_i = tl.load(sinks_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * _LOG2E
+            l_i += 1.0
+            # V is accumulated in cache units and scaled at the end; the sink's value is 0.
+
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    acc, m_i, l_i = _paged_inner(
+        acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
+        kv_head, t_lo, f_lo, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
+        COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
+        False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION)
+    acc, m_i, l_i = _paged_inner(
+        acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
+        kv_head, f_lo, f_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
+        COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
+        False, False, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION)
+    acc, m_i, l_i = _paged_inner(
+        acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
+        kv_head, f_hi, t_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
+        COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
+        False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION)
+
+    if NUM_SPLITS == 1:
+        out_scale = 1.0
+        if USE_OUT_SCALE:
+            out_scale = tl.load(out_scale_ptr)
+        out_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        _store_rows(out_ptrs, acc, l_i, v_scale, out_scale, h_ok[:, None] & d_ok[None, :],
+                    USE_OUT_SCALE, OUT_MAX)
+    else:
+        pa = (part_acc_ptr + seq.to(tl.int64) * stride_pa_s + heads[:, None] * stride_pa_h
+              + split * stride_pa_k + offs_d[None, :])
+        tl.store(pa, acc, mask=h_ok[:, None] & d_ok[None, :])
+        pml = part_ml_ptr + ((seq.to(tl.int64) * stride_pa_s // stride_pa_k + heads * NUM_SPLITS + split) * 2)
+        tl.store(pml, m_i, mask=h_ok)
+        tl.store(pml + 1, l_i, mask=h_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr, query_start_loc_ptr, v_scale_ptr, out_scale_ptr,
+    stride_ot, stride_oh, stride_pa_s, stride_pa_h, stride_pa_k,
+    HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, FP8_KV: tl.constexpr, USE_OUT_SCALE: tl.constexpr,
+    OUT_MAX: tl.constexpr,
+):
+    """Grid ``(num_seqs, num_heads)``: merge the splits' (acc, max, sum) of one decode row."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) - q_start != 1:
+        return
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < NUM_SPLITS
+    d_ok = offs_d < HEAD_SIZE
+    row = (seq.to(tl.int64) * stride_pa_s + head * stride_pa_h) // stride_pa_k + offs_s
+    m = tl.load(part_ml_ptr + row * 2, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + row[:, None] * stride_pa_k + offs_d[None, :],
+                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)  # empty splits have m = -inf: weight 0
+    l_sum = tl.sum(w * l, 0)
+    out = tl.sum(acc * w[:, None], 0)
+    v_scale = 1.0
+    if FP8_KV:
+        v_scale = tl.load(v_scale_ptr)
+    out = out * tl.where(l_sum > 0.0, v_scale / tl.where(l_sum > 0.0, l_sum, 1.0), 0.0)
+    if USE_OUT_SCALE:
+        out = tl.minimum(tl.maximum(out / tl.load(out_scale_ptr), -OUT_MAX), OUT_MAX)
+    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+# --- configs ---------------------------------------------------------------------------------
+
+# Tuned on an H200 (benchmarks/bench_decode.py, bench_prefill.py), keyed by
+# (head_size, gqa, block_size, cache dtype); anything else takes the heuristics below.
+# decode: (TILE_N, num_warps, num_stages); prefill: (BLOCK_M, BLOCK_N, num_warps, num_stages)
+_DECODE_TUNED: dict[tuple, tuple[int, int, int]] = {}
+_PREFILL_TUNED: dict[tuple, tuple[int, int, int, int]] = {}
+
+
+def _pow2_part(n: int) -> int:
+    return n & -n
+
+
+def decode_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.dtype,
+                  interpret: bool = False) -> tuple[int, int, int]:
+    """(TILE_N, num_warps, num_stages) of the decode kernel."""
+    if interpret:
+        return 32, 4, 1
+    tuned = _DECODE_TUNED.get((head_size, gqa, block_size, cache_dtype))
+    if tuned is not None:
+        return tuned
+    elem = torch.empty((), dtype=cache_dtype).element_size()
+    tile = 64 if head_size * elem <= 256 else 32
+    if elem == 1:
+        tile = 128 if head_size <= 128 else 64
+    return tile, 4, 3
+
+
+def prefill_config(head_size: int, gqa: int, block_size: int, dtype: torch.dtype,
+                   interpret: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefix-prefill (and encoder) kernel."""
+    if interpret:
+        return 16, 16, 4, 1
+    tuned = _PREFILL_TUNED.get((head_size, gqa, block_size, dtype))
+    if tuned is not None:
+        return tuned
+    if dtype == torch.float32:
+        return (64, 32, 4, 2) if head_size <= 128 else (32, 32, 4, 2)
+    if head_size <= 64:
+        return 128, 64, 4, 3
+    if head_size <= 128:
+        return 128, 64, 8, 3
+    return 64, 32, 4, 2
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in merging than it saves
+MAX_SPLITS = 64
+
+
+def num_kv_splits(num_seqs: int, num_kv_heads: int, head_chunks: int, max_ctx: int,
+                  num_sms: int) -> int:
+    """KV splits of the decode kernel, from host shapes only.
+
+    One split while (seqs x KV heads) already fills the GPU twice; else enough splits for
+    about 4 programs per SM, never shorter than ``MIN_SPLIT_TOKENS`` keys.
+    """
+    base = max(1, num_seqs * num_kv_heads * head_chunks)
+    if base >= 2 * num_sms:
+        return 1
+    want = triton.cdiv(4 * num_sms, base)
+    cap = max(1, triton.cdiv(max_ctx, MIN_SPLIT_TOKENS))
+    return max(1, min(want, cap, MAX_SPLITS))
+
+
+# --- entry point -----------------------------------------------------------------------------
+
+
+def _compute_dtype(query: torch.Tensor, key: torch.Tensor | None, cache_dtype: torch.dtype):
+    for t in (query.dtype, None if key is None else key.dtype, cache_dtype):
+        if t in _TL_DTYPES:
+            return t
+    return torch.bfloat16  # fp8 query and fp8 cache, no key: compute in bf16
+
+
+def paged_attention(
+    output: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    causal: bool,
+    sliding_window: int,
+    alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    logits_soft_cap: float,
+    interleaved_v: bool,
+    output_scale: torch.Tensor | None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    *,
+    num_splits: int | None = None,
+    decode_cfg: tuple[int, int, int] | None = None,
+    prefill_cfg: tuple[int, int, int, int] | None = None,
+) -> None:
+    """Chunked prefill + paged decode over the cache (semantics: ``reference.paged_attention``).
+
+    output/query ``[num_tokens, num_heads, head_size]``; key/value
+    ``[num_tokens, num_kv_heads, head_size]`` or None; kv_cache
+    ``[num_blocks, 2, block_size, num_kv_heads * head_size]`` (LHBNC or LBHNC);
+    query_start_loc ``[num_seqs + 1]``, seq_lens ``[num_seqs]``, block_table
+    ``[num_seqs, max_blocks]`` (int32/int64); k_scale/v_scale/output_scale ``[1]`` fp32;
+    alibi_slopes/sinks ``[num_heads]``. ``max_query_len``/``max_seq_len`` (host ints, optional)
+    only steer launches: max_query_len == 1 skips the prefill launch, max_seq_len bounds the
+    KV split count. ``num_splits``/``decode_cfg``/``prefill_cfg`` override the heuristics
+    (tests, benchmarks).
+    """
+    num_tokens, num_heads, head_size = query.shape
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return
+    num_kv_heads = key.shape[1] if key is not None else kv_cache.shape[3] // head_size
+    gqa = num_heads // num_kv_heads
+    block_size = kv_cache.shape[2]
+    cache_dtype = kv_cache.dtype
+    fp8_kv = is_fp8_dtype(cache_dtype)
+    x = cache_x(cache_dtype)
+    kc = k_view(kv_cache, num_kv_heads)
+    vc = v_view(kv_cache, num_kv_heads, interleaved_v)
+    compute = _compute_dtype(query, key, cache_dtype)
+    interpret = _interpret()
+    block_d = triton.next_power_of_2(head_size)
+    use_window = sliding_window is not None and sliding_window > 0
+    window = int(sliding_window) if use_window else 0
+    use_out_scale = output_scale is not None
+    out_max = fp8_max(output.dtype) if use_out_scale else 0.0
+    dummy = query  # stands for absent optional tensors (never read: constexpr-disabled)
+    common = dict(
+        COMPUTE=_TL_DTYPES[compute], USE_WINDOW=use_window, USE_ALIBI=alibi_slopes is not None,
+        USE_SINKS=sinks is not None, USE_SOFTCAP=logits_soft_cap > 0, FP8_KV=fp8_kv,
+        INTERLEAVED_V=interleaved_v, USE_OUT_SCALE=use_out_scale, OUT_MAX=out_max,
+        DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",
+    )
+    ptrs = (k_scale, v_scale, alibi_slopes if alibi_slopes is not None else dummy,
+            sinks if sinks is not None else dummy, output_scale if use_out_scale else dummy)
+    softcap = float(logits_soft_cap) if logits_soft_cap > 0 else 1.0
+
+    # --- decode: sequences with query_len == 1 ------------------------------------------------
+    tile_n, warps, stages = decode_cfg or decode_config(head_size, gqa, block_size, cache_dtype, interpret)
+    block_h = max(16, min(64, triton.next_power_of_2(gqa)))
+    head_chunks = triton.cdiv(gqa, block_h)
+    if num_splits is None:
+        max_ctx = max_seq_len if max_seq_len is not None else block_table.shape[1] * block_size
+        sms = 8 if interpret else _num_sms(query.device.index or 0)
+        num_splits = num_kv_splits(num_seqs, num_kv_heads, head_chunks, max_ctx, sms)
+    if num_splits > 1:
+        part_acc = torch.empty(num_seqs, num_heads, num_splits, head_size, dtype=torch.float32,
+                               device=query.device)
+        part_ml = torch.empty(num_seqs, num_heads, num_splits, 2, dtype=torch.float32,
+                              device=query.device)
+    else:
+        part_acc = part_ml = torch.empty(0, dtype=torch.float32, device=query.device)
+    pa_strides = (num_heads * num_splits * head_size, num_splits * head_size, head_size)
+    _paged_decode_kernel[(num_seqs, num_kv_heads * head_chunks, num_splits)](
+        output, part_acc, part_ml, query, kc, vc, block_table, seq_lens, query_start_loc, *ptrs,
+        scale, softcap, window,
+        query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+        kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), block_table.stride(0),
+        *pa_strides,
+        GQA=gqa, BLOCK_H=block_h, HEAD_CHUNKS=head_chunks, HEAD_SIZE=head_size, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, X=x, TILE_N=tile_n, SUB=min(tile_n, _pow2_part(block_size)),
+        NUM_SPLITS=num_splits, num_warps=warps, num_stages=stages, **common,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            output, part_acc, part_ml, query_start_loc, v_scale, ptrs[4],
+            output.stride(0), output.stride(1), *pa_strides,
+            HEAD_SIZE=head_size, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), FP8_KV=fp8_kv,
+            USE_OUT_SCALE=use_out_scale, OUT_MAX=out_max, num_warps=4,
+        )
+
+    # --- prefix prefill: sequences with query_len > 1 -----------------------------------------
+    if max_query_len is not None and max_query_len <= 1:
+        return
+    block_m, block_n, warps, stages = prefill_cfg or prefill_config(head_size, gqa, block_size, compute, interpret)
+    has_new = key is not None
+    k_new = key if has_new else dummy.view(num_tokens, num_heads, head_size)
+    v_new = value if has_new else k_new
+    _prefix_prefill_kernel[(num_tokens // block_m + num_seqs, num_heads)](
+        output, query, k_new, v_new, kc, vc, block_table, seq_lens, query_start_loc, *ptrs,
+        scale, softcap, window, num_seqs,
+        query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), block_table.stride(0),
+        GQA=gqa, HEAD_SIZE=head_size, BLOCK_D=block_d, BLOCK_SIZE=block_size, X=x,
+        SUB=min(block_n, _pow2_part(block_size)), BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_NEW_KV=has_new, CAUSAL=bool(causal), num_warps=warps, num_stages=stages, **common,
+    )

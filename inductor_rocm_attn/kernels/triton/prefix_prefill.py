@@ -1,0 +1,361 @@
+"""Prefix-prefill attention and the inner loops every attention kernel here shares.
+
+A prefill sequence (query_len > 1) has ``ctx = seq_len - query_len`` tokens in the paged
+cache and ``query_len`` new tokens in ``key``/``value``. Each program takes one query head
+and ``BLOCK_M`` of the sequence's new tokens, walks the cached context page by page
+(``_paged_inner``), then the new tokens (``_dense_inner``, causal), with one online softmax
+in fp32 over both. One launch covers the whole (mixed) batch: programs of decode sequences
+return at once (the decode kernel in ``paged_attention.py`` owns them).
+
+Shared pieces, also used by the decode and encoder kernels:
+- ``_attn_update``: one key tile of online softmax with scale, soft cap, ALiBi and masks,
+  in log2 units (``exp2``).
+- ``_load_paged_kv``: a ``[HEAD, TILE]`` K tile and ``[TILE, HEAD]`` V tile gathered from the
+  cache through the block table, for any block size that is a multiple of 16.
+- ``_plan`` / ``_tiles``: which key tiles a row block sees, and which of them need no mask.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through exp2 (no libdevice: also runs in the interpreter); saturates to +-1.
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * _LOG2E)) + 1.0)
+
+
+@triton.jit
+def _attn_update(
+    acc, m_i, l_i,  # running state: [M, BLOCK_D] fp32, [M] (log2 units), [M]
+    q, k, v,  # [M, BLOCK_D], [BLOCK_D, N], [N, BLOCK_D] in the compute dtype
+    q_pos, k_pos, k_ok,  # [M] int, [N] int, [N] bool (key inside the visible range)
+    slope,  # [M] ALiBi slope * log2(e)
+    sm_scale, softcap, window,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One key tile of online softmax: scale, soft cap, ALiBi, mask, then the rescaled sums."""
+    qk = tl.dot(q, k, input_precision=DOT_PRECISION)
+    if USE_SOFTCAP:
+        s = (softcap * _LOG2E) * _tanh(qk * (sm_scale / softcap))
+    else:
+        s = qk * (sm_scale * _LOG2E)
+    if USE_ALIBI:
+        s += slope[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
+    if MASK:
+        keep = k_ok[None, :]
+        if CAUSAL:
+            keep = keep & (k_pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            keep = keep & ((q_pos[:, None] - k_pos[None, :]) < window)
+            if not CAUSAL:
+                keep = keep & ((k_pos[None, :] - q_pos[:, None]) < window)
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen no visible key yet keeps m = -inf: exponentiate against 0 instead.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _plan(src_lo, src_hi, p0, p1, window, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """Keys of a source ``[src_lo, src_hi)`` seen by query positions ``[p0, p1)``.
+
+    Returns ``lo, hi`` (seen by some row) and ``full_lo, full_hi`` (seen by every row).
+    """
+    lo = src_lo
+    hi = src_hi
+    full_lo = src_lo
+    full_hi = src_hi
+    if CAUSAL:
+        hi = tl.minimum(hi, p1)
+        full_hi = tl.minimum(full_hi, p0 + 1)
+    if USE_WINDOW:
+        lo = tl.maximum(lo, p0 - window + 1)
+        full_lo = tl.maximum(full_lo, p1 - window)
+        if not CAUSAL:
+            hi = tl.minimum(hi, p1 - 1 + window)
+            full_hi = tl.minimum(full_hi, p0 + window)
+    hi = tl.maximum(hi, lo)
+    return lo, hi, full_lo, full_hi
+
+
+@triton.jit
+def _tiles(lo, hi, full_lo, full_hi, base, TILE: tl.constexpr):
+    """Tile indices (relative to ``base``): masked ``[t_lo, f_lo)``, unmasked ``[f_lo, f_hi)``,
+    masked ``[f_hi, t_hi)``."""
+    t_lo = (lo - base) // TILE
+    t_hi = tl.maximum((hi - base + TILE - 1) // TILE, t_lo)
+    # full_lo, full_hi >= base: both bounds start from the source's first key.
+    f_lo = (full_lo - base + TILE - 1) // TILE
+    f_hi = (full_hi - base) // TILE
+    f_lo = tl.minimum(tl.maximum(f_lo, t_lo), t_hi)
+    f_hi = tl.minimum(tl.maximum(f_hi, f_lo), t_hi)
+    return t_lo, f_lo, f_hi, t_hi
+
+
+@triton.jit
+def _load_paged_kv(
+    k_cache_ptr, v_cache_ptr, bt_row_ptr,  # cache interiors (K, V views), block-table row
+    kv_head, start, lo, hi,  # tile starts at token `start`; keys outside [lo, hi) are invalid
+    stride_kcb, stride_kch, stride_vcb, stride_vch,
+    BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, X: tl.constexpr,
+    TILE_N: tl.constexpr, SUB: tl.constexpr, INTERLEAVED_V: tl.constexpr, MASK: tl.constexpr,
+):
+    """Gather keys ``start .. start+TILE_N`` of one KV head from the cache.
+
+    The tile is ``TILE_N // SUB`` runs of ``SUB`` tokens; ``SUB`` divides the block size, so
+    each run sits in one block (one block-table entry) and is contiguous there. Returns
+    K ``[BLOCK_D, TILE_N]``, V ``[TILE_N, BLOCK_D]`` (cache dtype; invalid V rows are not
+    zeroed here), key positions ``[TILE_N]`` and their validity.
+    """
+    offs_n = start + tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_SIZE
+    if MASK:
+        # A run is loaded if any of its tokens is visible: its block is then a real one.
+        run = start + (tl.arange(0, TILE_N) // SUB) * SUB
+        run_ok = (run < hi) & (run + SUB > lo)
+        blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE, mask=run_ok, other=0)
+    else:
+        run_ok = offs_n >= 0
+        blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE)
+    blk = tl.max_constancy(blk, SUB).to(tl.int64)
+    in_blk = offs_n % BLOCK_SIZE
+    # K page [HEAD/X, BLOCK_SIZE, X]: X channels of a token are one 16-byte packet.
+    k_offs = (blk[None, :] * stride_kcb + kv_head * stride_kch
+              + (offs_d // X)[:, None] * (BLOCK_SIZE * X) + in_blk[None, :] * X + (offs_d % X)[:, None])
+    if INTERLEAVED_V:  # V page [BLOCK_SIZE/X, HEAD, X]: X tokens of a channel per packet
+        v_offs = (blk[:, None] * stride_vcb + kv_head * stride_vch
+                  + (in_blk // X)[:, None] * (HEAD_SIZE * X) + offs_d[None, :] * X + (in_blk % X)[:, None])
+    else:  # V page [HEAD, BLOCK_SIZE]
+        v_offs = blk[:, None] * stride_vcb + kv_head * stride_vch + offs_d[None, :] * BLOCK_SIZE + in_blk[:, None]
+    if MASK or BLOCK_D != HEAD_SIZE:
+        k = tl.load(k_cache_ptr + k_offs, mask=d_ok[:, None] & run_ok[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + v_offs, mask=run_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + k_offs)
+        v = tl.load(v_cache_ptr + v_offs)
+    k_ok = (offs_n >= lo) & (offs_n < hi)
+    return k, v, offs_n, k_ok
+
+
+@triton.jit
+def _paged_inner(
+    acc, m_i, l_i, q, q_pos, slope, sm_scale, softcap, window,
+    k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head, tile_lo, tile_hi, lo, hi,
+    stride_kcb, stride_kch, stride_vcb, stride_vch,
+    COMPUTE: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr, X: tl.constexpr, TILE_N: tl.constexpr, SUB: tl.constexpr,
+    INTERLEAVED_V: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr, MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over cache tiles ``tile_lo .. tile_hi`` (tile t = tokens t*TILE_N ..)."""
+    for t in range(tile_lo, tile_hi):
+        k, v, k_pos, k_ok = _load_paged_kv(
+            k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head, t * TILE_N, lo, hi,
+            stride_kcb, stride_kch, stride_vcb, stride_vch,
+            BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V, MASK)
+        k = k.to(COMPUTE)
+        v = v.to(COMPUTE)
+        if MASK:  # unwritten slots may hold anything (NaN): 0 * NaN would poison the sum
+            v = tl.where(k_ok[:, None], v, 0.0)
+        acc, m_i, l_i = _attn_update(
+            acc, m_i, l_i, q, k, v, q_pos, k_pos, k_ok, slope, sm_scale, softcap, window,
+            CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, MASK, DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _dense_inner(
+    acc, m_i, l_i, q, q_pos, slope, sm_scale, softcap, window,
+    k_ptr, v_ptr,  # first key/value row of the sequence, at its KV head
+    stride_kt, stride_vt, base, tile_lo, tile_hi, lo, hi,  # key j has position base + j
+    COMPUTE: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr, MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over key tiles of a dense ``[tokens, heads, HEAD]`` key/value pair."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_SIZE
+    for t in range(tile_lo, tile_hi):
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_pos = base + offs_n
+        k_ptrs = k_ptr + offs_n[None, :] * stride_kt + offs_d[:, None]
+        v_ptrs = v_ptr + offs_n[:, None] * stride_vt + offs_d[None, :]
+        if MASK:
+            k_ok = (k_pos >= lo) & (k_pos < hi)
+            k = tl.load(k_ptrs, mask=d_ok[:, None] & k_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        elif BLOCK_D != HEAD_SIZE:
+            k_ok = k_pos >= 0
+            k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            k_ok = k_pos >= 0
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        acc, m_i, l_i = _attn_update(
+            acc, m_i, l_i, q, k.to(COMPUTE), v.to(COMPUTE), q_pos, k_pos, k_ok, slope, sm_scale,
+            softcap, window, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, MASK, DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _find_seq(cu_ptr, num_seqs, pid, BLOCK_M: tl.constexpr):
+    """Sequence s owns virtual row blocks ``cu[s] // BLOCK_M + s ..`` (at least its
+    ``cdiv(len, BLOCK_M)``): the largest s whose first virtual block is <= pid."""
+    lo = 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        v = tl.load(cu_ptr + mid) // BLOCK_M + mid
+        if v <= pid:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _store_rows(out_ptrs, acc, l_i, v_scale, out_scale, mask,
+                USE_OUT_SCALE: tl.constexpr, OUT_MAX: tl.constexpr):
+    """Normalise, dequantise V, optionally quantise to fp8, store."""
+    inv = tl.where(l_i > 0.0, v_scale / tl.where(l_i > 0.0, l_i, 1.0), 0.0)  # a row with no visible key outputs 0
+    out = acc * inv[:, None]
+    if USE_OUT_SCALE:
+        out = tl.minimum(tl.maximum(out / out_scale, -OUT_MAX), OUT_MAX)
+    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _prefix_prefill_kernel(
+    # pointers
+    out_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    k_scale_ptr, v_scale_ptr, alibi_ptr, sinks_ptr, out_scale_ptr,
+    # scalars
+    sm_scale, softcap, window, num_seqs,
+    # strides (elements)
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kch, stride_vcb, stride_vch, stride_bt,
+    # constexpr
+    GQA: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, X: tl.constexpr, SUB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr,
+    HAS_NEW_KV: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    FP8_KV: tl.constexpr, INTERLEAVED_V: tl.constexpr, USE_OUT_SCALE: tl.constexpr,
+    OUT_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(num_tokens // BLOCK_M + num_seqs, num_heads)``; sequences with query_len <= 1
+    are skipped.
+
+    q/out ``[num_tokens, num_heads, HEAD_SIZE]``, k/v ``[num_tokens, num_kv_heads, HEAD_SIZE]``,
+    caches as ``layout.k_view`` / ``layout.v_view``, block_table ``[num_seqs, max_blocks]``.
+    """
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_M)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_tile = pid - (q_start // BLOCK_M + seq)
+    if q_len <= 1 or q_tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len
+    kv_head = head // GQA
+
+    offs_m = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < q_len
+    d_ok = offs_d < HEAD_SIZE
+    row = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + row[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0).to(COMPUTE)
+    q_pos = ctx_len + offs_m
+    p0 = ctx_len + q_tile * BLOCK_M
+    p1 = ctx_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_M)
+
+    sm = sm_scale
+    v_scale = 1.0
+    if FP8_KV:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    slope = tl.zeros([BLOCK_M], tl.float32)
+    if USE_ALIBI:
+        slope += tl.load(alibi_ptr + head).to(tl.float32) * _LOG2E
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if USE_SINKS:  # the sink is a key of logit `sink` (unscaled) and value 0
+        m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(sinks_ptr + head).to(tl.float32) * _LOG2E
+        l_i = tl.zeros([BLOCK_M], tl.float32) + 1.0
+    else:
+        m_i = tl.zeros([BLOCK_M], tl.float32) - float("inf")
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+
+    # 1) cached context (the whole sequence when the new tokens are in the cache too).
+    if HAS_NEW_KV:
+        cache_hi = ctx_len
+    else:
+        cache_hi = seq_len
+    zero = seq_len * 0
+    lo, hi, f_lo, f_hi = _plan(zero, cache_hi, p0, p1, window, CAUSAL, USE_WINDOW)
+    t0, t1, t2, t3 = _tiles(lo, hi, f_lo, f_hi, zero, BLOCK_N)
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    if FP8_KV:
+        sm = sm_scale * k_scale
+    acc, m_i, l_i = _paged_inner(
+        acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
+        kv_head, t0, t1, lo, hi, stride_kcb, stride_kch, stride_vcb, stride_vch,
+        COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, BLOCK_N, SUB, INTERLEAVED_V,
+        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION)
+    acc, m_i, l_i = _paged_inner(
+        acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
+        kv_head, t1, t2, lo, hi, stride_kcb, stride_kch, stride_vcb, stride_vch,
+        COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, BLOCK_N, SUB, INTERLEAVED_V,
+        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION)
+    acc, m_i, l_i = _paged_inner(
+        acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
+        kv_head, t2, t3, lo, hi, stride_kcb, stride_kch, stride_vcb, stride_vch,
+        COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, BLOCK_N, SUB, INTERLEAVED_V,
+        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION)
+    if FP8_KV:
+        # The cache part was accumulated from V / v_scale units: bring it to model units.
+        acc = acc * v_scale
+
+    # 2) the new tokens, from key/value (unquantised).
+    if HAS_NEW_KV:
+        lo, hi, f_lo, f_hi = _plan(ctx_len, seq_len, p0, p1, window, CAUSAL, USE_WINDOW)
+        t0, t1, t2, t3 = _tiles(lo, hi, f_lo, f_hi, ctx_len, BLOCK_N)
+        k_base = k_ptr + q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+        v_base = v_ptr + q_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+        acc, m_i, l_i = _dense_inner(
+            acc, m_i, l_i, q, q_pos, slope, sm_scale, softcap, window, k_base, v_base,
+            stride_kt, stride_vt, ctx_len, t0, t1, lo, hi, COMPUTE, HEAD_SIZE, BLOCK_D, BLOCK_N,
+            CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION)
+        acc, m_i, l_i = _dense_inner(
+            acc, m_i, l_i, q, q_pos, slope, sm_scale, softcap, window, k_base, v_base,
+            stride_kt, stride_vt, ctx_len, t1, t2, lo, hi, COMPUTE, HEAD_SIZE, BLOCK_D, BLOCK_N,
+            CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION)
+        acc, m_i, l_i = _dense_inner(
+            acc, m_i, l_i, q, q_pos, slope, sm_scale, softcap, window, k_base, v_base,
+            stride_kt, stride_vt, ctx_len, t2, t3, lo, hi, COMPUTE, HEAD_SIZE, BLOCK_D, BLOCK_N,
+            CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION)
+
+    out_scale = 1.0
+    if USE_OUT_SCALE:
+        out_scale = tl.load(out_scale_ptr)
+    out_ptrs = out_ptr + row[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    _store_rows(out_ptrs, acc, l_i, 1.0, out_scale, m_ok[:, None] & d_ok[None, :],
+                USE_OUT_SCALE, OUT_MAX)
