@@ -4,3 +4,5 @@ from .qk_norm_rope_and_cache import qk_norm_rope_and_cache  # noqa: F401  (cache
 from .reshape_and_cache import reshape_and_cache  # noqa: F401
 from .rope_and_cache import rope_and_cache  # noqa: F401
 from .rotary_embedding import rotary_embedding  # noqa: F401
+from .encoder_attention import encoder_attention  # noqa: F401  (attention)
+from .paged_attention import paged_attention  # noqa: F401
