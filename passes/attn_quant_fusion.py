@@ -1,0 +1,148 @@
+"""Attention + static per-tensor fp8 quant of its output -> attention with ``output_scale``.
+
+Unfused (post-grad)::
+
+    out = auto_functionalized_v2(unified_attention_with_output, ..., _all_bases=[empty(...)])[1]
+    q8 = static_scaled_fp8_quant(out, scale, fp8)      # or (out / scale).clamp(-m, m).to(fp8)
+
+Fused::
+
+    q8 = auto_functionalized_v2(unified_attention_with_output, ..., output_scale=scale,
+                                _all_bases=[empty(..., dtype=fp8)])[1]
+
+The plain form is ``forms.make_fp8_quant_plain`` traced per model dtype and fp8 dtype; the
+division must happen in fp32 (a tensor scale of one element, as the kernel divides in fp32).
+The attention's output must be a fresh ``empty`` buffer used only by the quant (through views).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from . import forms
+from .base import FusionPass
+
+aten = torch.ops.aten
+rocm = torch.ops.rocm_attn
+_ATTN = rocm.unified_attention_with_output.default
+
+
+def _attentions(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    return [n for n in graph.nodes if forms.auto_functionalized_op(n) is _ATTN]
+
+
+def _output_chain(out: torch.fx.Node):
+    """Follow single-user views from the attention output to the first non-view user."""
+    node = out
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user.op == "call_function" and user.target in forms.VIEW_OPS:
+            node = user
+            continue
+        return node, user
+    return node, None
+
+
+def _match_quant(x: torch.fx.Node, user: torch.fx.Node):
+    """``(scale, fp8 dtype, root, "")`` when ``user`` is a static fp8 quant of ``x``."""
+    if user.target is rocm.static_scaled_fp8_quant.default:
+        if user.args[0] is not x:
+            return None, None, None, "static_scaled_fp8_quant does not quantize the attention output"
+        return user.args[1], user.args[2], user, ""
+    xv = forms.val(x)
+    if xv is None or xv.dtype not in forms.MODEL_DTYPES:
+        return None, None, None, "attention output dtype is not a model dtype"
+    # the plain form's root is the final cast; walk at most three single-user steps to find it
+    node, why = user, []
+    for _ in range(3):
+        nv = forms.val(node)
+        if nv is not None and nv.dtype in forms.FP8_DTYPES:
+            kw, w = forms.match(forms.fp8_quant_pattern(xv.dtype, nv.dtype, xv.dim()), node)
+            if kw is None:
+                return None, None, None, f"fp8 cast of the output is not (x / scale).clamp(min, max).to(fp8): {w}"
+            if kw["x"] is not x:
+                return None, None, None, "the quantized tensor is not the attention output"
+            div = user
+            if div.target is not aten.div.Tensor or forms.val(div).dtype != torch.float32:
+                return None, None, None, "the division by scale is not in fp32"
+            return kw["scale"], nv.dtype, node, ""
+        if len(node.users) != 1:
+            break
+        (node,) = node.users
+    return None, None, None, "the attention output is not quantized to fp8"
+
+
+class AttnQuantFusionPass(FusionPass):
+    name = "attn_quant_fusion"
+
+    def apply(self, graph: torch.fx.Graph) -> None:
+        changed = False
+        for attn in _attentions(graph):
+            kw = attn.kwargs
+            layer = kw["layer_name"]
+            out = forms.getitem_user(attn, 1 + kw.get("_output_base_index", 0))
+            if out is None or kw.get("output_scale") is not None:
+                continue
+            x, user = _output_chain(out)
+            if user is None:
+                if len(x.users) > 1:
+                    self._maybe_miss(layer, x, "the attention output has several users")
+                continue
+            scale, fp8, root, why = _match_quant(x, user)
+            if root is None:
+                if self._is_candidate(user):
+                    self.not_fused(layer, why)
+                continue
+            base = kw["_all_bases"][kw.get("_output_base_index", 0)]
+            sv = forms.val(scale)
+            if not (base.op == "call_function" and base.target is aten.empty.memory_format and len(base.users) == 1):
+                self.not_fused(layer, "the attention output buffer is not a fresh empty tensor")
+                continue
+            if sv is None or sv.numel() != 1 or sv.dtype != torch.float32:
+                self.not_fused(layer, "the quant scale is not a one-element fp32 tensor")
+                continue
+            with graph.inserting_before(attn):
+                new_base = forms.call(graph, base.target, base.args, {**base.kwargs, "dtype": fp8})
+                bases = list(kw["_all_bases"])
+                bases[kw.get("_output_base_index", 0)] = new_base
+                new_attn = forms.call(graph, attn.target, attn.args,
+                                      {**kw, "output_scale": scale, "_all_bases": bases})
+                new_out = forms.call(graph, operator.getitem, (new_attn, out.args[1]))
+            with graph.inserting_after(new_out):
+                q8 = forms.reshape_like(graph, new_out, root)
+            root.replace_all_uses_with(q8)
+            for n in (root, *reversed(self._path(out, root)), out, attn, base):
+                if not n.users:
+                    graph.erase_node(n)
+            changed = True
+            self.fused(layer, f"attention + static fp8 quant ({fp8}) -> unified_attention_with_output(output_scale)")
+        if changed:
+            forms.finish(graph)
+
+    @staticmethod
+    def _path(out, root):
+        nodes, node = [], root
+        while node is not out:
+            node = node.args[0]
+            if node is not out:
+                nodes.append(node)
+        return nodes[::-1]
+
+    @staticmethod
+    def _is_candidate(user: torch.fx.Node) -> bool:
+        """A quant-looking consumer: our quant op, a division, or anything producing fp8 soon."""
+        node = user
+        for _ in range(3):
+            v = forms.val(node)
+            if node.target is rocm.static_scaled_fp8_quant.default or (v is not None and v.dtype in forms.FP8_DTYPES):
+                return True
+            if len(node.users) != 1:
+                return False
+            (node,) = node.users
+        return False
+
+    def _maybe_miss(self, layer, x, why):
+        if any(self._is_candidate(u) for u in x.users):
+            self.not_fused(layer, why)

@@ -1,0 +1,254 @@
+"""The plain-PyTorch forms the fusion passes recognize, traced into pattern-matcher patterns.
+
+Each form is a plain eager function, written the way models write it (HF ``rotate_half``
+RoPE with cos/sin gathered by position, HF RMSNorm with its dtype casts, the plain static
+fp8 quant). A form is traced once per (dtype, head geometry) with ``fwd_only`` (Inductor's
+own decompositions, so the pattern has the shape of a post-grad graph) and turned into a
+``PatternExpr`` with ``fx_to_pattern``. Two values are made wildcards while converting:
+
+- the token count: traced as ``_MAGIC_T`` and bound to one ``KeywordArg("_T")``, so it
+  matches a symbolic (dynamic) or concrete token count, the same one everywhere;
+- ``eps``: traced as ``_MAGIC_EPS`` and bound to ``KeywordArg("eps")`` (the pattern
+  matcher's ``scalar_workaround``), so the replacement gets the model's own eps.
+
+Every other constant (head size, split sizes, dims, dtypes, fp8 bounds) stays exact, so a
+norm over another axis, a split at another point or a cast to another dtype does not
+match. Node user counts are relaxed (``MULTIPLE``): the passes only *recognize* with these
+patterns; they rewrite by hand and leave dead nodes to dead-code elimination, so a shared
+cos/sin gather (one per model, used by every layer) does not block a match.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import re
+from typing import Any, Callable
+
+import torch
+from torch._inductor import pattern_matcher as pm
+
+aten = torch.ops.aten
+
+MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPES = tuple(
+    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+    if hasattr(torch, n)
+)
+
+_MAGIC_T = 97  # token count used while tracing; must not collide with a head geometry int
+_MAGIC_EPS = 9.87654e-05
+_POSITIONS = 8  # rows of the traced cos_sin_cache
+
+VIEW_OPS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+
+
+# === forms (plain eager functions) ==========================================================
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_neox_hf(x: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """HF NeoX RoPE of ``x [T, H, D]``; ``cos_sin_cache [P, D]`` (cos half | sin half), ``positions [T]``."""
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
+    sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def rope_gptj_hf(x: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """HF GPT-J RoPE (pairs ``(2i, 2i+1)``) of ``x [T, H, D]``; cache as in ``rope_neox_hf``."""
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    cos = torch.repeat_interleave(cos, 2, dim=-1).unsqueeze(1)
+    sin = torch.repeat_interleave(sin, 2, dim=-1).unsqueeze(1)
+    return x * cos + rotate_every_two(x) * sin
+
+
+def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF RMSNorm over the last dim: fp32 statistics, cast back, then ``weight *``."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rms_norm_hf_weight_last(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As ``rms_norm_hf`` with the weight multiplied on the right (``x.to(dtype) * weight``)."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x.to(dtype) * weight
+
+
+def make_fp8_quant_plain(fp8_dtype: torch.dtype) -> Callable:
+    m = torch.finfo(fp8_dtype).max
+
+    def fp8_quant_plain(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Static per-tensor fp8 quant as models write it: ``(x / scale).clamp(min, max).to(fp8)``."""
+        return (x / scale).clamp(-m, m).to(fp8_dtype)
+
+    return fp8_quant_plain
+
+
+ROPE_FORMS = {"hf_neox": (rope_neox_hf, True), "hf_gptj": (rope_gptj_hf, False)}
+RMS_FORMS = {"hf": rms_norm_hf, "hf_weight_last": rms_norm_hf_weight_last}
+
+
+# === tracing into patterns ==================================================================
+
+
+def _relax_users(p: Any, seen: set) -> None:
+    if not isinstance(p, pm.PatternExpr) or id(p) in seen:
+        return
+    seen.add(id(p))
+    if isinstance(p, pm._TargetExpr):
+        p.users = pm.MULTIPLE
+    if isinstance(p, pm._TargetArgsExpr):
+        for a in p.flat_args_kwargs[0]:
+            _relax_users(a, seen)
+
+
+def _trace(fn: Callable, args: list, argnames: list[str], eps: bool = False) -> pm.PatternExpr:
+    gm = pm.fwd_only(fn, args)
+    graph = gm.graph
+    last_ph = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last_ph):
+        t_ph = graph.placeholder("_T")
+
+    def sub(a):
+        return t_ph if type(a) is int and a == _MAGIC_T else a
+
+    for node in list(graph.nodes):
+        if node.op == "call_function":
+            if node.target is aten.view.default:  # post-grad graphs hold views as reshapes
+                node.target = aten.reshape.default
+            node.args = torch.fx.node.map_aggregate(node.args, sub)
+            node.kwargs = torch.fx.node.map_aggregate(node.kwargs, sub)
+    pattern = pm.fx_to_pattern(
+        gm, argnames=[*argnames, "_T"], scalar_workaround={"eps": _MAGIC_EPS} if eps else None
+    )
+    _relax_users(pattern, set())
+    return pattern
+
+
+@functools.cache
+def rope_pattern(form: str, dtype: torch.dtype, num_heads: int, head_size: int) -> pm.PatternExpr:
+    """Pattern of ``ROPE_FORMS[form]`` on ``x [T, num_heads, head_size]`` in ``dtype``."""
+    assert _MAGIC_T not in (num_heads, head_size, head_size // 2)
+    fn, _ = ROPE_FORMS[form]
+    args = [torch.randn(_MAGIC_T, num_heads, head_size, dtype=dtype),
+            torch.randn(_POSITIONS, head_size, dtype=dtype),
+            torch.zeros(_MAGIC_T, dtype=torch.int64)]
+    return _trace(fn, args, ["x", "cos_sin_cache", "positions"])
+
+
+@functools.cache
+def rms_pattern(form: str, dtype: torch.dtype, num_heads: int, head_size: int) -> pm.PatternExpr:
+    """Pattern of ``RMS_FORMS[form]`` on ``x [T, num_heads, head_size]``, weight ``[head_size]``."""
+    assert _MAGIC_T not in (num_heads, head_size)
+    fn = RMS_FORMS[form]
+    args = [torch.randn(_MAGIC_T, num_heads, head_size, dtype=dtype), torch.randn(head_size, dtype=dtype),
+            _MAGIC_EPS]
+    return _trace(fn, args, ["x", "weight", "eps"], eps=True)
+
+
+@functools.cache
+def fp8_quant_pattern(dtype: torch.dtype, fp8_dtype: torch.dtype, ndim: int) -> pm.PatternExpr:
+    """Pattern of the plain static fp8 quant of an ``ndim``-D ``dtype`` tensor by a fp32 scale."""
+    shape = [_MAGIC_T, 4, 32][:ndim]
+    args = [torch.randn(*shape, dtype=dtype), torch.ones(1, dtype=torch.float32)]
+    return _trace(make_fp8_quant_plain(fp8_dtype), args, ["x", "scale"])
+
+
+def match(pattern: pm.PatternExpr, node: torch.fx.Node) -> tuple[dict | None, str]:
+    """``(kwargs, "")`` when ``pattern`` matches at ``node``, else ``(None, why)``."""
+    m = pattern.match(node)
+    if not m:
+        return None, _short(str(m))
+    return dict(m.kwargs), ""
+
+
+def _short(why: str) -> str:
+    """A FailedMatch message with the (long) pattern repr cut to its head."""
+    return re.sub(r"pattern=(\w+)\(([\w.]+).*", r"pattern=\2(...)", why, flags=re.S)
+
+
+# === graph helpers ==========================================================================
+
+
+def val(node: Any):
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def strip_views(node: torch.fx.Node) -> torch.fx.Node:
+    """Follow reshape/view nodes back to the tensor they view."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in VIEW_OPS:
+        node = node.args[0]
+    return node
+
+
+def is_getitem(node: Any, index: int | None = None) -> bool:
+    return (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is operator.getitem
+            and (index is None or node.args[1] == index))
+
+
+def auto_functionalized_op(node: Any):
+    """The op an ``auto_functionalized(_v2)`` node wraps, else None."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function"):
+        return None
+    hops = [getattr(torch.ops.higher_order, n, None) for n in ("auto_functionalized_v2", "auto_functionalized")]
+    if node.target in [h for h in hops if h is not None]:
+        return node.args[0]
+    return None
+
+
+def getitem_user(node: torch.fx.Node, index: int) -> torch.fx.Node | None:
+    for u in node.users:
+        if is_getitem(u, index):
+            return u
+    return None
+
+
+def _fake_mode(values):
+    mode = torch._guards.detect_fake_mode(values)
+    if mode is None:
+        from torch._inductor.virtualized import V
+
+        mode = V.fake_mode
+    return mode
+
+
+def call(graph: torch.fx.Graph, target, args: tuple, kwargs: dict | None = None) -> torch.fx.Node:
+    """Insert ``target(*args, **kwargs)`` at the graph's insert point, with ``meta["val"]``."""
+    kwargs = kwargs or {}
+    node = graph.call_function(target, args, kwargs)
+    vargs, vkwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+    if target is operator.getitem:
+        node.meta["val"] = vargs[0][vargs[1]]
+    else:
+        leaves = [v for v in torch.utils._pytree.tree_leaves((vargs, vkwargs)) if isinstance(v, torch.Tensor)]
+        with _fake_mode(leaves):
+            node.meta["val"] = target(*vargs, **vkwargs)
+    return node
+
+
+def reshape_like(graph: torch.fx.Graph, node: torch.fx.Node, like: torch.fx.Node) -> torch.fx.Node:
+    """``node`` reshaped to ``like``'s shape (leading token dim inferred), or ``node`` itself."""
+    src, dst = val(node).shape, val(like).shape
+    if len(src) == len(dst) and all(a is b or a == b for a, b in zip(src[1:], dst[1:])):
+        return node
+    return call(graph, aten.reshape.default, (node, [-1, *[int(s) for s in dst[1:]]]))
+
+
+def finish(graph: torch.fx.Graph) -> None:
+    """Drop dead nodes and restore a topological order after hand rewrites."""
+    pm.stable_topological_sort(graph)
+    graph.eliminate_dead_code()
