@@ -317,3 +317,77 @@ def test_gpu_int64_cache_offsets():
     vv_ = v_view(cache, hkv, True)[num_blocks - 1, :, 3 // x, :, 3 % x]
     assert torch.equal(kv_, k[0]) and torch.equal(vv_, v[0])
     del cache
+
+
+# --- GPU: the aiter provider (AMD AITER's Triton kernels; AITER_TRITON_ONLY=1 off ROCm) -------
+
+
+def _aiter_provider():
+    try:
+        from inductor_rocm_attn.kernels import aiter as ak
+
+        ak._fused_kv_cache()
+        ak._fused_qk_norm()
+        return ak
+    except Exception as e:  # noqa: BLE001 - any import failure means "not here"
+        pytest.skip(f"AMD AITER is not importable here: {type(e).__name__}: {e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("block_size,layout,interleaved_v,is_neox", [
+    (16, CacheLayout.LHBNC, True, True), (32, CacheLayout.LBHNC, True, False),
+    (16, CacheLayout.LBHNC, False, True),
+])
+def test_aiter_rope_and_cache(cache_dtype, block_size, layout, interleaved_v, is_neox):
+    ak = _aiter_provider()
+    t, hq, hkv, d = 200, 32, 8, 128
+    dtype = torch.bfloat16
+    cache, slots = make_cache(block_size, hkv, d, cache_dtype, layout, t, seed=block_size)
+    cache_ref = cache.cpu().clone()
+    qkv = make_qkv(t, hq, hkv, d, dtype, seed=5)
+    qkv_ref = qkv.cpu().clone()
+    positions = torch.randint(0, 4000, (t,), generator=_gen(6)).to(DEV)
+    cos_sin = make_cos_sin(4096, d, torch.float32)
+    slots = pad_slots(slots, 5)[: t - 3].to(DEV)
+    ks, vs = scales(dtype, 0.05, 0.03)
+    q, k, v = split(qkv, hq, hkv, d)
+    ak.rope_and_cache(positions, q, k, v, cache, slots, cos_sin, is_neox, ks, vs, interleaved_v)
+    qr, kr, vr = split(qkv_ref, hq, hkv, d)
+    ref.rope_and_cache(positions.cpu(), qr, kr, vr, cache_ref, slots.cpu(), cos_sin.cpu(), is_neox,
+                       ks.cpu(), vs.cpu(), interleaved_v)
+    torch.cuda.synchronize()
+    assert rel_err(q, qr) < 1e-2
+    written = torch.zeros(t, dtype=torch.bool)
+    written[: slots.shape[0]] = slots.cpu() >= 0  # AITER leaves padding tokens' keys unrotated
+    assert rel_err(k.cpu()[written], kr[written]) < 1e-2
+    assert_cache_equal(cache.cpu(), cache_ref, cache_dtype, exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("block_size,layout,interleaved_v,is_neox,rot_dim", [
+    (16, CacheLayout.LHBNC, True, True, 128), (544, CacheLayout.LBHNC, False, False, 128),
+    (32, CacheLayout.LHBNC, True, True, 64),
+])
+def test_aiter_qk_norm_rope_and_cache(cache_dtype, block_size, layout, interleaved_v, is_neox, rot_dim):
+    ak = _aiter_provider()
+    t, hq, hkv, d = 150, 16, 4, 128
+    dtype = torch.bfloat16
+    cache, slots = make_cache(block_size, hkv, d, cache_dtype, layout, t, seed=block_size)
+    cache_ref = cache.cpu().clone()
+    qkv = make_qkv(t, hq, hkv, d, dtype, seed=9)
+    w = torch.randn(2, d, generator=_gen(10)).mul(0.1).add(1).to(dtype).to(DEV)
+    positions = torch.randint(0, 4000, (t,), generator=_gen(11)).to(DEV)
+    cos_sin = make_cos_sin(4096, rot_dim, torch.float32)
+    slots = pad_slots(slots, 4)[: t - 2].to(DEV)
+    ks, vs = scales(dtype, 0.05, 0.03)
+    out = ak.qk_norm_rope_and_cache(qkv, w[0], w[1], 1e-6, positions, cos_sin, is_neox, cache, slots,
+                                    ks, vs, interleaved_v, hq, hkv, d)
+    exp = ref.qk_norm_rope_and_cache(qkv.cpu(), w[0].cpu(), w[1].cpu(), 1e-6, positions.cpu(), cos_sin.cpu(),
+                                     is_neox, cache_ref, slots.cpu(), ks.cpu(), vs.cpu(), interleaved_v,
+                                     hq, hkv, d)
+    torch.cuda.synchronize()
+    for o, e in zip(out, exp):
+        assert o.shape == e.shape and rel_err(o, e) < 1e-2
+    assert_cache_equal(cache.cpu(), cache_ref, cache_dtype, exact=False)
