@@ -249,10 +249,14 @@ GPU_FEATURES = [
 ]
 
 
+# every geometry x feature set in bf16, every geometry plain in fp16
+GPU_MATRIX = [(g, f, torch.bfloat16) for g in GPU_CASES for f in GPU_FEATURES] + [
+    (g, GPU_FEATURES[0], torch.float16) for g in GPU_CASES]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("feat", [f[1] for f in GPU_FEATURES], ids=[f[0] for f in GPU_FEATURES])
-@pytest.mark.parametrize("geom", [c[1] for c in GPU_CASES], ids=[c[0] for c in GPU_CASES])
+@pytest.mark.parametrize("geom,feat,dtype", [(g[1], f[1], d) for g, f, d in GPU_MATRIX],
+                         ids=[f"{g[0]}-{f[0]}-{str(d)[6:]}" for g, f, d in GPU_MATRIX])
 def test_paged_attention_gpu(geom, feat, dtype):
     # mixed batch: long and short decodes, prefills with and without a cached prefix
     _check_paged([1, 1, 300, 1, 77, 1], [2000, 15, 1200, 1, 0, 700], dtype=dtype, device=GPU,

@@ -1,0 +1,170 @@
+"""Paged-decode benchmark: Triton ``paged_attention`` vs PyTorch SDPA on the same data.
+
+bf16, 32 query heads / 8 KV heads, head 128, block 16, blocks placed at random. For every
+batch B and context L: check the Triton output against SDPA (over the same K/V made
+contiguous), then time both as CUDA-graph replays under ``triton.testing.do_bench``
+(median; do_bench flushes L2 before each replay). Effective bandwidth counts K+V read once
+plus q and out; the ceiling is a read-only reduction measured in the same run.
+
+    python benchmarks/bench_decode.py [--batch 1 16 64 128] [--ctx 1024 4096 16384] [--sweep]
+
+Writes benchmarks/results/decode_<date>.json and .md (or --out DIR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from inductor_rocm_attn.kernels.triton import paged_attention  # noqa: E402  (the function)
+from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache, dense_kv  # noqa: E402
+
+pa_mod = sys.modules["inductor_rocm_attn.kernels.triton.paged_attention"]
+HQ, HKV, D, BS = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+
+
+def graph_time_us(fn) -> float:
+    """Median time of one CUDA-graph replay of ``fn`` (L2 flushed before each)."""
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+def read_ceiling_tbs() -> float:
+    x = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")  # 2 GiB
+    t = triton.testing.do_bench(lambda: x.sum(dtype=torch.float32), warmup=10, rep=100,
+                                return_mode="median")
+    del x
+    return 2 * (1 << 30) / (t * 1e-3) / 1e12
+
+
+class DecodeCase:
+    def __init__(self, b: int, L: int, seed: int = 0, layout=CacheLayout.LHBNC):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        nblk = b * L // BS
+        spec = KVCacheSpec(BS, HKV, D, DTYPE, layout)
+        self.kv_cache = allocate_kv_cache(spec, nblk + 8, "cuda")
+        self.kv_cache.copy_(torch.randn(self.kv_cache.shape, generator=g, device="cuda", dtype=DTYPE))
+        perm = torch.randperm(nblk + 8, generator=g, device="cuda")[:nblk]
+        self.block_table = perm.view(b, L // BS).to(torch.int32).contiguous()
+        self.seq_lens = torch.full((b,), L, dtype=torch.int32, device="cuda")
+        self.qsl = torch.arange(b + 1, dtype=torch.int32, device="cuda")
+        self.query = torch.randn(b, HQ, D, generator=g, device="cuda", dtype=DTYPE)
+        self.out = torch.empty_like(self.query)
+        self.scale = D ** -0.5
+        self.one = torch.ones(1, device="cuda")
+        self.b, self.L = b, L
+
+    def run(self, **kw):
+        paged_attention(self.out, self.query, None, None, self.kv_cache, self.qsl, self.seq_lens,
+                        self.block_table, self.scale, self.one, self.one, True, -1, None, None,
+                        0.0, False, None, max_query_len=1, max_seq_len=self.L, **kw)
+
+    def dense(self):
+        """Contiguous K, V ``[B, HKV, L, D]`` holding the same tokens (for SDPA)."""
+        kd, vd = dense_kv(self.kv_cache, HKV, False)  # [nb, BS, HKV, D]
+        bt = self.block_table.long()
+        k = kd[bt].reshape(self.b, self.L, HKV, D).transpose(1, 2).contiguous()
+        v = vd[bt].reshape(self.b, self.L, HKV, D).transpose(1, 2).contiguous()
+        return k, v
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 128])
+    ap.add_argument("--ctx", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--sweep", action="store_true", help="also sweep configs at B=64,L=4096 and splits at B=1")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+    dev = torch.cuda.get_device_name()
+    ceiling = read_ceiling_tbs()
+    print(f"# {dev}, torch {torch.__version__}, triton {triton.__version__}; read ceiling {ceiling:.2f} TB/s")
+    rows, sweep = [], []
+    for b in args.batch:
+        for L in args.ctx:
+            c = DecodeCase(b, L, seed=b * 7 + L)
+            k, v = c.dense()
+            q4 = c.query.view(b, HQ, 1, D)
+            ref = F.scaled_dot_product_attention(q4, k, v, scale=c.scale, enable_gqa=True)
+            c.out.fill_(float("nan"))
+            c.run()
+            err = float((c.out.float() - ref.view(b, HQ, D).float()).norm() / ref.float().norm())
+            assert err < 1e-2, f"B={b} L={L}: triton vs SDPA rel err {err:.3e}"
+            splits = pa_mod.num_kv_splits(b, HKV, 1, L, pa_mod._num_sms(0))
+            t_tri = graph_time_us(c.run)
+            t_sdpa = graph_time_us(lambda: F.scaled_dot_product_attention(
+                q4, k, v, scale=c.scale, enable_gqa=True))
+            nbytes = 2 * b * L * HKV * D * 2 + 2 * b * HQ * D * 2
+            row = dict(B=b, L=L, splits=splits, triton_us=t_tri, sdpa_us=t_sdpa,
+                       triton_tbs=nbytes / t_tri / 1e6, sdpa_tbs=nbytes / t_sdpa / 1e6,
+                       ratio_vs_sdpa=t_tri / t_sdpa, frac_of_ceiling=nbytes / t_tri / 1e6 / ceiling,
+                       rel_err_vs_sdpa=err)
+            rows.append(row)
+            print(f"B={b:4d} L={L:6d} splits={splits:2d}  triton {t_tri:8.1f} us {row['triton_tbs']:5.2f} TB/s"
+                  f"  sdpa {t_sdpa:8.1f} us {row['sdpa_tbs']:5.2f} TB/s  x{row['ratio_vs_sdpa']:.2f}  err {err:.1e}",
+                  flush=True)
+            if args.sweep and b == 64 and L == 4096:
+                for tile in (32, 64, 128):
+                    for warps in (4, 8):
+                        for stages in (2, 3):
+                            try:
+                                t = graph_time_us(lambda: c.run(decode_cfg=(tile, warps, stages)))
+                            except Exception as e:  # e.g. out of shared memory
+                                print(f"  cfg {tile},{warps},{stages}: {type(e).__name__}")
+                                continue
+                            sweep.append(dict(B=b, L=L, cfg=[tile, warps, stages], us=t, tbs=nbytes / t / 1e6))
+                            print(f"  cfg tile={tile} warps={warps} stages={stages}: {t:7.1f} us {nbytes / t / 1e6:5.2f} TB/s", flush=True)
+            if args.sweep and b in (1, 16) and L in (4096, 16384):
+                for s in (1, 4, 8, 16, 32, 64):
+                    t = graph_time_us(lambda: c.run(num_splits=s))
+                    sweep.append(dict(B=b, L=L, splits=s, us=t, tbs=nbytes / t / 1e6))
+                    print(f"  splits={s:2d}: {t:7.1f} us {nbytes / t / 1e6:5.2f} TB/s", flush=True)
+            del c, k, v
+            torch.cuda.empty_cache()
+    meta = dict(command=" ".join(sys.argv), machine=dev, torch=torch.__version__,
+                triton=triton.__version__, python=platform.python_version(),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                read_ceiling_tbs=ceiling, dtype="bf16", heads=f"{HQ}/{HKV}", head_size=D,
+                block_size=BS, timing="CUDA-graph replay, do_bench median, L2 flushed")
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
+    with open(os.path.join(args.out, f"decode_{stamp}.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows, sweep=sweep), f, indent=1)
+    lines = [f"# Paged decode, {dev} ({meta['date']})", "",
+             f"`{meta['command']}`; torch {meta['torch']}, triton {meta['triton']}; bf16, "
+             f"heads {HQ}/{HKV}, d={D}, block {BS}; read ceiling {ceiling:.2f} TB/s; {meta['timing']}", "",
+             "| B | L | splits | Triton us | TB/s | % ceiling | SDPA us | SDPA TB/s | Triton/SDPA |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['B']} | {r['L']} | {r['splits']} | {r['triton_us']:.1f} | {r['triton_tbs']:.2f} | "
+                     f"{100 * r['frac_of_ceiling']:.0f}% | {r['sdpa_us']:.1f} | {r['sdpa_tbs']:.2f} | "
+                     f"{r['ratio_vs_sdpa']:.2f} |")
+    md = "\n".join(lines) + "\n"
+    with open(os.path.join(args.out, f"decode_{stamp}.md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
