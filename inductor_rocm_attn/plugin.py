@@ -24,6 +24,7 @@ ENV_VAR = "ROCM_ATTN_PLUGIN"
 
 _manager = None  # the installed PassManager, or None
 _report = None
+_saved_specialize_float = None  # dynamo's specialize_float before enable(), restored by disable()
 
 
 def fusion_report():
@@ -43,8 +44,16 @@ def is_enabled() -> bool:
 
 
 def enable(**flags: bool):
-    """Install the pass manager; ``flags``: pass name -> enabled. Returns the manager."""
-    global _manager
+    """Install the pass manager; ``flags``: pass name -> enabled. Returns the manager.
+
+    Also sets ``torch._dynamo.config.specialize_float = True`` (restored by ``disable()``):
+    under ``dynamic=True`` Dynamo otherwise turns module floats such as an RMSNorm's eps
+    into graph inputs, whose value a compile-time pass cannot read, and the QK-norm fusion
+    (whose kernel takes eps as a constant) could not fire. A float that changes between
+    calls then recompiles instead.
+    """
+    global _manager, _saved_specialize_float
+    import torch._dynamo.config as dynamo_config
     from torch._inductor import config
 
     from inductor_rocm_attn import lowering
@@ -58,18 +67,25 @@ def enable(**flags: bool):
         return _manager
     _manager = PassManager(user_pass=current, flags=flags, report=fusion_report())
     config.post_grad_custom_post_pass = _manager
+    if _saved_specialize_float is None:
+        _saved_specialize_float = dynamo_config.specialize_float
+    dynamo_config.specialize_float = True
     logger.info("rocm_attn plugin enabled (passes: %s)", _manager.flags)
     return _manager
 
 
 def disable() -> None:
     """Remove the pass manager, putting back the post pass installed before ``enable()``."""
-    global _manager
+    global _manager, _saved_specialize_float
+    import torch._dynamo.config as dynamo_config
     from torch._inductor import config
 
     if _manager is not None and config.post_grad_custom_post_pass is _manager:
         config.post_grad_custom_post_pass = _manager.user_pass
     _manager = None
+    if _saved_specialize_float is not None:
+        dynamo_config.specialize_float = _saved_specialize_float
+        _saved_specialize_float = None
 
 
 def set_pass_flag(name: str, enabled: bool) -> None:
@@ -96,3 +112,12 @@ def enable_from_env() -> bool:
         enable()
         return True
     return False
+
+
+# The package exports this context manager as ``inductor_rocm_attn.plugin``, which hides the
+# module of the same name from ``from inductor_rocm_attn import plugin``; give the function the
+# module's API so ``plugin.enable()`` / ``plugin.fusion_report()`` work either way.
+for _fn in (enable, disable, fusion_report, is_enabled, set_pass_flag, enable_from_env):
+    setattr(plugin, _fn.__name__, _fn)
+plugin.ENV_VAR = ENV_VAR
+del _fn
