@@ -244,6 +244,64 @@ def test_qk_norm_rope_and_cache(block_size, head_size, rot_dim, layout, interlea
     assert_cache_equal(cache.cpu(), cache_ref, dtype, exact=False)
 
 
+# --- prefill tiles: consecutive slots take the contiguous-store path -----------------------
+
+
+def prefill_slots(lens_and_starts, block_size, num_blocks, seed):
+    """Sequences written from offset ``start`` of fresh random blocks, tokens in slot order."""
+    perm = torch.randperm(num_blocks, generator=_gen(seed)).tolist()
+    out = []
+    for length, start in lens_and_starts:
+        pos = torch.arange(start, start + length)
+        blocks = torch.tensor([perm.pop() for _ in range(math.ceil((start + length) / block_size))])
+        out.append(blocks[pos // block_size] * block_size + pos % block_size)
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("op", ["reshape_and_cache", "rope_and_cache", "qk_norm_rope_and_cache"])
+@pytest.mark.parametrize("block_size,block_t,dtype,interleaved_v,layout", [
+    (16, 16, torch.float16, True, CacheLayout.LHBNC), (32, 8, torch.float16, False, CacheLayout.LBHNC),
+    (544, 16, torch.float32, True, CacheLayout.LBHNC), (16, 8, torch.float32, False, CacheLayout.LHBNC),
+])
+def test_writers_prefill_tiles(op, block_size, block_t, dtype, interleaved_v, layout):
+    hq, hkv, d = 2, 2, 64
+    # aligned sequence (full tiles), one starting mid-block, one padded token
+    seqs = [(40, 0), (21, 5), (7, 0)]
+    t = sum(n for n, _ in seqs)
+    num_blocks = sum(math.ceil((n + s) / block_size) for n, s in seqs) + 2
+    spec = KVCacheSpec(block_size, hkv, d, dtype, layout)
+    cache = poison(allocate_kv_cache(spec, num_blocks, DEV))
+    cache_ref = cache.cpu().clone()
+    slots = prefill_slots(seqs, block_size, num_blocks, seed=block_size + block_t)
+    slots[45] = -1
+    slots = slots.to(DEV)
+    qkv = make_qkv(t, hq, hkv, d, dtype, seed=block_t)
+    qkv_ref = qkv.cpu().clone()
+    positions = torch.randint(0, 100, (t,), generator=_gen(1)).to(DEV)
+    cos_sin = make_cos_sin(128, d, torch.float32)
+    ks, vs = scales(dtype)
+    q, k, v = split(qkv, hq, hkv, d)
+    qr, kr, vr = split(qkv_ref, hq, hkv, d)
+    c = lambda x: x.cpu()  # noqa: E731
+    if op == "reshape_and_cache":
+        tk.reshape_and_cache(k.view(t, hkv, d), v, cache, slots, ks, vs, interleaved_v, block_t=block_t)
+        ref.reshape_and_cache(kr.view(t, hkv, d), vr, cache_ref, c(slots), c(ks), c(vs), interleaved_v)
+        exact = True
+    elif op == "rope_and_cache":
+        tk.rope_and_cache(positions, q, k, v, cache, slots, cos_sin, True, ks, vs, interleaved_v, block_t=block_t)
+        ref.rope_and_cache(c(positions), qr, kr, vr, cache_ref, c(slots), c(cos_sin), True, c(ks), c(vs),
+                           interleaved_v)
+        exact = False
+    else:
+        w = torch.ones(d, dtype=dtype, device=DEV)
+        tk.qk_norm_rope_and_cache(qkv, w, w, 1e-6, positions, cos_sin, False, cache, slots, ks, vs,
+                                  interleaved_v, hq, hkv, d, block_t=block_t)
+        ref.qk_norm_rope_and_cache(qkv_ref, c(w), c(w), 1e-6, c(positions), c(cos_sin), False, cache_ref,
+                                   c(slots), c(ks), c(vs), interleaved_v, hq, hkv, d)
+        exact = False
+    assert_cache_equal(cache.cpu(), cache_ref, dtype, exact=exact)
+
+
 # --- GPU: bf16 / fp16 / fp8, larger shapes ---------------------------------------------------
 
 GPU_DTYPES = [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),

@@ -95,7 +95,7 @@ def _qk_norm_rope_and_cache_kernel(
         _store_kv_tile(
             kv_cache_ptr, k.to(tl.float32), v.to(tl.float32), slot, in_slots & (slot >= 0),
             head, offs_d, mask_d, k_scale, v_scale, stride_cache_block, stride_cache_group,
-            HEAD_SIZE, BLOCK_SIZE, X, INTERLEAVED_V, IS_FP8, FP8_MAX,
+            HEAD_SIZE, BLOCK_SIZE, X, INTERLEAVED_V, IS_FP8, FP8_MAX, BLOCK_T,
         )
 
 

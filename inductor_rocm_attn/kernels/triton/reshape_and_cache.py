@@ -46,6 +46,7 @@ def _store_kv_tile(
     stride_cache_block, stride_cache_group,
     HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, X: tl.constexpr,
     INTERLEAVED_V: tl.constexpr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     """Scatter one (tokens x channels) tile of one KV head into its K and V pages."""
     cache_ty = kv_cache_ptr.dtype.element_ty
@@ -61,12 +62,35 @@ def _store_kv_tile(
     k_ptrs = kv_cache_ptr + (page + off * X)[:, None] + offs_k[None, :]
     tl.store(k_ptrs, _quantize(k, k_scale, IS_FP8, FP8_MAX).to(cache_ty), mask=mask)
 
-    if INTERLEAVED_V:
-        v_tok = (off // X) * (HEAD_SIZE * X) + off % X
-        v_ptrs = kv_cache_ptr + stride_cache_group + (page + v_tok)[:, None] + (offs_d * X)[None, :]
+    v = _quantize(v, v_scale, IS_FP8, FP8_MAX).to(cache_ty)
+    # V runs along tokens. When the tile's tokens fill consecutive slots of one block from an
+    # x-aligned offset (prefill), address them as off0 + i so the compiler sees contiguous
+    # tokens and emits 16-byte stores; otherwise (decode, padding) scatter per element.
+    offs_i = tl.arange(0, BLOCK_T)
+    slot0 = tl.sum(tl.where(offs_i == 0, slot, 0), axis=0)
+    off0 = slot0 % BLOCK_SIZE
+    n_seq = tl.sum(((slot == slot0 + offs_i) & mask_t).to(tl.int32), axis=0)
+    if BLOCK_T >= X:
+        fast = (n_seq == BLOCK_T) & (off0 % X == 0) & (off0 + BLOCK_T <= BLOCK_SIZE)
     else:
-        v_ptrs = kv_cache_ptr + stride_cache_group + (page + off)[:, None] + (offs_d * BLOCK_SIZE)[None, :]
-    tl.store(v_ptrs, _quantize(v, v_scale, IS_FP8, FP8_MAX).to(cache_ty), mask=mask)
+        fast = False
+    if fast:
+        off0 = (off0 // X) * X  # same value; tells the compiler it is x-aligned
+        page0 = (slot0 // BLOCK_SIZE) * stride_cache_block + head.to(tl.int64) * (HEAD_SIZE * BLOCK_SIZE)
+        base = kv_cache_ptr + stride_cache_group + page0
+        tok = off0 + offs_i
+        if INTERLEAVED_V:
+            v_ptrs = base + ((tok // X) * (HEAD_SIZE * X) + tok % X)[:, None] + (offs_d * X)[None, :]
+        else:
+            v_ptrs = base + tok[:, None] + (offs_d * BLOCK_SIZE)[None, :]
+        tl.store(v_ptrs, v, mask=mask_d[None, :])
+    else:
+        if INTERLEAVED_V:
+            v_tok = (off // X) * (HEAD_SIZE * X) + off % X
+            v_ptrs = kv_cache_ptr + stride_cache_group + (page + v_tok)[:, None] + (offs_d * X)[None, :]
+        else:
+            v_ptrs = kv_cache_ptr + stride_cache_group + (page + off)[:, None] + (offs_d * BLOCK_SIZE)[None, :]
+        tl.store(v_ptrs, v, mask=mask)
 
 
 @triton.jit
@@ -107,7 +131,7 @@ def _reshape_and_cache_kernel(
     _store_kv_tile(
         kv_cache_ptr, k, v, slot, mask_t, head, offs_d, mask_d, k_scale, v_scale,
         stride_cache_block, stride_cache_group,
-        HEAD_SIZE, BLOCK_SIZE, X, INTERLEAVED_V, IS_FP8, FP8_MAX,
+        HEAD_SIZE, BLOCK_SIZE, X, INTERLEAVED_V, IS_FP8, FP8_MAX, BLOCK_T,
     )
 
 

@@ -78,7 +78,7 @@ def _rope_and_cache_kernel(
         _store_kv_tile(
             kv_cache_ptr, k.to(tl.float32), v, slot, mask_w, head, offs_d, mask_d,
             k_scale, v_scale, stride_cache_block, stride_cache_group,
-            HEAD_SIZE, BLOCK_SIZE, X, INTERLEAVED_V, IS_FP8, FP8_MAX,
+            HEAD_SIZE, BLOCK_SIZE, X, INTERLEAVED_V, IS_FP8, FP8_MAX, BLOCK_T,
         )
 
 
