@@ -43,14 +43,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib
+import inspect
 import itertools
 import logging
+import operator
 import time
 import types
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import forward_context
 from .forward_context import set_forward_context
@@ -105,30 +109,162 @@ def plugin_context(enabled: bool | None):
     """
     if enabled is False:
         return contextlib.nullcontext(), False
-    try:
-        from . import plugin  # noqa: F401  (issue #4)
+    try:  # issue #4: the pass manager as post_grad_custom_post_pass (the package re-exports
+        # a function named ``plugin``, so import the module by its full name)
+        _plugin = importlib.import_module("inductor_rocm_attn.plugin")
     except ImportError:
         if enabled:
             raise RuntimeError("compile_piecewise(plugin=True): inductor_rocm_attn.plugin is not importable")
         return contextlib.nullcontext(), False
-    import inductor_rocm_attn as pkg
+    return _plugin.plugin(), True
 
-    for name in ("enabled", "plugin_enabled"):
-        cm = getattr(pkg, name, None) or getattr(plugin, name, None)
-        if callable(cm):
-            return cm(), True
-    enable = getattr(pkg, "enable", None) or getattr(plugin, "enable")
-    disable = getattr(pkg, "disable", None) or getattr(plugin, "disable")
 
-    @contextlib.contextmanager
-    def _cm():
-        enable()
-        try:
-            yield
-        finally:
-            disable()
+# === stand-in attention: the plugin's passes see whole layer sites inside a piece ==========
+#
+# The fusion passes match a layer site: the cache update, its token consumed by exactly one
+# attention, and the query/key/value that attention reads. Split at the attention, a piece
+# holds the cache update but not the attention. So, with the plugin on, each piece gets a
+# stand-in: a call of the real attention op on exactly the values the (eager) attention
+# reads from the piece, consuming the token, while the piece returns a placeholder in the
+# token's slot. After the plugin's passes ran (inside the same post-grad custom pass), the
+# stand-in is deleted and the placeholder replaced by the (possibly fused) token, so the
+# compiled piece writes the cache, returns the token, and attends to nothing.
 
-    return _cm(), True
+_capture_lib = torch.library.Library("rocm_attn_capture", "DEF")
+_capture_lib.define("token_placeholder(Tensor like, str layer_name) -> Tensor")
+
+
+def _token_placeholder(like, layer_name):
+    return like.new_empty(0)
+
+
+_capture_lib.impl("token_placeholder", _token_placeholder, "CompositeExplicitAutograd")
+torch.library.register_fake("rocm_attn_capture::token_placeholder", _token_placeholder, lib=_capture_lib)
+
+_ATTN_ARGS = ("query", "key", "value", "output", "layer_name", "kv_cache_dependency", "output_scale")
+
+
+def _attn_call_args(node: torch.fx.Node) -> dict[str, Any]:
+    args = dict(zip(_ATTN_ARGS, node.args))
+    args.update(node.kwargs)
+    return args
+
+
+def _add_stand_ins(split: torch.fx.GraphModule, compiled_names: list[str]) -> int:
+    """Give each piece that produces an attention's inputs a stand-in of that attention."""
+    pieces = set(compiled_names)
+    calls = {n.target: n for n in split.graph.nodes if n.op == "call_module"}
+    added = 0
+    for attn_call in calls.values():
+        sub = getattr(split, attn_call.target)
+        attn = next((n for n in sub.graph.nodes if _is_split_node(n)), None)
+        if attn is None:
+            continue
+        phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        outer = dict(zip(phs, attn_call.args))  # attention piece placeholder -> split-graph value
+
+        def source(a):  # the (piece, output index) a split-graph value comes from
+            v = outer.get(a) if isinstance(a, torch.fx.Node) else None
+            if (isinstance(v, torch.fx.Node) and v.target is operator.getitem
+                    and v.args[0].op == "call_module" and v.args[0].target in pieces):
+                return v.args[0].target, v.args[1]
+            return None
+
+        a = _attn_call_args(attn)
+        srcs = {k: source(a.get(k)) for k in ("query", "key", "value", "output", "kv_cache_dependency")}
+        if any(v is None for v in srcs.values()) or a.get("output_scale") is not None:
+            continue
+        names = {v[0] for v in srcs.values()}
+        if len(names) != 1:
+            continue
+        piece = getattr(split, names.pop())
+        out_node = next(n for n in piece.graph.nodes if n.op == "output")
+        outs = out_node.args[0]
+        if not isinstance(outs, (tuple, list)):
+            continue
+        val = {k: outs[i] for k, (_, i) in srcs.items()}
+        token = val["kv_cache_dependency"]
+        if not isinstance(token, torch.fx.Node) or len(token.users) != 1:
+            continue
+        with piece.graph.inserting_before(out_node):
+            # It "writes" the real output buffer, which the piece returns: so functionalization
+            # keeps it (a stand-in writing a dead scratch buffer is dropped with the cache update).
+            piece.graph.call_function(torch.ops.rocm_attn.unified_attention_with_output.default, (
+                val["query"], val["key"], val["value"], val["output"], a["layer_name"], token))
+            ph = piece.graph.call_function(torch.ops.rocm_attn_capture.token_placeholder.default,
+                                           (val["key"], a["layer_name"]))
+        tok_idx = srcs["kv_cache_dependency"][1]
+        out_node.args = (tuple(ph if i == tok_idx else o for i, o in enumerate(outs)),)
+        piece.recompile()
+        added += 1
+    return added
+
+
+def _remove_stand_ins(graph: torch.fx.Graph) -> int:
+    """Post-grad: drop each stand-in attention, put its token where the placeholder was."""
+    hops = [getattr(torch.ops.higher_order, n, None) for n in ("auto_functionalized_v2", "auto_functionalized")]
+    attn_op = torch.ops.rocm_attn.unified_attention_with_output.default
+    tokens = {}
+    removed = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in hops or node.args[0] is not attn_op:
+            continue
+        kw = node.kwargs
+        name = kw["layer_name"]
+        if not name.startswith(_SLOT_PREFIX):
+            continue  # a real attention (not ours): leave it
+        tokens[name] = kw["kv_cache_dependency"]
+        if "_all_bases" in kw:  # v2: getitem(af, 1 + i) is the updated base i
+            bases = kw["_all_bases"]
+            for u in list(node.users):
+                u.replace_all_uses_with(bases[u.args[1] - 1])
+                graph.erase_node(u)
+        else:  # v1: getitem(af, 1) is the updated ``output``
+            for u in list(node.users):
+                u.replace_all_uses_with(kw["output"])
+                graph.erase_node(u)
+        graph.erase_node(node)
+        removed += 1
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.rocm_attn_capture.token_placeholder.default:
+            node.replace_all_uses_with(tokens[node.args[1]])
+            graph.erase_node(node)
+    return removed
+
+
+class _PiecePostPass(CustomGraphPass):
+    """Inductor's post-grad custom pass for pieces: the installed pass (the plugin's pass
+    manager), then stand-in removal."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    #: passes that would rewrite the stand-in attention itself (attention + output quant):
+    #: the real attention runs outside the piece, so they must not fire here.
+    _OFF_IN_PIECES = ("attn_quant_fusion",)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.inner is not None:
+            flags = getattr(self.inner, "flags", None)
+            saved = {}
+            if isinstance(flags, dict):
+                saved = {k: flags[k] for k in self._OFF_IN_PIECES if k in flags}
+                flags.update({k: False for k in saved})
+            try:
+                self.inner(graph)
+            finally:
+                if saved:
+                    flags.update(saved)
+        _remove_stand_ins(graph)
+
+    def uuid(self):
+        inner = None
+        if self.inner is not None:
+            inner = getattr(self.inner, "uuid", lambda: None)()
+            if inner is None:
+                return None
+        src = inspect.getsource(_remove_stand_ins) + inspect.getsource(_PiecePostPass)
+        return hashlib.sha256(f"{inner}|{src}".encode()).hexdigest()
 
 
 # === split ==================================================================================
@@ -255,6 +391,7 @@ class CompileStats:
     compile_s: float = 0.0
     capture_s: float = 0.0
     plugin_active: bool = False
+    num_stand_ins: int = 0
     piece_groups: list[list[str]] = dataclasses.field(default_factory=list)
 
 
@@ -440,10 +577,13 @@ class PiecewiseRunner:
             sub_inputs = _fake_prop(split, fake_args)
 
         ctx, self.stats.plugin_active = plugin_context(self._plugin)
+        if self.stats.plugin_active:
+            self.stats.num_stand_ins = _add_stand_ins(split, compiled_names)
         cache: dict[str, Callable] = {}
         groups: dict[str, list[str]] = {}
         names = set(self._layers)
         with ctx:
+            post_pass = _PiecePostPass(torch._inductor.config.post_grad_custom_post_pass)
             for name in compiled_names:
                 sub = getattr(split, name)
                 slot_names = _normalize_layer_names(sub, names)
@@ -455,7 +595,7 @@ class PiecewiseRunner:
                 if fn is None:
                     for j, layer in enumerate(slots):
                         _bind_alias(_slot_alias(j), layer)
-                    fn = compile_fx(sub, inputs)
+                    fn = compile_fx(sub, inputs, config_patches={"post_grad_custom_post_pass": post_pass})
                     cache[key] = fn
                     self.stats.num_unique_compiles += 1
                     groups[key] = [name]
