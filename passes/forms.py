@@ -60,15 +60,15 @@ def rope_neox_hf(x: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.
 
 
 def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x[..., ::2], x[..., 1::2]
+    x1, x2 = x[:, :, ::2], x[:, :, 1::2]
     return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
 
 def rope_gptj_hf(x: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """HF GPT-J RoPE (pairs ``(2i, 2i+1)``) of ``x [T, H, D]``; cache as in ``rope_neox_hf``."""
+    """HF GPT-J RoPE (pairs ``(2i, 2i+1)``, as modeling_gptj writes it) of ``x [T, H, D]``."""
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
-    cos = torch.repeat_interleave(cos, 2, dim=-1).unsqueeze(1)
-    sin = torch.repeat_interleave(sin, 2, dim=-1).unsqueeze(1)
+    cos = torch.repeat_interleave(cos[:, None, :], 2, 2)
+    sin = torch.repeat_interleave(sin[:, None, :], 2, 2)
     return x * cos + rotate_every_two(x) * sin
 
 
@@ -184,8 +184,10 @@ def _short(why: str) -> str:
 # === graph helpers ==========================================================================
 
 
-def val(node: Any):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+def val(node: Any) -> torch.Tensor | None:
+    """The fake tensor a node computes (None for non-tensor values)."""
+    v = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
 
 
 def strip_views(node: torch.fx.Node) -> torch.fx.Node:

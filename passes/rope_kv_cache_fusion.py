@@ -101,8 +101,10 @@ def _match_rope_op(k_root: torch.fx.Node, q_root: torch.fx.Node) -> tuple[RopeMa
 
 def _match_rope_hf(k_root: torch.fx.Node, q_root: torch.fx.Node) -> tuple[RopeMatch | None, str]:
     kval, qval = forms.val(k_root), forms.val(q_root)
-    if kval is None or qval is None or kval.dim() != 3 or qval.dim() != 3:
-        return None, "key/query are not [T, heads, head_size] rotation outputs"
+    if kval is None or kval.dim() != 3:
+        return None, f"the cached key is not a RoPE output (it comes from {_producer(k_root)})"
+    if qval is None or qval.dim() != 3:
+        return None, f"the attention's query is not a RoPE output (it comes from {_producer(q_root)})"
     if kval.dtype not in forms.MODEL_DTYPES or qval.dtype != kval.dtype:
         return None, f"dtype {kval.dtype}/{qval.dtype} is not a supported model dtype"
     why = []
@@ -118,6 +120,14 @@ def _match_rope_hf(k_root: torch.fx.Node, q_root: torch.fx.Node) -> tuple[RopeMa
             return None, f"query and key are rotated with different positions or cos/sin caches ({form})"
         return RopeMatch(form, is_neox, kk["positions"], kk["cos_sin_cache"], qk["x"], kk["x"], q_root, k_root), ""
     return None, "the cached key is not a RoPE output (" + "; ".join(why) + ")"
+
+
+def _producer(node: torch.fx.Node) -> str:
+    if node.op != "call_function":
+        return f"{node.op} {node.name}"
+    if forms.is_getitem(node):
+        return f"output {node.args[1]} of {_producer(node.args[0])}"
+    return str(getattr(node.target, "__name__", node.target))
 
 
 def match_rope(site: LayerSite) -> tuple[RopeMatch | None, str]:

@@ -1,0 +1,234 @@
+"""RoPE + KV-cache update fusion on post-grad graphs of a Llama-style block."""
+
+import itertools
+
+import pytest
+import torch
+from torch.testing._internal.common_utils import TestCase
+
+from blocks import AttnBlock, block_inputs
+from fx_capture import capture
+from inductor_rocm_attn.models import llama_config
+
+PASS = "rope_kv_cache_fusion"
+_ids = itertools.count()
+
+
+def _block(variant="plain", gptj_hf=False, name=None, **kw):
+    cfg = llama_config(num_heads=4, num_kv_heads=2, head_size=32, **kw)
+    return cfg, AttnBlock(cfg, name or f"rope{next(_ids)}.attn", variant, gptj_hf)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("form", ["op-neox", "op-gptj", "hf-neox", "hf-gptj"])
+def test_fuses_every_form(dtype, form):
+    impl, style = form.split("-")
+    cfg, block = _block(gptj_hf=(impl == "hf" and style == "gptj"),
+                        rope_impl="op" if impl == "op" else "torch", is_neox=style == "neox")
+    c = capture(block.to(dtype), *block_inputs(cfg, dtype=dtype))
+    assert c.count(PASS) == 1, c.reasons(PASS)
+    assert "unified_rope_and_kv_cache_update" in c.after and "unified_kv_cache_update(" not in c.after
+    assert f"{'True' if style == 'neox' else 'False'}, '{block.layer.attn.layer_name}')" in c.after
+
+
+@pytest.mark.parametrize("variant,why", [
+    ("cache_unrotated_k", "the cached key is not a RoPE output"),
+    ("attn_reads_other_key", "the attention's key is not the key the cache update writes"),
+    ("mixed_rope", "the cached key is not a RoPE output"),
+    ("q_other_positions", "different positions"),
+])
+@pytest.mark.parametrize("rope_impl", ["torch", "op"])
+def test_does_not_fuse_non_equivalent(variant, why, rope_impl):
+    if variant == "mixed_rope" and rope_impl == "op":
+        pytest.skip("mixed_rope is an HF-form construction")
+    cfg, block = _block(variant, rope_impl=rope_impl)
+    c = capture(block, *block_inputs(cfg))
+    assert c.count(PASS) == 0
+    assert c.after == c.before
+    if not (rope_impl == "op" and variant == "q_other_positions"):
+        assert any(why in r for r in c.reasons(PASS)), c.reasons(PASS)
+
+
+def test_disabled_flag_leaves_graph():
+    cfg, block = _block()
+    c = capture(block, *block_inputs(cfg), rope_kv_cache_fusion=False)
+    assert c.after == c.before and c.manager.get_pass(PASS).records == []
+
+
+class TestSnapshots(TestCase):
+    def test_llama_op_form(self):
+        cfg, block = _block(rope_impl="op", name="llama_op")
+        c = capture(block, *block_inputs(cfg))
+        self.assertEqual(c.count(PASS), 1)
+        self.assertExpectedInline(c.before, """\
+in: T
+in_1: float32[T, 256]
+in_2: float32[4096, 32]
+in_3: T
+in_4: int64[T]
+split_with_sizes = aten.split_with_sizes.default(in_1, [128, 64, 64], -1)
+getitem = getitem(split_with_sizes, 0)  float32[T, 128]
+getitem_1 = getitem(split_with_sizes, 1)  float32[T, 64]
+getitem_2 = getitem(split_with_sizes, 2)  float32[T, 64]
+clone = aten.clone.default(getitem)  float32[T, 128]
+clone_1 = aten.clone.default(getitem_1)  float32[T, 64]
+auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.rotary_embedding.default, positions=in_4, head_size=32, cos_sin_cache=in_2, is_neox=True, _query_base_index=0, _key_base_index=1, _all_bases=[clone, clone_1])
+getitem_3 = getitem(auto_functionalized_v2, 1)  float32[T, 128]
+getitem_4 = getitem(auto_functionalized_v2, 2)  float32[T, 64]
+reshape = aten.reshape.default(getitem_3, [in, 4, 32])  float32[T, 4, 32]
+reshape_1 = aten.reshape.default(getitem_4, [in, 2, 32])  float32[T, 2, 32]
+reshape_2 = aten.reshape.default(getitem_2, [in, 2, 32])  float32[T, 2, 32]
+unified_kv_cache_update = rocm_attn.unified_kv_cache_update.default(reshape_1, reshape_2, 'llama_op')  float32[0]
+empty = aten.empty.memory_format([in, 4, 32], dtype=torch.float32, layout=torch.strided, device=cpu, pin_memory=False)  float32[T, 4, 32]
+auto_functionalized_v2_1 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=reshape, key=reshape_1, value=reshape_2, layer_name='llama_op', kv_cache_dependency=unified_kv_cache_update, output_scale=None, _output_base_index=0, _all_bases=[empty])
+getitem_5 = getitem(auto_functionalized_v2_1, 1)  float32[T, 4, 32]
+reshape_3 = aten.reshape.default(getitem_5, [in, 128])  float32[T, 128]
+return (reshape_3,)""")
+        self.assertExpectedInline(c.after, """\
+in: T
+in_1: float32[T, 256]
+in_2: float32[4096, 32]
+in_3: T
+in_4: int64[T]
+split_with_sizes = aten.split_with_sizes.default(in_1, [128, 64, 64], -1)
+getitem = getitem(split_with_sizes, 0)  float32[T, 128]
+getitem_1 = getitem(split_with_sizes, 1)  float32[T, 64]
+getitem_2 = getitem(split_with_sizes, 2)  float32[T, 64]
+clone = aten.clone.default(getitem)  float32[T, 128]
+clone_1 = aten.clone.default(getitem_1)  float32[T, 64]
+reshape = aten.reshape.default(getitem_2, [in, 2, 32])  float32[T, 2, 32]
+unified_rope_and_kv_cache_update = rocm_attn.unified_rope_and_kv_cache_update.default(in_4, clone, clone_1, reshape, in_2, True, 'llama_op')
+getitem_3 = getitem(unified_rope_and_kv_cache_update, 0)  float32[T, 128]
+reshape_1 = aten.reshape.default(getitem_3, [in, 4, 32])  float32[T, 4, 32]
+getitem_4 = getitem(unified_rope_and_kv_cache_update, 1)  float32[T, 64]
+reshape_2 = aten.reshape.default(getitem_4, [in, 2, 32])  float32[T, 2, 32]
+getitem_5 = getitem(unified_rope_and_kv_cache_update, 2)  float32[0]
+empty = aten.empty.memory_format([in, 4, 32], dtype=torch.float32, layout=torch.strided, device=cpu, pin_memory=False)  float32[T, 4, 32]
+auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=reshape_1, key=reshape_2, value=reshape, layer_name='llama_op', kv_cache_dependency=getitem_5, output_scale=None, _output_base_index=0, _all_bases=[empty])
+getitem_6 = getitem(auto_functionalized_v2, 1)  float32[T, 4, 32]
+reshape_3 = aten.reshape.default(getitem_6, [in, 128])  float32[T, 128]
+return (reshape_3,)""")
+
+    def test_llama_hf_form_bf16(self):
+        cfg, block = _block(name="llama_hf")
+        c = capture(block.to(torch.bfloat16), *block_inputs(cfg, dtype=torch.bfloat16))
+        self.assertEqual(c.count(PASS), 1)
+        self.assertExpectedInline(c.before, """\
+in: T
+in_1: bfloat16[T, 256]
+in_2: bfloat16[4096, 32]
+in_3: T
+in_4: int64[T]
+split_with_sizes = aten.split_with_sizes.default(in_1, [128, 64, 64], -1)
+getitem = getitem(split_with_sizes, 0)  bfloat16[T, 128]
+getitem_1 = getitem(split_with_sizes, 1)  bfloat16[T, 64]
+getitem_2 = getitem(split_with_sizes, 2)  bfloat16[T, 64]
+index = aten.index.Tensor(in_2, [in_4])  bfloat16[T, 32]
+split = aten.split.Tensor(index, 16, -1)
+getitem_3 = getitem(split, 0)  bfloat16[T, 16]
+getitem_4 = getitem(split, 1)  bfloat16[T, 16]
+reshape = aten.reshape.default(getitem, [in, -1, 32])  bfloat16[T, 4, 32]
+split_1 = aten.split.Tensor(reshape, 16, -1)
+getitem_5 = getitem(split_1, 0)  bfloat16[T, 4, 16]
+getitem_6 = getitem(split_1, 1)  bfloat16[T, 4, 16]
+reshape_1 = aten.reshape.default(getitem_1, [in, -1, 32])  bfloat16[T, 2, 32]
+split_2 = aten.split.Tensor(reshape_1, 16, -1)
+getitem_7 = getitem(split_2, 0)  bfloat16[T, 2, 16]
+getitem_8 = getitem(split_2, 1)  bfloat16[T, 2, 16]
+unsqueeze = aten.unsqueeze.default(getitem_3, 1)  bfloat16[T, 1, 16]
+expand = aten.expand.default(unsqueeze, [in_3, 2, 16])  bfloat16[T, 2, 16]
+clone = aten.clone.default(expand, memory_format=torch.contiguous_format)  bfloat16[T, 2, 16]
+reshape_2 = aten.reshape.default(clone, [in_3, 32])  bfloat16[T, 32]
+unsqueeze_1 = aten.unsqueeze.default(reshape_2, 1)  bfloat16[T, 1, 32]
+mul = aten.mul.Tensor(reshape, unsqueeze_1)  bfloat16[T, 4, 32]
+neg = aten.neg.default(getitem_6)  bfloat16[T, 4, 16]
+cat = aten.cat.default([neg, getitem_5], -1)  bfloat16[T, 4, 32]
+unsqueeze_2 = aten.unsqueeze.default(getitem_4, 1)  bfloat16[T, 1, 16]
+expand_1 = aten.expand.default(unsqueeze_2, [in_3, 2, 16])  bfloat16[T, 2, 16]
+clone_1 = aten.clone.default(expand_1, memory_format=torch.contiguous_format)  bfloat16[T, 2, 16]
+reshape_3 = aten.reshape.default(clone_1, [in_3, 32])  bfloat16[T, 32]
+unsqueeze_3 = aten.unsqueeze.default(reshape_3, 1)  bfloat16[T, 1, 32]
+mul_1 = aten.mul.Tensor(cat, unsqueeze_3)  bfloat16[T, 4, 32]
+add = aten.add.Tensor(mul, mul_1)  bfloat16[T, 4, 32]
+mul_2 = aten.mul.Tensor(reshape_1, unsqueeze_1)  bfloat16[T, 2, 32]
+neg_1 = aten.neg.default(getitem_8)  bfloat16[T, 2, 16]
+cat_1 = aten.cat.default([neg_1, getitem_7], -1)  bfloat16[T, 2, 32]
+mul_3 = aten.mul.Tensor(cat_1, unsqueeze_3)  bfloat16[T, 2, 32]
+add_1 = aten.add.Tensor(mul_2, mul_3)  bfloat16[T, 2, 32]
+reshape_4 = aten.reshape.default(getitem_2, [in, 2, 32])  bfloat16[T, 2, 32]
+unified_kv_cache_update = rocm_attn.unified_kv_cache_update.default(add_1, reshape_4, 'llama_hf')  bfloat16[0]
+empty = aten.empty.memory_format([in_3, 4, 32], dtype=torch.bfloat16, layout=torch.strided, device=cpu, pin_memory=False)  bfloat16[T, 4, 32]
+auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=add, key=add_1, value=reshape_4, layer_name='llama_hf', kv_cache_dependency=unified_kv_cache_update, output_scale=None, _output_base_index=0, _all_bases=[empty])
+getitem_9 = getitem(auto_functionalized_v2, 1)  bfloat16[T, 4, 32]
+reshape_5 = aten.reshape.default(getitem_9, [in, 128])  bfloat16[T, 128]
+return (reshape_5,)""")
+        self.assertExpectedInline(c.after, """\
+in: T
+in_1: bfloat16[T, 256]
+in_2: bfloat16[4096, 32]
+in_3: T
+in_4: int64[T]
+split_with_sizes = aten.split_with_sizes.default(in_1, [128, 64, 64], -1)
+getitem = getitem(split_with_sizes, 0)  bfloat16[T, 128]
+getitem_1 = getitem(split_with_sizes, 1)  bfloat16[T, 64]
+getitem_2 = getitem(split_with_sizes, 2)  bfloat16[T, 64]
+reshape = aten.reshape.default(getitem, [in, -1, 32])  bfloat16[T, 4, 32]
+reshape_1 = aten.reshape.default(getitem_1, [in, -1, 32])  bfloat16[T, 2, 32]
+reshape_2 = aten.reshape.default(getitem_2, [in, 2, 32])  bfloat16[T, 2, 32]
+unified_rope_and_kv_cache_update = rocm_attn.unified_rope_and_kv_cache_update.default(in_4, reshape, reshape_1, reshape_2, in_2, True, 'llama_hf')
+getitem_3 = getitem(unified_rope_and_kv_cache_update, 0)  bfloat16[T, 4, 32]
+getitem_4 = getitem(unified_rope_and_kv_cache_update, 1)  bfloat16[T, 2, 32]
+getitem_5 = getitem(unified_rope_and_kv_cache_update, 2)  bfloat16[0]
+empty = aten.empty.memory_format([in_3, 4, 32], dtype=torch.bfloat16, layout=torch.strided, device=cpu, pin_memory=False)  bfloat16[T, 4, 32]
+auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=getitem_3, key=getitem_4, value=reshape_2, layer_name='llama_hf', kv_cache_dependency=getitem_5, output_scale=None, _output_base_index=0, _all_bases=[empty])
+getitem_6 = getitem(auto_functionalized_v2, 1)  bfloat16[T, 4, 32]
+reshape_3 = aten.reshape.default(getitem_6, [in, 128])  bfloat16[T, 128]
+return (reshape_3,)""")
+
+    def test_negative_cache_unrotated_k(self):
+        cfg, block = _block("cache_unrotated_k", name="llama_cache_unrotated_k")
+        c = capture(block, *block_inputs(cfg))
+        self.assertEqual(c.count(PASS), 0)
+        self.assertExpectedInline(c.after, """\
+in: T
+in_1: float32[T, 256]
+in_2: float32[4096, 32]
+in_3: T
+in_4: int64[T]
+split_with_sizes = aten.split_with_sizes.default(in_1, [128, 64, 64], -1)
+getitem = getitem(split_with_sizes, 0)  float32[T, 128]
+getitem_1 = getitem(split_with_sizes, 1)  float32[T, 64]
+getitem_2 = getitem(split_with_sizes, 2)  float32[T, 64]
+index = aten.index.Tensor(in_2, [in_4])  float32[T, 32]
+split = aten.split.Tensor(index, 16, -1)
+getitem_3 = getitem(split, 0)  float32[T, 16]
+getitem_4 = getitem(split, 1)  float32[T, 16]
+reshape = aten.reshape.default(getitem, [in, -1, 32])  float32[T, 4, 32]
+split_1 = aten.split.Tensor(reshape, 16, -1)
+getitem_5 = getitem(split_1, 0)  float32[T, 4, 16]
+getitem_6 = getitem(split_1, 1)  float32[T, 4, 16]
+unsqueeze = aten.unsqueeze.default(getitem_3, 1)  float32[T, 1, 16]
+expand = aten.expand.default(unsqueeze, [in_3, 2, 16])  float32[T, 2, 16]
+clone = aten.clone.default(expand, memory_format=torch.contiguous_format)  float32[T, 2, 16]
+reshape_1 = aten.reshape.default(clone, [in_3, 32])  float32[T, 32]
+unsqueeze_1 = aten.unsqueeze.default(reshape_1, 1)  float32[T, 1, 32]
+mul = aten.mul.Tensor(reshape, unsqueeze_1)  float32[T, 4, 32]
+neg = aten.neg.default(getitem_6)  float32[T, 4, 16]
+cat = aten.cat.default([neg, getitem_5], -1)  float32[T, 4, 32]
+unsqueeze_2 = aten.unsqueeze.default(getitem_4, 1)  float32[T, 1, 16]
+expand_1 = aten.expand.default(unsqueeze_2, [in_3, 2, 16])  float32[T, 2, 16]
+clone_1 = aten.clone.default(expand_1, memory_format=torch.contiguous_format)  float32[T, 2, 16]
+reshape_2 = aten.reshape.default(clone_1, [in_3, 32])  float32[T, 32]
+unsqueeze_3 = aten.unsqueeze.default(reshape_2, 1)  float32[T, 1, 32]
+mul_1 = aten.mul.Tensor(cat, unsqueeze_3)  float32[T, 4, 32]
+add = aten.add.Tensor(mul, mul_1)  float32[T, 4, 32]
+reshape_3 = aten.reshape.default(getitem_1, [in, 2, 32])  float32[T, 2, 32]
+reshape_4 = aten.reshape.default(getitem_2, [in, 2, 32])  float32[T, 2, 32]
+reshape_5 = aten.reshape.default(getitem_1, [in, 2, 32])  float32[T, 2, 32]
+reshape_6 = aten.reshape.default(getitem_2, [in, 2, 32])  float32[T, 2, 32]
+unified_kv_cache_update = rocm_attn.unified_kv_cache_update.default(reshape_5, reshape_6, 'llama_cache_unrotated_k')  float32[0]
+empty = aten.empty.memory_format([in, 4, 32], dtype=torch.float32, device=cpu, pin_memory=False)  float32[T, 4, 32]
+auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=add, key=reshape_3, value=reshape_4, layer_name='llama_cache_unrotated_k', kv_cache_dependency=unified_kv_cache_update, output_scale=None, _output_base_index=0, _all_bases=[empty])
+getitem_7 = getitem(auto_functionalized_v2, 1)  float32[T, 4, 32]
+reshape_7 = aten.reshape.default(getitem_7, [in, 128])  float32[T, 128]
+return (reshape_7,)""")
