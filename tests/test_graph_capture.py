@@ -1,0 +1,169 @@
+"""Piecewise compilation (graph_capture): the split, shared compiled code, fusions inside the
+pieces and outputs equal to the eager model; on a GPU, graph replay over a mixed schedule.
+
+CPU compiles are slow (tens of seconds): one 3-layer model is compiled once per module and
+shared; the deeper model reuses its pieces through Inductor's FX-graph cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import inductor_rocm_attn as ira
+from inductor_rocm_attn.decode_check import run_mixed_decode
+from inductor_rocm_attn.graph_capture import SPLITTING_OPS, compile_piecewise, _op_name
+from inductor_rocm_attn.models import TinyDecoder, qwen3_config
+
+pytestmark = pytest.mark.compile
+
+LAYERS = 3
+SIZES = [1, 2, 4, 8, 16, 32]
+
+
+def _pair(cfg, num_blocks, dtype=torch.float32, device="cpu"):
+    torch.manual_seed(0)
+    model = TinyDecoder(cfg).to(device=device, dtype=dtype).eval()
+    ref = TinyDecoder(cfg).to(device=device, dtype=dtype).eval()
+    ref.load_state_dict(model.state_dict())
+    ira.bind_kv_caches(model, num_blocks, dtype, device, poison=True)
+    ira.bind_kv_caches(ref, num_blocks, dtype, device, poison=True)
+    return model, ref
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    model, ref = _pair(qwen3_config(num_layers=LAYERS), num_blocks=160)
+    ira.fusion_report().clear()
+    with torch._inductor.config.patch(force_disable_caches=True):  # cold: the passes run
+        runner = compile_piecewise(model, capture_sizes=SIZES, max_num_seqs=16, max_num_tokens=64,
+                                   max_model_len=256)
+    records = list(ira.fusion_report().records)
+    return runner, model, ref, records
+
+
+def _calls(gm, name):
+    return sum(_op_name(n) == name for n in gm.graph.nodes)
+
+
+def test_split_has_one_piece_per_attention_boundary(compiled):
+    runner, model, _, _ = compiled
+    st = runner.stats
+    assert st.num_attention_pieces == LAYERS
+    assert st.num_compiled_pieces == LAYERS + 1
+    order = [n.target for n in runner.split_gm.graph.nodes if n.op == "call_module"]
+    # compiled and attention pieces alternate, starting and ending with a compiled piece
+    assert order[0::2] == [p.name for p in runner.pieces]
+    assert order[1::2] == runner.attention_pieces
+    for name in runner.attention_pieces:
+        sub = getattr(runner.split_gm, name)
+        ops = [n for n in sub.graph.nodes if n.op == "call_function"]
+        assert [_op_name(n) for n in ops] == list(SPLITTING_OPS)
+    # each layer's cache update stays in the piece before its attention (where fusions fire)
+    caches = {"rocm_attn.unified_kv_cache_update", "rocm_attn.unified_qk_norm_rope_and_kv_cache_update",
+              "rocm_attn.unified_rope_and_kv_cache_update"}
+    attn_layers = [getattr(runner.split_gm, a).graph for a in runner.attention_pieces]
+    names = [next(n for n in g.nodes if _op_name(n) in SPLITTING_OPS).args[4] for g in attn_layers]
+    assert names == [layer.layer_name for layer in ira.attention_layers(model)]
+    for i, piece in enumerate(runner.pieces):
+        sub = runner.split_gm._modules[piece.name]
+        n_cache = sum(_op_name(n) in caches for n in sub.graph.nodes)
+        assert n_cache == (1 if i < LAYERS else 0), piece.name
+        assert [layer.layer_name for layer in piece.slots] == ([names[i]] if i < LAYERS else [])
+
+
+def test_identical_layers_share_compiled_code(compiled):
+    runner = compiled[0]
+    st = runner.stats
+    assert st.num_unique_compiles == 3  # first (embedding), middle layers, last (lm head)
+    middle = runner.pieces[1:-1]
+    assert [p.name for p in middle] in st.piece_groups
+    assert len({id(p.fn) for p in middle}) == 1
+    assert len({id(p.fn) for p in runner.pieces}) == 3
+
+
+def test_compile_count_does_not_grow_with_depth(compiled):
+    model, _ = _pair(qwen3_config(num_layers=LAYERS + 2), num_blocks=8)
+    runner = compile_piecewise(model, capture_sizes=SIZES, max_num_seqs=16, max_model_len=256)
+    assert runner.stats.num_compiled_pieces == LAYERS + 3
+    assert runner.stats.num_unique_compiles == 3
+
+
+def test_fusions_fire_inside_pieces(compiled):
+    runner, model, _, records = compiled
+    if not runner.stats.plugin_active:
+        pytest.skip("the plugin (inductor_rocm_attn.plugin) is not importable")
+    fused = [r for r in records if r.fused and r.pass_name == "qk_norm_rope_kv_cache_fusion"]
+    # one fusion per compiled piece that holds a cache update (the first and the shared middle)
+    assert len(fused) == 2, ira.fusion_report()
+    assert all(r.layer_name.startswith("__rocm_attn_slot") for r in fused)
+    # every layer, also those sharing the middle piece's code, follows the fused writer
+    assert all(layer.interleaved_v for layer in ira.attention_layers(model))
+
+
+def test_pieces_match_eager_model_over_mixed_steps(compiled):
+    runner, model, ref, _ = compiled
+    calls = []
+    for layer in ira.attention_layers(model):
+        orig = layer.impl.forward
+
+        def counting(*a, _orig=orig, **k):
+            calls.append(1)
+            return _orig(*a, **k)
+
+        layer.impl.forward = counting
+    try:
+        res = run_mixed_decode(runner, ref, steps=10, max_seqs=8, max_len=100, seed=1)
+    finally:
+        for layer in ira.attention_layers(model):
+            del layer.impl.forward
+    assert res.finite
+    assert res.max_rel_err < 1e-5, res
+    assert res.argmax_agreement == 1.0
+    assert res.padded_steps > 0 and res.mixed_steps > 0
+    assert len(calls) == LAYERS * res.steps  # attention ran once per layer: stand-ins are gone
+
+
+def test_single_token_and_oversized_steps(compiled):
+    runner, model, ref, _ = compiled
+    alloc = ira.BlockAllocator(160, 16, shuffle_seed=5)
+    # A 40-token prefill (above the largest captured size: runs unpadded) then a 1-token decode.
+    for qlens, clens in (([40], [0]), ([1], [40])):
+        tables = [list(alloc.allocate(0, qlens[0]))]
+        ids = torch.randint(0, model.cfg.vocab_size, (sum(qlens),))
+        md = runner.prepare(qlens, clens, tables)
+        assert md.slot_mapping.shape[0] == runner.padded_size(sum(qlens))
+        out = runner(ids, md).clone()
+        ref_md = ira.build_attention_metadata(qlens, clens, tables, 16)
+        with torch.no_grad(), ira.set_forward_context(ref_md):
+            expect = ref(ids, ref_md.positions)
+        assert out.shape == expect.shape
+        torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
+
+
+def test_prepare_rejects_foreign_metadata(compiled):
+    runner = compiled[0]
+    md = ira.build_attention_metadata([1], [0], [[0]], 16)
+    with pytest.raises(ValueError, match="runner.prepare"):
+        runner(torch.zeros(1, dtype=torch.long), md)
+
+
+@pytest.mark.gpu
+def test_graph_replay_matches_eager_200_mixed_steps():
+    """Graphs replayed with changing lengths, block tables and (padded) sizes: bitwise equal
+    to the compiled pieces without graphs, equal to eager up to bf16 rounding; no
+    re-capture in steady state."""
+    cfg = qwen3_config(num_layers=3, hidden_size=512, intermediate_size=1024, num_heads=8,
+                       num_kv_heads=4, head_size=64)
+    model, ref = _pair(cfg, num_blocks=1024, dtype=torch.bfloat16, device="cuda")
+    runner = compile_piecewise(model, capture_sizes=[1, 2, 4, 8, 16, 32, 64], max_num_seqs=32,
+                               max_model_len=512)
+    assert runner.stats.num_captures == len(runner.pieces) * 7
+    res = run_mixed_decode(runner, ref, steps=200, max_seqs=24, max_len=400, seed=0)
+    assert res.finite
+    assert res.graph_steps == res.steps
+    assert res.padded_steps > 0 and res.mixed_steps > 0
+    assert res.graphs_bitwise_equal_pieces
+    assert res.captures_after == res.captures_before
+    assert res.max_rel_err < 2e-2, res
+    assert res.argmax_agreement > 0.97, res
