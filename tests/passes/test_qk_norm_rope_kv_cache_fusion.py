@@ -1,0 +1,246 @@
+"""QK-norm + RoPE + KV-cache update fusion on post-grad graphs of a Qwen3-style block."""
+
+import itertools
+
+import pytest
+import torch
+from torch.testing._internal.common_utils import TestCase
+
+from blocks import AttnBlock, block_inputs
+from fx_capture import capture
+from inductor_rocm_attn.forward_context import get_layer
+from inductor_rocm_attn.models import qwen3_config
+
+PASS = "qk_norm_rope_kv_cache_fusion"
+_ids = itertools.count()
+
+
+def _block(variant="plain", gptj_hf=False, name=None, **kw):
+    cfg = qwen3_config(num_heads=4, num_kv_heads=2, head_size=32, **kw)
+    return cfg, AttnBlock(cfg, name or f"qk{next(_ids)}.attn", variant, gptj_hf)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("form", ["op-neox", "op-gptj", "hf-neox", "hf-gptj"])
+@pytest.mark.parametrize("norm_impl", ["torch", "op"])
+def test_fuses_every_form(dtype, form, norm_impl):
+    impl, style = form.split("-")
+    eps = 1e-5 if dtype == torch.float16 else 1e-6
+    cfg, block = _block(gptj_hf=(impl == "hf" and style == "gptj"), rope_impl="op" if impl == "op" else "torch",
+                        is_neox=style == "neox", norm_impl=norm_impl, rms_eps=eps)
+    c = capture(block.to(dtype), *block_inputs(cfg, dtype=dtype))
+    assert c.count(PASS) == 1, c.reasons(PASS)
+    assert c.count("rope_kv_cache_fusion") == 0  # nothing left for the RoPE-only pass
+    assert f"{eps}, in" in c.after and f"{style == 'neox'}, 4, 2, 32, '{block.layer.attn.layer_name}')" in c.after
+    assert "unified_kv_cache_update(" not in c.after and "rms_norm" not in c.after
+    # the fused writer emits interleaved V: the pass switched the layer at compile time
+    assert get_layer(block.layer.attn.layer_name).interleaved_v
+    assert c.manager.get_pass(PASS).records[0].switched_interleaved_v
+
+
+@pytest.mark.parametrize("variant,why", [
+    ("norm_whole_q", "q-norm output is not a [T, heads, head_size] tensor"),
+    ("k_eps_differs", "differ"),
+    ("cache_unrotated_k", "the cached key is not a RoPE output"),
+])
+@pytest.mark.parametrize("norm_impl", ["torch", "op"])
+def test_does_not_fuse_non_equivalent(variant, why, norm_impl):
+    cfg, block = _block(variant, norm_impl=norm_impl)
+    c = capture(block, *block_inputs(cfg), rope_kv_cache_fusion=False)
+    assert c.count(PASS) == 0
+    assert c.after == c.before
+    assert any(why in r for r in c.reasons(PASS)), c.reasons(PASS)
+    assert not get_layer(block.layer.attn.layer_name).interleaved_v
+
+
+def test_norm_over_whole_q_still_fuses_rope_only():
+    cfg, block = _block("norm_whole_q")
+    c = capture(block, *block_inputs(cfg))
+    assert (c.count(PASS), c.count("rope_kv_cache_fusion")) == (0, 1)
+    assert not get_layer(block.layer.attn.layer_name).interleaved_v
+
+
+class TestSnapshots(TestCase):
+    def test_qwen3_op_form(self):
+        cfg, block = _block(name="qwen3_op", rope_impl="op", norm_impl="op")
+        c = capture(block, *block_inputs(cfg))
+        self.assertEqual(c.count(PASS), 1)
+        self.assertExpectedInline(c.before, """\
+in: T
+in_1: float32[T, 256]
+in_2: float32[32]
+in_3: float32[32]
+in_4: float32[4096, 32]
+in_5: T
+in_6: int64[T]
+split_with_sizes = aten.split_with_sizes.default(in_1, [128, 64, 64], -1)
+getitem = getitem(split_with_sizes, 0)  float32[T, 128]
+getitem_1 = getitem(split_with_sizes, 1)  float32[T, 64]
+getitem_2 = getitem(split_with_sizes, 2)  float32[T, 64]
+reshape = aten.reshape.default(getitem, [in, 4, 32])  float32[T, 4, 32]
+rms_norm = rocm_attn.rms_norm.default(reshape, in_2, 1e-06)  float32[T, 4, 32]
+reshape_1 = aten.reshape.default(rms_norm, [in, 128])  float32[T, 128]
+reshape_2 = aten.reshape.default(getitem_1, [in, 2, 32])  float32[T, 2, 32]
+rms_norm_1 = rocm_attn.rms_norm.default(reshape_2, in_3, 1e-06)  float32[T, 2, 32]
+reshape_3 = aten.reshape.default(rms_norm_1, [in, 64])  float32[T, 64]
+auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.rotary_embedding.default, positions=in_6, head_size=32, cos_sin_cache=in_4, is_neox=True, _query_base_index=0, _key_base_index=1, _all_bases=[reshape_1, reshape_3])
+getitem_3 = getitem(auto_functionalized_v2, 1)  float32[T, 128]
+getitem_4 = getitem(auto_functionalized_v2, 2)  float32[T, 64]
+reshape_4 = aten.reshape.default(getitem_3, [in, 4, 32])  float32[T, 4, 32]
+reshape_5 = aten.reshape.default(getitem_4, [in, 2, 32])  float32[T, 2, 32]
+reshape_6 = aten.reshape.default(getitem_2, [in, 2, 32])  float32[T, 2, 32]
+unified_kv_cache_update = rocm_attn.unified_kv_cache_update.default(reshape_5, reshape_6, 'qwen3_op')  float32[0]
+empty = aten.empty.memory_format([in, 4, 32], dtype=torch.float32, layout=torch.strided, device=cpu, pin_memory=False)  float32[T, 4, 32]
+auto_functionalized_v2_1 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=reshape_4, key=reshape_5, value=reshape_6, layer_name='qwen3_op', kv_cache_dependency=unified_kv_cache_update, output_scale=None, _output_base_index=0, _all_bases=[empty])
+getitem_5 = getitem(auto_functionalized_v2_1, 1)  float32[T, 4, 32]
+reshape_7 = aten.reshape.default(getitem_5, [in, 128])  float32[T, 128]
+return (reshape_7,)""")
+        self.assertExpectedInline(c.after, """\
+in: T
+in_1: float32[T, 256]
+in_2: float32[32]
+in_3: float32[32]
+in_4: float32[4096, 32]
+in_5: T
+in_6: int64[T]
+split_with_sizes = aten.split_with_sizes.default(in_1, [128, 64, 64], -1)
+getitem = getitem(split_with_sizes, 2)  float32[T, 64]
+reshape = aten.reshape.default(getitem, [in, 2, 32])  float32[T, 2, 32]
+unified_qk_norm_rope_and_kv_cache_update = rocm_attn.unified_qk_norm_rope_and_kv_cache_update.default(in_1, in_2, in_3, 1e-06, in_6, in_4, True, 4, 2, 32, 'qwen3_op')
+getitem_1 = getitem(unified_qk_norm_rope_and_kv_cache_update, 0)  float32[T, 4, 32]
+reshape_1 = aten.reshape.default(getitem_1, [-1, 128])  float32[T, 128]
+reshape_2 = aten.reshape.default(reshape_1, [in, 4, 32])  float32[T, 4, 32]
+getitem_2 = getitem(unified_qk_norm_rope_and_kv_cache_update, 1)  float32[T, 2, 32]
+reshape_3 = aten.reshape.default(getitem_2, [-1, 64])  float32[T, 64]
+reshape_4 = aten.reshape.default(reshape_3, [in, 2, 32])  float32[T, 2, 32]
+getitem_3 = getitem(unified_qk_norm_rope_and_kv_cache_update, 3)  float32[0]
+empty = aten.empty.memory_format([in, 4, 32], dtype=torch.float32, layout=torch.strided, device=cpu, pin_memory=False)  float32[T, 4, 32]
+auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=reshape_2, key=reshape_4, value=reshape, layer_name='qwen3_op', kv_cache_dependency=getitem_3, output_scale=None, _output_base_index=0, _all_bases=[empty])
+getitem_4 = getitem(auto_functionalized_v2, 1)  float32[T, 4, 32]
+reshape_5 = aten.reshape.default(getitem_4, [in, 128])  float32[T, 128]
+return (reshape_5,)""")
+
+    def test_qwen3_hf_form_bf16(self):
+        cfg, block = _block(name="qwen3_hf")
+        c = capture(block.to(torch.bfloat16), *block_inputs(cfg, dtype=torch.bfloat16))
+        self.assertEqual(c.count(PASS), 1)
+        self.assertExpectedInline(c.before, """\
+in: T
+in_1: bfloat16[T, 256]
+in_2: bfloat16[32]
+in_3: bfloat16[32]
+in_4: bfloat16[4096, 32]
+in_5: T
+in_6: int64[T]
+split_with_sizes = aten.split_with_sizes.default(in_1, [128, 64, 64], -1)
+getitem = getitem(split_with_sizes, 0)  bfloat16[T, 128]
+getitem_1 = getitem(split_with_sizes, 1)  bfloat16[T, 64]
+getitem_2 = getitem(split_with_sizes, 2)  bfloat16[T, 64]
+index = aten.index.Tensor(in_4, [in_6])  bfloat16[T, 32]
+split = aten.split.Tensor(index, 16, -1)
+getitem_3 = getitem(split, 0)  bfloat16[T, 16]
+getitem_4 = getitem(split, 1)  bfloat16[T, 16]
+reshape = aten.reshape.default(getitem, [in, 4, 32])  bfloat16[T, 4, 32]
+convert_element_type = prims.convert_element_type.default(reshape, torch.float32)  float32[T, 4, 32]
+pow = aten.pow.Tensor_Scalar(convert_element_type, 2)  float32[T, 4, 32]
+mean = aten.mean.dim(pow, [-1], True)  float32[T, 4, 1]
+add = aten.add.Tensor(mean, 1e-06)  float32[T, 4, 1]
+rsqrt = aten.rsqrt.default(add)  float32[T, 4, 1]
+mul = aten.mul.Tensor(convert_element_type, rsqrt)  float32[T, 4, 32]
+convert_element_type_1 = prims.convert_element_type.default(mul, torch.bfloat16)  bfloat16[T, 4, 32]
+mul_1 = aten.mul.Tensor(in_2, convert_element_type_1)  bfloat16[T, 4, 32]
+split_1 = aten.split.Tensor(mul_1, 16, -1)
+getitem_5 = getitem(split_1, 0)  bfloat16[T, 4, 16]
+getitem_6 = getitem(split_1, 1)  bfloat16[T, 4, 16]
+reshape_1 = aten.reshape.default(getitem_1, [in, 2, 32])  bfloat16[T, 2, 32]
+convert_element_type_2 = prims.convert_element_type.default(reshape_1, torch.float32)  float32[T, 2, 32]
+pow_1 = aten.pow.Tensor_Scalar(convert_element_type_2, 2)  float32[T, 2, 32]
+mean_1 = aten.mean.dim(pow_1, [-1], True)  float32[T, 2, 1]
+add_1 = aten.add.Tensor(mean_1, 1e-06)  float32[T, 2, 1]
+rsqrt_1 = aten.rsqrt.default(add_1)  float32[T, 2, 1]
+mul_2 = aten.mul.Tensor(convert_element_type_2, rsqrt_1)  float32[T, 2, 32]
+convert_element_type_3 = prims.convert_element_type.default(mul_2, torch.bfloat16)  bfloat16[T, 2, 32]
+mul_3 = aten.mul.Tensor(in_3, convert_element_type_3)  bfloat16[T, 2, 32]
+split_2 = aten.split.Tensor(mul_3, 16, -1)
+getitem_7 = getitem(split_2, 0)  bfloat16[T, 2, 16]
+getitem_8 = getitem(split_2, 1)  bfloat16[T, 2, 16]
+unsqueeze = aten.unsqueeze.default(getitem_3, 1)  bfloat16[T, 1, 16]
+expand = aten.expand.default(unsqueeze, [in_5, 2, 16])  bfloat16[T, 2, 16]
+clone = aten.clone.default(expand, memory_format=torch.contiguous_format)  bfloat16[T, 2, 16]
+reshape_2 = aten.reshape.default(clone, [in_5, 32])  bfloat16[T, 32]
+unsqueeze_1 = aten.unsqueeze.default(reshape_2, 1)  bfloat16[T, 1, 32]
+mul_4 = aten.mul.Tensor(mul_1, unsqueeze_1)  bfloat16[T, 4, 32]
+neg = aten.neg.default(getitem_6)  bfloat16[T, 4, 16]
+cat = aten.cat.default([neg, getitem_5], -1)  bfloat16[T, 4, 32]
+unsqueeze_2 = aten.unsqueeze.default(getitem_4, 1)  bfloat16[T, 1, 16]
+expand_1 = aten.expand.default(unsqueeze_2, [in_5, 2, 16])  bfloat16[T, 2, 16]
+clone_1 = aten.clone.default(expand_1, memory_format=torch.contiguous_format)  bfloat16[T, 2, 16]
+reshape_3 = aten.reshape.default(clone_1, [in_5, 32])  bfloat16[T, 32]
+unsqueeze_3 = aten.unsqueeze.default(reshape_3, 1)  bfloat16[T, 1, 32]
+mul_5 = aten.mul.Tensor(cat, unsqueeze_3)  bfloat16[T, 4, 32]
+add_2 = aten.add.Tensor(mul_4, mul_5)  bfloat16[T, 4, 32]
+mul_6 = aten.mul.Tensor(mul_3, unsqueeze_1)  bfloat16[T, 2, 32]
+neg_1 = aten.neg.default(getitem_8)  bfloat16[T, 2, 16]
+cat_1 = aten.cat.default([neg_1, getitem_7], -1)  bfloat16[T, 2, 32]
+mul_7 = aten.mul.Tensor(cat_1, unsqueeze_3)  bfloat16[T, 2, 32]
+add_3 = aten.add.Tensor(mul_6, mul_7)  bfloat16[T, 2, 32]
+reshape_4 = aten.reshape.default(getitem_2, [in, 2, 32])  bfloat16[T, 2, 32]
+unified_kv_cache_update = rocm_attn.unified_kv_cache_update.default(add_3, reshape_4, 'qwen3_hf')  bfloat16[0]
+empty = aten.empty.memory_format([in_5, 4, 32], dtype=torch.bfloat16, layout=torch.strided, device=cpu, pin_memory=False)  bfloat16[T, 4, 32]
+auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=add_2, key=add_3, value=reshape_4, layer_name='qwen3_hf', kv_cache_dependency=unified_kv_cache_update, output_scale=None, _output_base_index=0, _all_bases=[empty])
+getitem_9 = getitem(auto_functionalized_v2, 1)  bfloat16[T, 4, 32]
+reshape_5 = aten.reshape.default(getitem_9, [in, 128])  bfloat16[T, 128]
+return (reshape_5,)""")
+        self.assertExpectedInline(c.after, """\
+in: T
+in_1: bfloat16[T, 256]
+in_2: bfloat16[32]
+in_3: bfloat16[32]
+in_4: bfloat16[4096, 32]
+in_5: T
+in_6: int64[T]
+split_with_sizes = aten.split_with_sizes.default(in_1, [128, 64, 64], -1)
+getitem = getitem(split_with_sizes, 2)  bfloat16[T, 64]
+reshape = aten.reshape.default(getitem, [in, 2, 32])  bfloat16[T, 2, 32]
+unified_qk_norm_rope_and_kv_cache_update = rocm_attn.unified_qk_norm_rope_and_kv_cache_update.default(in_1, in_2, in_3, 1e-06, in_6, in_4, True, 4, 2, 32, 'qwen3_hf')
+getitem_1 = getitem(unified_qk_norm_rope_and_kv_cache_update, 0)  bfloat16[T, 4, 32]
+getitem_2 = getitem(unified_qk_norm_rope_and_kv_cache_update, 1)  bfloat16[T, 2, 32]
+getitem_3 = getitem(unified_qk_norm_rope_and_kv_cache_update, 3)  bfloat16[0]
+empty = aten.empty.memory_format([in_5, 4, 32], dtype=torch.bfloat16, layout=torch.strided, device=cpu, pin_memory=False)  bfloat16[T, 4, 32]
+auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=getitem_1, key=getitem_2, value=reshape, layer_name='qwen3_hf', kv_cache_dependency=getitem_3, output_scale=None, _output_base_index=0, _all_bases=[empty])
+getitem_4 = getitem(auto_functionalized_v2, 1)  bfloat16[T, 4, 32]
+reshape_1 = aten.reshape.default(getitem_4, [in, 128])  bfloat16[T, 128]
+return (reshape_1,)""")
+
+    def test_negative_norm_over_whole_q(self):
+        cfg, block = _block("norm_whole_q", name="qwen3_whole_q", norm_impl="op", rope_impl="op")
+        c = capture(block, *block_inputs(cfg), rope_kv_cache_fusion=False)
+        self.assertEqual(c.count(PASS), 0)
+        self.assertExpectedInline(c.after, """\
+in: T
+in_1: float32[T, 256]
+in_2: float32[128]
+in_3: float32[32]
+in_4: float32[4096, 32]
+in_5: T
+in_6: int64[T]
+split_with_sizes = aten.split_with_sizes.default(in_1, [128, 64, 64], -1)
+getitem = getitem(split_with_sizes, 0)  float32[T, 128]
+getitem_1 = getitem(split_with_sizes, 1)  float32[T, 64]
+getitem_2 = getitem(split_with_sizes, 2)  float32[T, 64]
+rms_norm = rocm_attn.rms_norm.default(getitem, in_2, 1e-06)  float32[T, 128]
+reshape = aten.reshape.default(getitem_1, [in, 2, 32])  float32[T, 2, 32]
+rms_norm_1 = rocm_attn.rms_norm.default(reshape, in_3, 1e-06)  float32[T, 2, 32]
+reshape_1 = aten.reshape.default(rms_norm_1, [in, 64])  float32[T, 64]
+auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.rotary_embedding.default, positions=in_6, head_size=32, cos_sin_cache=in_4, is_neox=True, _query_base_index=0, _key_base_index=1, _all_bases=[rms_norm, reshape_1])
+getitem_3 = getitem(auto_functionalized_v2, 1)  float32[T, 128]
+getitem_4 = getitem(auto_functionalized_v2, 2)  float32[T, 64]
+reshape_2 = aten.reshape.default(getitem_3, [in, 4, 32])  float32[T, 4, 32]
+reshape_3 = aten.reshape.default(getitem_4, [in, 2, 32])  float32[T, 2, 32]
+reshape_4 = aten.reshape.default(getitem_2, [in, 2, 32])  float32[T, 2, 32]
+unified_kv_cache_update = rocm_attn.unified_kv_cache_update.default(reshape_3, reshape_4, 'qwen3_whole_q')  float32[0]
+empty = aten.empty.memory_format([in, 4, 32], dtype=torch.float32, layout=torch.strided, device=cpu, pin_memory=False)  float32[T, 4, 32]
+auto_functionalized_v2_1 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=reshape_2, key=reshape_3, value=reshape_4, layer_name='qwen3_whole_q', kv_cache_dependency=unified_kv_cache_update, output_scale=None, _output_base_index=0, _all_bases=[empty])
+getitem_5 = getitem(auto_functionalized_v2_1, 1)  float32[T, 4, 32]
+reshape_5 = aten.reshape.default(getitem_5, [in, 128])  float32[T, 128]
+return (reshape_5,)""")
