@@ -27,6 +27,7 @@ from .base import FusionPass
 aten = torch.ops.aten
 rocm = torch.ops.rocm_attn
 _ATTN = rocm.unified_attention_with_output.default
+_QUANT_DEPTH = 6  # nodes from the attention output to the fp8 cast (div, casts, clamps)
 
 
 def _attentions(graph: torch.fx.Graph) -> list[torch.fx.Node]:
@@ -54,9 +55,9 @@ def _match_quant(x: torch.fx.Node, user: torch.fx.Node):
     xv = forms.val(x)
     if xv is None or xv.dtype not in forms.MODEL_DTYPES:
         return None, None, None, "attention output dtype is not a model dtype"
-    # the plain form's root is the final cast; walk at most three single-user steps to find it
-    node, why = user, []
-    for _ in range(3):
+    # the plain form's root is the final cast, a few single-user steps on
+    node = user
+    for _ in range(_QUANT_DEPTH):
         nv = forms.val(node)
         if nv is not None and nv.dtype in forms.FP8_DTYPES:
             kw, w = forms.match(forms.fp8_quant_pattern(xv.dtype, nv.dtype, xv.dim()), node)
@@ -100,10 +101,12 @@ class AttnQuantFusionPass(FusionPass):
             if not (base.op == "call_function" and base.target is aten.empty.memory_format and len(base.users) == 1):
                 self.not_fused(layer, "the attention output buffer is not a fresh empty tensor")
                 continue
-            if sv is None or sv.numel() != 1 or sv.dtype != torch.float32:
-                self.not_fused(layer, "the quant scale is not a one-element fp32 tensor")
+            if sv is None or sv.numel() != 1 or not sv.dtype.is_floating_point:
+                self.not_fused(layer, "the quant scale is not a one-element float tensor")
                 continue
             with graph.inserting_before(attn):
+                if sv.dtype != torch.float32:  # exact widening; the kernels read an fp32 scale
+                    scale = forms.call(graph, torch.ops.prims.convert_element_type.default, (scale, torch.float32))
                 new_base = forms.call(graph, base.target, base.args, {**base.kwargs, "dtype": fp8})
                 bases = list(kw["_all_bases"])
                 bases[kw.get("_output_base_index", 0)] = new_base
@@ -134,7 +137,7 @@ class AttnQuantFusionPass(FusionPass):
     def _is_candidate(user: torch.fx.Node) -> bool:
         """A quant-looking consumer: our quant op, a division, or anything producing fp8 soon."""
         node = user
-        for _ in range(3):
+        for _ in range(_QUANT_DEPTH):
             v = forms.val(node)
             if node.target is rocm.static_scaled_fp8_quant.default or (v is not None and v.dtype in forms.FP8_DTYPES):
                 return True
