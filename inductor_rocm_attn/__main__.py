@@ -40,9 +40,6 @@ def _demo(args) -> int:
     from .demo import run_demo
 
     compile_ = not args.eager
-    if compile_ and importlib.util.find_spec("inductor_rocm_attn.plugin") is None:
-        print("note: the compile plugin is not part of this build; running eagerly")
-        compile_ = False
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
     result = run_demo(compile=compile_, device=args.device, dtype=dtype)
     return 0 if result["ok"] else 1
