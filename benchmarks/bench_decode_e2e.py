@@ -1,0 +1,391 @@
+"""End-to-end decode benchmark: eager vs torch.compile vs the plugin vs plugin + piecewise graphs.
+
+A Qwen3-0.6B-shaped model (28 layers, hidden 1024, 16 query / 8 KV heads, d=128, random
+weights, bf16, vocab 8192) decodes one token per sequence at batch 1/8/32/64 with 2048
+cached tokens per sequence (blocks placed at random, cache filled with random values).
+Step latency (the model forward of one decode step, metadata prepared) for:
+
+- ``eager``: the model as written (HF-form RoPE/RMSNorm, our layer-level ops);
+- ``compile``: ``torch.compile(model, fullgraph=True)``, plugin off;
+- ``compile_plugin``: the same with ``inductor_rocm_attn.plugin()`` on;
+- ``piecewise_graphs``: ``compile_piecewise(model)`` (plugin on): pieces replayed from
+  CUDA graphs, attention eager between them.
+
+Memory floor = (weight bytes read per step + KV bytes) / 4.19 TB/s (FACTS.md read ceiling).
+Before timing, a 200-step mixed schedule checks graph replay against eager (and bitwise
+against the compiled pieces without graphs). Compile time: cold in this process (fresh
+cache dirs), warm in a second process over the same caches (``--compile-only``).
+
+    PYTHONUNBUFFERED=1 python benchmarks/bench_decode_e2e.py --out $OUT [--deadline-s 230]
+
+Writes ``decode_e2e_<date>.json`` and ``.md`` to --out (then commit them under
+benchmarks/results/). Stages past ``--deadline-s`` are skipped and reported as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+T_START = time.perf_counter()
+
+# Fresh compile caches (cold compile) unless given: set before torch is imported.
+if "--cache-dir" in sys.argv:
+    _cache = sys.argv[sys.argv.index("--cache-dir") + 1]
+else:
+    _cache = tempfile.mkdtemp(prefix="e2e_cache_")
+    sys.argv += ["--cache-dir", _cache]
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_cache, "inductor")
+os.environ["TRITON_CACHE_DIR"] = os.path.join(_cache, "triton")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import inductor_rocm_attn as ira  # noqa: E402
+from inductor_rocm_attn.decode_check import run_mixed_decode  # noqa: E402
+from inductor_rocm_attn.graph_capture import compile_piecewise  # noqa: E402
+from inductor_rocm_attn.models import TinyDecoder, qwen3_0_6b_config  # noqa: E402
+
+READ_CEILING_TBS = 4.19
+CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64]
+CTX = 2048
+
+
+def log(msg):
+    print(f"[{time.perf_counter() - T_START:7.1f}s] {msg}", flush=True)
+
+
+def build(args, device, dtype, num_blocks, seed=0):
+    cfg = qwen3_0_6b_config(**(dict(num_layers=args.layers) if args.layers else {}))
+    if args.tiny:
+        cfg = qwen3_0_6b_config(num_layers=args.layers or 2, hidden_size=256, intermediate_size=512,
+                                num_heads=4, num_kv_heads=2, head_size=64, vocab_size=512)
+    torch.manual_seed(seed)
+    model = TinyDecoder(cfg).to(device=device, dtype=dtype).eval()
+    ira.bind_kv_caches(model, num_blocks, dtype, device, poison=True)
+    return model
+
+
+def compile_runner(model, args, max_num_blocks_per_seq_tokens, capture=True):
+    t0 = time.perf_counter()
+    runner = compile_piecewise(model, capture_sizes=CAPTURE_SIZES, max_num_seqs=64,
+                               max_model_len=max_num_blocks_per_seq_tokens,
+                               capture=False)
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if capture:
+        runner.capture()
+    return runner, compile_s, time.perf_counter() - t0
+
+
+def weight_bytes_per_step(model, batch):
+    total = 0
+    for name, p in model.named_parameters():
+        if name.startswith("embed."):
+            total += batch * p.shape[1] * p.element_size()  # gathered rows only
+        else:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes(model, batch, ctx):
+    cfg = model.cfg
+    return batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_size * 2  # bf16
+
+
+def time_steps(fn, device, iters, repeats=5, warmup=3):
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) / iters * 1e3
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    times.sort()
+    return times[len(times) // 2]
+
+
+class DecodeBatch:
+    """B sequences with CTX cached tokens each, decoding one token (random block placement)."""
+
+    def __init__(self, b, block_size, num_blocks, vocab, device, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        per = -(-(CTX + 1) // block_size)
+        perm = torch.randperm(num_blocks, generator=g)[: b * per].view(b, per).tolist()
+        self.qlens, self.clens, self.tables = [1] * b, [CTX] * b, perm
+        self.ids = torch.randint(0, vocab, (b,), generator=g).to(device)
+        self.md = ira.build_attention_metadata(self.qlens, self.clens, self.tables, block_size, device)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--cache-dir")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--check-steps", type=int, default=200)
+    ap.add_argument("--deadline-s", type=float, default=1e9, help="skip stages that start later")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--layers", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="small model (CPU smoke test)")
+    ap.add_argument("--compile-only", action="store_true", help="(warm-compile child process)")
+    ap.add_argument("--skip", nargs="*", default=[], help="stages to skip: check compile compile_plugin warm")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    bs = 16
+    max_b = max(args.batches)
+    num_blocks = max_b * (-(-(CTX + 64) // bs)) + 64
+    max_len = CTX + 256
+
+    if args.compile_only:  # warm compile in a second process over the same caches
+        model = build(args, device, dtype, 64)
+        t0 = time.perf_counter()
+        runner, compile_s, capture_s = compile_runner(model, args, max_len, capture=device.type == "cuda")
+        print(json.dumps({"warm_compile_s": compile_s, "warm_capture_s": capture_s,
+                          "warm_total_s": time.perf_counter() - t0,
+                          "unique_compiles": runner.stats.num_unique_compiles}))
+        return
+
+    os.makedirs(args.out, exist_ok=True)
+    res = {
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
+            "host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "triton": _version("triton"),
+        },
+        "model": {}, "check": None, "compile": {}, "latency_ms": {}, "floor_ms": {}, "skipped": [],
+        "errors": {},
+    }
+    out_json = os.path.join(args.out, f"decode_e2e_{datetime.date.today().isoformat()}.json")
+
+    def save():
+        with open(out_json, "w") as f:
+            json.dump(res, f, indent=1)
+        write_md(res, out_json[:-5] + ".md")
+
+    def stage_ok(name):
+        if name in args.skip:
+            res["skipped"].append(f"{name} (--skip)")
+            return False
+        if time.perf_counter() - T_START > args.deadline_s:
+            res["skipped"].append(f"{name} (deadline {args.deadline_s:.0f}s)")
+            log(f"skip {name}: past the deadline")
+            return False
+        return True
+
+    log(f"build model on {device} ({num_blocks} cache blocks)")
+    model = build(args, device, dtype, num_blocks)
+    cfg = model.cfg
+    res["model"] = dict(layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads,
+                        kv_heads=cfg.num_kv_heads, head_size=cfg.head_size, vocab=cfg.vocab_size,
+                        intermediate=cfg.intermediate_size, dtype=str(dtype), block_size=bs, ctx=CTX,
+                        params=sum(p.numel() for p in model.parameters()))
+
+    # --- piecewise compile (cold) + capture ----------------------------------------------
+    log("compile_piecewise (cold caches)")
+    runner, compile_s, _ = compile_runner(model, args, max_len, capture=False)
+    t0 = time.perf_counter()
+    try:
+        runner.capture()
+    except Exception as e:  # keep the eager numbers; graph modes are skipped
+        res["errors"]["capture"] = repr(e)[:3000]
+        log(f"capture failed: {e!r}")
+        runner._captured = frozenset()
+    capture_s = time.perf_counter() - t0
+    st = runner.stats
+    res["compile"]["cold"] = dict(total_s=compile_s, trace_s=st.trace_s, inductor_s=st.compile_s,
+                                  capture_s=capture_s, captures=st.num_captures,
+                                  unique_compiles=st.num_unique_compiles,
+                                  compiled_pieces=st.num_compiled_pieces,
+                                  attention_pieces=st.num_attention_pieces,
+                                  plugin_active=st.plugin_active,
+                                  fused_layers_interleaved_v=sum(l.interleaved_v for l in ira.attention_layers(model)))
+    log(f"cold compile {compile_s:.1f}s (trace {st.trace_s:.1f}s), capture {capture_s:.1f}s, "
+        f"{st.num_captures} graphs, {st.num_unique_compiles} unique compiles, plugin={st.plugin_active}")
+    save()
+
+    # --- 200-step mixed check --------------------------------------------------------------
+    if stage_ok("check"):
+        try:
+            ref = TinyDecoder(cfg).to(device=device, dtype=dtype).eval()
+            ref.load_state_dict(model.state_dict())
+            ira.bind_kv_caches(ref, 1600, dtype, device, poison=True)
+            t0 = time.perf_counter()
+            r = run_mixed_decode(runner, ref, steps=args.check_steps, max_seqs=24, max_len=500,
+                                 num_blocks=min(1600, num_blocks), seed=0, max_tokens=max(CAPTURE_SIZES))
+            res["check"] = dict(r.as_dict(), seconds=time.perf_counter() - t0)
+            log(f"check: {res['check']}")
+            del ref
+        except Exception as e:  # keep going: the timings are still worth having
+            res["errors"]["check"] = repr(e)
+            log(f"check failed: {e!r}")
+        save()
+
+    # random cache contents for timing (never time on poison/zeros)
+    with torch.no_grad():
+        for layer in ira.attention_layers(model):
+            layer.kv_cache.view(dtype).normal_() if layer.kv_cache.dtype == dtype else None
+
+    batches = {b: DecodeBatch(b, bs, num_blocks, cfg.vocab_size, device, seed=b) for b in args.batches}
+    for b in args.batches:
+        wb, kb = weight_bytes_per_step(model, b), kv_bytes(model, b, CTX)
+        res["floor_ms"][str(b)] = dict(weight_bytes=wb, kv_bytes=kb,
+                                       floor_ms=(wb + kb) / (READ_CEILING_TBS * 1e12) * 1e3)
+
+    def record(mode, b, fn, iters):
+        try:
+            ms = time_steps(fn, device, iters)
+        except Exception as e:
+            res["errors"][f"{mode}_B{b}"] = repr(e)[:2000]
+            log(f"{mode} B={b} failed: {e!r}"[:2000])
+            return
+        res["latency_ms"].setdefault(mode, {})[str(b)] = ms
+        log(f"{mode:18s} B={b:3d}: {ms:8.3f} ms")
+        save()
+
+    # --- eager and piecewise graphs ------------------------------------------------------------
+    for b in args.batches:
+        db = batches[b]
+
+        def eager_step():
+            with torch.no_grad(), ira.set_forward_context(db.md):
+                model(db.ids, db.md.positions)
+
+        iters = max(3, args.iters // 2) if device.type == "cuda" else 2
+        record("eager", b, eager_step, iters)
+        md = runner.prepare(db.qlens, db.clens, db.tables)
+        if runner._captured:
+            record("piecewise_graphs", b, lambda: runner(db.ids, md), args.iters)
+        record("piecewise_no_graphs", b, lambda: runner(db.ids, md, use_graphs=False), args.iters)
+
+        def full_step():  # plan + H2D + replay
+            m = runner.prepare(db.qlens, db.clens, db.tables)
+            runner(db.ids, m)
+
+        if runner._captured:
+            record("piecewise_graphs_with_plan", b, full_step, args.iters)
+
+    # --- warm compile (second process, same caches) ------------------------------------------
+    if stage_ok("warm"):
+        t0 = time.perf_counter()
+        cmd = [sys.executable, os.path.abspath(__file__), "--compile-only", "--cache-dir", args.cache_dir]
+        if args.tiny:
+            cmd.append("--tiny")
+        if args.layers:
+            cmd += ["--layers", str(args.layers)]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            warm = json.loads(p.stdout.strip().splitlines()[-1])
+            warm["process_wall_s"] = time.perf_counter() - t0
+            res["compile"]["warm"] = warm
+            log(f"warm: {warm}")
+        except Exception:
+            res["errors"]["warm"] = (p.stdout[-2000:] + p.stderr[-3000:])
+            log("warm compile failed:\n" + p.stderr[-3000:])
+        save()
+
+    # --- torch.compile, whole model, without / with the plugin -----------------------------------
+    # One compile with the token dim dynamic serves B=8/32/64 (both modes first); B=1 needs a
+    # second compile (Dynamo specializes size 1), done last, when time is left.
+    big = [b for b in args.batches if b != 1]
+    phases = [("compile", big), ("compile_plugin", big)]
+    if 1 in args.batches:
+        phases += [("compile", [1]), ("compile_plugin", [1])]
+    for mode, bs_ in phases:
+        if not bs_ or not stage_ok(f"{mode}_B{bs_}"):
+            continue
+        torch._dynamo.reset()
+        if mode == "compile_plugin":
+            ira.enable()
+        else:
+            ira.disable()
+        cm = torch.compile(model, fullgraph=True)
+        for b in bs_:
+            db = batches[b]
+            ids, pos = db.ids.clone(), db.md.positions.clone()
+            if b > 1:
+                torch._dynamo.mark_dynamic(ids, 0)
+                torch._dynamo.mark_dynamic(pos, 0)
+            try:
+                t0 = time.perf_counter()
+                with torch.no_grad(), ira.set_forward_context(db.md):
+                    cm(ids, pos)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                first = time.perf_counter() - t0
+                res["compile"].setdefault(mode + "_first_call_s", {})[str(b)] = first
+                log(f"{mode}: first call at B={b} took {first:.1f}s")
+            except Exception as e:
+                res["errors"][f"{mode}_B{b}"] = repr(e)[:2000]
+                log(f"{mode} B={b} failed: {e!r}"[:2000])
+                continue
+
+            def step(db=db):
+                with torch.no_grad(), ira.set_forward_context(db.md):
+                    cm(db.ids, db.md.positions)
+
+            record(mode, b, step, args.iters)
+        ira.disable()
+        save()
+
+    res["total_s"] = time.perf_counter() - T_START
+    save()
+    log(f"wrote {out_json}")
+    print(open(out_json[:-5] + ".md").read())
+
+
+def _version(mod):
+    try:
+        return __import__(mod).__version__
+    except Exception:
+        return None
+
+
+def write_md(res, path):
+    lat, floor = res["latency_ms"], res["floor_ms"]
+    batches = list(floor)
+    modes = ["eager", "compile", "compile_plugin", "piecewise_no_graphs", "piecewise_graphs",
+             "piecewise_graphs_with_plan"]
+    lines = [f"# End-to-end decode: Qwen3-0.6B-shaped model ({res['date']})", "",
+             f"Command: `{res['command']}`  ", f"Machine: {res['machine']}  ", f"Model: {res['model']}", "",
+             "Step latency, ms (one decode step, 2048 cached tokens per sequence; median of 5 timed runs):", "",
+             "| mode | " + " | ".join(f"B={b}" for b in batches) + " |",
+             "|---|" + "---|" * len(batches)]
+    for m in modes:
+        if m in lat:
+            lines.append(f"| {m} | " + " | ".join(f"{lat[m][b]:.3f}" if b in lat[m] else "-" for b in batches) + " |")
+    lines.append("| memory floor (4.19 TB/s) | " + " | ".join(f"{floor[b]['floor_ms']:.3f}" for b in batches) + " |")
+    if "eager" in lat and "piecewise_graphs" in lat:
+        lines.append("| eager / graphs | " + " | ".join(
+            f"{lat['eager'][b] / lat['piecewise_graphs'][b]:.2f}x" if b in lat["piecewise_graphs"] else "-"
+            for b in batches) + " |")
+        lines.append("| graphs / floor | " + " | ".join(
+            f"{lat['piecewise_graphs'][b] / floor[b]['floor_ms']:.2f}x" if b in lat["piecewise_graphs"] else "-"
+            for b in batches) + " |")
+    lines += ["", f"Compile: `{json.dumps(res['compile'])}`", "", f"Mixed-batch check: `{json.dumps(res['check'])}`",
+              "", f"Skipped: {res['skipped']}", "", f"Errors: `{json.dumps(res['errors'])[:3000]}`", ""]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
