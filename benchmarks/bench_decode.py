@@ -125,18 +125,23 @@ def main():
                   f"  sdpa {t_sdpa:8.1f} us {row['sdpa_tbs']:5.2f} TB/s  x{row['ratio_vs_sdpa']:.2f}  err {err:.1e}",
                   flush=True)
             if args.sweep and b == 64 and L == 4096:
-                for tile in (32, 64, 128):
-                    for warps in (4, 8):
-                        for stages in (2, 3):
-                            try:
-                                t = graph_time_us(lambda: c.run(decode_cfg=(tile, warps, stages)))
-                            except Exception as e:  # e.g. out of shared memory
-                                print(f"  cfg {tile},{warps},{stages}: {type(e).__name__}")
-                                continue
-                            sweep.append(dict(B=b, L=L, cfg=[tile, warps, stages], us=t, tbs=nbytes / t / 1e6))
-                            print(f"  cfg tile={tile} warps={warps} stages={stages}: {t:7.1f} us {nbytes / t / 1e6:5.2f} TB/s", flush=True)
+                cfgs = [(t, 4, st, True) for t in (16, 32, 64, 128) for st in (2, 3, 4)]
+                cfgs += [(64, 8, 3, True), (32, 4, 3, False), (64, 4, 3, False)]
+                for cfg in cfgs:
+                    try:
+                        t = graph_time_us(lambda: c.run(decode_cfg=cfg))
+                    except Exception as e:  # e.g. out of shared memory
+                        print(f"  cfg {cfg}: {type(e).__name__}")
+                        continue
+                    sweep.append(dict(B=b, L=L, cfg=list(cfg), us=t, tbs=nbytes / t / 1e6))
+                    print(f"  cfg tile={cfg[0]} warps={cfg[1]} stages={cfg[2]} one_loop={cfg[3]}: "
+                          f"{t:7.1f} us {nbytes / t / 1e6:5.2f} TB/s", flush=True)
+                for s in (2, 4):
+                    t = graph_time_us(lambda: c.run(num_splits=s))
+                    sweep.append(dict(B=b, L=L, splits=s, us=t, tbs=nbytes / t / 1e6))
+                    print(f"  splits={s:2d}: {t:7.1f} us {nbytes / t / 1e6:5.2f} TB/s", flush=True)
             if args.sweep and b in (1, 16) and L in (4096, 16384):
-                for s in (1, 4, 8, 16, 32, 64):
+                for s in (4, 8, 16, 32, 64):
                     t = graph_time_us(lambda: c.run(num_splits=s))
                     sweep.append(dict(B=b, L=L, splits=s, us=t, tbs=nbytes / t / 1e6))
                     print(f"  splits={s:2d}: {t:7.1f} us {nbytes / t / 1e6:5.2f} TB/s", flush=True)

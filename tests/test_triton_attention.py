@@ -60,13 +60,13 @@ def _features(num_heads, *, alibi=False, sinks=False, device="cpu", g=None):
 
 def _check_fp8_steps(got, ref, fp8_dtype, seed):
     """Each fp8 output is within one fp8 step of the exact value / output_scale (clamped),
-    plus 1% for the kernel's own rounding before the cast."""
+    plus 1% of the rms value for the kernel's own (bf16-level) error before the cast."""
     m = fp8_max(fp8_dtype)
     ref = ref.clamp(-m, m)
     mant = torch.finfo(fp8_dtype).nmant if hasattr(torch.finfo(fp8_dtype), "nmant") else 3
     tiny = torch.finfo(fp8_dtype).smallest_normal
     step = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(tiny))) - mant)
-    bad = (got - ref).abs() > step + 0.01 * ref.abs()
+    bad = (got - ref).abs() > step + 0.01 * ref.pow(2).mean().sqrt()
     assert not bad.any(), (f"{int(bad.sum())} fp8 outputs off by more than one step (seed {seed}); "
                            f"e.g. got {got[bad][:4].tolist()} want {ref[bad][:4].tolist()}")
 
@@ -75,7 +75,7 @@ def _check_paged(query_lens, context_lens, *, num_heads=4, num_kv_heads=2, head_
                  block_size=16, dtype=torch.float16, cache_dtype=None, layout="LHBNC",
                  interleaved_v=False, causal=True, sliding_window=-1, alibi=False, sinks=False,
                  softcap=0.0, out_fp8=False, num_splits=None, device="cpu", key_from_cache=False,
-                 pad_rows=0, tol=None):
+                 pad_rows=0, tol=None, decode_cfg=None):
     seed = _seed()
     fp8 = cache_dtype is not None and cache_dtype != dtype
     c = cases.make_paged_case(
@@ -106,7 +106,7 @@ def _check_paged(query_lens, context_lens, *, num_heads=4, num_kv_heads=2, head_
     paged_attention(
         out, query, key, value, c.kv_cache, c.query_start_loc, c.seq_lens, c.block_table, scale,
         c.k_scale, c.v_scale, causal, sliding_window, slopes, sink, softcap, interleaved_v,
-        out_scale, num_splits=num_splits,
+        out_scale, num_splits=num_splits, decode_cfg=decode_cfg,
     )
     ref_out = cases.dense_oracle(c, scale=scale, causal=causal, sliding_window=sliding_window,
                                  alibi_slopes=slopes, sinks=sink, logits_soft_cap=softcap)
@@ -141,6 +141,8 @@ CPU_CASES = [
      dict(num_heads=8, num_kv_heads=2, num_splits=3, sliding_window=40, alibi=True, sinks=True,
           softcap=6.0, interleaved_v=True)),
     ("split_forced_more_splits_than_tiles", [1, 1], [3, 100], dict(num_splits=5)),
+    ("decode_three_loops_window", [1, 1, 1], [100, 7, 64],
+     dict(sliding_window=37, decode_cfg=(16, 4, 1, False), num_splits=2)),
     ("fp32_d256_gqa2", [1, 5], [30, 20],
      dict(num_heads=4, num_kv_heads=2, head_size=256, dtype=torch.float32)),
     ("fp8_e4m3_cache", [1, 6, 1], [45, 20, 9], dict(cache_dtype=torch.float8_e4m3fn, num_splits=2)),
@@ -246,6 +248,7 @@ GPU_FEATURES = [
     ("window_alibi", dict(sliding_window=300, alibi=True)),
     ("sinks_softcap_noncausal", dict(sinks=True, softcap=8.0, causal=False)),
     ("split", dict(num_splits=7)),
+    ("three_loop_decode", dict(sliding_window=500, decode_cfg=(32, 4, 3, False))),
 ]
 
 

@@ -51,6 +51,7 @@ def _paged_decode_kernel(
     USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, FP8_KV: tl.constexpr, INTERLEAVED_V: tl.constexpr,
     USE_OUT_SCALE: tl.constexpr, OUT_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ONE_LOOP: tl.constexpr,
 ):
     """Grid ``(num_seqs, num_kv_heads * HEAD_CHUNKS, NUM_SPLITS)``; only query_len == 1.
 
@@ -107,21 +108,30 @@ def _paged_decode_kernel(
             # V is accumulated in cache units and scaled at the end; the sink's value is 0.
 
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
-    acc, m_i, l_i = _paged_inner(
-        acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
-        kv_head, t_lo, f_lo, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
-        COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
-        False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION)
-    acc, m_i, l_i = _paged_inner(
-        acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
-        kv_head, f_lo, f_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
-        COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
-        False, False, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION)
-    acc, m_i, l_i = _paged_inner(
-        acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
-        kv_head, f_hi, t_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
-        COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
-        False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION)
+    if ONE_LOOP:
+        # One software pipeline over all tiles (masks everywhere): a split holds few tiles,
+        # and three loops would each start their pipeline cold.
+        acc, m_i, l_i = _paged_inner(
+            acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
+            kv_head, t_lo, t_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
+            COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
+            False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION)
+    else:  # masked first tile, unmasked middle, masked last tile
+        acc, m_i, l_i = _paged_inner(
+            acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
+            kv_head, t_lo, f_lo, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
+            COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
+            False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION)
+        acc, m_i, l_i = _paged_inner(
+            acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
+            kv_head, f_lo, f_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
+            COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
+            False, False, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION)
+        acc, m_i, l_i = _paged_inner(
+            acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
+            kv_head, f_hi, t_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
+            COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
+            False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION)
 
     if NUM_SPLITS == 1:
         out_scale = 1.0
@@ -181,8 +191,9 @@ def _decode_reduce_kernel(
 
 # Tuned on an H200 (benchmarks/bench_decode.py, bench_prefill.py), keyed by
 # (head_size, gqa, block_size, cache dtype); anything else takes the heuristics below.
-# decode: (TILE_N, num_warps, num_stages); prefill: (BLOCK_M, BLOCK_N, num_warps, num_stages)
-_DECODE_TUNED: dict[tuple, tuple[int, int, int]] = {}
+# decode: (TILE_N, num_warps, num_stages, one_loop); prefill: (BLOCK_M, BLOCK_N, num_warps,
+# num_stages)
+_DECODE_TUNED: dict[tuple, tuple[int, int, int, bool]] = {}
 _PREFILL_TUNED: dict[tuple, tuple[int, int, int, int]] = {}
 
 
@@ -191,10 +202,10 @@ def _pow2_part(n: int) -> int:
 
 
 def decode_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.dtype,
-                  interpret: bool = False) -> tuple[int, int, int]:
-    """(TILE_N, num_warps, num_stages) of the decode kernel."""
+                  interpret: bool = False) -> tuple[int, int, int, bool]:
+    """(TILE_N, num_warps, num_stages, one_loop) of the decode kernel."""
     if interpret:
-        return 32, 4, 1
+        return 32, 4, 1, True
     tuned = _DECODE_TUNED.get((head_size, gqa, block_size, cache_dtype))
     if tuned is not None:
         return tuned
@@ -202,7 +213,7 @@ def decode_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.
     tile = 64 if head_size * elem <= 256 else 32
     if elem == 1:
         tile = 128 if head_size <= 128 else 64
-    return tile, 4, 3
+    return tile, 4, 3, True
 
 
 def prefill_config(head_size: int, gqa: int, block_size: int, dtype: torch.dtype,
@@ -228,7 +239,7 @@ def _num_sms(device_index: int) -> int:
 
 
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in merging than it saves
-MAX_SPLITS = 64
+MAX_SPLITS = 32
 
 
 def num_kv_splits(num_seqs: int, num_kv_heads: int, head_chunks: int, max_ctx: int,
@@ -236,12 +247,12 @@ def num_kv_splits(num_seqs: int, num_kv_heads: int, head_chunks: int, max_ctx: i
     """KV splits of the decode kernel, from host shapes only.
 
     One split while (seqs x KV heads) already fills the GPU twice; else enough splits for
-    about 4 programs per SM, never shorter than ``MIN_SPLIT_TOKENS`` keys.
+    about 8 programs per SM, never shorter than ``MIN_SPLIT_TOKENS`` keys.
     """
     base = max(1, num_seqs * num_kv_heads * head_chunks)
     if base >= 2 * num_sms:
         return 1
-    want = triton.cdiv(4 * num_sms, base)
+    want = triton.cdiv(8 * num_sms, base)
     cap = max(1, triton.cdiv(max_ctx, MIN_SPLIT_TOKENS))
     return max(1, min(want, cap, MAX_SPLITS))
 
@@ -279,7 +290,7 @@ def paged_attention(
     max_seq_len: int | None = None,
     *,
     num_splits: int | None = None,
-    decode_cfg: tuple[int, int, int] | None = None,
+    decode_cfg: tuple[int, int, int, bool] | None = None,
     prefill_cfg: tuple[int, int, int, int] | None = None,
 ) -> None:
     """Chunked prefill + paged decode over the cache (semantics: ``reference.paged_attention``).
@@ -325,7 +336,7 @@ def paged_attention(
     softcap = float(logits_soft_cap) if logits_soft_cap > 0 else 1.0
 
     # --- decode: sequences with query_len == 1 ------------------------------------------------
-    tile_n, warps, stages = decode_cfg or decode_config(head_size, gqa, block_size, cache_dtype, interpret)
+    tile_n, warps, stages, one_loop = decode_cfg or decode_config(head_size, gqa, block_size, cache_dtype, interpret)
     block_h = max(16, min(64, triton.next_power_of_2(gqa)))
     head_chunks = triton.cdiv(gqa, block_h)
     if num_splits is None:
@@ -348,7 +359,7 @@ def paged_attention(
         *pa_strides,
         GQA=gqa, BLOCK_H=block_h, HEAD_CHUNKS=head_chunks, HEAD_SIZE=head_size, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, X=x, TILE_N=tile_n, SUB=min(tile_n, _pow2_part(block_size)),
-        NUM_SPLITS=num_splits, num_warps=warps, num_stages=stages, **common,
+        NUM_SPLITS=num_splits, ONE_LOOP=one_loop, num_warps=warps, num_stages=stages, **common,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -366,7 +377,7 @@ def paged_attention(
     has_new = key is not None
     k_new = key if has_new else dummy.view(num_tokens, num_heads, head_size)
     v_new = value if has_new else k_new
-    _prefix_prefill_kernel[(num_tokens // block_m + num_seqs, num_heads)](
+    _prefix_prefill_kernel[(num_heads, num_tokens // block_m + num_seqs)](
         output, query, k_new, v_new, kc, vc, block_table, seq_lens, query_start_loc, *ptrs,
         scale, softcap, window, num_seqs,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),

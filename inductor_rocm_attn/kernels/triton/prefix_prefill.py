@@ -104,32 +104,50 @@ def _tiles(lo, hi, full_lo, full_hi, base, TILE: tl.constexpr):
 
 
 @triton.jit
+def _block_ids(bt_row_ptr, start, lo, hi, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+               SUB: tl.constexpr, MASK: tl.constexpr):
+    """Cache block of each key ``start .. start+TILE_N`` (int64 ``[TILE_N]``) and whether its
+    run of ``SUB`` keys is loaded at all (a run with a visible key sits in a real block)."""
+    offs_n = start + tl.arange(0, TILE_N)
+    if TILE_N == SUB:  # one run: one block-table entry, a scalar load
+        if MASK:
+            ok = (start < hi) & (start + SUB > lo)
+            blk = tl.load(bt_row_ptr + start // BLOCK_SIZE, mask=ok, other=0)
+            run_ok = (offs_n * 0 + start < hi) & (offs_n * 0 + start + SUB > lo)
+        else:
+            blk = tl.load(bt_row_ptr + start // BLOCK_SIZE)
+            run_ok = offs_n >= 0
+        blk = blk.to(tl.int64) + tl.zeros([TILE_N], tl.int64)
+    else:
+        if MASK:
+            run = start + (tl.arange(0, TILE_N) // SUB) * SUB
+            run_ok = (run < hi) & (run + SUB > lo)
+            blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE, mask=run_ok, other=0)
+        else:
+            run_ok = offs_n >= 0
+            blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE)
+        blk = tl.max_constancy(blk, SUB).to(tl.int64)
+    return blk, run_ok
+
+
+@triton.jit
 def _load_paged_kv(
-    k_cache_ptr, v_cache_ptr, bt_row_ptr,  # cache interiors (K, V views), block-table row
+    k_cache_ptr, v_cache_ptr, blk, run_ok,  # cache interiors (K, V views); tile's block ids
     kv_head, start, lo, hi,  # tile starts at token `start`; keys outside [lo, hi) are invalid
     stride_kcb, stride_kch, stride_vcb, stride_vch,
     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, X: tl.constexpr,
-    TILE_N: tl.constexpr, SUB: tl.constexpr, INTERLEAVED_V: tl.constexpr, MASK: tl.constexpr,
+    TILE_N: tl.constexpr, INTERLEAVED_V: tl.constexpr, MASK: tl.constexpr,
 ):
     """Gather keys ``start .. start+TILE_N`` of one KV head from the cache.
 
-    The tile is ``TILE_N // SUB`` runs of ``SUB`` tokens; ``SUB`` divides the block size, so
-    each run sits in one block (one block-table entry) and is contiguous there. Returns
-    K ``[BLOCK_D, TILE_N]``, V ``[TILE_N, BLOCK_D]`` (cache dtype; invalid V rows are not
-    zeroed here), key positions ``[TILE_N]`` and their validity.
+    The tile is runs of ``SUB`` tokens (``_block_ids``); ``SUB`` divides the block size, so
+    each run sits in one block and is contiguous there. Returns K ``[BLOCK_D, TILE_N]``,
+    V ``[TILE_N, BLOCK_D]`` (cache dtype; invalid V rows are not zeroed here), key
+    positions ``[TILE_N]`` and their validity.
     """
     offs_n = start + tl.arange(0, TILE_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_SIZE
-    if MASK:
-        # A run is loaded if any of its tokens is visible: its block is then a real one.
-        run = start + (tl.arange(0, TILE_N) // SUB) * SUB
-        run_ok = (run < hi) & (run + SUB > lo)
-        blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE, mask=run_ok, other=0)
-    else:
-        run_ok = offs_n >= 0
-        blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE)
-    blk = tl.max_constancy(blk, SUB).to(tl.int64)
     in_blk = offs_n % BLOCK_SIZE
     # K page [HEAD/X, BLOCK_SIZE, X]: X channels of a token are one 16-byte packet.
     k_offs = (blk[None, :] * stride_kcb + kv_head * stride_kch
@@ -160,12 +178,21 @@ def _paged_inner(
     USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr, MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Online softmax over cache tiles ``tile_lo .. tile_hi`` (tile t = tokens t*TILE_N ..)."""
+    """Online softmax over cache tiles ``tile_lo .. tile_hi`` (tile t = tokens t*TILE_N ..).
+
+    The block ids of tile t+1 are loaded while tile t is processed: a block-table load in
+    the same iteration as the K/V loads it addresses would make the software pipeline wait
+    for every copy in flight (seen in the SASS as ``DEPBAR.LE SB0, 0x0``).
+    """
+    blk, run_ok = _block_ids(bt_row_ptr, tile_lo * TILE_N, lo, hi, BLOCK_SIZE, TILE_N, SUB, True)
     for t in range(tile_lo, tile_hi):
+        blk_t = blk
+        run_ok_t = run_ok
+        blk, run_ok = _block_ids(bt_row_ptr, (t + 1) * TILE_N, lo, hi, BLOCK_SIZE, TILE_N, SUB, True)
         k, v, k_pos, k_ok = _load_paged_kv(
-            k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head, t * TILE_N, lo, hi,
+            k_cache_ptr, v_cache_ptr, blk_t, run_ok_t, kv_head, t * TILE_N, lo, hi,
             stride_kcb, stride_kch, stride_vcb, stride_vch,
-            BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V, MASK)
+            BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, INTERLEAVED_V, MASK)
         k = k.to(COMPUTE)
         v = v.to(COMPUTE)
         if MASK:  # unwritten slots may hold anything (NaN): 0 * NaN would poison the sum
@@ -259,14 +286,15 @@ def _prefix_prefill_kernel(
     FP8_KV: tl.constexpr, INTERLEAVED_V: tl.constexpr, USE_OUT_SCALE: tl.constexpr,
     OUT_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Grid ``(num_tokens // BLOCK_M + num_seqs, num_heads)``; sequences with query_len <= 1
-    are skipped.
+    """Grid ``(num_heads, num_tokens // BLOCK_M + num_seqs)``; sequences with query_len <= 1
+    are skipped. Heads vary fastest (neighbours share K/V in L2) and row blocks run last to
+    first, so the long causal rows of a sequence start early and the short ones fill the tail.
 
     q/out ``[num_tokens, num_heads, HEAD_SIZE]``, k/v ``[num_tokens, num_kv_heads, HEAD_SIZE]``,
     caches as ``layout.k_view`` / ``layout.v_view``, block_table ``[num_seqs, max_blocks]``.
     """
-    pid = tl.program_id(0)
-    head = tl.program_id(1)
+    head = tl.program_id(0)
+    pid = tl.num_programs(1) - 1 - tl.program_id(1)
     seq = _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_M)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
