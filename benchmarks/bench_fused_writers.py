@@ -51,6 +51,7 @@ COPY_CEILING = 4.27e12  # B/s, measured (FACTS.md)
 HQ, HKV, D, BS = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 TOKENS = (1, 64, 256, 1024, 4096, 16384)
+SWEEP = ((1, 1), (2, 1), (4, 1), (8, 2), (8, 4), (16, 4), (16, 8))  # (block_t, num_warps)
 
 
 # --- the unfused baseline's RMSNorm: one kernel per tensor ------------------------------------
@@ -247,7 +248,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    ap.add_argument("--sweep", action="store_true", help="also time block_t in {1..32} for the fused kernels")
+    ap.add_argument("--sweep", action="store_true", help="also time (block_t, num_warps) in SWEEP for the fused kernels")
     args = ap.parse_args()
     tokens = [int(x) for x in args.tokens.split(",")]
     aiter_mod, aiter_hnd, aiter_why = load_aiter()
@@ -268,17 +269,18 @@ def main():
                     row[name + "_error"] = f"{type(e).__name__}: {e}"[:300]
             if args.sweep:
                 sweep = {}
-                for bt in (1, 2, 4, 8, 16, 32):
+                for bt, nw in SWEEP:
+                    kw = dict(block_t=bt, num_warps=nw)
                     if op == "rope":
                         q, k, v = split(p["qkv"])
-                        fn = lambda bt=bt: rope_and_cache(  # noqa: E731
+                        fn = lambda kw=kw: rope_and_cache(  # noqa: E731
                             p["positions"], q, k, v, p["cache"], p["slots"], p["cos_sin"], True,
-                            p["ks"], p["vs"], True, block_t=bt)
+                            p["ks"], p["vs"], True, **kw)
                     else:
-                        fn = lambda bt=bt: qk_norm_rope_and_cache(  # noqa: E731
+                        fn = lambda kw=kw: qk_norm_rope_and_cache(  # noqa: E731
                             p["qkv"], p["q_w"], p["k_w"], 1e-6, p["positions"], p["cos_sin"], True,
-                            p["cache"], p["slots"], p["ks"], p["vs"], True, HQ, HKV, D, block_t=bt)
-                    sweep[bt] = time_graph(fn, n)
+                            p["cache"], p["slots"], p["ks"], p["vs"], True, HQ, HKV, D, **kw)
+                    sweep[f"bt{bt}_w{nw}"] = time_graph(fn, n)
                 row["sweep_us"] = sweep
             f = row["fused_us"]
             row["speedup_vs_unfused"] = row["unfused_us"] / f if f and row.get("unfused_us") else None

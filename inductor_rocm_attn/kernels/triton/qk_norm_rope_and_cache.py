@@ -1,10 +1,10 @@
 """Triton ``qk_norm_rope_and_cache``: split qkv, per-head RMSNorm on q/k, RoPE, cache k/v.
 
-grid = (token tiles, num_heads + num_kv_heads), one kernel. Each program loads one head tile
-of ``qkv`` ``[BLOCK_T, head_size]``, normalises it in fp32 (``x * rsqrt(mean(x^2) + eps) * w``),
-rotates it with the partner-channel RoPE of ``rotary_embedding`` (the partner is normalised
-with the same per-row factor and its own weight) and rounds once to the model dtype. Query
-programs write ``q``; KV programs write ``k`` and ``v`` and scatter both into the cache.
+grid = (token tiles, num_heads + num_kv_heads), one kernel. Each program loads one head of
+``BLOCK_T`` tokens from ``qkv`` as the two RoPE halves of ``rotary_embedding`` (plus the
+un-rotated channels under partial rotary), normalises them in fp32 with the per-row factor
+``rsqrt(mean(x^2) + eps)`` and their weights, rotates and rounds once to the model dtype.
+Query programs write ``q``; KV programs write ``k`` and ``v`` and scatter both into the cache.
 """
 
 from __future__ import annotations
@@ -13,28 +13,41 @@ import torch
 import triton
 import triton.language as tl
 
-from .reshape_and_cache import _store_kv_tile, cache_meta, num_warps_for, pick_block_t
-from .rotary_embedding import _load_cos_sin, _rope_partner
+from .reshape_and_cache import (
+    _slot_page, _store_k_cols, _store_v_tile, cache_meta, num_warps_for, pick_block_t,
+)
+from .rotary_embedding import _half_cols, _load_cos_sin, _rotate
 
 __all__ = ["qk_norm_rope_and_cache"]
 
 
 @triton.jit
-def _norm_rope_tile(
-    src_ptrs,  # [BLOCK_T, 1] pointers to channel 0 of each token's head
-    w_ptr, offs_d, partner, sign, mask, cos, sin, eps, stride_d,
-    HEAD_SIZE: tl.constexpr,
+def _norm_rope(
+    src,  # [BLOCK_T, 1] pointers to channel 0 of each token's head
+    stride_d, w_ptr, d1, d2, mask_r, dp, mask_p, mask_t, cos, sin, eps,
+    HEAD_SIZE: tl.constexpr, HAS_PASS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """RMSNorm then RoPE of one head tile, fp32 ``[BLOCK_T, BLOCK_D]``."""
-    x = tl.load(src_ptrs + offs_d[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(src_ptrs + partner[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
-    mask_d = offs_d < HEAD_SIZE
-    w = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    wp = tl.load(w_ptr + partner, mask=mask_d, other=0.0).to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_SIZE + eps)[:, None]
-    x = x * inv_rms * w[None, :]
-    xp = xp * inv_rms * wp[None, :]
-    return x * cos + sign[None, :] * xp * sin
+    """RMSNorm then RoPE of one head tile: (o1, o2, pass) fp32, channels (d1, d2, dp)."""
+    m = mask_t[:, None] & mask_r[None, :]
+    x1 = tl.load(src + d1[None, :] * stride_d, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + d2[None, :] * stride_d, mask=m, other=0.0).to(tl.float32)
+    ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+    if HAS_PASS:
+        xp = tl.load(src + dp[None, :] * stride_d, mask=mask_t[:, None] & mask_p[None, :], other=0.0)
+        xp = xp.to(tl.float32)
+        ss += tl.sum(xp * xp, axis=1)
+    else:
+        xp = tl.zeros((BLOCK_T, BLOCK_P), dtype=tl.float32)
+    inv_rms = tl.rsqrt(ss / HEAD_SIZE + eps)[:, None]
+    w1 = tl.load(w_ptr + d1, mask=mask_r, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + d2, mask=mask_r, other=0.0).to(tl.float32)
+    x1 = x1 * inv_rms * w1[None, :]
+    x2 = x2 * inv_rms * w2[None, :]
+    if HAS_PASS:
+        wp = tl.load(w_ptr + dp, mask=mask_p, other=0.0).to(tl.float32)
+        xp = xp * inv_rms * wp[None, :]
+    o1, o2 = _rotate(x1, x2, cos, sin)
+    return o1, o2, xp
 
 
 @triton.jit
@@ -54,49 +67,70 @@ def _qk_norm_rope_and_cache_kernel(
     HEAD_SIZE: tl.constexpr, ROT_HALF: tl.constexpr, IS_NEOX: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, X: tl.constexpr,
     INTERLEAVED_V: tl.constexpr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
+    HAS_PASS: tl.constexpr = 2 * ROT_HALF < HEAD_SIZE
 
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
     mask_t = offs_t < num_tokens
-    mask_d = offs_d < HEAD_SIZE
-    mask = mask_t[:, None] & mask_d[None, :]
-    partner, sign, col, in_rot = _rope_partner(offs_d, ROT_HALF, IS_NEOX)
+    offs_r, d1, d2, mask_r = _half_cols(ROT_HALF, BLOCK_R, IS_NEOX)
+    dp = 2 * ROT_HALF + tl.arange(0, BLOCK_P)
+    mask_p = dp < HEAD_SIZE
     pos = tl.load(positions_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
-    cos, sin = _load_cos_sin(cos_sin_ptr, pos, stride_cs, col, in_rot, mask_t, ROT_HALF)
+    cos, sin = _load_cos_sin(cos_sin_ptr, pos, stride_cs, offs_r, mask_r, mask_t, ROT_HALF)
     tok = offs_t.to(tl.int64)
     row = qkv_ptr + tok[:, None] * stride_qkv_t
     model_ty = qkv_ptr.dtype.element_ty
+    mask = mask_t[:, None] & mask_r[None, :]
+    mask_pp = mask_t[:, None] & mask_p[None, :]
 
     if pid_h < NUM_HEADS:
         src = row + (pid_h * HEAD_SIZE) * stride_qkv_d
-        q = _norm_rope_tile(src, q_weight_ptr, offs_d, partner, sign, mask, cos, sin, eps,
-                            stride_qkv_d, HEAD_SIZE)
-        q_ptrs = q_ptr + (tok[:, None] * NUM_HEADS + pid_h) * HEAD_SIZE + offs_d[None, :]
-        tl.store(q_ptrs, q.to(model_ty), mask=mask)
+        o1, o2, xp = _norm_rope(src, stride_qkv_d, q_weight_ptr, d1, d2, mask_r, dp, mask_p, mask_t,
+                                cos, sin, eps, HEAD_SIZE, HAS_PASS, BLOCK_T, BLOCK_P)
+        dst = q_ptr + (tok[:, None] * NUM_HEADS + pid_h) * HEAD_SIZE
+        tl.store(dst + d1[None, :], o1.to(model_ty), mask=mask)
+        tl.store(dst + d2[None, :], o2.to(model_ty), mask=mask)
+        if HAS_PASS:
+            tl.store(dst + dp[None, :], xp.to(model_ty), mask=mask_pp)
     else:
         head = pid_h - NUM_HEADS
-        src = row + ((NUM_HEADS + head) * HEAD_SIZE) * stride_qkv_d
-        k = _norm_rope_tile(src, k_weight_ptr, offs_d, partner, sign, mask, cos, sin, eps,
-                            stride_qkv_d, HEAD_SIZE).to(model_ty)
-        v_src = row + ((NUM_HEADS + NUM_KV_HEADS + head) * HEAD_SIZE) * stride_qkv_d
-        v = tl.load(v_src + offs_d[None, :] * stride_qkv_d, mask=mask, other=0.0)
-        out_offs = (tok[:, None] * NUM_KV_HEADS + head) * HEAD_SIZE + offs_d[None, :]
-        tl.store(k_ptr + out_offs, k, mask=mask)
-        tl.store(v_ptr + out_offs, v, mask=mask)
-
         in_slots = offs_t < num_slots
         slot = tl.load(slot_mapping_ptr + offs_t, mask=in_slots, other=-1).to(tl.int64)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HEAD_SIZE
+        v_src = row + ((NUM_HEADS + NUM_KV_HEADS + head) * HEAD_SIZE) * stride_qkv_d
+        v = tl.load(v_src + offs_d[None, :] * stride_qkv_d, mask=mask_t[:, None] & mask_d[None, :], other=0.0)
         k_scale = tl.load(k_scale_ptr).to(tl.float32)
         v_scale = tl.load(v_scale_ptr).to(tl.float32)
-        _store_kv_tile(
-            kv_cache_ptr, k.to(tl.float32), v.to(tl.float32), slot, in_slots & (slot >= 0),
-            head, offs_d, mask_d, k_scale, v_scale, stride_cache_block, stride_cache_group,
-            HEAD_SIZE, BLOCK_SIZE, X, INTERLEAVED_V, IS_FP8, FP8_MAX, BLOCK_T,
-        )
+        src = row + ((NUM_HEADS + head) * HEAD_SIZE) * stride_qkv_d
+        o1, o2, xp = _norm_rope(src, stride_qkv_d, k_weight_ptr, d1, d2, mask_r, dp, mask_p, mask_t,
+                                cos, sin, eps, HEAD_SIZE, HAS_PASS, BLOCK_T, BLOCK_P)
+        # Round once to the model dtype: the cache gets exactly the k returned.
+        o1 = o1.to(model_ty)
+        o2 = o2.to(model_ty)
+        xp = xp.to(model_ty)
+        dst = (tok[:, None] * NUM_KV_HEADS + head) * HEAD_SIZE
+        tl.store(k_ptr + dst + d1[None, :], o1, mask=mask)
+        tl.store(k_ptr + dst + d2[None, :], o2, mask=mask)
+        if HAS_PASS:
+            tl.store(k_ptr + dst + dp[None, :], xp, mask=mask_pp)
+        tl.store(v_ptr + dst + offs_d[None, :], v, mask=mask_t[:, None] & mask_d[None, :])
+
+        mask_w = in_slots & (slot >= 0)
+        page, off = _slot_page(slot, mask_w, head, stride_cache_block, HEAD_SIZE, BLOCK_SIZE)
+        _store_k_cols(kv_cache_ptr, o1.to(tl.float32), d1, mask_r, page, off, mask_w, k_scale,
+                      BLOCK_SIZE, X, IS_FP8, FP8_MAX)
+        _store_k_cols(kv_cache_ptr, o2.to(tl.float32), d2, mask_r, page, off, mask_w, k_scale,
+                      BLOCK_SIZE, X, IS_FP8, FP8_MAX)
+        if HAS_PASS:
+            _store_k_cols(kv_cache_ptr, xp.to(tl.float32), dp, mask_p, page, off, mask_w, k_scale,
+                          BLOCK_SIZE, X, IS_FP8, FP8_MAX)
+        _store_v_tile(kv_cache_ptr, v.to(tl.float32), slot, page, off, mask_w, offs_d, mask_d, v_scale,
+                      stride_cache_block, stride_cache_group,
+                      HEAD_SIZE, BLOCK_SIZE, X, INTERLEAVED_V, IS_FP8, FP8_MAX, BLOCK_T)
 
 
 def qk_norm_rope_and_cache(
@@ -117,6 +151,7 @@ def qk_norm_rope_and_cache(
     head_size: int,
     *,
     block_t: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split, normalise, rotate and cache (same semantics as the reference).
 
@@ -132,6 +167,7 @@ def qk_norm_rope_and_cache(
     v = qkv.new_empty(t, num_kv_heads, head_size)
     if t == 0:
         return q, k, v
+    rot_half = cos_sin_cache.shape[-1] // 2
     block_d = triton.next_power_of_2(head_size)
     block_t = block_t or pick_block_t(t)
     grid = (triton.cdiv(t, block_t), num_heads + num_kv_heads)
@@ -144,9 +180,11 @@ def qk_norm_rope_and_cache(
         cos_sin_cache.stride(0),
         kv_cache.stride(0), kv_cache.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-        HEAD_SIZE=head_size, ROT_HALF=cos_sin_cache.shape[-1] // 2, IS_NEOX=bool(is_neox),
-        INTERLEAVED_V=bool(interleaved_v), BLOCK_T=block_t, BLOCK_D=block_d,
-        num_warps=num_warps_for(block_t, block_d),
+        HEAD_SIZE=head_size, ROT_HALF=rot_half, IS_NEOX=bool(is_neox),
+        INTERLEAVED_V=bool(interleaved_v), BLOCK_T=block_t,
+        BLOCK_R=triton.next_power_of_2(rot_half),
+        BLOCK_P=triton.next_power_of_2(max(1, head_size - 2 * rot_half)), BLOCK_D=block_d,
+        num_warps=num_warps or num_warps_for(block_t, block_d),
         **cache_meta(kv_cache),
     )
     return q, k, v

@@ -35,34 +35,47 @@ def _quantize(x, scale, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def _store_kv_tile(
+def _slot_page(slot, mask_t, head, stride_cache_block,
+               HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """(page base, offset in block) of each token's slot for one KV head; int64."""
+    # Padding tokens point at slot 0 so no out-of-range address is ever formed.
+    slot = tl.where(mask_t, slot, 0)
+    # int64: the cache can exceed 2^31 elements.
+    page = (slot // BLOCK_SIZE) * stride_cache_block + head.to(tl.int64) * (HEAD_SIZE * BLOCK_SIZE)
+    return page, slot % BLOCK_SIZE
+
+
+@triton.jit
+def _store_k_cols(
     kv_cache_ptr,
-    k, v,  # [BLOCK_T, BLOCK_D] fp32, already in the model dtype's precision
-    slot,  # [BLOCK_T] int64 slot of each token
-    mask_t,  # [BLOCK_T] token is real and slot >= 0
-    head,  # KV head index (scalar)
-    offs_d, mask_d,  # [BLOCK_D] channel offsets and mask
-    k_scale, v_scale,
-    stride_cache_block, stride_cache_group,
+    k,  # [BLOCK_T, N] fp32 values of channels offs_d
+    offs_d, mask_d,  # [N] channel offsets (any subset of the head) and mask
+    page, off, mask_t,  # [BLOCK_T] from _slot_page; mask_t: real token with slot >= 0
+    k_scale,
+    BLOCK_SIZE: tl.constexpr, X: tl.constexpr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    """Store K channels into the ``[head_size // x, block_size, x]`` page: 16-byte runs of x."""
+    offs_k = (offs_d // X) * (BLOCK_SIZE * X) + offs_d % X
+    k_ptrs = kv_cache_ptr + (page + off * X)[:, None] + offs_k[None, :]
+    k = _quantize(k, k_scale, IS_FP8, FP8_MAX).to(kv_cache_ptr.dtype.element_ty)
+    tl.store(k_ptrs, k, mask=mask_t[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _store_v_tile(
+    kv_cache_ptr,
+    v,  # [BLOCK_T, BLOCK_D] fp32
+    slot, page, off, mask_t,  # [BLOCK_T]
+    offs_d, mask_d,  # [BLOCK_D]
+    v_scale, stride_cache_block, stride_cache_group,
     HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, X: tl.constexpr,
     INTERLEAVED_V: tl.constexpr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    """Scatter one (tokens x channels) tile of one KV head into its K and V pages."""
-    cache_ty = kv_cache_ptr.dtype.element_ty
-    # Padding tokens point at slot 0 so no out-of-range address is ever formed.
-    slot = tl.where(mask_t, slot, 0)
-    blk = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
-    # int64: the cache can exceed 2^31 elements.
-    page = blk * stride_cache_block + head.to(tl.int64) * (HEAD_SIZE * BLOCK_SIZE)
-    mask = mask_t[:, None] & mask_d[None, :]
-
-    offs_k = (offs_d // X) * (BLOCK_SIZE * X) + offs_d % X
-    k_ptrs = kv_cache_ptr + (page + off * X)[:, None] + offs_k[None, :]
-    tl.store(k_ptrs, _quantize(k, k_scale, IS_FP8, FP8_MAX).to(cache_ty), mask=mask)
-
-    v = _quantize(v, v_scale, IS_FP8, FP8_MAX).to(cache_ty)
+    """Store a V tile into the standard ``[head_size, block_size]`` or interleaved
+    ``[block_size // x, head_size, x]`` page of each token's block."""
+    v = _quantize(v, v_scale, IS_FP8, FP8_MAX).to(kv_cache_ptr.dtype.element_ty)
+    v_group = kv_cache_ptr + stride_cache_group
     # V runs along tokens. When the tile's tokens fill consecutive slots of one block from an
     # x-aligned offset (prefill), address them as off0 + i so the compiler sees contiguous
     # tokens and emits 16-byte stores; otherwise (decode, padding) scatter per element.
@@ -76,21 +89,20 @@ def _store_kv_tile(
         fast = False
     if fast:
         off0 = (off0 // X) * X  # same value; tells the compiler it is x-aligned
-        page0 = (slot0 // BLOCK_SIZE) * stride_cache_block + head.to(tl.int64) * (HEAD_SIZE * BLOCK_SIZE)
-        base = kv_cache_ptr + stride_cache_group + page0
+        page0 = tl.sum(tl.where(offs_i == 0, page, 0), axis=0)
         tok = off0 + offs_i
         if INTERLEAVED_V:
-            v_ptrs = base + ((tok // X) * (HEAD_SIZE * X) + tok % X)[:, None] + (offs_d * X)[None, :]
+            v_ptrs = v_group + page0 + ((tok // X) * (HEAD_SIZE * X) + tok % X)[:, None] + (offs_d * X)[None, :]
         else:
-            v_ptrs = base + tok[:, None] + (offs_d * BLOCK_SIZE)[None, :]
+            v_ptrs = v_group + page0 + tok[:, None] + (offs_d * BLOCK_SIZE)[None, :]
         tl.store(v_ptrs, v, mask=mask_d[None, :])
     else:
         if INTERLEAVED_V:
             v_tok = (off // X) * (HEAD_SIZE * X) + off % X
-            v_ptrs = kv_cache_ptr + stride_cache_group + (page + v_tok)[:, None] + (offs_d * X)[None, :]
+            v_ptrs = v_group + (page + v_tok)[:, None] + (offs_d * X)[None, :]
         else:
-            v_ptrs = kv_cache_ptr + stride_cache_group + (page + off)[:, None] + (offs_d * BLOCK_SIZE)[None, :]
-        tl.store(v_ptrs, v, mask=mask)
+            v_ptrs = v_group + (page + off)[:, None] + (offs_d * BLOCK_SIZE)[None, :]
+        tl.store(v_ptrs, v, mask=mask_t[:, None] & mask_d[None, :])
 
 
 @triton.jit
@@ -118,7 +130,8 @@ def _reshape_and_cache_kernel(
     in_range = offs_t < num_tokens
     slot = tl.load(slot_mapping_ptr + offs_t, mask=in_range, other=-1).to(tl.int64)
     mask_t = in_range & (slot >= 0)
-    mask = mask_t[:, None] & mask_d[None, :]
+    # Loads are masked by range only, so they do not wait for the slot load.
+    mask = in_range[:, None] & mask_d[None, :]
 
     tok = offs_t.to(tl.int64)
     k_ptrs = key_ptr + tok[:, None] * stride_kt + head * stride_kh + offs_d[None, :] * stride_kd
@@ -128,11 +141,12 @@ def _reshape_and_cache_kernel(
 
     k_scale = tl.load(k_scale_ptr).to(tl.float32)
     v_scale = tl.load(v_scale_ptr).to(tl.float32)
-    _store_kv_tile(
-        kv_cache_ptr, k, v, slot, mask_t, head, offs_d, mask_d, k_scale, v_scale,
-        stride_cache_block, stride_cache_group,
-        HEAD_SIZE, BLOCK_SIZE, X, INTERLEAVED_V, IS_FP8, FP8_MAX, BLOCK_T,
-    )
+    page, off = _slot_page(slot, mask_t, head, stride_cache_block, HEAD_SIZE, BLOCK_SIZE)
+    _store_k_cols(kv_cache_ptr, k, offs_d, mask_d, page, off, mask_t, k_scale,
+                  BLOCK_SIZE, X, IS_FP8, FP8_MAX)
+    _store_v_tile(kv_cache_ptr, v, slot, page, off, mask_t, offs_d, mask_d, v_scale,
+                  stride_cache_block, stride_cache_group,
+                  HEAD_SIZE, BLOCK_SIZE, X, INTERLEAVED_V, IS_FP8, FP8_MAX, BLOCK_T)
 
 
 def cache_meta(kv_cache: torch.Tensor) -> dict:
@@ -147,14 +161,13 @@ def cache_meta(kv_cache: torch.Tensor) -> dict:
 
 
 def pick_block_t(num_tokens: int) -> int:
-    """Tokens per program: 1 for decode-sized batches (more programs), up to 16 for prefill."""
-    if num_tokens <= 64:
+    """Tokens per program. From the H200 sweep in benchmarks/NOTES_writers.md (bf16, 32/8 heads,
+    d=128): one token per program only for tiny batches, 2 up to a few hundred tokens, then 8."""
+    if num_tokens <= 32:
         return 1
     if num_tokens <= 512:
-        return 4
-    if num_tokens <= 4096:
-        return 8
-    return 16
+        return 2
+    return 8
 
 
 def num_warps_for(block_t: int, block_d: int) -> int:
@@ -171,6 +184,7 @@ def reshape_and_cache(
     interleaved_v: bool,
     *,
     block_t: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """Write ``key``/``value`` into the paged cache (same semantics as the reference).
 
@@ -197,6 +211,6 @@ def reshape_and_cache(
         kv_cache.stride(0), kv_cache.stride(1),
         HEAD_SIZE=head_size, INTERLEAVED_V=bool(interleaved_v),
         BLOCK_T=block_t, BLOCK_D=block_d,
-        num_warps=num_warps_for(block_t, block_d),
+        num_warps=num_warps or num_warps_for(block_t, block_d),
         **cache_meta(kv_cache),
     )

@@ -13,8 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .reshape_and_cache import _store_kv_tile, cache_meta, num_warps_for, pick_block_t
-from .rotary_embedding import _load_cos_sin, _rope_partner, head_strides
+from .reshape_and_cache import (
+    _slot_page, _store_k_cols, _store_v_tile, cache_meta, num_warps_for, pick_block_t,
+)
+from .rotary_embedding import _half_cols, _load_cos_sin, _rotate, head_strides
 
 __all__ = ["rope_and_cache"]
 
@@ -36,50 +38,64 @@ def _rope_and_cache_kernel(
     HEAD_SIZE: tl.constexpr, ROT_HALF: tl.constexpr, IS_NEOX: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, X: tl.constexpr,
     INTERLEAVED_V: tl.constexpr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
 
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
     mask_t = offs_t < num_tokens
-    mask_d = offs_d < HEAD_SIZE
-    partner, sign, col, in_rot = _rope_partner(offs_d, ROT_HALF, IS_NEOX)
+    offs_r, d1, d2, mask_r = _half_cols(ROT_HALF, BLOCK_R, IS_NEOX)
     pos = tl.load(positions_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
-    cos, sin = _load_cos_sin(cos_sin_ptr, pos, stride_cs, col, in_rot, mask_t, ROT_HALF)
+    cos, sin = _load_cos_sin(cos_sin_ptr, pos, stride_cs, offs_r, mask_r, mask_t, ROT_HALF)
     tok = offs_t.to(tl.int64)
     model_ty = query_ptr.dtype.element_ty
+    mask = mask_t[:, None] & mask_r[None, :]
 
     if pid_h < num_q_heads:
         q_base = query_ptr + tok[:, None] * stride_qt + pid_h * stride_qh
-        mask = mask_t[:, None] & in_rot[None, :]
-        x = tl.load(q_base + offs_d[None, :] * stride_qd, mask=mask, other=0.0).to(tl.float32)
-        xp = tl.load(q_base + partner[None, :] * stride_qd, mask=mask, other=0.0).to(tl.float32)
-        out = x * cos + sign[None, :] * xp * sin
-        tl.store(q_base + offs_d[None, :] * stride_qd, out.to(model_ty), mask=mask)
+        x1 = tl.load(q_base + d1[None, :] * stride_qd, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(q_base + d2[None, :] * stride_qd, mask=mask, other=0.0).to(tl.float32)
+        o1, o2 = _rotate(x1, x2, cos, sin)
+        tl.store(q_base + d1[None, :] * stride_qd, o1.to(model_ty), mask=mask)
+        tl.store(q_base + d2[None, :] * stride_qd, o2.to(model_ty), mask=mask)
     else:
         head = pid_h - num_q_heads
-        k_base = key_ptr + tok[:, None] * stride_kt + head * stride_kh
-        mask = mask_t[:, None] & mask_d[None, :]
-        x = tl.load(k_base + offs_d[None, :] * stride_kd, mask=mask, other=0.0).to(tl.float32)
-        xp = tl.load(k_base + partner[None, :] * stride_kd, mask=mask, other=0.0).to(tl.float32)
-        # Round to the model dtype once: the cache gets exactly the key written back.
-        k = (x * cos + sign[None, :] * xp * sin).to(model_ty)
-        tl.store(k_base + offs_d[None, :] * stride_kd, k, mask=mask_t[:, None] & in_rot[None, :])
-
+        # Issue every independent load first: slot, key halves, value.
         in_slots = offs_t < num_slots
         slot = tl.load(slot_mapping_ptr + offs_t, mask=in_slots, other=-1).to(tl.int64)
-        mask_w = in_slots & (slot >= 0)
+        k_base = key_ptr + tok[:, None] * stride_kt + head * stride_kh
+        x1 = tl.load(k_base + d1[None, :] * stride_kd, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(k_base + d2[None, :] * stride_kd, mask=mask, other=0.0).to(tl.float32)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HEAD_SIZE
         v_ptrs = value_ptr + tok[:, None] * stride_vt + head * stride_vh + offs_d[None, :] * stride_vd
-        v = tl.load(v_ptrs, mask=mask_w[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        v = tl.load(v_ptrs, mask=mask_t[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
         k_scale = tl.load(k_scale_ptr).to(tl.float32)
         v_scale = tl.load(v_scale_ptr).to(tl.float32)
-        _store_kv_tile(
-            kv_cache_ptr, k.to(tl.float32), v, slot, mask_w, head, offs_d, mask_d,
-            k_scale, v_scale, stride_cache_block, stride_cache_group,
-            HEAD_SIZE, BLOCK_SIZE, X, INTERLEAVED_V, IS_FP8, FP8_MAX, BLOCK_T,
-        )
+
+        # Round to the model dtype once: the cache gets exactly the key written back.
+        o1, o2 = _rotate(x1, x2, cos, sin)
+        o1 = o1.to(model_ty)
+        o2 = o2.to(model_ty)
+        tl.store(k_base + d1[None, :] * stride_kd, o1, mask=mask)
+        tl.store(k_base + d2[None, :] * stride_kd, o2, mask=mask)
+
+        mask_w = in_slots & (slot >= 0)
+        page, off = _slot_page(slot, mask_w, head, stride_cache_block, HEAD_SIZE, BLOCK_SIZE)
+        _store_k_cols(kv_cache_ptr, o1.to(tl.float32), d1, mask_r, page, off, mask_w, k_scale,
+                      BLOCK_SIZE, X, IS_FP8, FP8_MAX)
+        _store_k_cols(kv_cache_ptr, o2.to(tl.float32), d2, mask_r, page, off, mask_w, k_scale,
+                      BLOCK_SIZE, X, IS_FP8, FP8_MAX)
+        if 2 * ROT_HALF < HEAD_SIZE:  # partial rotary: the untouched channels go to the cache too
+            dp = 2 * ROT_HALF + tl.arange(0, BLOCK_P)
+            mask_p = dp < HEAD_SIZE
+            xp = tl.load(k_base + dp[None, :] * stride_kd, mask=mask_t[:, None] & mask_p[None, :], other=0.0)
+            _store_k_cols(kv_cache_ptr, xp.to(tl.float32), dp, mask_p, page, off, mask_w, k_scale,
+                          BLOCK_SIZE, X, IS_FP8, FP8_MAX)
+        _store_v_tile(kv_cache_ptr, v, slot, page, off, mask_w, offs_d, mask_d, v_scale,
+                      stride_cache_block, stride_cache_group,
+                      HEAD_SIZE, BLOCK_SIZE, X, INTERLEAVED_V, IS_FP8, FP8_MAX, BLOCK_T)
 
 
 def rope_and_cache(
@@ -96,6 +112,7 @@ def rope_and_cache(
     interleaved_v: bool,
     *,
     block_t: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """RoPE on ``query``/``key`` in place, then the rotated key and ``value`` into the cache.
 
@@ -112,6 +129,7 @@ def rope_and_cache(
     head_size = value.shape[-1]
     num_kv_heads = kv_cache.shape[3] // head_size
     num_q_heads = query.numel() // (num_tokens * head_size)
+    rot_half = cos_sin_cache.shape[-1] // 2
     block_d = triton.next_power_of_2(head_size)
     block_t = block_t or pick_block_t(num_tokens)
     grid = (triton.cdiv(num_tokens, block_t), num_q_heads + num_kv_heads)
@@ -123,8 +141,10 @@ def rope_and_cache(
         *head_strides(value, head_size),
         cos_sin_cache.stride(0),
         kv_cache.stride(0), kv_cache.stride(1),
-        HEAD_SIZE=head_size, ROT_HALF=cos_sin_cache.shape[-1] // 2, IS_NEOX=bool(is_neox),
-        INTERLEAVED_V=bool(interleaved_v), BLOCK_T=block_t, BLOCK_D=block_d,
-        num_warps=num_warps_for(block_t, block_d),
+        HEAD_SIZE=head_size, ROT_HALF=rot_half, IS_NEOX=bool(is_neox),
+        INTERLEAVED_V=bool(interleaved_v), BLOCK_T=block_t,
+        BLOCK_R=triton.next_power_of_2(rot_half),
+        BLOCK_P=triton.next_power_of_2(max(1, head_size - 2 * rot_half)), BLOCK_D=block_d,
+        num_warps=num_warps or num_warps_for(block_t, block_d),
         **cache_meta(kv_cache),
     )

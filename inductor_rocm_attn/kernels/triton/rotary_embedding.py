@@ -1,18 +1,19 @@
 """Triton ``rotary_embedding``: NeoX / GPT-J RoPE on query and key, in place.
 
-One program rotates ``BLOCK_T`` tokens x one head (query heads first, then key heads) over
-the full head width. Rotation is done per channel with a *partner* channel so one code path
-covers NeoX and GPT-J, partial rotary (``rot_dim < head_size``) and head sizes that are not
-powers of two:
+One program rotates ``BLOCK_T`` tokens x one head (query heads first, then key heads). The
+rotated channels are handled as two halves ``x1``, ``x2`` of ``rot_dim / 2`` channels each,
+which both styles rotate the same way with ``cos``/``sin`` of the same column:
 
-    out[d] = x[d] * cos[col(d)] + sign(d) * x[partner(d)] * sin[col(d)]
+    o1 = x1 * cos - x2 * sin        o2 = x2 * cos + x1 * sin
 
-NeoX (``h = rot_dim / 2``): partner(d) = d + h (sign -1) for d < h, d - h (sign +1) for
-h <= d < rot_dim. GPT-J: partner(d) = d ^ 1, sign -1 on even d. Channels d >= rot_dim pass
-through (cos 1, sin 0). The partner load hits the same cache lines as the tile itself, so
-the kernel still reads each byte from HBM once.
+NeoX: x1 = channels ``[0, h)``, x2 = ``[h, 2h)`` (two contiguous, vectorised loads).
+GPT-J: x1 = even channels, x2 = odd channels (``h = rot_dim / 2``). Channels past
+``rot_dim`` (partial rotary) are not touched in place; the fused writers load them as a
+third "pass" piece for the cache. ``h`` need not be a power of two (head 80): the half tiles
+are ``BLOCK_R = next_pow2(h)`` wide and masked.
 
-The jit helpers ``_rope_partner`` / ``_load_cos_sin`` are shared with the fused writers.
+The jit helpers ``_half_cols`` / ``_load_cos_sin`` / ``_rotate`` are shared with the fused
+writers.
 """
 
 from __future__ import annotations
@@ -27,33 +28,31 @@ __all__ = ["rotary_embedding"]
 
 
 @triton.jit
-def _rope_partner(offs_d, ROT_HALF: tl.constexpr, IS_NEOX: tl.constexpr):
-    """Per channel: (partner channel, sign of the partner term, cos/sin column, is rotated)."""
-    in_rot = offs_d < 2 * ROT_HALF
+def _half_cols(ROT_HALF: tl.constexpr, BLOCK_R: tl.constexpr, IS_NEOX: tl.constexpr):
+    """Channel offsets of the two halves (``d1``, ``d2`` ``[BLOCK_R]``) and their mask."""
+    offs_r = tl.arange(0, BLOCK_R)
     if IS_NEOX:
-        first = offs_d < ROT_HALF
-        partner = tl.where(first, offs_d + ROT_HALF, offs_d - ROT_HALF)
-        sign = tl.where(first, -1.0, 1.0)
-        col = tl.where(first, offs_d, offs_d - ROT_HALF)
+        d1 = offs_r
+        d2 = offs_r + ROT_HALF
     else:  # GPT-J: pairs (2i, 2i + 1)
-        even = (offs_d % 2) == 0
-        partner = tl.where(even, offs_d + 1, offs_d - 1)
-        sign = tl.where(even, -1.0, 1.0)
-        col = offs_d // 2
-    partner = tl.where(in_rot, partner, offs_d)
-    sign = tl.where(in_rot, sign, 0.0)
-    col = tl.where(in_rot, col, 0)
-    return partner, sign, col, in_rot
+        d1 = 2 * offs_r
+        d2 = 2 * offs_r + 1
+    return offs_r, d1, d2, offs_r < ROT_HALF
 
 
 @triton.jit
-def _load_cos_sin(cos_sin_ptr, pos, stride_cs, col, in_rot, mask_t, ROT_HALF: tl.constexpr):
-    """cos, sin ``[BLOCK_T, BLOCK_D]`` fp32 for the tokens' positions; (1, 0) off the rotated part."""
-    cs_ptrs = cos_sin_ptr + pos[:, None] * stride_cs + col[None, :]
-    m = mask_t[:, None] & in_rot[None, :]
-    cos = tl.load(cs_ptrs, mask=m, other=1.0).to(tl.float32)
+def _load_cos_sin(cos_sin_ptr, pos, stride_cs, offs_r, mask_r, mask_t, ROT_HALF: tl.constexpr):
+    """cos, sin ``[BLOCK_T, BLOCK_R]`` fp32 at the tokens' positions (contiguous rows of the table)."""
+    cs_ptrs = cos_sin_ptr + pos[:, None] * stride_cs + offs_r[None, :]
+    m = mask_t[:, None] & mask_r[None, :]
+    cos = tl.load(cs_ptrs, mask=m, other=0.0).to(tl.float32)
     sin = tl.load(cs_ptrs + ROT_HALF, mask=m, other=0.0).to(tl.float32)
     return cos, sin
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin):
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
 @triton.jit
@@ -67,19 +66,18 @@ def _rotary_embedding_kernel(
     stride_kt, stride_kh, stride_kd,
     stride_cs,
     # meta
-    HEAD_SIZE: tl.constexpr, ROT_HALF: tl.constexpr, IS_NEOX: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROT_HALF: tl.constexpr, IS_NEOX: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """grid = (cdiv(num_tokens, BLOCK_T), num_q_heads + num_k_heads)."""
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
 
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
     mask_t = offs_t < num_tokens
-    partner, sign, col, in_rot = _rope_partner(offs_d, ROT_HALF, IS_NEOX)
+    offs_r, d1, d2, mask_r = _half_cols(ROT_HALF, BLOCK_R, IS_NEOX)
     pos = tl.load(positions_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
-    cos, sin = _load_cos_sin(cos_sin_ptr, pos, stride_cs, col, in_rot, mask_t, ROT_HALF)
+    cos, sin = _load_cos_sin(cos_sin_ptr, pos, stride_cs, offs_r, mask_r, mask_t, ROT_HALF)
 
     tok = offs_t.to(tl.int64)
     if pid_h < num_q_heads:
@@ -88,12 +86,14 @@ def _rotary_embedding_kernel(
     else:
         base = key_ptr + tok[:, None] * stride_kt + (pid_h - num_q_heads) * stride_kh
         stride_d = stride_kd
-    # Only the rotated channels are read and written: the rest stay untouched in place.
-    mask = mask_t[:, None] & in_rot[None, :]
-    x = tl.load(base + offs_d[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(base + partner[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
-    out = x * cos + sign[None, :] * xp * sin
-    tl.store(base + offs_d[None, :] * stride_d, out.to(query_ptr.dtype.element_ty), mask=mask)
+    mask = mask_t[:, None] & mask_r[None, :]
+    x1_ptrs = base + d1[None, :] * stride_d
+    x2_ptrs = base + d2[None, :] * stride_d
+    x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x2_ptrs, mask=mask, other=0.0).to(tl.float32)
+    o1, o2 = _rotate(x1, x2, cos, sin)
+    tl.store(x1_ptrs, o1.to(query_ptr.dtype.element_ty), mask=mask)
+    tl.store(x2_ptrs, o2.to(query_ptr.dtype.element_ty), mask=mask)
 
 
 def head_strides(t: torch.Tensor, head_size: int) -> tuple[int, int, int]:
@@ -112,6 +112,7 @@ def rotary_embedding(
     is_neox: bool,
     *,
     block_t: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """Rotate ``query`` and ``key`` in place (same semantics as the reference).
 
@@ -127,7 +128,7 @@ def rotary_embedding(
     num_k_heads = 0 if key is None else key.numel() // (num_tokens * head_size)
     k = query if key is None else key  # a valid pointer when there is no key
     rot_half = cos_sin_cache.shape[-1] // 2
-    block_d = triton.next_power_of_2(head_size)
+    block_r = triton.next_power_of_2(rot_half)
     block_t = block_t or pick_block_t(num_tokens)
     grid = (triton.cdiv(num_tokens, block_t), num_q_heads + num_k_heads)
     _rotary_embedding_kernel[grid](
@@ -136,7 +137,6 @@ def rotary_embedding(
         *head_strides(query, head_size),
         *head_strides(k, head_size),
         cos_sin_cache.stride(0),
-        HEAD_SIZE=head_size, ROT_HALF=rot_half, IS_NEOX=bool(is_neox),
-        BLOCK_T=block_t, BLOCK_D=block_d,
-        num_warps=num_warps_for(block_t, block_d),
+        ROT_HALF=rot_half, IS_NEOX=bool(is_neox), BLOCK_T=block_t, BLOCK_R=block_r,
+        num_warps=num_warps or num_warps_for(block_t, 2 * block_r),
     )
