@@ -47,8 +47,34 @@ os.environ["TRITON_CACHE_DIR"] = os.path.join(_cache, "triton")
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, ROOT)
 import inductor_rocm_attn as ira  # noqa: E402
+
+
+def _map_subpackages():
+    """Without ``pip install -e .`` (a bare checkout, as on the device machine), map passes/
+    and lowering/ to inductor_rocm_attn.passes / .lowering as the install does."""
+    import importlib
+    import importlib.util
+
+    for sub in ("passes", "lowering"):
+        name = f"inductor_rocm_attn.{sub}"
+        try:
+            importlib.import_module(name)
+            continue
+        except ImportError:
+            pass
+        path = os.path.join(ROOT, sub)
+        spec = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
+                                                      submodule_search_locations=[path])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        setattr(ira, sub, mod)
+
+
+_map_subpackages()
 from inductor_rocm_attn.decode_check import run_mixed_decode  # noqa: E402
 from inductor_rocm_attn.graph_capture import compile_piecewise  # noqa: E402
 from inductor_rocm_attn.models import TinyDecoder, qwen3_0_6b_config  # noqa: E402
@@ -68,7 +94,8 @@ def build(args, device, dtype, num_blocks, seed=0):
         cfg = qwen3_0_6b_config(num_layers=args.layers or 2, hidden_size=256, intermediate_size=512,
                                 num_heads=4, num_kv_heads=2, head_size=64, vocab_size=512)
     torch.manual_seed(seed)
-    model = TinyDecoder(cfg).to(device=device, dtype=dtype).eval()
+    with torch.device(device):  # initialise on the device (fast)
+        model = TinyDecoder(cfg).to(dtype=dtype).eval()
     ira.bind_kv_caches(model, num_blocks, dtype, device, poison=True)
     return model
 
@@ -100,7 +127,7 @@ def kv_bytes(model, batch, ctx):
     return batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_size * 2  # bf16
 
 
-def time_steps(fn, device, iters, repeats=5, warmup=3):
+def time_steps(fn, device, iters, repeats=3, warmup=2):
     for _ in range(warmup):
         fn()
     if device.type != "cuda":
@@ -141,7 +168,7 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--check-steps", type=int, default=200)
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip stages that start later")
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--layers", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="small model (CPU smoke test)")
     ap.add_argument("--compile-only", action="store_true", help="(warm-compile child process)")
@@ -226,7 +253,8 @@ def main():
     # --- 200-step mixed check --------------------------------------------------------------
     if stage_ok("check"):
         try:
-            ref = TinyDecoder(cfg).to(device=device, dtype=dtype).eval()
+            with torch.device(device):
+                ref = TinyDecoder(cfg).to(dtype=dtype).eval()
             ref.load_state_dict(model.state_dict())
             ira.bind_kv_caches(ref, 1600, dtype, device, poison=True)
             t0 = time.perf_counter()
@@ -367,7 +395,7 @@ def write_md(res, path):
              "piecewise_graphs_with_plan"]
     lines = [f"# End-to-end decode: Qwen3-0.6B-shaped model ({res['date']})", "",
              f"Command: `{res['command']}`  ", f"Machine: {res['machine']}  ", f"Model: {res['model']}", "",
-             "Step latency, ms (one decode step, 2048 cached tokens per sequence; median of 5 timed runs):", "",
+             "Step latency, ms (one decode step, 2048 cached tokens per sequence; median of 3 timed runs):", "",
              "| mode | " + " | ".join(f"B={b}" for b in batches) + " |",
              "|---|" + "---|" * len(batches)]
     for m in modes:

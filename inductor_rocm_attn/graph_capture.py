@@ -504,11 +504,8 @@ class PiecewiseRunner:
 
     def _compile(self) -> None:
         model = self.model
-        captured: dict[str, Any] = {}
 
         def backend(gm: torch.fx.GraphModule, example_inputs):
-            captured["gm"] = gm
-            captured["inputs"] = list(example_inputs)
             t0 = time.perf_counter()
             self._build(gm, list(example_inputs))
             self.stats.compile_s = time.perf_counter() - t0
