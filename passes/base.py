@@ -41,6 +41,7 @@ class FusionPass:
         self.matched_count = 0
         self.records: list[FusionRecord] = []
         self.last_time_s = 0.0
+        self.total_time_s = 0.0  # over every graph this pass has seen
 
     def __call__(self, graph: torch.fx.Graph) -> int:
         self.matched_count = 0
@@ -48,6 +49,7 @@ class FusionPass:
         t0 = time.perf_counter()
         self.apply(graph)
         self.last_time_s = time.perf_counter() - t0
+        self.total_time_s += self.last_time_s
         switched = [r.layer_name for r in self.records if r.switched_interleaved_v]
         missed = sum(1 for r in self.records if not r.fused)
         logger.info(
