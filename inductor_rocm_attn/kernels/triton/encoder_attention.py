@@ -33,14 +33,13 @@ def _encoder_attention_kernel(
     USE_SINKS: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_OUT_SCALE: tl.constexpr,
     OUT_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Grid ``(num_heads, num_tokens // BLOCK_M + num_seqs)``, row blocks last to first (as
-    the prefill kernel).
+    """Grid ``(num_tokens // BLOCK_M + num_seqs, num_heads)`` (as the prefill kernel).
 
     q/out ``[num_tokens, num_heads, HEAD_SIZE]``, k/v ``[num_tokens, num_kv_heads, HEAD_SIZE]``;
     sequence s is rows ``cu_seqlens[s] : cu_seqlens[s+1]``, positions from 0.
     """
-    head = tl.program_id(0)
-    pid = tl.num_programs(1) - 1 - tl.program_id(1)
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
     seq = _find_seq(cu_seqlens_ptr, num_seqs, pid, BLOCK_M)
     start = tl.load(cu_seqlens_ptr + seq)
     seq_len = tl.load(cu_seqlens_ptr + seq + 1) - start
@@ -128,7 +127,7 @@ def encoder_attention(
     block_m, block_n, warps, stages = cfg or prefill_config(head_size, gqa, 0, compute, _interpret())
     use_window = sliding_window is not None and sliding_window > 0
     use_out_scale = output_scale is not None
-    _encoder_attention_kernel[(num_heads, num_tokens // block_m + num_seqs)](
+    _encoder_attention_kernel[(num_tokens // block_m + num_seqs, num_heads)](
         output, query, key, value, cu_seqlens,
         alibi_slopes if alibi_slopes is not None else query,
         sinks if sinks is not None else query,

@@ -377,7 +377,7 @@ def paged_attention(
     has_new = key is not None
     k_new = key if has_new else dummy.view(num_tokens, num_heads, head_size)
     v_new = value if has_new else k_new
-    _prefix_prefill_kernel[(num_heads, num_tokens // block_m + num_seqs)](
+    _prefix_prefill_kernel[(num_tokens // block_m + num_seqs, num_heads)](
         output, query, k_new, v_new, kc, vc, block_table, seq_lens, query_start_loc, *ptrs,
         scale, softcap, window, num_seqs,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),

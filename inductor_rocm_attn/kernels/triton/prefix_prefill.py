@@ -286,15 +286,15 @@ def _prefix_prefill_kernel(
     FP8_KV: tl.constexpr, INTERLEAVED_V: tl.constexpr, USE_OUT_SCALE: tl.constexpr,
     OUT_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Grid ``(num_heads, num_tokens // BLOCK_M + num_seqs)``; sequences with query_len <= 1
-    are skipped. Heads vary fastest (neighbours share K/V in L2) and row blocks run last to
-    first, so the long causal rows of a sequence start early and the short ones fill the tail.
+    """Grid ``(num_tokens // BLOCK_M + num_seqs, num_heads)``; sequences with query_len <= 1
+    are skipped. Row blocks vary fastest: neighbours share one head's K/V in L2 (measured:
+    heads-fastest with reversed row blocks ran 353 TFLOP/s against 399 for this order).
 
     q/out ``[num_tokens, num_heads, HEAD_SIZE]``, k/v ``[num_tokens, num_kv_heads, HEAD_SIZE]``,
     caches as ``layout.k_view`` / ``layout.v_view``, block_table ``[num_seqs, max_blocks]``.
     """
-    head = tl.program_id(0)
-    pid = tl.num_programs(1) - 1 - tl.program_id(1)
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
     seq = _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_M)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
