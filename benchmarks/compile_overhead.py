@@ -65,12 +65,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--small", action="store_true", help="hidden 256 (CPU-friendly) instead of Qwen3-0.6B's shape")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     cfg = (qwen3_config(num_layers=args.layers) if args.small else qwen3_0_6b_config(num_layers=args.layers))
     compile_once(qwen3_config(num_layers=1), args.device, dtype, True)  # warm imports, pattern traces
-    rows = [compile_once(cfg, args.device, dtype, p) for p in (False, True, False, True)]
+    rows = [compile_once(cfg, args.device, dtype, p) for _ in range(args.repeat) for p in (False, True)]
     print(f"Qwen3-style, {cfg.num_layers} layers, hidden {cfg.hidden_size}, {args.dtype}, {args.device}")
     print(f"{'plugin':>7} {'compile+1st call (s)':>21} {'passes (ms)':>12} {'fusions':>8}")
     for r in rows:
