@@ -108,25 +108,26 @@ def _qk_norm_rope_and_cache_kernel(
         src = row + ((NUM_HEADS + head) * HEAD_SIZE) * stride_qkv_d
         o1, o2, xp = _norm_rope(src, stride_qkv_d, k_weight_ptr, d1, d2, mask_r, dp, mask_p, mask_t,
                                 cos, sin, eps, HEAD_SIZE, HAS_PASS, BLOCK_T, BLOCK_P)
-        # Round once to the model dtype: the cache gets exactly the k returned.
-        o1 = o1.to(model_ty)
-        o2 = o2.to(model_ty)
-        xp = xp.to(model_ty)
-        dst = (tok[:, None] * NUM_KV_HEADS + head) * HEAD_SIZE
-        tl.store(k_ptr + dst + d1[None, :], o1, mask=mask)
-        tl.store(k_ptr + dst + d2[None, :], o2, mask=mask)
+        # Round once to the model dtype: the cache gets exactly the k returned. (New names:
+        # Triton needs a name bound in both branches to keep one type; o1/o2/xp are fp32 there.)
+        k1 = o1.to(model_ty)
+        k2 = o2.to(model_ty)
+        kp = xp.to(model_ty)
+        k_off = (tok[:, None] * NUM_KV_HEADS + head) * HEAD_SIZE
+        tl.store(k_ptr + k_off + d1[None, :], k1, mask=mask)
+        tl.store(k_ptr + k_off + d2[None, :], k2, mask=mask)
         if HAS_PASS:
-            tl.store(k_ptr + dst + dp[None, :], xp, mask=mask_pp)
-        tl.store(v_ptr + dst + offs_d[None, :], v, mask=mask_t[:, None] & mask_d[None, :])
+            tl.store(k_ptr + k_off + dp[None, :], kp, mask=mask_pp)
+        tl.store(v_ptr + k_off + offs_d[None, :], v, mask=mask_t[:, None] & mask_d[None, :])
 
         mask_w = in_slots & (slot >= 0)
         page, off = _slot_page(slot, mask_w, head, stride_cache_block, HEAD_SIZE, BLOCK_SIZE)
-        _store_k_cols(kv_cache_ptr, o1.to(tl.float32), d1, mask_r, page, off, mask_w, k_scale,
+        _store_k_cols(kv_cache_ptr, k1.to(tl.float32), d1, mask_r, page, off, mask_w, k_scale,
                       BLOCK_SIZE, X, IS_FP8, FP8_MAX)
-        _store_k_cols(kv_cache_ptr, o2.to(tl.float32), d2, mask_r, page, off, mask_w, k_scale,
+        _store_k_cols(kv_cache_ptr, k2.to(tl.float32), d2, mask_r, page, off, mask_w, k_scale,
                       BLOCK_SIZE, X, IS_FP8, FP8_MAX)
         if HAS_PASS:
-            _store_k_cols(kv_cache_ptr, xp.to(tl.float32), dp, mask_p, page, off, mask_w, k_scale,
+            _store_k_cols(kv_cache_ptr, kp.to(tl.float32), dp, mask_p, page, off, mask_w, k_scale,
                           BLOCK_SIZE, X, IS_FP8, FP8_MAX)
         _store_v_tile(kv_cache_ptr, v.to(tl.float32), slot, page, off, mask_w, offs_d, mask_d, v_scale,
                       stride_cache_block, stride_cache_group,
