@@ -75,17 +75,18 @@ def _rope_and_cache_kernel(
         v_scale = tl.load(v_scale_ptr).to(tl.float32)
 
         # Round to the model dtype once: the cache gets exactly the key written back.
+        # (k1/k2, not o1/o2: a name bound in both branches must keep one type on a GPU.)
         o1, o2 = _rotate(x1, x2, cos, sin)
-        o1 = o1.to(model_ty)
-        o2 = o2.to(model_ty)
-        tl.store(k_base + d1[None, :] * stride_kd, o1, mask=mask)
-        tl.store(k_base + d2[None, :] * stride_kd, o2, mask=mask)
+        k1 = o1.to(model_ty)
+        k2 = o2.to(model_ty)
+        tl.store(k_base + d1[None, :] * stride_kd, k1, mask=mask)
+        tl.store(k_base + d2[None, :] * stride_kd, k2, mask=mask)
 
         mask_w = in_slots & (slot >= 0)
         page, off = _slot_page(slot, mask_w, head, stride_cache_block, HEAD_SIZE, BLOCK_SIZE)
-        _store_k_cols(kv_cache_ptr, o1.to(tl.float32), d1, mask_r, page, off, mask_w, k_scale,
+        _store_k_cols(kv_cache_ptr, k1.to(tl.float32), d1, mask_r, page, off, mask_w, k_scale,
                       BLOCK_SIZE, X, IS_FP8, FP8_MAX)
-        _store_k_cols(kv_cache_ptr, o2.to(tl.float32), d2, mask_r, page, off, mask_w, k_scale,
+        _store_k_cols(kv_cache_ptr, k2.to(tl.float32), d2, mask_r, page, off, mask_w, k_scale,
                       BLOCK_SIZE, X, IS_FP8, FP8_MAX)
         if 2 * ROT_HALF < HEAD_SIZE:  # partial rotary: the untouched channels go to the cache too
             dp = 2 * ROT_HALF + tl.arange(0, BLOCK_P)
