@@ -182,13 +182,16 @@ def _paged_inner(
 
     The block ids of tile t+1 are loaded while tile t is processed: a block-table load in
     the same iteration as the K/V loads it addresses would make the software pipeline wait
-    for every copy in flight (seen in the SASS as ``DEPBAR.LE SB0, 0x0``).
+    for every copy in flight (seen in the SASS as ``DEPBAR.LE SB0, 0x0``). The prefetch index
+    is clamped rather than masked in unmasked loops: masking it there (sm_90, triton 3.6)
+    made every wgmma of the kernel wait for its result (24 WARPGROUP waits a loop, not 3).
     """
-    blk, run_ok = _block_ids(bt_row_ptr, tile_lo * TILE_N, lo, hi, BLOCK_SIZE, TILE_N, SUB, True)
+    last = tl.maximum(tile_hi - 1, tile_lo)
+    blk, run_ok = _block_ids(bt_row_ptr, tile_lo * TILE_N, lo, hi, BLOCK_SIZE, TILE_N, SUB, MASK)
     for t in range(tile_lo, tile_hi):
         blk_t = blk
         run_ok_t = run_ok
-        blk, run_ok = _block_ids(bt_row_ptr, (t + 1) * TILE_N, lo, hi, BLOCK_SIZE, TILE_N, SUB, True)
+        blk, run_ok = _block_ids(bt_row_ptr, tl.minimum(t + 1, last) * TILE_N, lo, hi, BLOCK_SIZE, TILE_N, SUB, MASK)
         k, v, k_pos, k_ok = _load_paged_kv(
             k_cache_ptr, v_cache_ptr, blk_t, run_ok_t, kv_head, t * TILE_N, lo, hi,
             stride_kcb, stride_kch, stride_vcb, stride_vch,
