@@ -580,7 +580,10 @@ class PiecewiseRunner:
         groups: dict[str, list[str]] = {}
         names = set(self._layers)
         with ctx:
-            post_pass = _PiecePostPass(torch._inductor.config.post_grad_custom_post_pass)
+            inner = torch._inductor.config.post_grad_custom_post_pass
+            if not self.stats.plugin_active and type(inner).__module__.startswith("inductor_rocm_attn"):
+                inner = None  # plugin=False while the plugin is enabled globally: leave it out
+            post_pass = _PiecePostPass(inner)
             for name in compiled_names:
                 sub = getattr(split, name)
                 slot_names = _normalize_layer_names(sub, names)
