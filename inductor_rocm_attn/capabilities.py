@@ -64,15 +64,18 @@ _ALL_LAYOUTS = (CacheLayout.LHBNC, CacheLayout.LBHNC)
 
 # provider -> what it supports. Order is dispatch preference on a GPU.
 CAPS: dict[str, ProviderCaps] = {
+    # AITER's fused_qk_rope_reshape_and_cache asserts a bf16 or fp8-e4m3 cache (so a bf16
+    # model: "auto" would be fp16 for an fp16 model) and power-of-two head and block sizes; it
+    # writes both V interiors (kernels/aiter.py). Partial rotary it cannot do: that call raises.
     "aiter": ProviderCaps(
         devices=("cuda",),
         ops=("rope_and_cache", "qk_norm_rope_and_cache"),
         head_sizes=(64, 128, 256),
-        block_sizes=None,
+        block_sizes=(16, 32, 64, 128, 256, 512, 1024),
         layouts=_ALL_LAYOUTS,
-        model_dtypes=(torch.float16, torch.bfloat16),
-        kv_cache_dtypes=("auto", "float16", "bfloat16", "fp8", "fp8_e4m3"),
-        interleaved_v=(True,),
+        model_dtypes=(torch.bfloat16,),
+        kv_cache_dtypes=("auto", "bfloat16", "fp8", "fp8_e4m3"),
+        interleaved_v=(False, True),
         features=(),
     ),
     "native": ProviderCaps(
