@@ -75,7 +75,7 @@ def _check_paged(query_lens, context_lens, *, num_heads=4, num_kv_heads=2, head_
                  block_size=16, dtype=torch.float16, cache_dtype=None, layout="LHBNC",
                  interleaved_v=False, causal=True, sliding_window=-1, alibi=False, sinks=False,
                  softcap=0.0, out_fp8=False, num_splits=None, device="cpu", key_from_cache=False,
-                 pad_rows=0, tol=None, decode_cfg=None):
+                 pad_rows=0, tol=None, decode_cfg=None, prefill_cfg=None, hints=False):
     seed = _seed()
     fp8 = cache_dtype is not None and cache_dtype != dtype
     c = cases.make_paged_case(
@@ -106,7 +106,8 @@ def _check_paged(query_lens, context_lens, *, num_heads=4, num_kv_heads=2, head_
     paged_attention(
         out, query, key, value, c.kv_cache, c.query_start_loc, c.seq_lens, c.block_table, scale,
         c.k_scale, c.v_scale, causal, sliding_window, slopes, sink, softcap, interleaved_v,
-        out_scale, num_splits=num_splits, decode_cfg=decode_cfg,
+        out_scale, num_splits=num_splits, decode_cfg=decode_cfg, prefill_cfg=prefill_cfg,
+        **(dict(max_query_len=c.max_query_len, max_seq_len=c.max_seq_len) if hints else {}),
     )
     ref_out = cases.dense_oracle(c, scale=scale, causal=causal, sliding_window=sliding_window,
                                  alibi_slopes=slopes, sinks=sink, logits_soft_cap=softcap)
@@ -143,6 +144,13 @@ CPU_CASES = [
     ("split_forced_more_splits_than_tiles", [1, 1], [3, 100], dict(num_splits=5)),
     ("decode_three_loops_window", [1, 1, 1], [100, 7, 64],
      dict(sliding_window=37, decode_cfg=(16, 4, 1, False), num_splits=2)),
+    ("gqa8_d256_split", [1, 1, 5], [40, 17, 9],
+     dict(num_heads=8, num_kv_heads=1, head_size=256, num_splits=2)),
+    ("bs784_lbhnc", [1, 4], [790, 3],
+     dict(num_heads=2, num_kv_heads=1, block_size=784, layout="LBHNC")),
+    ("prefill_block_gather_path_with_hints", [6, 1, 9], [40, 33, 0],
+     dict(prefill_cfg=(16, 32, 4, 1), hints=True, interleaved_v=True)),
+    ("decode_only_hint_skips_prefill_launch", [1, 1], [30, 5], dict(hints=True, sinks=True)),
     ("fp32_d256_gqa2", [1, 5], [30, 20],
      dict(num_heads=4, num_kv_heads=2, head_size=256, dtype=torch.float32)),
     ("fp8_e4m3_cache", [1, 6, 1], [45, 20, 9], dict(cache_dtype=torch.float8_e4m3fn, num_splits=2)),
@@ -159,6 +167,34 @@ def test_paged_attention_interpreter(query_lens, context_lens, kw):
     if torch.cuda.is_available():
         pytest.skip("interpreter matrix; the gpu tests cover CUDA")
     _check_paged(query_lens, context_lens, **kw)
+
+
+@pytest.mark.parametrize("draw", range(4))
+def test_paged_attention_interpreter_random(draw):
+    """Fresh random geometry, features and batch each run (the seed is in the message)."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter matrix; the gpu tests cover CUDA")
+    seed = _seed()
+    r = random.Random(seed)
+    kv_heads = r.choice([1, 2])
+    b = r.randint(1, 4)
+    query_lens = [r.choice([0, 1, 1, r.randint(2, 12)]) for _ in range(b)]
+    context_lens = [r.randint(0, 70) for _ in range(b)]
+    if all(q == 0 for q in query_lens):
+        query_lens[0] = 1
+    context_lens = [max(c, 1) if q == 1 else c for q, c in zip(query_lens, context_lens)]
+    kw = dict(
+        num_heads=kv_heads * r.choice([1, 2, 4, 8]), num_kv_heads=kv_heads,
+        head_size=r.choice([32, 64, 80, 96, 128]), block_size=r.choice([16, 32, 48, 64]),
+        layout=r.choice(["LHBNC", "LBHNC"]), interleaved_v=r.random() < 0.5,
+        causal=r.random() < 0.7, sliding_window=r.choice([-1, -1, r.randint(1, 40)]),
+        alibi=r.random() < 0.3, sinks=r.random() < 0.3, softcap=r.choice([0.0, 0.0, 5.0]),
+        num_splits=r.choice([None, 1, 3]),
+    )
+    try:
+        _check_paged(query_lens, context_lens, **kw)
+    except AssertionError as e:
+        raise AssertionError(f"draw seed {seed}: {query_lens} {context_lens} {kw}: {e}") from None
 
 
 ENC_CASES = [
