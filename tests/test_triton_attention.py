@@ -14,7 +14,6 @@ carries into the exponent): every element within one e4m3 step (+1%) of exact / 
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest

@@ -156,7 +156,8 @@ def _load_paged_kv(
         v_offs = (blk[:, None] * stride_vcb + kv_head * stride_vch
                   + (in_blk // X)[:, None] * (HEAD_SIZE * X) + offs_d[None, :] * X + (in_blk % X)[:, None])
     else:  # V page [HEAD, BLOCK_SIZE]
-        v_offs = blk[:, None] * stride_vcb + kv_head * stride_vch + offs_d[None, :] * BLOCK_SIZE + in_blk[:, None]
+        v_offs = (blk[:, None] * stride_vcb + kv_head * stride_vch
+                  + offs_d[None, :] * BLOCK_SIZE + in_blk[:, None])
     if MASK or BLOCK_D != HEAD_SIZE:
         k = tl.load(k_cache_ptr + k_offs, mask=d_ok[:, None] & run_ok[None, :], other=0.0)
         v = tl.load(v_cache_ptr + v_offs, mask=run_ok[:, None] & d_ok[None, :], other=0.0)
@@ -191,7 +192,8 @@ def _paged_inner(
     for t in range(tile_lo, tile_hi):
         blk_t = blk
         run_ok_t = run_ok
-        blk, run_ok = _block_ids(bt_row_ptr, tl.minimum(t + 1, last) * TILE_N, lo, hi, BLOCK_SIZE, TILE_N, SUB, MASK)
+        blk, run_ok = _block_ids(bt_row_ptr, tl.minimum(t + 1, last) * TILE_N, lo, hi,
+                                 BLOCK_SIZE, TILE_N, SUB, MASK)
         k, v, k_pos, k_ok = _load_paged_kv(
             k_cache_ptr, v_cache_ptr, blk_t, run_ok_t, kv_head, t * TILE_N, lo, hi,
             stride_kcb, stride_kch, stride_vcb, stride_vch,
@@ -262,7 +264,8 @@ def _find_seq(cu_ptr, num_seqs, pid, BLOCK_M: tl.constexpr):
 def _store_rows(out_ptrs, acc, l_i, v_scale, out_scale, mask,
                 USE_OUT_SCALE: tl.constexpr, OUT_MAX: tl.constexpr):
     """Normalise, dequantise V, optionally quantise to fp8, store."""
-    inv = tl.where(l_i > 0.0, v_scale / tl.where(l_i > 0.0, l_i, 1.0), 0.0)  # a row with no visible key outputs 0
+    # A row with no visible key (and no sink) outputs 0.
+    inv = tl.where(l_i > 0.0, v_scale / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
     out = acc * inv[:, None]
     if USE_OUT_SCALE:
         out = tl.minimum(tl.maximum(out / out_scale, -OUT_MAX), OUT_MAX)
