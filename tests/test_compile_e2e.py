@@ -12,8 +12,12 @@ One scenario per model (module-scoped, one Inductor compile each):
 
 Every step's logits, and at the end every written cache slot (K and V, read through each
 layer's own layout), are compared with an eager reference model with the same weights.
-Tolerance: fp32 on CPU max |diff| <= 1e-4 (measured ~4e-6); bf16 on a GPU (Triton kernels)
-relative error <= 2e-2 on logits, max |diff| <= 2e-2 on the caches.
+Tolerance: fp32 max |diff| <= 1e-4 on logits and caches (measured ~4e-6); bf16 (CPU
+reference kernels, or the Triton kernels on a GPU) relative error <= 2e-2 on logits and on
+each layer's cached K/V (and max |diff| < 0.5): compiled bf16 matmuls round differently
+from eager, and the fused writer rounds once after norm and RoPE in fp32 where the HF form
+rounds to bf16 after each step, so cached values differ by an ulp or two (max |diff| 0.047
+measured on the H200).
 """
 
 from __future__ import annotations
@@ -121,23 +125,31 @@ def _run_uncached(kind: str, device: str, dtype: torch.dtype) -> Scenario:
     return Scenario(tag, ref, model, alloc, diffs, records, interleaved_before, compile_s, pass_s)
 
 
-def _cache_diff(sc: Scenario) -> float:
-    worst = 0.0
+def _cache_diff(sc: Scenario) -> tuple[float, float]:
+    """``(max |diff|, worst per-layer relative error)`` over every written K/V slot.
+
+    Each layer's cache is read through its own layout (the compiled model's Qwen3 layers
+    are interleaved, the reference's are not); NaN (an unwritten slot read back) fails.
+    """
+    worst_abs, worst_rel = 0.0, 0.0
     for lr, lm in zip(ira.attention_layers(sc.ref), ira.attention_layers(sc.model)):
         kr, vr = dense_kv(lr.kv_cache, lr.num_kv_heads, lr.interleaved_v)
         km, vm = dense_kv(lm.kv_cache, lm.num_kv_heads, lm.interleaved_v)
-        for s in "abc":
-            table = sc.alloc.block_table(s)
-            for p in range(sc.alloc.num_tokens(s)):
-                b, o = table[p // BLOCK], p % BLOCK
-                d = max(float((kr[b, o].float() - km[b, o].float()).abs().max()),
-                        float((vr[b, o].float() - vm[b, o].float()).abs().max()))
-                worst = max(worst, d if d == d else float("inf"))  # NaN: an unwritten slot
-    return worst
+        idx = [(t[p // BLOCK], p % BLOCK) for s in "abc" for t in [sc.alloc.block_table(s)]
+               for p in range(sc.alloc.num_tokens(s))]
+        b = torch.tensor([i for i, _ in idx])
+        o = torch.tensor([j for _, j in idx])
+        for x, y in ((kr, km), (vr, vm)):
+            x, y = x[b, o].double(), y[b, o].double()
+            d = (x - y).abs()
+            worst_abs = max(worst_abs, float(d.max()) if not d.isnan().any() else float("inf"))
+            worst_rel = max(worst_rel, float((x - y).norm() / x.norm()))
+    return worst_abs, worst_rel
 
 
 PARAMS = [
     pytest.param(("cpu", torch.float32), id="cpu-fp32"),
+    pytest.param(("cpu", torch.bfloat16), id="cpu-bf16"),
     pytest.param(("cuda", torch.bfloat16), id="cuda-bf16", marks=pytest.mark.gpu),
 ]
 
@@ -163,7 +175,12 @@ def _check_numbers(sc: Scenario, dtype):
             assert err <= 1e-4, (label, err)
         else:
             assert rel <= 2e-2, (label, err, rel)
-    assert _cache_diff(sc) <= (1e-4 if dtype == torch.float32 else 2e-2)
+    err, rel = _cache_diff(sc)
+    if dtype == torch.float32:
+        assert err <= 1e-4, err
+    else:
+        assert rel <= 2e-2 and err < 0.5, (err, rel)
+    sc.diffs.append(("caches", err, rel))
 
 
 @pytest.mark.compile
