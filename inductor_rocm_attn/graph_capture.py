@@ -62,7 +62,7 @@ from .layer import attention_layers
 from .metadata import AttentionMetadata, MetadataBuffers, build_attention_metadata
 
 __all__ = ["compile_piecewise", "PiecewiseRunner", "CompileStats", "SPLITTING_OPS",
-           "split_at_attention", "plugin_context"]
+           "split_at_attention", "plugin_context", "CudaGraphBackend", "RerunGraphBackend"]
 
 log = logging.getLogger(__name__)
 
@@ -419,22 +419,86 @@ class _CompiledPiece:
         for alias, layer in self._bind:
             _bind_alias(alias, layer)
         if mode == _Mode.CAPTURE:
-            # capture_begin/end rather than torch.cuda.graph(): that one synchronizes and
-            # empties the allocator cache on every entry (hundreds of captures here).
-            graph = torch.cuda.CUDAGraph()
-            stream = r._capture_stream
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                graph.capture_begin(pool=r._pool)
-                try:
-                    out = self.fn(*args)
-                finally:
-                    graph.capture_end()
-            torch.cuda.current_stream().wait_stream(stream)
+            graph, out = r._graph_backend.capture(self, args)
             self.graphs[r._size] = (graph, out)
             r.stats.num_captures += 1
             return out
         return self.fn(*args)
+
+
+# === graph backends ==========================================================================
+
+
+class CudaGraphBackend:
+    """Captures with ``torch.cuda.CUDAGraph`` (HIP graphs on ROCm), all graphs from one pool,
+    on one side stream."""
+
+    def __init__(self):
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream()
+
+    @contextlib.contextmanager
+    def warmup(self):
+        # Warm up on the capture stream (cuBLAS workspaces, Triton autotuning), then sync.
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            yield
+        torch.cuda.synchronize()
+
+    def capture(self, piece: "_CompiledPiece", args) -> tuple[Any, Any]:
+        # capture_begin/end rather than torch.cuda.graph(): that one synchronizes and
+        # empties the allocator cache on every entry (hundreds of captures here).
+        graph = torch.cuda.CUDAGraph()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=self.pool)
+            try:
+                out = piece.fn(*args)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return graph, out
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+
+class RerunGraphBackend:
+    """A stand-in for graphs on machines without a GPU (tests): "capture" runs the piece and
+    keeps its inputs, outputs, layer bindings and forward context; "replay" runs it again on
+    exactly those input tensors, under that context, and copies the results into the kept
+    outputs. Like a real graph, a replay sees new data only through the same tensors
+    (persistent buffers, earlier pieces' outputs), so it checks the runner's buffer
+    discipline on CPU."""
+
+    class _Graph:
+        __slots__ = ("piece", "args", "out", "ctx")
+
+        def replay(self):
+            for alias, layer in self.piece._bind:
+                _bind_alias(alias, layer)
+            with set_forward_context(self.ctx.attn_metadata):
+                new = self.piece.fn(*self.args)
+            for o, n in zip(_flat(self.out), _flat(new)):
+                o.copy_(n)
+
+    @contextlib.contextmanager
+    def warmup(self):
+        yield
+
+    def capture(self, piece, args):
+        g = self._Graph()
+        g.piece, g.args = piece, args
+        g.ctx = forward_context.get_forward_context()
+        g.out = piece.fn(*args)
+        return g, g.out
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _flat(x):
+    return list(x) if isinstance(x, (tuple, list)) else [x]
 
 
 # === the runner ==============================================================================
@@ -472,8 +536,7 @@ class PiecewiseRunner:
         self._plugin = plugin
         self._mode = _Mode.EAGER
         self._size = 0
-        self._pool = None
-        self._capture_stream = None
+        self._graph_backend = None
         self.split_gm: torch.fx.GraphModule | None = None
         self.pieces: list[_CompiledPiece] = []
         self.attention_pieces: list[str] = []
@@ -670,27 +733,25 @@ class PiecewiseRunner:
         if not self.use_cuda_graphs or not self.capture_sizes:
             return
         t0 = time.perf_counter()
-        self._pool = torch.cuda.graph_pool_handle()
-        self._capture_stream = torch.cuda.Stream()
+        if self._graph_backend is None:
+            self._graph_backend = CudaGraphBackend()
+        backend = self._graph_backend
         captured = set()
         for size in sorted(self.capture_sizes, reverse=True):
             md = self._dummy_metadata(size)
             args = self._args(size)
             with set_forward_context(md):
-                # Warm up on the capture stream (cuBLAS workspaces, Triton autotuning).
-                self._capture_stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(self._capture_stream):
+                with backend.warmup():
                     for _ in range(num_warmup):
                         self._mode = _Mode.EAGER
                         self.split_gm(*args)
-                torch.cuda.synchronize()
                 self._mode, self._size = _Mode.CAPTURE, size
                 try:
                     self.split_gm(*args)
                 finally:
                     self._mode = _Mode.EAGER
             captured.add(size)
-        torch.cuda.synchronize()
+        backend.synchronize()
         self._captured = frozenset(captured)
         self.stats.capture_s = time.perf_counter() - t0
 
@@ -705,6 +766,7 @@ def compile_piecewise(
     use_cuda_graphs: bool | None = None,
     plugin: bool | None = None,
     capture: bool = True,
+    graph_backend: Any = None,
 ) -> PiecewiseRunner:
     """Split ``model`` at its attention ops, compile the pieces with Inductor and (on a GPU)
     capture one graph per piece per size in ``capture_sizes``.
@@ -720,12 +782,16 @@ def compile_piecewise(
         use_cuda_graphs: default: when the model's parameters are on a CUDA/HIP device.
         plugin: run the plugin's passes in the piece compiles (default: when importable).
         capture: capture now (else call ``runner.capture()`` later).
+        graph_backend: what captures and replays (default ``CudaGraphBackend``);
+            ``RerunGraphBackend()`` emulates graphs without a GPU (tests).
     """
     p = next(model.parameters())
     device = p.device
     if use_cuda_graphs is None:
         use_cuda_graphs = device.type == "cuda"
-    if use_cuda_graphs and device.type != "cuda":
+    if graph_backend is not None:
+        use_cuda_graphs = True
+    elif use_cuda_graphs and device.type != "cuda":
         raise ValueError(f"compile_piecewise: CUDA/HIP graphs need the model on a GPU, it is on {device}")
     sizes = list(capture_sizes)
     top = max(sizes, default=1)
@@ -734,6 +800,7 @@ def compile_piecewise(
         max_num_tokens=max_num_tokens or top, max_model_len=max_model_len,
         use_cuda_graphs=use_cuda_graphs, plugin=plugin, device=device,
     )
+    runner._graph_backend = graph_backend
     if capture and use_cuda_graphs:
         runner.capture()
     return runner

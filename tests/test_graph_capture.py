@@ -12,7 +12,7 @@ import torch
 
 import inductor_rocm_attn as ira
 from inductor_rocm_attn.decode_check import run_mixed_decode
-from inductor_rocm_attn.graph_capture import SPLITTING_OPS, compile_piecewise, _op_name
+from inductor_rocm_attn.graph_capture import SPLITTING_OPS, RerunGraphBackend, _op_name, compile_piecewise
 from inductor_rocm_attn.models import TinyDecoder, qwen3_config
 
 pytestmark = pytest.mark.compile
@@ -146,6 +146,29 @@ def test_prepare_rejects_foreign_metadata(compiled):
     md = ira.build_attention_metadata([1], [0], [[0]], 16)
     with pytest.raises(ValueError, match="runner.prepare"):
         runner(torch.zeros(1, dtype=torch.long), md)
+
+
+def test_replay_discipline_with_rerun_graphs(compiled):
+    """Graph control flow on CPU: RerunGraphBackend replays each piece on its captured input
+    tensors under the capture-time context, so anything the runner failed to route through
+    the persistent buffers or earlier pieces' outputs would come out stale."""
+    runner, model, ref, _ = compiled
+    runner._graph_backend = RerunGraphBackend()
+    runner.use_cuda_graphs = True
+    try:
+        runner.capture()
+        n = runner.stats.num_captures
+        assert n == len(runner.pieces) * len(SIZES)
+        res = run_mixed_decode(runner, ref, steps=8, max_seqs=8, max_len=100, seed=2)
+        assert res.graph_steps == res.steps and res.padded_steps > 0
+        assert res.graphs_bitwise_equal_pieces
+        assert res.max_rel_err < 1e-5 and res.argmax_agreement == 1.0, res
+        assert res.captures_after == res.captures_before == n
+    finally:
+        runner._captured = frozenset()
+        runner.use_cuda_graphs = False
+        for p in runner.pieces:
+            p.graphs.clear()
 
 
 @pytest.mark.gpu
