@@ -130,6 +130,8 @@ def main():
             if args.sweep and b == 64 and L == 4096:
                 cfgs = [(t, 4, st, True) for t in (16, 32, 64) for st in (3, 4)]
                 cfgs += [(128, 4, 2, True), (64, 4, 3, False)]
+                # fewer warps: no cross-warp row reductions (4 warps: 8 BAR.SYNC a tile)
+                cfgs += [(16, 1, 4, True), (32, 1, 4, True), (32, 2, 4, True), (64, 2, 3, True)]
                 for cfg in cfgs:
                     try:
                         t = graph_time_us(lambda: c.run(decode_cfg=cfg))
