@@ -129,7 +129,7 @@ def _qk_norm_rope_and_cache_kernel(
         if HAS_PASS:
             _store_k_cols(kv_cache_ptr, kp.to(tl.float32), dp, mask_p, page, off, mask_w, k_scale,
                           BLOCK_SIZE, X, IS_FP8, FP8_MAX)
-        _store_v_tile(kv_cache_ptr, v.to(tl.float32), slot, page, off, mask_w, offs_d, mask_d, v_scale,
+        _store_v_tile(kv_cache_ptr, v.to(tl.float32), slot, page, off, mask_w, head, offs_d, mask_d, v_scale,
                       stride_cache_block, stride_cache_group,
                       HEAD_SIZE, BLOCK_SIZE, X, INTERLEAVED_V, IS_FP8, FP8_MAX, BLOCK_T)
 

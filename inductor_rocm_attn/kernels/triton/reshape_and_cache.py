@@ -66,6 +66,7 @@ def _store_v_tile(
     kv_cache_ptr,
     v,  # [BLOCK_T, BLOCK_D] fp32
     slot, page, off, mask_t,  # [BLOCK_T]
+    head,  # KV head index (scalar)
     offs_d, mask_d,  # [BLOCK_D]
     v_scale, stride_cache_block, stride_cache_group,
     HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, X: tl.constexpr,
@@ -89,7 +90,8 @@ def _store_v_tile(
         fast = False
     if fast:
         off0 = (off0 // X) * X  # same value; tells the compiler it is x-aligned
-        page0 = tl.sum(tl.where(offs_i == 0, page, 0), axis=0)
+        # From the strides (not a reduction of page) so the compiler knows it is 16-aligned.
+        page0 = (slot0 // BLOCK_SIZE) * stride_cache_block + head.to(tl.int64) * (HEAD_SIZE * BLOCK_SIZE)
         tok = off0 + offs_i
         if INTERLEAVED_V:
             v_ptrs = v_group + page0 + ((tok // X) * (HEAD_SIZE * X) + tok % X)[:, None] + (offs_d * X)[None, :]
@@ -144,7 +146,7 @@ def _reshape_and_cache_kernel(
     page, off = _slot_page(slot, mask_t, head, stride_cache_block, HEAD_SIZE, BLOCK_SIZE)
     _store_k_cols(kv_cache_ptr, k, offs_d, mask_d, page, off, mask_t, k_scale,
                   BLOCK_SIZE, X, IS_FP8, FP8_MAX)
-    _store_v_tile(kv_cache_ptr, v, slot, page, off, mask_t, offs_d, mask_d, v_scale,
+    _store_v_tile(kv_cache_ptr, v, slot, page, off, mask_t, head, offs_d, mask_d, v_scale,
                   stride_cache_block, stride_cache_group,
                   HEAD_SIZE, BLOCK_SIZE, X, INTERLEAVED_V, IS_FP8, FP8_MAX, BLOCK_T)
 

@@ -94,7 +94,7 @@ def _rope_and_cache_kernel(
             xp = tl.load(k_base + dp[None, :] * stride_kd, mask=mask_t[:, None] & mask_p[None, :], other=0.0)
             _store_k_cols(kv_cache_ptr, xp.to(tl.float32), dp, mask_p, page, off, mask_w, k_scale,
                           BLOCK_SIZE, X, IS_FP8, FP8_MAX)
-        _store_v_tile(kv_cache_ptr, v, slot, page, off, mask_w, offs_d, mask_d, v_scale,
+        _store_v_tile(kv_cache_ptr, v, slot, page, off, mask_w, head, offs_d, mask_d, v_scale,
                       stride_cache_block, stride_cache_group,
                       HEAD_SIZE, BLOCK_SIZE, X, INTERLEAVED_V, IS_FP8, FP8_MAX, BLOCK_T)
 
