@@ -74,7 +74,8 @@ def _check_paged(query_lens, context_lens, *, num_heads=4, num_kv_heads=2, head_
                  block_size=16, dtype=torch.float16, cache_dtype=None, layout="LHBNC",
                  interleaved_v=False, causal=True, sliding_window=-1, alibi=False, sinks=False,
                  softcap=0.0, out_fp8=False, num_splits=None, device="cpu", key_from_cache=False,
-                 pad_rows=0, tol=None, decode_cfg=None, prefill_cfg=None, hints=False):
+                 pad_rows=0, tol=None, decode_cfg=None, prefill_cfg=None, hints=False,
+                 index_dtype=torch.int32):
     seed = _seed()
     fp8 = cache_dtype is not None and cache_dtype != dtype
     c = cases.make_paged_case(
@@ -95,6 +96,9 @@ def _check_paged(query_lens, context_lens, *, num_heads=4, num_kv_heads=2, head_
         if fp8:  # what is read back is the rounded value
             pytest.skip("key=None with an fp8 cache: oracle would need requantised new tokens")
         key = value = None
+    if index_dtype != torch.int32:
+        c.query_start_loc, c.seq_lens, c.block_table = (
+            x.to(index_dtype) for x in (c.query_start_loc, c.seq_lens, c.block_table))
     t = c.query.shape[0]
     query = c.query
     if pad_rows:  # rows past query_start_loc[-1] must stay untouched
@@ -150,6 +154,8 @@ CPU_CASES = [
     ("prefill_block_gather_path_with_hints", [6, 1, 9], [40, 33, 0],
      dict(prefill_cfg=(16, 32, 4, 1), hints=True, interleaved_v=True)),
     ("decode_only_hint_skips_prefill_launch", [1, 1], [30, 5], dict(hints=True, sinks=True)),
+    ("gqa96_two_head_chunks_int64_index", [1, 2], [20, 5],
+     dict(num_heads=96, num_kv_heads=1, head_size=32, index_dtype=torch.int64, alibi=True)),
     ("fp32_d256_gqa2", [1, 5], [30, 20],
      dict(num_heads=4, num_kv_heads=2, head_size=256, dtype=torch.float32)),
     ("fp8_e4m3_cache", [1, 6, 1], [45, 20, 9], dict(cache_dtype=torch.float8_e4m3fn, num_splits=2)),
