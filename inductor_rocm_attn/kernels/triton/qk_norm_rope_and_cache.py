@@ -185,7 +185,7 @@ def qk_norm_rope_and_cache(
         INTERLEAVED_V=bool(interleaved_v), BLOCK_T=block_t,
         BLOCK_R=triton.next_power_of_2(rot_half),
         BLOCK_P=triton.next_power_of_2(max(1, head_size - 2 * rot_half)), BLOCK_D=block_d,
-        num_warps=num_warps or num_warps_for(block_t, block_d),
+        num_warps=num_warps or num_warps_for(block_t, triton.next_power_of_2(rot_half)),
         **cache_meta(kv_cache),
     )
     return q, k, v

@@ -172,8 +172,10 @@ def pick_block_t(num_tokens: int) -> int:
     return 8
 
 
-def num_warps_for(block_t: int, block_d: int) -> int:
-    return max(1, min(8, block_t * block_d // 256))
+def num_warps_for(block_t: int, width: int) -> int:
+    """Warps for a ``[block_t, width]`` tile: 8 elements (16 bytes of bf16) per thread. The RoPE
+    kernels pass the half-tile width, so each half load is one 16-byte vector per thread."""
+    return max(1, min(8, block_t * width // 256))
 
 
 def reshape_and_cache(

@@ -138,5 +138,5 @@ def rotary_embedding(
         *head_strides(k, head_size),
         cos_sin_cache.stride(0),
         ROT_HALF=rot_half, IS_NEOX=bool(is_neox), BLOCK_T=block_t, BLOCK_R=block_r,
-        num_warps=num_warps or num_warps_for(block_t, 2 * block_r),
+        num_warps=num_warps or num_warps_for(block_t, block_r),
     )
