@@ -86,6 +86,8 @@ class AttnQuantFusionPass(FusionPass):
             out = forms.getitem_user(attn, 1 + kw.get("_output_base_index", 0))
             if out is None or kw.get("output_scale") is not None:
                 continue
+            if any(k.startswith("_output_") and k != "_output_base_index" for k in kw):
+                continue  # the output is a view of a larger buffer: not a candidate
             x, user = _output_chain(out)
             if user is None:
                 if len(x.users) > 1:

@@ -15,6 +15,9 @@ import logging
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from inductor_rocm_attn import lowering
+from inductor_rocm_attn.lowering import _fallback, attention, kv_cache, norm_quant
+
 from . import attn_quant_fusion, base, forms, qk_norm_rope_kv_cache_fusion, report, rope_kv_cache_fusion
 from .attn_quant_fusion import AttnQuantFusionPass
 from .qk_norm_rope_kv_cache_fusion import QKNormRopeKVCacheFusionPass
@@ -24,7 +27,9 @@ from .rope_kv_cache_fusion import RopeKVCacheFusionPass
 logger = logging.getLogger("inductor_rocm_attn.passes")
 
 PASS_CLASSES = (QKNormRopeKVCacheFusionPass, RopeKVCacheFusionPass, AttnQuantFusionPass)
-_SOURCES = (base, forms, report, rope_kv_cache_fusion, qk_norm_rope_kv_cache_fusion, attn_quant_fusion)
+# everything that decides what code a compile produces: passes, forms and our lowerings
+_SOURCES = (base, forms, report, rope_kv_cache_fusion, qk_norm_rope_kv_cache_fusion, attn_quant_fusion,
+            lowering, _fallback, attention, kv_cache, norm_quant)
 
 
 class PassManager(CustomGraphPass):
@@ -54,20 +59,25 @@ class PassManager(CustomGraphPass):
         for p in self.passes:
             if self.flags[p.name]:
                 p(graph)
-        if self.user_pass is not None:
-            self.user_pass(graph)
+        for user_pass in _as_tuple(self.user_pass):
+            user_pass(graph)
 
     def uuid(self):
         h = hashlib.sha256()
         for mod in _SOURCES:
             h.update(base.FusionPass.hash_source(mod).encode())
         h.update(repr(sorted(self.flags.items())).encode())
-        if self.user_pass is not None:
-            user_uuid = getattr(self.user_pass, "uuid", None)
-            if user_uuid is None:  # a plain callable: nothing safe to hash, so no caching
-                return None
-            u = user_uuid()
-            if u is None:
+        for user_pass in _as_tuple(self.user_pass):
+            user_uuid = getattr(user_pass, "uuid", None)
+            u = user_uuid() if user_uuid is not None else None
+            if u is None:  # a plain callable (or a pass that opts out): nothing safe to hash
                 return None
             h.update(repr(u).encode())
         return h.hexdigest()
+
+
+def _as_tuple(user_pass) -> tuple:
+    """The user's post pass(es): Inductor accepts one pass or a list of them."""
+    if user_pass is None:
+        return ()
+    return tuple(user_pass) if isinstance(user_pass, (list, tuple)) else (user_pass,)

@@ -109,8 +109,8 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
             return None, f"qkv split sizes {out_sizes} are not [Hq*D, Hkv*D, Hkv*D] = {sizes}"
         if qkv_val.dtype not in forms.MODEL_DTYPES:
             return None, f"qkv dtype {qkv_val.dtype} is not a model dtype"
-        if rope.form == "op" and int(rope.q_in.meta["val"].shape[-1]) % d:
-            return None, "rotary_embedding head_size differs from the norm's head size"
+        if rope.head_size != d:
+            return None, f"RoPE splits heads of {rope.head_size} channels, the norms heads of {d}"
         return (rope, qkv, wq, wk, float(eps_q), hq, hkv, d), ""
 
     def apply(self, graph: torch.fx.Graph) -> None:

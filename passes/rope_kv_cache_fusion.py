@@ -42,6 +42,7 @@ class RopeMatch:
     k_in: torch.fx.Node
     q_out: torch.fx.Node  # rotated query / key nodes (what the fused outputs replace)
     k_out: torch.fx.Node
+    head_size: int  # the head size the rotation splits q/k into
 
 
 @dataclasses.dataclass
@@ -96,7 +97,7 @@ def _match_rope_op(k_root: torch.fx.Node, q_root: torch.fx.Node) -> tuple[RopeMa
     if kv is None or kv.shape[-1] % head_size and kv.shape[-1] != head_size:
         return None, "rotary_embedding key shape does not fit head_size"
     return RopeMatch("op", bool(kw["is_neox"]), kw["positions"], kw["cos_sin_cache"], bases[qi], bases[ki],
-                     q_root, k_root), ""
+                     q_root, k_root, int(head_size)), ""
 
 
 def _match_rope_hf(k_root: torch.fx.Node, q_root: torch.fx.Node) -> tuple[RopeMatch | None, str]:
@@ -118,7 +119,8 @@ def _match_rope_hf(k_root: torch.fx.Node, q_root: torch.fx.Node) -> tuple[RopeMa
             return None, f"key is {form} RoPE but the attention's query is not ({qwhy})"
         if qk["positions"] is not kk["positions"] or qk["cos_sin_cache"] is not kk["cos_sin_cache"]:
             return None, f"query and key are rotated with different positions or cos/sin caches ({form})"
-        return RopeMatch(form, is_neox, kk["positions"], kk["cos_sin_cache"], qk["x"], kk["x"], q_root, k_root), ""
+        return RopeMatch(form, is_neox, kk["positions"], kk["cos_sin_cache"], qk["x"], kk["x"], q_root, k_root,
+                         int(kval.shape[2])), ""
     return None, "the cached key is not a RoPE output (" + "; ".join(why) + ")"
 
 
@@ -134,11 +136,13 @@ def match_rope(site: LayerSite) -> tuple[RopeMatch | None, str]:
     """Recognize the RoPE that produced the site's cached key and attention query."""
     k_root, q_root = forms.strip_views(site.key), forms.strip_views(site.query)
     m, why = _match_rope_op(k_root, q_root)
-    if m is not None or why:
-        return m, why
-    m, why = _match_rope_hf(k_root, q_root)
+    if m is None and not why:
+        m, why = _match_rope_hf(k_root, q_root)
     if m is None:
         return None, why
+    vv = forms.val(site.value)
+    if vv is None or int(vv.shape[-1]) != m.head_size:
+        return None, f"RoPE splits heads of {m.head_size} channels, the cached value has heads of {vv.shape[-1]}"
     if m.positions.meta.get("val") is None or m.positions.meta["val"].dtype not in (torch.int64, torch.int32):
         return None, "positions are not an integer tensor"
     return m, ""

@@ -77,6 +77,10 @@ def test_uuid_covers_flags_and_user_pass():
     assert PassManager(flags={"rope_kv_cache_fusion": False}).uuid() != base
     assert PassManager(user_pass=UserPass("a")).uuid() != PassManager(user_pass=UserPass("b")).uuid()
     assert PassManager(user_pass=lambda g: None).uuid() is None  # unhashable user pass: no caching
+    both = PassManager(user_pass=[UserPass("a"), UserPass("b")])
+    assert both.uuid() not in (None, PassManager(user_pass=[UserPass("a")]).uuid())
+    both(torch.fx.Graph())
+    assert [p.calls for p in both.user_pass] == [1, 1]  # a list of user passes all run
     with pytest.raises(KeyError, match="unknown pass"):
         PassManager(flags={"nope": True})
 
