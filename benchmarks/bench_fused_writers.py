@@ -1,6 +1,7 @@
 """Fused RoPE + KV-cache writers against the unfused sequence and the memory roofline.
 
     python benchmarks/bench_fused_writers.py [--out DIR] [--tokens 1,64,...] [--sweep]
+    python benchmarks/bench_fused_writers.py --ptx-report   # no GPU: sm_90 regs / 16-byte accesses
 
 Shapes: bf16, 32 query heads, 8 KV heads, head_size 128, block 16, NeoX RoPE (fp32
 cos/sin table), LHBNC cache, interleaved V (what the fusion passes switch a layer to).
@@ -244,12 +245,66 @@ def load_aiter():
         return None, None, f"{type(e).__name__}: {e}"
 
 
+def ptx_report():
+    """Compile the fused kernels for sm_90 here (no GPU needed) and print, per (block_t, warps),
+    ptxas registers/spills and how many global loads/stores are 16-byte vectors.
+
+    Argument specialisation is mimicked as Triton's JIT does it at run time: unit channel
+    strides become constants, the other strides and all pointers are 16-divisible.
+    """
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    mods = {n: sys.modules["inductor_rocm_attn.kernels.triton." + n]
+            for n in ("rope_and_cache", "qk_norm_rope_and_cache")}
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    ones = {"stride_qd", "stride_kd", "stride_vd", "stride_qkv_d"}
+    div16 = {"stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_cs",
+             "stride_cache_block", "stride_cache_group", "stride_qkv_t"}
+    ptr = {"positions_ptr": "*i64", "slot_mapping_ptr": "*i64", "cos_sin_ptr": "*fp32",
+           "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+
+    def build(fn, const, num_warps):
+        const = dict(const, **{n: 1 for n in ones if n in fn.arg_names})
+        sig = {p.name: ptr.get(p.name) or ("*bf16" if p.name.endswith("_ptr") else
+               "constexpr" if p.name in const else "fp32" if p.name == "eps" else "i32") for p in fn.params}
+        src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
+                        attrs={(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
+                               if p.name.endswith("_ptr") or p.name in div16})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+        with tempfile.TemporaryDirectory() as d:
+            open(os.path.join(d, "k.ptx"), "w").write(ptx)
+            err = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o",
+                                  os.path.join(d, "k.cubin")], capture_output=True, text=True).stderr
+        regs = re.findall(r"Used (\d+) registers", err)
+        spills = re.findall(r"(\d+) bytes spill stores", err)
+        mem = re.findall(r"(ld|st)\.global[^;\n]*", ptx)
+        vec = len(re.findall(r"(?:ld|st)\.global[^;\n]*\.v4", ptx))
+        return f"regs {regs[0] if regs else '?'} spills {spills[0] if spills else '?'} v4 {vec}/{len(mem)} ld+st"
+
+    base = dict(HEAD_SIZE=D, ROT_HALF=D // 2, IS_NEOX=True, BLOCK_SIZE=BS, X=8, INTERLEAVED_V=True,
+                IS_FP8=False, FP8_MAX=0.0, BLOCK_R=D // 2, BLOCK_P=1, BLOCK_D=D)
+    for bt, nw in SWEEP:
+        c = dict(base, BLOCK_T=bt)
+        rope = build(mods["rope_and_cache"]._rope_and_cache_kernel, c, nw)
+        qk = build(mods["qk_norm_rope_and_cache"]._qk_norm_rope_and_cache_kernel,
+                   dict(c, NUM_HEADS=HQ, NUM_KV_HEADS=HKV), nw)
+        print(f"block_t {bt:2d} warps {nw}: rope_and_cache {rope} | qk_norm_rope_and_cache {qk}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--sweep", action="store_true", help="also time (block_t, num_warps) in SWEEP for the fused kernels")
+    ap.add_argument("--ptx-report", action="store_true", help="no GPU needed: sm_90 registers and vector accesses")
     args = ap.parse_args()
+    if args.ptx_report:
+        return ptx_report()
     tokens = [int(x) for x in args.tokens.split(",")]
     aiter_mod, aiter_hnd, aiter_why = load_aiter()
     rows = []
