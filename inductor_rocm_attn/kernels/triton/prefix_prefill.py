@@ -188,7 +188,8 @@ def _paged_inner(
     made every wgmma of the kernel wait for its result (24 WARPGROUP waits a loop, not 3).
     """
     last = tl.maximum(tile_hi - 1, tile_lo)
-    blk, run_ok = _block_ids(bt_row_ptr, tile_lo * TILE_N, lo, hi, BLOCK_SIZE, TILE_N, SUB, MASK)
+    # Masked: with an empty range, tile_lo may lie past the sequence's block-table entries.
+    blk, run_ok = _block_ids(bt_row_ptr, tile_lo * TILE_N, lo, hi, BLOCK_SIZE, TILE_N, SUB, True)
     for t in range(tile_lo, tile_hi):
         blk_t = blk
         run_ok_t = run_ok
