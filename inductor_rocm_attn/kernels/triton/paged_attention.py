@@ -189,11 +189,11 @@ def _decode_reduce_kernel(
 
 # --- configs ---------------------------------------------------------------------------------
 
-# Tuned on an H200 (benchmarks/bench_decode.py, bench_prefill.py), keyed by
-# (head_size, gqa, block_size, cache dtype); anything else takes the heuristics below.
+# Tuned on an H200 (benchmarks/bench_decode.py, bench_prefill.py), keyed by (head_size, gqa,
+# block_size, dtype: the cache dtype for decode, the compute dtype for prefill). Only measured
+# entries (benchmarks/results/run1, run2); anything else takes the heuristics below.
 # decode: (TILE_N, num_warps, num_stages, one_loop); prefill: (BLOCK_M, BLOCK_N, num_warps,
-# num_stages)
-# Only measured entries (benchmarks/results/run1, run2); the rest falls to the heuristics.
+# num_stages).
 _DECODE_TUNED: dict[tuple, tuple[int, int, int, bool]] = {
     # B=64, L=4096: tiles 32/64/128 at 3 stages within 2% (415-423 us); 4 stages slower.
     (128, 4, 16, torch.bfloat16): (64, 4, 3, True),
