@@ -53,6 +53,18 @@ def test_does_not_fuse_non_equivalent(variant, why, norm_impl):
     assert not get_layer(block.layer.attn.layer_name).interleaved_v
 
 
+@pytest.mark.parametrize("impl", ["torch", "op"])
+def test_llama_block_is_not_a_qk_norm_site(impl):
+    from inductor_rocm_attn.models import llama_config
+
+    cfg = llama_config(num_heads=4, num_kv_heads=2, head_size=32, rope_impl=impl, norm_impl=impl)
+    block = AttnBlock(cfg, f"qk_llama_{impl}.attn")
+    c = capture(block, *block_inputs(cfg), rope_kv_cache_fusion=False)
+    assert c.count(PASS) == 0 and c.after == c.before
+    assert any("not a per-head RMSNorm output" in r or "not a [T, heads, head_size]" in r for r in c.reasons(PASS)), \
+        c.reasons(PASS)
+
+
 def test_norm_over_whole_q_still_fuses_rope_only():
     cfg, block = _block("norm_whole_q")
     c = capture(block, *block_inputs(cfg))

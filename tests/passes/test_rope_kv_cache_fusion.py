@@ -185,6 +185,45 @@ getitem_6 = getitem(auto_functionalized_v2, 1)  bfloat16[T, 4, 32]
 reshape_3 = aten.reshape.default(getitem_6, [in, 128])  bfloat16[T, 128]
 return (reshape_3,)""")
 
+    def test_qwen3_block_with_qk_norm_pass_off(self):
+        # RoPE fuses with the cache write; the per-head norms stay as they are
+        from inductor_rocm_attn.models import qwen3_config
+
+        cfg = qwen3_config(num_heads=4, num_kv_heads=2, head_size=32, rope_impl="op", norm_impl="op")
+        block = AttnBlock(cfg, "qwen3_rope_only")
+        c = capture(block, *block_inputs(cfg), qk_norm_rope_kv_cache_fusion=False)
+        self.assertEqual(c.count(PASS), 1)
+        self.assertExpectedInline(c.after, """\
+in: T
+in_1: float32[T, 256]
+in_2: float32[32]
+in_3: float32[32]
+in_4: float32[4096, 32]
+in_5: T
+in_6: int64[T]
+split_with_sizes = aten.split_with_sizes.default(in_1, [128, 64, 64], -1)
+getitem = getitem(split_with_sizes, 0)  float32[T, 128]
+getitem_1 = getitem(split_with_sizes, 1)  float32[T, 64]
+getitem_2 = getitem(split_with_sizes, 2)  float32[T, 64]
+reshape = aten.reshape.default(getitem, [in, 4, 32])  float32[T, 4, 32]
+rms_norm = rocm_attn.rms_norm.default(reshape, in_2, 1e-06)  float32[T, 4, 32]
+reshape_1 = aten.reshape.default(rms_norm, [in, 128])  float32[T, 128]
+reshape_2 = aten.reshape.default(getitem_1, [in, 2, 32])  float32[T, 2, 32]
+rms_norm_1 = rocm_attn.rms_norm.default(reshape_2, in_3, 1e-06)  float32[T, 2, 32]
+reshape_3 = aten.reshape.default(rms_norm_1, [in, 64])  float32[T, 64]
+reshape_4 = aten.reshape.default(getitem_2, [in, 2, 32])  float32[T, 2, 32]
+unified_rope_and_kv_cache_update = rocm_attn.unified_rope_and_kv_cache_update.default(in_6, reshape_1, reshape_3, reshape_4, in_4, True, 'qwen3_rope_only')
+getitem_3 = getitem(unified_rope_and_kv_cache_update, 0)  float32[T, 128]
+reshape_5 = aten.reshape.default(getitem_3, [in, 4, 32])  float32[T, 4, 32]
+getitem_4 = getitem(unified_rope_and_kv_cache_update, 1)  float32[T, 64]
+reshape_6 = aten.reshape.default(getitem_4, [in, 2, 32])  float32[T, 2, 32]
+getitem_5 = getitem(unified_rope_and_kv_cache_update, 2)  float32[0]
+empty = aten.empty.memory_format([in, 4, 32], dtype=torch.float32, layout=torch.strided, device=cpu, pin_memory=False)  float32[T, 4, 32]
+auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=reshape_5, key=reshape_6, value=reshape_4, layer_name='qwen3_rope_only', kv_cache_dependency=getitem_5, output_scale=None, _output_base_index=0, _all_bases=[empty])
+getitem_6 = getitem(auto_functionalized_v2, 1)  float32[T, 4, 32]
+reshape_7 = aten.reshape.default(getitem_6, [in, 128])  float32[T, 128]
+return (reshape_7,)""")
+
     def test_negative_cache_unrotated_k(self):
         cfg, block = _block("cache_unrotated_k", name="llama_cache_unrotated_k")
         c = capture(block, *block_inputs(cfg))
