@@ -44,7 +44,10 @@ OPS = (
     "qk_norm_rope_and_cache",
     "encoder_attention",
 )
-FEATURES = ("sliding_window", "alibi", "sinks", "logits_soft_cap", "output_scale", "non_causal")
+FEATURES = (
+    "sliding_window", "alibi", "sinks", "logits_soft_cap", "output_scale", "non_causal",
+    "partial_rotary",  # RoPE over fewer channels than the head
+)
 
 
 @dataclasses.dataclass(frozen=True)

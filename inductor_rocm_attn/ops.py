@@ -93,6 +93,10 @@ def _fake(name: str):
 # === kernel level ===========================================================================
 
 
+def _rope_features(cos_sin_cache: torch.Tensor, head_size: int) -> tuple[str, ...]:
+    return ("partial_rotary",) if cos_sin_cache.shape[-1] < head_size else ()
+
+
 @_impl("reshape_and_cache")
 def _reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, interleaved_v=False):
     op = "rocm_attn.reshape_and_cache"
@@ -162,7 +166,7 @@ def _rope_and_cache(positions, query, key, value, kv_cache, slot_mapping, cos_si
     validation.check_cache_write(op, key, value, kv_cache, slot_mapping, k_scale, v_scale)
     _, fn = providers.select(
         "rope_and_cache", device=query.device, head_size=head_size, dtype=query.dtype,
-        kv_cache=kv_cache, interleaved_v=interleaved_v,
+        kv_cache=kv_cache, interleaved_v=interleaved_v, features=_rope_features(cos_sin_cache, head_size),
     )
     fn(positions, query, key, value, kv_cache, slot_mapping, cos_sin_cache, is_neox, k_scale,
        v_scale, interleaved_v)
@@ -184,7 +188,7 @@ def _qk_norm_rope_and_cache(qkv, q_weight, k_weight, eps, positions, cos_sin_cac
     validation.check_slot_mapping(op, slot_mapping, kv_cache, qkv.shape[0])
     _, fn = providers.select(
         "qk_norm_rope_and_cache", device=qkv.device, head_size=head_size, dtype=qkv.dtype,
-        kv_cache=kv_cache, interleaved_v=interleaved_v,
+        kv_cache=kv_cache, interleaved_v=interleaved_v, features=_rope_features(cos_sin_cache, head_size),
     )
     return fn(qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, kv_cache,
               slot_mapping, k_scale, v_scale, interleaved_v, num_heads, num_kv_heads, head_size)
