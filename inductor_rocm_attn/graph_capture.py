@@ -156,7 +156,7 @@ def _add_stand_ins(split: torch.fx.GraphModule, compiled_names: list[str]) -> in
     calls = {n.target: n for n in split.graph.nodes if n.op == "call_module"}
     added = 0
     for attn_call in calls.values():
-        sub = getattr(split, attn_call.target)
+        sub = split._modules[attn_call.target]
         attn = next((n for n in sub.graph.nodes if _is_split_node(n)), None)
         if attn is None:
             continue
@@ -177,7 +177,7 @@ def _add_stand_ins(split: torch.fx.GraphModule, compiled_names: list[str]) -> in
         names = {v[0] for v in srcs.values()}
         if len(names) != 1:
             continue
-        piece = getattr(split, names.pop())
+        piece = split._modules[names.pop()]
         out_node = next(n for n in piece.graph.nodes if n.op == "output")
         outs = out_node.args[0]
         if not isinstance(outs, (tuple, list)):
@@ -628,6 +628,8 @@ class PiecewiseRunner:
 
         split, compiled_names, attn_names = split_at_attention(gm)
         self.split_gm, self.attention_pieces = split, attn_names
+        for name in attn_names:  # eager attention: call forward directly (no Module.__call__)
+            split.__dict__[name] = getattr(split, name).forward
         self.stats.num_attention_pieces = len(attn_names)
         self.stats.num_compiled_pieces = len(compiled_names)
 
@@ -648,7 +650,7 @@ class PiecewiseRunner:
                 inner = None  # plugin=False while the plugin is enabled globally: leave it out
             post_pass = _PiecePostPass(inner)
             for name in compiled_names:
-                sub = getattr(split, name)
+                sub = split._modules[name]
                 slot_names = _normalize_layer_names(sub, names)
                 _canonicalize_names(sub)
                 slots = [self._layers[n] for n in slot_names]

@@ -56,13 +56,13 @@ def test_split_has_one_piece_per_attention_boundary(compiled):
     assert order[0::2] == [p.name for p in runner.pieces]
     assert order[1::2] == runner.attention_pieces
     for name in runner.attention_pieces:
-        sub = getattr(runner.split_gm, name)
+        sub = runner.split_gm._modules[name]
         ops = [n for n in sub.graph.nodes if n.op == "call_function"]
         assert [_op_name(n) for n in ops] == list(SPLITTING_OPS)
     # each layer's cache update stays in the piece before its attention (where fusions fire)
     caches = {"rocm_attn.unified_kv_cache_update", "rocm_attn.unified_qk_norm_rope_and_kv_cache_update",
               "rocm_attn.unified_rope_and_kv_cache_update"}
-    attn_layers = [getattr(runner.split_gm, a).graph for a in runner.attention_pieces]
+    attn_layers = [runner.split_gm._modules[a].graph for a in runner.attention_pieces]
     names = [next(n for n in g.nodes if _op_name(n) in SPLITTING_OPS).args[4] for g in attn_layers]
     assert names == [layer.layer_name for layer in ira.attention_layers(model)]
     for i, piece in enumerate(runner.pieces):
