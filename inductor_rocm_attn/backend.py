@@ -225,7 +225,7 @@ class RocmAttentionImpl:
         args = (output[:n], query[:n], key, value, kv_cache, md.query_start_loc, md.seq_lens,
                 md.block_table, self.scale, layer._k_scale, layer._v_scale, self.causal,
                 self.sliding_window, self._alibi(query), self._sinks(query), self.logits_soft_cap,
-                self.interleaved_v, output_scale)
+                self.interleaved_v, output_scale, md.max_query_len, md.max_seq_len)
         sig = self._signature("paged_attention", query, kv_cache, output.dtype, output_scale is None)
         fn = self._kernels.get(sig)
         if fn is None:

@@ -126,17 +126,16 @@ def _paged_attention(output, query, key, value, kv_cache, query_start_loc, seq_l
         causal=causal, sliding_window=sliding_window, alibi_slopes=alibi_slopes, sinks=sinks,
         logits_soft_cap=logits_soft_cap, output_scale=output_scale,
     )
-    provider, fn = providers.select(
+    _, fn = providers.select(
         "paged_attention", device=query.device, head_size=query.shape[2], dtype=query.dtype
         if query.dtype in (torch.float16, torch.bfloat16, torch.float32) else key.dtype,
         kv_cache=kv_cache, interleaved_v=interleaved_v, features=feats,
     )
-    # The Triton kernels take the host maxima as launch hints (skip the prefill launch for a
-    # decode-only batch, bound the KV split count); no device sync either way.
-    hints = {"max_query_len": max_query_len, "max_seq_len": max_seq_len} if provider == "triton" else {}
+    # The host maxima are launch hints (skip the prefill launch for a decode-only batch,
+    # bound the KV split count): no device sync.
     fn(output, query, key, value, kv_cache, query_start_loc, seq_lens, block_table, scale,
        k_scale, v_scale, causal, sliding_window, alibi_slopes, sinks, logits_soft_cap,
-       interleaved_v, output_scale, **hints)
+       interleaved_v, output_scale, max_query_len, max_seq_len)
 
 
 @_fake("paged_attention")

@@ -254,8 +254,13 @@ def paged_attention(
     logits_soft_cap: float,
     interleaved_v: bool,
     output_scale: torch.Tensor | None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ) -> None:
     """Chunked prefill + paged decode over the cache, written into ``output``.
+
+    ``max_query_len`` / ``max_seq_len`` are host-side launch hints for GPU kernels (every
+    provider takes them; the reference does not need them).
 
     Sequence s owns query rows ``query_start_loc[s] : query_start_loc[s+1]`` and has
     ``seq_lens[s]`` tokens in all, the last ``query_len`` of them new. Keys before the new
