@@ -256,3 +256,10 @@ auto_functionalized_v2_1 = auto_functionalized_v2(rocm_attn.unified_attention_wi
 getitem_5 = getitem(auto_functionalized_v2_1, 1)  float32[T, 4, 32]
 reshape_5 = aten.reshape.default(getitem_5, [in, 128])  float32[T, 128]
 return (reshape_5,)""")
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_fuses_with_static_token_count(num_tokens):
+    cfg, block = _block()
+    c = capture(block.to(torch.bfloat16), *block_inputs(cfg, num_tokens, torch.bfloat16), dynamic=())
+    assert c.count(PASS) == 1, c.reasons(PASS)

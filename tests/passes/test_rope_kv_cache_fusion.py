@@ -271,3 +271,10 @@ auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_attention_with
 getitem_7 = getitem(auto_functionalized_v2, 1)  float32[T, 4, 32]
 reshape_7 = aten.reshape.default(getitem_7, [in, 128])  float32[T, 128]
 return (reshape_7,)""")
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_fuses_with_static_token_count(num_tokens):
+    cfg, block = _block()
+    c = capture(block.to(torch.float16), *block_inputs(cfg, num_tokens, torch.float16), dynamic=())
+    assert c.count(PASS) == 1, c.reasons(PASS)
