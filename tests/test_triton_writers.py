@@ -458,7 +458,7 @@ def test_aiter_qk_norm_rope_and_cache(cache_dtype, block_size, layout, interleav
     assert_cache_equal(cache.cpu(), cache_from_out, cache_dtype, exact=False)
     if cache_dtype == torch.bfloat16:
         # Against the float64 chain: AITER rounds the normalised k to bf16 before RoPE, so k
-        # differs by a bf16 ulp here and there. (For fp8 that rounding can flip the sign of
+        # differs by a bf16 ulp here and there. (For fp8 that rounding can, we infer, flip the sign of
         # near-zero values, i.e. many codes apart: H200 run of 2026-12-02, so fp8 is checked
         # against the provider's own k above; its k is checked by rel_err.)
         assert_cache_equal(cache.cpu(), cache_ref, cache_dtype, exact=False, min_exact=0.9)
