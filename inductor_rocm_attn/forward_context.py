@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from .metadata import AttentionMetadata
 
 __all__ = ["ForwardContext", "set_forward_context", "get_forward_context", "register_layer",
-           "get_layer", "registered_layers"]
+           "bind_layer_alias", "get_layer", "registered_layers"]
 
 # layer_name -> Attention, for every live layer. Weak, so dropping a model frees its names.
 _LAYERS: "weakref.WeakValueDictionary[str, Attention]" = weakref.WeakValueDictionary()
@@ -40,6 +40,12 @@ def register_layer(name: str, layer: "Attention") -> None:
             "give each layer of each live model a unique name (e.g. a model prefix)"
         )
     _LAYERS[name] = layer
+
+
+def bind_layer_alias(alias: str, layer: "Attention") -> None:
+    """Point ``alias`` at ``layer`` (rebinding it if needed): shared compiled code names its
+    layer by an alias that is bound to the right layer before that code runs."""
+    _LAYERS[alias] = layer
 
 
 def get_layer(name: str) -> "Attention":

@@ -78,9 +78,9 @@ def _slot_alias(j: int) -> str:
 
 
 def _bind_alias(alias: str, layer) -> None:
-    # The forward context resolves layer names through its registry; a slot alias is one
-    # more name for the piece's own layer, rebound before the piece runs or is captured.
-    forward_context._LAYERS[alias] = layer
+    # A slot alias is one more name for the piece's own layer, rebound before the piece
+    # runs or is captured.
+    forward_context.bind_layer_alias(alias, layer)
 
 
 def _op_name(node: torch.fx.Node) -> str | None:
