@@ -18,7 +18,7 @@ import time
 import torch
 
 import inductor_rocm_attn as ira
-from inductor_rocm_attn import plugin
+from inductor_rocm_attn import compile_plugin as plugin
 from inductor_rocm_attn.models import TinyDecoder, qwen3_0_6b_config, qwen3_config
 
 _names = itertools.count()

@@ -104,17 +104,17 @@ def _is_split_node(node: torch.fx.Node) -> bool:
 def plugin_context(enabled: bool | None):
     """Context that turns the plugin's passes on for compiles inside it.
 
-    ``enabled=None``: on when ``inductor_rocm_attn.plugin`` is importable. Returns
+    ``enabled=None``: on when ``inductor_rocm_attn.compile_plugin`` is importable. Returns
     ``(context manager, plugin_active: bool)``.
     """
     if enabled is False:
         return contextlib.nullcontext(), False
     try:  # issue #4: the pass manager as post_grad_custom_post_pass (the package re-exports
         # a function named ``plugin``, so import the module by its full name)
-        _plugin = importlib.import_module("inductor_rocm_attn.plugin")
+        _plugin = importlib.import_module("inductor_rocm_attn.compile_plugin")
     except ImportError:
         if enabled:
-            raise RuntimeError("compile_piecewise(plugin=True): inductor_rocm_attn.plugin is not importable")
+            raise RuntimeError("compile_piecewise(plugin=True): inductor_rocm_attn.compile_plugin is not importable")
         return contextlib.nullcontext(), False
     return _plugin.plugin(), True
 

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import inductor_rocm_attn as ira
-from inductor_rocm_attn import plugin
+from inductor_rocm_attn import compile_plugin as plugin
 from inductor_rocm_attn.layout import dense_kv
 from inductor_rocm_attn.models import TinyDecoder, llama_config, qwen3_config
 

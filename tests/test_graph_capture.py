@@ -92,7 +92,7 @@ def test_compile_count_does_not_grow_with_depth(compiled):
 def test_fusions_fire_inside_pieces(compiled):
     runner, model, _, records = compiled
     if not runner.stats.plugin_active:
-        pytest.skip("the plugin (inductor_rocm_attn.plugin) is not importable")
+        pytest.skip("the plugin (inductor_rocm_attn.compile_plugin) is not importable")
     fused = [r for r in records if r.fused and r.pass_name == "qk_norm_rope_kv_cache_fusion"]
     # one fusion per compiled piece that holds a cache update (the first and the shared middle)
     assert len(fused) == 2, ira.fusion_report()

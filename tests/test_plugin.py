@@ -14,7 +14,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import inductor_rocm_attn as ira
-from inductor_rocm_attn import plugin
+from inductor_rocm_attn import compile_plugin as plugin
 from inductor_rocm_attn.forward_context import get_layer
 from inductor_rocm_attn.passes.pass_manager import PassManager
 

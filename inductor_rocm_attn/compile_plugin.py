@@ -18,7 +18,7 @@ import contextlib
 import logging
 import os
 
-logger = logging.getLogger("inductor_rocm_attn.plugin")
+logger = logging.getLogger("inductor_rocm_attn.compile_plugin")
 
 ENV_VAR = "ROCM_ATTN_PLUGIN"
 
@@ -113,11 +113,3 @@ def enable_from_env() -> bool:
         return True
     return False
 
-
-# The package exports this context manager as ``inductor_rocm_attn.plugin``, which hides the
-# module of the same name from ``from inductor_rocm_attn import plugin``; give the function the
-# module's API so ``plugin.enable()`` / ``plugin.fusion_report()`` work either way.
-for _fn in (enable, disable, fusion_report, is_enabled, set_pass_flag, enable_from_env):
-    setattr(plugin, _fn.__name__, _fn)
-plugin.ENV_VAR = ENV_VAR
-del _fn
