@@ -8,7 +8,7 @@ from __future__ import annotations
 
 
 def unavailable_reason() -> str | None:
-    return "native csrc kernels are not built in this version (csrc/ holds no kernels yet)"
+    return "native csrc kernels are not built in this version (csrc/ holds no kernels yet; see csrc/README.md)"
 
 
 def paged_attention(*args, **kwargs):  # pragma: no cover - never selected while unavailable
