@@ -158,3 +158,12 @@ def test_gpu_without_kernel_is_an_error_not_a_fallback():
     with pytest.raises(NotImplementedError, match="no provider supports this call"):
         capabilities.select_provider("paged_attention", device="cuda", head_size=64, dtype=torch.float16,
                                      exclude=("triton", "aiter", "native"))
+
+
+def test_partial_rotary_never_dispatches_to_aiter():
+    from inductor_rocm_attn import capabilities
+
+    q = dict(device="cuda", head_size=128, dtype=torch.bfloat16, block_size=16, interleaved_v=True)
+    assert "partial_rotary" in capabilities.provider_supports("aiter", "rope_and_cache",
+                                                              features=("partial_rotary",), **q)
+    assert capabilities.provider_supports("triton", "rope_and_cache", features=("partial_rotary",), **q) is None
