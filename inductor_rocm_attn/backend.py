@@ -159,15 +159,18 @@ class RocmAttentionImpl:
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if not self.uses_kv_cache:
             return
-        key = key.view(-1, self.num_kv_heads, self.head_size)
-        value = value.view(-1, self.num_kv_heads, self.head_size)
+        if key.dim() != 3:
+            key = key.view(-1, self.num_kv_heads, self.head_size)
+            value = value.view(-1, self.num_kv_heads, self.head_size)
+        buffers = layer._buffers  # skips nn.Module.__getattr__
+        k_scale, v_scale = buffers["_k_scale"], buffers["_v_scale"]
         sig = self._signature("reshape_and_cache", key, kv_cache)
         fn = self._kernels.get(sig)
         if fn is None:
             validation.check_cache_write("rocm_attn.unified_kv_cache_update", key, value, kv_cache,
-                                         slot_mapping, layer._k_scale, layer._v_scale)
+                                         slot_mapping, k_scale, v_scale)
             fn = self._resolve(sig, "reshape_and_cache", key, kv_cache)
-        fn(key, value, kv_cache, slot_mapping, layer._k_scale, layer._v_scale, self.interleaved_v)
+        fn(key, value, kv_cache, slot_mapping, k_scale, v_scale, self.interleaved_v)
 
     def do_rope_and_kv_cache_update(self, layer, positions, query, key, value, cos_sin_cache,
                                     is_neox, kv_cache, attn_metadata) -> None:
@@ -213,24 +216,34 @@ class RocmAttentionImpl:
         if attn_metadata is None:  # profiling run
             return output.fill_(0)
         n = attn_metadata.num_actual_tokens
-        query = query.view(-1, self.num_heads, self.head_size)
-        output = output.view(-1, self.num_heads, self.head_size)
-        if self.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
-            key = key.view(-1, self.num_kv_heads, self.head_size)
-            value = value.view(-1, self.num_kv_heads, self.head_size)
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
+        # The layer passes [T, H, D] tensors; views and slices only when needed (each costs
+        # about a microsecond on this per-layer, per-step path).
+        if query.dim() != 3:
+            query = query.view(-1, h, d)
+        if output.dim() != 3:
+            output = output.view(-1, h, d)
+        if key.dim() != 3:
+            key, value = key.view(-1, hkv, d), value.view(-1, hkv, d)
+        if self.attn_type is not AttentionType.DECODER:
             return self._encoder_forward(query[:n], key[:n], value[:n], attn_metadata, output, output_scale)
-        key = key.view(-1, self.num_kv_heads, self.head_size)[:n]
-        value = value.view(-1, self.num_kv_heads, self.head_size)[:n]
+        if n != query.shape[0]:  # padded step: rows past n are not ours to touch
+            out_n, query, key, value = output[:n], query[:n], key[:n], value[:n]
+        else:
+            out_n = output
         md = attn_metadata
-        args = (output[:n], query[:n], key, value, kv_cache, md.query_start_loc, md.seq_lens,
-                md.block_table, self.scale, layer._k_scale, layer._v_scale, self.causal,
-                self.sliding_window, self._alibi(query), self._sinks(query), self.logits_soft_cap,
+        buffers = layer._buffers  # skips nn.Module.__getattr__
+        args = (out_n, query, key, value, kv_cache, md.query_start_loc, md.seq_lens,
+                md.block_table, self.scale, buffers["_k_scale"], buffers["_v_scale"], self.causal,
+                self.sliding_window, self.alibi_slopes, self.sinks, self.logits_soft_cap,
                 self.interleaved_v, output_scale, md.max_query_len, md.max_seq_len)
         sig = self._signature("paged_attention", query, kv_cache, output.dtype, output_scale is None)
         fn = self._kernels.get(sig)
         if fn is None:
+            # Per-head tensors follow the query's device, checked once per signature.
+            args = args[:13] + (self._alibi(query), self._sinks(query)) + args[15:]
             validation.check_paged_attention(
-                "rocm_attn.unified_attention_with_output", output[:n], query[:n], key, value,
+                "rocm_attn.unified_attention_with_output", out_n, query, key, value,
                 kv_cache, md.query_start_loc, md.seq_lens, md.block_table, args[13], args[14],
                 output_scale,
             )
