@@ -11,7 +11,7 @@ import functools
 import torch
 
 from . import capabilities
-from .layout import CacheLayout, cache_layout_of, is_fp8_dtype
+from .layout import cache_layout_of, is_fp8_dtype
 
 
 def kv_cache_dtype_of(cache: torch.Tensor) -> str:
@@ -86,4 +86,4 @@ def attention_features(*, causal: bool, sliding_window: int, alibi_slopes, sinks
     return tuple(feats)
 
 
-__all__ = ["select", "kv_cache_dtype_of", "attention_features", "CacheLayout"]
+__all__ = ["select", "kv_cache_dtype_of", "attention_features"]
