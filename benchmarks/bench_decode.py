@@ -127,11 +127,17 @@ def main():
             print(f"B={b:4d} L={L:6d} splits={splits:2d}  triton {t_tri:8.1f} us {row['triton_tbs']:5.2f} TB/s"
                   f"  sdpa {t_sdpa:8.1f} us {row['sdpa_tbs']:5.2f} TB/s  x{row['ratio_vs_sdpa']:.2f}  err {err:.1e}",
                   flush=True)
-            if args.sweep and b == 64 and L == 4096:
-                cfgs = [(t, 4, st, True) for t in (16, 32, 64) for st in (3, 4)]
-                cfgs += [(128, 4, 2, True), (64, 4, 3, False)]
-                # fewer warps: no cross-warp row reductions (4 warps: 8 BAR.SYNC a tile)
-                cfgs += [(16, 1, 4, True), (32, 1, 4, True), (32, 2, 4, True), (64, 2, 3, True)]
+            if args.sweep and L == 4096:
+                # rows: warps share a [16, TILE_N] tile (4 warps: 8 BAR.SYNC a tile);
+                # streams: one key stream per warp (paged_decode.py)
+                cfgs = [(64, 4, 3, "rows"), (64, 4, 3, "streams3"), (32, 2, 3, "streams3"),
+                        (16, 1, 4, "streams3")]
+                if b == 64:
+                    cfgs += [(16, 1, 4, "rows"), (32, 2, 4, "rows"), (64, 4, 3, "streams"),
+                             (32, 2, 3, "streams")]
+                    cfgs += [(t, w, st, "streams3") for t, w, st in (
+                        (64, 4, 2), (64, 4, 4), (32, 2, 2), (32, 2, 4), (16, 1, 3), (16, 1, 6),
+                        (128, 8, 2), (128, 8, 3))]
                 for cfg in cfgs:
                     try:
                         t = graph_time_us(lambda: c.run(decode_cfg=cfg))
@@ -139,14 +145,9 @@ def main():
                         print(f"  cfg {cfg}: {type(e).__name__}")
                         continue
                     sweep.append(dict(B=b, L=L, cfg=list(cfg), us=t, tbs=nbytes / t / 1e6))
-                    print(f"  cfg tile={cfg[0]} warps={cfg[1]} stages={cfg[2]} one_loop={cfg[3]}: "
+                    print(f"  cfg tile={cfg[0]} warps={cfg[1]} stages={cfg[2]} kind={cfg[3]}: "
                           f"{t:7.1f} us {nbytes / t / 1e6:5.2f} TB/s", flush=True)
-                for s in (2, 4):
-                    t = graph_time_us(lambda: c.run(num_splits=s))
-                    sweep.append(dict(B=b, L=L, splits=s, us=t, tbs=nbytes / t / 1e6))
-                    print(f"  splits={s:2d}: {t:7.1f} us {nbytes / t / 1e6:5.2f} TB/s", flush=True)
-            if args.sweep and b in (1, 16) and L == 4096:
-                for s in (8, 16, 32):
+                for s in ((2, 4) if b >= 64 else (8, 16, 32)):
                     t = graph_time_us(lambda: c.run(num_splits=s))
                     sweep.append(dict(B=b, L=L, splits=s, us=t, tbs=nbytes / t / 1e6))
                     print(f"  splits={s:2d}: {t:7.1f} us {nbytes / t / 1e6:5.2f} TB/s", flush=True)

@@ -22,17 +22,34 @@ run_e2e() {
   echo "rc=$?" >>$LOG
   pack e2e
 }
+shard() {  # shard <name> <ids file> <count> [env...]: parallel pytest processes over the ids
+  local name=$1 ids=$2 n=$3; shift 3
+  for i in $(seq 0 $((n - 1))); do
+    awk -v n=$n -v i=$i 'NR % n == i' $ids > $OUT/tests/$name$i.txt
+    ( env "$@" timeout ${TESTS_S:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+        --durations=3 $(cat $OUT/tests/$name$i.txt) > $OUT/tests/$name$i.log 2>&1
+      echo "rc=$? ($name $i)" >> $OUT/tests/$name$i.log ) &
+  done
+}
 run_tests() {
   stage gpu-tests
-  # One pytest per file, each with its own limit, so one slow file cannot starve the rest.
-  for f in test_compile_e2e test_graph_capture test_triton_attention; do
-    timeout ${TESTS_S:-120} python3 -m pytest -q -m gpu -p no:cacheprovider -rf --durations=5 \
-      tests/$f.py >>$LOG 2>&1; echo "rc=$? ($f)" >>$LOG
-  done
-  AITER_PP=""; [ -d .aiter ] && AITER_PP="$PWD/.aiter:"
-  AITER_TRITON_ONLY=1 PYTHONPATH="$AITER_PP${PYTHONPATH:-$PWD}" timeout ${WRITERS_S:-60} \
-    python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_triton_writers.py >>$LOG 2>&1
-  echo "rc=$? (test_triton_writers)" >>$LOG
+  # Every GPU test, sharded over parallel pytest processes (Triton compiles are CPU-bound;
+  # the device has 16 cores); each shard has its own limit so a slow one cannot starve the
+  # rest. The writer tests also run the AITER provider (its Triton kernels) when .aiter/ is
+  # carried; the other files must not see it, or it would be picked before Triton.
+  mkdir -p $OUT/tests
+  python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests 2>/dev/null \
+    | grep '::' > $OUT/tests/ids.txt
+  grep -v test_triton_writers $OUT/tests/ids.txt > $OUT/tests/main.ids
+  grep test_triton_writers $OUT/tests/ids.txt > $OUT/tests/writers.ids
+  echo "$(wc -l < $OUT/tests/ids.txt) GPU tests" | tee -a $LOG
+  local pp=${PYTHONPATH:-$PWD}
+  [ -d .aiter ] && pp="$PWD/.aiter:$pp"
+  shard main $OUT/tests/main.ids ${TEST_SHARDS:-6} X=1
+  shard writers $OUT/tests/writers.ids 2 AITER_TRITON_ONLY=1 PYTHONPATH=$pp
+  wait
+  cat $OUT/tests/*.log >> $LOG
+  pack tests
 }
 run_bench() {
   local b=$1

@@ -146,7 +146,7 @@ CPU_CASES = [
           softcap=6.0, interleaved_v=True)),
     ("split_forced_more_splits_than_tiles", [1, 1], [3, 100], dict(num_splits=5)),
     ("decode_three_loops_window", [1, 1, 1], [100, 7, 64],
-     dict(sliding_window=37, decode_cfg=(16, 4, 1, False), num_splits=2)),
+     dict(sliding_window=37, decode_cfg=(16, 4, 1, "rows3"), num_splits=2)),
     ("gqa8_d256_split", [1, 1, 5], [40, 17, 9],
      dict(num_heads=8, num_kv_heads=1, head_size=256, num_splits=2)),
     ("bs784_lbhnc", [1, 4], [790, 3],
@@ -172,6 +172,17 @@ def test_paged_attention_interpreter(query_lens, context_lens, kw):
     if torch.cuda.is_available():
         pytest.skip("interpreter matrix; the gpu tests cover CUDA")
     _check_paged(query_lens, context_lens, **kw)
+
+
+@pytest.mark.parametrize("kind", ["streams", "streams3"])
+@pytest.mark.parametrize("query_lens,context_lens,kw", [c[1:] for c in CPU_CASES],
+                         ids=[c[0] for c in CPU_CASES])
+def test_paged_decode_streams_interpreter(query_lens, context_lens, kw, kind):
+    """The one-stream-per-warp decode kernel (2 streams of 16 keys) over the same matrix."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter matrix; the gpu tests cover CUDA")
+    tile = kw.get("decode_cfg", (32,))[0]
+    _check_paged(query_lens, context_lens, **{**kw, "decode_cfg": (max(tile, 32), 2, 1, kind)})
 
 
 @pytest.mark.parametrize("draw", range(4))
@@ -289,7 +300,12 @@ GPU_FEATURES = [
     ("window_alibi", dict(sliding_window=300, alibi=True)),
     ("sinks_softcap_noncausal", dict(sinks=True, softcap=8.0, causal=False)),
     ("split", dict(num_splits=7)),
-    ("three_loop_decode", dict(sliding_window=500, decode_cfg=(32, 4, 3, False))),
+    ("three_loop_decode", dict(sliding_window=500, decode_cfg=(32, 4, 3, "rows3"))),
+    ("rows_decode_window_alibi", dict(sliding_window=300, alibi=True, decode_cfg=(64, 4, 3, "rows"))),
+    ("streams_decode_window_alibi", dict(sliding_window=300, alibi=True,
+                                         decode_cfg=(64, 4, 3, "streams3"))),
+    ("streams_one_loop_split_sinks", dict(sinks=True, softcap=8.0, num_splits=5,
+                                          decode_cfg=(32, 2, 3, "streams"))),
 ]
 
 
@@ -311,10 +327,12 @@ def test_paged_attention_gpu(geom, feat, dtype):
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("interleaved_v", [False, True])
 @pytest.mark.parametrize("num_splits", [None, 4])
-def test_paged_attention_gpu_fp8_cache(cache_dtype, interleaved_v, num_splits):
+@pytest.mark.parametrize("decode_cfg", [None, (64, 4, 3, "rows"), (64, 4, 3, "streams3")],
+                         ids=["default", "rows", "streams3"])
+def test_paged_attention_gpu_fp8_cache(cache_dtype, interleaved_v, num_splits, decode_cfg):
     _check_paged([1, 130, 1], [1500, 400, 33], num_heads=32, num_kv_heads=8, head_size=128,
                  dtype=torch.bfloat16, cache_dtype=cache_dtype, interleaved_v=interleaved_v,
-                 num_splits=num_splits, device=GPU, tol=2e-2)
+                 num_splits=num_splits, device=GPU, tol=2e-2, decode_cfg=decode_cfg)
 
 
 @pytest.mark.gpu

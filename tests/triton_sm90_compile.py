@@ -37,7 +37,9 @@ def _capture_run(self, *args, grid=None, warmup=False, **kwargs):
 
 
 def _signature(fn: JITFunction, args, kwargs):
-    sig, consts = {}, {}
+    """Types, constexprs, options and the divisibility attributes a real launch specializes on
+    (pointers 16-byte aligned, ints divisible by 16): without them loads do not vectorize."""
+    sig, consts, attrs = {}, {}, {}
     values = dict(zip(fn.arg_names, args))
     values.update({k: v for k, v in kwargs.items() if k in fn.arg_names})
     for i, name in enumerate(fn.arg_names):
@@ -50,6 +52,8 @@ def _signature(fn: JITFunction, args, kwargs):
             consts[(i,)] = v
         elif isinstance(v, torch.Tensor):
             sig[name] = "*" + _TY[v.dtype]
+            if v.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif v is None:
             sig[name] = "constexpr"
             consts[(i,)] = None
@@ -57,26 +61,28 @@ def _signature(fn: JITFunction, args, kwargs):
             sig[name] = "i1"
         elif isinstance(v, int):
             sig[name] = "i64" if abs(v) >= 2**31 else "i32"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(v, float):
             sig[name] = "fp32"
         else:
             raise TypeError(f"{fn.__name__}: cannot type argument {name}={v!r}")
     options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
-    return sig, consts, options
+    return sig, consts, attrs, options
 
 
 def compile_launches(label: str) -> int:
     failures = 0
     seen = set()
     for fn, args, kwargs in _LAUNCHES:
-        sig, consts, options = _signature(fn, args, kwargs)
+        sig, consts, attrs, options = _signature(fn, args, kwargs)
         key = (fn.__name__, tuple(sorted(sig.items())), tuple(sorted((k, repr(v)) for k, v in consts.items())),
-               tuple(sorted(options.items())))
+               tuple(sorted(attrs)), tuple(sorted(options.items())))
         if key in seen:
             continue
         seen.add(key)
         try:
-            triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options=options)
+            triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
             print(f"ok   {label}: {fn.__name__}", flush=True)
         except Exception as e:  # report every kernel, then fail
             failures += 1
@@ -135,7 +141,11 @@ def main() -> int:
                                       cos_sin, True, cache, slots, one, one, interleaved, H, HKV, D)
             # paged attention: a decode batch and a mixed prefill + decode batch
             # (decode, long decode that splits the keys and reduces, mixed prefill + decode)
-            for qlens, clens in (([1, 1, 1], [40, 7, 100]), ([1, 1], [2000, 1500]), ([5, 1], [20, 33])):
+            runs = [(([1, 1, 1], [40, 7, 100]), None), (([1, 1], [2000, 1500]), None),
+                    (([5, 1], [20, 33]), None)]
+            runs += [(([1, 1, 1], [40, 7, 100]), cfg) for cfg in ((64, 4, 3, "streams3"),
+                                                                  (32, 2, 3, "streams"))]
+            for (qlens, clens), cfg in runs:
                 n = sum(qlens)
                 qsl = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0).tolist()), dtype=torch.int32)
                 seq_lens = torch.tensor([a + b for a, b in zip(qlens, clens)], dtype=torch.int32)
@@ -145,7 +155,7 @@ def main() -> int:
                 tk.paged_attention(out, torch.randn(n, H, D, dtype=dtype), torch.randn(n, HKV, D, dtype=dtype),
                                    torch.randn(n, HKV, D, dtype=dtype), cache, qsl, seq_lens, table, D ** -0.5,
                                    one, one, True, -1, None, None, 0.0, interleaved, None,
-                                   max(qlens), int(seq_lens.max()))
+                                   max(qlens), int(seq_lens.max()), decode_cfg=cfg)
             failures += compile_launches(label)
     return 1 if failures else 0
 

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ...layout import cache_x, fp8_max, is_fp8_dtype, k_view, v_view
+from .paged_decode import _paged_decode_streams_kernel
 from .prefix_prefill import _LOG2E, _paged_inner, _prefix_prefill_kernel, _store_rows, _tiles
 
 __all__ = ["paged_attention", "decode_config", "prefill_config", "num_kv_splits"]
@@ -192,11 +193,17 @@ def _decode_reduce_kernel(
 # Tuned on an H200 (benchmarks/bench_decode.py, bench_prefill.py), keyed by (head_size, gqa,
 # block_size, dtype: the cache dtype for decode, the compute dtype for prefill). Only measured
 # entries (benchmarks/results/run1, run2); anything else takes the heuristics below.
-# decode: (TILE_N, num_warps, num_stages, one_loop); prefill: (BLOCK_M, BLOCK_N, num_warps,
-# num_stages).
-_DECODE_TUNED: dict[tuple, tuple[int, int, int, bool]] = {
+# decode: (TILE_N, num_warps, num_stages, kind), kind one of DECODE_KINDS; prefill: (BLOCK_M,
+# BLOCK_N, num_warps, num_stages).
+DECODE_KINDS = (
+    "streams",  # paged_decode.py: one key stream per warp, TILE_N // num_warps keys each
+    "streams3",  # the same, masked first / unmasked middle / masked last tile
+    "rows",  # _paged_decode_kernel, one masked loop: warps share a [BLOCK_H, TILE_N] tile
+    "rows3",  # _paged_decode_kernel, masked first / unmasked middle / masked last tile
+)
+_DECODE_TUNED: dict[tuple, tuple[int, int, int, str]] = {
     # B=64, L=4096: tiles 32/64/128 at 3 stages within 2% (415-423 us); 4 stages slower.
-    (128, 4, 16, torch.bfloat16): (64, 4, 3, True),
+    (128, 4, 16, torch.bfloat16): (64, 4, 3, "rows"),
 }
 _PREFILL_TUNED: dict[tuple, tuple[int, int, int, int]] = {
     # B=4, 4096 new tokens, causal: 399 TFLOP/s; 128x128x8x2: 393; 4 warps: 220.
@@ -209,10 +216,10 @@ def _pow2_part(n: int) -> int:
 
 
 def decode_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.dtype,
-                  interpret: bool = False) -> tuple[int, int, int, bool]:
-    """(TILE_N, num_warps, num_stages, one_loop) of the decode kernel."""
+                  interpret: bool = False) -> tuple[int, int, int, str]:
+    """(TILE_N, num_warps, num_stages, kind) of the decode kernel (kind: ``DECODE_KINDS``)."""
     if interpret:
-        return 32, 4, 1, True
+        return 32, 4, 1, "rows"
     tuned = _DECODE_TUNED.get((head_size, gqa, block_size, cache_dtype))
     if tuned is not None:
         return tuned
@@ -220,7 +227,7 @@ def decode_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.
     tile = 64 if head_size * elem <= 256 else 32
     if elem == 1:
         tile = 128 if head_size <= 128 else 64
-    return tile, 4, 3, True
+    return tile, 4, 3, "rows"
 
 
 def prefill_config(head_size: int, gqa: int, block_size: int, dtype: torch.dtype,
@@ -297,7 +304,7 @@ def paged_attention(
     max_seq_len: int | None = None,
     *,
     num_splits: int | None = None,
-    decode_cfg: tuple[int, int, int, bool] | None = None,
+    decode_cfg: tuple[int, int, int, str] | None = None,
     prefill_cfg: tuple[int, int, int, int] | None = None,
 ) -> None:
     """Chunked prefill + paged decode over the cache (semantics: ``reference.paged_attention``).
@@ -343,8 +350,10 @@ def paged_attention(
     softcap = float(logits_soft_cap) if logits_soft_cap > 0 else 1.0
 
     # --- decode: sequences with query_len == 1 ------------------------------------------------
-    tile_n, warps, stages, one_loop = decode_cfg or decode_config(
+    tile_n, warps, stages, kind = decode_cfg or decode_config(
         head_size, gqa, block_size, cache_dtype, interpret)
+    if kind not in DECODE_KINDS:
+        raise ValueError(f"paged_attention: decode kind {kind!r}; supported: {DECODE_KINDS}")
     block_h = max(16, min(64, triton.next_power_of_2(gqa)))
     head_chunks = triton.cdiv(gqa, block_h)
     if num_splits is None:
@@ -359,16 +368,26 @@ def paged_attention(
     else:
         part_acc = part_ml = torch.empty(0, dtype=torch.float32, device=query.device)
     pa_strides = (num_heads * num_splits * head_size, num_splits * head_size, head_size)
-    _paged_decode_kernel[(num_seqs, num_kv_heads * head_chunks, num_splits)](
+    decode_args = (
         output, part_acc, part_ml, query, kc, vc, block_table, seq_lens, query_start_loc, *ptrs,
         scale, softcap, window,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), block_table.stride(0),
         *pa_strides,
-        GQA=gqa, BLOCK_H=block_h, HEAD_CHUNKS=head_chunks, HEAD_SIZE=head_size, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, X=x, TILE_N=tile_n, SUB=min(tile_n, _pow2_part(block_size)),
-        NUM_SPLITS=num_splits, ONE_LOOP=one_loop, num_warps=warps, num_stages=stages, **common,
     )
+    grid = (num_seqs, num_kv_heads * head_chunks, num_splits)
+    shape = dict(GQA=gqa, BLOCK_H=block_h, HEAD_CHUNKS=head_chunks, HEAD_SIZE=head_size,
+                 BLOCK_D=block_d, BLOCK_SIZE=block_size, X=x, NUM_SPLITS=num_splits)
+    if kind.startswith("streams"):
+        # a stream's keys must sit in one block: S divides the block size's power-of-2 part
+        s = min(tile_n // warps, _pow2_part(block_size))
+        _paged_decode_streams_kernel[grid](
+            *decode_args, W=warps, S=s, ONE_LOOP=kind == "streams", num_warps=warps,
+            num_stages=stages, **shape, **common)
+    else:
+        _paged_decode_kernel[grid](
+            *decode_args, TILE_N=tile_n, SUB=min(tile_n, _pow2_part(block_size)),
+            ONE_LOOP=kind == "rows", num_warps=warps, num_stages=stages, **shape, **common)
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             output, part_acc, part_ml, query_start_loc, v_scale, ptrs[4],

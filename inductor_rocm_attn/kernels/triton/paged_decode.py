@@ -1,0 +1,244 @@
+"""Paged decode with one key stream per warp (FlashDecoding inside a CTA).
+
+Why not the prefill loop with 16 query rows: a decode tile has only GQA real query rows
+(4 for Llama-70B-style heads), so Triton spreads the 4 warps of a ``[16, TILE_N]`` score
+tile along the key axis, and every tile's row max, row sum and P -> MMA-operand conversion
+cross warps through shared memory (8 ``BAR.SYNC`` a tile in the sm_90 SASS). Here the tile
+is 3-D, ``[W, BLOCK_H, S]``: a batched ``tl.dot`` puts one warp on each of the W streams
+(``warpsPerCTA = [W, 1, 1]``), every stream keeps its own online softmax in registers, and
+the streams are merged once at the end.
+
+Stream ``w`` of tile ``t`` owns keys ``t*W*S + w*S .. + S``; ``S`` divides the largest power
+of two dividing the block size, so a stream's keys are one contiguous run of one cache
+block and need a single block-table entry.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .prefix_prefill import _LOG2E, _store_rows, _tanh
+
+
+@triton.jit
+def _stream_blocks(bt_row_ptr, t, lo, hi, W: tl.constexpr, S: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr):
+    """First key ``[W]`` of each stream of tile ``t``, its cache block (int64) and whether
+    the stream holds a visible key (only those streams touch the cache)."""
+    n0 = t * (W * S) + tl.arange(0, W) * S
+    ok = (n0 < hi) & (n0 + S > lo)
+    blk = tl.load(bt_row_ptr + n0 // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+    return n0, blk, ok
+
+
+@triton.jit
+def _stream_kv(k_cache_ptr, v_cache_ptr, n0, blk, ok, kv_head,
+               stride_kcb, stride_kch, stride_vcb, stride_vch,
+               W: tl.constexpr, S: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+               HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, X: tl.constexpr,
+               INTERLEAVED_V: tl.constexpr, MASK: tl.constexpr):
+    """K ``[W, BLOCK_D, S]`` and V ``[W, S, BLOCK_D]`` of one tile (cache dtype)."""
+    offs_s = tl.arange(0, S)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_SIZE
+    base_in = (n0 % BLOCK_SIZE)[:, None, None]
+    blk3 = blk[:, None, None]
+    ok3 = ok[:, None, None]
+    # K page [HEAD/X, BLOCK_SIZE, X]: X channels of a token are one 16-byte packet.
+    d_k = offs_d[None, :, None]
+    tok_k = base_in + offs_s[None, None, :]
+    k_offs = (blk3 * stride_kcb + kv_head * stride_kch
+              + (d_k // X) * (BLOCK_SIZE * X) + tok_k * X + d_k % X)
+    d_v = offs_d[None, None, :]
+    tok_v = base_in + offs_s[None, :, None]
+    if INTERLEAVED_V:  # V page [BLOCK_SIZE/X, HEAD, X]: X tokens of a channel per packet
+        v_offs = (blk3 * stride_vcb + kv_head * stride_vch
+                  + (tok_v // X) * (HEAD_SIZE * X) + d_v * X + tok_v % X)
+    else:  # V page [HEAD, BLOCK_SIZE]
+        v_offs = blk3 * stride_vcb + kv_head * stride_vch + d_v * BLOCK_SIZE + tok_v
+    if MASK or BLOCK_D != HEAD_SIZE:
+        k = tl.load(k_cache_ptr + k_offs, mask=ok3 & d_ok[None, :, None], other=0.0)
+        v = tl.load(v_cache_ptr + v_offs, mask=ok3 & d_ok[None, None, :], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + k_offs)
+        v = tl.load(v_cache_ptr + v_offs)
+    return k, v
+
+
+@triton.jit
+def _stream_inner(
+    acc, m_i, l_i, q, q_pos, slope, s_scale, softcap,
+    k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head, tile_lo, tile_hi, lo, hi,
+    stride_kcb, stride_kch, stride_vcb, stride_vch,
+    W: tl.constexpr, S: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr, X: tl.constexpr, INTERLEAVED_V: tl.constexpr,
+    COMPUTE: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax of every stream over tiles ``tile_lo .. tile_hi``; keys outside
+    ``[lo, hi)`` are masked when ``MASK`` (else every key of these tiles is visible).
+
+    The block ids of tile t+1 are loaded while tile t is processed: a block-table load in
+    the iteration of the copies it addresses makes the software pipeline drain every tile.
+    """
+    n0, blk, ok = _stream_blocks(bt_row_ptr, tile_lo, lo, hi, W, S, BLOCK_SIZE)
+    for t in range(tile_lo, tile_hi):
+        n0_t = n0
+        blk_t = blk
+        ok_t = ok
+        n0, blk, ok = _stream_blocks(bt_row_ptr, t + 1, lo, hi, W, S, BLOCK_SIZE)
+        k, v = _stream_kv(k_cache_ptr, v_cache_ptr, n0_t, blk_t, ok_t, kv_head,
+                          stride_kcb, stride_kch, stride_vcb, stride_vch,
+                          W, S, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, INTERLEAVED_V, MASK)
+        k_pos = n0_t[:, None, None] + tl.arange(0, S)[None, None, :]  # [W, 1, S]
+        v = v.to(COMPUTE)
+        if MASK:
+            v_pos = n0_t[:, None, None] + tl.arange(0, S)[None, :, None]  # [W, S, 1]
+            # unwritten slots may hold anything (NaN): 0 * NaN would poison the sum
+            v = tl.where((v_pos >= lo) & (v_pos < hi), v, 0.0).to(COMPUTE)
+        qk = tl.dot(q, k.to(COMPUTE), input_precision=DOT_PRECISION)  # [W, BLOCK_H, S]
+        if USE_SOFTCAP:
+            s = (softcap * _LOG2E) * _tanh(qk * s_scale)
+        else:
+            s = qk * s_scale
+        if USE_ALIBI:
+            s += slope[None, :, None] * (k_pos - q_pos).to(tl.float32)
+        if MASK:
+            s = tl.where((k_pos >= lo) & (k_pos < hi), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 2))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, :, None])
+        l_i = l_i * alpha + tl.sum(p, 2)
+        acc = acc * alpha[:, :, None] + tl.dot(p.to(COMPUTE), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _paged_decode_streams_kernel(
+    # pointers
+    out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    k_scale_ptr, v_scale_ptr, alibi_ptr, sinks_ptr, out_scale_ptr,
+    # scalars
+    sm_scale, softcap, window,
+    # strides (elements)
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kcb, stride_kch, stride_vcb, stride_vch, stride_bt,
+    stride_pa_s, stride_pa_h, stride_pa_k,  # part_acc [seqs, heads, splits, HEAD]
+    # constexpr
+    GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, X: tl.constexpr,
+    W: tl.constexpr, S: tl.constexpr, NUM_SPLITS: tl.constexpr, COMPUTE: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, FP8_KV: tl.constexpr, INTERLEAVED_V: tl.constexpr,
+    USE_OUT_SCALE: tl.constexpr, OUT_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ONE_LOOP: tl.constexpr,
+):
+    """Grid ``(num_seqs, num_kv_heads * HEAD_CHUNKS, NUM_SPLITS)``; only query_len == 1.
+
+    Same arguments and outputs as ``paged_attention._paged_decode_kernel`` (run with
+    ``num_warps=W``): the decode token sits at position ``seq_len - 1`` and reads every key,
+    its own included, from the cache.
+    """
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1) // HEAD_CHUNKS
+    chunk = tl.program_id(1) % HEAD_CHUNKS
+    split = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) - q_start != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    offs_h = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_w = tl.arange(0, W)
+    h_ok = offs_h < GQA
+    d_ok = offs_d < HEAD_SIZE
+    heads = kv_head * GQA + offs_h
+    # Every stream multiplies the same query rows: load them once per warp.
+    q_ptrs = (q_ptr + q_start.to(tl.int64) * stride_qt + heads[None, :, None] * stride_qh
+              + offs_d[None, None, :] + offs_w[:, None, None] * 0)
+    q = tl.load(q_ptrs, mask=h_ok[None, :, None] & d_ok[None, None, :], other=0.0).to(COMPUTE)
+    q_pos = seq_len - 1
+
+    lo = seq_len * 0
+    if USE_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    t_lo = lo // (W * S)
+    t_hi = (seq_len + W * S - 1) // (W * S)
+    if NUM_SPLITS > 1:  # this split's share of the tiles
+        per = (t_hi - t_lo + NUM_SPLITS - 1) // NUM_SPLITS
+        t_lo = tl.minimum(t_lo + split * per, t_hi)
+        t_hi = tl.minimum(t_lo + per, t_hi)
+
+    sm = sm_scale
+    v_scale = 1.0
+    if FP8_KV:
+        sm = sm_scale * tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    if USE_SOFTCAP:
+        s_scale = sm / softcap
+    else:
+        s_scale = sm * _LOG2E
+    slope = tl.zeros([BLOCK_H], tl.float32)
+    if USE_ALIBI:
+        slope += tl.load(alibi_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * _LOG2E
+    acc = tl.zeros([W, BLOCK_H, BLOCK_D], tl.float32)
+    m_i = tl.zeros([W, BLOCK_H], tl.float32) - float("inf")
+    l_i = tl.zeros([W, BLOCK_H], tl.float32)
+    if USE_SINKS:
+        if split == 0:  # the sink (logit `sink`, value 0) joins once: stream 0 of split 0
+            sink = tl.load(sinks_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * _LOG2E
+            first = (offs_w == 0)[:, None]
+            m_i = tl.where(first, sink[None, :], m_i)
+            l_i = tl.where(first, 1.0, l_i)
+
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    if ONE_LOOP:  # one software pipeline, masks everywhere
+        acc, m_i, l_i = _stream_inner(
+            acc, m_i, l_i, q, q_pos, slope, s_scale, softcap, k_cache_ptr, v_cache_ptr, bt_row,
+            kv_head, t_lo, t_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
+            W, S, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, INTERLEAVED_V, COMPUTE, USE_ALIBI,
+            USE_SOFTCAP, True, DOT_PRECISION)
+    else:  # masked tiles at the window start and the sequence end; no masks in between
+        f_lo = tl.minimum(tl.maximum((lo + W * S - 1) // (W * S), t_lo), t_hi)
+        f_hi = tl.minimum(tl.maximum(seq_len // (W * S), f_lo), t_hi)
+        acc, m_i, l_i = _stream_inner(
+            acc, m_i, l_i, q, q_pos, slope, s_scale, softcap, k_cache_ptr, v_cache_ptr, bt_row,
+            kv_head, t_lo, f_lo, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
+            W, S, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, INTERLEAVED_V, COMPUTE, USE_ALIBI,
+            USE_SOFTCAP, True, DOT_PRECISION)
+        acc, m_i, l_i = _stream_inner(
+            acc, m_i, l_i, q, q_pos, slope, s_scale, softcap, k_cache_ptr, v_cache_ptr, bt_row,
+            kv_head, f_lo, f_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
+            W, S, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, INTERLEAVED_V, COMPUTE, USE_ALIBI,
+            USE_SOFTCAP, False, DOT_PRECISION)
+        acc, m_i, l_i = _stream_inner(
+            acc, m_i, l_i, q, q_pos, slope, s_scale, softcap, k_cache_ptr, v_cache_ptr, bt_row,
+            kv_head, f_hi, t_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
+            W, S, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, INTERLEAVED_V, COMPUTE, USE_ALIBI,
+            USE_SOFTCAP, True, DOT_PRECISION)
+
+    # Merge the streams (the only cross-warp step).
+    m = tl.max(m_i, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    wgt = tl.exp2(m_i - m_safe[None, :])  # empty streams: m_i = -inf, weight 0
+    l_sum = tl.sum(l_i * wgt, 0)
+    out = tl.sum(acc * wgt[:, :, None], 0)
+    if NUM_SPLITS == 1:
+        out_scale = 1.0
+        if USE_OUT_SCALE:
+            out_scale = tl.load(out_scale_ptr)
+        out_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        _store_rows(out_ptrs, out, l_sum, v_scale, out_scale, h_ok[:, None] & d_ok[None, :],
+                    USE_OUT_SCALE, OUT_MAX)
+    else:
+        pa = (part_acc_ptr + seq.to(tl.int64) * stride_pa_s + heads[:, None] * stride_pa_h
+              + split * stride_pa_k + offs_d[None, :])
+        tl.store(pa, out, mask=h_ok[:, None] & d_ok[None, :])
+        pml = part_ml_ptr + ((seq.to(tl.int64) * stride_pa_s // stride_pa_k + heads * NUM_SPLITS + split) * 2)
+        tl.store(pml, m, mask=h_ok)
+        tl.store(pml + 1, l_sum, mask=h_ok)
