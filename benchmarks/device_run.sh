@@ -55,7 +55,7 @@ run_bench() {
   local b=$1
   stage $b-bench; mkdir -p $OUT/$b
   case $b in
-    decode) args="benchmarks/bench_decode.py --batch 1 16 64 128 --ctx 4096";;
+    decode) args="benchmarks/bench_decode.py ${DECODE_ARGS:---batch 1 16 64 128 --ctx 4096}";;
     prefill) args="benchmarks/bench_prefill.py";;
     writers) args="benchmarks/bench_fused_writers.py";;
   esac
