@@ -128,29 +128,27 @@ def main():
                   f"  sdpa {t_sdpa:8.1f} us {row['sdpa_tbs']:5.2f} TB/s  x{row['ratio_vs_sdpa']:.2f}  err {err:.1e}",
                   flush=True)
             if args.sweep and L == 4096:
-                # rows: warps share a [16, TILE_N] tile (4 warps: 8 BAR.SYNC a tile);
-                # streams: one key stream per warp (paged_decode.py)
-                cfgs = [(64, 4, 3, "rows"), (64, 4, 3, "streams3"), (32, 2, 3, "streams3"),
-                        (16, 1, 4, "streams3")]
+                # (config, splits): rows = warps share a [16, TILE_N] tile; streams = one key
+                # stream per warp (paged_decode.py); splits None = the heuristic's
+                one_warp = [(16, 1, 4, "rows"), (16, 1, 3, "rows"), (32, 1, 2, "rows"),
+                            (32, 2, 2, "streams3")]
+                runs = [(cfg, None) for cfg in one_warp]
                 if b == 64:
-                    cfgs += [(16, 1, 4, "rows"), (32, 2, 4, "rows"), (64, 4, 3, "streams"),
-                             (32, 2, 3, "streams")]
-                    cfgs += [(t, w, st, "streams3") for t, w, st in (
-                        (64, 4, 2), (64, 4, 4), (32, 2, 2), (32, 2, 4), (16, 1, 3), (16, 1, 6),
-                        (128, 8, 2), (128, 8, 3))]
-                for cfg in cfgs:
+                    runs += [(cfg, sp) for cfg in one_warp for sp in (2, 3)]
+                    runs += [((16, 1, 2, "rows"), 2), ((32, 1, 3, "rows"), 2), ((64, 4, 3, "rows"), 2)]
+                if b == 1:
+                    runs += [(cfg, sp) for cfg in one_warp[:2] for sp in (16, 64)]
+                if b == 16:
+                    runs += [(cfg, sp) for cfg in one_warp[:2] for sp in (4, 16)]
+                for cfg, sp in runs:
                     try:
-                        t = graph_time_us(lambda: c.run(decode_cfg=cfg))
+                        t = graph_time_us(lambda: c.run(decode_cfg=cfg, num_splits=sp))
                     except Exception as e:  # e.g. out of shared memory
-                        print(f"  cfg {cfg}: {type(e).__name__}")
+                        print(f"  cfg {cfg} splits {sp}: {type(e).__name__}")
                         continue
-                    sweep.append(dict(B=b, L=L, cfg=list(cfg), us=t, tbs=nbytes / t / 1e6))
-                    print(f"  cfg tile={cfg[0]} warps={cfg[1]} stages={cfg[2]} kind={cfg[3]}: "
-                          f"{t:7.1f} us {nbytes / t / 1e6:5.2f} TB/s", flush=True)
-                for s in ((2, 4) if b >= 64 else (8, 16, 32)):
-                    t = graph_time_us(lambda: c.run(num_splits=s))
-                    sweep.append(dict(B=b, L=L, splits=s, us=t, tbs=nbytes / t / 1e6))
-                    print(f"  splits={s:2d}: {t:7.1f} us {nbytes / t / 1e6:5.2f} TB/s", flush=True)
+                    sweep.append(dict(B=b, L=L, cfg=list(cfg), splits=sp, us=t, tbs=nbytes / t / 1e6))
+                    print(f"  cfg tile={cfg[0]} warps={cfg[1]} stages={cfg[2]} kind={cfg[3]} "
+                          f"splits={sp}: {t:7.1f} us {nbytes / t / 1e6:5.2f} TB/s", flush=True)
             del c, k, v
             torch.cuda.empty_cache()
     meta = dict(command=" ".join(sys.argv), machine=dev, torch=torch.__version__,

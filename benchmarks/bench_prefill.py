@@ -32,7 +32,8 @@ from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cach
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 DTYPE = torch.bfloat16
-SWEEP = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 4)]
+SWEEP = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3),
+         (128, 32, 8, 4), (64, 64, 4, 4)]
 
 
 def graph_time_ms(fn) -> float:

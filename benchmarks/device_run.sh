@@ -56,7 +56,7 @@ run_bench() {
   stage $b-bench; mkdir -p $OUT/$b
   case $b in
     decode) args="benchmarks/bench_decode.py ${DECODE_ARGS:---batch 1 16 64 128 --ctx 4096}";;
-    prefill) args="benchmarks/bench_prefill.py";;
+    prefill) args="benchmarks/bench_prefill.py ${PREFILL_ARGS:-}";;
     writers) args="benchmarks/bench_fused_writers.py";;
   esac
   timeout ${BENCH_S:-35} python3 $args --out $OUT/$b >>$LOG 2>&1; echo "rc=$?" >>$LOG
