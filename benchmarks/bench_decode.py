@@ -98,8 +98,11 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also sweep configs at B=64,L=4096 and splits at B=1")
     ap.add_argument("--sequential", action="store_true",
                     help="place each sequence's blocks in order (diagnostic; default random)")
+    ap.add_argument("--block-size", type=int, default=BS, help="cache block size (default 16)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
+    global BS
+    BS = args.block_size
     dev = torch.cuda.get_device_name()
     ceiling = read_ceiling_tbs()
     print(f"# {dev}, torch {torch.__version__}, triton {triton.__version__}; read ceiling {ceiling:.2f} TB/s")
@@ -159,7 +162,7 @@ def main():
                 timing="CUDA-graph replay, do_bench median, L2 flushed")
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
-    stamp += "_seq" if args.sequential else ""
+    stamp += ("_seq" if args.sequential else "") + (f"_bs{BS}" if BS != 16 else "")
     with open(os.path.join(args.out, f"decode_{stamp}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows, sweep=sweep), f, indent=1)
     lines = [f"# Paged decode, {dev} ({meta['date']})", "",

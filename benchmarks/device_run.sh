@@ -26,7 +26,7 @@ shard() {  # shard <name> <ids file> <count> [env...]: parallel pytest processes
   local name=$1 ids=$2 n=$3; shift 3
   for i in $(seq 0 $((n - 1))); do
     awk -v n=$n -v i=$i 'NR % n == i' $ids > $OUT/tests/$name$i.txt
-    ( env "$@" timeout ${TESTS_S:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+    ( env "$@" timeout ${TESTS_S:-300} ${RUNNER:-} python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
         --durations=3 $(cat $OUT/tests/$name$i.txt) > $OUT/tests/$name$i.log 2>&1
       echo "rc=$? ($name $i)" >> $OUT/tests/$name$i.log ) &
   done
@@ -51,6 +51,22 @@ run_tests() {
   cat $OUT/tests/*.log >> $LOG
   pack tests
 }
+run_memcheck() {
+  stage memcheck
+  # compute-sanitizer memcheck over every GPU test of our own kernels (the shape sweep of the
+  # attention and writer matrices; AITER's kernels excluded). No caching allocator, so an
+  # access past any tensor is outside its cudaMalloc and is reported.
+  mkdir -p $OUT/tests
+  python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests/test_triton_attention.py \
+    tests/test_triton_writers.py 2>/dev/null | grep '::' | grep -v aiter > $OUT/tests/memcheck.ids
+  echo "memcheck over $(wc -l < $OUT/tests/memcheck.ids) GPU tests" | tee -a $LOG
+  RUNNER="compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 10" \
+    shard memcheck $OUT/tests/memcheck.ids ${TEST_SHARDS:-6} PYTORCH_NO_CUDA_MEMORY_CACHING=1
+  wait
+  cat $OUT/tests/memcheck*.log >> $LOG
+  grep -h "ERROR SUMMARY" $OUT/tests/memcheck*.log | sort | uniq -c | tee -a $LOG
+  tar czf $OUT/memcheck.tgz -C $OUT tests/memcheck.ids $(cd $OUT && ls tests/memcheck*.log)
+}
 run_bench() {
   local b=$1
   stage $b-bench; mkdir -p $OUT/$b
@@ -58,6 +74,9 @@ run_bench() {
     decode) args="benchmarks/bench_decode.py ${DECODE_ARGS:---batch 1 16 64 128 --ctx 4096}";;
     prefill) args="benchmarks/bench_prefill.py ${PREFILL_ARGS:-}";;
     writers) args="benchmarks/bench_fused_writers.py";;
+    # diagnostics of the decode kernel: placement and block size at B=64, L=4096
+    decode_seq) args="benchmarks/bench_decode.py --batch 64 --ctx 4096 --sequential";;
+    decode_bs64) args="benchmarks/bench_decode.py --batch 64 --ctx 4096 --block-size 64";;
   esac
   timeout ${BENCH_S:-35} python3 $args --out $OUT/$b >>$LOG 2>&1; echo "rc=$?" >>$LOG
   pack $b
@@ -67,6 +86,7 @@ for st in ${STAGES:-tests e2e decode prefill writers}; do
   case $st in
     tests) run_tests;;
     e2e) run_e2e;;
+    memcheck) run_memcheck;;
     *) run_bench $st;;
   esac
 done

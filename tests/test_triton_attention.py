@@ -40,7 +40,8 @@ if not torch.cuda.is_available():
         _interp._rocm_attn_index_fix = True
 
 from inductor_rocm_attn.kernels.triton import encoder_attention, paged_attention  # noqa: E402
-from inductor_rocm_attn.kernels.triton.paged_attention import num_kv_splits  # noqa: E402
+from inductor_rocm_attn.kernels.triton.paged_attention import (  # noqa: E402
+    MAX_SPLITS, MIN_SPLIT_TOKENS, num_kv_splits)
 from inductor_rocm_attn.layout import fp8_max  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
@@ -272,9 +273,9 @@ def test_num_kv_splits_from_shapes_only():
     assert num_kv_splits(64, 8, 1, 4096, 132) == 1
     # one sequence: split, but never below MIN_SPLIT_TOKENS keys a split
     s = num_kv_splits(1, 8, 1, 4096, 132)
-    assert 1 < s <= 4096 // 128
-    assert num_kv_splits(1, 8, 1, 100, 132) == 1
-    assert num_kv_splits(1, 1, 1, 1 << 20, 132) <= 64
+    assert 1 < s <= 4096 // MIN_SPLIT_TOKENS
+    assert num_kv_splits(1, 8, 1, MIN_SPLIT_TOKENS, 132) == 1
+    assert num_kv_splits(1, 1, 1, 1 << 20, 132) <= MAX_SPLITS
 
 
 # --- GPU matrix ------------------------------------------------------------------------------

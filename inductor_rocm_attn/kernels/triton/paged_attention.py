@@ -202,8 +202,10 @@ DECODE_KINDS = (
     "rows3",  # _paged_decode_kernel, masked first / unmasked middle / masked last tile
 )
 _DECODE_TUNED: dict[tuple, tuple[int, int, int, str]] = {
-    # B=64, L=4096: tiles 32/64/128 at 3 stages within 2% (415-423 us); 4 stages slower.
-    (128, 4, 16, torch.bfloat16): (64, 4, 3, "rows"),
+    # B=64, L=4096 (results/s7_decode_sweep*): 1 warp, tile 16: 332 us at 3 or 4 stages and 1-3
+    # splits; 2 warps as streams 337; 4 warps sharing a 64-key tile 417 (cross-warp barriers).
+    # B=1: 17.8 us with 64 splits (4 warps: 19.5); B=16: 101 us (4 warps: 126).
+    (128, 4, 16, torch.bfloat16): (16, 1, 3, "rows"),
 }
 _PREFILL_TUNED: dict[tuple, tuple[int, int, int, int]] = {
     # B=4, 4096 new tokens, causal: 399 TFLOP/s; 128x128x8x2: 393; 4 warps: 220.
@@ -224,6 +226,10 @@ def decode_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.
     if tuned is not None:
         return tuned
     elem = torch.empty((), dtype=cache_dtype).element_size()
+    if elem == 2 and head_size <= 128 and gqa <= 16:
+        # One warp per program: the GQA rows' max/sum stay inside the warp (no barriers);
+        # wider tiles (more heads or channels) would not fit one warp's registers.
+        return 16, 1, 3, "rows"
     tile = 64 if head_size * elem <= 256 else 32
     if elem == 1:
         tile = 128 if head_size <= 128 else 64
@@ -252,8 +258,8 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in merging than it saves
-MAX_SPLITS = 32
+MIN_SPLIT_TOKENS = 64  # a split shorter than this costs more in merging than it saves
+MAX_SPLITS = 64
 
 
 def num_kv_splits(num_seqs: int, num_kv_heads: int, head_chunks: int, max_ctx: int,
