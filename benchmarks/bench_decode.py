@@ -92,6 +92,7 @@ class DecodeCase:
 
 
 def main():
+    global BS
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 128])
     ap.add_argument("--ctx", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -101,7 +102,6 @@ def main():
     ap.add_argument("--block-size", type=int, default=BS, help="cache block size (default 16)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
-    global BS
     BS = args.block_size
     dev = torch.cuda.get_device_name()
     ceiling = read_ceiling_tbs()

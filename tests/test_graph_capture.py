@@ -189,4 +189,4 @@ def test_graph_replay_matches_eager_200_mixed_steps():
     assert res.graphs_bitwise_equal_pieces
     assert res.captures_after == res.captures_before
     assert res.max_rel_err < 2e-2, res
-    assert res.argmax_agreement > 0.97, res
+    assert res.decisive_flips == 0 and res.argmax_agreement > 0.95, res
