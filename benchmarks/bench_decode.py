@@ -31,6 +31,7 @@ from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cach
 
 pa_mod = sys.modules["inductor_rocm_attn.kernels.triton.paged_attention"]
 HQ, HKV, D, BS = 32, 8, 128, 16
+INTERLEAVED_V = False
 DTYPE = torch.bfloat16
 
 
@@ -80,11 +81,11 @@ class DecodeCase:
     def run(self, **kw):
         paged_attention(self.out, self.query, None, None, self.kv_cache, self.qsl, self.seq_lens,
                         self.block_table, self.scale, self.one, self.one, True, -1, None, None,
-                        0.0, False, None, max_query_len=1, max_seq_len=self.L, **kw)
+                        0.0, INTERLEAVED_V, None, max_query_len=1, max_seq_len=self.L, **kw)
 
     def dense(self):
         """Contiguous K, V ``[B, HKV, L, D]`` holding the same tokens (for SDPA)."""
-        kd, vd = dense_kv(self.kv_cache, HKV, False)  # [nb, BS, HKV, D]
+        kd, vd = dense_kv(self.kv_cache, HKV, INTERLEAVED_V)  # [nb, BS, HKV, D]
         bt = self.block_table.long()
         k = kd[bt].reshape(self.b, self.L, HKV, D).transpose(1, 2).contiguous()
         v = vd[bt].reshape(self.b, self.L, HKV, D).transpose(1, 2).contiguous()
@@ -92,17 +93,23 @@ class DecodeCase:
 
 
 def main():
-    global BS
+    global BS, HQ, INTERLEAVED_V
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 128])
     ap.add_argument("--ctx", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--sweep", action="store_true", help="also sweep configs at B=64,L=4096 and splits at B=1")
     ap.add_argument("--sequential", action="store_true",
                     help="place each sequence's blocks in order (diagnostic; default random)")
+    ap.add_argument("--q-heads", type=int, default=HQ, help="query heads (8 KV heads; default 32)")
+    ap.add_argument("--interleaved-v", action="store_true", help="interleaved-V cache interior")
+    ap.add_argument("--cfgs", nargs="+", default=None,
+                    help="only these decode configs, e.g. 16,1,3,rows 64,4,3,rows (with --sweep)")
     ap.add_argument("--block-size", type=int, default=BS, help="cache block size (default 16)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     BS = args.block_size
+    HQ = args.q_heads
+    INTERLEAVED_V = args.interleaved_v
     dev = torch.cuda.get_device_name()
     ceiling = read_ceiling_tbs()
     print(f"# {dev}, torch {torch.__version__}, triton {triton.__version__}; read ceiling {ceiling:.2f} TB/s")
@@ -130,7 +137,7 @@ def main():
             print(f"B={b:4d} L={L:6d} splits={splits:2d}  triton {t_tri:8.1f} us {row['triton_tbs']:5.2f} TB/s"
                   f"  sdpa {t_sdpa:8.1f} us {row['sdpa_tbs']:5.2f} TB/s  x{row['ratio_vs_sdpa']:.2f}  err {err:.1e}",
                   flush=True)
-            if args.sweep and L == 4096:
+            if args.sweep and (args.cfgs or L == 4096):
                 # (config, splits): rows = warps share a [16, TILE_N] tile; streams = one key
                 # stream per warp (paged_decode.py); splits None = the heuristic's
                 one_warp = [(16, 1, 4, "rows"), (16, 1, 3, "rows"), (32, 1, 2, "rows"),
@@ -143,6 +150,9 @@ def main():
                     runs += [(cfg, sp) for cfg in one_warp[:2] for sp in (16, 64)]
                 if b == 16:
                     runs += [(cfg, sp) for cfg in one_warp[:2] for sp in (4, 16)]
+                if args.cfgs:
+                    runs = [((int(a), int(w), int(st), kd), None)
+                            for a, w, st, kd in (c_.split(",") for c_ in args.cfgs)]
                 for cfg, sp in runs:
                     try:
                         t = graph_time_us(lambda: c.run(decode_cfg=cfg, num_splits=sp))
@@ -158,11 +168,12 @@ def main():
                 triton=triton.__version__, python=platform.python_version(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 read_ceiling_tbs=ceiling, dtype="bf16", heads=f"{HQ}/{HKV}", head_size=D,
-                block_size=BS, placement="sequential" if args.sequential else "random",
+                block_size=BS, interleaved_v=INTERLEAVED_V, placement="sequential" if args.sequential else "random",
                 timing="CUDA-graph replay, do_bench median, L2 flushed")
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
     stamp += ("_seq" if args.sequential else "") + (f"_bs{BS}" if BS != 16 else "")
+    stamp += (f"_hq{HQ}" if HQ != 32 else "") + ("_iv" if INTERLEAVED_V else "")
     with open(os.path.join(args.out, f"decode_{stamp}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows, sweep=sweep), f, indent=1)
     lines = [f"# Paged decode, {dev} ({meta['date']})", "",
