@@ -60,13 +60,16 @@ def _features(num_heads, *, alibi=False, sinks=False, device="cpu", g=None):
 
 def _check_fp8_steps(got, ref, fp8_dtype, seed):
     """Each fp8 output is within one fp8 step of the exact value / output_scale (clamped),
-    plus 1% of the rms value for the kernel's own (bf16-level) error before the cast."""
+    plus 3% of its row's rms for the kernel's own bf16-level error before the cast (P is
+    rounded to bf16 for the PV product: the bf16 output's worst element measured 1.6% of its
+    row's rms over 36 runs on the H200, benchmarks/diag_decode_accuracy.py; the old bound,
+    1% of the whole output's rms, failed ~1 run in 4 for every decode config)."""
     m = fp8_max(fp8_dtype)
     ref = ref.clamp(-m, m)
     mant = torch.finfo(fp8_dtype).nmant if hasattr(torch.finfo(fp8_dtype), "nmant") else 3
     tiny = torch.finfo(fp8_dtype).smallest_normal
     step = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(tiny))) - mant)
-    bad = (got - ref).abs() > step + 0.01 * ref.pow(2).mean().sqrt()
+    bad = (got - ref).abs() > step + 0.03 * ref.pow(2).mean(-1, keepdim=True).sqrt()
     assert not bad.any(), (f"{int(bad.sum())} fp8 outputs off by more than one step (seed {seed}); "
                            f"e.g. got {got[bad][:4].tolist()} want {ref[bad][:4].tolist()}")
 

@@ -202,10 +202,14 @@ DECODE_KINDS = (
     "rows3",  # _paged_decode_kernel, masked first / unmasked middle / masked last tile
 )
 _DECODE_TUNED: dict[tuple, tuple[int, int, int, str]] = {
-    # B=64, L=4096 (results/s7_decode_sweep*): 1 warp, tile 16: 332 us at 3 or 4 stages and 1-3
-    # splits; 2 warps as streams 337; 4 warps sharing a 64-key tile 417 (cross-warp barriers).
-    # B=1: 17.8 us with 64 splits (4 warps: 19.5); B=16: 101 us (4 warps: 126).
-    (128, 4, 16, torch.bfloat16): (16, 1, 3, "rows"),
+    # key: (head_size, gqa, block_size, cache dtype, interleaved V). Results: s7_decode_sweep*.
+    # B=64, L=4096: 1 warp, tile 16: 332 us at 3 or 4 stages and 1-3 splits; 2 warps as
+    # streams 337; 4 warps sharing a 64-key tile 417 (cross-warp barriers). B=1: 17.0 us with
+    # 64 splits (4 warps: 19.5); B=16: 101 us (4 warps: 126).
+    (128, 4, 16, torch.bfloat16, False): (16, 1, 3, "rows"),
+    # The end-to-end model's layers (16/8 heads, interleaved V after the QK-norm fusion),
+    # B=64, L=2048: 4 warps 245 us, 1 warp 270, streams 277 (results/s7_call4).
+    (128, 2, 16, torch.bfloat16, True): (64, 4, 3, "rows"),
 }
 _PREFILL_TUNED: dict[tuple, tuple[int, int, int, int]] = {
     # B=4, 4096 new tokens, causal: 399 TFLOP/s; 128x128x8x2: 393; 4 warps: 220.
@@ -218,17 +222,18 @@ def _pow2_part(n: int) -> int:
 
 
 def decode_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.dtype,
-                  interpret: bool = False) -> tuple[int, int, int, str]:
+                  interpret: bool = False, interleaved_v: bool = False) -> tuple[int, int, int, str]:
     """(TILE_N, num_warps, num_stages, kind) of the decode kernel (kind: ``DECODE_KINDS``)."""
     if interpret:
         return 32, 4, 1, "rows"
-    tuned = _DECODE_TUNED.get((head_size, gqa, block_size, cache_dtype))
+    tuned = _DECODE_TUNED.get((head_size, gqa, block_size, cache_dtype, interleaved_v))
     if tuned is not None:
         return tuned
     elem = torch.empty((), dtype=cache_dtype).element_size()
-    if elem == 2 and head_size <= 128 and gqa <= 16:
+    if elem == 2 and head_size <= 128 and gqa <= 16 and not interleaved_v:
         # One warp per program: the GQA rows' max/sum stay inside the warp (no barriers);
-        # wider tiles (more heads or channels) would not fit one warp's registers.
+        # wider tiles (more heads or channels) would not fit one warp's registers, and with
+        # interleaved V it measured slower (see _DECODE_TUNED).
         return 16, 1, 3, "rows"
     tile = 64 if head_size * elem <= 256 else 32
     if elem == 1:
@@ -357,7 +362,7 @@ def paged_attention(
 
     # --- decode: sequences with query_len == 1 ------------------------------------------------
     tile_n, warps, stages, kind = decode_cfg or decode_config(
-        head_size, gqa, block_size, cache_dtype, interpret)
+        head_size, gqa, block_size, cache_dtype, interpret, interleaved_v)
     if kind not in DECODE_KINDS:
         raise ValueError(f"paged_attention: decode kind {kind!r}; supported: {DECODE_KINDS}")
     block_h = max(16, min(64, triton.next_power_of_2(gqa)))
