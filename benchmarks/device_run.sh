@@ -45,7 +45,7 @@ run_tests() {
   echo "$(wc -l < $OUT/tests/ids.txt) GPU tests" | tee -a $LOG
   local pp=${PYTHONPATH:-$PWD}
   [ -d .aiter ] && pp="$PWD/.aiter:$pp"
-  shard main $OUT/tests/main.ids ${TEST_SHARDS:-6} X=1
+  shard main $OUT/tests/main.ids ${TEST_SHARDS:-6}
   shard writers $OUT/tests/writers.ids 2 AITER_TRITON_ONLY=1 PYTHONPATH=$pp
   wait
   cat $OUT/tests/*.log >> $LOG

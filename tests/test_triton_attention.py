@@ -41,7 +41,7 @@ if not torch.cuda.is_available():
 
 from inductor_rocm_attn.kernels.triton import encoder_attention, paged_attention  # noqa: E402
 from inductor_rocm_attn.kernels.triton.paged_attention import (  # noqa: E402
-    MAX_SPLITS, MIN_SPLIT_TOKENS, num_kv_splits)
+    DECODE_KINDS, MAX_SPLITS, MIN_SPLIT_TOKENS, decode_config, num_kv_splits)
 from inductor_rocm_attn.layout import fp8_max  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
@@ -269,6 +269,30 @@ def test_encoder_attention_interpreter(kw):
     if torch.cuda.is_available():
         pytest.skip("interpreter matrix; the gpu tests cover CUDA")
     _check_encoder([7, 0, 23, 3], **kw)
+
+
+def test_decode_config_rules():
+    # measured entries (bf16, d=128, block 16): GQA 4 one warp; GQA 2 with interleaved V 4 warps
+    assert decode_config(128, 4, 16, torch.bfloat16) == (16, 1, 3, "rows")
+    assert decode_config(128, 2, 16, torch.bfloat16, interleaved_v=True)[1] == 4
+    # one warp only where its [16, HEAD] tile fits the registers and was measured faster
+    assert decode_config(64, 8, 32, torch.float16)[1] == 1
+    assert decode_config(128, 32, 16, torch.bfloat16)[1] == 4  # 32 GQA rows
+    assert decode_config(256, 4, 16, torch.bfloat16)[1] == 4  # d = 256
+    assert decode_config(128, 4, 32, torch.float8_e4m3fn)[1] == 4  # fp8 cache
+    assert decode_config(128, 4, 32, torch.bfloat16, interleaved_v=True)[1] == 4
+    for cfg in (decode_config(h, g, 16, d) for h in (64, 128, 256) for g in (1, 8, 32)
+                for d in (torch.bfloat16, torch.float8_e5m2)):
+        assert cfg[3] in DECODE_KINDS
+
+
+def test_unknown_decode_kind_is_an_error():
+    c = cases.make_paged_case([1], [5], num_heads=2, num_kv_heads=1, head_size=64,
+                              block_size=16, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"paged_attention: decode kind 'bogus'.*streams"):
+        paged_attention(torch.empty_like(c.query), c.query, c.key, c.value, c.kv_cache,
+                        c.query_start_loc, c.seq_lens, c.block_table, 0.125, c.k_scale, c.v_scale,
+                        True, -1, None, None, 0.0, False, None, decode_cfg=(16, 1, 1, "bogus"))
 
 
 def test_num_kv_splits_from_shapes_only():

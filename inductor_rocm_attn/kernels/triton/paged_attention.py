@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from ...layout import cache_x, fp8_max, is_fp8_dtype, k_view, v_view
-from .paged_decode import _paged_decode_streams_kernel
-from .prefix_prefill import _LOG2E, _paged_inner, _prefix_prefill_kernel, _store_rows, _tiles
+from .paged_decode import _paged_decode_streams_kernel, _store_decode
+from .prefix_prefill import _LOG2E, _paged_inner, _prefix_prefill_kernel, _tiles
 
 __all__ = ["paged_attention", "decode_config", "prefill_config", "num_kv_splits"]
 
@@ -134,20 +134,10 @@ def _paged_decode_kernel(
             COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
             False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION)
 
-    if NUM_SPLITS == 1:
-        out_scale = 1.0
-        if USE_OUT_SCALE:
-            out_scale = tl.load(out_scale_ptr)
-        out_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-        _store_rows(out_ptrs, acc, l_i, v_scale, out_scale, h_ok[:, None] & d_ok[None, :],
-                    USE_OUT_SCALE, OUT_MAX)
-    else:
-        pa = (part_acc_ptr + seq.to(tl.int64) * stride_pa_s + heads[:, None] * stride_pa_h
-              + split * stride_pa_k + offs_d[None, :])
-        tl.store(pa, acc, mask=h_ok[:, None] & d_ok[None, :])
-        pml = part_ml_ptr + ((seq.to(tl.int64) * stride_pa_s // stride_pa_k + heads * NUM_SPLITS + split) * 2)
-        tl.store(pml, m_i, mask=h_ok)
-        tl.store(pml + 1, l_i, mask=h_ok)
+    _store_decode(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, heads, offs_d, h_ok, d_ok,
+                  seq, q_start, split, v_scale, out_scale_ptr,
+                  stride_ot, stride_oh, stride_pa_s, stride_pa_h, stride_pa_k,
+                  NUM_SPLITS, USE_OUT_SCALE, OUT_MAX)
 
 
 @triton.jit
@@ -221,6 +211,7 @@ def _pow2_part(n: int) -> int:
     return n & -n
 
 
+@functools.cache  # called on every attention call: one dict lookup after the first
 def decode_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.dtype,
                   interpret: bool = False, interleaved_v: bool = False) -> tuple[int, int, int, str]:
     """(TILE_N, num_warps, num_stages, kind) of the decode kernel (kind: ``DECODE_KINDS``)."""
@@ -229,7 +220,7 @@ def decode_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.
     tuned = _DECODE_TUNED.get((head_size, gqa, block_size, cache_dtype, interleaved_v))
     if tuned is not None:
         return tuned
-    elem = torch.empty((), dtype=cache_dtype).element_size()
+    elem = cache_dtype.itemsize
     if elem == 2 and head_size <= 128 and gqa <= 16 and not interleaved_v:
         # One warp per program: the GQA rows' max/sum stay inside the warp (no barriers);
         # wider tiles (more heads or channels) would not fit one warp's registers, and with

@@ -117,6 +117,29 @@ def _stream_inner(
 
 
 @triton.jit
+def _store_decode(out_ptr, part_acc_ptr, part_ml_ptr, acc, m, l, heads, offs_d, mask_h, mask_d,
+                  seq, q_start, split, v_scale, out_scale_ptr,
+                  stride_ot, stride_oh, stride_pa_s, stride_pa_h, stride_pa_k,
+                  NUM_SPLITS: tl.constexpr, USE_OUT_SCALE: tl.constexpr, OUT_MAX: tl.constexpr):
+    """Finish one program's ``[BLOCK_H, BLOCK_D]`` decode rows: with one split, normalise and
+    store the output; else store the split's partial (acc, max, sum) for the reduce kernel."""
+    mask = mask_h[:, None] & mask_d[None, :]
+    if NUM_SPLITS == 1:
+        out_scale = 1.0
+        if USE_OUT_SCALE:
+            out_scale = tl.load(out_scale_ptr)
+        out_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        _store_rows(out_ptrs, acc, l, v_scale, out_scale, mask, USE_OUT_SCALE, OUT_MAX)
+    else:
+        pa = (part_acc_ptr + seq.to(tl.int64) * stride_pa_s + heads[:, None] * stride_pa_h
+              + split * stride_pa_k + offs_d[None, :])
+        tl.store(pa, acc, mask=mask)
+        pml = part_ml_ptr + ((seq.to(tl.int64) * stride_pa_s // stride_pa_k + heads * NUM_SPLITS + split) * 2)
+        tl.store(pml, m, mask=mask_h)
+        tl.store(pml + 1, l, mask=mask_h)
+
+
+@triton.jit
 def _paged_decode_streams_kernel(
     # pointers
     out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
@@ -228,17 +251,7 @@ def _paged_decode_streams_kernel(
     wgt = tl.exp2(m_i - m_safe[None, :])  # empty streams: m_i = -inf, weight 0
     l_sum = tl.sum(l_i * wgt, 0)
     out = tl.sum(acc * wgt[:, :, None], 0)
-    if NUM_SPLITS == 1:
-        out_scale = 1.0
-        if USE_OUT_SCALE:
-            out_scale = tl.load(out_scale_ptr)
-        out_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-        _store_rows(out_ptrs, out, l_sum, v_scale, out_scale, h_ok[:, None] & d_ok[None, :],
-                    USE_OUT_SCALE, OUT_MAX)
-    else:
-        pa = (part_acc_ptr + seq.to(tl.int64) * stride_pa_s + heads[:, None] * stride_pa_h
-              + split * stride_pa_k + offs_d[None, :])
-        tl.store(pa, out, mask=h_ok[:, None] & d_ok[None, :])
-        pml = part_ml_ptr + ((seq.to(tl.int64) * stride_pa_s // stride_pa_k + heads * NUM_SPLITS + split) * 2)
-        tl.store(pml, m, mask=h_ok)
-        tl.store(pml + 1, l_sum, mask=h_ok)
+    _store_decode(out_ptr, part_acc_ptr, part_ml_ptr, out, m, l_sum, heads, offs_d, h_ok, d_ok,
+                  seq, q_start, split, v_scale, out_scale_ptr,
+                  stride_ot, stride_oh, stride_pa_s, stride_pa_h, stride_pa_k,
+                  NUM_SPLITS, USE_OUT_SCALE, OUT_MAX)
