@@ -175,6 +175,8 @@ def dense_oracle(case: PagedCase, **kw) -> torch.Tensor:
     kw = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
     for s in range(len(case.query_lens)):
         q = case.query[qsl[s]: qsl[s + 1]].cpu()
+        if q.shape[0] == 0:  # a sequence with no query tokens (and maybe no keys) adds no rows
+            continue
         outs.append(oracle_attention(q, case.k_full[s], case.v_full[s],
                                      q_start_pos=case.context_lens[s], **kw))
     return torch.cat(outs)

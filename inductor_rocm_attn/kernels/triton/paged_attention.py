@@ -198,8 +198,9 @@ _DECODE_TUNED: dict[tuple, tuple[int, int, int, str]] = {
     # 64 splits (4 warps: 19.5); B=16: 101 us (4 warps: 126).
     (128, 4, 16, torch.bfloat16, False): (16, 1, 3, "rows"),
     # The end-to-end model's layers (16/8 heads, interleaved V after the QK-norm fusion),
-    # B=64, L=2048: 4 warps 245 us, 1 warp 270, streams 277 (results/s7_call4).
-    (128, 2, 16, torch.bfloat16, True): (64, 4, 3, "rows"),
+    # B=64, L=2048, V loaded as packets (_load_paged_kv): 1 warp 222 us (K+V packets; measured
+    # again below), 4 warps 376; with the 2-D V gather 1 warp took 272 (results/s8_*).
+    (128, 2, 16, torch.bfloat16, True): (16, 1, 3, "rows"),
 }
 _PREFILL_TUNED: dict[tuple, tuple[int, int, int, int]] = {
     # B=4, 4096 new tokens, causal: 399 TFLOP/s; 128x128x8x2: 393; 4 warps: 220.
@@ -221,10 +222,9 @@ def decode_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.
     if tuned is not None:
         return tuned
     elem = cache_dtype.itemsize
-    if elem == 2 and head_size <= 128 and gqa <= 16 and not interleaved_v:
+    if elem == 2 and head_size <= 128 and gqa <= 16:
         # One warp per program: the GQA rows' max/sum stay inside the warp (no barriers);
-        # wider tiles (more heads or channels) would not fit one warp's registers, and with
-        # interleaved V it measured slower (see _DECODE_TUNED).
+        # wider tiles (more heads or channels) would not fit one warp's registers.
         return 16, 1, 3, "rows"
     tile = 64 if head_size * elem <= 256 else 32
     if elem == 1:
