@@ -275,8 +275,8 @@ def test_encoder_attention_interpreter(kw):
 def test_decode_config_rules():
     # measured entries (bf16, d=128, block 16): one warp for GQA 4 and for GQA 2 with
     # interleaved V (its V loaded as packets)
-    assert decode_config(128, 4, 16, torch.bfloat16) == (16, 1, 3, "rows")
-    assert decode_config(128, 2, 16, torch.bfloat16, interleaved_v=True) == (16, 1, 3, "rows")
+    assert decode_config(128, 4, 16, torch.bfloat16) == (16, 1, 3, "rows3")
+    assert decode_config(128, 2, 16, torch.bfloat16, interleaved_v=True) == (16, 1, 3, "rows3")
     # one warp only where its [16, HEAD] tile fits the registers and was measured faster
     assert decode_config(64, 8, 32, torch.float16)[1] == 1
     assert decode_config(128, 32, 16, torch.bfloat16)[1] == 4  # 32 GQA rows
@@ -306,6 +306,44 @@ def test_num_kv_splits_from_shapes_only():
     assert num_kv_splits(1, 8, 1, MIN_SPLIT_TOKENS, 132) == 1
     assert num_kv_splits(1, 1, 1, 1 << 20, 132) <= MAX_SPLITS
 
+
+
+def test_short_splits_run_the_three_loop_config_as_one_loop(monkeypatch):
+    """The heuristic's "rows3" runs as one masked loop when each split holds few tiles (B=1:
+    64 splits), and as three loops otherwise; an explicit decode_cfg is taken as given."""
+    import sys
+
+    pa = sys.modules["inductor_rocm_attn.kernels.triton.paged_attention"]
+    launched = []
+
+    class _Recorder:  # stands for a kernel: records the launch, runs nothing
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append((grid, kw.get("ONE_LOOP")))
+
+    monkeypatch.setattr(pa, "_interpret", lambda: False)
+    monkeypatch.setattr(pa, "_num_sms", lambda index=0: 132)
+    monkeypatch.setattr(pa, "_paged_decode_kernel", _Recorder())
+    monkeypatch.setattr(pa, "_decode_reduce_kernel", _Recorder())
+
+    def run(batch, ctx, **kw):
+        launched.clear()
+        q = torch.randn(batch, 32, 128, dtype=torch.bfloat16)
+        cache = torch.empty(batch * ctx // 16, 2, 16, 8 * 128, dtype=torch.bfloat16)
+        table = torch.arange(batch * ctx // 16, dtype=torch.int32).view(batch, -1)
+        paged_attention(torch.empty_like(q), q, None, None, cache,
+                        torch.arange(batch + 1, dtype=torch.int32),
+                        torch.full((batch,), ctx, dtype=torch.int32), table, 0.1,
+                        torch.ones(1), torch.ones(1), True, -1, None, None, 0.0, False, None,
+                        1, ctx, **kw)
+        (grid, one_loop), *_ = launched
+        return grid[2], one_loop
+
+    assert decode_config(128, 4, 16, torch.bfloat16)[3] == "rows3"
+    splits, one_loop = run(1, 4096)
+    assert splits == 64 and one_loop  # 4 tiles a split
+    splits, one_loop = run(64, 4096)
+    assert splits == 1 and not one_loop
+    assert run(1, 4096, decode_cfg=(16, 1, 3, "rows3"))[1] is False
 
 # --- GPU matrix ------------------------------------------------------------------------------
 

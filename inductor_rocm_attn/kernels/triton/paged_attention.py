@@ -192,15 +192,16 @@ DECODE_KINDS = (
     "rows3",  # _paged_decode_kernel, masked first / unmasked middle / masked last tile
 )
 _DECODE_TUNED: dict[tuple, tuple[int, int, int, str]] = {
-    # key: (head_size, gqa, block_size, cache dtype, interleaved V). Results: s7_decode_sweep*.
-    # B=64, L=4096: 1 warp, tile 16: 332 us at 3 or 4 stages and 1-3 splits; 2 warps as
-    # streams 337; 4 warps sharing a 64-key tile 417 (cross-warp barriers). B=1: 17.0 us with
-    # 64 splits (4 warps: 19.5); B=16: 101 us (4 warps: 126).
-    (128, 4, 16, torch.bfloat16, False): (16, 1, 3, "rows"),
+    # key: (head_size, gqa, block_size, cache dtype, interleaved V). Results: s7_decode_sweep*,
+    # s8_*. B=64, L=4096: 1 warp, tile 16, three loops 323 us (one masked loop 333; 2 warps
+    # as streams 337; 4 warps sharing a 64-key tile 417: cross-warp barriers). B=16: 98.9 us
+    # (one loop 100.9); B=128: 612 (638). B=1 (64 splits of 4 tiles) prefers one loop, 17.5
+    # vs 18.1 us: see ONE_LOOP_MAX_TILES.
+    (128, 4, 16, torch.bfloat16, False): (16, 1, 3, "rows3"),
     # The end-to-end model's layers (16/8 heads, interleaved V after the QK-norm fusion),
-    # B=64, L=2048, V loaded as packets (_load_paged_kv): 1 warp 222 us (K+V packets; measured
-    # again below), 4 warps 376; with the 2-D V gather 1 warp took 272 (results/s8_*).
-    (128, 2, 16, torch.bfloat16, True): (16, 1, 3, "rows"),
+    # B=64, L=2048, V loaded as packets (_load_paged_kv): 1 warp 172 us (one loop 174); with
+    # the 2-D V gather it took 269, and 4 warps 245-301 (results/s8_*).
+    (128, 2, 16, torch.bfloat16, True): (16, 1, 3, "rows3"),
 }
 _PREFILL_TUNED: dict[tuple, tuple[int, int, int, int]] = {
     # B=4, 4096 new tokens, causal: 399 TFLOP/s; 128x128x8x2: 393; 4 warps: 220.
@@ -225,7 +226,7 @@ def decode_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.
     if elem == 2 and head_size <= 128 and gqa <= 16:
         # One warp per program: the GQA rows' max/sum stay inside the warp (no barriers);
         # wider tiles (more heads or channels) would not fit one warp's registers.
-        return 16, 1, 3, "rows"
+        return 16, 1, 3, "rows3"
     tile = 64 if head_size * elem <= 256 else 32
     if elem == 1:
         tile = 128 if head_size <= 128 else 64
@@ -256,6 +257,9 @@ def _num_sms(device_index: int) -> int:
 
 MIN_SPLIT_TOKENS = 64  # a split shorter than this costs more in merging than it saves
 MAX_SPLITS = 64
+# A split of at most this many tiles runs the heuristic's "rows3" config as one masked loop
+# ("rows"): three loops would each start their software pipeline cold (B=1: 17.5 vs 18.1 us).
+ONE_LOOP_MAX_TILES = 8
 
 
 def num_kv_splits(num_seqs: int, num_kv_heads: int, head_chunks: int, max_ctx: int,
@@ -362,6 +366,8 @@ def paged_attention(
         max_ctx = max_seq_len if max_seq_len is not None else block_table.shape[1] * block_size
         sms = 8 if interpret else _num_sms(query.device.index or 0)
         num_splits = num_kv_splits(num_seqs, num_kv_heads, head_chunks, max_ctx, sms)
+        if kind == "rows3" and decode_cfg is None and max_ctx <= ONE_LOOP_MAX_TILES * tile_n * num_splits:
+            kind = "rows"
     if num_splits > 1:
         part_acc = torch.empty(num_seqs, num_heads, num_splits, head_size, dtype=torch.float32,
                                device=query.device)
