@@ -9,7 +9,10 @@ Step latency (the model forward of one decode step, metadata prepared) for:
 - ``compile``: ``torch.compile(model, fullgraph=True)``, plugin off;
 - ``compile_plugin``: the same with ``inductor_rocm_attn.plugin()`` on;
 - ``piecewise_graphs``: ``compile_piecewise(model)`` (plugin on): pieces replayed from
-  CUDA graphs, attention eager between them.
+  CUDA graphs, attention eager between them;
+- ``decode_graphs``: the same runner with ``decode_graphs=True``: a decode step replays one
+  CUDA graph of the whole step, attention included (``*_with_plan``: plus the metadata
+  plan and its host-to-device copies).
 
 Memory floor = (weight bytes read per step + KV bytes) / 4.19 TB/s (FACTS.md read ceiling).
 Before timing, a 200-step mixed schedule checks graph replay against eager (and bitwise
@@ -104,7 +107,7 @@ def compile_runner(model, args, max_num_blocks_per_seq_tokens, capture=True):
     t0 = time.perf_counter()
     runner = compile_piecewise(model, capture_sizes=CAPTURE_SIZES, max_num_seqs=64,
                                max_model_len=max_num_blocks_per_seq_tokens,
-                               capture=False)
+                               capture=False, decode_graphs=True)
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     if capture:
@@ -300,17 +303,21 @@ def main():
 
         iters = max(3, args.iters // 2) if device.type == "cuda" else 2
         record("eager", b, eager_step, iters)
-        md = runner.prepare(db.qlens, db.clens, db.tables)
+        md = runner.prepare(db.qlens, db.clens, db.tables, whole_step=False)
         if runner._captured:
             record("piecewise_graphs", b, lambda: runner(db.ids, md), args.iters)
         record("piecewise_no_graphs", b, lambda: runner(db.ids, md, use_graphs=False), args.iters)
 
-        def full_step():  # plan + H2D + replay
-            m = runner.prepare(db.qlens, db.clens, db.tables)
+        def full_step(whole):  # plan + H2D + replay
+            m = runner.prepare(db.qlens, db.clens, db.tables, whole_step=whole)
             runner(db.ids, m)
 
         if runner._captured:
-            record("piecewise_graphs_with_plan", b, full_step, args.iters)
+            record("piecewise_graphs_with_plan", b, lambda: full_step(False), args.iters)
+        md_step = runner.prepare(db.qlens, db.clens, db.tables)
+        if runner.replays_whole_step(md_step):
+            record("decode_graphs", b, lambda: runner(db.ids, md_step), args.iters)
+            record("decode_graphs_with_plan", b, lambda: full_step(True), args.iters)
 
     # --- warm compile (second process, same caches) ------------------------------------------
     if stage_ok("warm"):
@@ -392,7 +399,7 @@ def write_md(res, path):
     lat, floor = res["latency_ms"], res["floor_ms"]
     batches = list(floor)
     modes = ["eager", "compile", "compile_plugin", "piecewise_no_graphs", "piecewise_graphs",
-             "piecewise_graphs_with_plan"]
+             "piecewise_graphs_with_plan", "decode_graphs", "decode_graphs_with_plan"]
     lines = [f"# End-to-end decode: Qwen3-0.6B-shaped model ({res['date']})", "",
              f"Command: `{res['command']}`  ", f"Machine: {res['machine']}  ", f"Model: {res['model']}", "",
              "Step latency, ms (one decode step, 2048 cached tokens per sequence; median of 3 timed runs):", "",
@@ -408,6 +415,13 @@ def write_md(res, path):
             for b in batches) + " |")
         lines.append("| graphs / floor | " + " | ".join(
             f"{lat['piecewise_graphs'][b] / floor[b]['floor_ms']:.2f}x" if b in lat["piecewise_graphs"] else "-"
+            for b in batches) + " |")
+    if "eager" in lat and "decode_graphs" in lat:
+        lines.append("| eager / decode graphs | " + " | ".join(
+            f"{lat['eager'][b] / lat['decode_graphs'][b]:.2f}x" if b in lat["decode_graphs"] else "-"
+            for b in batches) + " |")
+        lines.append("| decode graphs / floor | " + " | ".join(
+            f"{lat['decode_graphs'][b] / floor[b]['floor_ms']:.2f}x" if b in lat["decode_graphs"] else "-"
             for b in batches) + " |")
     lines += ["", f"Compile: `{json.dumps(res['compile'])}`", "", f"Mixed-batch check: `{json.dumps(res['check'])}`",
               "", f"Skipped: {res['skipped']}", "", f"Errors: `{json.dumps(res['errors'])[:3000]}`", ""]

@@ -26,6 +26,7 @@ __all__ = ["MixedDecodeResult", "run_mixed_decode"]
 class MixedDecodeResult:
     steps: int = 0
     graph_steps: int = 0  # steps whose size was captured (replayed from graphs)
+    whole_step_steps: int = 0  # of those, decode steps replayed as one whole-step graph
     padded_steps: int = 0  # steps whose token count was padded up
     mixed_steps: int = 0  # steps holding a prefill chunk and decodes
     token_counts: list = dataclasses.field(default_factory=list)
@@ -100,6 +101,7 @@ def run_mixed_decode(runner, ref_model, *, steps: int = 200, max_tokens: int | N
         res.padded_steps += size > n
         res.mixed_steps += any(q > 1 for q in qlens) and any(q == 1 for q in qlens)
         res.graph_steps += size in runner._captured
+        res.whole_step_steps += runner.replays_whole_step(md)
         if compare_no_graphs and size in runner._captured:
             pieces = runner(ids, md, use_graphs=False).clone()  # writes the same K/V as below
         out = runner(ids, md).clone()

@@ -435,6 +435,7 @@ class CudaGraphBackend:
 
     def __init__(self):
         self.pool = torch.cuda.graph_pool_handle()
+        self.step_pool = None
         self.stream = torch.cuda.Stream()
 
     @contextlib.contextmanager
@@ -446,14 +447,24 @@ class CudaGraphBackend:
         torch.cuda.synchronize()
 
     def capture(self, piece: "_CompiledPiece", args) -> tuple[Any, Any]:
+        return self.capture_call(piece.fn, args, self.pool)
+
+    def capture_step(self, fn: Callable, args) -> tuple[Any, Any]:
+        """A whole step (pieces and attention) in one graph, from its own pool: the piecewise
+        graphs' outputs stay untouched by it."""
+        if self.step_pool is None:
+            self.step_pool = torch.cuda.graph_pool_handle()
+        return self.capture_call(fn, args, self.step_pool)
+
+    def capture_call(self, fn: Callable, args, pool) -> tuple[Any, Any]:
         # capture_begin/end rather than torch.cuda.graph(): that one synchronizes and
         # empties the allocator cache on every entry (hundreds of captures here).
         graph = torch.cuda.CUDAGraph()
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
-            graph.capture_begin(pool=self.pool)
+            graph.capture_begin(pool=pool)
             try:
-                out = piece.fn(*args)
+                out = fn(*args)
             finally:
                 graph.capture_end()
         torch.cuda.current_stream().wait_stream(self.stream)
@@ -472,13 +483,13 @@ class RerunGraphBackend:
     discipline on CPU."""
 
     class _Graph:
-        __slots__ = ("piece", "args", "out", "ctx")
+        __slots__ = ("fn", "bind", "args", "out", "ctx")
 
         def replay(self):
-            for alias, layer in self.piece._bind:
+            for alias, layer in self.bind:
                 _bind_alias(alias, layer)
             with set_forward_context(self.ctx.attn_metadata):
-                new = self.piece.fn(*self.args)
+                new = self.fn(*self.args)
             for o, n in zip(_flat(self.out), _flat(new)):
                 o.copy_(n)
 
@@ -487,10 +498,16 @@ class RerunGraphBackend:
         yield
 
     def capture(self, piece, args):
+        return self._capture(piece.fn, piece._bind, args)
+
+    def capture_step(self, fn, args):
+        return self._capture(fn, (), args)
+
+    def _capture(self, fn, bind, args):
         g = self._Graph()
-        g.piece, g.args = piece, args
+        g.fn, g.bind, g.args = fn, bind, args
         g.ctx = forward_context.get_forward_context()
-        g.out = piece.fn(*args)
+        g.out = fn(*args)
         return g, g.out
 
     def synchronize(self) -> None:
@@ -515,9 +532,11 @@ class PiecewiseRunner:
 
     def __init__(self, model: nn.Module, *, capture_sizes: Sequence[int], max_num_seqs: int,
                  max_num_tokens: int, max_model_len: int, use_cuda_graphs: bool,
-                 plugin: bool | None, device: torch.device):
+                 plugin: bool | None, device: torch.device, decode_graphs: bool = False):
         self.model = model
         self.device = device
+        self.max_model_len = max_model_len
+        self.decode_graphs = decode_graphs
         # Steps are padded to these sizes also without graphs (so CPU runs cover padding).
         self.capture_sizes = sorted(set(int(s) for s in capture_sizes))
         self.use_cuda_graphs = use_cuda_graphs
@@ -544,6 +563,10 @@ class PiecewiseRunner:
         self._args_by_size: dict[int, list[Any]] = {}
         self._slot_layers: dict[str, list] = {}
         self._captured: frozenset[int] = frozenset()
+        # Whole-step graphs of decode-only steps, per padded size, and the metadata of the
+        # step prepared for one (its tensors are the views those graphs were captured on).
+        self._step_graphs: dict[int, tuple[Any, Any]] = {}
+        self._step_md: AttentionMetadata | None = None
         self._compile()
 
     # --- compile --------------------------------------------------------------------------
@@ -688,12 +711,40 @@ class PiecewiseRunner:
         return num_tokens
 
     def prepare(self, query_lens: Sequence[int], context_lens: Sequence[int],
-                block_tables: Sequence[Sequence[int]]) -> AttentionMetadata:
-        """Plan a step into the persistent buffers, padded to the captured size."""
+                block_tables: Sequence[Sequence[int]], *, whole_step: bool = True) -> AttentionMetadata:
+        """Plan a step into the persistent buffers, padded to the captured size.
+
+        A decode-only step (every query_len 1) of a size with a whole-step graph
+        (``decode_graphs=True``) is planned for that graph: its sequences are padded too (empty
+        ones), the block table keeps its full width and ``max_seq_len`` is ``max_model_len``,
+        the shapes the graph was captured with. ``whole_step=False`` plans it for the
+        piecewise graphs instead."""
         n = sum(query_lens)
+        size = self.padded_size(n)
+        if (whole_step and size in self._step_graphs and n == len(query_lens)
+                and all(q == 1 for q in query_lens)):
+            self._step_md = self._plan_decode_step(context_lens, block_tables, size)
+            return self._step_md
+        self._step_md = None
         return build_attention_metadata(query_lens, context_lens, block_tables, self.block_size,
-                                        self.device, num_padded_tokens=self.padded_size(n),
+                                        self.device, num_padded_tokens=size,
                                         buffers=self.buffers)
+
+    def _plan_decode_step(self, context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
+                          size: int, dummy: bool = False) -> AttentionMetadata:
+        """Metadata of ``len(context_lens)`` one-token sequences padded with empty ones to
+        ``size``, in the fixed shapes of a whole-step graph. ``dummy``: for capture (every
+        sequence one token, nothing written to the caches)."""
+        b = len(context_lens)
+        pad = size - b
+        md = build_attention_metadata(
+            [1] * b + [0] * pad, list(context_lens) + [0] * pad, list(block_tables) + [[]] * pad,
+            self.block_size, self.device, num_padded_tokens=size, buffers=self.buffers)
+        if dummy:
+            self.buffers.slot_mapping[:size].fill_(-1)
+        return dataclasses.replace(
+            md, block_table=self.buffers.block_table[:size], max_query_len=1,
+            max_seq_len=self.max_model_len, num_actual_tokens=size if dummy else b)
 
     def _args(self, size: int) -> list:
         args = self._args_by_size.get(size)
@@ -717,6 +768,11 @@ class PiecewiseRunner:
         if input_ids.shape[0] not in (n, size):
             raise ValueError(f"PiecewiseRunner: {input_ids.shape[0]} input ids for {n} tokens")
         self.input_ids[: input_ids.shape[0]].copy_(input_ids, non_blocking=True)
+        if use_graphs and metadata is self._step_md:  # a decode step with a whole-step graph
+            graph, out = self._step_graphs[size]
+            graph.replay()
+            out = out[0] if isinstance(out, (tuple, list)) else out
+            return out[:n]
         graphs = use_graphs and size in self._captured
         self._mode, self._size = (_Mode.REPLAY if graphs else _Mode.EAGER), size
         try:
@@ -731,7 +787,8 @@ class PiecewiseRunner:
 
     @torch.no_grad()
     def capture(self, num_warmup: int = 1) -> None:
-        """Capture one graph per compiled piece per size, largest size first."""
+        """Capture one graph per compiled piece per size, largest size first; with
+        ``decode_graphs``, also one whole-step graph per size for decode-only steps."""
         if not self.use_cuda_graphs or not self.capture_sizes:
             return
         t0 = time.perf_counter()
@@ -753,9 +810,34 @@ class PiecewiseRunner:
                 finally:
                     self._mode = _Mode.EAGER
             captured.add(size)
+        if self.decode_graphs:
+            self._capture_decode_steps(num_warmup)
         backend.synchronize()
         self._captured = frozenset(captured)
         self.stats.capture_s = time.perf_counter() - t0
+
+    def _capture_decode_steps(self, num_warmup: int) -> None:
+        """Whole decode steps in one graph each: the pieces and the attention between them.
+        Attention's launches depend on host values only through the metadata's shapes and
+        ``max_seq_len``, all fixed here (``_plan_decode_step``), so one capture per size serves
+        every decode step of that size; lengths and block tables change in the buffers."""
+        backend = self._graph_backend
+        self._mode = _Mode.EAGER  # pieces run their compiled code inside the step's graph
+        for size in sorted((s for s in self.capture_sizes if s <= self.buffers.max_num_seqs),
+                           reverse=True):
+            md = self._plan_decode_step([0] * size, [[0]] * size, size, dummy=True)
+            args = self._args(size)
+            with set_forward_context(md):
+                with backend.warmup():
+                    for _ in range(num_warmup):
+                        self.split_gm(*args)
+                self._step_graphs[size] = backend.capture_step(self.split_gm, args)
+            self.stats.num_captures += 1
+
+    def replays_whole_step(self, metadata: AttentionMetadata) -> bool:
+        """Whether ``runner(ids, metadata)`` replays one whole-step graph (a decode step
+        prepared for ``decode_graphs``) rather than the piecewise graphs."""
+        return metadata is self._step_md and self._step_md is not None
 
 
 def compile_piecewise(
@@ -769,6 +851,7 @@ def compile_piecewise(
     plugin: bool | None = None,
     capture: bool = True,
     graph_backend: Any = None,
+    decode_graphs: bool = False,
 ) -> PiecewiseRunner:
     """Split ``model`` at its attention ops, compile the pieces with Inductor and (on a GPU)
     capture one graph per piece per size in ``capture_sizes``.
@@ -786,6 +869,9 @@ def compile_piecewise(
         capture: capture now (else call ``runner.capture()`` later).
         graph_backend: what captures and replays (default ``CudaGraphBackend``);
             ``RerunGraphBackend()`` emulates graphs without a GPU (tests).
+        decode_graphs: also capture each size's whole decode step (pieces and attention) as
+            one graph, replayed for steps whose every sequence decodes one token (sizes up
+            to ``max_num_seqs``); other steps use the piecewise graphs.
     """
     p = next(model.parameters())
     device = p.device
@@ -801,6 +887,7 @@ def compile_piecewise(
         model, capture_sizes=sizes, max_num_seqs=max_num_seqs or top,
         max_num_tokens=max_num_tokens or top, max_model_len=max_model_len,
         use_cuda_graphs=use_cuda_graphs, plugin=plugin, device=device,
+        decode_graphs=decode_graphs,
     )
     runner._graph_backend = graph_backend
     if capture and use_cuda_graphs:

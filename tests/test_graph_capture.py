@@ -171,20 +171,64 @@ def test_replay_discipline_with_rerun_graphs(compiled):
             p.graphs.clear()
 
 
+def test_whole_decode_step_graphs_with_rerun_graphs(compiled):
+    """decode_graphs: a decode-only step replays one graph of the whole step (pieces and
+    attention) captured on fixed-shape metadata views; other steps use the piecewise graphs.
+    On CPU the rerun backend stands in for graphs, so stale inputs would show as errors."""
+    runner, model, ref, _ = compiled
+    runner._graph_backend = RerunGraphBackend()
+    runner.use_cuda_graphs = True
+    runner.decode_graphs = True
+    try:
+        before = runner.stats.num_captures  # the runner is shared: count this test's captures
+        runner.capture()
+        sizes_with_step_graph = [s for s in SIZES if s <= runner.buffers.max_num_seqs]
+        assert sorted(runner._step_graphs) == sizes_with_step_graph
+        assert runner.stats.num_captures - before == (
+            len(runner.pieces) * len(SIZES) + len(sizes_with_step_graph))
+        res = run_mixed_decode(runner, ref, steps=12, max_seqs=8, max_len=100, seed=3)
+        assert res.whole_step_steps > 0 and res.mixed_steps > 0  # both kinds of step ran
+        assert res.graphs_bitwise_equal_pieces
+        assert res.max_rel_err < 1e-5 and res.argmax_agreement == 1.0, res
+        assert res.captures_after == res.captures_before
+        # A decode step can still be planned for the piecewise graphs.
+        alloc = ira.BlockAllocator(160, 16, shuffle_seed=9)
+        tables = [list(alloc.allocate(i, 5)) for i in range(3)]
+        md = runner.prepare([1, 1, 1], [4, 4, 4], tables, whole_step=False)
+        assert not runner.replays_whole_step(md)
+        md = runner.prepare([1, 1, 1], [4, 4, 4], tables)  # padded to 4: one empty sequence
+        assert runner.replays_whole_step(md)
+        assert md.seq_lens.tolist() == [5, 5, 5, 0] and md.query_start_loc.tolist() == [0, 1, 2, 3, 3]
+        assert md.max_seq_len == runner.max_model_len and md.num_actual_tokens == 3
+        assert tuple(md.block_table.shape) == (4, runner.buffers.max_blocks_per_seq)
+        assert md.slot_mapping[3].item() == -1
+    finally:
+        runner._captured = frozenset()
+        runner.use_cuda_graphs = False
+        runner.decode_graphs = False
+        runner._step_graphs.clear()
+        runner._step_md = None
+        for p in runner.pieces:
+            p.graphs.clear()
+
+
 @pytest.mark.gpu
-def test_graph_replay_matches_eager_200_mixed_steps():
+@pytest.mark.parametrize("decode_graphs", [False, True], ids=["piecewise", "decode_graphs"])
+def test_graph_replay_matches_eager_200_mixed_steps(decode_graphs):
     """Graphs replayed with changing lengths, block tables and (padded) sizes: bitwise equal
     to the compiled pieces without graphs, equal to eager up to bf16 rounding; no
-    re-capture in steady state."""
+    re-capture in steady state. With decode_graphs, decode-only steps replay one graph of
+    the whole step (attention inside)."""
     cfg = qwen3_config(num_layers=3, hidden_size=512, intermediate_size=1024, num_heads=8,
                        num_kv_heads=4, head_size=64)
     model, ref = _pair(cfg, num_blocks=1024, dtype=torch.bfloat16, device="cuda")
     runner = compile_piecewise(model, capture_sizes=[1, 2, 4, 8, 16, 32, 64], max_num_seqs=32,
-                               max_model_len=512)
-    assert runner.stats.num_captures == len(runner.pieces) * 7
+                               max_model_len=512, decode_graphs=decode_graphs)
+    assert runner.stats.num_captures == len(runner.pieces) * 7 + (6 if decode_graphs else 0)
     res = run_mixed_decode(runner, ref, steps=200, max_seqs=24, max_len=400, seed=0)
     assert res.finite
     assert res.graph_steps == res.steps
+    assert (res.whole_step_steps > 0) == decode_graphs
     assert res.padded_steps > 0 and res.mixed_steps > 0
     assert res.graphs_bitwise_equal_pieces
     assert res.captures_after == res.captures_before
