@@ -213,7 +213,7 @@ def main():
         write_md(res, out_json[:-5] + ".md")
 
     def stage_ok(name):
-        if name in args.skip:
+        if name in args.skip or name.split("_B[")[0] in args.skip:  # "compile_B[8, 32]" -> compile
             res["skipped"].append(f"{name} (--skip)")
             return False
         if time.perf_counter() - T_START > args.deadline_s:

@@ -851,7 +851,7 @@ def compile_piecewise(
     plugin: bool | None = None,
     capture: bool = True,
     graph_backend: Any = None,
-    decode_graphs: bool = False,
+    decode_graphs: bool = True,
 ) -> PiecewiseRunner:
     """Split ``model`` at its attention ops, compile the pieces with Inductor and (on a GPU)
     capture one graph per piece per size in ``capture_sizes``.
@@ -871,7 +871,8 @@ def compile_piecewise(
             ``RerunGraphBackend()`` emulates graphs without a GPU (tests).
         decode_graphs: also capture each size's whole decode step (pieces and attention) as
             one graph, replayed for steps whose every sequence decodes one token (sizes up
-            to ``max_num_seqs``); other steps use the piecewise graphs.
+            to ``max_num_seqs``); other steps use the piecewise graphs. H200, 28-layer
+            model, B=64: 5.56 ms a step, piecewise graphs 5.9-6.5 ms; B=1: 1.32 vs 4.4-7.3.
     """
     p = next(model.parameters())
     device = p.device

@@ -155,6 +155,7 @@ def test_replay_discipline_with_rerun_graphs(compiled):
     runner, model, ref, _ = compiled
     runner._graph_backend = RerunGraphBackend()
     runner.use_cuda_graphs = True
+    runner.decode_graphs = False  # the piecewise graphs alone (whole steps: the next test)
     try:
         runner.capture()
         n = runner.stats.num_captures
