@@ -116,23 +116,23 @@ def _paged_decode_kernel(
             acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
             kv_head, t_lo, t_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
             COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
-            False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION)
+            False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, True)
     else:  # masked first tile, unmasked middle, masked last tile
         acc, m_i, l_i = _paged_inner(
             acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
             kv_head, t_lo, f_lo, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
             COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
-            False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION)
+            False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, True)
         acc, m_i, l_i = _paged_inner(
             acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
             kv_head, f_lo, f_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
             COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
-            False, False, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION)
+            False, False, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION, True)
         acc, m_i, l_i = _paged_inner(
             acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
             kv_head, f_hi, t_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
             COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
-            False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION)
+            False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, True)
 
     _store_decode(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, heads, offs_d, h_ok, d_ok,
                   seq, q_start, split, v_scale, out_scale_ptr,

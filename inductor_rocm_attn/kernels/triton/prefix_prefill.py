@@ -137,6 +137,7 @@ def _load_paged_kv(
     stride_kcb, stride_kch, stride_vcb, stride_vch,
     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, X: tl.constexpr,
     TILE_N: tl.constexpr, INTERLEAVED_V: tl.constexpr, MASK: tl.constexpr,
+    V_PACKETS: tl.constexpr,
 ):
     """Gather keys ``start .. start+TILE_N`` of one KV head from the cache.
 
@@ -156,11 +157,13 @@ def _load_paged_kv(
         k = tl.load(k_cache_ptr + k_offs, mask=d_ok[:, None] & run_ok[None, :], other=0.0)
     else:
         k = tl.load(k_cache_ptr + k_offs)
-    if INTERLEAVED_V:
+    if INTERLEAVED_V and V_PACKETS:
         # V page [BLOCK_SIZE/X, HEAD, X]: X tokens of a channel per packet. Loaded as
         # [HEAD, packets, X] so that consecutive lanes read consecutive packets (Triton gives
         # the lanes the first dim after the contiguous one), then viewed as [TILE_N, HEAD].
         # H200, one warp, B=64, L=2048: 174 us; the 2-D gather (lanes 2 KB apart) 269 us.
+        # Decode only: in the 8-warp prefill tile it doubles the barriers (sm_90 SASS), and
+        # it has not been timed there.
         offs_x = tl.arange(0, X)
         G: tl.constexpr = TILE_N // X
         blk_g = tl.max(tl.reshape(blk, (G, X)), axis=1)  # runs never split a packet
@@ -175,9 +178,14 @@ def _load_paged_kv(
         else:
             v3 = tl.load(v_cache_ptr + v_offs)
         v = tl.reshape(tl.permute(v3, (1, 2, 0)), (TILE_N, BLOCK_D))
-    else:  # V page [HEAD, BLOCK_SIZE]: a lane's packet is X tokens of one channel
-        v_offs = (blk[:, None] * stride_vcb + kv_head * stride_vch
-                  + offs_d[None, :] * BLOCK_SIZE + in_blk[:, None])
+    else:
+        if INTERLEAVED_V:  # a 2-D gather: a warp's lanes on two runs 2 KB apart (bs 16)
+            v_offs = (blk[:, None] * stride_vcb + kv_head * stride_vch
+                      + (in_blk // X)[:, None] * (HEAD_SIZE * X) + offs_d[None, :] * X
+                      + (in_blk % X)[:, None])
+        else:  # V page [HEAD, BLOCK_SIZE]: a lane's packet is X tokens of one channel
+            v_offs = (blk[:, None] * stride_vcb + kv_head * stride_vch
+                      + offs_d[None, :] * BLOCK_SIZE + in_blk[:, None])
         if MASK or BLOCK_D != HEAD_SIZE:
             v = tl.load(v_cache_ptr + v_offs, mask=run_ok[:, None] & d_ok[None, :], other=0.0)
         else:
@@ -195,7 +203,7 @@ def _paged_inner(
     BLOCK_D: tl.constexpr, X: tl.constexpr, TILE_N: tl.constexpr, SUB: tl.constexpr,
     INTERLEAVED_V: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr, MASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, V_PACKETS: tl.constexpr,
 ):
     """Online softmax over cache tiles ``tile_lo .. tile_hi`` (tile t = tokens t*TILE_N ..).
 
@@ -216,7 +224,7 @@ def _paged_inner(
         k, v, k_pos, k_ok = _load_paged_kv(
             k_cache_ptr, v_cache_ptr, blk_t, run_ok_t, kv_head, t * TILE_N, lo, hi,
             stride_kcb, stride_kch, stride_vcb, stride_vch,
-            BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, INTERLEAVED_V, MASK)
+            BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, INTERLEAVED_V, MASK, V_PACKETS)
         k = k.to(COMPUTE)
         v = v.to(COMPUTE)
         if MASK:  # unwritten slots may hold anything (NaN): 0 * NaN would poison the sum
@@ -372,17 +380,17 @@ def _prefix_prefill_kernel(
         acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
         kv_head, t0, t1, lo, hi, stride_kcb, stride_kch, stride_vcb, stride_vch,
         COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, BLOCK_N, SUB, INTERLEAVED_V,
-        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION)
+        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, False)
     acc, m_i, l_i = _paged_inner(
         acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
         kv_head, t1, t2, lo, hi, stride_kcb, stride_kch, stride_vcb, stride_vch,
         COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, BLOCK_N, SUB, INTERLEAVED_V,
-        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION)
+        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION, False)
     acc, m_i, l_i = _paged_inner(
         acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
         kv_head, t2, t3, lo, hi, stride_kcb, stride_kch, stride_vcb, stride_vch,
         COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, BLOCK_N, SUB, INTERLEAVED_V,
-        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION)
+        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, False)
     if FP8_KV:
         # The cache part was accumulated from V / v_scale units: bring it to model units.
         acc = acc * v_scale
