@@ -80,6 +80,37 @@ def _paged_gather_kernel(out_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, stride_kb,
     tl.store(out_ptr + (seq * tl.num_programs(1) + head), tl.sum(acc, 0))
 
 
+@triton.jit
+def _paged_gather_tiles_kernel(out_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, stride_kb, stride_kh,
+                               stride_vb, stride_vh, stride_bt, HEAD: tl.constexpr,
+                               BLOCK_SIZE: tl.constexpr, X: tl.constexpr, TILE: tl.constexpr,
+                               CHUNK: tl.constexpr):
+    """The same pages as ``_paged_gather_kernel``, read with the decode kernel's tile
+    addressing (K ``[HEAD, TILE]`` over the x-packed page, V ``[TILE, HEAD]``; standard V,
+    TILE divides BLOCK_SIZE): what that access pattern alone costs, with no attention math.
+    One warp per program and ``CHUNK`` keys each (grid axis 2), so that many warps per SM
+    hide latency and only the addressing is measured."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    chunk = tl.program_id(2)
+    n_tiles = tl.load(seq_lens_ptr + seq) // TILE
+    t_lo = chunk * (CHUNK // TILE)
+    t_hi = tl.minimum(t_lo + CHUNK // TILE, n_tiles)
+    offs_d = tl.arange(0, HEAD)
+    offs_n = tl.arange(0, TILE)
+    acc = tl.zeros([HEAD, TILE], tl.float32)
+    for t in range(t_lo, t_hi):
+        blk = tl.load(bt_ptr + seq * stride_bt + (t * TILE) // BLOCK_SIZE).to(tl.int64)
+        in_blk = (t * TILE) % BLOCK_SIZE + offs_n
+        k = tl.load(k_ptr + blk * stride_kb + head * stride_kh + (offs_d // X)[:, None] * (BLOCK_SIZE * X)
+                    + in_blk[None, :] * X + (offs_d % X)[:, None])
+        v = tl.load(v_ptr + blk * stride_vb + head * stride_vh + offs_d[None, :] * BLOCK_SIZE
+                    + in_blk[:, None])
+        acc += k.to(tl.float32) + tl.trans(v).to(tl.float32)
+    pid = (seq * tl.num_programs(1) + head) * tl.num_programs(2) + chunk
+    tl.store(out_ptr + pid, tl.sum(tl.sum(acc, 1), 0))
+
+
 class DecodeCase:
     def __init__(self, b: int, L: int, seed: int = 0, layout=CacheLayout.LHBNC, sequential=False):
         g = torch.Generator(device="cuda").manual_seed(seed)
@@ -112,6 +143,17 @@ class DecodeCase:
             sink, kc, vc, self.block_table, self.seq_lens, kc.stride(0), kc.stride(1),
             vc.stride(0), vc.stride(1), self.block_table.stride(0), PAGE=BS * D,
             BLOCK_SIZE=BS, num_warps=warps, num_stages=4)
+
+    def gather_tiles(self):
+        """The gather peer with the decode kernel's tile addressing (standard V only)."""
+        kc = k_view(self.kv_cache, HKV)
+        vc = v_view(self.kv_cache, HKV, False)
+        chunks = triton.cdiv(self.L, 256)
+        sink = torch.empty(self.b * HKV * chunks, dtype=torch.float32, device="cuda")
+        _paged_gather_tiles_kernel[(self.b, HKV, chunks)](
+            sink, kc, vc, self.block_table, self.seq_lens, kc.stride(0), kc.stride(1),
+            vc.stride(0), vc.stride(1), self.block_table.stride(0), HEAD=D, BLOCK_SIZE=BS,
+            X=kc.shape[-1], TILE=16, CHUNK=256, num_warps=1, num_stages=3)
 
     def dense(self):
         """Contiguous K, V ``[B, HKV, L, D]`` holding the same tokens (for SDPA)."""
@@ -159,16 +201,20 @@ def main():
             t_sdpa = graph_time_us(lambda: F.scaled_dot_product_attention(
                 q4, k, v, scale=c.scale, enable_gqa=True))
             t_gather = graph_time_us(c.gather)
+            # the same pages with the decode kernel's tile addressing (standard V only)
+            t_tiles = None if INTERLEAVED_V else graph_time_us(c.gather_tiles)
             nbytes = 2 * b * L * HKV * D * 2 + 2 * b * HQ * D * 2
             row = dict(B=b, L=L, splits=splits, triton_us=t_tri, sdpa_us=t_sdpa, gather_us=t_gather,
                        gather_tbs=2 * b * L * HKV * D * 2 / t_gather / 1e6,
+                       gather_tiles_tbs=None if t_tiles is None else 2 * b * L * HKV * D * 2 / t_tiles / 1e6,
                        triton_tbs=nbytes / t_tri / 1e6, sdpa_tbs=nbytes / t_sdpa / 1e6,
                        ratio_vs_sdpa=t_tri / t_sdpa, frac_of_ceiling=nbytes / t_tri / 1e6 / ceiling,
                        rel_err_vs_sdpa=err)
             rows.append(row)
             print(f"B={b:4d} L={L:6d} splits={splits:2d}  triton {t_tri:8.1f} us {row['triton_tbs']:5.2f} TB/s"
                   f"  sdpa {t_sdpa:8.1f} us {row['sdpa_tbs']:5.2f} TB/s  x{row['ratio_vs_sdpa']:.2f}"
-                  f"  gather {row['gather_tbs']:5.2f} TB/s  err {err:.1e}",
+                  f"  gather {row['gather_tbs']:5.2f} TB/s"
+                  + (f" (tiles {row['gather_tiles_tbs']:5.2f})" if t_tiles else "") + f"  err {err:.1e}",
                   flush=True)
             if args.sweep and (args.cfgs or L == 4096):
                 # (config, splits): rows = warps share a [16, TILE_N] tile; streams = one key
@@ -213,13 +259,15 @@ def main():
              f"`{meta['command']}`; torch {meta['torch']}, triton {meta['triton']}; bf16, "
              f"heads {HQ}/{HKV}, d={D}, block {BS}; read ceiling {ceiling:.2f} TB/s; {meta['timing']}", "",
              "Paged gather: the same K/V pages read through the block table with no attention math "
-             "(the best a paged kernel can do with this placement).", "",
-             "| B | L | splits | Triton us | TB/s | % ceiling | SDPA us | SDPA TB/s | Triton/SDPA | gather TB/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "(the best a paged kernel can do with this placement); gather tiles: the same with the "
+             "decode kernel's tile addressing, one warp (standard V only).", "",
+             "| B | L | splits | Triton us | TB/s | % ceiling | SDPA us | SDPA TB/s | Triton/SDPA | gather TB/s | gather tiles TB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['B']} | {r['L']} | {r['splits']} | {r['triton_us']:.1f} | {r['triton_tbs']:.2f} | "
                      f"{100 * r['frac_of_ceiling']:.0f}% | {r['sdpa_us']:.1f} | {r['sdpa_tbs']:.2f} | "
-                     f"{r['ratio_vs_sdpa']:.2f} | {r['gather_tbs']:.2f} |")
+                     f"{r['ratio_vs_sdpa']:.2f} | {r['gather_tbs']:.2f} | "
+                     + (f"{r['gather_tiles_tbs']:.2f} |" if r['gather_tiles_tbs'] else "- |"))
     md = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, f"decode_{stamp}.md"), "w") as f:
         f.write(md)
