@@ -74,9 +74,12 @@ run_bench() {
     decode) args="benchmarks/bench_decode.py ${DECODE_ARGS:---batch 1 16 64 128 --ctx 4096}";;
     prefill) args="benchmarks/bench_prefill.py ${PREFILL_ARGS:-}";;
     writers) args="benchmarks/bench_fused_writers.py";;
-    # diagnostics of the decode kernel: placement and block size at B=64, L=4096
+    # diagnostics of the decode kernel: placement and block size at B=64, L=4096 (both print
+    # the gather peers: the pages read with no math, 1-D and with the kernel's tile addressing)
     decode_seq) args="benchmarks/bench_decode.py --batch 64 --ctx 4096 --sequential";;
     decode_bs64) args="benchmarks/bench_decode.py --batch 64 --ctx 4096 --block-size 64";;
+    # the end-to-end model's decode shape (GQA 2, interleaved V), configs side by side
+    decode_e2e_shape) args="benchmarks/bench_decode.py --batch 64 --ctx 2048 --q-heads 16 --interleaved-v --sweep --cfgs 16,1,3,rows3 16,1,3,rows 32,1,3,rows3";;
   esac
   timeout ${BENCH_S:-35} python3 $args --out $OUT/$b >>$LOG 2>&1; echo "rc=$?" >>$LOG
   pack $b
