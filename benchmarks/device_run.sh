@@ -79,7 +79,9 @@ run_bench() {
     decode_seq) args="benchmarks/bench_decode.py --batch 64 --ctx 4096 --sequential";;
     decode_bs64) args="benchmarks/bench_decode.py --batch 64 --ctx 4096 --block-size 64";;
     # the end-to-end model's decode shape (GQA 2, interleaved V), configs side by side
-    decode_e2e_shape) args="benchmarks/bench_decode.py --batch 64 --ctx 2048 --q-heads 16 --interleaved-v --sweep --cfgs 16,1,3,rows3 16,1,3,rows 32,1,3,rows3";;
+    decode_e2e_shape) args="benchmarks/bench_decode.py --batch 64 --ctx 2048 --q-heads 16 --interleaved-v --sweep --cfgs 16,1,3,rows3 16,1,3,keys3 32,1,3,keys3 16,1,4,keys3";;
+    # keys-major decode (paged_decode.py) against the default, B x L of the Triton issue
+    decode_keys) args="benchmarks/bench_decode.py --batch 1 16 64 128 --ctx 4096 --sweep --cfgs 16,1,3,rows3 16,1,3,keys3 32,1,3,keys3 16,1,4,keys3 16,1,3,keys";;
   esac
   timeout ${BENCH_S:-35} python3 $args --out $OUT/$b >>$LOG 2>&1; echo "rc=$?" >>$LOG
   pack $b

@@ -178,11 +178,12 @@ def test_paged_attention_interpreter(query_lens, context_lens, kw):
     _check_paged(query_lens, context_lens, **kw)
 
 
-@pytest.mark.parametrize("kind", ["streams", "streams3"])
+@pytest.mark.parametrize("kind", ["streams", "streams3", "keys", "keys3"])
 @pytest.mark.parametrize("query_lens,context_lens,kw", [c[1:] for c in CPU_CASES],
                          ids=[c[0] for c in CPU_CASES])
-def test_paged_decode_streams_interpreter(query_lens, context_lens, kw, kind):
-    """The one-stream-per-warp decode kernel (2 streams of 16 keys) over the same matrix."""
+def test_paged_decode_variants_interpreter(query_lens, context_lens, kw, kind):
+    """The other decode kinds over the same matrix: one stream per warp (2 streams of 16
+    keys), keys-major (32-key tiles, 2 warps)."""
     if torch.cuda.is_available():
         pytest.skip("interpreter matrix; the gpu tests cover CUDA")
     tile = kw.get("decode_cfg", (32,))[0]
@@ -370,6 +371,10 @@ GPU_FEATURES = [
     ("split", dict(num_splits=7)),
     ("three_loop_decode", dict(sliding_window=500, decode_cfg=(32, 4, 3, "rows3"))),
     ("one_warp_three_loop_decode", dict(sliding_window=500, decode_cfg=(16, 1, 3, "rows3"))),
+    ("keys_major_decode_alibi_softcap", dict(sliding_window=500, alibi=True, softcap=8.0,
+                                             decode_cfg=(16, 1, 3, "keys3"))),
+    ("keys_major_one_loop_split_sinks", dict(sinks=True, num_splits=5,
+                                             decode_cfg=(32, 2, 3, "keys"))),
     ("rows_decode_window_alibi", dict(sliding_window=300, alibi=True, decode_cfg=(64, 4, 3, "rows"))),
     ("streams_decode_window_alibi", dict(sliding_window=300, alibi=True,
                                          decode_cfg=(64, 4, 3, "streams3"))),
@@ -396,8 +401,9 @@ def test_paged_attention_gpu(geom, feat, dtype):
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("interleaved_v", [False, True])
 @pytest.mark.parametrize("num_splits", [None, 4])
-@pytest.mark.parametrize("decode_cfg", [None, (64, 4, 3, "rows"), (64, 4, 3, "streams3")],
-                         ids=["default", "rows", "streams3"])
+@pytest.mark.parametrize("decode_cfg", [None, (64, 4, 3, "rows"), (64, 4, 3, "streams3"),
+                                        (32, 1, 3, "keys3")],
+                         ids=["default", "rows", "streams3", "keys3"])
 def test_paged_attention_gpu_fp8_cache(cache_dtype, interleaved_v, num_splits, decode_cfg):
     _check_paged([1, 130, 1], [1500, 400, 33], num_heads=32, num_kv_heads=8, head_size=128,
                  dtype=torch.bfloat16, cache_dtype=cache_dtype, interleaved_v=interleaved_v,

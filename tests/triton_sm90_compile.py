@@ -144,7 +144,9 @@ def main() -> int:
             runs = [(([1, 1, 1], [40, 7, 100]), None), (([1, 1], [2000, 1500]), None),
                     (([5, 1], [20, 33]), None)]
             runs += [(([1, 1, 1], [40, 7, 100]), cfg) for cfg in ((64, 4, 3, "streams3"),
-                                                                  (32, 2, 3, "streams"))]
+                                                                  (32, 2, 3, "streams"),
+                                                                  (16, 1, 3, "keys3"),
+                                                                  (32, 2, 3, "keys"))]
             for (qlens, clens), cfg in runs:
                 n = sum(qlens)
                 qsl = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0).tolist()), dtype=torch.int32)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ...layout import cache_x, fp8_max, is_fp8_dtype, k_view, v_view
-from .paged_decode import _paged_decode_streams_kernel, _store_decode
+from .paged_decode import _keys_inner, _keys_q_chunks, _paged_decode_streams_kernel, _store_decode
 from .prefix_prefill import _LOG2E, _paged_inner, _prefix_prefill_kernel, _tiles
 
 __all__ = ["paged_attention", "decode_config", "prefill_config", "num_kv_splits"]
@@ -52,7 +52,7 @@ def _paged_decode_kernel(
     USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, FP8_KV: tl.constexpr, INTERLEAVED_V: tl.constexpr,
     USE_OUT_SCALE: tl.constexpr, OUT_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ONE_LOOP: tl.constexpr,
+    ONE_LOOP: tl.constexpr, KEYS_MAJOR: tl.constexpr,
 ):
     """Grid ``(num_seqs, num_kv_heads * HEAD_CHUNKS, NUM_SPLITS)``; only query_len == 1.
 
@@ -109,30 +109,58 @@ def _paged_decode_kernel(
             # V is accumulated in cache units and scaled at the end; the sink's value is 0.
 
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
-    if ONE_LOOP:
-        # One software pipeline over all tiles (masks everywhere): a split holds few tiles,
-        # and three loops would each start their pipeline cold.
-        acc, m_i, l_i = _paged_inner(
-            acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
-            kv_head, t_lo, t_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
-            COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
-            False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, True)
-    else:  # masked first tile, unmasked middle, masked last tile
-        acc, m_i, l_i = _paged_inner(
-            acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
-            kv_head, t_lo, f_lo, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
-            COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
-            False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, True)
-        acc, m_i, l_i = _paged_inner(
-            acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
-            kv_head, f_lo, f_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
-            COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
-            False, False, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION, True)
-        acc, m_i, l_i = _paged_inner(
-            acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
-            kv_head, f_hi, t_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
-            COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
-            False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, True)
+    if KEYS_MAJOR:  # products transposed: both cache tiles load in memory order (paged_decode.py)
+        acc_t = tl.zeros([BLOCK_D, BLOCK_H], tl.float32)
+        q_t = _keys_q_chunks(q_ptr + q_start.to(tl.int64) * stride_qt, heads, h_ok, stride_qh,
+                             COMPUTE, HEAD_SIZE, BLOCK_D, BLOCK_H)
+        if ONE_LOOP:
+            acc_t, m_i, l_i = _keys_inner(
+                acc_t, m_i, l_i, q_t, q_pos, slope, sm, softcap, k_cache_ptr, v_cache_ptr, bt_row,
+                kv_head, t_lo, t_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
+                COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, BLOCK_H, X, TILE_N, SUB, INTERLEAVED_V,
+                USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION)
+        else:
+            acc_t, m_i, l_i = _keys_inner(
+                acc_t, m_i, l_i, q_t, q_pos, slope, sm, softcap, k_cache_ptr, v_cache_ptr, bt_row,
+                kv_head, t_lo, f_lo, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
+                COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, BLOCK_H, X, TILE_N, SUB, INTERLEAVED_V,
+                USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION)
+            acc_t, m_i, l_i = _keys_inner(
+                acc_t, m_i, l_i, q_t, q_pos, slope, sm, softcap, k_cache_ptr, v_cache_ptr, bt_row,
+                kv_head, f_lo, f_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
+                COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, BLOCK_H, X, TILE_N, SUB, INTERLEAVED_V,
+                USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION)
+            acc_t, m_i, l_i = _keys_inner(
+                acc_t, m_i, l_i, q_t, q_pos, slope, sm, softcap, k_cache_ptr, v_cache_ptr, bt_row,
+                kv_head, f_hi, t_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
+                COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, BLOCK_H, X, TILE_N, SUB, INTERLEAVED_V,
+                USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION)
+        acc = tl.trans(acc_t)
+    else:
+        if ONE_LOOP:
+            # One software pipeline over all tiles (masks everywhere): a split holds few tiles,
+            # and three loops would each start their pipeline cold.
+            acc, m_i, l_i = _paged_inner(
+                acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
+                kv_head, t_lo, t_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
+                COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
+                False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, True)
+        else:  # masked first tile, unmasked middle, masked last tile
+            acc, m_i, l_i = _paged_inner(
+                acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
+                kv_head, t_lo, f_lo, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
+                COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
+                False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, True)
+            acc, m_i, l_i = _paged_inner(
+                acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
+                kv_head, f_lo, f_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
+                COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
+                False, False, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION, True)
+            acc, m_i, l_i = _paged_inner(
+                acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
+                kv_head, f_hi, t_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
+                COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
+                False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, True)
 
     _store_decode(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, heads, offs_d, h_ok, d_ok,
                   seq, q_start, split, v_scale, out_scale_ptr,
@@ -190,6 +218,8 @@ DECODE_KINDS = (
     "streams3",  # the same, masked first / unmasked middle / masked last tile
     "rows",  # _paged_decode_kernel, one masked loop: warps share a [BLOCK_H, TILE_N] tile
     "rows3",  # _paged_decode_kernel, masked first / unmasked middle / masked last tile
+    "keys",  # _paged_decode_kernel keys-major (paged_decode.py), one masked loop
+    "keys3",  # the same, masked first / unmasked middle / masked last tile
 )
 _DECODE_TUNED: dict[tuple, tuple[int, int, int, str]] = {
     # key: (head_size, gqa, block_size, cache dtype, interleaved V). Results: s7_decode_sweep*,
@@ -366,8 +396,9 @@ def paged_attention(
         max_ctx = max_seq_len if max_seq_len is not None else block_table.shape[1] * block_size
         sms = 8 if interpret else _num_sms(query.device.index or 0)
         num_splits = num_kv_splits(num_seqs, num_kv_heads, head_chunks, max_ctx, sms)
-        if kind == "rows3" and decode_cfg is None and max_ctx <= ONE_LOOP_MAX_TILES * tile_n * num_splits:
-            kind = "rows"
+        if kind in ("rows3", "keys3") and decode_cfg is None and (
+                max_ctx <= ONE_LOOP_MAX_TILES * tile_n * num_splits):
+            kind = kind[:-1]
     if num_splits > 1:
         part_acc = torch.empty(num_seqs, num_heads, num_splits, head_size, dtype=torch.float32,
                                device=query.device)
@@ -395,7 +426,8 @@ def paged_attention(
     else:
         _paged_decode_kernel[grid](
             *decode_args, TILE_N=tile_n, SUB=min(tile_n, _pow2_part(block_size)),
-            ONE_LOOP=kind == "rows", num_warps=warps, num_stages=stages, **shape, **common)
+            ONE_LOOP=kind in ("rows", "keys"), KEYS_MAJOR=kind.startswith("keys"),
+            num_warps=warps, num_stages=stages, **shape, **common)
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             output, part_acc, part_ml, query_start_loc, v_scale, ptrs[4],

@@ -1,4 +1,17 @@
-"""Paged decode with one key stream per warp (FlashDecoding inside a CTA).
+"""Decode variants of the paged-attention loop: one key stream per warp, and keys-major.
+
+**Keys-major** (``_keys_inner``, kinds "keys"/"keys3" of ``_paged_decode_kernel``): the
+same online softmax with the products transposed, ``S^T = K Q^T`` and ``O^T += V^T P^T``;
+the query heads are the dots' N dimension and both cache tiles are first operands, read in
+their page's memory order. K goes 16 channels a dot (``_keys_scores``): the rows kernel's
+``[HEAD, TILE_N]`` K gather puts a warp's lanes on 16 packets 256 bytes apart (one sector of
+16 lines per instruction); a ``[TILE_N, 16]`` chunk puts them on consecutive packets and
+still feeds its dot straight from (swizzled) shared memory, which a ``[TILE_N, HEAD/X, X]``
+load reshaped to ``[TILE_N, HEAD]`` does not (Triton stages it unswizzled: bank conflicts).
+V^T is ``[HEAD, TILE_N]``, a standard page as it is, an interleaved one loaded as
+``[HEAD, packets, X]`` and reshaped.
+
+**Streams**:
 
 Why not the prefill loop with 16 query rows: a decode tile has only GQA real query rows
 (4 for Llama-70B-style heads), so Triton spreads the 4 warps of a ``[16, TILE_N]`` score
@@ -18,7 +31,115 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .prefix_prefill import _LOG2E, _store_rows, _tanh
+from .prefix_prefill import _LOG2E, _block_ids, _store_rows, _tanh, _v_packets
+
+
+@triton.jit
+def _keys_q_chunks(q_row_ptr, heads, h_ok, stride_qh, COMPUTE: tl.constexpr,
+                   HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Q^T of one decode row block as a tuple of ``[16, BLOCK_H]`` channel chunks."""
+    q_t = ()
+    for c in tl.static_range(BLOCK_D // 16):
+        offs_d = c * 16 + tl.arange(0, 16)
+        chunk = tl.load(q_row_ptr + heads[None, :] * stride_qh + offs_d[:, None],
+                        mask=h_ok[None, :] & (offs_d < HEAD_SIZE)[:, None], other=0.0)
+        q_t = q_t + (chunk.to(COMPUTE),)
+    return q_t
+
+
+@triton.jit
+def _keys_scores(q_t, k_cache_ptr, blk, run_ok, kv_head, start, stride_kcb, stride_kch,
+                 COMPUTE: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, X: tl.constexpr,
+                 TILE_N: tl.constexpr, MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``K Q^T`` ``[TILE_N, BLOCK_H]`` of keys ``start ..``, 16 channels a dot: a chunk's
+    ``[TILE_N, 16]`` K tile is narrow enough that a warp's lanes walk the tokens (consecutive
+    16-byte packets of the page), and it feeds its dot straight from shared memory."""
+    in_blk = (start + tl.arange(0, TILE_N)) % BLOCK_SIZE
+    base = blk * stride_kcb + kv_head * stride_kch + in_blk * X  # [TILE_N]
+    s = tl.zeros([TILE_N, BLOCK_H], tl.float32)
+    for c in tl.static_range(BLOCK_D // 16):
+        offs_d = c * 16 + tl.arange(0, 16)
+        ptrs = k_cache_ptr + base[:, None] + ((offs_d // X) * (BLOCK_SIZE * X) + offs_d % X)[None, :]
+        if MASK or BLOCK_D != HEAD_SIZE:
+            k = tl.load(ptrs, mask=run_ok[:, None] & (offs_d < HEAD_SIZE)[None, :], other=0.0)
+        else:
+            k = tl.load(ptrs)
+        s = tl.dot(k.to(COMPUTE), q_t[c], s, input_precision=DOT_PRECISION)
+    return s
+
+
+@triton.jit
+def _keys_values(v_cache_ptr, blk, run_ok, kv_head, start, stride_vcb, stride_vch,
+                 BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+                 X: tl.constexpr, TILE_N: tl.constexpr, INTERLEAVED_V: tl.constexpr,
+                 MASK: tl.constexpr):
+    """V^T ``[BLOCK_D, TILE_N]`` of keys ``start ..`` (cache dtype), read in page order:
+    standard pages are ``[HEAD, BLOCK_SIZE]`` already; interleaved ones are loaded as
+    ``[HEAD, packets, X]`` and reshaped."""
+    offs_n = start + tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_SIZE
+    if INTERLEAVED_V:  # V page [BLOCK_SIZE/X, HEAD, X]
+        v3 = _v_packets(v_cache_ptr, blk, run_ok, kv_head, start, stride_vcb, stride_vch,
+                        BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, MASK)
+        return tl.reshape(v3, (BLOCK_D, TILE_N))
+    else:  # V page [HEAD, BLOCK_SIZE]
+        v_offs = (blk[None, :] * stride_vcb + kv_head * stride_vch
+                  + offs_d[:, None] * BLOCK_SIZE + (offs_n % BLOCK_SIZE)[None, :])
+        if MASK or BLOCK_D != HEAD_SIZE:
+            return tl.load(v_cache_ptr + v_offs, mask=d_ok[:, None] & run_ok[None, :], other=0.0)
+        else:
+            return tl.load(v_cache_ptr + v_offs)
+
+
+@triton.jit
+def _keys_inner(
+    acc_t, m_i, l_i, q_t, q_pos, slope, sm_scale, softcap,
+    k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head, tile_lo, tile_hi, lo, hi,
+    stride_kcb, stride_kch, stride_vcb, stride_vch,
+    COMPUTE: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, X: tl.constexpr, TILE_N: tl.constexpr,
+    SUB: tl.constexpr, INTERLEAVED_V: tl.constexpr, USE_ALIBI: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Keys-major online softmax over tiles ``tile_lo .. tile_hi`` of one decode row block:
+    ``acc_t`` ``[BLOCK_D, BLOCK_H]``, ``q_t`` the chunks of ``_keys_q_chunks``; keys outside
+    ``[lo, hi)`` are masked when ``MASK``. Block ids are loaded one tile ahead (as in
+    ``_paged_inner``)."""
+    last = tl.maximum(tile_hi - 1, tile_lo)
+    blk, run_ok = _block_ids(bt_row_ptr, tile_lo * TILE_N, lo, hi, BLOCK_SIZE, TILE_N, SUB, True)
+    for t in range(tile_lo, tile_hi):
+        blk_t = blk
+        run_ok_t = run_ok
+        blk, run_ok = _block_ids(bt_row_ptr, tl.minimum(t + 1, last) * TILE_N, lo, hi,
+                                 BLOCK_SIZE, TILE_N, SUB, MASK)
+        qk = _keys_scores(q_t, k_cache_ptr, blk_t, run_ok_t, kv_head, t * TILE_N,
+                          stride_kcb, stride_kch, COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D,
+                          BLOCK_H, X, TILE_N, MASK, DOT_PRECISION)
+        v_t = _keys_values(v_cache_ptr, blk_t, run_ok_t, kv_head, t * TILE_N, stride_vcb,
+                           stride_vch, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N,
+                           INTERLEAVED_V, MASK).to(COMPUTE)
+        k_pos = t * TILE_N + tl.arange(0, TILE_N)
+        k_ok = (k_pos >= lo) & (k_pos < hi)
+        if MASK:  # unwritten slots may hold anything (NaN): 0 * NaN would poison the sum
+            v_t = tl.where(k_ok[None, :], v_t, 0.0)
+        if USE_SOFTCAP:
+            s = (softcap * _LOG2E) * _tanh(qk * (sm_scale / softcap))
+        else:
+            s = qk * (sm_scale * _LOG2E)
+        if USE_ALIBI:
+            s += slope[None, :] * (k_pos[:, None] - q_pos[None, :]).to(tl.float32)
+        if MASK:
+            s = tl.where(k_ok[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc_t = acc_t * alpha[None, :] + tl.dot(v_t, p.to(COMPUTE), input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc_t, m_i, l_i
 
 
 @triton.jit

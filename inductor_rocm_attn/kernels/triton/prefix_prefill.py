@@ -131,6 +131,29 @@ def _block_ids(bt_row_ptr, start, lo, hi, BLOCK_SIZE: tl.constexpr, TILE_N: tl.c
 
 
 @triton.jit
+def _v_packets(v_cache_ptr, blk, run_ok, kv_head, start, stride_vcb, stride_vch,
+               BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+               X: tl.constexpr, TILE_N: tl.constexpr, MASK: tl.constexpr):
+    """V of keys ``start .. start+TILE_N`` from interleaved pages ``[BLOCK_SIZE/X, HEAD, X]``
+    as ``[BLOCK_D, TILE_N/X, X]`` (cache dtype): consecutive lanes read consecutive 16-byte
+    packets (Triton gives the lanes the first dim after the contiguous one)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_x = tl.arange(0, X)
+    G: tl.constexpr = TILE_N // X
+    blk_g = tl.max(tl.reshape(blk, (G, X)), axis=1)  # runs never split a packet
+    ok_g = tl.max(tl.reshape(run_ok.to(tl.int32), (G, X)), axis=1) != 0
+    in_g = ((start % BLOCK_SIZE) // X + tl.arange(0, G)) % (BLOCK_SIZE // X)
+    v_offs = (blk_g[None, :, None] * stride_vcb + kv_head * stride_vch
+              + in_g[None, :, None] * (HEAD_SIZE * X) + offs_d[:, None, None] * X
+              + offs_x[None, None, :])
+    if MASK or BLOCK_D != HEAD_SIZE:
+        return tl.load(v_cache_ptr + v_offs, mask=(offs_d < HEAD_SIZE)[:, None, None] & ok_g[None, :, None],
+                       other=0.0)
+    else:
+        return tl.load(v_cache_ptr + v_offs)
+
+
+@triton.jit
 def _load_paged_kv(
     k_cache_ptr, v_cache_ptr, blk, run_ok,  # cache interiors (K, V views); tile's block ids
     kv_head, start, lo, hi,  # tile starts at token `start`; keys outside [lo, hi) are invalid
@@ -164,19 +187,8 @@ def _load_paged_kv(
         # H200, one warp, B=64, L=2048: 174 us; the 2-D gather (lanes 2 KB apart) 269 us.
         # Decode only: in the 8-warp prefill tile it doubles the barriers (sm_90 SASS), and
         # it has not been timed there.
-        offs_x = tl.arange(0, X)
-        G: tl.constexpr = TILE_N // X
-        blk_g = tl.max(tl.reshape(blk, (G, X)), axis=1)  # runs never split a packet
-        ok_g = tl.max(tl.reshape(run_ok.to(tl.int32), (G, X)), axis=1) != 0
-        in_g = ((start % BLOCK_SIZE) // X + tl.arange(0, G)) % (BLOCK_SIZE // X)
-        v_offs = (blk_g[None, :, None] * stride_vcb + kv_head * stride_vch
-                  + in_g[None, :, None] * (HEAD_SIZE * X) + offs_d[:, None, None] * X
-                  + offs_x[None, None, :])
-        if MASK or BLOCK_D != HEAD_SIZE:
-            v3 = tl.load(v_cache_ptr + v_offs, mask=d_ok[:, None, None] & ok_g[None, :, None],
-                         other=0.0)
-        else:
-            v3 = tl.load(v_cache_ptr + v_offs)
+        v3 = _v_packets(v_cache_ptr, blk, run_ok, kv_head, start, stride_vcb, stride_vch,
+                        BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, MASK)
         v = tl.reshape(tl.permute(v3, (1, 2, 0)), (TILE_N, BLOCK_D))
     else:
         if INTERLEAVED_V:  # a 2-D gather: a warp's lanes on two runs 2 KB apart (bs 16)
