@@ -409,20 +409,13 @@ def write_md(res, path):
         if m in lat:
             lines.append(f"| {m} | " + " | ".join(f"{lat[m][b]:.3f}" if b in lat[m] else "-" for b in batches) + " |")
     lines.append("| memory floor (4.19 TB/s) | " + " | ".join(f"{floor[b]['floor_ms']:.3f}" for b in batches) + " |")
-    if "eager" in lat and "piecewise_graphs" in lat:
-        lines.append("| eager / graphs | " + " | ".join(
-            f"{lat['eager'][b] / lat['piecewise_graphs'][b]:.2f}x" if b in lat["piecewise_graphs"] else "-"
-            for b in batches) + " |")
-        lines.append("| graphs / floor | " + " | ".join(
-            f"{lat['piecewise_graphs'][b] / floor[b]['floor_ms']:.2f}x" if b in lat["piecewise_graphs"] else "-"
-            for b in batches) + " |")
-    if "eager" in lat and "decode_graphs" in lat:
-        lines.append("| eager / decode graphs | " + " | ".join(
-            f"{lat['eager'][b] / lat['decode_graphs'][b]:.2f}x" if b in lat["decode_graphs"] else "-"
-            for b in batches) + " |")
-        lines.append("| decode graphs / floor | " + " | ".join(
-            f"{lat['decode_graphs'][b] / floor[b]['floor_ms']:.2f}x" if b in lat["decode_graphs"] else "-"
-            for b in batches) + " |")
+    for mode, label in (("piecewise_graphs", "graphs"), ("decode_graphs", "decode graphs")):
+        if "eager" in lat and mode in lat:
+            t = lat[mode]
+            lines.append(f"| eager / {label} | " + " | ".join(
+                f"{lat['eager'][b] / t[b]:.2f}x" if b in t else "-" for b in batches) + " |")
+            lines.append(f"| {label} / floor | " + " | ".join(
+                f"{t[b] / floor[b]['floor_ms']:.2f}x" if b in t else "-" for b in batches) + " |")
     lines += ["", f"Compile: `{json.dumps(res['compile'])}`", "", f"Mixed-batch check: `{json.dumps(res['check'])}`",
               "", f"Skipped: {res['skipped']}", "", f"Errors: `{json.dumps(res['errors'])[:3000]}`", ""]
     with open(path, "w") as f:

@@ -308,7 +308,6 @@ def test_num_kv_splits_from_shapes_only():
     assert num_kv_splits(1, 1, 1, 1 << 20, 132) <= MAX_SPLITS
 
 
-
 def test_short_splits_run_the_three_loop_config_as_one_loop(monkeypatch):
     """The heuristic's "rows3" runs as one masked loop when each split holds few tiles (B=1:
     64 splits), and as three loops otherwise; an explicit decode_cfg is taken as given."""
@@ -345,6 +344,7 @@ def test_short_splits_run_the_three_loop_config_as_one_loop(monkeypatch):
     splits, one_loop = run(64, 4096)
     assert splits == 1 and not one_loop
     assert run(1, 4096, decode_cfg=(16, 1, 3, "rows3"))[1] is False
+
 
 # --- GPU matrix ------------------------------------------------------------------------------
 
