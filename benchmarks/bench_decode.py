@@ -89,7 +89,10 @@ def _paged_gather_tiles_kernel(out_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, stri
     addressing (K ``[HEAD, TILE]`` over the x-packed page, V ``[TILE, HEAD]``; standard V,
     TILE divides BLOCK_SIZE): what that access pattern alone costs, with no attention math.
     One warp per program and ``CHUNK`` keys each (grid axis 2), so that many warps per SM
-    hide latency and only the addressing is measured."""
+    hide latency and only the addressing is measured. Loads land in registers (128-bit LDG,
+    sm_90 SASS: Triton pipelines through shared memory only loads that feed a dot), so this
+    bounds the addressing, not the kernel's cp.async path. (Session 8's column lacked the
+    contiguity hints: its V loads were 2-byte scalars and its 3.39 TB/s is void.)"""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     chunk = tl.program_id(2)
@@ -101,7 +104,8 @@ def _paged_gather_tiles_kernel(out_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, stri
     acc = tl.zeros([HEAD, TILE], tl.float32)
     for t in range(t_lo, t_hi):
         blk = tl.load(bt_ptr + seq * stride_bt + (t * TILE) // BLOCK_SIZE).to(tl.int64)
-        in_blk = (t * TILE) % BLOCK_SIZE + offs_n
+        # contiguity hints as in the kernel: without them V loads are 2-byte scalars
+        in_blk = tl.max_contiguous(tl.multiple_of((t * TILE) % BLOCK_SIZE + offs_n, TILE), TILE)
         k = tl.load(k_ptr + blk * stride_kb + head * stride_kh + (offs_d // X)[:, None] * (BLOCK_SIZE * X)
                     + in_blk[None, :] * X + (offs_d % X)[:, None])
         v = tl.load(v_ptr + blk * stride_vb + head * stride_vh + offs_d[None, :] * BLOCK_SIZE
@@ -177,6 +181,8 @@ def main():
     ap.add_argument("--cfgs", nargs="+", default=None,
                     help="only these decode configs, e.g. 16,1,3,rows 64,4,3,rows (with --sweep)")
     ap.add_argument("--block-size", type=int, default=BS, help="cache block size (default 16)")
+    ap.add_argument("--margins", type=float, nargs="*", default=[],
+                    help="also time the default config at these lazy-rescale margins (0: rescale every tile)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     BS = args.block_size
@@ -185,7 +191,7 @@ def main():
     dev = torch.cuda.get_device_name()
     ceiling = read_ceiling_tbs()
     print(f"# {dev}, torch {torch.__version__}, triton {triton.__version__}; read ceiling {ceiling:.2f} TB/s")
-    rows, sweep = [], []
+    rows, sweep, margins = [], [], []
     for b in args.batch:
         for L in args.ctx:
             c = DecodeCase(b, L, seed=b * 7 + L, sequential=args.sequential)
@@ -216,6 +222,10 @@ def main():
                   f"  gather {row['gather_tbs']:5.2f} TB/s"
                   + (f" (tiles {row['gather_tiles_tbs']:5.2f})" if t_tiles else "") + f"  err {err:.1e}",
                   flush=True)
+            for mg in args.margins:  # A/B of the lazy softmax rescale, same case, same run
+                t = graph_time_us(lambda: c.run(rescale_margin=mg))
+                margins.append(dict(B=b, L=L, margin=mg, us=t, tbs=nbytes / t / 1e6))
+                print(f"  rescale margin {mg:g}: {t:7.1f} us {nbytes / t / 1e6:5.2f} TB/s", flush=True)
             if args.sweep and (args.cfgs or L == 4096):
                 # (config, splits): rows = warps share a [16, TILE_N] tile; streams = one key
                 # stream per warp (paged_decode.py); splits None = the heuristic's
@@ -254,7 +264,7 @@ def main():
     stamp += ("_seq" if args.sequential else "") + (f"_bs{BS}" if BS != 16 else "")
     stamp += (f"_hq{HQ}" if HQ != 32 else "") + ("_iv" if INTERLEAVED_V else "")
     with open(os.path.join(args.out, f"decode_{stamp}.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows, sweep=sweep), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows, sweep=sweep, margins=margins), f, indent=1)
     lines = [f"# Paged decode, {dev} ({meta['date']})", "",
              f"`{meta['command']}`; torch {meta['torch']}, triton {meta['triton']}; bf16, "
              f"heads {HQ}/{HKV}, d={D}, block {BS}; read ceiling {ceiling:.2f} TB/s; {meta['timing']}", "",

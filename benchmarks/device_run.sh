@@ -4,6 +4,7 @@
 # packed into $OUT/<stage>.tgz as soon as it ends, so a call cut short keeps what finished.
 #   run: bash benchmarks/device_run.sh   (carry [".aiter"] to include the AITER provider tests)
 #   STAGES="tests e2e" bash benchmarks/device_run.sh   runs only those stages, in that order
+#   TEST_FILES=tests/test_triton_attention.py limits the tests stage to those files
 set -u
 export PYTHONUNBUFFERED=1
 LOG=$OUT/log.txt
@@ -38,7 +39,7 @@ run_tests() {
   # rest. The writer tests also run the AITER provider (its Triton kernels) when .aiter/ is
   # carried; the other files must not see it, or it would be picked before Triton.
   mkdir -p $OUT/tests
-  python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests 2>/dev/null \
+  python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider ${TEST_FILES:-tests} 2>/dev/null \
     | grep '::' > $OUT/tests/ids.txt
   grep -v test_triton_writers $OUT/tests/ids.txt > $OUT/tests/main.ids
   grep test_triton_writers $OUT/tests/ids.txt > $OUT/tests/writers.ids
@@ -71,15 +72,17 @@ run_bench() {
   local b=$1
   stage $b-bench; mkdir -p $OUT/$b
   case $b in
-    decode) args="benchmarks/bench_decode.py ${DECODE_ARGS:---batch 1 16 64 128 --ctx 4096}";;
-    prefill) args="benchmarks/bench_prefill.py ${PREFILL_ARGS:-}";;
+    decode) args="benchmarks/bench_decode.py ${DECODE_ARGS:---batch 1 16 64 128 --ctx 4096 --margins 0 8}";;
+    # the issue's full B x L grid with the default config
+    decode_grid) args="benchmarks/bench_decode.py --batch 1 16 64 128 --ctx 1024 4096 16384";;
+    prefill) args="benchmarks/bench_prefill.py ${PREFILL_ARGS:---margins 0 8}";;
     writers) args="benchmarks/bench_fused_writers.py";;
     # diagnostics of the decode kernel: placement and block size at B=64, L=4096 (both print
     # the gather peers: the pages read with no math, 1-D and with the kernel's tile addressing)
     decode_seq) args="benchmarks/bench_decode.py --batch 64 --ctx 4096 --sequential";;
     decode_bs64) args="benchmarks/bench_decode.py --batch 64 --ctx 4096 --block-size 64";;
     # the end-to-end model's decode shape (GQA 2, interleaved V), configs side by side
-    decode_e2e_shape) args="benchmarks/bench_decode.py --batch 64 --ctx 2048 --q-heads 16 --interleaved-v --sweep --cfgs 16,1,3,rows3 16,1,3,keys3 32,1,3,keys3 16,1,4,keys3";;
+    decode_e2e_shape) args="benchmarks/bench_decode.py --batch 64 --ctx 2048 --q-heads 16 --interleaved-v --margins 0 8";;
     # keys-major decode (paged_decode.py) against the default, B x L of the Triton issue
     decode_keys) args="benchmarks/bench_decode.py --batch 1 16 64 128 --ctx 4096 --sweep --cfgs 16,1,3,rows3 16,1,3,keys3 32,1,3,keys3 16,1,4,keys3 16,1,3,keys";;
   esac

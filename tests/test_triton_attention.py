@@ -79,7 +79,7 @@ def _check_paged(query_lens, context_lens, *, num_heads=4, num_kv_heads=2, head_
                  interleaved_v=False, causal=True, sliding_window=-1, alibi=False, sinks=False,
                  softcap=0.0, out_fp8=False, num_splits=None, device="cpu", key_from_cache=False,
                  pad_rows=0, tol=None, decode_cfg=None, prefill_cfg=None, hints=False,
-                 index_dtype=torch.int32):
+                 index_dtype=torch.int32, scale_mult=1.0, rescale_margin=None):
     seed = _seed()
     fp8 = cache_dtype is not None and cache_dtype != dtype
     c = cases.make_paged_case(
@@ -90,7 +90,7 @@ def _check_paged(query_lens, context_lens, *, num_heads=4, num_kv_heads=2, head_
     )
     g = torch.Generator().manual_seed(seed + 1)
     slopes, sink = _features(num_heads, alibi=alibi, sinks=sinks, device=device, g=g)
-    scale = head_size ** -0.5
+    scale = head_size ** -0.5 * scale_mult
     key, value = c.key, c.value
     if key_from_cache:  # prefill reads its new tokens from the cache as well
         from inductor_rocm_attn.kernels import reference as ref
@@ -114,6 +114,7 @@ def _check_paged(query_lens, context_lens, *, num_heads=4, num_kv_heads=2, head_
         out, query, key, value, c.kv_cache, c.query_start_loc, c.seq_lens, c.block_table, scale,
         c.k_scale, c.v_scale, causal, sliding_window, slopes, sink, softcap, interleaved_v,
         out_scale, num_splits=num_splits, decode_cfg=decode_cfg, prefill_cfg=prefill_cfg,
+        rescale_margin=rescale_margin,
         **(dict(max_query_len=c.max_query_len, max_seq_len=c.max_seq_len) if hints else {}),
     )
     ref_out = cases.dense_oracle(c, scale=scale, causal=causal, sliding_window=sliding_window,
@@ -188,6 +189,21 @@ def test_paged_decode_variants_interpreter(query_lens, context_lens, kw, kind):
         pytest.skip("interpreter matrix; the gpu tests cover CUDA")
     tile = kw.get("decode_cfg", (32,))[0]
     _check_paged(query_lens, context_lens, **{**kw, "decode_cfg": (max(tile, 32), 2, 1, kind)})
+
+
+@pytest.mark.parametrize("margin", [0.0, 8.0])
+@pytest.mark.parametrize("query_lens,context_lens,kw", [
+    ([1, 1, 7], [90, 40, 50], dict(num_splits=2)),
+    ([1, 9], [70, 33], dict(decode_cfg=(16, 4, 1, "rows3"), sinks=True, interleaved_v=True)),
+    ([12, 1], [0, 100], dict(dtype=torch.float32, causal=False, alibi=True)),
+], ids=["splits", "three_loops_sinks", "fp32_noncausal_alibi"])
+def test_lazy_rescale_with_peaked_logits(query_lens, context_lens, kw, margin):
+    """Logits 12x the usual spread (running maxima jump by far more than the margin from tile
+    to tile, in both directions): the lazy rescale (margin 8, log2 units) must take its
+    rescale branch exactly when needed; margin 0 is the rescale-every-tile update."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter matrix; the gpu tests cover CUDA")
+    _check_paged(query_lens, context_lens, scale_mult=12.0, rescale_margin=margin, **kw)
 
 
 @pytest.mark.parametrize("draw", range(4))

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ...layout import fp8_max
 from .paged_attention import _TL_DTYPES, _interpret, prefill_config
-from .prefix_prefill import _LOG2E, _dense_inner, _find_seq, _plan, _store_rows, _tiles
+from .prefix_prefill import RESCALE_MARGIN, _LOG2E, _dense_inner, _find_seq, _plan, _store_rows, _tiles
 
 __all__ = ["encoder_attention"]
 
@@ -31,7 +31,7 @@ def _encoder_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr,
     USE_SINKS: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_OUT_SCALE: tl.constexpr,
-    OUT_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    OUT_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr, RESCALE_MARGIN: tl.constexpr,
 ):
     """Grid ``(num_tokens // BLOCK_M + num_seqs, num_heads)`` (as the prefill kernel).
 
@@ -77,15 +77,15 @@ def _encoder_attention_kernel(
     acc, m_i, l_i = _dense_inner(
         acc, m_i, l_i, q, offs_m, slope, sm_scale, softcap, window, k_base, v_base,
         stride_kt, stride_vt, zero, t0, t1, lo, hi, COMPUTE, HEAD_SIZE, BLOCK_D, BLOCK_N,
-        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION)
+        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN)
     acc, m_i, l_i = _dense_inner(
         acc, m_i, l_i, q, offs_m, slope, sm_scale, softcap, window, k_base, v_base,
         stride_kt, stride_vt, zero, t1, t2, lo, hi, COMPUTE, HEAD_SIZE, BLOCK_D, BLOCK_N,
-        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION)
+        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION, RESCALE_MARGIN)
     acc, m_i, l_i = _dense_inner(
         acc, m_i, l_i, q, offs_m, slope, sm_scale, softcap, window, k_base, v_base,
         stride_kt, stride_vt, zero, t2, t3, lo, hi, COMPUTE, HEAD_SIZE, BLOCK_D, BLOCK_N,
-        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION)
+        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN)
 
     out_scale = 1.0
     if USE_OUT_SCALE:
@@ -110,13 +110,15 @@ def encoder_attention(
     output_scale: torch.Tensor | None,
     *,
     cfg: tuple[int, int, int, int] | None = None,
+    rescale_margin: float | None = None,
 ) -> None:
     """Varlen attention without a cache, written into ``output``.
 
     output/query ``[num_tokens, num_heads, head_size]``, key/value
     ``[num_tokens, num_kv_heads, head_size]``, cu_seqlens ``[num_seqs + 1]`` int32/int64;
     alibi_slopes/sinks ``[num_heads]``; output_scale ``[1]`` fp32 (then output is fp8).
-    ``cfg`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the config table.
+    ``cfg`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the config table;
+    ``rescale_margin`` the lazy-rescale margin (0: rescale on every tile).
     """
     num_tokens, num_heads, head_size = query.shape
     num_seqs = cu_seqlens.shape[0] - 1
@@ -142,5 +144,6 @@ def encoder_attention(
         USE_SOFTCAP=logits_soft_cap > 0, USE_OUT_SCALE=use_out_scale,
         OUT_MAX=fp8_max(output.dtype) if use_out_scale else 0.0,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",
+        RESCALE_MARGIN=float(RESCALE_MARGIN if rescale_margin is None else rescale_margin),
         num_warps=warps, num_stages=stages,
     )

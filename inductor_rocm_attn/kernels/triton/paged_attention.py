@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ...layout import cache_x, fp8_max, is_fp8_dtype, k_view, v_view
 from .paged_decode import _keys_inner, _keys_q_chunks, _paged_decode_streams_kernel, _store_decode
-from .prefix_prefill import _LOG2E, _paged_inner, _prefix_prefill_kernel, _tiles
+from .prefix_prefill import RESCALE_MARGIN, _LOG2E, _paged_inner, _prefix_prefill_kernel, _tiles
 
 __all__ = ["paged_attention", "decode_config", "prefill_config", "num_kv_splits"]
 
@@ -52,7 +52,7 @@ def _paged_decode_kernel(
     USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, FP8_KV: tl.constexpr, INTERLEAVED_V: tl.constexpr,
     USE_OUT_SCALE: tl.constexpr, OUT_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ONE_LOOP: tl.constexpr, KEYS_MAJOR: tl.constexpr,
+    ONE_LOOP: tl.constexpr, KEYS_MAJOR: tl.constexpr, RESCALE_MARGIN: tl.constexpr,
 ):
     """Grid ``(num_seqs, num_kv_heads * HEAD_CHUNKS, NUM_SPLITS)``; only query_len == 1.
 
@@ -144,23 +144,23 @@ def _paged_decode_kernel(
                 acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
                 kv_head, t_lo, t_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
                 COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
-                False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, True)
+                False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN, True)
         else:  # masked first tile, unmasked middle, masked last tile
             acc, m_i, l_i = _paged_inner(
                 acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
                 kv_head, t_lo, f_lo, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
                 COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
-                False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, True)
+                False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN, True)
             acc, m_i, l_i = _paged_inner(
                 acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
                 kv_head, f_lo, f_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
                 COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
-                False, False, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION, True)
+                False, False, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION, RESCALE_MARGIN, True)
             acc, m_i, l_i = _paged_inner(
                 acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
                 kv_head, f_hi, t_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
                 COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
-                False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, True)
+                False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN, True)
 
     _store_decode(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, heads, offs_d, h_ok, d_ok,
                   seq, q_start, split, v_scale, out_scale_ptr,
@@ -342,6 +342,7 @@ def paged_attention(
     num_splits: int | None = None,
     decode_cfg: tuple[int, int, int, str] | None = None,
     prefill_cfg: tuple[int, int, int, int] | None = None,
+    rescale_margin: float | None = None,
 ) -> None:
     """Chunked prefill + paged decode over the cache (semantics: ``reference.paged_attention``).
 
@@ -352,8 +353,8 @@ def paged_attention(
     ``[num_seqs, max_blocks]`` (int32/int64); k_scale/v_scale/output_scale ``[1]`` fp32;
     alibi_slopes/sinks ``[num_heads]``. ``max_query_len``/``max_seq_len`` (host ints, optional)
     only steer launches: max_query_len == 1 skips the prefill launch, max_seq_len bounds the
-    KV split count. ``num_splits``/``decode_cfg``/``prefill_cfg`` override the heuristics
-    (tests, benchmarks).
+    KV split count. ``num_splits``/``decode_cfg``/``prefill_cfg``/``rescale_margin`` override
+    the heuristics (tests, benchmarks; ``rescale_margin`` 0 rescales on every tile).
     """
     num_tokens, num_heads, head_size = query.shape
     num_seqs = seq_lens.shape[0]
@@ -381,6 +382,7 @@ def paged_attention(
         INTERLEAVED_V=interleaved_v, USE_OUT_SCALE=use_out_scale, OUT_MAX=out_max,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",
     )
+    margin = float(RESCALE_MARGIN if rescale_margin is None else rescale_margin)
     ptrs = (k_scale, v_scale, alibi_slopes if alibi_slopes is not None else dummy,
             sinks if sinks is not None else dummy, output_scale if use_out_scale else dummy)
     softcap = float(logits_soft_cap) if logits_soft_cap > 0 else 1.0
@@ -426,7 +428,7 @@ def paged_attention(
     else:
         _paged_decode_kernel[grid](
             *decode_args, TILE_N=tile_n, SUB=min(tile_n, _pow2_part(block_size)),
-            ONE_LOOP=kind in ("rows", "keys"), KEYS_MAJOR=kind.startswith("keys"),
+            ONE_LOOP=kind in ("rows", "keys"), KEYS_MAJOR=kind.startswith("keys"), RESCALE_MARGIN=margin,
             num_warps=warps, num_stages=stages, **shape, **common)
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -453,5 +455,5 @@ def paged_attention(
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), block_table.stride(0),
         GQA=gqa, HEAD_SIZE=head_size, BLOCK_D=block_d, BLOCK_SIZE=block_size, X=x,
         SUB=min(block_n, _pow2_part(block_size)), BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_NEW_KV=has_new, CAUSAL=bool(causal), num_warps=warps, num_stages=stages, **common,
+        HAS_NEW_KV=has_new, CAUSAL=bool(causal), RESCALE_MARGIN=margin, num_warps=warps, num_stages=stages, **common,
     )

@@ -12,6 +12,8 @@ Shared pieces, also used by the decode and encoder kernels:
   in log2 units (``exp2``).
 - ``_load_paged_kv``: a ``[HEAD, TILE]`` K tile and ``[TILE, HEAD]`` V tile gathered from the
   cache through the block table, for any block size that is a multiple of 16.
+  With ``RESCALE_MARGIN`` > 0 the running max is kept until a row's tile max passes it by
+  that margin, so most tiles skip rescaling the accumulator.
 - ``_plan`` / ``_tiles``: which key tiles a row block sees, and which of them need no mask.
 """
 
@@ -21,6 +23,9 @@ import triton
 import triton.language as tl
 
 _LOG2E = tl.constexpr(1.4426950408889634)
+# Default margin (log2 units) of the lazy softmax rescale in ``_attn_update``; 0 rescales
+# the accumulator on every tile.
+RESCALE_MARGIN = 8.0
 
 
 @triton.jit
@@ -38,6 +43,7 @@ def _attn_update(
     sm_scale, softcap, window,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    RESCALE_MARGIN: tl.constexpr,
 ):
     """One key tile of online softmax: scale, soft cap, ALiBi, mask, then the rescaled sums."""
     qk = tl.dot(q, k, input_precision=DOT_PRECISION)
@@ -56,7 +62,23 @@ def _attn_update(
             if not CAUSAL:
                 keep = keep & ((k_pos[None, :] - q_pos[:, None]) < window)
         s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_tile = tl.max(s, 1)
+    if RESCALE_MARGIN > 0:
+        # Lazy rescale (as FlashAttention-4): keep the running max until some row's tile max
+        # passes it by more than the margin (log2 units), so most tiles skip rescaling acc;
+        # p then stays below 2**RESCALE_MARGIN and acc, l and m remain consistent.
+        if tl.max(tl.where(m_tile > m_i + RESCALE_MARGIN, 1, 0), 0) > 0:
+            m_new = tl.maximum(m_i, m_tile)
+            alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        # A row that has seen no visible key yet keeps m = -inf: exponentiate against 0.
+        p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+        l_i += tl.sum(p, 1)
+        acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        return acc, m_i, l_i
+    m_new = tl.maximum(m_i, m_tile)
     # A row that has seen no visible key yet keeps m = -inf: exponentiate against 0 instead.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
@@ -215,7 +237,7 @@ def _paged_inner(
     BLOCK_D: tl.constexpr, X: tl.constexpr, TILE_N: tl.constexpr, SUB: tl.constexpr,
     INTERLEAVED_V: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr, MASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, V_PACKETS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, RESCALE_MARGIN: tl.constexpr, V_PACKETS: tl.constexpr,
 ):
     """Online softmax over cache tiles ``tile_lo .. tile_hi`` (tile t = tokens t*TILE_N ..).
 
@@ -243,7 +265,8 @@ def _paged_inner(
             v = tl.where(k_ok[:, None], v, 0.0)
         acc, m_i, l_i = _attn_update(
             acc, m_i, l_i, q, k, v, q_pos, k_pos, k_ok, slope, sm_scale, softcap, window,
-            CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, MASK, DOT_PRECISION)
+            CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, MASK, DOT_PRECISION,
+            RESCALE_MARGIN)
     return acc, m_i, l_i
 
 
@@ -255,7 +278,7 @@ def _dense_inner(
     COMPUTE: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr, MASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, RESCALE_MARGIN: tl.constexpr,
 ):
     """Online softmax over key tiles of a dense ``[tokens, heads, HEAD]`` key/value pair."""
     offs_d = tl.arange(0, BLOCK_D)
@@ -279,7 +302,8 @@ def _dense_inner(
             v = tl.load(v_ptrs)
         acc, m_i, l_i = _attn_update(
             acc, m_i, l_i, q, k.to(COMPUTE), v.to(COMPUTE), q_pos, k_pos, k_ok, slope, sm_scale,
-            softcap, window, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, MASK, DOT_PRECISION)
+            softcap, window, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, MASK, DOT_PRECISION,
+            RESCALE_MARGIN)
     return acc, m_i, l_i
 
 
@@ -329,7 +353,7 @@ def _prefix_prefill_kernel(
     HAS_NEW_KV: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     FP8_KV: tl.constexpr, INTERLEAVED_V: tl.constexpr, USE_OUT_SCALE: tl.constexpr,
-    OUT_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    OUT_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr, RESCALE_MARGIN: tl.constexpr,
 ):
     """Grid ``(num_tokens // BLOCK_M + num_seqs, num_heads)``; sequences with query_len <= 1
     are skipped. Row blocks vary fastest: neighbours share one head's K/V in L2 (measured:
@@ -392,17 +416,17 @@ def _prefix_prefill_kernel(
         acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
         kv_head, t0, t1, lo, hi, stride_kcb, stride_kch, stride_vcb, stride_vch,
         COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, BLOCK_N, SUB, INTERLEAVED_V,
-        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, False)
+        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN, False)
     acc, m_i, l_i = _paged_inner(
         acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
         kv_head, t1, t2, lo, hi, stride_kcb, stride_kch, stride_vcb, stride_vch,
         COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, BLOCK_N, SUB, INTERLEAVED_V,
-        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION, False)
+        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION, RESCALE_MARGIN, False)
     acc, m_i, l_i = _paged_inner(
         acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
         kv_head, t2, t3, lo, hi, stride_kcb, stride_kch, stride_vcb, stride_vch,
         COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, BLOCK_N, SUB, INTERLEAVED_V,
-        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, False)
+        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN, False)
     if FP8_KV:
         # The cache part was accumulated from V / v_scale units: bring it to model units.
         acc = acc * v_scale
@@ -416,15 +440,15 @@ def _prefix_prefill_kernel(
         acc, m_i, l_i = _dense_inner(
             acc, m_i, l_i, q, q_pos, slope, sm_scale, softcap, window, k_base, v_base,
             stride_kt, stride_vt, ctx_len, t0, t1, lo, hi, COMPUTE, HEAD_SIZE, BLOCK_D, BLOCK_N,
-            CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION)
+            CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN)
         acc, m_i, l_i = _dense_inner(
             acc, m_i, l_i, q, q_pos, slope, sm_scale, softcap, window, k_base, v_base,
             stride_kt, stride_vt, ctx_len, t1, t2, lo, hi, COMPUTE, HEAD_SIZE, BLOCK_D, BLOCK_N,
-            CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION)
+            CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION, RESCALE_MARGIN)
         acc, m_i, l_i = _dense_inner(
             acc, m_i, l_i, q, q_pos, slope, sm_scale, softcap, window, k_base, v_base,
             stride_kt, stride_vt, ctx_len, t2, t3, lo, hi, COMPUTE, HEAD_SIZE, BLOCK_D, BLOCK_N,
-            CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION)
+            CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN)
 
     out_scale = 1.0
     if USE_OUT_SCALE:
