@@ -30,8 +30,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from inductor_rocm_attn.kernels.triton import paged_attention  # noqa: E402  (the function)
 from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache, dense_kv  # noqa: E402
 
+pa_mod = sys.modules["inductor_rocm_attn.kernels.triton.paged_attention"]
+
 HQ, HKV, D, BS = 32, 8, 128, 16
 DTYPE = torch.bfloat16
+# A/B variants of the default: (lazy-rescale margin, causal row blocks longest first)
+VARIANTS = {"margin8_longest_first": (8.0, True), "margin0": (0.0, True),
+            "grid_order": (8.0, False), "margin0_grid_order": (0.0, False)}
 SWEEP = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3),
          (128, 32, 8, 4), (64, 64, 4, 4)]
 
@@ -108,14 +113,14 @@ def main():
     ap.add_argument("--new", type=int, default=4096)
     ap.add_argument("--prefix", type=int, nargs="+", default=[0, 4096])
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--margins", type=float, nargs="*", default=[],
-                    help="also time the default config at these lazy-rescale margins (0: rescale every tile)")
+    ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
+                    help="also time the default config with these changes (A/B in one run)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
     print(f"# {dev}, torch {torch.__version__}, triton {triton.__version__}")
     b, n = args.batch, args.new
-    rows, sweep, margins = [], [], []
+    rows, sweep, variants = [], [], []
     # Anchor: SDPA dense causal, N tokens, 32 heads (same FLOPs as the no-prefix case).
     g = torch.Generator(device="cuda").manual_seed(1)
     qa, ka, va = (torch.randn(b, HQ, n, D, generator=g, device="cuda", dtype=DTYPE) for _ in range(3))
@@ -149,10 +154,15 @@ def main():
         print(f"prefix={p:5d}: triton {t_tri:.3f} ms {tri_tfs:4.0f} TFLOP/s | SDPA same case {t_sdpa:.3f} ms "
               f"{sdpa_tfs:4.0f} TFLOP/s | x{row['ratio_vs_sdpa_dense_anchor']:.2f} of dense anchor  err {err:.1e}",
               flush=True)
-        for mg in args.margins:  # A/B of the lazy softmax rescale, same case, same run
-            t = graph_time_ms(lambda: c.run(rescale_margin=mg))
-            margins.append(dict(prefix=p, margin=mg, ms=t, tflops=flops / (t * 1e-3) / 1e12))
-            print(f"  rescale margin {mg:g}: {t:.3f} ms {flops / (t * 1e-3) / 1e12:4.0f} TFLOP/s", flush=True)
+        for name in args.variants:  # A/B against the default, same case, same run
+            margin, longest_first = VARIANTS[name]
+            pa_mod.PREFILL_LONGEST_FIRST = longest_first
+            try:
+                t = graph_time_ms(lambda: c.run(rescale_margin=margin))
+            finally:
+                pa_mod.PREFILL_LONGEST_FIRST = True
+            variants.append(dict(prefix=p, variant=name, ms=t, tflops=flops / (t * 1e-3) / 1e12))
+            print(f"  variant {name}: {t:.3f} ms {flops / (t * 1e-3) / 1e12:4.0f} TFLOP/s", flush=True)
         if args.sweep:
             for cfg in SWEEP:
                 try:
@@ -174,7 +184,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
     with open(os.path.join(args.out, f"prefill_{stamp}.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows, sweep=sweep, margins=margins), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows, sweep=sweep, variants=variants), f, indent=1)
     lines = [f"# Prefix prefill, {dev} ({meta['date']})", "",
              f"`{meta['command']}`; torch {meta['torch']}, triton {meta['triton']}; bf16, causal, "
              f"heads {HQ}/{HKV}, d={D}, block {BS}, B={b}, {n} new tokens; {meta['timing']}. "

@@ -290,6 +290,8 @@ MAX_SPLITS = 64
 # A split of at most this many tiles runs the heuristic's "rows3" config as one masked loop
 # ("rows"): three loops would each start their software pipeline cold (B=1: 17.5 vs 18.1 us).
 ONE_LOOP_MAX_TILES = 8
+# Causal prefill runs each sequence's row blocks last-first (longest first: a shorter tail).
+PREFILL_LONGEST_FIRST = True
 
 
 def num_kv_splits(num_seqs: int, num_kv_heads: int, head_chunks: int, max_ctx: int,
@@ -455,5 +457,6 @@ def paged_attention(
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), block_table.stride(0),
         GQA=gqa, HEAD_SIZE=head_size, BLOCK_D=block_d, BLOCK_SIZE=block_size, X=x,
         SUB=min(block_n, _pow2_part(block_size)), BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_NEW_KV=has_new, CAUSAL=bool(causal), RESCALE_MARGIN=margin, num_warps=warps, num_stages=stages, **common,
+        HAS_NEW_KV=has_new, CAUSAL=bool(causal), RESCALE_MARGIN=margin,
+        LONGEST_FIRST=PREFILL_LONGEST_FIRST and bool(causal), num_warps=warps, num_stages=stages, **common,
     )
