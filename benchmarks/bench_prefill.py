@@ -35,8 +35,8 @@ pa_mod = sys.modules["inductor_rocm_attn.kernels.triton.paged_attention"]
 HQ, HKV, D, BS = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 # A/B variants of the default: (lazy-rescale margin, causal row blocks longest first)
-VARIANTS = {"margin8_longest_first": (8.0, True), "margin0": (0.0, True),
-            "grid_order": (8.0, False), "margin0_grid_order": (0.0, False)}
+VARIANTS = {"margin8": (8.0, False), "longest_first": (0.0, True),
+            "margin8_longest_first": (8.0, True), "margin0_grid_order": (0.0, False)}
 SWEEP = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3),
          (128, 32, 8, 4), (64, 64, 4, 4)]
 
@@ -156,11 +156,12 @@ def main():
               flush=True)
         for name in args.variants:  # A/B against the default, same case, same run
             margin, longest_first = VARIANTS[name]
+            default_order = pa_mod.PREFILL_LONGEST_FIRST
             pa_mod.PREFILL_LONGEST_FIRST = longest_first
             try:
                 t = graph_time_ms(lambda: c.run(rescale_margin=margin))
             finally:
-                pa_mod.PREFILL_LONGEST_FIRST = True
+                pa_mod.PREFILL_LONGEST_FIRST = default_order
             variants.append(dict(prefix=p, variant=name, ms=t, tflops=flops / (t * 1e-3) / 1e12))
             print(f"  variant {name}: {t:.3f} ms {flops / (t * 1e-3) / 1e12:4.0f} TFLOP/s", flush=True)
         if args.sweep:

@@ -206,6 +206,22 @@ def test_lazy_rescale_with_peaked_logits(query_lens, context_lens, kw, margin):
     _check_paged(query_lens, context_lens, scale_mult=12.0, rescale_margin=margin, **kw)
 
 
+@pytest.mark.parametrize("query_lens,context_lens,kw", [
+    ([1, 40, 17, 33], [5, 0, 30, 9], dict(prefill_cfg=(16, 16, 4, 1))),
+    ([23, 1, 64], [16, 7, 0], dict(prefill_cfg=(16, 32, 4, 1), sliding_window=19, sinks=True)),
+])
+def test_prefill_longest_first_order(monkeypatch, query_lens, context_lens, kw):
+    """Causal row blocks run last-first within each sequence (PREFILL_LONGEST_FIRST): every
+    row block is still computed once, also with uneven lengths and decode rows mixed in."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter matrix; the gpu tests cover CUDA")
+    import sys
+
+    monkeypatch.setattr(sys.modules["inductor_rocm_attn.kernels.triton.paged_attention"],
+                        "PREFILL_LONGEST_FIRST", True)
+    _check_paged(query_lens, context_lens, **kw)
+
+
 @pytest.mark.parametrize("draw", range(4))
 def test_paged_attention_interpreter_random(draw):
     """Fresh random geometry, features and batch each run (the seed is in the message)."""

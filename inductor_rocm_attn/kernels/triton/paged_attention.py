@@ -290,8 +290,9 @@ MAX_SPLITS = 64
 # A split of at most this many tiles runs the heuristic's "rows3" config as one masked loop
 # ("rows"): three loops would each start their software pipeline cold (B=1: 17.5 vs 18.1 us).
 ONE_LOOP_MAX_TILES = 8
-# Causal prefill runs each sequence's row blocks last-first (longest first: a shorter tail).
-PREFILL_LONGEST_FIRST = True
+# Causal prefill may run each sequence's row blocks last-first (longest first: a shorter
+# tail). Off until a GPU A/B shows it faster (session 9: written, not yet timed).
+PREFILL_LONGEST_FIRST = False
 
 
 def num_kv_splits(num_seqs: int, num_kv_heads: int, head_chunks: int, max_ctx: int,
