@@ -9,11 +9,10 @@ return at once (the decode kernel in ``paged_attention.py`` owns them).
 
 Shared pieces, also used by the decode and encoder kernels:
 - ``_attn_update``: one key tile of online softmax with scale, soft cap, ALiBi and masks,
-  in log2 units (``exp2``).
+  in log2 units (``exp2``). With ``RESCALE_MARGIN`` > 0 the running max is kept until a
+  row's tile max passes it by that margin, so most tiles skip rescaling the accumulator.
 - ``_load_paged_kv``: a ``[HEAD, TILE]`` K tile and ``[TILE, HEAD]`` V tile gathered from the
   cache through the block table, for any block size that is a multiple of 16.
-  With ``RESCALE_MARGIN`` > 0 the running max is kept until a row's tile max passes it by
-  that margin, so most tiles skip rescaling the accumulator.
 - ``_plan`` / ``_tiles``: which key tiles a row block sees, and which of them need no mask.
 """
 
