@@ -34,9 +34,18 @@ pa_mod = sys.modules["inductor_rocm_attn.kernels.triton.paged_attention"]
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 DTYPE = torch.bfloat16
-# A/B variants of the default: (lazy-rescale margin, causal row blocks longest first)
-VARIANTS = {"margin8": (8.0, False), "longest_first": (0.0, True),
-            "margin8_longest_first": (8.0, True), "margin0_grid_order": (0.0, False)}
+# A/B variants of the default: lazy-rescale margin and the module switches they set
+# (causal row blocks longest first, the new tokens' K/V through TMA descriptors).
+_BASE = dict(margin=0.0, PREFILL_LONGEST_FIRST=False, PREFILL_DENSE_TMA=False)
+VARIANTS = {
+    "margin0_grid_order": _BASE,
+    "margin8": {**_BASE, "margin": 8.0},
+    "longest_first": {**_BASE, "PREFILL_LONGEST_FIRST": True},
+    "margin8_longest_first": {**_BASE, "margin": 8.0, "PREFILL_LONGEST_FIRST": True},
+    "dense_tma": {**_BASE, "PREFILL_DENSE_TMA": True},
+    "margin8_dense_tma": {**_BASE, "margin": 8.0, "PREFILL_DENSE_TMA": True},
+    "all": {"margin": 8.0, "PREFILL_LONGEST_FIRST": True, "PREFILL_DENSE_TMA": True},
+}
 SWEEP = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3),
          (128, 32, 8, 4), (64, 64, 4, 4)]
 
@@ -155,15 +164,26 @@ def main():
               f"{sdpa_tfs:4.0f} TFLOP/s | x{row['ratio_vs_sdpa_dense_anchor']:.2f} of dense anchor  err {err:.1e}",
               flush=True)
         for name in args.variants:  # A/B against the default, same case, same run
-            margin, longest_first = VARIANTS[name]
-            default_order = pa_mod.PREFILL_LONGEST_FIRST
-            pa_mod.PREFILL_LONGEST_FIRST = longest_first
+            settings = dict(VARIANTS[name])
+            margin = settings.pop("margin")
+            saved = {k: getattr(pa_mod, k) for k in settings}
+            for k, val in settings.items():
+                setattr(pa_mod, k, val)
             try:
+                c.out.fill_(float("nan"))
+                c.run(rescale_margin=margin)
+                v_err = float((got.float() - ref.float()).norm() / ref.float().norm())
                 t = graph_time_ms(lambda: c.run(rescale_margin=margin))
+            except Exception as e:  # noqa: BLE001  (a variant that fails to build is a result)
+                print(f"  variant {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
             finally:
-                pa_mod.PREFILL_LONGEST_FIRST = default_order
-            variants.append(dict(prefix=p, variant=name, ms=t, tflops=flops / (t * 1e-3) / 1e12))
-            print(f"  variant {name}: {t:.3f} ms {flops / (t * 1e-3) / 1e12:4.0f} TFLOP/s", flush=True)
+                for k, val in saved.items():
+                    setattr(pa_mod, k, val)
+            variants.append(dict(prefix=p, variant=name, ms=t, tflops=flops / (t * 1e-3) / 1e12,
+                                 rel_err_vs_sdpa=v_err))
+            print(f"  variant {name}: {t:.3f} ms {flops / (t * 1e-3) / 1e12:4.0f} TFLOP/s  "
+                  f"err {v_err:.1e}", flush=True)
         if args.sweep:
             for cfg in SWEEP:
                 try:

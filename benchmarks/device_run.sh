@@ -75,7 +75,7 @@ run_bench() {
     decode) args="benchmarks/bench_decode.py ${DECODE_ARGS:---batch 1 16 64 128 --ctx 4096 --margins 0 8}";;
     # the full B x L grid with the default config
     decode_grid) args="benchmarks/bench_decode.py --batch 1 16 64 128 --ctx 1024 4096 16384";;
-    prefill) args="benchmarks/bench_prefill.py ${PREFILL_ARGS:---variants margin0_grid_order margin8 longest_first margin8_longest_first}";;
+    prefill) args="benchmarks/bench_prefill.py ${PREFILL_ARGS:---variants margin0_grid_order margin8 longest_first dense_tma margin8_dense_tma all}";;
     writers) args="benchmarks/bench_fused_writers.py";;
     # diagnostics of the decode kernel: placement and block size at B=64, L=4096 (both print
     # the gather peers: the pages read with no math, 1-D and with the kernel's tile addressing)

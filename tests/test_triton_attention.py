@@ -79,7 +79,7 @@ def _check_paged(query_lens, context_lens, *, num_heads=4, num_kv_heads=2, head_
                  interleaved_v=False, causal=True, sliding_window=-1, alibi=False, sinks=False,
                  softcap=0.0, out_fp8=False, num_splits=None, device="cpu", key_from_cache=False,
                  pad_rows=0, tol=None, decode_cfg=None, prefill_cfg=None, hints=False,
-                 index_dtype=torch.int32, scale_mult=1.0, rescale_margin=None):
+                 index_dtype=torch.int32, scale_mult=1.0, rescale_margin=None, kv_pad_nan=0):
     seed = _seed()
     fp8 = cache_dtype is not None and cache_dtype != dtype
     c = cases.make_paged_case(
@@ -100,6 +100,9 @@ def _check_paged(query_lens, context_lens, *, num_heads=4, num_kv_heads=2, head_
         if fp8:  # what is read back is the rounded value
             pytest.skip("key=None with an fp8 cache: oracle would need requantised new tokens")
         key = value = None
+    if kv_pad_nan:  # key/value rows past the batch (graph padding) may hold anything
+        nan = torch.full((kv_pad_nan, *key.shape[1:]), float("nan"), dtype=key.dtype, device=device)
+        key, value = torch.cat([key, nan]), torch.cat([value, nan])
     if index_dtype != torch.int32:
         c.query_start_loc, c.seq_lens, c.block_table = (
             x.to(index_dtype) for x in (c.query_start_loc, c.seq_lens, c.block_table))
@@ -220,6 +223,28 @@ def test_prefill_longest_first_order(monkeypatch, query_lens, context_lens, kw):
     monkeypatch.setattr(sys.modules["inductor_rocm_attn.kernels.triton.paged_attention"],
                         "PREFILL_LONGEST_FIRST", True)
     _check_paged(query_lens, context_lens, **kw)
+
+
+@pytest.mark.parametrize("query_lens,context_lens,kw", [
+    ([1, 40, 17, 33], [5, 0, 30, 9], dict(prefill_cfg=(16, 16, 4, 1), kv_pad_nan=5)),
+    ([23, 1, 64], [16, 7, 0], dict(prefill_cfg=(16, 32, 4, 1), sliding_window=19, sinks=True,
+                                   dtype=torch.float32, kv_pad_nan=3)),
+    ([9, 30], [0, 4], dict(prefill_cfg=(16, 16, 4, 1), causal=False, alibi=True)),
+])
+def test_prefill_dense_tma(monkeypatch, query_lens, context_lens, kw):
+    """New tokens' K/V through tensor descriptors (PREFILL_DENSE_TMA): tiles reaching into
+    the next sequence or the NaN padding after the batch stay out of the sums."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter matrix; the gpu tests cover CUDA")
+    import sys
+
+    pa = sys.modules["inductor_rocm_attn.kernels.triton.paged_attention"]
+    monkeypatch.setattr(pa, "PREFILL_DENSE_TMA", True)
+    made = []
+    real = pa._dense_descriptors
+    monkeypatch.setattr(pa, "_dense_descriptors", lambda *a: made.append(real(*a)) or made[-1])
+    _check_paged(query_lens, context_lens, **kw)
+    assert made and made[-1] is not None, "the descriptor path was not taken"
 
 
 @pytest.mark.parametrize("draw", range(4))
@@ -447,6 +472,31 @@ def test_paged_attention_gpu_fp8_cache(cache_dtype, interleaved_v, num_splits, d
 def test_paged_attention_gpu_fp8_output(num_splits):
     _check_paged([1, 200, 1], [900, 300, 5], num_heads=16, num_kv_heads=4, head_size=128,
                  dtype=torch.bfloat16, out_fp8=True, num_splits=num_splits, device=GPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("kw", [
+    dict(num_heads=32, num_kv_heads=8, head_size=128, kv_pad_nan=7),
+    dict(num_heads=16, num_kv_heads=2, head_size=64, sliding_window=300, alibi=True,
+         rescale_margin=8.0),
+    dict(num_heads=8, num_kv_heads=8, head_size=128, sinks=True, softcap=8.0, causal=False,
+         kv_pad_nan=3),
+], ids=["gqa4_d128_nan_pad", "gqa8_d64_window_alibi_margin8", "mha_sinks_softcap_noncausal"])
+def test_prefill_dense_tma_gpu(monkeypatch, dtype, kw):
+    """The new tokens' K/V through TMA descriptors on the GPU (PREFILL_DENSE_TMA)."""
+    import sys
+
+    pa = sys.modules["inductor_rocm_attn.kernels.triton.paged_attention"]
+    if not pa._tma_capable(torch.cuda.current_device()):
+        pytest.skip("TMA needs an NVIDIA GPU of sm_90 or newer")
+    monkeypatch.setattr(pa, "PREFILL_DENSE_TMA", True)
+    made = []
+    real = pa._dense_descriptors
+    monkeypatch.setattr(pa, "_dense_descriptors", lambda *a: made.append(real(*a)) or made[-1])
+    _check_paged([1, 300, 1, 77, 130], [2000, 1200, 1, 0, 5], dtype=dtype, device=GPU, **kw)
+    assert made and made[-1] is not None, "the descriptor path was not taken"
 
 
 @pytest.mark.gpu

@@ -22,6 +22,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import inductor_rocm_attn  # noqa: E402,F401
@@ -54,6 +55,8 @@ def _signature(fn: JITFunction, args, kwargs):
             sig[name] = "*" + _TY[v.dtype]
             if v.data_ptr() % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, TensorDescriptor):
+            sig[name] = f"tensordesc<{_TY[v.base.dtype]}[{','.join(map(str, v.block_shape))}]>"
         elif v is None:
             sig[name] = "constexpr"
             consts[(i,)] = None
@@ -119,6 +122,7 @@ def main() -> int:
 
     pa = sys.modules["inductor_rocm_attn.kernels.triton.paged_attention"]
     pa._num_sms = lambda device_index=0: 132  # H200
+    pa._tma_capable = lambda device_index=0: True
 
     failures = 0
     T, H, HKV, D, BS = 8, 16, 8, 128, 16
@@ -147,7 +151,10 @@ def main() -> int:
                                                                   (32, 2, 3, "streams"),
                                                                   (16, 1, 3, "keys3"),
                                                                   (32, 2, 3, "keys"))]
+            runs += [(([5, 1, 70], [20, 33, 0]), "dense_tma")]
             for (qlens, clens), cfg in runs:
+                pa.PREFILL_DENSE_TMA = cfg == "dense_tma"
+                cfg = None if cfg == "dense_tma" else cfg
                 n = sum(qlens)
                 qsl = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0).tolist()), dtype=torch.int32)
                 seq_lens = torch.tensor([a + b for a, b in zip(qlens, clens)], dtype=torch.int32)
@@ -158,6 +165,7 @@ def main() -> int:
                                    torch.randn(n, HKV, D, dtype=dtype), cache, qsl, seq_lens, table, D ** -0.5,
                                    one, one, True, -1, None, None, 0.0, interleaved, None,
                                    max(qlens), int(seq_lens.max()), decode_cfg=cfg)
+                pa.PREFILL_DENSE_TMA = False
             failures += compile_launches(label)
     return 1 if failures else 0
 

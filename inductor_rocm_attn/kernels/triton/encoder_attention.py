@@ -76,16 +76,19 @@ def _encoder_attention_kernel(
     v_base = v_ptr + start.to(tl.int64) * stride_vt + kv_head * stride_vh
     acc, m_i, l_i = _dense_inner(
         acc, m_i, l_i, q, offs_m, slope, sm_scale, softcap, window, k_base, v_base,
-        stride_kt, stride_vt, zero, t0, t1, lo, hi, COMPUTE, HEAD_SIZE, BLOCK_D, BLOCK_N,
-        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN)
+        stride_kt, stride_vt, zero, t0, t1, lo, hi, start, 0, COMPUTE, HEAD_SIZE, BLOCK_D,
+        BLOCK_N, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN,
+        False)
     acc, m_i, l_i = _dense_inner(
         acc, m_i, l_i, q, offs_m, slope, sm_scale, softcap, window, k_base, v_base,
-        stride_kt, stride_vt, zero, t1, t2, lo, hi, COMPUTE, HEAD_SIZE, BLOCK_D, BLOCK_N,
-        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION, RESCALE_MARGIN)
+        stride_kt, stride_vt, zero, t1, t2, lo, hi, start, 0, COMPUTE, HEAD_SIZE, BLOCK_D,
+        BLOCK_N, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION, RESCALE_MARGIN,
+        False)
     acc, m_i, l_i = _dense_inner(
         acc, m_i, l_i, q, offs_m, slope, sm_scale, softcap, window, k_base, v_base,
-        stride_kt, stride_vt, zero, t2, t3, lo, hi, COMPUTE, HEAD_SIZE, BLOCK_D, BLOCK_N,
-        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN)
+        stride_kt, stride_vt, zero, t2, t3, lo, hi, start, 0, COMPUTE, HEAD_SIZE, BLOCK_D,
+        BLOCK_N, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN,
+        False)
 
     out_scale = 1.0
     if USE_OUT_SCALE:

@@ -24,6 +24,11 @@ from ...layout import cache_x, fp8_max, is_fp8_dtype, k_view, v_view
 from .paged_decode import _keys_inner, _keys_q_chunks, _paged_decode_streams_kernel, _store_decode
 from .prefix_prefill import RESCALE_MARGIN, _LOG2E, _paged_inner, _prefix_prefill_kernel, _tiles
 
+try:  # host-side TMA descriptors (triton >= 3.3)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
 __all__ = ["paged_attention", "decode_config", "prefill_config", "num_kv_splits"]
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -293,6 +298,35 @@ ONE_LOOP_MAX_TILES = 8
 # Causal prefill may run each sequence's row blocks last-first (longest first: a shorter
 # tail). Off until a GPU A/B shows it faster (session 9: written, not yet timed).
 PREFILL_LONGEST_FIRST = False
+# Prefill may fetch the new tokens' K/V tiles with TMA (tensor descriptors, NVIDIA sm_90+)
+# instead of per-lane async copies. Off until a GPU A/B shows it faster (session 10).
+PREFILL_DENSE_TMA = False
+
+
+@functools.cache
+def _tma_capable(device_index: int) -> bool:
+    if TensorDescriptor is None or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _dense_descriptors(key: torch.Tensor, value: torch.Tensor, head_size: int, block_n: int,
+                       interpret: bool):
+    """TMA descriptors of key/value viewed as ``[tokens, kv_heads * head_size]`` with
+    ``[block_n, head_size]`` boxes, or None where TMA cannot fetch them (then pointers)."""
+    if not PREFILL_DENSE_TMA or triton.next_power_of_2(head_size) != head_size:
+        return None
+    if not interpret and not _tma_capable(key.device.index or 0):
+        return None
+    descs = []
+    for t in (key, value):
+        # TMA: 16-byte aligned base and row stride, contiguous heads and channels.
+        if (t.stride(2) != 1 or t.stride(1) != head_size or t.data_ptr() % 16
+                or (t.stride(0) * t.element_size()) % 16 or t.shape[0] == 0):
+            return None
+        descs.append(TensorDescriptor(t, [t.shape[0], t.shape[1] * head_size], [t.stride(0), 1],
+                                      [block_n, head_size]))
+    return descs
 
 
 def num_kv_splits(num_seqs: int, num_kv_heads: int, head_chunks: int, max_ctx: int,
@@ -450,8 +484,9 @@ def paged_attention(
     has_new = key is not None
     k_new = key if has_new else dummy.view(num_tokens, num_heads, head_size)
     v_new = value if has_new else k_new
+    descs = _dense_descriptors(k_new, v_new, head_size, block_n, interpret) if has_new else None
     _prefix_prefill_kernel[(num_tokens // block_m + num_seqs, num_heads)](
-        output, query, k_new, v_new, kc, vc, block_table, seq_lens, query_start_loc, *ptrs,
+        output, query, *(descs or (k_new, v_new)), kc, vc, block_table, seq_lens, query_start_loc, *ptrs,
         scale, softcap, window, num_seqs,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
@@ -459,5 +494,6 @@ def paged_attention(
         GQA=gqa, HEAD_SIZE=head_size, BLOCK_D=block_d, BLOCK_SIZE=block_size, X=x,
         SUB=min(block_n, _pow2_part(block_size)), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_NEW_KV=has_new, CAUSAL=bool(causal), RESCALE_MARGIN=margin,
-        LONGEST_FIRST=PREFILL_LONGEST_FIRST and bool(causal), num_warps=warps, num_stages=stages, **common,
+        LONGEST_FIRST=PREFILL_LONGEST_FIRST and bool(causal), DENSE_TMA=descs is not None,
+        num_warps=warps, num_stages=stages, **common,
     )

@@ -273,33 +273,50 @@ def _paged_inner(
 @triton.jit
 def _dense_inner(
     acc, m_i, l_i, q, q_pos, slope, sm_scale, softcap, window,
-    k_ptr, v_ptr,  # first key/value row of the sequence, at its KV head
+    k_ptr, v_ptr,  # first key/value row of the sequence, at its KV head (or descriptors)
     stride_kt, stride_vt, base, tile_lo, tile_hi, lo, hi,  # key j has position base + j
+    row0, col0,  # with TMA: the sequence's first row and its KV head's first column
     COMPUTE: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr, MASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, RESCALE_MARGIN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, RESCALE_MARGIN: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Online softmax over key tiles of a dense ``[tokens, heads, HEAD]`` key/value pair."""
+    """Online softmax over key tiles of a dense ``[tokens, heads, HEAD]`` key/value pair.
+
+    With ``TMA`` k_ptr/v_ptr are tensor descriptors of ``[tokens, heads * HEAD]`` with
+    ``[BLOCK_N, HEAD]`` boxes: the copy engine fetches the tile (Hopper), the warps issue
+    no per-lane address math or async copies for it.
+    """
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_SIZE
     for t in range(tile_lo, tile_hi):
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         k_pos = base + offs_n
-        k_ptrs = k_ptr + offs_n[None, :] * stride_kt + offs_d[:, None]
-        v_ptrs = v_ptr + offs_n[:, None] * stride_vt + offs_d[None, :]
-        if MASK:
-            k_ok = (k_pos >= lo) & (k_pos < hi)
-            k = tl.load(k_ptrs, mask=d_ok[:, None] & k_ok[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        elif BLOCK_D != HEAD_SIZE:
-            k_ok = k_pos >= 0
-            k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        if TMA:
+            # Rows past the tensor come back as zeros; rows of the next sequence are real
+            # data: masked out of the scores, and out of V (which may be padding: NaN).
+            k = tl.trans(k_ptr.load([row0 + t * BLOCK_N, col0]))
+            v = v_ptr.load([row0 + t * BLOCK_N, col0])
+            if MASK:
+                k_ok = (k_pos >= lo) & (k_pos < hi)
+                v = tl.where(k_ok[:, None], v, 0.0)
+            else:
+                k_ok = k_pos >= 0
         else:
-            k_ok = k_pos >= 0
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+            k_ptrs = k_ptr + offs_n[None, :] * stride_kt + offs_d[:, None]
+            v_ptrs = v_ptr + offs_n[:, None] * stride_vt + offs_d[None, :]
+            if MASK:
+                k_ok = (k_pos >= lo) & (k_pos < hi)
+                k = tl.load(k_ptrs, mask=d_ok[:, None] & k_ok[None, :], other=0.0)
+                v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            elif BLOCK_D != HEAD_SIZE:
+                k_ok = k_pos >= 0
+                k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+                v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+            else:
+                k_ok = k_pos >= 0
+                k = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
         acc, m_i, l_i = _attn_update(
             acc, m_i, l_i, q, k.to(COMPUTE), v.to(COMPUTE), q_pos, k_pos, k_ok, slope, sm_scale,
             softcap, window, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, MASK, DOT_PRECISION,
@@ -354,7 +371,7 @@ def _prefix_prefill_kernel(
     USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     FP8_KV: tl.constexpr, INTERLEAVED_V: tl.constexpr, USE_OUT_SCALE: tl.constexpr,
     OUT_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr, RESCALE_MARGIN: tl.constexpr,
-    LONGEST_FIRST: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr, DENSE_TMA: tl.constexpr,
 ):
     """Grid ``(num_tokens // BLOCK_M + num_seqs, num_heads)``; sequences with query_len <= 1
     are skipped. Row blocks vary fastest: neighbours share one head's K/V in L2 (measured:
@@ -364,6 +381,8 @@ def _prefix_prefill_kernel(
 
     q/out ``[num_tokens, num_heads, HEAD_SIZE]``, k/v ``[num_tokens, num_kv_heads, HEAD_SIZE]``,
     caches as ``layout.k_view`` / ``layout.v_view``, block_table ``[num_seqs, max_blocks]``.
+    With ``DENSE_TMA`` k_ptr/v_ptr are tensor descriptors of k/v viewed as
+    ``[num_tokens, num_kv_heads * HEAD_SIZE]`` (``_dense_inner``).
     """
     pid = tl.program_id(0)
     head = tl.program_id(1)
@@ -440,20 +459,28 @@ def _prefix_prefill_kernel(
     if HAS_NEW_KV:
         lo, hi, f_lo, f_hi = _plan(ctx_len, seq_len, p0, p1, window, CAUSAL, USE_WINDOW)
         t0, t1, t2, t3 = _tiles(lo, hi, f_lo, f_hi, ctx_len, BLOCK_N)
-        k_base = k_ptr + q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
-        v_base = v_ptr + q_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+        if DENSE_TMA:  # descriptors: _dense_inner addresses rows and columns itself
+            k_base = k_ptr
+            v_base = v_ptr
+        else:
+            k_base = k_ptr + q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+            v_base = v_ptr + q_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+        col0 = kv_head * HEAD_SIZE
         acc, m_i, l_i = _dense_inner(
             acc, m_i, l_i, q, q_pos, slope, sm_scale, softcap, window, k_base, v_base,
-            stride_kt, stride_vt, ctx_len, t0, t1, lo, hi, COMPUTE, HEAD_SIZE, BLOCK_D, BLOCK_N,
-            CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN)
+            stride_kt, stride_vt, ctx_len, t0, t1, lo, hi, q_start, col0, COMPUTE, HEAD_SIZE,
+            BLOCK_D, BLOCK_N, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION,
+            RESCALE_MARGIN, DENSE_TMA)
         acc, m_i, l_i = _dense_inner(
             acc, m_i, l_i, q, q_pos, slope, sm_scale, softcap, window, k_base, v_base,
-            stride_kt, stride_vt, ctx_len, t1, t2, lo, hi, COMPUTE, HEAD_SIZE, BLOCK_D, BLOCK_N,
-            CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION, RESCALE_MARGIN)
+            stride_kt, stride_vt, ctx_len, t1, t2, lo, hi, q_start, col0, COMPUTE, HEAD_SIZE,
+            BLOCK_D, BLOCK_N, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION,
+            RESCALE_MARGIN, DENSE_TMA)
         acc, m_i, l_i = _dense_inner(
             acc, m_i, l_i, q, q_pos, slope, sm_scale, softcap, window, k_base, v_base,
-            stride_kt, stride_vt, ctx_len, t2, t3, lo, hi, COMPUTE, HEAD_SIZE, BLOCK_D, BLOCK_N,
-            CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN)
+            stride_kt, stride_vt, ctx_len, t2, t3, lo, hi, q_start, col0, COMPUTE, HEAD_SIZE,
+            BLOCK_D, BLOCK_N, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION,
+            RESCALE_MARGIN, DENSE_TMA)
 
     out_scale = 1.0
     if USE_OUT_SCALE:
