@@ -13,7 +13,8 @@ import triton.language as tl
 
 from ...layout import fp8_max
 from .paged_attention import _TL_DTYPES, _interpret, prefill_config
-from .prefix_prefill import RESCALE_MARGIN, _LOG2E, _dense_inner, _find_seq, _plan, _store_rows, _tiles
+from . import prefix_prefill
+from .prefix_prefill import _LOG2E, _dense_inner, _find_seq, _plan, _store_rows, _tiles
 
 __all__ = ["encoder_attention"]
 
@@ -147,6 +148,7 @@ def encoder_attention(
         USE_SOFTCAP=logits_soft_cap > 0, USE_OUT_SCALE=use_out_scale,
         OUT_MAX=fp8_max(output.dtype) if use_out_scale else 0.0,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",
-        RESCALE_MARGIN=float(RESCALE_MARGIN if rescale_margin is None else rescale_margin),
+        RESCALE_MARGIN=float(prefix_prefill.PREFILL_RESCALE_MARGIN if rescale_margin is None
+                             else rescale_margin),
         num_warps=warps, num_stages=stages,
     )

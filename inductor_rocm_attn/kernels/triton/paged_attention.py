@@ -22,7 +22,8 @@ import triton.language as tl
 
 from ...layout import cache_x, fp8_max, is_fp8_dtype, k_view, v_view
 from .paged_decode import _keys_inner, _keys_q_chunks, _paged_decode_streams_kernel, _store_decode
-from .prefix_prefill import RESCALE_MARGIN, _LOG2E, _paged_inner, _prefix_prefill_kernel, _tiles
+from . import prefix_prefill
+from .prefix_prefill import _LOG2E, _paged_inner, _prefix_prefill_kernel, _tiles
 
 try:  # host-side TMA descriptors (triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -295,6 +296,10 @@ MAX_SPLITS = 64
 # A split of at most this many tiles runs the heuristic's "rows3" config as one masked loop
 # ("rows"): three loops would each start their software pipeline cold (B=1: 17.5 vs 18.1 us).
 ONE_LOOP_MAX_TILES = 8
+# Lazy softmax rescale margin (log2 units) of the decode kernel (prefill's:
+# ``prefix_prefill.PREFILL_RESCALE_MARGIN``); 0 rescales the accumulator on every tile.
+# 0 until a GPU A/B shows 8 is faster (session 9: written, not yet timed).
+DECODE_RESCALE_MARGIN = 0.0
 # Causal prefill may run each sequence's row blocks last-first (longest first: a shorter
 # tail). Off until a GPU A/B shows it faster (session 9: written, not yet timed).
 PREFILL_LONGEST_FIRST = False
@@ -419,7 +424,9 @@ def paged_attention(
         INTERLEAVED_V=interleaved_v, USE_OUT_SCALE=use_out_scale, OUT_MAX=out_max,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",
     )
-    margin = float(RESCALE_MARGIN if rescale_margin is None else rescale_margin)
+    decode_margin = float(DECODE_RESCALE_MARGIN if rescale_margin is None else rescale_margin)
+    prefill_margin = float(prefix_prefill.PREFILL_RESCALE_MARGIN if rescale_margin is None
+                           else rescale_margin)
     ptrs = (k_scale, v_scale, alibi_slopes if alibi_slopes is not None else dummy,
             sinks if sinks is not None else dummy, output_scale if use_out_scale else dummy)
     softcap = float(logits_soft_cap) if logits_soft_cap > 0 else 1.0
@@ -465,7 +472,8 @@ def paged_attention(
     else:
         _paged_decode_kernel[grid](
             *decode_args, TILE_N=tile_n, SUB=min(tile_n, _pow2_part(block_size)),
-            ONE_LOOP=kind in ("rows", "keys"), KEYS_MAJOR=kind.startswith("keys"), RESCALE_MARGIN=margin,
+            ONE_LOOP=kind in ("rows", "keys"), KEYS_MAJOR=kind.startswith("keys"),
+            RESCALE_MARGIN=decode_margin,
             num_warps=warps, num_stages=stages, **shape, **common)
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -493,7 +501,7 @@ def paged_attention(
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), block_table.stride(0),
         GQA=gqa, HEAD_SIZE=head_size, BLOCK_D=block_d, BLOCK_SIZE=block_size, X=x,
         SUB=min(block_n, _pow2_part(block_size)), BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_NEW_KV=has_new, CAUSAL=bool(causal), RESCALE_MARGIN=margin,
+        HAS_NEW_KV=has_new, CAUSAL=bool(causal), RESCALE_MARGIN=prefill_margin,
         LONGEST_FIRST=PREFILL_LONGEST_FIRST and bool(causal), DENSE_TMA=descs is not None,
         num_warps=warps, num_stages=stages, **common,
     )

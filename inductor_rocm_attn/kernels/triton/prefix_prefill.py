@@ -22,10 +22,11 @@ import triton
 import triton.language as tl
 
 _LOG2E = tl.constexpr(1.4426950408889634)
-# Default margin (log2 units) of the lazy softmax rescale in ``_attn_update``; 0 rescales
-# the accumulator on every tile. 0 until a GPU A/B shows 8 is faster (session 9: written,
-# SASS-checked, interpreter-tested; no GPU could be started to time it).
-RESCALE_MARGIN = 0.0
+# Default margin (log2 units) of the lazy softmax rescale in ``_attn_update`` for the
+# prefill and encoder kernels (decode: ``paged_attention.DECODE_RESCALE_MARGIN``); 0
+# rescales the accumulator on every tile. 0 until a GPU A/B shows 8 is faster (session 9:
+# written, SASS-checked, interpreter-tested; no GPU could be started to time it).
+PREFILL_RESCALE_MARGIN = 0.0
 
 
 @triton.jit
