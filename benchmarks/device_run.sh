@@ -5,6 +5,7 @@
 #   run: bash benchmarks/device_run.sh   (carry [".aiter"] to include the AITER provider tests)
 #   STAGES="tests e2e" bash benchmarks/device_run.sh   runs only those stages, in that order
 #   TEST_FILES=tests/test_triton_attention.py limits the tests stage to those files
+#   MEMCHECK_FILTER="dense_paths|plain" limits the memcheck stage to test ids matching it
 set -u
 export PYTHONUNBUFFERED=1
 LOG=$OUT/log.txt
@@ -25,6 +26,7 @@ run_e2e() {
 }
 shard() {  # shard <name> <ids file> <count> [env...]: parallel pytest processes over the ids
   local name=$1 ids=$2 n=$3; shift 3
+  [ -s $ids ] || return 0  # no tests of this kind selected (TEST_FILES)
   for i in $(seq 0 $((n - 1))); do
     awk -v n=$n -v i=$i 'NR % n == i' $ids > $OUT/tests/$name$i.txt
     ( env "$@" timeout ${TESTS_S:-300} ${RUNNER:-} python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
@@ -59,7 +61,8 @@ run_memcheck() {
   # access past any tensor is outside its cudaMalloc and is reported.
   mkdir -p $OUT/tests
   python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests/test_triton_attention.py \
-    tests/test_triton_writers.py 2>/dev/null | grep '::' | grep -v aiter > $OUT/tests/memcheck.ids
+    tests/test_triton_writers.py 2>/dev/null | grep '::' | grep -v aiter \
+    | grep -E "${MEMCHECK_FILTER:-.}" > $OUT/tests/memcheck.ids
   echo "memcheck over $(wc -l < $OUT/tests/memcheck.ids) GPU tests" | tee -a $LOG
   RUNNER="compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 10" \
     shard memcheck $OUT/tests/memcheck.ids ${TEST_SHARDS:-6} PYTORCH_NO_CUDA_MEMORY_CACHING=1

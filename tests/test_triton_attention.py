@@ -213,15 +213,17 @@ def test_lazy_rescale_with_peaked_logits(query_lens, context_lens, kw, margin):
     ([1, 40, 17, 33], [5, 0, 30, 9], dict(prefill_cfg=(16, 16, 4, 1))),
     ([23, 1, 64], [16, 7, 0], dict(prefill_cfg=(16, 32, 4, 1), sliding_window=19, sinks=True)),
 ])
-def test_prefill_longest_first_order(monkeypatch, query_lens, context_lens, kw):
-    """Causal row blocks run last-first within each sequence (PREFILL_LONGEST_FIRST): every
-    row block is still computed once, also with uneven lengths and decode rows mixed in."""
+@pytest.mark.parametrize("longest_first", [True, False], ids=["longest_first", "grid_order"])
+def test_prefill_row_block_order(monkeypatch, longest_first, query_lens, context_lens, kw):
+    """Causal row blocks run last-first within each sequence (PREFILL_LONGEST_FIRST) or in
+    grid order: every row block is still computed once, also with uneven lengths and decode
+    rows mixed in."""
     if torch.cuda.is_available():
         pytest.skip("interpreter matrix; the gpu tests cover CUDA")
     import sys
 
     monkeypatch.setattr(sys.modules["inductor_rocm_attn.kernels.triton.paged_attention"],
-                        "PREFILL_LONGEST_FIRST", True)
+                        "PREFILL_LONGEST_FIRST", longest_first)
     _check_paged(query_lens, context_lens, **kw)
 
 
@@ -231,20 +233,28 @@ def test_prefill_longest_first_order(monkeypatch, query_lens, context_lens, kw):
                                    dtype=torch.float32, kv_pad_nan=3)),
     ([9, 30], [0, 4], dict(prefill_cfg=(16, 16, 4, 1), causal=False, alibi=True)),
 ])
-def test_prefill_dense_tma(monkeypatch, query_lens, context_lens, kw):
-    """New tokens' K/V through tensor descriptors (PREFILL_DENSE_TMA): tiles reaching into
-    the next sequence or the NaN padding after the batch stay out of the sums."""
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+def test_prefill_dense_paths(monkeypatch, tma, query_lens, context_lens, kw):
+    """New tokens' K/V through tensor descriptors (PREFILL_DENSE_TMA) and through pointers
+    (ROCm, odd strides): tiles reaching into the next sequence or the NaN padding after the
+    batch stay out of the sums."""
     if torch.cuda.is_available():
         pytest.skip("interpreter matrix; the gpu tests cover CUDA")
+    made = _spy_dense_descriptors(monkeypatch, tma)
+    _check_paged(query_lens, context_lens, **kw)
+    assert made and (made[-1] is not None) == tma, "the wrong K/V path was taken"
+
+
+def _spy_dense_descriptors(monkeypatch, tma):
+    """Set PREFILL_DENSE_TMA; the returned list collects what ``_dense_descriptors`` gave."""
     import sys
 
     pa = sys.modules["inductor_rocm_attn.kernels.triton.paged_attention"]
-    monkeypatch.setattr(pa, "PREFILL_DENSE_TMA", True)
+    monkeypatch.setattr(pa, "PREFILL_DENSE_TMA", tma)
     made = []
     real = pa._dense_descriptors
     monkeypatch.setattr(pa, "_dense_descriptors", lambda *a: made.append(real(*a)) or made[-1])
-    _check_paged(query_lens, context_lens, **kw)
-    assert made and made[-1] is not None, "the descriptor path was not taken"
+    return made
 
 
 @pytest.mark.parametrize("draw", range(4))
@@ -484,19 +494,17 @@ def test_paged_attention_gpu_fp8_output(num_splits):
     dict(num_heads=8, num_kv_heads=8, head_size=128, sinks=True, softcap=8.0, causal=False,
          kv_pad_nan=3),
 ], ids=["gqa4_d128_nan_pad", "gqa8_d64_window_alibi_margin8", "mha_sinks_softcap_noncausal"])
-def test_prefill_dense_tma_gpu(monkeypatch, dtype, kw):
-    """The new tokens' K/V through TMA descriptors on the GPU (PREFILL_DENSE_TMA)."""
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+def test_prefill_dense_paths_gpu(monkeypatch, tma, dtype, kw):
+    """The new tokens' K/V through TMA descriptors (PREFILL_DENSE_TMA) and through pointers."""
     import sys
 
-    pa = sys.modules["inductor_rocm_attn.kernels.triton.paged_attention"]
-    if not pa._tma_capable(torch.cuda.current_device()):
+    if tma and not sys.modules["inductor_rocm_attn.kernels.triton.paged_attention"]._tma_capable(
+            torch.cuda.current_device()):
         pytest.skip("TMA needs an NVIDIA GPU of sm_90 or newer")
-    monkeypatch.setattr(pa, "PREFILL_DENSE_TMA", True)
-    made = []
-    real = pa._dense_descriptors
-    monkeypatch.setattr(pa, "_dense_descriptors", lambda *a: made.append(real(*a)) or made[-1])
+    made = _spy_dense_descriptors(monkeypatch, tma)
     _check_paged([1, 300, 1, 77, 130], [2000, 1200, 1, 0, 5], dtype=dtype, device=GPU, **kw)
-    assert made and made[-1] is not None, "the descriptor path was not taken"
+    assert made and (made[-1] is not None) == tma, "the wrong K/V path was taken"
 
 
 @pytest.mark.gpu

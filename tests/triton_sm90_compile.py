@@ -151,10 +151,11 @@ def main() -> int:
                                                                   (32, 2, 3, "streams"),
                                                                   (16, 1, 3, "keys3"),
                                                                   (32, 2, 3, "keys"))]
-            runs += [(([5, 1, 70], [20, 33, 0]), "dense_tma")]
+            runs += [(([5, 1, 70], [20, 33, 0]), "dense_pointers")]  # the ROCm / odd-stride path
+            tma_default = pa.PREFILL_DENSE_TMA
             for (qlens, clens), cfg in runs:
-                pa.PREFILL_DENSE_TMA = cfg == "dense_tma"
-                cfg = None if cfg == "dense_tma" else cfg
+                pa.PREFILL_DENSE_TMA = tma_default and cfg != "dense_pointers"
+                cfg = None if cfg == "dense_pointers" else cfg
                 n = sum(qlens)
                 qsl = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0).tolist()), dtype=torch.int32)
                 seq_lens = torch.tensor([a + b for a, b in zip(qlens, clens)], dtype=torch.int32)
@@ -165,7 +166,7 @@ def main() -> int:
                                    torch.randn(n, HKV, D, dtype=dtype), cache, qsl, seq_lens, table, D ** -0.5,
                                    one, one, True, -1, None, None, 0.0, interleaved, None,
                                    max(qlens), int(seq_lens.max()), decode_cfg=cfg)
-                pa.PREFILL_DENSE_TMA = False
+                pa.PREFILL_DENSE_TMA = tma_default
             failures += compile_launches(label)
     return 1 if failures else 0
 

@@ -148,7 +148,7 @@ def encoder_attention(
         USE_SOFTCAP=logits_soft_cap > 0, USE_OUT_SCALE=use_out_scale,
         OUT_MAX=fp8_max(output.dtype) if use_out_scale else 0.0,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",
-        RESCALE_MARGIN=float(prefix_prefill.PREFILL_RESCALE_MARGIN if rescale_margin is None
+        RESCALE_MARGIN=float(prefix_prefill.DENSE_RESCALE_MARGIN if rescale_margin is None
                              else rescale_margin),
         num_warps=warps, num_stages=stages,
     )

@@ -296,16 +296,16 @@ MAX_SPLITS = 64
 # A split of at most this many tiles runs the heuristic's "rows3" config as one masked loop
 # ("rows"): three loops would each start their software pipeline cold (B=1: 17.5 vs 18.1 us).
 ONE_LOOP_MAX_TILES = 8
-# Lazy softmax rescale margin (log2 units) of the decode kernel (prefill's:
-# ``prefix_prefill.PREFILL_RESCALE_MARGIN``); 0 rescales the accumulator on every tile.
-# 0 until a GPU A/B shows 8 is faster (session 9: written, not yet timed).
+# Lazy softmax rescale margin (log2 units) of the decode kernel (prefill's: in
+# ``prefix_prefill``); 0 rescales the accumulator on every tile. H200 (session 10): 8 is no
+# faster (B=64 L=4096 328 vs 325 us; e2e shape 173.5 vs 172.3): the loop is not issue-bound.
 DECODE_RESCALE_MARGIN = 0.0
-# Causal prefill may run each sequence's row blocks last-first (longest first: a shorter
-# tail). Off until a GPU A/B shows it faster (session 9: written, not yet timed).
-PREFILL_LONGEST_FIRST = False
-# Prefill may fetch the new tokens' K/V tiles with TMA (tensor descriptors, NVIDIA sm_90+)
-# instead of per-lane async copies. Off until a GPU A/B shows it faster (session 10).
-PREFILL_DENSE_TMA = False
+# Causal prefill runs each sequence's row blocks last-first (longest first: a shorter tail).
+# H200 (session 10): 397 vs 395 TFLOP/s without a prefix, 287 vs 283 with 4096 (noise ~2%).
+PREFILL_LONGEST_FIRST = True
+# Prefill fetches the new tokens' K/V tiles with TMA (tensor descriptors, NVIDIA sm_90+)
+# instead of per-lane async copies. H200 (session 10): 407 vs 395 TFLOP/s without a prefix.
+PREFILL_DENSE_TMA = True
 
 
 @functools.cache
@@ -425,8 +425,9 @@ def paged_attention(
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",
     )
     decode_margin = float(DECODE_RESCALE_MARGIN if rescale_margin is None else rescale_margin)
-    prefill_margin = float(prefix_prefill.PREFILL_RESCALE_MARGIN if rescale_margin is None
-                           else rescale_margin)
+    context_margin, dense_margin = (
+        (prefix_prefill.CONTEXT_RESCALE_MARGIN, prefix_prefill.DENSE_RESCALE_MARGIN)
+        if rescale_margin is None else (rescale_margin, rescale_margin))
     ptrs = (k_scale, v_scale, alibi_slopes if alibi_slopes is not None else dummy,
             sinks if sinks is not None else dummy, output_scale if use_out_scale else dummy)
     softcap = float(logits_soft_cap) if logits_soft_cap > 0 else 1.0
@@ -501,7 +502,8 @@ def paged_attention(
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), block_table.stride(0),
         GQA=gqa, HEAD_SIZE=head_size, BLOCK_D=block_d, BLOCK_SIZE=block_size, X=x,
         SUB=min(block_n, _pow2_part(block_size)), BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_NEW_KV=has_new, CAUSAL=bool(causal), RESCALE_MARGIN=prefill_margin,
+        HAS_NEW_KV=has_new, CAUSAL=bool(causal), RESCALE_MARGIN=float(context_margin),
+        DENSE_MARGIN=float(dense_margin),
         LONGEST_FIRST=PREFILL_LONGEST_FIRST and bool(causal), DENSE_TMA=descs is not None,
         num_warps=warps, num_stages=stages, **common,
     )

@@ -22,11 +22,13 @@ import triton
 import triton.language as tl
 
 _LOG2E = tl.constexpr(1.4426950408889634)
-# Default margin (log2 units) of the lazy softmax rescale in ``_attn_update`` for the
-# prefill and encoder kernels (decode: ``paged_attention.DECODE_RESCALE_MARGIN``); 0
-# rescales the accumulator on every tile. 0 until a GPU A/B shows 8 is faster (session 9:
-# written, SASS-checked, interpreter-tested; no GPU could be started to time it).
-PREFILL_RESCALE_MARGIN = 0.0
+# Default margins (log2 units) of the lazy softmax rescale in ``_attn_update``; 0 rescales
+# the accumulator on every tile (decode: ``paged_attention.DECODE_RESCALE_MARGIN``).
+# H200, B=4 x 4096 new tokens (session 10): 8 over the cached context (paged tiles) ran the
+# 4096-token-prefix case 2.5% faster; 8 over dense tiles (new tokens, encoder) 10% slower:
+# in the 8-warp tile the "any row" vote costs two barriers a tile, more than it saves.
+CONTEXT_RESCALE_MARGIN = 8.0
+DENSE_RESCALE_MARGIN = 0.0
 
 
 @triton.jit
@@ -372,7 +374,7 @@ def _prefix_prefill_kernel(
     USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     FP8_KV: tl.constexpr, INTERLEAVED_V: tl.constexpr, USE_OUT_SCALE: tl.constexpr,
     OUT_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr, RESCALE_MARGIN: tl.constexpr,
-    LONGEST_FIRST: tl.constexpr, DENSE_TMA: tl.constexpr,
+    DENSE_MARGIN: tl.constexpr, LONGEST_FIRST: tl.constexpr, DENSE_TMA: tl.constexpr,
 ):
     """Grid ``(num_tokens // BLOCK_M + num_seqs, num_heads)``; sequences with query_len <= 1
     are skipped. Row blocks vary fastest: neighbours share one head's K/V in L2 (measured:
@@ -382,7 +384,8 @@ def _prefix_prefill_kernel(
 
     q/out ``[num_tokens, num_heads, HEAD_SIZE]``, k/v ``[num_tokens, num_kv_heads, HEAD_SIZE]``,
     caches as ``layout.k_view`` / ``layout.v_view``, block_table ``[num_seqs, max_blocks]``.
-    With ``DENSE_TMA`` k_ptr/v_ptr are tensor descriptors of k/v viewed as
+    Lazy-rescale margins: ``RESCALE_MARGIN`` over the cached context, ``DENSE_MARGIN`` over
+    the new tokens. With ``DENSE_TMA`` k_ptr/v_ptr are tensor descriptors of k/v viewed as
     ``[num_tokens, num_kv_heads * HEAD_SIZE]`` (``_dense_inner``).
     """
     pid = tl.program_id(0)
@@ -466,22 +469,23 @@ def _prefix_prefill_kernel(
         else:
             k_base = k_ptr + q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
             v_base = v_ptr + q_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+        q_row0 = q_start.to(tl.int32)  # TMA coordinates are 32-bit (index tensors may be int64)
         col0 = kv_head * HEAD_SIZE
         acc, m_i, l_i = _dense_inner(
             acc, m_i, l_i, q, q_pos, slope, sm_scale, softcap, window, k_base, v_base,
-            stride_kt, stride_vt, ctx_len, t0, t1, lo, hi, q_start, col0, COMPUTE, HEAD_SIZE,
+            stride_kt, stride_vt, ctx_len, t0, t1, lo, hi, q_row0, col0, COMPUTE, HEAD_SIZE,
             BLOCK_D, BLOCK_N, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION,
-            RESCALE_MARGIN, DENSE_TMA)
+            DENSE_MARGIN, DENSE_TMA)
         acc, m_i, l_i = _dense_inner(
             acc, m_i, l_i, q, q_pos, slope, sm_scale, softcap, window, k_base, v_base,
-            stride_kt, stride_vt, ctx_len, t1, t2, lo, hi, q_start, col0, COMPUTE, HEAD_SIZE,
+            stride_kt, stride_vt, ctx_len, t1, t2, lo, hi, q_row0, col0, COMPUTE, HEAD_SIZE,
             BLOCK_D, BLOCK_N, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION,
-            RESCALE_MARGIN, DENSE_TMA)
+            DENSE_MARGIN, DENSE_TMA)
         acc, m_i, l_i = _dense_inner(
             acc, m_i, l_i, q, q_pos, slope, sm_scale, softcap, window, k_base, v_base,
-            stride_kt, stride_vt, ctx_len, t2, t3, lo, hi, q_start, col0, COMPUTE, HEAD_SIZE,
+            stride_kt, stride_vt, ctx_len, t2, t3, lo, hi, q_row0, col0, COMPUTE, HEAD_SIZE,
             BLOCK_D, BLOCK_N, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION,
-            RESCALE_MARGIN, DENSE_TMA)
+            DENSE_MARGIN, DENSE_TMA)
 
     out_scale = 1.0
     if USE_OUT_SCALE:
