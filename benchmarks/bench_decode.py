@@ -179,7 +179,8 @@ def main():
     ap.add_argument("--q-heads", type=int, default=HQ, help="query heads (8 KV heads; default 32)")
     ap.add_argument("--interleaved-v", action="store_true", help="interleaved-V cache interior")
     ap.add_argument("--cfgs", nargs="+", default=None,
-                    help="only these decode configs, e.g. 16,1,3,rows 64,4,3,rows (with --sweep)")
+                    help="only these decode configs, tile,warps,stages,kind[,splits], e.g. 16,1,3,rows "
+                         "16,1,1,rows3,4 (with --sweep)")
     ap.add_argument("--block-size", type=int, default=BS, help="cache block size (default 16)")
     ap.add_argument("--margins", type=float, nargs="*", default=[],
                     help="also time the default config at these lazy-rescale margins (0: rescale every tile)")
@@ -239,9 +240,9 @@ def main():
                     runs += [(cfg, sp) for cfg in one_warp[:2] for sp in (16, 64)]
                 if b == 16:
                     runs += [(cfg, sp) for cfg in one_warp[:2] for sp in (4, 16)]
-                if args.cfgs:
-                    runs = [((int(a), int(w), int(st), kd), None)
-                            for a, w, st, kd in (c_.split(",") for c_ in args.cfgs)]
+                if args.cfgs:  # tile,warps,stages,kind[,splits]
+                    runs = [((int(f[0]), int(f[1]), int(f[2]), f[3]), int(f[4]) if len(f) > 4 else None)
+                            for f in (c_.split(",") for c_ in args.cfgs)]
                 for cfg, sp in runs:
                     try:
                         t = graph_time_us(lambda: c.run(decode_cfg=cfg, num_splits=sp))
