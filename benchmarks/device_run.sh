@@ -86,13 +86,13 @@ run_bench() {
     decode_bs64) args="benchmarks/bench_decode.py --batch 64 --ctx 4096 --block-size 64";;
     # the end-to-end model's decode shape (GQA 2, interleaved V), configs side by side
     decode_e2e_shape) args="benchmarks/bench_decode.py --batch 64 --ctx 2048 --q-heads 16 --interleaved-v --margins 0 8";;
-    # keys-major decode (paged_decode.py) against the default, B x L of the Triton issue
     # cp.async pipeline (stages 3) against loads to registers (stages 1: LDG + STS, sm_90 SASS)
     # at more resident warps (forced splits): is the shared-memory pipeline the decode cap?
     decode_stages) args="benchmarks/bench_decode.py --batch 64 --ctx 4096 --sweep --cfgs 16,1,3,rows3,1 16,1,3,rows3,4 16,1,1,rows3,1 16,1,1,rows3,4 16,1,1,rows3,8 16,2,1,rows3,4";;
+    # keys-major decode (paged_decode.py) against the default, B x L of the Triton issue
     decode_keys) args="benchmarks/bench_decode.py --batch 1 16 64 128 --ctx 4096 --sweep --cfgs 16,1,3,rows3 16,1,3,keys3 32,1,3,keys3 16,1,4,keys3 16,1,3,keys";;
   esac
-  timeout ${BENCH_S:-35} python3 $args --out $OUT/$b >>$LOG 2>&1; echo "rc=$?" >>$LOG
+  timeout ${BENCH_S:-120} python3 $args --out $OUT/$b >>$LOG 2>&1; echo "rc=$?" >>$LOG
   pack $b
 }
 # STAGES picks and orders the work (default: everything, tests first).
