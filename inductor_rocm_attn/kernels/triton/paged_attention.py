@@ -19,16 +19,12 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor  # host-side TMA descriptors
 
 from ...layout import cache_x, fp8_max, is_fp8_dtype, k_view, v_view
 from .paged_decode import _keys_inner, _keys_q_chunks, _paged_decode_streams_kernel, _store_decode
 from . import prefix_prefill
 from .prefix_prefill import _LOG2E, _paged_inner, _prefix_prefill_kernel, _tiles
-
-try:  # host-side TMA descriptors (triton >= 3.3)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover
-    TensorDescriptor = None
 
 __all__ = ["paged_attention", "decode_config", "prefill_config", "num_kv_splits"]
 
@@ -310,7 +306,7 @@ PREFILL_DENSE_TMA = True
 
 @functools.cache
 def _tma_capable(device_index: int) -> bool:
-    if TensorDescriptor is None or torch.version.hip is not None:
+    if torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
