@@ -184,6 +184,9 @@ def main():
     ap.add_argument("--block-size", type=int, default=BS, help="cache block size (default 16)")
     ap.add_argument("--margins", type=float, nargs="*", default=[],
                     help="also time the default config at these lazy-rescale margins (0: rescale every tile)")
+    ap.add_argument("--flip", nargs="*", default=[],
+                    help="also time the default config with these boolean flags of paged_attention "
+                         "flipped, e.g. PAGED_K_ROWS (A/B in one run; checked against SDPA)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     BS = args.block_size
@@ -192,7 +195,7 @@ def main():
     dev = torch.cuda.get_device_name()
     ceiling = read_ceiling_tbs()
     print(f"# {dev}, torch {torch.__version__}, triton {triton.__version__}; read ceiling {ceiling:.2f} TB/s")
-    rows, sweep, margins = [], [], []
+    rows, sweep, margins, flips = [], [], [], []
     for b in args.batch:
         for L in args.ctx:
             c = DecodeCase(b, L, seed=b * 7 + L, sequential=args.sequential)
@@ -227,6 +230,21 @@ def main():
                 t = graph_time_us(lambda: c.run(rescale_margin=mg))
                 margins.append(dict(B=b, L=L, margin=mg, us=t, tbs=nbytes / t / 1e6))
                 print(f"  rescale margin {mg:g}: {t:7.1f} us {nbytes / t / 1e6:5.2f} TB/s", flush=True)
+            for flag in args.flip:  # A/B of a module flag, same case, same run
+                old = getattr(pa_mod, flag)
+                setattr(pa_mod, flag, not old)
+                try:
+                    c.out.fill_(float("nan"))
+                    c.run()
+                    f_err = float((c.out.float() - ref.view(b, HQ, D).float()).norm() / ref.float().norm())
+                    assert f_err < 1e-2, f"{flag}={not old}: rel err {f_err:.3e}"
+                    t = graph_time_us(c.run)
+                finally:
+                    setattr(pa_mod, flag, old)
+                flips.append(dict(B=b, L=L, flag=flag, value=not old, us=t, tbs=nbytes / t / 1e6,
+                                  rel_err_vs_sdpa=f_err))
+                print(f"  {flag}={not old}: {t:7.1f} us {nbytes / t / 1e6:5.2f} TB/s  err {f_err:.1e}",
+                      flush=True)
             if args.sweep and (args.cfgs or L == 4096):
                 # (config, splits): rows = warps share a [16, TILE_N] tile; streams = one key
                 # stream per warp (paged_decode.py); splits None = the heuristic's
@@ -265,7 +283,7 @@ def main():
     stamp += ("_seq" if args.sequential else "") + (f"_bs{BS}" if BS != 16 else "")
     stamp += (f"_hq{HQ}" if HQ != 32 else "") + ("_iv" if INTERLEAVED_V else "")
     with open(os.path.join(args.out, f"decode_{stamp}.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows, sweep=sweep, margins=margins), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows, sweep=sweep, margins=margins, flips=flips), f, indent=1)
     lines = [f"# Paged decode, {dev} ({meta['date']})", "",
              f"`{meta['command']}`; torch {meta['torch']}, triton {meta['triton']}; bf16, "
              f"heads {HQ}/{HKV}, d={D}, block {BS}; read ceiling {ceiling:.2f} TB/s; {meta['timing']}", "",

@@ -15,6 +15,7 @@ carries into the exponent): every element within one e4m3 step (+1%) of exact / 
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -194,6 +195,20 @@ def test_paged_decode_variants_interpreter(query_lens, context_lens, kw, kind):
     _check_paged(query_lens, context_lens, **{**kw, "decode_cfg": (max(tile, 32), 2, 1, kind)})
 
 
+@pytest.mark.parametrize("kind", ["rows", "rows3"])
+@pytest.mark.parametrize("query_lens,context_lens,kw", [c[1:] for c in CPU_CASES],
+                         ids=[c[0] for c in CPU_CASES])
+def test_paged_k_rows_interpreter(query_lens, context_lens, kw, kind):
+    """16-key tiles (the GPU decode default; prefill context tiles too): each tile is one run
+    of a block, so K is read as the page's packet rows (``PAGED_K_ROWS``) over the whole
+    matrix: block sizes 16/32/544/784, head sizes with padding, fp32 (x=4) and fp8 (x=16)."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter matrix; the gpu tests cover CUDA")
+    assert sys.modules["inductor_rocm_attn.kernels.triton.paged_attention"].PAGED_K_ROWS
+    _check_paged(query_lens, context_lens,
+                 **{**kw, "decode_cfg": (16, 1, 1, kind), "prefill_cfg": (16, 16, 4, 1)})
+
+
 @pytest.mark.parametrize("margin", [0.0, 8.0])
 @pytest.mark.parametrize("query_lens,context_lens,kw", [
     ([1, 1, 7], [90, 40, 50], dict(num_splits=2)),
@@ -220,8 +235,6 @@ def test_prefill_row_block_order(monkeypatch, longest_first, query_lens, context
     rows mixed in."""
     if torch.cuda.is_available():
         pytest.skip("interpreter matrix; the gpu tests cover CUDA")
-    import sys
-
     monkeypatch.setattr(sys.modules["inductor_rocm_attn.kernels.triton.paged_attention"],
                         "PREFILL_LONGEST_FIRST", longest_first)
     _check_paged(query_lens, context_lens, **kw)
@@ -247,8 +260,6 @@ def test_prefill_dense_paths(monkeypatch, tma, query_lens, context_lens, kw):
 
 def _spy_dense_descriptors(monkeypatch, tma):
     """Set PREFILL_DENSE_TMA; the returned list collects what ``_dense_descriptors`` gave."""
-    import sys
-
     pa = sys.modules["inductor_rocm_attn.kernels.triton.paged_attention"]
     monkeypatch.setattr(pa, "PREFILL_DENSE_TMA", tma)
     made = []
@@ -378,8 +389,6 @@ def test_num_kv_splits_from_shapes_only():
 def test_short_splits_run_the_three_loop_config_as_one_loop(monkeypatch):
     """The heuristic's "rows3" runs as one masked loop when each split holds few tiles (B=1:
     64 splits), and as three loops otherwise; an explicit decode_cfg is taken as given."""
-    import sys
-
     pa = sys.modules["inductor_rocm_attn.kernels.triton.paged_attention"]
     launched = []
 
@@ -497,8 +506,6 @@ def test_paged_attention_gpu_fp8_output(num_splits):
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
 def test_prefill_dense_paths_gpu(monkeypatch, tma, dtype, kw):
     """The new tokens' K/V through TMA descriptors (PREFILL_DENSE_TMA) and through pointers."""
-    import sys
-
     if tma and not sys.modules["inductor_rocm_attn.kernels.triton.paged_attention"]._tma_capable(
             torch.cuda.current_device()):
         pytest.skip("TMA needs an NVIDIA GPU of sm_90 or newer")

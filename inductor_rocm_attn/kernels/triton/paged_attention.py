@@ -55,6 +55,7 @@ def _paged_decode_kernel(
     USE_SOFTCAP: tl.constexpr, FP8_KV: tl.constexpr, INTERLEAVED_V: tl.constexpr,
     USE_OUT_SCALE: tl.constexpr, OUT_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ONE_LOOP: tl.constexpr, KEYS_MAJOR: tl.constexpr, RESCALE_MARGIN: tl.constexpr,
+    K_ROWS: tl.constexpr,
 ):
     """Grid ``(num_seqs, num_kv_heads * HEAD_CHUNKS, NUM_SPLITS)``; only query_len == 1.
 
@@ -146,23 +147,23 @@ def _paged_decode_kernel(
                 acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
                 kv_head, t_lo, t_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
                 COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
-                False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN, True)
+                False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN, True, K_ROWS)
         else:  # masked first tile, unmasked middle, masked last tile
             acc, m_i, l_i = _paged_inner(
                 acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
                 kv_head, t_lo, f_lo, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
                 COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
-                False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN, True)
+                False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN, True, K_ROWS)
             acc, m_i, l_i = _paged_inner(
                 acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
                 kv_head, f_lo, f_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
                 COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
-                False, False, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION, RESCALE_MARGIN, True)
+                False, False, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION, RESCALE_MARGIN, True, K_ROWS)
             acc, m_i, l_i = _paged_inner(
                 acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
                 kv_head, f_hi, t_hi, lo, seq_len, stride_kcb, stride_kch, stride_vcb, stride_vch,
                 COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V,
-                False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN, True)
+                False, False, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN, True, K_ROWS)
 
     _store_decode(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, heads, offs_d, h_ok, d_ok,
                   seq, q_start, split, v_scale, out_scale_ptr,
@@ -236,8 +237,10 @@ _DECODE_TUNED: dict[tuple, tuple[int, int, int, str]] = {
     (128, 2, 16, torch.bfloat16, True): (16, 1, 3, "rows3"),
 }
 _PREFILL_TUNED: dict[tuple, tuple[int, int, int, int]] = {
-    # B=4, 4096 new tokens, causal: 399 TFLOP/s; 128x128x8x2: 393; 4 warps: 220.
-    (128, 4, 16, torch.bfloat16): (128, 64, 8, 3),
+    # B=4, 4096 new tokens, causal, with the new tokens' K/V fetched by TMA (session 11,
+    # results/s11_call2_probe): 128x128x8x3 423 TFLOP/s (128x64x8x3 420), with a 4096-token
+    # prefix 331 (303). 224 KB of shared memory: NVIDIA sm_90 only (see prefill_config).
+    (128, 4, 16, torch.bfloat16): (128, 128, 8, 3),
 }
 
 
@@ -270,7 +273,8 @@ def prefill_config(head_size: int, gqa: int, block_size: int, dtype: torch.dtype
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefix-prefill (and encoder) kernel."""
     if interpret:
         return 16, 16, 4, 1
-    tuned = _PREFILL_TUNED.get((head_size, gqa, block_size, dtype))
+    # The table was measured on an H200; AMD GPUs have 64 KB of LDS: the heuristics below.
+    tuned = None if torch.version.hip else _PREFILL_TUNED.get((head_size, gqa, block_size, dtype))
     if tuned is not None:
         return tuned
     if dtype == torch.float32:
@@ -299,6 +303,10 @@ DECODE_RESCALE_MARGIN = 0.0
 # Causal prefill runs each sequence's row blocks last-first (longest first: a shorter tail).
 # H200 (session 10): 397 vs 395 TFLOP/s without a prefix, 287 vs 283 with 4096 (noise ~2%).
 PREFILL_LONGEST_FIRST = True
+# Cache tiles that are one run of a block (decode's 16-key tiles) read K as the page's packet
+# rows, TILE_N * 16 contiguous bytes each, instead of a [HEAD, TILE_N] gather whose lanes sit
+# on 16 packets 256 bytes apart (prefix_prefill._load_paged_kv).
+PAGED_K_ROWS = True
 # Prefill fetches the new tokens' K/V tiles with TMA (tensor descriptors, NVIDIA sm_90+)
 # instead of per-lane async copies. H200 (session 10): 407 vs 395 TFLOP/s without a prefix.
 PREFILL_DENSE_TMA = True
@@ -470,7 +478,7 @@ def paged_attention(
         _paged_decode_kernel[grid](
             *decode_args, TILE_N=tile_n, SUB=min(tile_n, _pow2_part(block_size)),
             ONE_LOOP=kind in ("rows", "keys"), KEYS_MAJOR=kind.startswith("keys"),
-            RESCALE_MARGIN=decode_margin,
+            RESCALE_MARGIN=decode_margin, K_ROWS=PAGED_K_ROWS,
             num_warps=warps, num_stages=stages, **shape, **common)
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -501,5 +509,6 @@ def paged_attention(
         HAS_NEW_KV=has_new, CAUSAL=bool(causal), RESCALE_MARGIN=float(context_margin),
         DENSE_MARGIN=float(dense_margin),
         LONGEST_FIRST=PREFILL_LONGEST_FIRST and bool(causal), DENSE_TMA=descs is not None,
+        K_ROWS=PAGED_K_ROWS,
         num_warps=warps, num_stages=stages, **common,
     )

@@ -108,12 +108,13 @@ def _keys_inner(
     ``[lo, hi)`` are masked when ``MASK``. Block ids are loaded one tile ahead (as in
     ``_paged_inner``)."""
     last = tl.maximum(tile_hi - 1, tile_lo)
-    blk, run_ok = _block_ids(bt_row_ptr, tile_lo * TILE_N, lo, hi, BLOCK_SIZE, TILE_N, SUB, True)
+    blk, run_ok, _, _ = _block_ids(bt_row_ptr, tile_lo * TILE_N, lo, hi, BLOCK_SIZE, TILE_N, SUB,
+                                   True)
     for t in range(tile_lo, tile_hi):
         blk_t = blk
         run_ok_t = run_ok
-        blk, run_ok = _block_ids(bt_row_ptr, tl.minimum(t + 1, last) * TILE_N, lo, hi,
-                                 BLOCK_SIZE, TILE_N, SUB, MASK)
+        blk, run_ok, _, _ = _block_ids(bt_row_ptr, tl.minimum(t + 1, last) * TILE_N, lo, hi,
+                                       BLOCK_SIZE, TILE_N, SUB, MASK)
         qk = _keys_scores(q_t, k_cache_ptr, blk_t, run_ok_t, kv_head, t * TILE_N,
                           stride_kcb, stride_kch, COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D,
                           BLOCK_H, X, TILE_N, MASK, DOT_PRECISION)

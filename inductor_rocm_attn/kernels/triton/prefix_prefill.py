@@ -132,17 +132,20 @@ def _tiles(lo, hi, full_lo, full_hi, base, TILE: tl.constexpr):
 def _block_ids(bt_row_ptr, start, lo, hi, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                SUB: tl.constexpr, MASK: tl.constexpr):
     """Cache block of each key ``start .. start+TILE_N`` (int64 ``[TILE_N]``) and whether its
-    run of ``SUB`` keys is loaded at all (a run with a visible key sits in a real block)."""
+    run of ``SUB`` keys is loaded at all (a run with a visible key sits in a real block).
+    Also the tile's block and validity as scalars when the tile is one run (else 0, True)."""
     offs_n = start + tl.arange(0, TILE_N)
     if TILE_N == SUB:  # one run: one block-table entry, a scalar load
         if MASK:
-            ok = (start < hi) & (start + SUB > lo)
-            blk = tl.load(bt_row_ptr + start // BLOCK_SIZE, mask=ok, other=0)
+            ok_s = (start < hi) & (start + SUB > lo)
+            blk_s = tl.load(bt_row_ptr + start // BLOCK_SIZE, mask=ok_s, other=0)
             run_ok = (offs_n * 0 + start < hi) & (offs_n * 0 + start + SUB > lo)
         else:
-            blk = tl.load(bt_row_ptr + start // BLOCK_SIZE)
+            blk_s = tl.load(bt_row_ptr + start // BLOCK_SIZE)
+            ok_s = start >= 0
             run_ok = offs_n >= 0
-        blk = blk.to(tl.int64) + tl.zeros([TILE_N], tl.int64)
+        blk_s = blk_s.to(tl.int64)
+        blk = blk_s + tl.zeros([TILE_N], tl.int64)
     else:
         if MASK:
             run = start + (tl.arange(0, TILE_N) // SUB) * SUB
@@ -152,7 +155,9 @@ def _block_ids(bt_row_ptr, start, lo, hi, BLOCK_SIZE: tl.constexpr, TILE_N: tl.c
             run_ok = offs_n >= 0
             blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE)
         blk = tl.max_constancy(blk, SUB).to(tl.int64)
-    return blk, run_ok
+        blk_s = (start * 0).to(tl.int64)
+        ok_s = start >= 0
+    return blk, run_ok, blk_s, ok_s
 
 
 @triton.jit
@@ -181,11 +186,12 @@ def _v_packets(v_cache_ptr, blk, run_ok, kv_head, start, stride_vcb, stride_vch,
 @triton.jit
 def _load_paged_kv(
     k_cache_ptr, v_cache_ptr, blk, run_ok,  # cache interiors (K, V views); tile's block ids
+    blk_s, ok_s,  # the same as scalars when the tile is one run (TILE_N == SUB)
     kv_head, start, lo, hi,  # tile starts at token `start`; keys outside [lo, hi) are invalid
     stride_kcb, stride_kch, stride_vcb, stride_vch,
     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, X: tl.constexpr,
-    TILE_N: tl.constexpr, INTERLEAVED_V: tl.constexpr, MASK: tl.constexpr,
-    V_PACKETS: tl.constexpr,
+    TILE_N: tl.constexpr, SUB: tl.constexpr, INTERLEAVED_V: tl.constexpr, MASK: tl.constexpr,
+    V_PACKETS: tl.constexpr, K_ROWS: tl.constexpr,
 ):
     """Gather keys ``start .. start+TILE_N`` of one KV head from the cache.
 
@@ -199,12 +205,31 @@ def _load_paged_kv(
     d_ok = offs_d < HEAD_SIZE
     in_blk = offs_n % BLOCK_SIZE
     # K page [HEAD/X, BLOCK_SIZE, X]: X channels of a token are one 16-byte packet.
-    k_offs = (blk[None, :] * stride_kcb + kv_head * stride_kch
-              + (offs_d // X)[:, None] * (BLOCK_SIZE * X) + in_blk[None, :] * X + (offs_d % X)[:, None])
-    if MASK or BLOCK_D != HEAD_SIZE:
-        k = tl.load(k_cache_ptr + k_offs, mask=d_ok[:, None] & run_ok[None, :], other=0.0)
+    if K_ROWS and TILE_N == SUB:
+        # The tile's packet rows, [HEAD/X, TILE_N*X], each TILE_N*16 contiguous bytes: a warp
+        # instruction reads two whole rows, and shared memory keeps the page's order, in
+        # which ldmatrix finds 8 tokens of a packet in 128 contiguous bytes (no swizzle).
+        # The [HEAD, TILE] gather below puts lanes on 16 packets 256 B apart instead.
+        # H200, scratch probe, B=64 L=4096: that pattern alone cost 321 vs 253 us.
+        P: tl.constexpr = BLOCK_D // X
+        offs_p = tl.arange(0, P)
+        offs_c = (start % BLOCK_SIZE) * X + tl.arange(0, TILE_N * X)
+        k_offs = (blk_s * stride_kcb + kv_head * stride_kch
+                  + offs_p[:, None] * (BLOCK_SIZE * X) + offs_c[None, :])
+        if MASK or BLOCK_D != HEAD_SIZE:
+            k2 = tl.load(k_cache_ptr + k_offs, mask=(offs_p < HEAD_SIZE // X)[:, None] & ok_s,
+                         other=0.0)
+        else:
+            k2 = tl.load(k_cache_ptr + k_offs)
+        k = tl.reshape(tl.permute(tl.reshape(k2, (P, TILE_N, X)), (0, 2, 1)), (BLOCK_D, TILE_N))
     else:
-        k = tl.load(k_cache_ptr + k_offs)
+        k_offs = (blk[None, :] * stride_kcb + kv_head * stride_kch
+                  + (offs_d // X)[:, None] * (BLOCK_SIZE * X) + in_blk[None, :] * X
+                  + (offs_d % X)[:, None])
+        if MASK or BLOCK_D != HEAD_SIZE:
+            k = tl.load(k_cache_ptr + k_offs, mask=d_ok[:, None] & run_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_cache_ptr + k_offs)
     if INTERLEAVED_V and V_PACKETS:
         # V page [BLOCK_SIZE/X, HEAD, X]: X tokens of a channel per packet. Loaded as
         # [HEAD, packets, X] so that consecutive lanes read consecutive packets (Triton gives
@@ -241,6 +266,7 @@ def _paged_inner(
     INTERLEAVED_V: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr, MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, RESCALE_MARGIN: tl.constexpr, V_PACKETS: tl.constexpr,
+    K_ROWS: tl.constexpr,
 ):
     """Online softmax over cache tiles ``tile_lo .. tile_hi`` (tile t = tokens t*TILE_N ..).
 
@@ -252,16 +278,19 @@ def _paged_inner(
     """
     last = tl.maximum(tile_hi - 1, tile_lo)
     # Masked: with an empty range, tile_lo may lie past the sequence's block-table entries.
-    blk, run_ok = _block_ids(bt_row_ptr, tile_lo * TILE_N, lo, hi, BLOCK_SIZE, TILE_N, SUB, True)
+    blk, run_ok, blk_s, ok_s = _block_ids(bt_row_ptr, tile_lo * TILE_N, lo, hi, BLOCK_SIZE,
+                                          TILE_N, SUB, True)
     for t in range(tile_lo, tile_hi):
         blk_t = blk
         run_ok_t = run_ok
-        blk, run_ok = _block_ids(bt_row_ptr, tl.minimum(t + 1, last) * TILE_N, lo, hi,
-                                 BLOCK_SIZE, TILE_N, SUB, MASK)
+        blk_s_t = blk_s
+        ok_s_t = ok_s
+        blk, run_ok, blk_s, ok_s = _block_ids(bt_row_ptr, tl.minimum(t + 1, last) * TILE_N, lo,
+                                              hi, BLOCK_SIZE, TILE_N, SUB, MASK)
         k, v, k_pos, k_ok = _load_paged_kv(
-            k_cache_ptr, v_cache_ptr, blk_t, run_ok_t, kv_head, t * TILE_N, lo, hi,
-            stride_kcb, stride_kch, stride_vcb, stride_vch,
-            BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, INTERLEAVED_V, MASK, V_PACKETS)
+            k_cache_ptr, v_cache_ptr, blk_t, run_ok_t, blk_s_t, ok_s_t, kv_head, t * TILE_N, lo,
+            hi, stride_kcb, stride_kch, stride_vcb, stride_vch,
+            BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, TILE_N, SUB, INTERLEAVED_V, MASK, V_PACKETS, K_ROWS)
         k = k.to(COMPUTE)
         v = v.to(COMPUTE)
         if MASK:  # unwritten slots may hold anything (NaN): 0 * NaN would poison the sum
@@ -375,6 +404,7 @@ def _prefix_prefill_kernel(
     FP8_KV: tl.constexpr, INTERLEAVED_V: tl.constexpr, USE_OUT_SCALE: tl.constexpr,
     OUT_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr, RESCALE_MARGIN: tl.constexpr,
     DENSE_MARGIN: tl.constexpr, LONGEST_FIRST: tl.constexpr, DENSE_TMA: tl.constexpr,
+    K_ROWS: tl.constexpr,
 ):
     """Grid ``(num_tokens // BLOCK_M + num_seqs, num_heads)``; sequences with query_len <= 1
     are skipped. Row blocks vary fastest: neighbours share one head's K/V in L2 (measured:
@@ -444,17 +474,20 @@ def _prefix_prefill_kernel(
         acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
         kv_head, t0, t1, lo, hi, stride_kcb, stride_kch, stride_vcb, stride_vch,
         COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, BLOCK_N, SUB, INTERLEAVED_V,
-        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN, False)
+        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN, False,
+        K_ROWS)
     acc, m_i, l_i = _paged_inner(
         acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
         kv_head, t1, t2, lo, hi, stride_kcb, stride_kch, stride_vcb, stride_vch,
         COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, BLOCK_N, SUB, INTERLEAVED_V,
-        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION, RESCALE_MARGIN, False)
+        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION, RESCALE_MARGIN, False,
+        K_ROWS)
     acc, m_i, l_i = _paged_inner(
         acc, m_i, l_i, q, q_pos, slope, sm, softcap, window, k_cache_ptr, v_cache_ptr, bt_row,
         kv_head, t2, t3, lo, hi, stride_kcb, stride_kch, stride_vcb, stride_vch,
         COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D, X, BLOCK_N, SUB, INTERLEAVED_V,
-        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN, False)
+        CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN, False,
+        K_ROWS)
     if FP8_KV:
         # The cache part was accumulated from V / v_scale units: bring it to model units.
         acc = acc * v_scale
