@@ -75,17 +75,17 @@ run_bench() {
   local b=$1
   stage $b-bench; mkdir -p $OUT/$b
   case $b in
-    decode) args="benchmarks/bench_decode.py ${DECODE_ARGS:---batch 1 16 64 128 --ctx 4096 --margins 0 8}";;
+    decode) args="benchmarks/bench_decode.py ${DECODE_ARGS:---batch 1 16 64 128 --ctx 4096 --flip PAGED_K_ROWS}";;
     # the full B x L grid with the default config
     decode_grid) args="benchmarks/bench_decode.py --batch 1 16 64 128 --ctx 1024 4096 16384";;
-    prefill) args="benchmarks/bench_prefill.py ${PREFILL_ARGS:---variants margin0_grid_order margin8 longest_first dense_tma margin8_dense_tma all}";;
+    prefill) args="benchmarks/bench_prefill.py ${PREFILL_ARGS:-}";;
     writers) args="benchmarks/bench_fused_writers.py";;
     # diagnostics of the decode kernel: placement and block size at B=64, L=4096 (both print
     # the gather peers: the pages read with no math, 1-D and with the kernel's tile addressing)
     decode_seq) args="benchmarks/bench_decode.py --batch 64 --ctx 4096 --sequential";;
     decode_bs64) args="benchmarks/bench_decode.py --batch 64 --ctx 4096 --block-size 64";;
     # the end-to-end model's decode shape (GQA 2, interleaved V), configs side by side
-    decode_e2e_shape) args="benchmarks/bench_decode.py --batch 64 --ctx 2048 --q-heads 16 --interleaved-v --margins 0 8";;
+    decode_e2e_shape) args="benchmarks/bench_decode.py --batch 64 --ctx 2048 --q-heads 16 --interleaved-v --flip PAGED_K_ROWS";;
     # cp.async pipeline (stages 3) against loads to registers (stages 1: LDG + STS, sm_90 SASS)
     # at more resident warps (forced splits): is the shared-memory pipeline the decode cap?
     decode_stages) args="benchmarks/bench_decode.py --batch 64 --ctx 4096 --sweep --cfgs 16,1,3,rows3,1 16,1,3,rows3,4 16,1,1,rows3,1 16,1,1,rows3,4 16,1,1,rows3,8 16,2,1,rows3,4";;
