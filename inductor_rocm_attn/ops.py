@@ -122,6 +122,7 @@ def _paged_attention(output, query, key, value, kv_cache, query_start_loc, seq_l
         "rocm_attn.paged_attention", output, query, key, value, kv_cache, query_start_loc,
         seq_lens, block_table, alibi_slopes, sinks, output_scale,
     )
+    validation.check_softmax_scale("rocm_attn.paged_attention", scale)
     feats = providers.attention_features(
         causal=causal, sliding_window=sliding_window, alibi_slopes=alibi_slopes, sinks=sinks,
         logits_soft_cap=logits_soft_cap, output_scale=output_scale,
@@ -207,6 +208,7 @@ def _encoder_attention(query, key, value, cu_seqlens, max_seqlen, scale, causal=
                        sliding_window=-1, alibi_slopes=None, sinks=None, logits_soft_cap=0.0):
     op = "rocm_attn.encoder_attention"
     validation.check_encoder_attention(op, query, key, value, cu_seqlens, alibi_slopes, sinks)
+    validation.check_softmax_scale(op, scale)
     feats = providers.attention_features(
         causal=causal, sliding_window=sliding_window, alibi_slopes=alibi_slopes, sinks=sinks,
         logits_soft_cap=logits_soft_cap, output_scale=None,

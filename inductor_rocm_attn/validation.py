@@ -8,6 +8,8 @@ break graph capture).
 
 from __future__ import annotations
 
+import math
+
 import os
 
 import torch
@@ -223,3 +225,11 @@ def check_encoder_attention(op: str, query: torch.Tensor, key: torch.Tensor, val
     for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if t is not None and t.shape != (query.shape[1],):
             raise ValueError(f"{op}: {name} must be [num_heads] = [{query.shape[1]}], got {tuple(t.shape)}")
+
+
+def check_softmax_scale(op: str, scale: float) -> None:
+    """The softmax scale must be a positive finite number: the kernels take each row's max on
+    unscaled scores (as FlashAttention does), which only equals the max of the scaled ones
+    for a positive scale."""
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{op}: scale must be a positive finite number, got {scale!r}")

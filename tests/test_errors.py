@@ -107,6 +107,17 @@ def test_mismatched_dtypes():
         _attn(case, output=torch.empty_like(case.query, dtype=torch.float16))
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.1, float("nan"), float("inf")])
+def test_softmax_scale_must_be_positive(scale):
+    case = make_paged_case([3], [5])
+    with pytest.raises(ValueError, match=r"rocm_attn.paged_attention: scale must be a positive finite number, got"):
+        _attn(case, scale=scale)
+    t = case.query.shape[0]
+    with pytest.raises(ValueError, match=r"rocm_attn.encoder_attention: scale must be a positive finite"):
+        torch.ops.rocm_attn.encoder_attention(
+            case.query, case.key, case.value, torch.tensor([0, t], dtype=torch.int32), t, scale)
+
+
 def test_mismatched_devices():
     # Dispatch sends any meta tensor to the fake kernel, so check the validator directly.
     with pytest.raises(ValueError, match=r"all tensors must be on one device, got query on cpu, kv_cache on meta"):

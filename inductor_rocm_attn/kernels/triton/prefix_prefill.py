@@ -48,12 +48,22 @@ def _attn_update(
     USE_SOFTCAP: tl.constexpr, MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     RESCALE_MARGIN: tl.constexpr,
 ):
-    """One key tile of online softmax: scale, soft cap, ALiBi, mask, then the rescaled sums."""
+    """One key tile of online softmax: scale, soft cap, ALiBi, mask, then the rescaled sums.
+
+    Without soft cap and ALiBi the scores stay unscaled: the row max is taken on them and
+    scaled once a row, and each ``exp2(qk * c - m)`` is one FFMA instead of a multiply
+    and a subtract per score (``sm_scale`` > 0, checked by ``validation.check_softmax_scale``,
+    so the max commutes with the scaling).
+    """
     qk = tl.dot(q, k, input_precision=DOT_PRECISION)
+    RAW: tl.constexpr = not USE_SOFTCAP and not USE_ALIBI
+    c = sm_scale * _LOG2E
     if USE_SOFTCAP:
         s = (softcap * _LOG2E) * _tanh(qk * (sm_scale / softcap))
+    elif RAW:
+        s = qk
     else:
-        s = qk * (sm_scale * _LOG2E)
+        s = qk * c
     if USE_ALIBI:
         s += slope[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
     if MASK:
@@ -65,7 +75,10 @@ def _attn_update(
             if not CAUSAL:
                 keep = keep & ((k_pos[None, :] - q_pos[:, None]) < window)
         s = tl.where(keep, s, float("-inf"))
-    m_tile = tl.max(s, 1)
+    if RAW:
+        m_tile = tl.max(s, 1) * c
+    else:
+        m_tile = tl.max(s, 1)
     if RESCALE_MARGIN > 0:
         # Lazy rescale (as FlashAttention-4): keep the running max until some row's tile max
         # passes it by more than the margin (log2 units), so most tiles skip rescaling acc;
@@ -77,7 +90,11 @@ def _attn_update(
             l_i = l_i * alpha
             m_i = m_new
         # A row that has seen no visible key yet keeps m = -inf: exponentiate against 0.
-        p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+        m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+        if RAW:
+            p = tl.exp2(s * c - m_use[:, None])
+        else:
+            p = tl.exp2(s - m_use[:, None])
         l_i += tl.sum(p, 1)
         acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         return acc, m_i, l_i
@@ -85,7 +102,10 @@ def _attn_update(
     # A row that has seen no visible key yet keeps m = -inf: exponentiate against 0 instead.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
+    if RAW:
+        p = tl.exp2(s * c - m_safe[:, None])
+    else:
+        p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
