@@ -45,6 +45,10 @@ VARIANTS = {
     "dense_tma": {**_BASE, "PREFILL_DENSE_TMA": True},
     "margin8_dense_tma": {**_BASE, "margin": 8.0, "PREFILL_DENSE_TMA": True},
     "all": {"margin": 8.0, "PREFILL_LONGEST_FIRST": True, "PREFILL_DENSE_TMA": True},
+    # how the paged context's K tiles are read (paged_attention.PREFILL_K_ROWS); margin None
+    # keeps the default margins
+    "k_gather": {"margin": None, "PREFILL_K_ROWS": 0},
+    "k_rows_multi": {"margin": None, "PREFILL_K_ROWS": 2},
 }
 SWEEP = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3),
          (128, 32, 8, 4), (64, 64, 4, 4)]

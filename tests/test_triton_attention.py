@@ -209,6 +209,20 @@ def test_paged_k_rows_interpreter(query_lens, context_lens, kw, kind):
                  **{**kw, "decode_cfg": (16, 1, 1, kind), "prefill_cfg": (16, 16, 4, 1)})
 
 
+@pytest.mark.parametrize("query_lens,context_lens,kw", [c[1:] for c in CPU_CASES],
+                         ids=[c[0] for c in CPU_CASES])
+def test_paged_k_rows_multi_run_interpreter(monkeypatch, query_lens, context_lens, kw):
+    """K read as packet rows for tiles of several runs (level 2): 32-key decode tiles and
+    32-key prefill context tiles, two runs over 16-token blocks (one over 32/544)."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter matrix; the gpu tests cover CUDA")
+    pa = sys.modules["inductor_rocm_attn.kernels.triton.paged_attention"]
+    monkeypatch.setattr(pa, "PAGED_K_ROWS", 2)
+    monkeypatch.setattr(pa, "PREFILL_K_ROWS", 2)
+    _check_paged(query_lens, context_lens,
+                 **{**kw, "decode_cfg": (32, 2, 1, "rows3"), "prefill_cfg": (16, 32, 4, 1)})
+
+
 @pytest.mark.parametrize("margin", [0.0, 8.0])
 @pytest.mark.parametrize("query_lens,context_lens,kw", [
     ([1, 1, 7], [90, 40, 50], dict(num_splits=2)),

@@ -303,10 +303,14 @@ DECODE_RESCALE_MARGIN = 0.0
 # Causal prefill runs each sequence's row blocks last-first (longest first: a shorter tail).
 # H200 (session 10): 397 vs 395 TFLOP/s without a prefix, 287 vs 283 with 4096 (noise ~2%).
 PREFILL_LONGEST_FIRST = True
-# Cache tiles that are one run of a block (decode's 16-key tiles) read K as the page's packet
-# rows, TILE_N * 16 contiguous bytes each, instead of a [HEAD, TILE_N] gather whose lanes sit
-# on 16 packets 256 bytes apart (prefix_prefill._load_paged_kv).
-PAGED_K_ROWS = True
+# How cache tiles read K (prefix_prefill._load_paged_kv): 0 = a [HEAD, TILE_N] gather (a
+# warp's lanes on 16 packets 256 bytes apart); 1 = a tile that is one run of a block (decode's
+# 16-key tiles) as the page's packet rows, TILE_N * 16 contiguous bytes each; 2 = tiles of
+# several runs as well ([runs, HEAD/X, SUB*X]). H200 (session 11), decode B=64 L=4096:
+# 258 us with 1, 326 with 0. Prefill's wgmma needs K in its own shared layout, so there the
+# rows cost a register round trip: PREFILL_K_ROWS is set from its own A/B.
+PAGED_K_ROWS = 1
+PREFILL_K_ROWS = 1
 # Prefill fetches the new tokens' K/V tiles with TMA (tensor descriptors, NVIDIA sm_90+)
 # instead of per-lane async copies. H200 (session 10): 407 vs 395 TFLOP/s without a prefix.
 PREFILL_DENSE_TMA = True
@@ -509,6 +513,6 @@ def paged_attention(
         HAS_NEW_KV=has_new, CAUSAL=bool(causal), RESCALE_MARGIN=float(context_margin),
         DENSE_MARGIN=float(dense_margin),
         LONGEST_FIRST=PREFILL_LONGEST_FIRST and bool(causal), DENSE_TMA=descs is not None,
-        K_ROWS=PAGED_K_ROWS,
+        K_ROWS=PREFILL_K_ROWS,
         num_warps=warps, num_stages=stages, **common,
     )

@@ -153,7 +153,8 @@ def _block_ids(bt_row_ptr, start, lo, hi, BLOCK_SIZE: tl.constexpr, TILE_N: tl.c
                SUB: tl.constexpr, MASK: tl.constexpr):
     """Cache block of each key ``start .. start+TILE_N`` (int64 ``[TILE_N]``) and whether its
     run of ``SUB`` keys is loaded at all (a run with a visible key sits in a real block).
-    Also the tile's block and validity as scalars when the tile is one run (else 0, True)."""
+    Also the block and validity of each run: scalars when the tile is one run, else
+    ``[TILE_N // SUB]``."""
     offs_n = start + tl.arange(0, TILE_N)
     if TILE_N == SUB:  # one run: one block-table entry, a scalar load
         if MASK:
@@ -175,8 +176,14 @@ def _block_ids(bt_row_ptr, start, lo, hi, BLOCK_SIZE: tl.constexpr, TILE_N: tl.c
             run_ok = offs_n >= 0
             blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE)
         blk = tl.max_constancy(blk, SUB).to(tl.int64)
-        blk_s = (start * 0).to(tl.int64)
-        ok_s = start >= 0
+        # and per run ([TILE_N // SUB]): the packet-row K load addresses runs, not keys
+        run0 = start + tl.arange(0, TILE_N // SUB) * SUB
+        if MASK:
+            ok_s = (run0 < hi) & (run0 + SUB > lo)
+            blk_s = tl.load(bt_row_ptr + run0 // BLOCK_SIZE, mask=ok_s, other=0).to(tl.int64)
+        else:
+            ok_s = run0 >= 0
+            blk_s = tl.load(bt_row_ptr + run0 // BLOCK_SIZE).to(tl.int64)
     return blk, run_ok, blk_s, ok_s
 
 
@@ -225,7 +232,7 @@ def _load_paged_kv(
     d_ok = offs_d < HEAD_SIZE
     in_blk = offs_n % BLOCK_SIZE
     # K page [HEAD/X, BLOCK_SIZE, X]: X channels of a token are one 16-byte packet.
-    if K_ROWS and TILE_N == SUB:
+    if K_ROWS >= 1 and TILE_N == SUB:
         # The tile's packet rows, [HEAD/X, TILE_N*X], each TILE_N*16 contiguous bytes: a warp
         # instruction reads two whole rows, and shared memory keeps the page's order, in
         # which ldmatrix finds 8 tokens of a packet in 128 contiguous bytes (no swizzle).
@@ -242,6 +249,22 @@ def _load_paged_kv(
         else:
             k2 = tl.load(k_cache_ptr + k_offs)
         k = tl.reshape(tl.permute(tl.reshape(k2, (P, TILE_N, X)), (0, 2, 1)), (BLOCK_D, TILE_N))
+    elif K_ROWS >= 2:
+        # Several runs (blk_s, ok_s per run): [runs, HEAD/X, SUB*X], each row SUB*16 bytes.
+        R: tl.constexpr = TILE_N // SUB
+        P: tl.constexpr = BLOCK_D // X
+        offs_p = tl.arange(0, P)
+        in0 = tl.multiple_of((start + tl.arange(0, R) * SUB) % BLOCK_SIZE, SUB)
+        k_offs = (blk_s[:, None, None] * stride_kcb + kv_head * stride_kch
+                  + offs_p[None, :, None] * (BLOCK_SIZE * X) + in0[:, None, None] * X
+                  + tl.arange(0, SUB * X)[None, None, :])
+        if MASK or BLOCK_D != HEAD_SIZE:
+            k3 = tl.load(k_cache_ptr + k_offs,
+                         mask=ok_s[:, None, None] & (offs_p < HEAD_SIZE // X)[None, :, None],
+                         other=0.0)
+        else:
+            k3 = tl.load(k_cache_ptr + k_offs)
+        k = tl.reshape(tl.permute(tl.reshape(k3, (R, P, SUB, X)), (1, 3, 0, 2)), (BLOCK_D, TILE_N))
     else:
         k_offs = (blk[None, :] * stride_kcb + kv_head * stride_kch
                   + (offs_d // X)[:, None] * (BLOCK_SIZE * X) + in_blk[None, :] * X
