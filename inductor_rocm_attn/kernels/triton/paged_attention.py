@@ -308,7 +308,10 @@ PREFILL_LONGEST_FIRST = True
 # 16-key tiles) as the page's packet rows, TILE_N * 16 contiguous bytes each; 2 = tiles of
 # several runs as well ([runs, HEAD/X, SUB*X]). H200 (session 11), decode B=64 L=4096:
 # 258 us with 1, 326 with 0. Prefill's wgmma needs K in its own shared layout, so there the
-# rows cost a register round trip: PREFILL_K_ROWS is set from its own A/B.
+# rows cost a register round trip; still, with a 4096-token prefix level 2 ran 361 TFLOP/s
+# against 337 (level 1) and 334 (0), no prefix 432 / 431 / 429 (results/s11_call4_ffma).
+# Level 2 passed the CPU interpreter matrix and the bench's check against SDPA, not yet the
+# GPU test matrix: it becomes the prefill default once that has run.
 PAGED_K_ROWS = 1
 PREFILL_K_ROWS = 1
 # Prefill fetches the new tokens' K/V tiles with TMA (tensor descriptors, NVIDIA sm_90+)
