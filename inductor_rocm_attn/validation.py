@@ -9,7 +9,6 @@ break graph capture).
 from __future__ import annotations
 
 import math
-
 import os
 
 import torch

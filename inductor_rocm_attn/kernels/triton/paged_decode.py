@@ -109,12 +109,12 @@ def _keys_inner(
     ``_paged_inner``)."""
     last = tl.maximum(tile_hi - 1, tile_lo)
     blk, run_ok, _, _ = _block_ids(bt_row_ptr, tile_lo * TILE_N, lo, hi, BLOCK_SIZE, TILE_N, SUB,
-                                   True)
+                                   True, 0)
     for t in range(tile_lo, tile_hi):
         blk_t = blk
         run_ok_t = run_ok
         blk, run_ok, _, _ = _block_ids(bt_row_ptr, tl.minimum(t + 1, last) * TILE_N, lo, hi,
-                                       BLOCK_SIZE, TILE_N, SUB, MASK)
+                                       BLOCK_SIZE, TILE_N, SUB, MASK, 0)
         qk = _keys_scores(q_t, k_cache_ptr, blk_t, run_ok_t, kv_head, t * TILE_N,
                           stride_kcb, stride_kch, COMPUTE, BLOCK_SIZE, HEAD_SIZE, BLOCK_D,
                           BLOCK_H, X, TILE_N, MASK, DOT_PRECISION)

@@ -150,11 +150,12 @@ def _tiles(lo, hi, full_lo, full_hi, base, TILE: tl.constexpr):
 
 @triton.jit
 def _block_ids(bt_row_ptr, start, lo, hi, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-               SUB: tl.constexpr, MASK: tl.constexpr):
+               SUB: tl.constexpr, MASK: tl.constexpr, K_ROWS: tl.constexpr):
     """Cache block of each key ``start .. start+TILE_N`` (int64 ``[TILE_N]``) and whether its
     run of ``SUB`` keys is loaded at all (a run with a visible key sits in a real block).
-    Also the block and validity of each run: scalars when the tile is one run, else
-    ``[TILE_N // SUB]``."""
+    Also the block and validity of each run, for ``_load_paged_kv``'s packet-row K load:
+    scalars when the tile is one run; ``[TILE_N // SUB]`` for several runs when
+    ``K_ROWS >= 2`` (else placeholders: nothing reads them)."""
     offs_n = start + tl.arange(0, TILE_N)
     if TILE_N == SUB:  # one run: one block-table entry, a scalar load
         if MASK:
@@ -176,14 +177,17 @@ def _block_ids(bt_row_ptr, start, lo, hi, BLOCK_SIZE: tl.constexpr, TILE_N: tl.c
             run_ok = offs_n >= 0
             blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE)
         blk = tl.max_constancy(blk, SUB).to(tl.int64)
-        # and per run ([TILE_N // SUB]): the packet-row K load addresses runs, not keys
         run0 = start + tl.arange(0, TILE_N // SUB) * SUB
-        if MASK:
-            ok_s = (run0 < hi) & (run0 + SUB > lo)
-            blk_s = tl.load(bt_row_ptr + run0 // BLOCK_SIZE, mask=ok_s, other=0).to(tl.int64)
+        if K_ROWS >= 2:  # per run: the packet-row K load addresses runs, not keys
+            if MASK:
+                ok_s = (run0 < hi) & (run0 + SUB > lo)
+                blk_s = tl.load(bt_row_ptr + run0 // BLOCK_SIZE, mask=ok_s, other=0).to(tl.int64)
+            else:
+                ok_s = run0 >= 0
+                blk_s = tl.load(bt_row_ptr + run0 // BLOCK_SIZE).to(tl.int64)
         else:
             ok_s = run0 >= 0
-            blk_s = tl.load(bt_row_ptr + run0 // BLOCK_SIZE).to(tl.int64)
+            blk_s = run0.to(tl.int64) * 0
     return blk, run_ok, blk_s, ok_s
 
 
@@ -213,7 +217,7 @@ def _v_packets(v_cache_ptr, blk, run_ok, kv_head, start, stride_vcb, stride_vch,
 @triton.jit
 def _load_paged_kv(
     k_cache_ptr, v_cache_ptr, blk, run_ok,  # cache interiors (K, V views); tile's block ids
-    blk_s, ok_s,  # the same as scalars when the tile is one run (TILE_N == SUB)
+    blk_s, ok_s,  # the same per run (_block_ids): scalars when the tile is one run
     kv_head, start, lo, hi,  # tile starts at token `start`; keys outside [lo, hi) are invalid
     stride_kcb, stride_kch, stride_vcb, stride_vch,
     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, X: tl.constexpr,
@@ -322,14 +326,14 @@ def _paged_inner(
     last = tl.maximum(tile_hi - 1, tile_lo)
     # Masked: with an empty range, tile_lo may lie past the sequence's block-table entries.
     blk, run_ok, blk_s, ok_s = _block_ids(bt_row_ptr, tile_lo * TILE_N, lo, hi, BLOCK_SIZE,
-                                          TILE_N, SUB, True)
+                                          TILE_N, SUB, True, K_ROWS)
     for t in range(tile_lo, tile_hi):
         blk_t = blk
         run_ok_t = run_ok
         blk_s_t = blk_s
         ok_s_t = ok_s
         blk, run_ok, blk_s, ok_s = _block_ids(bt_row_ptr, tl.minimum(t + 1, last) * TILE_N, lo,
-                                              hi, BLOCK_SIZE, TILE_N, SUB, MASK)
+                                              hi, BLOCK_SIZE, TILE_N, SUB, MASK, K_ROWS)
         k, v, k_pos, k_ok = _load_paged_kv(
             k_cache_ptr, v_cache_ptr, blk_t, run_ok_t, blk_s_t, ok_s_t, kv_head, t * TILE_N, lo,
             hi, stride_kcb, stride_kch, stride_vcb, stride_vch,
