@@ -11,7 +11,7 @@ import torch
 
 
 def _info() -> int:
-    from . import capabilities
+    from . import providers
 
     print(f"inductor_rocm_attn {__import__('inductor_rocm_attn').__version__}")
     print(f"platform: {platform.platform()}, Python {platform.python_version()}")
@@ -25,14 +25,20 @@ def _info() -> int:
         backend = f"ROCm {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}"
         gpu = f"{torch.cuda.get_device_name()} ({backend})"
     print(f"torch {torch.__version__}, triton {triton_version}, GPU: {gpu}")
-    print("providers:")
-    for provider in capabilities.PROVIDERS:
-        why = capabilities.provider_unavailable(provider)
-        caps = capabilities.CAPS[provider]
+    print("providers (in default order of preference):")
+    for provider in providers.REGISTRY.values():
+        why = provider.unavailable_reason()
+        caps = provider.caps
         status = "usable" if why is None else f"unavailable: {why}"
-        print(f"  {provider:<10} {status}")
+        print(f"  {provider.name:<10} {status}")
+        print(f"  {'':<10} {provider.summary}; kernels in {provider.module}")
         print(f"  {'':<10} ops: {', '.join(caps.ops)}; head sizes {caps.head_sizes}; "
               f"block sizes {caps.block_sizes or 'any multiple of 16'}")
+    print("measured preferences (elsewhere the order above):")
+    for r in providers.PREFERENCES:
+        upper = "" if r.max_tokens is None else f" < {r.max_tokens}"
+        tokens = "any tokens" if r.min_tokens == 0 and not upper else f"{r.min_tokens} <= tokens{upper}"
+        print(f"  {r.platform}: {r.op}, {tokens}: {', '.join(r.first)} first ({r.evidence})")
     return 0
 
 

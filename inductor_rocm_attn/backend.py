@@ -26,6 +26,8 @@ from .layout import (
 
 __all__ = ["RocmAttentionBackend", "RocmAttentionImpl"]
 
+_SIZED_OPS = providers.SIZED_OPS
+
 
 class RocmAttentionBackend:
     name = "ROCM_ATTN"
@@ -114,7 +116,7 @@ class RocmAttentionImpl:
         self.causal = bool(causal)
         self.interleaved_v = False
         # (op, call signature) -> kernel: the first call of a signature is validated in full
-        # and resolved through the capability table; later steps go straight to the kernel.
+        # and resolved through the provider registry; later steps go straight to the kernel.
         self._kernels: dict[tuple, object] = {}
         self._features = providers.attention_features(
             causal=self.causal, sliding_window=self.sliding_window, alibi_slopes=alibi_slopes,
@@ -147,14 +149,23 @@ class RocmAttentionImpl:
         self.interleaved_v = enabled
         return True
 
-    def _signature(self, op: str, x: torch.Tensor, kv_cache: torch.Tensor, *extra) -> tuple:
-        return (op, x.device, x.dtype, kv_cache.data_ptr(), kv_cache.dtype, self.interleaved_v, *extra)
+    def _signature(self, op: str, x: torch.Tensor, kv_cache: torch.Tensor, num_tokens: int, *extra) -> tuple:
+        device = x.device
+        # The token range picks among providers where a measured preference says so.
+        bucket = providers.token_bucket(op, device, num_tokens) if op in _SIZED_OPS else 0
+        return (op, device, x.dtype, kv_cache.data_ptr(), kv_cache.dtype, self.interleaved_v, bucket, *extra)
 
-    def _resolve(self, sig: tuple, op: str, x: torch.Tensor, kv_cache: torch.Tensor, features=()):
+    def _resolve(self, sig: tuple, op: str, x: torch.Tensor, kv_cache: torch.Tensor | None,
+                 num_tokens: int, features=()):
+        """Select the kernel of a new call signature (already validated) and cache it."""
         _, fn = providers.select(op, device=x.device, head_size=self.head_size, dtype=x.dtype,
-                                 kv_cache=kv_cache, interleaved_v=self.interleaved_v, features=features)
+                                 kv_cache=kv_cache, features=features, num_tokens=num_tokens,
+                                 interleaved_v=self.interleaved_v and kv_cache is not None)
         self._kernels[sig] = fn
         return fn
+
+    def _rope_features(self, cos_sin_cache: torch.Tensor) -> tuple[str, ...]:
+        return ("partial_rotary",) if cos_sin_cache.shape[-1] < self.head_size else ()
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if not self.uses_kv_cache:
@@ -164,26 +175,44 @@ class RocmAttentionImpl:
             value = value.view(-1, self.num_kv_heads, self.head_size)
         buffers = layer._buffers  # skips nn.Module.__getattr__
         k_scale, v_scale = buffers["_k_scale"], buffers["_v_scale"]
-        sig = self._signature("reshape_and_cache", key, kv_cache)
+        t = key.shape[0]
+        sig = self._signature("reshape_and_cache", key, kv_cache, t)
         fn = self._kernels.get(sig)
         if fn is None:
             validation.check_cache_write("rocm_attn.unified_kv_cache_update", key, value, kv_cache,
                                          slot_mapping, k_scale, v_scale)
-            fn = self._resolve(sig, "reshape_and_cache", key, kv_cache)
+            fn = self._resolve(sig, "reshape_and_cache", key, kv_cache, t)
         fn(key, value, kv_cache, slot_mapping, k_scale, v_scale, self.interleaved_v)
 
     def do_rope_and_kv_cache_update(self, layer, positions, query, key, value, cos_sin_cache,
                                     is_neox, kv_cache, attn_metadata) -> None:
         """Rotate ``query``/``key`` in place and write the rotated key and value to the cache."""
+        t = query.shape[0]
+        rot_dim = cos_sin_cache.shape[-1]  # partial rotary changes which providers apply
         if attn_metadata is None or not self.uses_kv_cache:  # profiling run / no cache
-            torch.ops.rocm_attn.rotary_embedding(positions, query, key, self.head_size, cos_sin_cache, is_neox)
+            op = "rotary_embedding"
+            sig = (op, query.device, query.dtype, rot_dim, providers.token_bucket(op, query.device, t))
+            fn = self._kernels.get(sig)
+            if fn is None:
+                validation.check_rotary("rocm_attn.rotary_embedding", positions, query, key,
+                                        self.head_size, cos_sin_cache)
+                fn = self._resolve(sig, op, query, None, t, self._rope_features(cos_sin_cache))
+            fn(positions, query, key, self.head_size, cos_sin_cache, is_neox)
             return
-        t = key.shape[0]
-        torch.ops.rocm_attn.rope_and_cache(
-            positions, query, key.view(t, self.num_kv_heads, self.head_size),
-            value.view(t, self.num_kv_heads, self.head_size), kv_cache, attn_metadata.slot_mapping,
-            cos_sin_cache, is_neox, layer._k_scale, layer._v_scale, self.interleaved_v,
-        )
+        key = key.view(t, self.num_kv_heads, self.head_size)
+        value = value.view(t, self.num_kv_heads, self.head_size)
+        buffers = layer._buffers  # skips nn.Module.__getattr__
+        k_scale, v_scale = buffers["_k_scale"], buffers["_v_scale"]
+        slot_mapping = attn_metadata.slot_mapping
+        sig = self._signature("rope_and_cache", query, kv_cache, t, rot_dim)
+        fn = self._kernels.get(sig)
+        if fn is None:
+            op = "rocm_attn.rope_and_cache"
+            validation.check_rotary(op, positions, query, key, self.head_size, cos_sin_cache)
+            validation.check_cache_write(op, key, value, kv_cache, slot_mapping, k_scale, v_scale)
+            fn = self._resolve(sig, "rope_and_cache", query, kv_cache, t, self._rope_features(cos_sin_cache))
+        fn(positions, query, key, value, kv_cache, slot_mapping, cos_sin_cache, is_neox, k_scale,
+           v_scale, self.interleaved_v)
 
     def do_qk_norm_rope_kvcache_update(self, layer, qkv, q_weight, k_weight, eps, positions,
                                        cos_sin_cache, is_neox, kv_cache, attn_metadata):
@@ -194,14 +223,25 @@ class RocmAttentionImpl:
         """
         if not self.interleaved_v:
             self.set_interleaved_v_cache(True, kv_cache)
+        t = qkv.shape[0]
         if attn_metadata is None:
-            slot_mapping = torch.full((qkv.shape[0],), -1, dtype=torch.int64, device=qkv.device)
+            slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=qkv.device)
         else:
             slot_mapping = attn_metadata.slot_mapping
-        return torch.ops.rocm_attn.qk_norm_rope_and_cache(
-            qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, kv_cache, slot_mapping,
-            layer._k_scale, layer._v_scale, True, self.num_heads, self.num_kv_heads, self.head_size,
-        )
+        buffers = layer._buffers  # skips nn.Module.__getattr__
+        sig = self._signature("qk_norm_rope_and_cache", qkv, kv_cache, t, cos_sin_cache.shape[-1])
+        fn = self._kernels.get(sig)
+        if fn is None:
+            op = "rocm_attn.qk_norm_rope_and_cache"
+            validation.check_qk_norm_rope(op, qkv, q_weight, k_weight, positions, cos_sin_cache,
+                                          self.num_heads, self.num_kv_heads, self.head_size)
+            validation.check_kv_cache(op, kv_cache, self.num_kv_heads, self.head_size)
+            validation.check_slot_mapping(op, slot_mapping, kv_cache, t)
+            fn = self._resolve(sig, "qk_norm_rope_and_cache", qkv, kv_cache, t,
+                               self._rope_features(cos_sin_cache))
+        return fn(qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, kv_cache,
+                  slot_mapping, buffers["_k_scale"], buffers["_v_scale"], True, self.num_heads,
+                  self.num_kv_heads, self.head_size)
 
     # --- attention -------------------------------------------------------------------------
 
@@ -237,7 +277,7 @@ class RocmAttentionImpl:
                 md.block_table, self.scale, buffers["_k_scale"], buffers["_v_scale"], self.causal,
                 self.sliding_window, self.alibi_slopes, self.sinks, self.logits_soft_cap,
                 self.interleaved_v, output_scale, md.max_query_len, md.max_seq_len)
-        sig = self._signature("paged_attention", query, kv_cache, output.dtype, output_scale is None)
+        sig = self._signature("paged_attention", query, kv_cache, n, output.dtype, output_scale is None)
         fn = self._kernels.get(sig)
         if fn is None:
             # Per-head tensors follow the query's device, checked once per signature.
@@ -248,7 +288,7 @@ class RocmAttentionImpl:
                 output_scale,
             )
             feats = self._features + (("output_scale",) if output_scale is not None else ())
-            fn = self._resolve(sig, "paged_attention", query, kv_cache, feats)
+            fn = self._resolve(sig, "paged_attention", query, kv_cache, n, feats)
         fn(*args)
         return output
 

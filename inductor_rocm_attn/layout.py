@@ -27,6 +27,8 @@ import enum
 
 import torch
 
+from .capabilities import SUPPORTED_KV_CACHE_DTYPES, check_cache_geometry
+
 __all__ = [
     "CacheLayout",
     "KVCacheSpec",
@@ -49,7 +51,6 @@ class CacheLayout(str, enum.Enum):
     LBHNC = "LBHNC"  # [layer][block][head group K|V][token][channel]: blocks contiguous
 
 
-SUPPORTED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 _FP8_DTYPES = tuple(
     getattr(torch, n)
     for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
@@ -135,9 +136,7 @@ def customize_spec(
     layout: CacheLayout | str = CacheLayout.LHBNC,
 ) -> KVCacheSpec:
     """Spec of a ROCM_ATTN layer's cache: two head groups (K, V), one page pair per block."""
-    from . import capabilities
-
-    capabilities.check_cache_geometry(block_size, head_size)
+    check_cache_geometry(block_size, head_size)
     return KVCacheSpec(block_size, num_kv_heads, head_size, dtype, CacheLayout(layout))
 
 

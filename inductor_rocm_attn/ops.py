@@ -2,8 +2,8 @@
 
 Registered through ``torch.library.Library.define`` (the cheapest registration: these ops
 sit on the per-step path) with one implementation for all devices that validates, picks a
-provider from the capability table and calls its kernel. Every mutated tensor is declared
-with ``(a!)``. Fake kernels sit beside each schema and compute metadata only.
+provider (``providers.select``) and calls its kernel. Every mutated tensor is declared with
+``(a!)``. Fake kernels sit beside each schema and compute metadata only.
 
 Kernel-level ops take explicit tensors. Layer-level ops find their layer's impl, KV cache
 and per-step metadata through the forward context; the cache update returns a dependency
@@ -103,7 +103,7 @@ def _reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, int
     validation.check_cache_write(op, key, value, kv_cache, slot_mapping, k_scale, v_scale)
     _, fn = providers.select(
         "reshape_and_cache", device=key.device, head_size=key.shape[2], dtype=key.dtype,
-        kv_cache=kv_cache, interleaved_v=interleaved_v,
+        kv_cache=kv_cache, interleaved_v=interleaved_v, num_tokens=key.shape[0],
     )
     fn(key, value, kv_cache, slot_mapping, k_scale, v_scale, interleaved_v)
 
@@ -130,7 +130,7 @@ def _paged_attention(output, query, key, value, kv_cache, query_start_loc, seq_l
     _, fn = providers.select(
         "paged_attention", device=query.device, head_size=query.shape[2], dtype=query.dtype
         if query.dtype in (torch.float16, torch.bfloat16, torch.float32) else key.dtype,
-        kv_cache=kv_cache, interleaved_v=interleaved_v, features=feats,
+        kv_cache=kv_cache, interleaved_v=interleaved_v, features=feats, num_tokens=query.shape[0],
     )
     # The host maxima are launch hints (skip the prefill launch for a decode-only batch,
     # bound the KV split count): no device sync.
@@ -148,7 +148,8 @@ def _paged_attention_fake(*args, **kwargs):
 def _rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
     op = "rocm_attn.rotary_embedding"
     validation.check_rotary(op, positions, query, key, head_size, cos_sin_cache)
-    _, fn = providers.select("rotary_embedding", device=query.device, head_size=head_size, dtype=query.dtype)
+    _, fn = providers.select("rotary_embedding", device=query.device, head_size=head_size, dtype=query.dtype,
+                             num_tokens=query.shape[0])
     fn(positions, query, key, head_size, cos_sin_cache, is_neox)
 
 
@@ -167,6 +168,7 @@ def _rope_and_cache(positions, query, key, value, kv_cache, slot_mapping, cos_si
     _, fn = providers.select(
         "rope_and_cache", device=query.device, head_size=head_size, dtype=query.dtype,
         kv_cache=kv_cache, interleaved_v=interleaved_v, features=_rope_features(cos_sin_cache, head_size),
+        num_tokens=query.shape[0],
     )
     fn(positions, query, key, value, kv_cache, slot_mapping, cos_sin_cache, is_neox, k_scale,
        v_scale, interleaved_v)
@@ -189,6 +191,7 @@ def _qk_norm_rope_and_cache(qkv, q_weight, k_weight, eps, positions, cos_sin_cac
     _, fn = providers.select(
         "qk_norm_rope_and_cache", device=qkv.device, head_size=head_size, dtype=qkv.dtype,
         kv_cache=kv_cache, interleaved_v=interleaved_v, features=_rope_features(cos_sin_cache, head_size),
+        num_tokens=qkv.shape[0],
     )
     return fn(qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, kv_cache,
               slot_mapping, k_scale, v_scale, interleaved_v, num_heads, num_kv_heads, head_size)
@@ -214,7 +217,7 @@ def _encoder_attention(query, key, value, cu_seqlens, max_seqlen, scale, causal=
         logits_soft_cap=logits_soft_cap, output_scale=None,
     )
     _, fn = providers.select("encoder_attention", device=query.device, head_size=query.shape[2],
-                             dtype=query.dtype, features=feats)
+                             dtype=query.dtype, features=feats, num_tokens=query.shape[0])
     output = torch.empty_like(query)
     fn(output, query, key, value, cu_seqlens, scale, causal, sliding_window, alibi_slopes, sinks,
        logits_soft_cap, None)

@@ -161,20 +161,20 @@ def test_duplicate_layer_name():
 
 
 def test_gpu_without_kernel_is_an_error_not_a_fallback():
-    from inductor_rocm_attn import capabilities
+    from inductor_rocm_attn import providers
 
-    why = capabilities.provider_supports("native", "paged_attention", device="cuda", head_size=80,
-                                         dtype=torch.float16, block_size=16)
+    why = providers.get("native").supports("paged_attention", device="cuda", head_size=80,
+                                           dtype=torch.float16, block_size=16)
     assert "head sizes (64, 128), not 80" in why
     with pytest.raises(NotImplementedError, match="no provider supports this call"):
-        capabilities.select_provider("paged_attention", device="cuda", head_size=64, dtype=torch.float16,
-                                     exclude=("triton", "aiter", "native"))
+        providers.choose("paged_attention", platform="cuda", device="cuda", head_size=64,
+                         dtype=torch.float16, exclude=("triton", "aiter", "native"))
 
 
 def test_partial_rotary_never_dispatches_to_aiter():
-    from inductor_rocm_attn import capabilities
+    from inductor_rocm_attn import providers
 
     q = dict(device="cuda", head_size=128, dtype=torch.bfloat16, block_size=16, interleaved_v=True)
-    assert "partial_rotary" in capabilities.provider_supports("aiter", "rope_and_cache",
-                                                              features=("partial_rotary",), **q)
-    assert capabilities.provider_supports("triton", "rope_and_cache", features=("partial_rotary",), **q) is None
+    assert "partial_rotary" in providers.get("aiter").supports("rope_and_cache",
+                                                               features=("partial_rotary",), **q)
+    assert providers.get("triton").supports("rope_and_cache", features=("partial_rotary",), **q) is None

@@ -2,8 +2,9 @@
 
 AITER is the PyPI package ``amd-aiter`` (import name ``aiter``; the PyPI package named
 ``aiter`` is an unrelated library and is never used). It is imported lazily inside the
-functions, never at module import. ``capabilities.CAPS["aiter"]`` says which calls come
-here; the checks below raise for what the table cannot express.
+functions, never at module import. The ``aiter`` record of ``providers.REGISTRY`` says
+which calls come here (and when it is preferred); the checks below raise for what its
+capability table cannot express.
 
 What runs (ROCm/aiter at commit e4048607a5, Triton kernels under ``aiter/ops/triton``):
 

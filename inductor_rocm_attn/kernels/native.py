@@ -1,7 +1,7 @@
 """The native (csrc) provider: HIP/CUDA paged decode built on first use.
 
-Not built yet in this version: ``unavailable_reason`` says so, and the capability table
-keeps the provider out of dispatch until a build exists.
+Not built yet in this version: ``unavailable_reason`` says so, and the provider's record in
+``providers.REGISTRY`` asks it, which keeps the provider out of dispatch until a build exists.
 """
 
 from __future__ import annotations

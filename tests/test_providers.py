@@ -1,0 +1,287 @@
+"""The provider registry: one record per provider, selection, measured preferences, `info`,
+and the impl's fused writers going through the same cached resolve as the other paths."""
+
+import importlib.util
+import inspect
+import pathlib
+
+import pytest
+import torch
+
+import inductor_rocm_attn as ira
+from inductor_rocm_attn import capabilities, providers, validation
+from inductor_rocm_attn.__main__ import main as cli_main
+from inductor_rocm_attn.capabilities import ProviderCaps
+from inductor_rocm_attn.kernels import reference as ref
+from inductor_rocm_attn.layout import CacheLayout
+
+from cases import poison
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+NAMES = ("aiter", "native", "triton", "reference")
+QK_NORM = dict(device="cuda", head_size=128, dtype=torch.bfloat16, block_size=16,
+               layout=CacheLayout.LHBNC, kv_cache_dtype="auto", interleaved_v=True)
+BOTH_USABLE = {"aiter": None, "triton": None, "native": "not built"}
+
+
+# --- the records ----------------------------------------------------------------------------
+
+
+def test_every_provider_has_one_record():
+    assert tuple(providers.REGISTRY) == NAMES  # declaration order = default preference
+    for name, p in providers.REGISTRY.items():
+        assert isinstance(p, providers.Provider) and p.name == name
+        assert providers.get(name) is p
+        assert isinstance(p.caps, ProviderCaps)
+        assert set(p.caps.ops) <= set(capabilities.OPS), name
+        assert set(p.caps.features) <= set(capabilities.FEATURES), name
+        assert importlib.util.find_spec(p.module) is not None, p.module
+        why = p.unavailable_reason()
+        assert why is None or (isinstance(why, str) and why), name
+    with pytest.raises(ValueError, match=r"unknown provider 'nope'; known: \('aiter'"):
+        providers.get("nope")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_load_gives_a_kernel_with_the_reference_signature(name):
+    p = providers.get(name)
+    for op in p.caps.ops:
+        fn = p.load(op)
+        params = inspect.signature(fn).parameters
+        if any(x.kind is inspect.Parameter.VAR_POSITIONAL for x in params.values()):
+            continue  # a stub that only raises
+        want = list(inspect.signature(getattr(ref, op)).parameters)
+        assert list(params)[: len(want)] == want, (name, op)
+    missing = next((op for op in capabilities.OPS if op not in p.caps.ops), None)
+    if missing is not None:
+        with pytest.raises(NotImplementedError, match=f"provider {name} has no {missing} kernel"):
+            p.load(missing)
+
+
+def test_supports_reads_the_record():
+    native = providers.get("native")
+    q = dict(device="cuda", head_size=64, dtype=torch.float16, block_size=16)
+    assert native.supports("paged_attention", **q) is None
+    assert native.supports("paged_attention", **{**q, "device": torch.device("cuda")}) is None
+    assert "head sizes (64, 128), not 80" in native.supports("paged_attention", **{**q, "head_size": 80})
+    assert "layouts ['LHBNC'], not LBHNC" in native.supports("paged_attention", layout="LBHNC", **q)
+    assert "does not support interleaved V" in native.supports("paged_attention", interleaved_v=True, **q)
+    assert "does not support sinks" in native.supports("paged_attention", features=("sinks",), **q)
+    assert native.supports("reshape_and_cache", **q) == "native has no reshape_and_cache kernel"
+    on_cpu = providers.get("triton").supports("paged_attention", **{**q, "device": "cpu"})
+    assert "runs on ('cuda',), not cpu" in on_cpu
+    assert providers.get("aiter").supports("qk_norm_rope_and_cache", **QK_NORM) is None
+
+
+def test_info_lists_every_provider_with_its_reason(capsys):
+    assert cli_main(["info"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    for name, p in providers.REGISTRY.items():
+        why = p.unavailable_reason()
+        status = "usable" if why is None else f"unavailable: {why}"
+        assert any(line.split() and line.split()[0] == name and line.endswith(status) for line in lines), name
+        assert p.module in out
+    for rule in providers.PREFERENCES:
+        assert f"{rule.platform}: {rule.op}," in out
+
+
+# --- selection ------------------------------------------------------------------------------
+
+
+def test_select_picks_reference_on_cpu():
+    cache = ira.allocate_kv_cache(ira.KVCacheSpec(16, 2, 64, torch.float32), 4)
+    for op in capabilities.OPS:
+        name, fn = providers.select(op, device=torch.device("cpu"), head_size=64, dtype=torch.float32,
+                                    kv_cache=cache, num_tokens=7)
+        assert (name, fn) == ("reference", getattr(ref, op))
+
+
+def test_no_provider_error_names_every_provider_and_why():
+    # A call only GPU providers could serve, on the CPU.
+    with pytest.raises(NotImplementedError) as info:
+        providers.select("paged_attention", device=torch.device("cpu"), head_size=64,
+                         dtype=torch.float16, exclude=("reference",))
+    msg = str(info.value)
+    assert msg.startswith("rocm_attn.paged_attention: no provider supports this call (")
+    assert "aiter: aiter runs on ('cuda',), not cpu" in msg
+    assert "native: native runs on ('cuda',), not cpu" in msg
+    assert "triton: triton runs on ('cuda',), not cpu" in msg
+    assert "reference: excluded by the caller" in msg
+    # On a GPU the reference is never the fallback, and says so.
+    with pytest.raises(NotImplementedError) as info:
+        providers.choose("paged_attention", platform="cuda", device="cuda", head_size=80,
+                         dtype=torch.float16, unavailable={"triton": "no triton here"})
+    msg = str(info.value)
+    assert "aiter: aiter has no paged_attention kernel" in msg
+    assert "native: native supports head sizes (64, 128), not 80" in msg
+    assert "triton: no triton here" in msg
+    assert "reference: chosen only on ('cpu',), not cuda" in msg
+
+
+def test_unavailable_provider_is_passed_over_with_its_reason():
+    q = dict(device="cuda", head_size=64, dtype=torch.float16, block_size=16, layout=CacheLayout.LHBNC)
+    usable = {"native": None, "triton": None}
+    assert providers.choose("paged_attention", platform="cuda", unavailable=usable, **q) == "native"
+    assert providers.choose("paged_attention", platform="cuda", unavailable={**usable, "native": "not built"},
+                            **q) == "triton"
+    with pytest.raises(NotImplementedError, match="native: not built; triton: no triton here"):
+        providers.choose("paged_attention", platform="cuda",
+                         unavailable={"native": "not built", "triton": "no triton here"}, **q)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 64, 256, 1024, 4096, 16383])
+def test_qk_norm_prefers_triton_below_the_measured_crossover(num_tokens):
+    assert providers.choose("qk_norm_rope_and_cache", platform="cuda", num_tokens=num_tokens,
+                            unavailable=BOTH_USABLE, **QK_NORM) == "triton"
+
+
+@pytest.mark.parametrize("num_tokens", [16384, 65536])
+def test_qk_norm_prefers_aiter_above_the_measured_crossover(num_tokens):
+    assert providers.choose("qk_norm_rope_and_cache", platform="cuda", num_tokens=num_tokens,
+                            unavailable=BOTH_USABLE, **QK_NORM) == "aiter"
+    # A preference is an order, not a requirement: without AITER, Triton serves the call.
+    assert providers.choose("qk_norm_rope_and_cache", platform="cuda", num_tokens=num_tokens,
+                            unavailable={**BOTH_USABLE, "aiter": "not importable"}, **QK_NORM) == "triton"
+
+
+def test_preferences_are_per_platform():
+    # rope_and_cache: Triton measured faster at every size on CUDA; nothing measured on ROCm,
+    # where declaration order (AITER first) stands.
+    for op in ("rope_and_cache", "qk_norm_rope_and_cache"):
+        assert providers.choose(op, platform="rocm", num_tokens=1, unavailable=BOTH_USABLE,
+                                **QK_NORM) == "aiter"
+    assert providers.choose("rope_and_cache", platform="cuda", num_tokens=65536, unavailable=BOTH_USABLE,
+                            **QK_NORM) == "triton"
+    # A query AITER cannot serve goes to Triton whatever the preference.
+    fp16 = {**QK_NORM, "dtype": torch.float16}
+    assert providers.choose("qk_norm_rope_and_cache", platform="rocm", unavailable=BOTH_USABLE,
+                            **fp16) == "triton"
+    assert providers.preference_order("paged_attention", platform="cuda", num_tokens=1) == NAMES
+
+
+def test_preference_table_is_well_formed():
+    seen = {}
+    for rule in providers.PREFERENCES:
+        assert rule.platform in ("cuda", "rocm", "cpu")
+        assert rule.op in capabilities.OPS
+        assert rule.first and set(rule.first) <= set(providers.REGISTRY)
+        assert (REPO / rule.evidence).is_file(), rule.evidence
+        lo, hi = rule.min_tokens, rule.max_tokens if rule.max_tokens is not None else float("inf")
+        assert lo < hi
+        for other_lo, other_hi in seen.get((rule.platform, rule.op), []):
+            assert hi <= other_lo or lo >= other_hi, f"overlapping rules for {rule.op} on {rule.platform}"
+        seen.setdefault((rule.platform, rule.op), []).append((lo, hi))
+
+
+def test_token_bucket_changes_only_at_a_rule_boundary():
+    b = [providers.token_bucket("qk_norm_rope_and_cache", "cuda", t) for t in (1, 4096, 16383, 16384, 10**6)]
+    if providers.platform_of("cuda") == "cuda":
+        assert b[0] == b[1] == b[2] != b[3] == b[4]
+    buckets = {providers.token_bucket("paged_attention", d, t) for d in ("cpu", "cuda") for t in (1, 10**6)}
+    assert buckets == {0}
+
+
+# --- the impl's paths: one cached resolve per call signature ------------------------------------
+
+
+def _count_calls(monkeypatch, module, name):
+    calls = []
+    real = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(args[0] if args else None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+    return calls
+
+
+def _qk_norm_inputs(t, g, hq=4, hkv=2, d=64, rot=64):
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+    qw, kw = torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5
+    positions = torch.randint(0, 64, (t,), generator=g)
+    cos_sin = torch.randn(64, rot, generator=g)
+    return qkv, qw, kw, positions, cos_sin
+
+
+def _layer_and_steps(name, g, t=5):
+    layer = ira.Attention(4, 64, num_kv_heads=2, layer_name=name)
+    layer.kv_cache = poison(ira.allocate_kv_cache(layer.kv_cache_spec(torch.float32), 8))
+    md = ira.build_attention_metadata([t], [3], [[5, 2]], layer.block_size)
+    return layer, md
+
+
+def test_qk_norm_writer_resolves_once_and_matches_the_reference(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    layer, md = _layer_and_steps("providers.qknorm", g)
+    impl = layer.impl
+    impl.set_interleaved_v_cache(True, layer.kv_cache)
+    selects = _count_calls(monkeypatch, providers, "select")
+    checks = _count_calls(monkeypatch, validation, "check_qk_norm_rope")
+    for step in range(2):
+        qkv, qw, kw, positions, cos_sin = _qk_norm_inputs(5, g)
+        want_cache = layer.kv_cache.clone()
+        want = ref.qk_norm_rope_and_cache(qkv, qw, kw, 1e-6, positions, cos_sin, True, want_cache,
+                                          md.slot_mapping, layer._k_scale, layer._v_scale, True, 4, 2, 64)
+        got = impl.do_qk_norm_rope_kvcache_update(layer, qkv, qw, kw, 1e-6, positions, cos_sin, True,
+                                                  layer.kv_cache, md)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(layer.kv_cache, want_cache, rtol=0, atol=0, equal_nan=True)
+    assert selects == ["qk_norm_rope_and_cache"] and len(checks) == 1  # second step: cached kernel
+    assert any(sig[0] == "qk_norm_rope_and_cache" for sig in impl._kernels)
+
+
+def test_qk_norm_writer_first_call_validates_in_full():
+    g = torch.Generator().manual_seed(1)
+    layer, md = _layer_and_steps("providers.qknorm_bad", g)
+    qkv, qw, kw, positions, cos_sin = _qk_norm_inputs(5, g)
+    with pytest.raises(ValueError, match=r"rocm_attn.qk_norm_rope_and_cache: q_weight must be \[head_size\]"):
+        layer.impl.do_qk_norm_rope_kvcache_update(layer, qkv, qw[:32], kw, 1e-6, positions, cos_sin, True,
+                                                  layer.kv_cache, md)
+    with pytest.raises(ValueError, match="rocm_attn.qk_norm_rope_and_cache: slot_mapping must be 1-D"):
+        layer.impl.do_qk_norm_rope_kvcache_update(layer, qkv[:2], qw, kw, 1e-6, positions[:2], cos_sin, True,
+                                                  layer.kv_cache, md)
+    assert not layer.impl._kernels  # nothing cached for a call that failed validation
+
+
+def test_rope_writer_resolves_once_and_matches_the_reference(monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    layer, md = _layer_and_steps("providers.rope", g)
+    impl = layer.impl
+    selects = _count_calls(monkeypatch, providers, "select")
+    for step in range(2):
+        q, k, v = (torch.randn(5, n, generator=g) for n in (256, 128, 128))
+        positions, cos_sin = torch.randint(0, 64, (5,), generator=g), torch.randn(64, 32, generator=g)
+        wq, wk, want_cache = q.clone(), k.clone(), layer.kv_cache.clone()
+        ref.rope_and_cache(positions, wq, wk.view(5, 2, 64), v.view(5, 2, 64), want_cache, md.slot_mapping,
+                           cos_sin, False, layer._k_scale, layer._v_scale, False)
+        impl.do_rope_and_kv_cache_update(layer, positions, q, k, v, cos_sin, False, layer.kv_cache, md)
+        torch.testing.assert_close((q, k), (wq, wk), rtol=0, atol=0)
+        torch.testing.assert_close(layer.kv_cache, want_cache, rtol=0, atol=0, equal_nan=True)
+        # Profiling run (no metadata): rotary only, through its own cached resolve.
+        wq = q.clone()
+        ref.rotary_embedding(positions, wq, None, 64, cos_sin, True)
+        impl.do_rope_and_kv_cache_update(layer, positions, q, None, v, cos_sin, True, layer.kv_cache, None)
+        torch.testing.assert_close(q, wq, rtol=0, atol=0)
+    assert selects == ["rope_and_cache", "rotary_embedding"]
+    with pytest.raises(ValueError, match="rocm_attn.rope_and_cache: cos_sin_cache must be"):
+        impl.do_rope_and_kv_cache_update(layer, positions, q, k, v, torch.randn(64, 66), False,
+                                         layer.kv_cache, md)
+
+
+def test_impl_resolves_again_in_another_token_range(monkeypatch):
+    """A measured preference that changes with the token count is honoured by the cached paths."""
+    monkeypatch.setitem(providers._TOKEN_BOUNDS, ("cpu", "qk_norm_rope_and_cache"), (8,))
+    monkeypatch.setattr(providers, "_BOUNDS_BY_DEVICE", {})
+    g = torch.Generator().manual_seed(3)
+    layer = ira.Attention(4, 64, num_kv_heads=2, layer_name="providers.buckets")
+    layer.kv_cache = poison(ira.allocate_kv_cache(layer.kv_cache_spec(torch.float32), 8))
+    selects = _count_calls(monkeypatch, providers, "select")
+    for t in (3, 5, 9, 12):
+        md = ira.build_attention_metadata([t], [0], [[1]], layer.block_size)
+        qkv, qw, kw, positions, cos_sin = _qk_norm_inputs(t, g)
+        layer.impl.do_qk_norm_rope_kvcache_update(layer, qkv, qw, kw, 1e-6, positions, cos_sin, True,
+                                                  layer.kv_cache, md)
+    assert len(selects) == 2  # one per token range: [0, 8) and [8, inf)
