@@ -6,7 +6,8 @@ Steps (the vLLM "piecewise" scheme):
 1. **Trace.** Dynamo traces ``model(input_ids, positions)`` once (``fullgraph``, the token
    dimension marked dynamic) into one FX graph; our backend receives it.
 2. **Split** at every attention (``split.split_at_attention``); with the plugin on, each
-   piece gets stand-in attentions so the fusions fire inside it (``split.add_stand_ins``).
+   piece gets stand-in attentions so the fusions fire inside it (``split.add_stand_ins``;
+   the ``remove_stand_ins`` pass deletes them after the fusions).
 3. **Dedup** identical layers (``dedup``) and compile each distinct piece once with
    Inductor's ``compile_fx``, the plugin's pass manager in piece mode
    (``PassManager.for_pieces()``) as its post-grad custom pass.
@@ -49,8 +50,14 @@ from inductor_rocm_attn.layer import attention_layers
 from inductor_rocm_attn.metadata import AttentionMetadata, MetadataBuffers, build_attention_metadata
 from inductor_rocm_attn.passes.pass_manager import PassManager
 
-from .dedup import bind_alias, canonicalize_names, follow_interleaved_v, normalize_layer_names, slot_alias, \
-    structure_key
+from .dedup import (
+    bind_alias,
+    canonicalize_names,
+    follow_interleaved_v,
+    normalize_layer_names,
+    slot_alias,
+    structure_key,
+)
 from .graph_backends import CudaGraphBackend
 from .plugin import plugin as _plugin_on
 from .split import add_stand_ins, split_at_attention, submodule_inputs
