@@ -50,36 +50,9 @@ os.environ["TRITON_CACHE_DIR"] = os.path.join(_cache, "triton")
 
 import torch  # noqa: E402
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, ROOT)
 import inductor_rocm_attn as ira  # noqa: E402
-
-
-def _map_subpackages():
-    """Without ``pip install -e .`` (a bare checkout, as on the device machine), map passes/
-    and lowering/ to inductor_rocm_attn.passes / .lowering as the install does."""
-    import importlib
-    import importlib.util
-
-    for sub in ("passes", "lowering"):
-        name = f"inductor_rocm_attn.{sub}"
-        try:
-            importlib.import_module(name)
-            continue
-        except ImportError:
-            pass
-        path = os.path.join(ROOT, sub)
-        spec = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
-                                                      submodule_search_locations=[path])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-        setattr(ira, sub, mod)
-
-
-_map_subpackages()
+from inductor_rocm_attn.compilation import compile_piecewise  # noqa: E402
 from inductor_rocm_attn.decode_check import run_mixed_decode  # noqa: E402
-from inductor_rocm_attn.graph_capture import compile_piecewise  # noqa: E402
 from inductor_rocm_attn.models import TinyDecoder, qwen3_0_6b_config  # noqa: E402
 
 READ_CEILING_TBS = 4.19

@@ -18,7 +18,7 @@ import time
 import torch
 
 import inductor_rocm_attn as ira
-from inductor_rocm_attn import compile_plugin as plugin
+from inductor_rocm_attn import compilation
 from inductor_rocm_attn.models import TinyDecoder, qwen3_0_6b_config, qwen3_config
 
 _names = itertools.count()
@@ -42,7 +42,7 @@ def compile_once(cfg, device, dtype, with_plugin: bool) -> dict:
     pos = md.positions.clone()
     torch._dynamo.mark_dynamic(pos, 0)
     with _fresh_cache():
-        mgr = plugin.enable() if with_plugin else None
+        mgr = compilation.enable() if with_plugin else None
         try:
             compiled = torch.compile(model, backend="inductor")
             if device == "cuda":
@@ -56,7 +56,7 @@ def compile_once(cfg, device, dtype, with_plugin: bool) -> dict:
             pass_s = sum(p.total_time_s for p in mgr.passes) if mgr else 0.0
             fused = sum(p.matched_count for p in mgr.passes) if mgr else 0
         finally:
-            plugin.disable()
+            compilation.disable()
     return {"plugin": with_plugin, "compile_s": wall, "passes_s": pass_s, "fusions": fused}
 
 

@@ -13,9 +13,8 @@ stage() { echo "=== $1 ($(date +%T))" | tee -a $LOG; }
 pack() { tar czf $OUT/$1.tgz -C $OUT $1 && rm -rf $OUT/$1; }
 stage install
 if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >>$LOG 2>&1; then
-  echo "editable install failed: mapping passes/ and lowering/ by links" | tee -a $LOG
-  ln -sfn ../passes inductor_rocm_attn/passes; ln -sfn ../lowering inductor_rocm_attn/lowering
-  export PYTHONPATH=$PWD
+  echo "editable install failed (see above): nothing can run without it" | tee -a $LOG
+  exit 1
 fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >>$LOG 2>&1
 run_e2e() {

@@ -12,7 +12,7 @@ from .forward_context import get_forward_context, set_forward_context
 from .layer import Attention, attention_layers, bind_kv_caches
 from .layout import CacheLayout, KVCacheSpec, allocate_kv_cache
 from .metadata import AttentionMetadata, MetadataBuffers, build_attention_metadata
-from .compile_plugin import disable, enable, fusion_report, plugin
+from .compilation.plugin import disable, enable, fusion_report, plugin
 
 __version__ = "0.1.0"
 
@@ -38,7 +38,7 @@ __all__ = [
     "fusion_report",
 ]
 
-from .compile_plugin import enable_from_env as _enable_from_env
+from .compilation.plugin import enable_from_env as _enable_from_env
 
 _enable_from_env()  # ROCM_ATTN_PLUGIN=1: the one import-time effect besides op registration
 del _enable_from_env

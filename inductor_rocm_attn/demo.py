@@ -47,9 +47,9 @@ def run_demo(*, compile: bool = True, device: str | None = None, dtype=torch.flo
     report = None
     t0 = time.perf_counter()
     if compile:
-        from . import compile_plugin
+        from . import compilation
 
-        compile_plugin.enable()
+        compilation.enable()
         runner = torch.compile(model, backend="inductor", dynamic=True)
     out(f"model: Qwen3-style, {cfg.num_layers} layers, {cfg.num_heads}/{cfg.num_kv_heads} heads, "
         f"d={cfg.head_size}, block {cfg.block_size}, {dtype}, {device}, "
@@ -74,11 +74,11 @@ def run_demo(*, compile: bool = True, device: str | None = None, dtype=torch.flo
     ok = all(rel < (1e-4 if dtype == torch.float32 else 2e-2) for _, _, rel in rows)
     interleaved = [l.attn.layer_name for l in model.layers if l.attn.interleaved_v]
     if compile:
-        from . import compile_plugin
+        from . import compilation
 
-        report = compile_plugin.fusion_report()
+        report = compilation.fusion_report()
         out(report)
-        compile_plugin.disable()
+        compilation.disable()
     out(f"layers switched to interleaved V: {interleaved or 'none'}")
     out(f"paged path {'MATCHES' if ok else 'DIFFERS FROM'} dense attention "
         f"({elapsed:.1f} s including compilation)")

@@ -21,7 +21,7 @@ import operator
 
 import torch
 
-from . import forms
+from . import forms, fx_utils
 from .base import FusionPass
 
 aten = torch.ops.aten
@@ -31,7 +31,7 @@ _QUANT_DEPTH = 6  # nodes from the attention output to the fp8 cast (div, casts,
 
 
 def _attentions(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    return [n for n in graph.nodes if forms.auto_functionalized_op(n) is _ATTN]
+    return [n for n in graph.nodes if fx_utils.auto_functionalized_op(n) is _ATTN]
 
 
 def _output_chain(out: torch.fx.Node):
@@ -39,7 +39,7 @@ def _output_chain(out: torch.fx.Node):
     node = out
     while len(node.users) == 1:
         (user,) = node.users
-        if user.op == "call_function" and user.target in forms.VIEW_OPS:
+        if user.op == "call_function" and user.target in fx_utils.VIEW_OPS:
             node = user
             continue
         return node, user
@@ -52,13 +52,13 @@ def _match_quant(x: torch.fx.Node, user: torch.fx.Node):
         if user.args[0] is not x:
             return None, None, None, "static_scaled_fp8_quant does not quantize the attention output"
         return user.args[1], user.args[2], user, ""
-    xv = forms.val(x)
+    xv = fx_utils.val(x)
     if xv is None or xv.dtype not in forms.MODEL_DTYPES:
         return None, None, None, "attention output dtype is not a model dtype"
     # the plain form's root is the final cast, a few single-user steps on
     node = user
     for _ in range(_QUANT_DEPTH):
-        nv = forms.val(node)
+        nv = fx_utils.val(node)
         if nv is not None and nv.dtype in forms.FP8_DTYPES:
             kw, w = forms.match(forms.fp8_quant_pattern(xv.dtype, nv.dtype, xv.dim()), node)
             if kw is None:
@@ -66,7 +66,7 @@ def _match_quant(x: torch.fx.Node, user: torch.fx.Node):
             if kw["x"] is not x:
                 return None, None, None, "the quantized tensor is not the attention output"
             div = user
-            if div.target is not aten.div.Tensor or forms.val(div).dtype != torch.float32:
+            if div.target is not aten.div.Tensor or fx_utils.val(div).dtype != torch.float32:
                 return None, None, None, "the division by scale is not in fp32"
             return kw["scale"], nv.dtype, node, ""
         if len(node.users) != 1:
@@ -77,13 +77,17 @@ def _match_quant(x: torch.fx.Node, user: torch.fx.Node):
 
 class AttnQuantFusionPass(FusionPass):
     name = "attn_quant_fusion"
+    depends_on = (forms, fx_utils)
+    # It rewrites the attention itself: inside a piece that attention is only a stand-in
+    # (the real one runs eagerly between the pieces), so the fusion must not fire there.
+    applies_in_pieces = False
 
     def apply(self, graph: torch.fx.Graph) -> None:
         changed = False
         for attn in _attentions(graph):
             kw = attn.kwargs
             layer = kw["layer_name"]
-            out = forms.getitem_user(attn, 1 + kw.get("_output_base_index", 0))
+            out = fx_utils.getitem_user(attn, 1 + kw.get("_output_base_index", 0))
             if out is None or kw.get("output_scale") is not None:
                 continue
             if any(k.startswith("_output_") and k != "_output_base_index" for k in kw):
@@ -99,7 +103,7 @@ class AttnQuantFusionPass(FusionPass):
                     self.not_fused(layer, why)
                 continue
             base = kw["_all_bases"][kw.get("_output_base_index", 0)]
-            sv = forms.val(scale)
+            sv = fx_utils.val(scale)
             if not (base.op == "call_function" and base.target is aten.empty.memory_format and len(base.users) == 1):
                 self.not_fused(layer, "the attention output buffer is not a fresh empty tensor")
                 continue
@@ -108,15 +112,15 @@ class AttnQuantFusionPass(FusionPass):
                 continue
             with graph.inserting_before(attn):
                 if sv.dtype != torch.float32:  # exact widening; the kernels read an fp32 scale
-                    scale = forms.call(graph, torch.ops.prims.convert_element_type.default, (scale, torch.float32))
-                new_base = forms.call(graph, base.target, base.args, {**base.kwargs, "dtype": fp8})
+                    scale = fx_utils.call(graph, torch.ops.prims.convert_element_type.default, (scale, torch.float32))
+                new_base = fx_utils.call(graph, base.target, base.args, {**base.kwargs, "dtype": fp8})
                 bases = list(kw["_all_bases"])
                 bases[kw.get("_output_base_index", 0)] = new_base
-                new_attn = forms.call(graph, attn.target, attn.args,
-                                      {**kw, "output_scale": scale, "_all_bases": bases})
-                new_out = forms.call(graph, operator.getitem, (new_attn, out.args[1]))
+                new_attn = fx_utils.call(graph, attn.target, attn.args,
+                                         {**kw, "output_scale": scale, "_all_bases": bases})
+                new_out = fx_utils.call(graph, operator.getitem, (new_attn, out.args[1]))
             with graph.inserting_after(new_out):
-                q8 = forms.reshape_like(graph, new_out, root)
+                q8 = fx_utils.reshape_like(graph, new_out, root)
             root.replace_all_uses_with(q8)
             for n in (root, *reversed(self._path(out, root)), out, attn, base):
                 if not n.users:
@@ -124,7 +128,7 @@ class AttnQuantFusionPass(FusionPass):
             changed = True
             self.fused(layer, f"attention + static fp8 quant ({fp8}) -> unified_attention_with_output(output_scale)")
         if changed:
-            forms.finish(graph)
+            fx_utils.finish(graph)
 
     @staticmethod
     def _path(out, root):
@@ -140,7 +144,7 @@ class AttnQuantFusionPass(FusionPass):
         """A quant-looking consumer: our quant op, a division, or anything producing fp8 soon."""
         node = user
         for _ in range(_QUANT_DEPTH):
-            v = forms.val(node)
+            v = fx_utils.val(node)
             if node.target is rocm.static_scaled_fp8_quant.default or (v is not None and v.dtype in forms.FP8_DTYPES):
                 return True
             if len(node.users) != 1:

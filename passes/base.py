@@ -1,5 +1,10 @@
-"""What every fusion pass shares: its name and flag, ``matched_count``, one log line, timing,
-its records for the fusion report, and the hash of its source for the pass manager's uuid.
+"""What every pass shares.
+
+``GraphPass``: a post-grad pass the pass manager runs, with its name, whether it applies
+when a piece of a piecewise-split model is compiled and when a whole graph is, and a
+``uuid()`` hashing its own sources (its module, the modules of its base classes and the
+modules it declares in ``depends_on``). ``FusionPass`` adds what every fusion shares:
+``matched_count``, one log line, timing, and its records for the fusion report.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ import hashlib
 import inspect
 import logging
 import time
+import types
 
 import torch
 
@@ -26,7 +32,58 @@ class FusionRecord:
     switched_interleaved_v: bool = False
 
 
-class FusionPass:
+class GraphPass:
+    """A post-grad pass over an FX graph, run by the pass manager.
+
+    Subclasses set ``name``, implement ``__call__(graph)``, list in ``depends_on`` the
+    modules of this package their code uses (beyond their own module and their base
+    classes' modules), and say where they apply: ``applies_in_pieces`` (compiling a piece
+    between two attentions of a piecewise-split model, whose attention runs outside it) and
+    ``applies_in_whole_graphs`` (any other compile). The manager asks ``applies(...)``.
+    """
+
+    name: str = "pass"
+    applies_in_pieces: bool = True
+    applies_in_whole_graphs: bool = True
+    depends_on: tuple[types.ModuleType, ...] = ()
+
+    def __init__(self, report=None):
+        self.report = report
+
+    def __call__(self, graph: torch.fx.Graph):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def applies(self, *, in_piece: bool) -> bool:
+        """Whether the pass runs in a piece compile (``in_piece``) or a whole-graph compile."""
+        return self.applies_in_pieces if in_piece else self.applies_in_whole_graphs
+
+    @classmethod
+    def source_modules(cls) -> tuple[types.ModuleType, ...]:
+        """The modules whose code decides what this pass does, each once: its own, its base
+        classes', and ``depends_on``."""
+        mods = [inspect.getmodule(k) for k in cls.__mro__ if isinstance(k, type) and issubclass(k, GraphPass)]
+        return tuple(dict.fromkeys([*mods, *cls.depends_on]))
+
+    @classmethod
+    def source_hash(cls) -> str:
+        """sha256 over the source of ``source_modules()``."""
+        return hash_sources(cls.source_modules())
+
+    def uuid(self) -> str:
+        """Changes whenever the pass's code (or a module it depends on) changes."""
+        return self.source_hash()
+
+
+def hash_sources(modules) -> str:
+    """sha256 over the source of each of ``modules``, in order."""
+    h = hashlib.sha256()
+    for mod in modules:
+        h.update(mod.__name__.encode())
+        h.update(inspect.getsource(mod).encode())
+    return h.hexdigest()
+
+
+class FusionPass(GraphPass):
     """A post-grad pass over candidates of one fusion.
 
     Subclasses implement ``apply(graph) -> None`` and call ``self.fused(...)`` /
@@ -37,7 +94,7 @@ class FusionPass:
     name: str = "fusion"
 
     def __init__(self, report=None):
-        self.report = report
+        super().__init__(report)
         self.matched_count = 0
         self.records: list[FusionRecord] = []
         self.last_time_s = 0.0
@@ -72,11 +129,3 @@ class FusionPass:
         self.records.append(record)
         if self.report is not None:
             self.report.add(record)
-
-    @classmethod
-    def hash_source(cls, *objects) -> str:
-        """sha256 over the source of this pass's module and of ``objects`` (modules, classes)."""
-        h = hashlib.sha256()
-        for obj in objects or (inspect.getmodule(cls),):
-            h.update(inspect.getsource(obj).encode())
-        return h.hexdigest()

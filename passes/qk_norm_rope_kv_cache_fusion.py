@@ -14,12 +14,12 @@ Fused::
         qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, Hq, Hkv, D, layer)
 
 RMSNorm is recognized as ``rocm_attn.rms_norm`` or one of ``forms.RMS_FORMS`` (HF casts),
-RoPE as in ``rope_kv_cache_fusion``. The norm must be over the head dim of a
+RoPE by ``matchers.match_rope`` as in ``rope_kv_cache_fusion``. The norm must be over the head dim of a
 ``[T, heads, head_size]`` view of the q/k slice of the same ``qkv`` split whose v slice is
 cached, with one eps for q and k. The fused writer emits interleaved V (AITER's layout), so
-a layer fused here is switched with ``set_interleaved_v_cache(True)`` at compile time
-(DESIGN.md, "Interleaved V: one rule"); the impl also switches at run time if a cache was
-bound after compilation.
+a layer fused here is switched to interleaved V at compile time
+(``interleaved_v.switch_to_interleaved_v``); the impl also switches at run time if a cache
+was bound after compilation.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ import operator
 
 import torch
 
-from . import forms
+from . import forms, fx_utils, interleaved_v, matchers
 from .base import FusionPass
-from .rope_kv_cache_fusion import cache_updates, layer_site, match_rope, replace_outputs
+from .interleaved_v import switch_to_interleaved_v
+from .matchers import cache_updates, layer_site, match_rope, replace_outputs
 
 aten = torch.ops.aten
 rocm = torch.ops.rocm_attn
@@ -39,7 +40,7 @@ _SPLITS = (aten.split_with_sizes.default, aten.split.Tensor)
 
 def _match_norm(root: torch.fx.Node, which: str):
     """``(x, weight, eps, "")`` when ``root`` is an RMSNorm of ``x`` over its last dim."""
-    v = forms.val(root)
+    v = fx_utils.val(root)
     if v is None or v.dim() != 3:
         return None, None, None, f"{which}-norm output is not a [T, heads, head_size] tensor"
     if root.op == "call_function" and root.target is rocm.rms_norm.default:
@@ -58,8 +59,8 @@ def _match_norm(root: torch.fx.Node, which: str):
 
 def _split_slot(x: torch.fx.Node):
     """``(split node, index)`` when ``x`` views a slice of a last-dim split, else (None, None)."""
-    s = forms.strip_views(x)
-    if forms.is_getitem(s) and isinstance(s.args[0], torch.fx.Node) and s.args[0].target in _SPLITS:
+    s = fx_utils.strip_views(x)
+    if fx_utils.is_getitem(s) and isinstance(s.args[0], torch.fx.Node) and s.args[0].target in _SPLITS:
         split = s.args[0]
         dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
         if dim in (-1, 1):
@@ -69,6 +70,7 @@ def _split_slot(x: torch.fx.Node):
 
 class QKNormRopeKVCacheFusionPass(FusionPass):
     name = "qk_norm_rope_kv_cache_fusion"
+    depends_on = (forms, fx_utils, matchers, interleaved_v)
 
     def match(self, site):
         rope, why = match_rope(site)
@@ -76,16 +78,16 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
             return None, why
         parts = {}
         for which, pre, post in (("q", rope.q_in, rope.q_out), ("k", rope.k_in, rope.k_out)):
-            root = forms.strip_views(pre)
+            root = fx_utils.strip_views(pre)
             x, w, eps, why = _match_norm(root, which)
             if x is None:
                 return None, why
-            xv, rv = forms.val(x), forms.val(root)
+            xv, rv = fx_utils.val(x), fx_utils.val(root)
             if xv is None or xv.dim() != 3 or int(xv.shape[-1]) != int(rv.shape[-1]):
                 return None, f"{which}-norm is not over the head dim of a [T, heads, head_size] view"
-            if rv.dtype != xv.dtype or forms.val(post).dtype != xv.dtype:
+            if rv.dtype != xv.dtype or fx_utils.val(post).dtype != xv.dtype:
                 return None, f"{which}-norm changes dtype ({xv.dtype} -> {rv.dtype}); the fused op keeps it"
-            wv = forms.val(w)
+            wv = fx_utils.val(w)
             if wv is None or tuple(wv.shape) != (int(xv.shape[-1]),):
                 return None, f"{which}-norm weight is not [head_size]"
             split, idx = _split_slot(x)
@@ -99,12 +101,11 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
         if not (split is split_k is split_v) or (iq, ik, iv) != (0, 1, 2):
             return None, "q, k and the cached v are not the three slices of one qkv split"
         qkv = split.args[0]
-        hq, d = (int(s) for s in forms.val(xq).shape[1:])
-        hkv = int(forms.val(xk).shape[1])
-        qkv_val = forms.val(qkv)
+        hq, d = (int(s) for s in fx_utils.val(xq).shape[1:])
+        hkv = int(fx_utils.val(xk).shape[1])
+        qkv_val = fx_utils.val(qkv)
         sizes = [hq * d, hkv * d, hkv * d]
-        out_sizes = [int(forms.val(g).shape[-1]) for g in (forms.strip_views(xq), forms.strip_views(xk),
-                                                           forms.strip_views(site.value))]
+        out_sizes = [int(fx_utils.val(fx_utils.strip_views(g)).shape[-1]) for g in (xq, xk, site.value)]
         if qkv_val.dim() != 2 or out_sizes != sizes or int(qkv_val.shape[-1]) != sum(sizes):
             return None, f"qkv split sizes {out_sizes} are not [Hq*D, Hkv*D, Hkv*D] = {sizes}"
         if qkv_val.dtype not in forms.MODEL_DTYPES:
@@ -126,9 +127,9 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
                 continue
             rope, qkv, wq, wk, eps, hq, hkv, d = m
             with graph.inserting_before(cache):
-                fused = forms.call(graph, rocm.unified_qk_norm_rope_and_kv_cache_update.default, (
+                fused = fx_utils.call(graph, rocm.unified_qk_norm_rope_and_kv_cache_update.default, (
                     qkv, wq, wk, eps, rope.positions, rope.cos_sin_cache, rope.is_neox, hq, hkv, d, layer))
-                outs = [forms.call(graph, operator.getitem, (fused, i)) for i in range(4)]
+                outs = [fx_utils.call(graph, operator.getitem, (fused, i)) for i in range(4)]
             replace_outputs(graph, [(rope.q_out, outs[0]), (rope.k_out, outs[1])])
             cache.replace_all_uses_with(outs[3])
             graph.erase_node(cache)
@@ -138,16 +139,5 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
             self.fused(layer, f"QK-norm (eps={eps:g}) + RoPE ({rope.form}, {style}) + KV-cache update -> "
                        "unified_qk_norm_rope_and_kv_cache_update (interleaved V)", switched)
         if changed:
-            forms.finish(graph)
+            fx_utils.finish(graph)
 
-
-def switch_to_interleaved_v(layer_name: str) -> bool:
-    """Switch a fused layer to interleaved V now (converting its cached data in place)."""
-    from inductor_rocm_attn.forward_context import get_layer
-
-    try:
-        layer = get_layer(layer_name)
-    except KeyError:  # compiled before the layer exists: the impl's run-time guard switches it
-        return False
-    layer.set_interleaved_v_cache(True)
-    return layer.interleaved_v

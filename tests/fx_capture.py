@@ -33,10 +33,13 @@ class Captured:
         return [r.detail for r in self.manager.get_pass(name).records if not r.fused]
 
 
-def capture(fn, *args, dynamic=(0,), **flags) -> Captured:
+def capture(fn, *args, dynamic=(0,), pieces=False, user_pass=None, **flags) -> Captured:
     """Post-grad graph of ``fn(*args)`` before/after our passes; dim ``dynamic`` of each tensor arg
-    whose dim 0 is the token count is marked dynamic."""
-    manager = PassManager(flags=flags)
+    whose dim 0 is the token count is marked dynamic. ``pieces``: the manager in piece mode
+    (``PassManager.for_pieces()``); ``user_pass``: the user's post pass the manager wraps."""
+    manager = PassManager(user_pass=user_pass, flags=flags)
+    if pieces:
+        manager = manager.for_pieces()
     out = {}
 
     def post(graph):

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import inductor_rocm_attn as ira
-from inductor_rocm_attn import compile_plugin as plugin
+from inductor_rocm_attn import compilation
 from inductor_rocm_attn.layout import dense_kv
 from inductor_rocm_attn.models import TinyDecoder, llama_config, qwen3_config
 
@@ -78,9 +78,9 @@ def _run_uncached(kind: str, device: str, dtype: torch.dtype) -> Scenario:
     seqs = {s: torch.randint(0, cfg.vocab_size, (40,), generator=gen) for s in "abc"}
 
     torch._dynamo.reset()
-    report = plugin.fusion_report()
+    report = compilation.fusion_report()
     report.clear()
-    plugin.enable()
+    compilation.enable()
     compiled = torch.compile(model, backend="inductor")
     diffs = []
 
@@ -114,13 +114,13 @@ def _run_uncached(kind: str, device: str, dtype: torch.dtype) -> Scenario:
         t0 = time.perf_counter()
         step("compiled: decode a, chunked prefill b, prefill c", {"a": 1, "b": 6, "c": 9}, compiled)
         compile_s = time.perf_counter() - t0
-        mgr = plugin.enable()
+        mgr = compilation.enable()
         pass_s = sum(p.last_time_s for p in mgr.passes)
         step("compiled decode 1", {"a": 1, "b": 1, "c": 1}, compiled)
         step("compiled decode 2", {"a": 1, "b": 1, "c": 1}, compiled)
         step("eager decode after the switch", {"a": 1, "b": 1, "c": 1}, model)
     finally:
-        plugin.disable()
+        compilation.disable()
     records = [r for r in report.records if r.layer_name.startswith(tag + ".")]
     return Scenario(tag, ref, model, alloc, diffs, records, interleaved_before, compile_s, pass_s)
 

@@ -1,4 +1,4 @@
-"""Piecewise compilation (graph_capture): the split, shared compiled code, fusions inside the
+"""Piecewise compilation (``inductor_rocm_attn.compilation``): the split, shared compiled code, fusions inside the
 pieces and outputs equal to the eager model; on a GPU, graph replay over a mixed schedule.
 
 CPU compiles are slow (tens of seconds): one 3-layer model is compiled once per module and
@@ -12,7 +12,8 @@ import torch
 
 import inductor_rocm_attn as ira
 from inductor_rocm_attn.decode_check import run_mixed_decode
-from inductor_rocm_attn.graph_capture import SPLITTING_OPS, RerunGraphBackend, _op_name, compile_piecewise
+from inductor_rocm_attn.compilation import RerunGraphBackend, compile_piecewise
+from inductor_rocm_attn.compilation.split import SPLITTING_OPS, op_name
 from inductor_rocm_attn.models import TinyDecoder, qwen3_config
 
 pytestmark = pytest.mark.compile
@@ -43,7 +44,7 @@ def compiled():
 
 
 def _calls(gm, name):
-    return sum(_op_name(n) == name for n in gm.graph.nodes)
+    return sum(op_name(n) == name for n in gm.graph.nodes)
 
 
 def test_split_has_one_piece_per_attention_boundary(compiled):
@@ -58,16 +59,16 @@ def test_split_has_one_piece_per_attention_boundary(compiled):
     for name in runner.attention_pieces:
         sub = runner.split_gm._modules[name]
         ops = [n for n in sub.graph.nodes if n.op == "call_function"]
-        assert [_op_name(n) for n in ops] == list(SPLITTING_OPS)
+        assert [op_name(n) for n in ops] == list(SPLITTING_OPS)
     # each layer's cache update stays in the piece before its attention (where fusions fire)
     caches = {"rocm_attn.unified_kv_cache_update", "rocm_attn.unified_qk_norm_rope_and_kv_cache_update",
               "rocm_attn.unified_rope_and_kv_cache_update"}
     attn_layers = [runner.split_gm._modules[a].graph for a in runner.attention_pieces]
-    names = [next(n for n in g.nodes if _op_name(n) in SPLITTING_OPS).args[4] for g in attn_layers]
+    names = [next(n for n in g.nodes if op_name(n) in SPLITTING_OPS).args[4] for g in attn_layers]
     assert names == [layer.layer_name for layer in ira.attention_layers(model)]
     for i, piece in enumerate(runner.pieces):
         sub = runner.split_gm._modules[piece.name]
-        n_cache = sum(_op_name(n) in caches for n in sub.graph.nodes)
+        n_cache = sum(op_name(n) in caches for n in sub.graph.nodes)
         assert n_cache == (1 if i < LAYERS else 0), piece.name
         assert [layer.layer_name for layer in piece.slots] == ([names[i]] if i < LAYERS else [])
 
@@ -92,7 +93,7 @@ def test_compile_count_does_not_grow_with_depth(compiled):
 def test_fusions_fire_inside_pieces(compiled):
     runner, model, _, records = compiled
     if not runner.stats.plugin_active:
-        pytest.skip("the plugin (inductor_rocm_attn.compile_plugin) is not importable")
+        pytest.skip("the plugin is off for this runner")
     fused = [r for r in records if r.fused and r.pass_name == "qk_norm_rope_kv_cache_fusion"]
     # one fusion per compiled piece that holds a cache update (the first and the shared middle)
     assert len(fused) == 2, ira.fusion_report()

@@ -12,7 +12,6 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import inductor_rocm_attn as ira
-from inductor_rocm_attn import compile_plugin as plugin
 
 from blocks import block_inputs
 

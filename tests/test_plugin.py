@@ -1,4 +1,5 @@
-"""The plugin switch, the pass manager's uuid and Inductor's FX-graph cache."""
+"""The plugin switch (``inductor_rocm_attn.compilation``), its deprecated import paths, and
+Inductor's FX-graph cache across pass-flag changes."""
 
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import inductor_rocm_attn as ira
-from inductor_rocm_attn import compile_plugin as plugin
+from inductor_rocm_attn import compilation
 from inductor_rocm_attn.forward_context import get_layer
-from inductor_rocm_attn.passes.pass_manager import PassManager
 
 from blocks import AttnBlock, block_inputs
 
@@ -36,7 +36,7 @@ class UserPass(CustomGraphPass):
 def clean_config():
     saved = inductor_config.post_grad_custom_post_pass
     yield
-    plugin.disable()
+    compilation.disable()
     inductor_config.post_grad_custom_post_pass = saved
 
 
@@ -53,11 +53,11 @@ def test_enable_wraps_and_disable_restores_user_pass(clean_config):
 
 
 def test_context_manager(clean_config):
-    assert not plugin.is_enabled()
+    assert not compilation.is_enabled()
     with ira.plugin(attn_quant_fusion=False) as mgr:
-        assert plugin.is_enabled() and mgr.flags["attn_quant_fusion"] is False
+        assert compilation.is_enabled() and mgr.flags["attn_quant_fusion"] is False
         assert torch._dynamo.config.specialize_float is True
-    assert not plugin.is_enabled() and inductor_config.post_grad_custom_post_pass is None
+    assert not compilation.is_enabled() and inductor_config.post_grad_custom_post_pass is None
 
 
 def test_env_var_enables_at_import():
@@ -71,18 +71,19 @@ def test_env_var_enables_at_import():
     assert out.stdout.strip() == "NoneType"
 
 
-def test_uuid_covers_flags_and_user_pass():
-    base = PassManager().uuid()
-    assert base == PassManager().uuid()  # stable
-    assert PassManager(flags={"rope_kv_cache_fusion": False}).uuid() != base
-    assert PassManager(user_pass=UserPass("a")).uuid() != PassManager(user_pass=UserPass("b")).uuid()
-    assert PassManager(user_pass=lambda g: None).uuid() is None  # unhashable user pass: no caching
-    both = PassManager(user_pass=[UserPass("a"), UserPass("b")])
-    assert both.uuid() not in (None, PassManager(user_pass=[UserPass("a")]).uuid())
-    both(torch.fx.Graph())
-    assert [p.calls for p in both.user_pass] == [1, 1]  # a list of user passes all run
-    with pytest.raises(KeyError, match="unknown pass"):
-        PassManager(flags={"nope": True})
+def test_deprecated_import_paths_still_work():
+    """``graph_capture`` and ``compile_plugin`` re-export the names of ``compilation``."""
+    from inductor_rocm_attn import compile_plugin, graph_capture
+    from inductor_rocm_attn.compilation import piecewise, split
+
+    assert graph_capture.compile_piecewise is compilation.compile_piecewise is piecewise.compile_piecewise
+    assert graph_capture.PiecewiseRunner is compilation.PiecewiseRunner
+    assert graph_capture.RerunGraphBackend is compilation.RerunGraphBackend
+    assert graph_capture.split_at_attention is split.split_at_attention
+    assert graph_capture.SPLITTING_OPS == ("rocm_attn.unified_attention_with_output",)
+    for name in ("enable", "disable", "plugin", "fusion_report", "is_enabled", "set_pass_flag"):
+        assert getattr(compile_plugin, name) is getattr(compilation, name), name
+    assert ira.enable is compilation.enable
 
 
 def _qwen_block(name):
@@ -135,9 +136,9 @@ def test_fx_graph_cache_hit_and_miss_on_flag_change(clean_config):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
         # a pass flag changes the manager's uuid: a miss, compiled with the other passes
-        plugin.set_pass_flag("qk_norm_rope_kv_cache_fusion", False)
+        compilation.set_pass_flag("qk_norm_rope_kv_cache_fusion", False)
         counters.clear()
         got = _compile_and_run(block, md, positions, qkv)
         assert counters["inductor"]["fxgraph_cache_miss"] == 1
-        assert plugin.enable().get_pass("rope_kv_cache_fusion").matched_count == 1
+        assert compilation.enable().get_pass("rope_kv_cache_fusion").matched_count == 1
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

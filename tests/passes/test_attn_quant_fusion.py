@@ -54,6 +54,15 @@ def test_fuses(dtype, form):
     assert c.after.count("unified_attention_with_output") == 1
 
 
+def test_does_not_run_in_pieces():
+    """Inside a piece the attention is only a stand-in (the real one runs between the pieces):
+    the manager in piece mode does not run this pass."""
+    cfg, block = _block(form="op")
+    c = capture(block, *block_inputs(cfg), pieces=True, rope_kv_cache_fusion=False)
+    assert c.count(PASS) == 0 and c.manager.get_pass(PASS).records == []
+    assert c.after == c.before
+
+
 @pytest.mark.parametrize("kw,why", [
     (dict(form="plain", scale_shape=()), ""),  # 0-dim scale: the division runs in bf16
     (dict(form="plain", scale_dtype=torch.bfloat16), ""),  # bf16 scale: the division runs in bf16

@@ -1,0 +1,139 @@
+"""The split of a traced model at its attention ops, and the stand-in attentions inserted
+into the pieces so the fusion passes still see whole layer sites.
+
+``split_at_attention`` cuts the graph with ``torch.fx.passes.split_module`` at every
+``rocm_attn.unified_attention_with_output``: ``L`` attention layers give ``L + 1`` compiled
+pieces and ``L`` attention pieces (run eagerly). The cache update
+(``unified_kv_cache_update``) stays inside the piece before its attention.
+``add_stand_ins`` then gives each piece that produces an attention's inputs a stand-in of
+that attention (see ``inductor_rocm_attn.passes.remove_stand_ins``, the pass that removes
+them after the fusions).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence
+
+import torch
+import torch.fx.passes.split_module
+
+from inductor_rocm_attn.passes.remove_stand_ins import TOKEN_PLACEHOLDER
+
+#: The op the graph is split at (attention runs eagerly between compiled pieces).
+SPLITTING_OPS = ("rocm_attn.unified_attention_with_output",)
+
+_ATTN_ARGS = ("query", "key", "value", "output", "layer_name", "kv_cache_dependency", "output_scale")
+
+
+def op_name(node: torch.fx.Node) -> str | None:
+    """``"namespace.op"`` of a node calling an op (overload or packet), else None."""
+    if node.op != "call_function":
+        return None
+    t = node.target
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return f"{t._qualified_op_name.replace('::', '.')}"
+    if isinstance(t, torch._ops.OpOverload):
+        return f"{t.namespace}.{t._schema.name.split('::')[-1]}"
+    return None
+
+
+def is_split_node(node: torch.fx.Node) -> bool:
+    return op_name(node) in SPLITTING_OPS
+
+
+def split_at_attention(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[str], list[str]]:
+    """Split ``gm`` at every attention op. Returns (split module, compiled piece names,
+    attention piece names), each list in execution order."""
+    part = 0
+    ids: dict[torch.fx.Node, int] = {}
+    attn_parts: set[int] = set()
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if is_split_node(node):
+            part += 1
+            ids[node] = part
+            attn_parts.add(part)
+            part += 1
+        else:
+            ids[node] = part
+    split = torch.fx.passes.split_module.split_module(
+        gm, None, lambda n: ids[n], keep_original_order=True
+    )
+    compiled, attn = [], []
+    for node in split.graph.nodes:
+        if node.op == "call_module":
+            idx = int(node.target.rsplit("_", 1)[-1])
+            (attn if idx in attn_parts else compiled).append(node.target)
+    return split, compiled, attn
+
+
+def submodule_inputs(split: torch.fx.GraphModule, fake_args: Sequence[Any]) -> dict[str, list[Any]]:
+    """Fake inputs of every submodule, in its placeholder order (run under the fake mode)."""
+    seen: dict[str, list[Any]] = {}
+
+    class _Interp(torch.fx.Interpreter):
+        def call_module(self, target, args, kwargs):
+            assert not kwargs
+            seen[target] = list(args)
+            return super().call_module(target, args, kwargs)
+
+    _Interp(split).run(*fake_args)
+    return seen
+
+
+def _attn_call_args(node: torch.fx.Node) -> dict[str, Any]:
+    args = dict(zip(_ATTN_ARGS, node.args))
+    args.update(node.kwargs)
+    return args
+
+
+def add_stand_ins(split: torch.fx.GraphModule, compiled_names: list[str]) -> int:
+    """Give each piece that produces an attention's inputs a stand-in of that attention;
+    returns how many were added."""
+    pieces = set(compiled_names)
+    calls = {n.target: n for n in split.graph.nodes if n.op == "call_module"}
+    added = 0
+    for attn_call in calls.values():
+        sub = split._modules[attn_call.target]
+        attn = next((n for n in sub.graph.nodes if is_split_node(n)), None)
+        if attn is None:
+            continue
+        phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        outer = dict(zip(phs, attn_call.args))  # attention piece placeholder -> split-graph value
+
+        def source(a):  # the (piece, output index) a split-graph value comes from
+            v = outer.get(a) if isinstance(a, torch.fx.Node) else None
+            if (isinstance(v, torch.fx.Node) and v.target is operator.getitem
+                    and v.args[0].op == "call_module" and v.args[0].target in pieces):
+                return v.args[0].target, v.args[1]
+            return None
+
+        a = _attn_call_args(attn)
+        srcs = {k: source(a.get(k)) for k in ("query", "key", "value", "output", "kv_cache_dependency")}
+        if any(v is None for v in srcs.values()) or a.get("output_scale") is not None:
+            continue
+        names = {v[0] for v in srcs.values()}
+        if len(names) != 1:
+            continue
+        piece = split._modules[names.pop()]
+        out_node = next(n for n in piece.graph.nodes if n.op == "output")
+        outs = out_node.args[0]
+        if not isinstance(outs, (tuple, list)):
+            continue
+        val = {k: outs[i] for k, (_, i) in srcs.items()}
+        token = val["kv_cache_dependency"]
+        if not isinstance(token, torch.fx.Node) or len(token.users) != 1:
+            continue
+        with piece.graph.inserting_before(out_node):
+            # It "writes" the real output buffer, which the piece returns: so functionalization
+            # keeps it (a stand-in writing a dead scratch buffer is dropped with the cache update).
+            piece.graph.call_function(torch.ops.rocm_attn.unified_attention_with_output.default, (
+                val["query"], val["key"], val["value"], val["output"], a["layer_name"], token))
+            ph = piece.graph.call_function(TOKEN_PLACEHOLDER, (val["key"], a["layer_name"]))
+        tok_idx = srcs["kv_cache_dependency"][1]
+        out_node.args = (tuple(ph if i == tok_idx else o for i, o in enumerate(outs)),)
+        piece.recompile()
+        added += 1
+    return added
