@@ -272,7 +272,7 @@ class Preference:
         return self.min_tokens <= num_tokens and (self.max_tokens is None or num_tokens < self.max_tokens)
 
 
-_WRITERS_RUN1 = "benchmarks/results/writers_run1/writers_run1_bench_fused_writers.md"
+_WRITERS_RUN1 = "benchmarks/results/history/2026-12-02_1602_writers_first_version/writers_run1_bench_fused_writers.md"
 
 # First matching rule wins. Measured on the H200 (CUDA, AITER's Triton kernels with
 # AITER_TRITON_ONLY=1), bf16, 32 q / 8 kv heads, d 128, block 16, LHBNC, interleaved V,
