@@ -20,7 +20,7 @@ fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >>$LOG 2>&1
 run_e2e() {
   stage e2e; mkdir -p $OUT/e2e
-  timeout ${E2E_S:-140} python3 benchmarks/bench_decode_e2e.py --out $OUT/e2e --deadline-s 110 >>$LOG 2>&1
+  timeout ${E2E_S:-140} python3 benchmarks/bench_model_decode_step.py --out $OUT/e2e --deadline-s 110 >>$LOG 2>&1
   echo "rc=$?" >>$LOG
   pack e2e
 }
@@ -79,7 +79,7 @@ run_bench() {
     # the full B x L grid with the default config
     decode_grid) args="benchmarks/bench_decode.py --batch 1 16 64 128 --ctx 1024 4096 16384";;
     prefill) args="benchmarks/bench_prefill.py ${PREFILL_ARGS:-}";;
-    writers) args="benchmarks/bench_fused_writers.py";;
+    writers) args="benchmarks/bench_cache_writers.py";;
     # diagnostics of the decode kernel: placement and block size at B=64, L=4096 (both print
     # the gather peers: the pages read with no math, 1-D and with the kernel's tile addressing)
     decode_seq) args="benchmarks/bench_decode.py --batch 64 --ctx 4096 --sequential";;

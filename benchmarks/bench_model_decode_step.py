@@ -19,7 +19,7 @@ Before timing, a 200-step mixed schedule checks graph replay against eager (and 
 against the compiled pieces without graphs). Compile time: cold in this process (fresh
 cache dirs), warm in a second process over the same caches (``--compile-only``).
 
-    PYTHONUNBUFFERED=1 python benchmarks/bench_decode_e2e.py --out $OUT [--deadline-s 230]
+    PYTHONUNBUFFERED=1 python benchmarks/bench_model_decode_step.py --out $OUT [--deadline-s 230]
 
 Writes ``decode_e2e_<date>.json`` and ``.md`` to --out (then commit them under
 benchmarks/results/). Stages past ``--deadline-s`` are skipped and reported as skipped.

@@ -1,7 +1,7 @@
 """Fused RoPE + KV-cache writers against the unfused sequence and the memory roofline.
 
-    python benchmarks/bench_fused_writers.py [--out DIR] [--tokens 1,64,...] [--sweep]
-    python benchmarks/bench_fused_writers.py --ptx-report   # no GPU: sm_90 regs / 16-byte accesses
+    python benchmarks/bench_cache_writers.py [--out DIR] [--tokens 1,64,...] [--sweep]
+    python benchmarks/bench_cache_writers.py --ptx-report   # no GPU: sm_90 regs / 16-byte accesses
 
 Shapes: bf16, 32 query heads, 8 KV heads, head_size 128, block 16, NeoX RoPE (fp32
 cos/sin table), LHBNC cache, interleaved V (what the fusion passes switch a layer to).

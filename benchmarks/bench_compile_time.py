@@ -4,7 +4,7 @@ Each variant compiles in a fresh, private Inductor cache (a cache hit would skip
 being measured) and times the first call (Dynamo + AOT + Inductor + codegen + one run).
 The passes' own time is also reported (sum over the graphs of that compile).
 
-    python benchmarks/compile_overhead.py [--device cuda] [--dtype bfloat16] [--layers 28]
+    python benchmarks/bench_compile_time.py [--device cuda] [--dtype bfloat16] [--layers 28]
 """
 
 from __future__ import annotations
