@@ -7,12 +7,29 @@ with CPU tensors, intercepts every kernel launch (nothing runs) and compiles it 
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``: the frontend, the
 optimizer and ptxas, no driver. Run without ``TRITON_INTERPRET``; prints one line per
 launch and exits non-zero on the first failure. Used by tests/test_triton_sm90_compile.py.
+
+It also fingerprints the generated code, to show that a refactor left the kernels unchanged:
+
+    python tests/triton_sm90_compile.py --sass before.json        # on the old tree
+    python tests/triton_sm90_compile.py --compare before.json     # on the new tree
+
+``--sass`` writes, per launch, a hash of its sm_90 SASS (``cuobjdump -sass`` of the cubin,
+the kernel's own name replaced, so moving or renaming a kernel does not count as a change)
+and its instruction count; ``--compare`` prints the before/after table and exits 4 when a
+launch's SASS differs or a launch is missing. A launch is named by its label (dtype, V
+interior), kernel, constexpr values, argument types and options, all by parameter name.
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
+import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import traceback
 
 assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
@@ -31,6 +48,7 @@ from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cach
 _TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
        torch.int32: "i32", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 _LAUNCHES: list = []
+_SASS: dict[str, dict] = {}  # launch name -> fingerprint (filled when fingerprinting)
 
 
 def _capture_run(self, *args, grid=None, warmup=False, **kwargs):
@@ -74,7 +92,30 @@ def _signature(fn: JITFunction, args, kwargs):
     return sig, consts, attrs, options
 
 
-def compile_launches(label: str) -> int:
+def _launch_name(label, fn, sig, consts, options) -> str:
+    """A launch's name from parameter names only (stable when positions or modules change)."""
+    const = ",".join(f"{fn.arg_names[i[0]]}={v!r}" for i, v in sorted(consts.items()))
+    types = ",".join(f"{k}:{v}" for k, v in sig.items() if v != "constexpr")
+    opts = ",".join(f"{k}={v}" for k, v in sorted(options.items()))
+    return f"{label} | {fn.__name__} | {const} | {types} | {opts}"
+
+
+def _sass_fingerprint(kernel, name: str) -> dict:
+    """sha256 of the kernel's SASS (addresses, instructions and control words), with the
+    kernel's symbol name replaced; plus its instruction count."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    lines = [ln.strip().replace(name, "KERNEL") for ln in sass.splitlines()
+             if ln.strip().startswith("/*")]
+    n = sum(1 for ln in lines if re.match(r"/\*[0-9a-f]{4,}\*/", ln))
+    return {"sass_sha256": hashlib.sha256("\n".join(lines).encode()).hexdigest(), "instructions": n}
+
+
+def compile_launches(label: str, fingerprint: bool = False) -> int:
     failures = 0
     seen = set()
     for fn, args, kwargs in _LAUNCHES:
@@ -85,8 +126,11 @@ def compile_launches(label: str) -> int:
             continue
         seen.add(key)
         try:
-            triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+            kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                                    options=options)
             print(f"ok   {label}: {fn.__name__}", flush=True)
+            if fingerprint:
+                _SASS[_launch_name(label, fn, sig, consts, options)] = _sass_fingerprint(kernel, fn.__name__)
         except Exception as e:  # report every kernel, then fail
             failures += 1
             msg = str(e).strip().splitlines()
@@ -112,7 +156,57 @@ def _probe() -> str | None:
     return None
 
 
+def _compare(base_path: str) -> int:
+    """Print the before/after table of the launches' SASS; 4 when any differs or is missing."""
+    with open(base_path) as f:
+        base = json.load(f)
+    bad = 0
+    print(f"\n| launch | instructions before | after | SASS |\n|---|---|---|---|")
+    for name in sorted(set(base) | set(_SASS)):
+        b, a = base.get(name), _SASS.get(name)
+        same = b is not None and a is not None and b["sass_sha256"] == a["sass_sha256"]
+        bad += not same
+        verdict = "identical" if same else ("missing after" if a is None else
+                                            "new" if b is None else "DIFFERS")
+        print(f"| {name} | {b['instructions'] if b else '-'} | {a['instructions'] if a else '-'} | {verdict} |")
+    print(f"\n{len(base)} launches before, {len(_SASS)} after, {bad} not identical")
+    return 4 if bad else 0
+
+
+def _bench_shapes(tk, fingerprint: bool) -> int:
+    """The default launches at the benchmarks' shapes (bf16, d=128, block 16), where the tuned
+    configs apply: decode with 32/8 heads at L=4096, B=64 (one split) and B=1 (split, one
+    loop); the end-to-end model's 16/8 heads with interleaved V (B=64, L=2048); prefill of
+    B=4 x 4096 new tokens with no prefix and a 4096-token prefix. Nothing runs: the tensors
+    only carry shapes, strides and dtypes (the cache is small, the block table empty)."""
+    dtype, HKV, D, BS = torch.bfloat16, 8, 128, 16
+    one = torch.ones(1)
+    decode = [(32, False, 64, 4096), (32, False, 1, 4096), (16, True, 64, 2048)]
+    prefill = [(32, 4, 4096, 0), (32, 4, 4096, 4096)]
+    for hq, interleaved, b, ctx in decode:
+        cache = allocate_kv_cache(KVCacheSpec(BS, HKV, D, dtype, CacheLayout.LHBNC), 16, "cpu")
+        q = torch.empty(b, hq, D, dtype=dtype)
+        tk.paged_attention(torch.empty_like(q), q, None, None, cache,
+                           torch.arange(b + 1, dtype=torch.int32), torch.full((b,), ctx, dtype=torch.int32),
+                           torch.zeros(b, ctx // BS, dtype=torch.int32), D ** -0.5, one, one, True, -1,
+                           None, None, 0.0, interleaved, None, 1, ctx)
+    for hq, b, n, prefix in prefill:
+        cache = allocate_kv_cache(KVCacheSpec(BS, HKV, D, dtype, CacheLayout.LHBNC), 16, "cpu")
+        q = torch.empty(b * n, hq, D, dtype=dtype)
+        kv = [torch.empty(b * n, HKV, D, dtype=dtype) for _ in range(2)]
+        tk.paged_attention(torch.empty_like(q), q, *kv, cache, torch.arange(b + 1, dtype=torch.int32) * n,
+                           torch.full((b,), n + prefix, dtype=torch.int32),
+                           torch.zeros(b, (n + prefix) // BS, dtype=torch.int32), D ** -0.5, one, one,
+                           True, -1, None, None, 0.0, False, None, n, n + prefix)
+    return compile_launches("bench shapes bf16", fingerprint)
+
+
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sass", metavar="OUT.json", help="write each launch's SASS fingerprint")
+    ap.add_argument("--compare", metavar="BASE.json", help="compare the SASS with a --sass file")
+    args = ap.parse_args()
+    fingerprint = bool(args.sass or args.compare)
     why = _probe()
     if why is not None:
         print(f"SKIP: triton {triton.__version__} cannot compile for sm_90 here: {why}")
@@ -167,8 +261,17 @@ def main() -> int:
                                    one, one, True, -1, None, None, 0.0, interleaved, None,
                                    max(qlens), int(seq_lens.max()), decode_cfg=cfg)
                 pa.PREFILL_DENSE_TMA = tma_default
-            failures += compile_launches(label)
-    return 1 if failures else 0
+            failures += compile_launches(label, fingerprint)
+    failures += _bench_shapes(tk, fingerprint)
+    if failures:
+        return 1
+    if args.sass:
+        with open(args.sass, "w") as f:
+            json.dump(_SASS, f, indent=1, sort_keys=True)
+        print(f"wrote {len(_SASS)} SASS fingerprints to {args.sass}")
+    if args.compare:
+        return _compare(args.compare)
+    return 0
 
 
 if __name__ == "__main__":
