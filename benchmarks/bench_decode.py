@@ -75,8 +75,8 @@ def _paged_gather_tiles_kernel(out_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, stri
     One warp per program and ``CHUNK`` keys each (grid axis 2), so that many warps per SM
     hide latency and only the addressing is measured. Loads land in registers (128-bit LDG,
     sm_90 SASS: Triton pipelines through shared memory only loads that feed a dot), so this
-    bounds the addressing, not the kernel's cp.async path. (Session 8's column lacked the
-    contiguity hints: its V loads were 2-byte scalars and its 3.39 TB/s is void.)"""
+    bounds the addressing, not the kernel's cp.async path. Without the contiguity hints the
+    V loads are 2-byte scalars (results of this column taken without them are void)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     chunk = tl.program_id(2)
