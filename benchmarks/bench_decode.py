@@ -2,9 +2,10 @@
 
 bf16, 32 query heads / 8 KV heads, head 128, block 16, blocks placed at random. For every
 batch B and context L: check the Triton output against SDPA (over the same K/V made
-contiguous), then time both as CUDA-graph replays under ``triton.testing.do_bench``
-(median; do_bench flushes L2 before each replay). Effective bandwidth counts K+V read once
-plus q and out; the ceiling is a read-only reduction measured in the same run.
+contiguous), then time both as CUDA-graph replays (``common.graph_time_us``: do_bench
+median, L2 flushed before each replay). Effective bandwidth counts K+V read once plus q and
+out; the ceiling is a read-only reduction measured in the same run. Variants of the tuned
+config (``--cfgs``, ``--margins``, ``--k-rows``) are passed in as ``DecodeConfig`` objects.
 
     python benchmarks/bench_decode.py [--batch 1 16 64 128] [--ctx 1024 4096 16384] [--sweep]
 
@@ -14,10 +15,8 @@ Writes benchmarks/results/decode_<date>.json and .md (or --out DIR).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
+import dataclasses
 import os
-import platform
 import sys
 
 import torch
@@ -27,31 +26,16 @@ import triton.language as tl
 import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from common import graph_time_us, stamp, write_json  # noqa: E402
 from inductor_rocm_attn.kernels.triton import paged_attention  # noqa: E402  (the function)
+from inductor_rocm_attn.kernels.triton.configs import DecodeConfig, decode_config, num_kv_splits  # noqa: E402
+from inductor_rocm_attn.kernels.triton.paged_attention import launch_target  # noqa: E402
 from inductor_rocm_attn.layout import (  # noqa: E402
     CacheLayout, KVCacheSpec, allocate_kv_cache, dense_kv, k_view, v_view)
 
-pa_mod = sys.modules["inductor_rocm_attn.kernels.triton.paged_attention"]
 HQ, HKV, D, BS = 32, 8, 128, 16
 INTERLEAVED_V = False
 DTYPE = torch.bfloat16
-
-
-def graph_time_us(fn) -> float:
-    """Median time of one CUDA-graph replay of ``fn`` (L2 flushed before each)."""
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median") * 1e3
 
 
 def read_ceiling_tbs() -> float:
@@ -91,8 +75,8 @@ def _paged_gather_tiles_kernel(out_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, stri
     One warp per program and ``CHUNK`` keys each (grid axis 2), so that many warps per SM
     hide latency and only the addressing is measured. Loads land in registers (128-bit LDG,
     sm_90 SASS: Triton pipelines through shared memory only loads that feed a dot), so this
-    bounds the addressing, not the kernel's cp.async path. (Session 8's column lacked the
-    contiguity hints: its V loads were 2-byte scalars and its 3.39 TB/s is void.)"""
+    bounds the addressing, not the kernel's cp.async path. Without the contiguity hints the
+    V loads are 2-byte scalars (results of this column taken without them are void)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     chunk = tl.program_id(2)
@@ -113,6 +97,11 @@ def _paged_gather_tiles_kernel(out_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, stri
         acc += k.to(tl.float32) + tl.trans(v).to(tl.float32)
     pid = (seq * tl.num_programs(1) + head) * tl.num_programs(2) + chunk
     tl.store(out_ptr + pid, tl.sum(tl.sum(acc, 1), 0))
+
+
+def default_decode_config() -> DecodeConfig:
+    """The tuned config the launcher picks for the bench's shape (variants replace fields)."""
+    return decode_config(D, HQ // HKV, BS, DTYPE, False, INTERLEAVED_V)
 
 
 class DecodeCase:
@@ -184,18 +173,19 @@ def main():
     ap.add_argument("--block-size", type=int, default=BS, help="cache block size (default 16)")
     ap.add_argument("--margins", type=float, nargs="*", default=[],
                     help="also time the default config at these lazy-rescale margins (0: rescale every tile)")
-    ap.add_argument("--flip", nargs="*", default=[],
-                    help="also time the default config with these boolean flags of paged_attention "
-                         "flipped, e.g. PAGED_K_ROWS (A/B in one run; checked against SDPA)")
+    ap.add_argument("--k-rows", type=int, nargs="*", default=[], choices=(0, 1, 2),
+                    help="also time the default config with these K read levels (DecodeConfig.k_rows; "
+                         "A/B in one run; checked against SDPA)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     BS = args.block_size
     HQ = args.q_heads
     INTERLEAVED_V = args.interleaved_v
     dev = torch.cuda.get_device_name()
+    sms = launch_target(torch.device("cuda")).num_sms
     ceiling = read_ceiling_tbs()
     print(f"# {dev}, torch {torch.__version__}, triton {triton.__version__}; read ceiling {ceiling:.2f} TB/s")
-    rows, sweep, margins, flips = [], [], [], []
+    rows, sweep, margins, k_rows = [], [], [], []
     for b in args.batch:
         for L in args.ctx:
             c = DecodeCase(b, L, seed=b * 7 + L, sequential=args.sequential)
@@ -206,7 +196,7 @@ def main():
             c.run()
             err = float((c.out.float() - ref.view(b, HQ, D).float()).norm() / ref.float().norm())
             assert err < 1e-2, f"B={b} L={L}: triton vs SDPA rel err {err:.3e}"
-            splits = pa_mod.num_kv_splits(b, HKV, 1, L, pa_mod._num_sms(0))
+            splits = num_kv_splits(b, HKV, 1, L, sms)
             t_tri = graph_time_us(c.run)
             t_sdpa = graph_time_us(lambda: F.scaled_dot_product_attention(
                 q4, k, v, scale=c.scale, enable_gqa=True))
@@ -227,39 +217,38 @@ def main():
                   + (f" (tiles {row['gather_tiles_tbs']:5.2f})" if t_tiles else "") + f"  err {err:.1e}",
                   flush=True)
             for mg in args.margins:  # A/B of the lazy softmax rescale, same case, same run
-                t = graph_time_us(lambda: c.run(rescale_margin=mg))
+                cfg = dataclasses.replace(default_decode_config(), rescale_margin=mg)
+                t = graph_time_us(lambda: c.run(decode_cfg=cfg))
                 margins.append(dict(B=b, L=L, margin=mg, us=t, tbs=nbytes / t / 1e6))
                 print(f"  rescale margin {mg:g}: {t:7.1f} us {nbytes / t / 1e6:5.2f} TB/s", flush=True)
-            for flag in args.flip:  # A/B of a module flag, same case, same run
-                old = getattr(pa_mod, flag)
-                setattr(pa_mod, flag, not old)
-                try:
-                    c.out.fill_(float("nan"))
-                    c.run()
-                    f_err = float((c.out.float() - ref.view(b, HQ, D).float()).norm() / ref.float().norm())
-                    assert f_err < 1e-2, f"{flag}={not old}: rel err {f_err:.3e}"
-                    t = graph_time_us(c.run)
-                finally:
-                    setattr(pa_mod, flag, old)
-                flips.append(dict(B=b, L=L, flag=flag, value=not old, us=t, tbs=nbytes / t / 1e6,
-                                  rel_err_vs_sdpa=f_err))
-                print(f"  {flag}={not old}: {t:7.1f} us {nbytes / t / 1e6:5.2f} TB/s  err {f_err:.1e}",
+            for level in args.k_rows:  # A/B of the K read level, same case, same run
+                cfg = dataclasses.replace(default_decode_config(), k_rows=level)
+                c.out.fill_(float("nan"))
+                c.run(decode_cfg=cfg)
+                f_err = float((c.out.float() - ref.view(b, HQ, D).float()).norm() / ref.float().norm())
+                assert f_err < 1e-2, f"k_rows={level}: rel err {f_err:.3e}"
+                t = graph_time_us(lambda: c.run(decode_cfg=cfg))
+                k_rows.append(dict(B=b, L=L, k_rows=level, us=t, tbs=nbytes / t / 1e6,
+                                   rel_err_vs_sdpa=f_err))
+                print(f"  k_rows={level}: {t:7.1f} us {nbytes / t / 1e6:5.2f} TB/s  err {f_err:.1e}",
                       flush=True)
             if args.sweep and (args.cfgs or L == 4096):
                 # (config, splits): rows = warps share a [16, TILE_N] tile; streams = one key
                 # stream per warp (paged_decode.py); splits None = the heuristic's
-                one_warp = [(16, 1, 4, "rows"), (16, 1, 3, "rows"), (32, 1, 2, "rows"),
-                            (32, 2, 2, "streams3")]
+                one_warp = [DecodeConfig(16, 1, 4, "rows"), DecodeConfig(16, 1, 3, "rows"),
+                            DecodeConfig(32, 1, 2, "rows"), DecodeConfig(32, 2, 2, "streams3")]
                 runs = [(cfg, None) for cfg in one_warp]
                 if b == 64:
                     runs += [(cfg, sp) for cfg in one_warp for sp in (2, 3)]
-                    runs += [((16, 1, 2, "rows"), 2), ((32, 1, 3, "rows"), 2), ((64, 4, 3, "rows"), 2)]
+                    runs += [(DecodeConfig(16, 1, 2, "rows"), 2), (DecodeConfig(32, 1, 3, "rows"), 2),
+                             (DecodeConfig(64, 4, 3, "rows"), 2)]
                 if b == 1:
                     runs += [(cfg, sp) for cfg in one_warp[:2] for sp in (16, 64)]
                 if b == 16:
                     runs += [(cfg, sp) for cfg in one_warp[:2] for sp in (4, 16)]
                 if args.cfgs:  # tile,warps,stages,kind[,splits]
-                    runs = [((int(f[0]), int(f[1]), int(f[2]), f[3]), int(f[4]) if len(f) > 4 else None)
+                    runs = [(DecodeConfig(int(f[0]), int(f[1]), int(f[2]), f[3]),
+                             int(f[4]) if len(f) > 4 else None)
                             for f in (c_.split(",") for c_ in args.cfgs)]
                 for cfg, sp in runs:
                     try:
@@ -267,23 +256,22 @@ def main():
                     except Exception as e:  # e.g. out of shared memory
                         print(f"  cfg {cfg} splits {sp}: {type(e).__name__}")
                         continue
-                    sweep.append(dict(B=b, L=L, cfg=list(cfg), splits=sp, us=t, tbs=nbytes / t / 1e6))
-                    print(f"  cfg tile={cfg[0]} warps={cfg[1]} stages={cfg[2]} kind={cfg[3]} "
-                          f"splits={sp}: {t:7.1f} us {nbytes / t / 1e6:5.2f} TB/s", flush=True)
+                    sweep.append(dict(B=b, L=L, cfg=dataclasses.asdict(cfg), splits=sp, us=t,
+                                      tbs=nbytes / t / 1e6))
+                    print(f"  cfg tile={cfg.tile_n} warps={cfg.num_warps} stages={cfg.num_stages} "
+                          f"kind={cfg.kind} splits={sp}: {t:7.1f} us {nbytes / t / 1e6:5.2f} TB/s",
+                          flush=True)
             del c, k, v
             torch.cuda.empty_cache()
-    meta = dict(command=" ".join(sys.argv), machine=dev, torch=torch.__version__,
-                triton=triton.__version__, python=platform.python_version(),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                read_ceiling_tbs=ceiling, dtype="bf16", heads=f"{HQ}/{HKV}", head_size=D,
-                block_size=BS, interleaved_v=INTERLEAVED_V, placement="sequential" if args.sequential else "random",
+    meta = dict(read_ceiling_tbs=ceiling, dtype="bf16", heads=f"{HQ}/{HKV}", head_size=D,
+                block_size=BS, interleaved_v=INTERLEAVED_V,
+                placement="sequential" if args.sequential else "random",
+                default_config=dataclasses.asdict(default_decode_config()),
                 timing="CUDA-graph replay, do_bench median, L2 flushed")
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
-    stamp += ("_seq" if args.sequential else "") + (f"_bs{BS}" if BS != 16 else "")
-    stamp += (f"_hq{HQ}" if HQ != 32 else "") + ("_iv" if INTERLEAVED_V else "")
-    with open(os.path.join(args.out, f"decode_{stamp}.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows, sweep=sweep, margins=margins, flips=flips), f, indent=1)
+    name = "decode_" + stamp() + ("_seq" if args.sequential else "") + (f"_bs{BS}" if BS != 16 else "")
+    name += (f"_hq{HQ}" if HQ != 32 else "") + ("_iv" if INTERLEAVED_V else "")
+    meta = write_json(os.path.join(args.out, name + ".json"),
+                      dict(rows=rows, sweep=sweep, margins=margins, k_rows=k_rows), **meta)["meta"]
     lines = [f"# Paged decode, {dev} ({meta['date']})", "",
              f"`{meta['command']}`; torch {meta['torch']}, triton {meta['triton']}; bf16, "
              f"heads {HQ}/{HKV}, d={D}, block {BS}; read ceiling {ceiling:.2f} TB/s; {meta['timing']}", "",
@@ -298,7 +286,7 @@ def main():
                      f"{r['ratio_vs_sdpa']:.2f} | {r['gather_tbs']:.2f} | "
                      + (f"{r['gather_tiles_tbs']:.2f} |" if r['gather_tiles_tbs'] else "- |"))
     md = "\n".join(lines) + "\n"
-    with open(os.path.join(args.out, f"decode_{stamp}.md"), "w") as f:
+    with open(os.path.join(args.out, name + ".md"), "w") as f:
         f.write(md)
     print(md)
 

@@ -3,8 +3,8 @@
 B=4 sequences of 4096 new tokens with a cached prefix of 0 or 4096 tokens (paged, block 16,
 random placement), 32 query heads / 8 KV heads (GQA 4), head 128, causal, bf16. Checks the
 output against SDPA (bottom-right causal over prefix + new tokens, K/V expanded to 32 heads
-and made contiguous), then times both as CUDA-graph replays under ``triton.testing.do_bench``
-(median). FLOPs counted causally: 4 * B * H * D * (N * P + N * (N + 1) / 2) for N new tokens
+and made contiguous), then times both as CUDA-graph replays (``common.graph_time_us``:
+do_bench median, L2 flushed). FLOPs counted causally: 4 * B * H * D * (N * P + N * (N + 1) / 2) for N new tokens
 and prefix P. SDPA's dense causal 4096 run (same FLOPs as the no-prefix case) is the anchor.
 
     python benchmarks/bench_prefill.py [--prefix 0 4096] [--sweep]
@@ -15,58 +15,52 @@ Writes benchmarks/results/prefill_<date>.json and .md (or --out DIR).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
+import dataclasses
 import os
-import platform
 import sys
 
 import torch
 import torch.nn.functional as F
 import triton
-import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from common import graph_time_us, stamp, write_json  # noqa: E402
 from inductor_rocm_attn.kernels.triton import paged_attention  # noqa: E402  (the function)
+from inductor_rocm_attn.kernels.triton.configs import PrefillConfig, prefill_config  # noqa: E402
 from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache, dense_kv  # noqa: E402
-
-pa_mod = sys.modules["inductor_rocm_attn.kernels.triton.paged_attention"]
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 DTYPE = torch.bfloat16
-# A/B variants of the default: lazy-rescale margin and the module switches they set
-# (causal row blocks longest first, the new tokens' K/V through TMA descriptors).
-_BASE = dict(margin=0.0, PREFILL_LONGEST_FIRST=False, PREFILL_DENSE_TMA=False)
+# A/B variants of the tuned config: fields of PrefillConfig replaced (lazy-rescale margins
+# "margin" = context and dense margin, causal row blocks longest first, the new tokens' K/V
+# through TMA descriptors, how the paged context's K tiles are read).
+_BASE = dict(margin=0.0, longest_first=False, dense_tma=False)
 VARIANTS = {
     "margin0_grid_order": _BASE,
     "margin8": {**_BASE, "margin": 8.0},
-    "longest_first": {**_BASE, "PREFILL_LONGEST_FIRST": True},
-    "margin8_longest_first": {**_BASE, "margin": 8.0, "PREFILL_LONGEST_FIRST": True},
-    "dense_tma": {**_BASE, "PREFILL_DENSE_TMA": True},
-    "margin8_dense_tma": {**_BASE, "margin": 8.0, "PREFILL_DENSE_TMA": True},
-    "all": {"margin": 8.0, "PREFILL_LONGEST_FIRST": True, "PREFILL_DENSE_TMA": True},
-    # how the paged context's K tiles are read (paged_attention.PREFILL_K_ROWS); margin None
-    # keeps the default margins
-    "k_gather": {"margin": None, "PREFILL_K_ROWS": 0},
-    "k_rows_multi": {"margin": None, "PREFILL_K_ROWS": 2},
+    "longest_first": {**_BASE, "longest_first": True},
+    "margin8_longest_first": {**_BASE, "margin": 8.0, "longest_first": True},
+    "dense_tma": {**_BASE, "dense_tma": True},
+    "margin8_dense_tma": {**_BASE, "margin": 8.0, "dense_tma": True},
+    "all": {"margin": 8.0, "longest_first": True, "dense_tma": True},
+    "k_gather": {"k_rows": 0},  # the default margins
+    "k_rows_multi": {"k_rows": 2},
 }
 SWEEP = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3),
          (128, 32, 8, 4), (64, 64, 4, 4)]
 
 
 def graph_time_ms(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(g.replay, warmup=50, rep=300, return_mode="median")
+    return graph_time_us(fn, warmup_calls=1, warmup_ms=50, rep_ms=300) / 1e3
+
+
+def variant_config(name: str) -> PrefillConfig:
+    """The tuned config of the bench's shape with variant ``name``'s fields replaced."""
+    changes = dict(VARIANTS[name])
+    margin = changes.pop("margin", None)
+    if margin is not None:
+        changes.update(context_margin=margin, dense_margin=margin)
+    return dataclasses.replace(prefill_config(D, HQ // HKV, BS, DTYPE), **changes)
 
 
 class PrefillCase:
@@ -168,48 +162,41 @@ def main():
               f"{sdpa_tfs:4.0f} TFLOP/s | x{row['ratio_vs_sdpa_dense_anchor']:.2f} of dense anchor  err {err:.1e}",
               flush=True)
         for name in args.variants:  # A/B against the default, same case, same run
-            settings = dict(VARIANTS[name])
-            margin = settings.pop("margin")
-            saved = {k: getattr(pa_mod, k) for k in settings}
-            for k, val in settings.items():
-                setattr(pa_mod, k, val)
+            cfg = variant_config(name)
             try:
                 c.out.fill_(float("nan"))
-                c.run(rescale_margin=margin)
+                c.run(prefill_cfg=cfg)
                 v_err = float((got.float() - ref.float()).norm() / ref.float().norm())
-                t = graph_time_ms(lambda: c.run(rescale_margin=margin))
+                t = graph_time_ms(lambda: c.run(prefill_cfg=cfg))
             except Exception as e:  # noqa: BLE001  (a variant that fails to build is a result)
                 print(f"  variant {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
-            finally:
-                for k, val in saved.items():
-                    setattr(pa_mod, k, val)
             variants.append(dict(prefix=p, variant=name, ms=t, tflops=flops / (t * 1e-3) / 1e12,
                                  rel_err_vs_sdpa=v_err))
             print(f"  variant {name}: {t:.3f} ms {flops / (t * 1e-3) / 1e12:4.0f} TFLOP/s  "
                   f"err {v_err:.1e}", flush=True)
         if args.sweep:
-            for cfg in SWEEP:
+            for tiles in SWEEP:
+                cfg = PrefillConfig(*tiles)
                 try:
                     t = graph_time_ms(lambda: c.run(prefill_cfg=cfg))
                 except Exception as e:  # noqa: BLE001  (e.g. out of shared memory)
                     print(f"  cfg {cfg}: {type(e).__name__}")
                     continue
-                sweep.append(dict(prefix=p, cfg=list(cfg), ms=t, tflops=flops / (t * 1e-3) / 1e12))
-                print(f"  cfg BM={cfg[0]} BN={cfg[1]} warps={cfg[2]} stages={cfg[3]}: {t:.3f} ms "
+                sweep.append(dict(prefix=p, cfg=dataclasses.asdict(cfg), ms=t,
+                                  tflops=flops / (t * 1e-3) / 1e12))
+                print(f"  cfg BM={cfg.block_m} BN={cfg.block_n} warps={cfg.num_warps} "
+                      f"stages={cfg.num_stages}: {t:.3f} ms "
                       f"{flops / (t * 1e-3) / 1e12:4.0f} TFLOP/s", flush=True)
         del c, q, k, v, ref
         torch.cuda.empty_cache()
-    meta = dict(command=" ".join(sys.argv), machine=dev, torch=torch.__version__,
-                triton=triton.__version__, python=platform.python_version(),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                dtype="bf16", heads=f"{HQ}/{HKV}", head_size=D, block_size=BS, causal=True,
+    meta = dict(dtype="bf16", heads=f"{HQ}/{HKV}", head_size=D, block_size=BS, causal=True,
                 sdpa_dense_anchor_ms=t_anchor, sdpa_dense_anchor_tflops=anchor_tfs,
+                default_config=dataclasses.asdict(prefill_config(D, HQ // HKV, BS, DTYPE)),
                 timing="CUDA-graph replay, do_bench median")
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
-    with open(os.path.join(args.out, f"prefill_{stamp}.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows, sweep=sweep, variants=variants), f, indent=1)
+    name = f"prefill_{stamp()}"
+    meta = write_json(os.path.join(args.out, name + ".json"),
+                      dict(rows=rows, sweep=sweep, variants=variants), **meta)["meta"]
     lines = [f"# Prefix prefill, {dev} ({meta['date']})", "",
              f"`{meta['command']}`; torch {meta['torch']}, triton {meta['triton']}; bf16, causal, "
              f"heads {HQ}/{HKV}, d={D}, block {BS}, B={b}, {n} new tokens; {meta['timing']}. "
@@ -220,7 +207,7 @@ def main():
         lines.append(f"| {r['prefix']} | {r['triton_ms']:.3f} | {r['triton_tflops']:.0f} | {r['sdpa_ms']:.3f} | "
                      f"{r['sdpa_tflops']:.0f} | {r['ratio_vs_sdpa_dense_anchor']:.2f} |")
     md = "\n".join(lines) + "\n"
-    with open(os.path.join(args.out, f"prefill_{stamp}.md"), "w") as f:
+    with open(os.path.join(args.out, name + ".md"), "w") as f:
         f.write(md)
     print(md)
 

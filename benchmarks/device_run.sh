@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# One full device call: install, the 200-step graph-replay check + end-to-end decode bench,
+# One full device call: install, the 200-step graph-replay check + model decode-step bench,
 # every GPU test, then the kernel benchmarks. Each stage has its own time limit and is
 # packed into $OUT/<stage>.tgz as soon as it ends, so a call cut short keeps what finished.
 #   run: bash benchmarks/device_run.sh   (carry [".aiter"] to include the AITER provider tests)
-#   STAGES="tests e2e" bash benchmarks/device_run.sh   runs only those stages, in that order
-#   TEST_FILES=tests/test_triton_attention.py limits the tests stage to those files
+#   STAGES="tests model_step" bash benchmarks/device_run.sh   runs only those stages, in order
+#   (stages: tests model_step memcheck decode decode_grid prefill cache_writers decode_seq
+#    decode_bs64 decode_model_shape decode_stages decode_keys compile_time; the old names
+#    e2e, writers, decode_e2e_shape still work)
+#   TEST_FILES=tests/kernels/test_paged_attention.py limits the tests stage to those files
 #   MEMCHECK_FILTER="dense_paths|plain" limits the memcheck stage to test ids matching it
 set -u
 export PYTHONUNBUFFERED=1
@@ -17,11 +20,11 @@ if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >>$LOG 2>&1; 
   exit 1
 fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >>$LOG 2>&1
-run_e2e() {
-  stage e2e; mkdir -p $OUT/e2e
-  timeout ${E2E_S:-140} python3 benchmarks/bench_decode_e2e.py --out $OUT/e2e --deadline-s 110 >>$LOG 2>&1
+run_model_step() {
+  stage model_step; mkdir -p $OUT/model_step
+  timeout ${E2E_S:-140} python3 benchmarks/bench_model_decode_step.py --out $OUT/model_step --deadline-s 110 >>$LOG 2>&1
   echo "rc=$?" >>$LOG
-  pack e2e
+  pack model_step
 }
 shard() {  # shard <name> <ids file> <count> [env...]: parallel pytest processes over the ids
   local name=$1 ids=$2 n=$3; shift 3
@@ -37,13 +40,15 @@ run_tests() {
   stage gpu-tests
   # Every GPU test, sharded over parallel pytest processes (Triton compiles are CPU-bound;
   # the device has 16 cores); each shard has its own limit so a slow one cannot starve the
-  # rest. The writer tests also run the AITER provider (its Triton kernels) when .aiter/ is
-  # carried; the other files must not see it, or it would be picked before Triton.
+  # rest. The tests of the ops AITER implements (tests/kernels/test_rope_and_cache.py,
+  # test_qk_norm_rope_and_cache.py) also run the aiter provider (its Triton kernels) when
+  # .aiter/ is carried; the other files must not see it, or it would be picked before Triton.
   mkdir -p $OUT/tests
   python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider ${TEST_FILES:-tests} 2>/dev/null \
     | grep '::' > $OUT/tests/ids.txt
-  grep -v test_triton_writers $OUT/tests/ids.txt > $OUT/tests/main.ids
-  grep test_triton_writers $OUT/tests/ids.txt > $OUT/tests/writers.ids
+  AITER_OPS='tests/kernels/test_(rope_and_cache|qk_norm_rope_and_cache)\.py'
+  grep -Ev "$AITER_OPS" $OUT/tests/ids.txt > $OUT/tests/main.ids
+  grep -E "$AITER_OPS" $OUT/tests/ids.txt > $OUT/tests/writers.ids
   echo "$(wc -l < $OUT/tests/ids.txt) GPU tests" | tee -a $LOG
   local pp=${PYTHONPATH:-$PWD}
   [ -d .aiter ] && pp="$PWD/.aiter:$pp"
@@ -59,8 +64,8 @@ run_memcheck() {
   # attention and writer matrices; AITER's kernels excluded). No caching allocator, so an
   # access past any tensor is outside its cudaMalloc and is reported.
   mkdir -p $OUT/tests
-  python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests/test_triton_attention.py \
-    tests/test_triton_writers.py 2>/dev/null | grep '::' | grep -v aiter \
+  python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests/kernels 2>/dev/null \
+    | grep '::' | grep -E 'triton' \
     | grep -E "${MEMCHECK_FILTER:-.}" > $OUT/tests/memcheck.ids
   echo "memcheck over $(wc -l < $OUT/tests/memcheck.ids) GPU tests" | tee -a $LOG
   RUNNER="compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 10" \
@@ -74,17 +79,18 @@ run_bench() {
   local b=$1
   stage $b-bench; mkdir -p $OUT/$b
   case $b in
-    decode) args="benchmarks/bench_decode.py ${DECODE_ARGS:---batch 1 16 64 128 --ctx 4096 --flip PAGED_K_ROWS}";;
+    decode) args="benchmarks/bench_decode.py ${DECODE_ARGS:---batch 1 16 64 128 --ctx 4096 --k-rows 0}";;
     # the full B x L grid with the default config
     decode_grid) args="benchmarks/bench_decode.py --batch 1 16 64 128 --ctx 1024 4096 16384";;
     prefill) args="benchmarks/bench_prefill.py ${PREFILL_ARGS:-}";;
-    writers) args="benchmarks/bench_fused_writers.py";;
+    cache_writers|writers) args="benchmarks/bench_cache_writers.py";;
+    compile_time) args="benchmarks/bench_compile_time.py";;
     # diagnostics of the decode kernel: placement and block size at B=64, L=4096 (both print
     # the gather peers: the pages read with no math, 1-D and with the kernel's tile addressing)
     decode_seq) args="benchmarks/bench_decode.py --batch 64 --ctx 4096 --sequential";;
     decode_bs64) args="benchmarks/bench_decode.py --batch 64 --ctx 4096 --block-size 64";;
     # the end-to-end model's decode shape (GQA 2, interleaved V), configs side by side
-    decode_e2e_shape) args="benchmarks/bench_decode.py --batch 64 --ctx 2048 --q-heads 16 --interleaved-v --flip PAGED_K_ROWS";;
+    decode_model_shape|decode_e2e_shape) args="benchmarks/bench_decode.py --batch 64 --ctx 2048 --q-heads 16 --interleaved-v --k-rows 0";;
     # cp.async pipeline (stages 3) against loads to registers (stages 1: LDG + STS, sm_90 SASS)
     # at more resident warps (forced splits): is the shared-memory pipeline the decode cap?
     decode_stages) args="benchmarks/bench_decode.py --batch 64 --ctx 4096 --sweep --cfgs 16,1,3,rows3,1 16,1,3,rows3,4 16,1,1,rows3,1 16,1,1,rows3,4 16,1,1,rows3,8 16,2,1,rows3,4";;
@@ -95,10 +101,10 @@ run_bench() {
   pack $b
 }
 # STAGES picks and orders the work (default: everything, tests first).
-for st in ${STAGES:-tests e2e decode prefill writers}; do
+for st in ${STAGES:-tests model_step decode prefill cache_writers}; do
   case $st in
     tests) run_tests;;
-    e2e) run_e2e;;
+    model_step|e2e) run_model_step;;
     memcheck) run_memcheck;;
     *) run_bench $st;;
   esac

@@ -8,14 +8,17 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import cases  # noqa: E402
-import test_triton_attention as T  # noqa: E402
+from attention_checks import check_paged  # noqa: E402
 from inductor_rocm_attn.kernels.triton import paged_attention  # noqa: E402
+from inductor_rocm_attn.kernels.triton.configs import DecodeConfig  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-CFGS = [None, (16, 1, 3, "rows"), (16, 1, 1, "rows"), (64, 4, 3, "rows"), (32, 2, 3, "streams3")]
+CFGS = [None, DecodeConfig(16, 1, 3, "rows"), DecodeConfig(16, 1, 1, "rows"),
+        DecodeConfig(64, 4, 3, "rows"), DecodeConfig(32, 2, 3, "streams3")]
 for cfg in CFGS:
     worst, where, fp8_fail = 0.0, None, 0
     for seed in range(int(os.environ.get("SEEDS", 6))):
@@ -37,9 +40,9 @@ for cfg in CFGS:
                 idx = (e == e.max()).nonzero()[0].tolist()
                 where = (seed, splits, idx, got[tuple(idx)].item(), ref[tuple(idx)].item())
             try:
-                T._check_paged([1, 200, 1], [900, 300, 5], num_heads=16, num_kv_heads=4, head_size=128,
-                               dtype=torch.bfloat16, out_fp8=True, device=DEV, decode_cfg=cfg,
-                               num_splits=splits)
+                check_paged("triton", [1, 200, 1], [900, 300, 5], num_heads=16, num_kv_heads=4,
+                            head_size=128, dtype=torch.bfloat16, out_fp8=True, device=DEV,
+                            decode_cfg=cfg, num_splits=splits)
             except AssertionError as err:
                 fp8_fail += 1
                 print("   fp8:", str(err)[:160])

@@ -7,13 +7,31 @@ with CPU tensors, intercepts every kernel launch (nothing runs) and compiles it 
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``: the frontend, the
 optimizer and ptxas, no driver. Run without ``TRITON_INTERPRET``; prints one line per
 launch and exits non-zero on the first failure. Used by tests/test_triton_sm90_compile.py.
+
+It also fingerprints the generated code, to show that a refactor left the kernels unchanged:
+
+    python tests/triton_sm90_compile.py --sass before.json        # on the old tree
+    python tests/triton_sm90_compile.py --compare before.json     # on the new tree
+
+``--sass`` writes, per launch, a hash of its sm_90 SASS (``cuobjdump -sass`` of the cubin,
+the kernel's own name replaced, so moving or renaming a kernel does not count as a change)
+and its instruction count; ``--compare`` prints the before/after table and exits 4 when a
+launch's SASS differs or a launch is missing. A launch is named by its label (dtype, V
+interior), kernel, constexpr values, argument types and options, all by parameter name.
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
+import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import traceback
+from dataclasses import replace
 
 assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
 
@@ -26,11 +44,15 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import inductor_rocm_attn  # noqa: E402,F401
+from inductor_rocm_attn.kernels.triton.configs import (  # noqa: E402
+    DecodeConfig, LaunchTarget, prefill_config)
 from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache  # noqa: E402
 
 _TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
        torch.int32: "i32", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 _LAUNCHES: list = []
+H200 = LaunchTarget(num_sms=132, tma=True)
+_SASS: dict[str, dict] = {}  # launch name -> fingerprint (filled when fingerprinting)
 
 
 def _capture_run(self, *args, grid=None, warmup=False, **kwargs):
@@ -74,7 +96,44 @@ def _signature(fn: JITFunction, args, kwargs):
     return sig, consts, attrs, options
 
 
-def compile_launches(label: str) -> int:
+def _launch_name(label, fn, sig, consts, options) -> str:
+    """A launch's name from parameter names only (stable when positions or modules change)."""
+    const = ",".join(f"{fn.arg_names[i[0]]}={v!r}" for i, v in sorted(consts.items()))
+    types = ",".join(f"{k}:{v}" for k, v in sig.items() if v != "constexpr")
+    opts = ",".join(f"{k}={v}" for k, v in sorted(options.items()))
+    return f"{label} | {fn.__name__} | {const} | {types} | {opts}"
+
+
+def _sass_fingerprint(kernel, name: str) -> dict:
+    """sha256 of the kernel's SASS (addresses, instructions and control words), with the
+    kernel's symbol name replaced; plus its instruction count."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    lines = [ln.strip().replace(name, "KERNEL") for ln in sass.splitlines()
+             if ln.strip().startswith("/*")]
+    n = sum(1 for ln in lines if re.match(r"/\*[0-9a-f]{4,}\*/", ln))
+    return {"sass_sha256": hashlib.sha256("\n".join(lines).encode()).hexdigest(), "instructions": n}
+
+
+def _expect(kernel: str, **constexprs) -> int:
+    """1 (and a FAIL line) unless the latest launch of ``kernel`` had these constexpr values:
+    the launcher's choices (split count, one loop, TMA) checked without a GPU."""
+    for fn, _, kwargs in reversed(_LAUNCHES):
+        if fn.__name__ == kernel:
+            got = {k: kwargs.get(k) for k in constexprs}
+            if got == constexprs:
+                return 0
+            print(f"FAIL launch of {kernel}: {got}, expected {constexprs}", flush=True)
+            return 1
+    print(f"FAIL no launch of {kernel}", flush=True)
+    return 1
+
+
+def compile_launches(label: str, fingerprint: bool = False) -> int:
     failures = 0
     seen = set()
     for fn, args, kwargs in _LAUNCHES:
@@ -85,8 +144,11 @@ def compile_launches(label: str) -> int:
             continue
         seen.add(key)
         try:
-            triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+            kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                                    options=options)
             print(f"ok   {label}: {fn.__name__}", flush=True)
+            if fingerprint:
+                _SASS[_launch_name(label, fn, sig, consts, options)] = _sass_fingerprint(kernel, fn.__name__)
         except Exception as e:  # report every kernel, then fail
             failures += 1
             msg = str(e).strip().splitlines()
@@ -112,17 +174,79 @@ def _probe() -> str | None:
     return None
 
 
+def _compare(base_path: str) -> int:
+    """Print the before/after table of the launches' SASS; 4 when any differs or is missing."""
+    with open(base_path) as f:
+        base = json.load(f)
+    bad = 0
+    print("\n| launch | kernel | instructions before / after | SASS sha256 before / after | verdict |")
+    print("|---|---|---|---|---|")
+    for name in sorted(set(base) | set(_SASS)):
+        b, a = base.get(name), _SASS.get(name)
+        same = b is not None and a is not None and b["sass_sha256"] == a["sass_sha256"]
+        bad += not same
+        verdict = "identical" if same else ("missing after" if a is None else
+                                            "new" if b is None else "DIFFERS")
+        label, kernel, consts = name.split(" | ")[:3]
+        short = ",".join(c for c in consts.split(",") if c.split("=")[0] in _SHORT)
+        print(f"| {label} {short} | {kernel} | {b['instructions'] if b else '-'} / "
+              f"{a['instructions'] if a else '-'} | {b['sass_sha256'][:12] if b else '-'} / "
+              f"{a['sass_sha256'][:12] if a else '-'} | {verdict} |")
+    print(f"\n{len(base)} launches before, {len(_SASS)} after, {bad} not identical")
+    return 4 if bad else 0
+
+
+# constexprs shown in the --compare table (the full launch names are in the --sass file)
+_SHORT = {"GQA", "TILE_N", "W", "NUM_SPLITS", "ONE_LOOP", "KEYS_MAJOR", "BLOCK_M", "BLOCK_N",
+          "DENSE_TMA", "HAS_NEW_KV", "BLOCK_T", "NUM_HEADS"}
+
+
+def _bench_shapes(tk, fingerprint: bool) -> int:
+    """The default launches at the benchmarks' shapes (bf16, d=128, block 16), where the tuned
+    configs apply: decode with 32/8 heads at L=4096, B=64 (one split) and B=1 (split, one
+    loop); the end-to-end model's 16/8 heads with interleaved V (B=64, L=2048); prefill of
+    B=4 x 4096 new tokens with no prefix and a 4096-token prefix. Nothing runs: the tensors
+    only carry shapes, strides and dtypes (the cache is small, the block table empty)."""
+    dtype, HKV, D, BS = torch.bfloat16, 8, 128, 16
+    one = torch.ones(1)
+    decode = [(32, False, 64, 4096), (32, False, 1, 4096), (16, True, 64, 2048)]
+    prefill = [(32, 4, 4096, 0), (32, 4, 4096, 4096)]
+    failures = 0
+    for hq, interleaved, b, ctx in decode:
+        cache = allocate_kv_cache(KVCacheSpec(BS, HKV, D, dtype, CacheLayout.LHBNC), 16, "cpu")
+        q = torch.empty(b, hq, D, dtype=dtype)
+        tk.paged_attention(torch.empty_like(q), q, None, None, cache,
+                           torch.arange(b + 1, dtype=torch.int32), torch.full((b,), ctx, dtype=torch.int32),
+                           torch.zeros(b, ctx // BS, dtype=torch.int32), D ** -0.5, one, one, True, -1,
+                           None, None, 0.0, interleaved, None, 1, ctx, target=H200)
+        # the tuned one-warp three-loop config; B=1 splits the keys 64 ways, 4 tiles each:
+        # one loop (configs.ONE_LOOP_MAX_TILES)
+        failures += _expect("_paged_decode_kernel", TILE_N=16, num_warps=1, NUM_SPLITS=64 if b == 1 else 1,
+                            ONE_LOOP=b == 1)
+    for hq, b, n, prefix in prefill:
+        cache = allocate_kv_cache(KVCacheSpec(BS, HKV, D, dtype, CacheLayout.LHBNC), 16, "cpu")
+        q = torch.empty(b * n, hq, D, dtype=dtype)
+        kv = [torch.empty(b * n, HKV, D, dtype=dtype) for _ in range(2)]
+        tk.paged_attention(torch.empty_like(q), q, *kv, cache, torch.arange(b + 1, dtype=torch.int32) * n,
+                           torch.full((b,), n + prefix, dtype=torch.int32),
+                           torch.zeros(b, (n + prefix) // BS, dtype=torch.int32), D ** -0.5, one, one,
+                           True, -1, None, None, 0.0, False, None, n, n + prefix, target=H200)
+        failures += _expect("_prefix_prefill_kernel", BLOCK_M=128, BLOCK_N=128, num_warps=8, DENSE_TMA=True)
+    return failures + compile_launches("bench shapes bf16", fingerprint)
+
+
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sass", metavar="OUT.json", help="write each launch's SASS fingerprint")
+    ap.add_argument("--compare", metavar="BASE.json", help="compare the SASS with a --sass file")
+    args = ap.parse_args()
+    fingerprint = bool(args.sass or args.compare)
     why = _probe()
     if why is not None:
         print(f"SKIP: triton {triton.__version__} cannot compile for sm_90 here: {why}")
         return 3
-    JITFunction.run = _capture_run
+    JITFunction.run = _capture_run  # launches are recorded, never run
     from inductor_rocm_attn.kernels import triton as tk
-
-    pa = sys.modules["inductor_rocm_attn.kernels.triton.paged_attention"]
-    pa._num_sms = lambda device_index=0: 132  # H200
-    pa._tma_capable = lambda device_index=0: True
 
     failures = 0
     T, H, HKV, D, BS = 8, 16, 8, 128, 16
@@ -147,15 +271,13 @@ def main() -> int:
             # (decode, long decode that splits the keys and reduces, mixed prefill + decode)
             runs = [(([1, 1, 1], [40, 7, 100]), None), (([1, 1], [2000, 1500]), None),
                     (([5, 1], [20, 33]), None)]
-            runs += [(([1, 1, 1], [40, 7, 100]), cfg) for cfg in ((64, 4, 3, "streams3"),
-                                                                  (32, 2, 3, "streams"),
-                                                                  (16, 1, 3, "keys3"),
-                                                                  (32, 2, 3, "keys"))]
+            runs += [(([1, 1, 1], [40, 7, 100]), DecodeConfig(*cfg)) for cfg in (
+                (64, 4, 3, "streams3"), (32, 2, 3, "streams"), (16, 1, 3, "keys3"), (32, 2, 3, "keys"))]
             runs += [(([5, 1, 70], [20, 33, 0]), "dense_pointers")]  # the ROCm / odd-stride path
-            tma_default = pa.PREFILL_DENSE_TMA
             for (qlens, clens), cfg in runs:
-                pa.PREFILL_DENSE_TMA = tma_default and cfg != "dense_pointers"
-                cfg = None if cfg == "dense_pointers" else cfg
+                pcfg = None
+                if cfg == "dense_pointers":
+                    cfg, pcfg = None, replace(prefill_config(D, H // HKV, BS, dtype), dense_tma=False)
                 n = sum(qlens)
                 qsl = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0).tolist()), dtype=torch.int32)
                 seq_lens = torch.tensor([a + b for a, b in zip(qlens, clens)], dtype=torch.int32)
@@ -165,10 +287,21 @@ def main() -> int:
                 tk.paged_attention(out, torch.randn(n, H, D, dtype=dtype), torch.randn(n, HKV, D, dtype=dtype),
                                    torch.randn(n, HKV, D, dtype=dtype), cache, qsl, seq_lens, table, D ** -0.5,
                                    one, one, True, -1, None, None, 0.0, interleaved, None,
-                                   max(qlens), int(seq_lens.max()), decode_cfg=cfg)
-                pa.PREFILL_DENSE_TMA = tma_default
-            failures += compile_launches(label)
-    return 1 if failures else 0
+                                   max(qlens), int(seq_lens.max()), decode_cfg=cfg, prefill_cfg=pcfg,
+                                   target=H200)
+                if max(qlens) > 1:  # TMA for the new tokens' K/V unless the config turns it off
+                    failures += _expect("_prefix_prefill_kernel", DENSE_TMA=pcfg is None)
+            failures += compile_launches(label, fingerprint)
+    failures += _bench_shapes(tk, fingerprint)
+    if failures:
+        return 1
+    if args.sass:
+        with open(args.sass, "w") as f:
+            json.dump(_SASS, f, indent=1, sort_keys=True)
+        print(f"wrote {len(_SASS)} SASS fingerprints to {args.sass}")
+    if args.compare:
+        return _compare(args.compare)
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,4 +1,7 @@
-"""Triton kernels (GPU provider). Same signatures as kernels.reference."""
+"""Triton kernels (the GPU provider): one launcher per op, with the signature of the same
+function in ``kernels.reference``. Tuned launch configs: ``configs.py``; shared attention
+pieces: ``attention_common.py``; decode kernels: ``paged_decode.py``; the prefill kernel:
+``prefix_prefill.py``; the launcher choosing them: ``paged_attention.py``."""
 
 from .qk_norm_rope_and_cache import qk_norm_rope_and_cache  # noqa: F401  (cache writers)
 from .reshape_and_cache import reshape_and_cache  # noqa: F401

@@ -1,8 +1,8 @@
 """Attention without a cache (encoder / encoder-only layers), varlen over ``cu_seqlens``.
 
 Same function as ``kernels.reference.encoder_attention``. The kernel is the prefix-prefill
-kernel with no cached context: it reuses that kernel's dense inner loop (``_dense_inner``),
-range planner and epilogue.
+kernel with no cached context: it reuses the dense inner loop (``_dense_inner``), range
+planner and epilogue of ``attention_common.py``, and the prefill configs (``configs.py``).
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ import triton
 import triton.language as tl
 
 from ...layout import fp8_max
-from .paged_attention import _TL_DTYPES, _interpret, prefill_config
-from . import prefix_prefill
-from .prefix_prefill import _LOG2E, _dense_inner, _find_seq, _plan, _store_rows, _tiles
+from .attention_common import TL_DTYPES, _LOG2E, _dense_inner, _find_seq, _plan, _store_rows, _tiles
+from .configs import PrefillConfig, interpreting, prefill_config
 
 __all__ = ["encoder_attention"]
 
@@ -39,9 +38,11 @@ def _encoder_attention_kernel(
     q/out ``[num_tokens, num_heads, HEAD_SIZE]``, k/v ``[num_tokens, num_kv_heads, HEAD_SIZE]``;
     sequence s is rows ``cu_seqlens[s] : cu_seqlens[s+1]``, positions from 0.
     """
+    tl.static_assert(BLOCK_D >= HEAD_SIZE and (BLOCK_D & (BLOCK_D - 1)) == 0,
+                     "BLOCK_D is the head size rounded up to a power of two")
     pid = tl.program_id(0)
     head = tl.program_id(1)
-    seq = _find_seq(cu_seqlens_ptr, num_seqs, pid, BLOCK_M)
+    seq = _find_seq(cu_seqlens_ptr, num_seqs, pid, BLOCK_M=BLOCK_M)
     start = tl.load(cu_seqlens_ptr + seq)
     seq_len = tl.load(cu_seqlens_ptr + seq + 1) - start
     q_tile = pid - (start // BLOCK_M + seq)
@@ -71,32 +72,35 @@ def _encoder_attention_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
 
     zero = seq_len * 0
-    lo, hi, f_lo, f_hi = _plan(zero, seq_len, p0, p1, window, CAUSAL, USE_WINDOW)
-    t0, t1, t2, t3 = _tiles(lo, hi, f_lo, f_hi, zero, BLOCK_N)
+    lo, hi, f_lo, f_hi = _plan(zero, seq_len, p0, p1, window, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW)
+    t0, t1, t2, t3 = _tiles(lo, hi, f_lo, f_hi, zero, TILE=BLOCK_N)
     k_base = k_ptr + start.to(tl.int64) * stride_kt + kv_head * stride_kh
     v_base = v_ptr + start.to(tl.int64) * stride_vt + kv_head * stride_vh
     acc, m_i, l_i = _dense_inner(
         acc, m_i, l_i, q, offs_m, slope, sm_scale, softcap, window, k_base, v_base,
-        stride_kt, stride_vt, zero, t0, t1, lo, hi, start, 0, COMPUTE, HEAD_SIZE, BLOCK_D,
-        BLOCK_N, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN,
-        False)
+        stride_kt, stride_vt, zero, t0, t1, lo, hi, start, 0,
+        COMPUTE=COMPUTE, HEAD_SIZE=HEAD_SIZE, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL,
+        USE_WINDOW=USE_WINDOW, USE_ALIBI=USE_ALIBI, USE_SOFTCAP=USE_SOFTCAP, MASK=True,
+        DOT_PRECISION=DOT_PRECISION, RESCALE_MARGIN=RESCALE_MARGIN, TMA=False)
     acc, m_i, l_i = _dense_inner(
         acc, m_i, l_i, q, offs_m, slope, sm_scale, softcap, window, k_base, v_base,
-        stride_kt, stride_vt, zero, t1, t2, lo, hi, start, 0, COMPUTE, HEAD_SIZE, BLOCK_D,
-        BLOCK_N, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, False, DOT_PRECISION, RESCALE_MARGIN,
-        False)
+        stride_kt, stride_vt, zero, t1, t2, lo, hi, start, 0,
+        COMPUTE=COMPUTE, HEAD_SIZE=HEAD_SIZE, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL,
+        USE_WINDOW=USE_WINDOW, USE_ALIBI=USE_ALIBI, USE_SOFTCAP=USE_SOFTCAP, MASK=False,
+        DOT_PRECISION=DOT_PRECISION, RESCALE_MARGIN=RESCALE_MARGIN, TMA=False)
     acc, m_i, l_i = _dense_inner(
         acc, m_i, l_i, q, offs_m, slope, sm_scale, softcap, window, k_base, v_base,
-        stride_kt, stride_vt, zero, t2, t3, lo, hi, start, 0, COMPUTE, HEAD_SIZE, BLOCK_D,
-        BLOCK_N, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, True, DOT_PRECISION, RESCALE_MARGIN,
-        False)
+        stride_kt, stride_vt, zero, t2, t3, lo, hi, start, 0,
+        COMPUTE=COMPUTE, HEAD_SIZE=HEAD_SIZE, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL,
+        USE_WINDOW=USE_WINDOW, USE_ALIBI=USE_ALIBI, USE_SOFTCAP=USE_SOFTCAP, MASK=True,
+        DOT_PRECISION=DOT_PRECISION, RESCALE_MARGIN=RESCALE_MARGIN, TMA=False)
 
     out_scale = 1.0
     if USE_OUT_SCALE:
         out_scale = tl.load(out_scale_ptr)
     out_ptrs = out_ptr + row[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     _store_rows(out_ptrs, acc, l_i, 1.0, out_scale, m_ok[:, None] & d_ok[None, :],
-                USE_OUT_SCALE, OUT_MAX)
+                USE_OUT_SCALE=USE_OUT_SCALE, OUT_MAX=OUT_MAX)
 
 
 def encoder_attention(
@@ -113,27 +117,26 @@ def encoder_attention(
     logits_soft_cap: float,
     output_scale: torch.Tensor | None,
     *,
-    cfg: tuple[int, int, int, int] | None = None,
-    rescale_margin: float | None = None,
+    cfg: PrefillConfig | None = None,
 ) -> None:
     """Varlen attention without a cache, written into ``output``.
 
     output/query ``[num_tokens, num_heads, head_size]``, key/value
     ``[num_tokens, num_kv_heads, head_size]``, cu_seqlens ``[num_seqs + 1]`` int32/int64;
     alibi_slopes/sinks ``[num_heads]``; output_scale ``[1]`` fp32 (then output is fp8).
-    ``cfg`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the config table;
-    ``rescale_margin`` the lazy-rescale margin (0: rescale on every tile).
+    ``cfg`` replaces the tuned ``configs.prefill_config`` (tiles, warps, stages; its
+    ``dense_margin`` is the lazy-rescale margin, 0: rescale on every tile).
     """
     num_tokens, num_heads, head_size = query.shape
     num_seqs = cu_seqlens.shape[0] - 1
     if num_tokens == 0 or num_seqs <= 0:
         return
     gqa = num_heads // key.shape[1]
-    compute = query.dtype if query.dtype in _TL_DTYPES else key.dtype
-    block_m, block_n, warps, stages = cfg or prefill_config(head_size, gqa, 0, compute, _interpret())
+    compute = query.dtype if query.dtype in TL_DTYPES else key.dtype
+    cfg = cfg or prefill_config(head_size, gqa, 0, compute, interpreting())
     use_window = sliding_window is not None and sliding_window > 0
     use_out_scale = output_scale is not None
-    _encoder_attention_kernel[(num_tokens // block_m + num_seqs, num_heads)](
+    _encoder_attention_kernel[(num_tokens // cfg.block_m + num_seqs, num_heads)](
         output, query, key, value, cu_seqlens,
         alibi_slopes if alibi_slopes is not None else query,
         sinks if sinks is not None else query,
@@ -143,12 +146,10 @@ def encoder_attention(
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         GQA=gqa, HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size),
-        BLOCK_M=block_m, BLOCK_N=block_n, COMPUTE=_TL_DTYPES[compute], CAUSAL=bool(causal),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, COMPUTE=TL_DTYPES[compute], CAUSAL=bool(causal),
         USE_WINDOW=use_window, USE_ALIBI=alibi_slopes is not None, USE_SINKS=sinks is not None,
         USE_SOFTCAP=logits_soft_cap > 0, USE_OUT_SCALE=use_out_scale,
         OUT_MAX=fp8_max(output.dtype) if use_out_scale else 0.0,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",
-        RESCALE_MARGIN=float(prefix_prefill.DENSE_RESCALE_MARGIN if rescale_margin is None
-                             else rescale_margin),
-        num_warps=warps, num_stages=stages,
+        RESCALE_MARGIN=float(cfg.dense_margin), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

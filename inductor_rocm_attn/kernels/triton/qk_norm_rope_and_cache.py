@@ -13,9 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .reshape_and_cache import (
-    _slot_page, _store_k_cols, _store_v_tile, cache_meta, num_warps_for, pick_block_t,
-)
+from .configs import WriterConfig, writer_block_t, writer_num_warps
+from .reshape_and_cache import _slot_page, _store_k_cols, _store_v_tile, cache_meta
 from .rotary_embedding import _half_cols, _load_cos_sin, _rotate
 
 __all__ = ["qk_norm_rope_and_cache"]
@@ -69,17 +68,19 @@ def _qk_norm_rope_and_cache_kernel(
     INTERLEAVED_V: tl.constexpr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    tl.static_assert(BLOCK_R >= ROT_HALF and BLOCK_D >= HEAD_SIZE, "tiles cover the head")
+    tl.static_assert(2 * ROT_HALF <= HEAD_SIZE, "rot_dim <= head_size")
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     HAS_PASS: tl.constexpr = 2 * ROT_HALF < HEAD_SIZE
 
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < num_tokens
-    offs_r, d1, d2, mask_r = _half_cols(ROT_HALF, BLOCK_R, IS_NEOX)
+    offs_r, d1, d2, mask_r = _half_cols(ROT_HALF=ROT_HALF, BLOCK_R=BLOCK_R, IS_NEOX=IS_NEOX)
     dp = 2 * ROT_HALF + tl.arange(0, BLOCK_P)
     mask_p = dp < HEAD_SIZE
     pos = tl.load(positions_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
-    cos, sin = _load_cos_sin(cos_sin_ptr, pos, stride_cs, offs_r, mask_r, mask_t, ROT_HALF)
+    cos, sin = _load_cos_sin(cos_sin_ptr, pos, stride_cs, offs_r, mask_r, mask_t, ROT_HALF=ROT_HALF)
     tok = offs_t.to(tl.int64)
     row = qkv_ptr + tok[:, None] * stride_qkv_t
     model_ty = qkv_ptr.dtype.element_ty
@@ -89,7 +90,8 @@ def _qk_norm_rope_and_cache_kernel(
     if pid_h < NUM_HEADS:
         src = row + (pid_h * HEAD_SIZE) * stride_qkv_d
         o1, o2, xp = _norm_rope(src, stride_qkv_d, q_weight_ptr, d1, d2, mask_r, dp, mask_p, mask_t,
-                                cos, sin, eps, HEAD_SIZE, HAS_PASS, BLOCK_T, BLOCK_P)
+                                cos, sin, eps, HEAD_SIZE=HEAD_SIZE, HAS_PASS=HAS_PASS, BLOCK_T=BLOCK_T,
+                                BLOCK_P=BLOCK_P)
         dst = q_ptr + (tok[:, None] * NUM_HEADS + pid_h) * HEAD_SIZE
         tl.store(dst + d1[None, :], o1.to(model_ty), mask=mask)
         tl.store(dst + d2[None, :], o2.to(model_ty), mask=mask)
@@ -107,7 +109,8 @@ def _qk_norm_rope_and_cache_kernel(
         v_scale = tl.load(v_scale_ptr).to(tl.float32)
         src = row + ((NUM_HEADS + head) * HEAD_SIZE) * stride_qkv_d
         o1, o2, xp = _norm_rope(src, stride_qkv_d, k_weight_ptr, d1, d2, mask_r, dp, mask_p, mask_t,
-                                cos, sin, eps, HEAD_SIZE, HAS_PASS, BLOCK_T, BLOCK_P)
+                                cos, sin, eps, HEAD_SIZE=HEAD_SIZE, HAS_PASS=HAS_PASS, BLOCK_T=BLOCK_T,
+                                BLOCK_P=BLOCK_P)
         # Round once to the model dtype: the cache gets exactly the k returned. (New names:
         # Triton needs a name bound in both branches to keep one type; o1/o2/xp are fp32 there.)
         k1 = o1.to(model_ty)
@@ -121,17 +124,19 @@ def _qk_norm_rope_and_cache_kernel(
         tl.store(v_ptr + k_off + offs_d[None, :], v, mask=mask_t[:, None] & mask_d[None, :])
 
         mask_w = in_slots & (slot >= 0)
-        page, off = _slot_page(slot, mask_w, head, stride_cache_block, HEAD_SIZE, BLOCK_SIZE)
+        page, off = _slot_page(slot, mask_w, head, stride_cache_block, HEAD_SIZE=HEAD_SIZE,
+                               BLOCK_SIZE=BLOCK_SIZE)
         _store_k_cols(kv_cache_ptr, k1.to(tl.float32), d1, mask_r, page, off, mask_w, k_scale,
-                      BLOCK_SIZE, X, IS_FP8, FP8_MAX)
+                      BLOCK_SIZE=BLOCK_SIZE, X=X, IS_FP8=IS_FP8, FP8_MAX=FP8_MAX)
         _store_k_cols(kv_cache_ptr, k2.to(tl.float32), d2, mask_r, page, off, mask_w, k_scale,
-                      BLOCK_SIZE, X, IS_FP8, FP8_MAX)
+                      BLOCK_SIZE=BLOCK_SIZE, X=X, IS_FP8=IS_FP8, FP8_MAX=FP8_MAX)
         if HAS_PASS:
             _store_k_cols(kv_cache_ptr, kp.to(tl.float32), dp, mask_p, page, off, mask_w, k_scale,
-                          BLOCK_SIZE, X, IS_FP8, FP8_MAX)
+                          BLOCK_SIZE=BLOCK_SIZE, X=X, IS_FP8=IS_FP8, FP8_MAX=FP8_MAX)
         _store_v_tile(kv_cache_ptr, v.to(tl.float32), slot, page, off, mask_w, head, offs_d, mask_d, v_scale,
                       stride_cache_block, stride_cache_group,
-                      HEAD_SIZE, BLOCK_SIZE, X, INTERLEAVED_V, IS_FP8, FP8_MAX, BLOCK_T)
+                      HEAD_SIZE=HEAD_SIZE, BLOCK_SIZE=BLOCK_SIZE, X=X, INTERLEAVED_V=INTERLEAVED_V,
+                      IS_FP8=IS_FP8, FP8_MAX=FP8_MAX, BLOCK_T=BLOCK_T)
 
 
 def qk_norm_rope_and_cache(
@@ -151,8 +156,7 @@ def qk_norm_rope_and_cache(
     num_kv_heads: int,
     head_size: int,
     *,
-    block_t: int | None = None,
-    num_warps: int | None = None,
+    cfg: WriterConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split, normalise, rotate and cache (same semantics as the reference).
 
@@ -160,7 +164,8 @@ def qk_norm_rope_and_cache(
     q_weight, k_weight: ``[head_size]``. positions: ``[num_tokens]``. cos_sin_cache:
     ``[max_position, rot_dim]``. kv_cache / slot_mapping / scales as in ``reshape_and_cache``.
     Returns fresh contiguous ``q [T, num_heads, head_size]``, ``k``/``v``
-    ``[T, num_kv_heads, head_size]`` in ``qkv.dtype``.
+    ``[T, num_kv_heads, head_size]`` in ``qkv.dtype``. ``cfg`` replaces the tile rules of
+    ``configs``.
     """
     t = qkv.shape[0]
     q = qkv.new_empty(t, num_heads, head_size)
@@ -170,7 +175,8 @@ def qk_norm_rope_and_cache(
         return q, k, v
     rot_half = cos_sin_cache.shape[-1] // 2
     block_d = triton.next_power_of_2(head_size)
-    block_t = block_t or pick_block_t(t)
+    block_t = cfg.block_t if cfg else writer_block_t(t)
+    warps = (cfg and cfg.num_warps) or writer_num_warps(block_t, triton.next_power_of_2(rot_half))
     grid = (triton.cdiv(t, block_t), num_heads + num_kv_heads)
     _qk_norm_rope_and_cache_kernel[grid](
         qkv, q_weight, k_weight, positions, cos_sin_cache,
@@ -185,7 +191,7 @@ def qk_norm_rope_and_cache(
         INTERLEAVED_V=bool(interleaved_v), BLOCK_T=block_t,
         BLOCK_R=triton.next_power_of_2(rot_half),
         BLOCK_P=triton.next_power_of_2(max(1, head_size - 2 * rot_half)), BLOCK_D=block_d,
-        num_warps=num_warps or num_warps_for(block_t, triton.next_power_of_2(rot_half)),
+        num_warps=warps,
         **cache_meta(kv_cache),
     )
     return q, k, v

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ...layout import cache_x, fp8_max, is_fp8_dtype
+from .configs import WriterConfig, writer_block_t, writer_num_warps
 
 __all__ = ["reshape_and_cache"]
 
@@ -57,7 +58,7 @@ def _store_k_cols(
     """Store K channels into the ``[head_size // x, block_size, x]`` page: 16-byte runs of x."""
     offs_k = (offs_d // X) * (BLOCK_SIZE * X) + offs_d % X
     k_ptrs = kv_cache_ptr + (page + off * X)[:, None] + offs_k[None, :]
-    k = _quantize(k, k_scale, IS_FP8, FP8_MAX).to(kv_cache_ptr.dtype.element_ty)
+    k = _quantize(k, k_scale, IS_FP8=IS_FP8, FP8_MAX=FP8_MAX).to(kv_cache_ptr.dtype.element_ty)
     tl.store(k_ptrs, k, mask=mask_t[:, None] & mask_d[None, :])
 
 
@@ -75,7 +76,7 @@ def _store_v_tile(
 ):
     """Store a V tile into the standard ``[head_size, block_size]`` or interleaved
     ``[block_size // x, head_size, x]`` page of each token's block."""
-    v = _quantize(v, v_scale, IS_FP8, FP8_MAX).to(kv_cache_ptr.dtype.element_ty)
+    v = _quantize(v, v_scale, IS_FP8=IS_FP8, FP8_MAX=FP8_MAX).to(kv_cache_ptr.dtype.element_ty)
     v_group = kv_cache_ptr + stride_cache_group
     # V runs along tokens. When the tile's tokens fill consecutive slots of one block from an
     # x-aligned offset (prefill), address them as off0 + i so the compiler sees contiguous
@@ -123,6 +124,7 @@ def _reshape_and_cache_kernel(
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """grid = (cdiv(num_tokens, BLOCK_T), num_kv_heads)."""
+    tl.static_assert(BLOCK_D >= HEAD_SIZE, "BLOCK_D covers the head")
     pid_t = tl.program_id(0)
     head = tl.program_id(1)
 
@@ -143,12 +145,14 @@ def _reshape_and_cache_kernel(
 
     k_scale = tl.load(k_scale_ptr).to(tl.float32)
     v_scale = tl.load(v_scale_ptr).to(tl.float32)
-    page, off = _slot_page(slot, mask_t, head, stride_cache_block, HEAD_SIZE, BLOCK_SIZE)
+    page, off = _slot_page(slot, mask_t, head, stride_cache_block, HEAD_SIZE=HEAD_SIZE,
+                           BLOCK_SIZE=BLOCK_SIZE)
     _store_k_cols(kv_cache_ptr, k, offs_d, mask_d, page, off, mask_t, k_scale,
-                  BLOCK_SIZE, X, IS_FP8, FP8_MAX)
+                  BLOCK_SIZE=BLOCK_SIZE, X=X, IS_FP8=IS_FP8, FP8_MAX=FP8_MAX)
     _store_v_tile(kv_cache_ptr, v, slot, page, off, mask_t, head, offs_d, mask_d, v_scale,
                   stride_cache_block, stride_cache_group,
-                  HEAD_SIZE, BLOCK_SIZE, X, INTERLEAVED_V, IS_FP8, FP8_MAX, BLOCK_T)
+                  HEAD_SIZE=HEAD_SIZE, BLOCK_SIZE=BLOCK_SIZE, X=X, INTERLEAVED_V=INTERLEAVED_V,
+                  IS_FP8=IS_FP8, FP8_MAX=FP8_MAX, BLOCK_T=BLOCK_T)
 
 
 def cache_meta(kv_cache: torch.Tensor) -> dict:
@@ -162,22 +166,6 @@ def cache_meta(kv_cache: torch.Tensor) -> dict:
     )
 
 
-def pick_block_t(num_tokens: int) -> int:
-    """Tokens per program. From the H200 sweep in benchmarks/NOTES_writers.md (bf16, 32/8 heads,
-    d=128): one token per program only for tiny batches, 2 up to a few hundred tokens, then 8."""
-    if num_tokens <= 32:
-        return 1
-    if num_tokens <= 512:
-        return 2
-    return 8
-
-
-def num_warps_for(block_t: int, width: int) -> int:
-    """Warps for a ``[block_t, width]`` tile: 8 elements (16 bytes of bf16) per thread. The RoPE
-    kernels pass the half-tile width, so each half load is one 16-byte vector per thread."""
-    return max(1, min(8, block_t * width // 256))
-
-
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -187,8 +175,7 @@ def reshape_and_cache(
     v_scale: torch.Tensor,
     interleaved_v: bool,
     *,
-    block_t: int | None = None,
-    num_warps: int | None = None,
+    cfg: WriterConfig | None = None,
 ) -> None:
     """Write ``key``/``value`` into the paged cache (same semantics as the reference).
 
@@ -198,14 +185,15 @@ def reshape_and_cache(
     model dtype or fp8 (e4m3fn/e5m2; quantized as ``x / scale`` saturated to the fp8 max).
     slot_mapping: ``[n]`` int32/int64 with ``n <= num_tokens``; only the first ``n`` tokens are
     written and entries < 0 (padding) are skipped.
-    k_scale, v_scale: one-element fp32 tensors.
+    k_scale, v_scale: one-element fp32 tensors. ``cfg`` replaces the tile rules of ``configs``.
     """
     n = slot_mapping.shape[0]
     if n == 0:
         return
     num_kv_heads, head_size = key.shape[1], key.shape[2]
     block_d = triton.next_power_of_2(head_size)
-    block_t = block_t or pick_block_t(n)
+    block_t = cfg.block_t if cfg else writer_block_t(n)
+    warps = (cfg and cfg.num_warps) or writer_num_warps(block_t, block_d)
     grid = (triton.cdiv(n, block_t), num_kv_heads)
     _reshape_and_cache_kernel[grid](
         key, value, kv_cache, slot_mapping, k_scale, v_scale,
@@ -215,6 +203,6 @@ def reshape_and_cache(
         kv_cache.stride(0), kv_cache.stride(1),
         HEAD_SIZE=head_size, INTERLEAVED_V=bool(interleaved_v),
         BLOCK_T=block_t, BLOCK_D=block_d,
-        num_warps=num_warps or num_warps_for(block_t, block_d),
+        num_warps=warps,
         **cache_meta(kv_cache),
     )

@@ -13,9 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .reshape_and_cache import (
-    _slot_page, _store_k_cols, _store_v_tile, cache_meta, num_warps_for, pick_block_t,
-)
+from .configs import WriterConfig, writer_block_t, writer_num_warps
+from .reshape_and_cache import _slot_page, _store_k_cols, _store_v_tile, cache_meta
 from .rotary_embedding import _half_cols, _load_cos_sin, _rotate, head_strides
 
 __all__ = ["rope_and_cache"]
@@ -40,14 +39,16 @@ def _rope_and_cache_kernel(
     INTERLEAVED_V: tl.constexpr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    tl.static_assert(BLOCK_R >= ROT_HALF and BLOCK_D >= HEAD_SIZE, "tiles cover the head")
+    tl.static_assert(2 * ROT_HALF <= HEAD_SIZE, "rot_dim <= head_size")
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
 
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < num_tokens
-    offs_r, d1, d2, mask_r = _half_cols(ROT_HALF, BLOCK_R, IS_NEOX)
+    offs_r, d1, d2, mask_r = _half_cols(ROT_HALF=ROT_HALF, BLOCK_R=BLOCK_R, IS_NEOX=IS_NEOX)
     pos = tl.load(positions_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
-    cos, sin = _load_cos_sin(cos_sin_ptr, pos, stride_cs, offs_r, mask_r, mask_t, ROT_HALF)
+    cos, sin = _load_cos_sin(cos_sin_ptr, pos, stride_cs, offs_r, mask_r, mask_t, ROT_HALF=ROT_HALF)
     tok = offs_t.to(tl.int64)
     model_ty = query_ptr.dtype.element_ty
     mask = mask_t[:, None] & mask_r[None, :]
@@ -83,20 +84,22 @@ def _rope_and_cache_kernel(
         tl.store(k_base + d2[None, :] * stride_kd, k2, mask=mask)
 
         mask_w = in_slots & (slot >= 0)
-        page, off = _slot_page(slot, mask_w, head, stride_cache_block, HEAD_SIZE, BLOCK_SIZE)
+        page, off = _slot_page(slot, mask_w, head, stride_cache_block, HEAD_SIZE=HEAD_SIZE,
+                               BLOCK_SIZE=BLOCK_SIZE)
         _store_k_cols(kv_cache_ptr, k1.to(tl.float32), d1, mask_r, page, off, mask_w, k_scale,
-                      BLOCK_SIZE, X, IS_FP8, FP8_MAX)
+                      BLOCK_SIZE=BLOCK_SIZE, X=X, IS_FP8=IS_FP8, FP8_MAX=FP8_MAX)
         _store_k_cols(kv_cache_ptr, k2.to(tl.float32), d2, mask_r, page, off, mask_w, k_scale,
-                      BLOCK_SIZE, X, IS_FP8, FP8_MAX)
+                      BLOCK_SIZE=BLOCK_SIZE, X=X, IS_FP8=IS_FP8, FP8_MAX=FP8_MAX)
         if 2 * ROT_HALF < HEAD_SIZE:  # partial rotary: the untouched channels go to the cache too
             dp = 2 * ROT_HALF + tl.arange(0, BLOCK_P)
             mask_p = dp < HEAD_SIZE
             xp = tl.load(k_base + dp[None, :] * stride_kd, mask=mask_t[:, None] & mask_p[None, :], other=0.0)
             _store_k_cols(kv_cache_ptr, xp.to(tl.float32), dp, mask_p, page, off, mask_w, k_scale,
-                          BLOCK_SIZE, X, IS_FP8, FP8_MAX)
+                          BLOCK_SIZE=BLOCK_SIZE, X=X, IS_FP8=IS_FP8, FP8_MAX=FP8_MAX)
         _store_v_tile(kv_cache_ptr, v, slot, page, off, mask_w, head, offs_d, mask_d, v_scale,
                       stride_cache_block, stride_cache_group,
-                      HEAD_SIZE, BLOCK_SIZE, X, INTERLEAVED_V, IS_FP8, FP8_MAX, BLOCK_T)
+                      HEAD_SIZE=HEAD_SIZE, BLOCK_SIZE=BLOCK_SIZE, X=X, INTERLEAVED_V=INTERLEAVED_V,
+                      IS_FP8=IS_FP8, FP8_MAX=FP8_MAX, BLOCK_T=BLOCK_T)
 
 
 def rope_and_cache(
@@ -112,8 +115,7 @@ def rope_and_cache(
     v_scale: torch.Tensor,
     interleaved_v: bool,
     *,
-    block_t: int | None = None,
-    num_warps: int | None = None,
+    cfg: WriterConfig | None = None,
 ) -> None:
     """RoPE on ``query``/``key`` in place, then the rotated key and ``value`` into the cache.
 
@@ -122,7 +124,7 @@ def rope_and_cache(
     head_size]``; kv_cache ``[num_blocks, 2, block_size, num_kv_heads * head_size]``;
     slot_mapping ``[n <= num_tokens]`` (entries < 0 skipped); cos_sin_cache
     ``[max_position, rot_dim]``; k_scale/v_scale one-element fp32. All tokens are rotated,
-    the first ``n`` are cached.
+    the first ``n`` are cached. ``cfg`` replaces the tile rules of ``configs``.
     """
     num_tokens = query.shape[0]
     if num_tokens == 0:
@@ -132,7 +134,8 @@ def rope_and_cache(
     num_q_heads = query.numel() // (num_tokens * head_size)
     rot_half = cos_sin_cache.shape[-1] // 2
     block_d = triton.next_power_of_2(head_size)
-    block_t = block_t or pick_block_t(num_tokens)
+    block_t = cfg.block_t if cfg else writer_block_t(num_tokens)
+    warps = (cfg and cfg.num_warps) or writer_num_warps(block_t, triton.next_power_of_2(rot_half))
     grid = (triton.cdiv(num_tokens, block_t), num_q_heads + num_kv_heads)
     _rope_and_cache_kernel[grid](
         positions, query, key, value, kv_cache, slot_mapping, cos_sin_cache, k_scale, v_scale,
@@ -146,6 +149,6 @@ def rope_and_cache(
         INTERLEAVED_V=bool(interleaved_v), BLOCK_T=block_t,
         BLOCK_R=triton.next_power_of_2(rot_half),
         BLOCK_P=triton.next_power_of_2(max(1, head_size - 2 * rot_half)), BLOCK_D=block_d,
-        num_warps=num_warps or num_warps_for(block_t, triton.next_power_of_2(rot_half)),
+        num_warps=warps,
         **cache_meta(kv_cache),
     )

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reshape_and_cache import num_warps_for, pick_block_t
+from .configs import WriterConfig, writer_block_t, writer_num_warps
 
 __all__ = ["rotary_embedding"]
 
@@ -70,14 +70,15 @@ def _rotary_embedding_kernel(
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """grid = (cdiv(num_tokens, BLOCK_T), num_q_heads + num_k_heads)."""
+    tl.static_assert(BLOCK_R >= ROT_HALF, "BLOCK_R covers half the rotated channels")
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
 
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < num_tokens
-    offs_r, d1, d2, mask_r = _half_cols(ROT_HALF, BLOCK_R, IS_NEOX)
+    offs_r, d1, d2, mask_r = _half_cols(ROT_HALF=ROT_HALF, BLOCK_R=BLOCK_R, IS_NEOX=IS_NEOX)
     pos = tl.load(positions_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
-    cos, sin = _load_cos_sin(cos_sin_ptr, pos, stride_cs, offs_r, mask_r, mask_t, ROT_HALF)
+    cos, sin = _load_cos_sin(cos_sin_ptr, pos, stride_cs, offs_r, mask_r, mask_t, ROT_HALF=ROT_HALF)
 
     tok = offs_t.to(tl.int64)
     if pid_h < num_q_heads:
@@ -111,8 +112,7 @@ def rotary_embedding(
     cos_sin_cache: torch.Tensor,
     is_neox: bool,
     *,
-    block_t: int | None = None,
-    num_warps: int | None = None,
+    cfg: WriterConfig | None = None,
 ) -> None:
     """Rotate ``query`` and ``key`` in place (same semantics as the reference).
 
@@ -120,6 +120,7 @@ def rotary_embedding(
     query: ``[num_tokens, num_heads * head_size]`` or ``[num_tokens, num_heads, head_size]``,
     any token stride (e.g. a slice of qkv); key likewise with num_kv_heads, or None.
     cos_sin_cache: ``[max_position, rot_dim]`` (cos half, then sin half), ``rot_dim <= head_size``.
+    ``cfg`` replaces the tile rules of ``configs`` (``writer_block_t``, ``writer_num_warps``).
     """
     num_tokens = query.shape[0]
     if num_tokens == 0:
@@ -129,7 +130,8 @@ def rotary_embedding(
     k = query if key is None else key  # a valid pointer when there is no key
     rot_half = cos_sin_cache.shape[-1] // 2
     block_r = triton.next_power_of_2(rot_half)
-    block_t = block_t or pick_block_t(num_tokens)
+    block_t = cfg.block_t if cfg else writer_block_t(num_tokens)
+    warps = (cfg and cfg.num_warps) or writer_num_warps(block_t, block_r)
     grid = (triton.cdiv(num_tokens, block_t), num_q_heads + num_k_heads)
     _rotary_embedding_kernel[grid](
         positions, query, k, cos_sin_cache,
@@ -138,5 +140,5 @@ def rotary_embedding(
         *head_strides(k, head_size),
         cos_sin_cache.stride(0),
         ROT_HALF=rot_half, IS_NEOX=bool(is_neox), BLOCK_T=block_t, BLOCK_R=block_r,
-        num_warps=num_warps or num_warps_for(block_t, block_r),
+        num_warps=warps,
     )

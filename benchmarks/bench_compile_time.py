@@ -4,7 +4,9 @@ Each variant compiles in a fresh, private Inductor cache (a cache hit would skip
 being measured) and times the first call (Dynamo + AOT + Inductor + codegen + one run).
 The passes' own time is also reported (sum over the graphs of that compile).
 
-    python benchmarks/compile_overhead.py [--device cuda] [--dtype bfloat16] [--layers 28]
+    python benchmarks/bench_compile_time.py [--device cuda] [--dtype bfloat16] [--layers 28] [--out DIR]
+
+Writes ``compile_time_<device>_<date>.json`` to --out (default benchmarks/results).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--small", action="store_true", help="hidden 256 (CPU-friendly) instead of Qwen3-0.6B's shape")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     cfg = (qwen3_config(num_layers=args.layers) if args.small else qwen3_0_6b_config(num_layers=args.layers))
@@ -76,11 +79,12 @@ def main() -> None:
     print(f"{'plugin':>7} {'compile+1st call (s)':>21} {'passes (ms)':>12} {'fusions':>8}")
     for r in rows:
         print(f"{str(r['plugin']):>7} {r['compile_s']:21.2f} {r['passes_s'] * 1e3:12.1f} {r['fusions']:8d}")
-    out = os.path.join(os.path.dirname(__file__), "results", f"compile_overhead_{args.device}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"device": args.device, "dtype": args.dtype, "layers": cfg.num_layers,
-                   "hidden": cfg.hidden_size, "rows": rows}, f, indent=1)
+    from common import stamp, write_json  # the shared result JSON (benchmarks/common.py)
+
+    out = os.path.join(args.out, f"compile_time_{args.device}_{stamp()}.json")
+    write_json(out, {"rows": rows}, device=args.device, dtype=args.dtype, layers=cfg.num_layers,
+               hidden=cfg.hidden_size, timing="wall time of the first call (fresh Inductor cache)")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

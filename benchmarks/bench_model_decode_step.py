@@ -19,9 +19,9 @@ Before timing, a 200-step mixed schedule checks graph replay against eager (and 
 against the compiled pieces without graphs). Compile time: cold in this process (fresh
 cache dirs), warm in a second process over the same caches (``--compile-only``).
 
-    PYTHONUNBUFFERED=1 python benchmarks/bench_decode_e2e.py --out $OUT [--deadline-s 230]
+    PYTHONUNBUFFERED=1 python benchmarks/bench_model_decode_step.py --out $OUT [--deadline-s 230]
 
-Writes ``decode_e2e_<date>.json`` and ``.md`` to --out (then commit them under
+Writes ``model_decode_step_<date>.json`` and ``.md`` to --out (then commit them under
 benchmarks/results/). Stages past ``--deadline-s`` are skipped and reported as skipped.
 """
 
@@ -166,23 +166,19 @@ def main():
                           "unique_compiles": runner.stats.num_unique_compiles}))
         return
 
+    from common import run_meta, stamp, write_json  # the shared result JSON (benchmarks/common.py)
+
     os.makedirs(args.out, exist_ok=True)
     res = {
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
-            "host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "triton": _version("triton"),
-        },
+        "meta": run_meta(device=str(device), timing="step latency: CUDA events around --iters "
+                                                   "steps, median of 3 runs"),
         "model": {}, "check": None, "compile": {}, "latency_ms": {}, "floor_ms": {}, "skipped": [],
         "errors": {},
     }
-    out_json = os.path.join(args.out, f"decode_e2e_{datetime.date.today().isoformat()}.json")
+    out_json = os.path.join(args.out, f"model_decode_step_{stamp()}.json")
 
     def save():
-        with open(out_json, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(out_json, res)
         write_md(res, out_json[:-5] + ".md")
 
     def stage_ok(name):
@@ -361,20 +357,16 @@ def main():
     print(open(out_json[:-5] + ".md").read())
 
 
-def _version(mod):
-    try:
-        return __import__(mod).__version__
-    except Exception:
-        return None
-
-
 def write_md(res, path):
     lat, floor = res["latency_ms"], res["floor_ms"]
     batches = list(floor)
     modes = ["eager", "compile", "compile_plugin", "piecewise_no_graphs", "piecewise_graphs",
              "piecewise_graphs_with_plan", "decode_graphs", "decode_graphs_with_plan"]
-    lines = [f"# End-to-end decode: Qwen3-0.6B-shaped model ({res['date']})", "",
-             f"Command: `{res['command']}`  ", f"Machine: {res['machine']}  ", f"Model: {res['model']}", "",
+    meta = res["meta"]
+    lines = [f"# End-to-end decode: Qwen3-0.6B-shaped model ({meta['date']})", "",
+             f"Command: `{meta['command']}`  ",
+             f"Machine: {meta['machine']} ({meta['host']}, {meta['cpus']} CPUs); torch {meta['torch']}, "
+             f"triton {meta['triton']}, python {meta['python']}  ", f"Model: {res['model']}", "",
              "Step latency, ms (one decode step, 2048 cached tokens per sequence; median of 3 timed runs):", "",
              "| mode | " + " | ".join(f"B={b}" for b in batches) + " |",
              "|---|" + "---|" * len(batches)]

@@ -1,12 +1,13 @@
 """Fused RoPE + KV-cache writers against the unfused sequence and the memory roofline.
 
-    python benchmarks/bench_fused_writers.py [--out DIR] [--tokens 1,64,...] [--sweep]
-    python benchmarks/bench_fused_writers.py --ptx-report   # no GPU: sm_90 regs / 16-byte accesses
+    python benchmarks/bench_cache_writers.py [--out DIR] [--tokens 1,64,...] [--sweep]
+    python benchmarks/bench_cache_writers.py --ptx-report   # no GPU: sm_90 regs / 16-byte accesses
 
 Shapes: bf16, 32 query heads, 8 KV heads, head_size 128, block 16, NeoX RoPE (fp32
 cos/sin table), LHBNC cache, interleaved V (what the fusion passes switch a layer to).
-Every variant is timed inside a CUDA graph (N calls captured, graph replayed, CUDA events,
-median of the replays), so launch gaps are those of a captured model step.
+Every variant is timed inside a CUDA graph (``common.graph_time_us``: N calls captured,
+graph replayed back to back, CUDA events, median of the replays; no L2 flush), so launch
+gaps are those of a captured model step. ``--sweep`` passes ``WriterConfig`` objects in.
 
 - ``rope``: our ``rope_and_cache`` (one kernel) vs ``rotary_embedding`` + ``reshape_and_cache``
   (ours, two kernels); AITER's ``fused_qk_rope_reshape_and_cache`` (through our ``aiter``
@@ -25,11 +26,8 @@ one random slot per token (decode batches), larger T fills random blocks in orde
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import statistics
 import sys
 
 import torch
@@ -38,6 +36,8 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from common import graph_time_us, write_json  # noqa: E402
+
 from inductor_rocm_attn.kernels import reference as ref  # noqa: E402
 from inductor_rocm_attn.kernels.triton import (  # noqa: E402
     qk_norm_rope_and_cache,
@@ -45,7 +45,7 @@ from inductor_rocm_attn.kernels.triton import (  # noqa: E402
     rope_and_cache,
     rotary_embedding,
 )
-from inductor_rocm_attn.kernels.triton.reshape_and_cache import pick_block_t  # noqa: E402
+from inductor_rocm_attn.kernels.triton.configs import WriterConfig, writer_block_t  # noqa: E402
 from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache  # noqa: E402
 
 COPY_CEILING = 4.27e12  # B/s, measured (FACTS.md)
@@ -87,30 +87,7 @@ def rms_norm_heads(x2d, heads, w, eps):
 
 def time_graph(fn, n_inner, reps=15):
     """Median microseconds per call of ``fn`` over graph replays of ``n_inner`` captured calls."""
-    fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n_inner):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / n_inner)
-    del g
-    return statistics.median(times)
+    return graph_time_us(fn, calls=n_inner, warmup_calls=1, flush_l2=False, replays=reps)
 
 
 def n_inner_for(t):
@@ -315,7 +292,7 @@ def main():
         for op, variants, nbytes in (("rope", rope_variants(p, aiter_mod), bytes_rope(t)),
                                      ("qknorm", qknorm_variants(p, aiter_mod, aiter_hnd), bytes_qknorm(t))):
             row = {"op": op, "T": t, "bytes": nbytes, "roofline_us": nbytes / COPY_CEILING * 1e6,
-                   "block_t": pick_block_t(t), "check_rel_err": err}
+                   "block_t": writer_block_t(t), "check_rel_err": err}
             for name, fn in variants.items():
                 try:
                     row[name + "_us"] = time_graph(fn, n)
@@ -325,7 +302,7 @@ def main():
             if args.sweep:
                 sweep = {}
                 for bt, nw in SWEEP:
-                    kw = dict(block_t=bt, num_warps=nw)
+                    kw = dict(cfg=WriterConfig(bt, nw))
                     if op == "rope":
                         q, k, v = split(p["qkv"])
                         fn = lambda kw=kw: rope_and_cache(  # noqa: E731
@@ -348,19 +325,13 @@ def main():
         torch.cuda.empty_cache()
 
     meta = {
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "machine": torch.cuda.get_device_name(), "host": platform.node(),
-        "torch": torch.__version__, "triton": triton.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "shape": {"dtype": "bf16", "num_heads": HQ, "num_kv_heads": HKV, "head_size": D,
                   "block_size": BS, "layout": "LHBNC", "interleaved_v": True, "rope": "neox"},
         "copy_ceiling_TBps": COPY_CEILING / 1e12,
         "aiter": "imported (AITER_TRITON_ONLY=1)" if aiter_mod else f"not available: {aiter_why}",
         "targets": "fused >= 1.5x unfused at T <= 256; >= 3.5 TB/s at T = 16384",
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_fused_writers.json"), "w") as fh:
-        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    meta = write_json(os.path.join(args.out, "bench_cache_writers.json"), {"rows": rows}, **meta)["meta"]
     cols = ["fused_us", "unfused_us", "aiter_us", "aiter_hnd_us", "roofline_us"]
     lines = [f"# Fused cache writers ({meta['machine']}, {meta['date']})", "",
              f"`{meta['command']}` - torch {meta['torch']}, triton {meta['triton']}; AITER: {meta['aiter']}",
@@ -373,7 +344,7 @@ def main():
         bw = f"{r['fused_TBps']:.2f}" if r.get("fused_TBps") else "-"
         lines.append(f"| {r['op']} | {r['T']} | " + " | ".join(cells) + f" | {sp} | {bw} |")
     table = "\n".join(lines)
-    with open(os.path.join(args.out, "bench_fused_writers.md"), "w") as fh:
+    with open(os.path.join(args.out, "bench_cache_writers.md"), "w") as fh:
         fh.write(table + "\n")
     print(table)
 

@@ -1,0 +1,251 @@
+"""Tuned launch configurations of the Triton kernels, as frozen dataclasses.
+
+Each launcher takes its config as a keyword argument (``paged_attention(decode_cfg=,
+prefill_cfg=, target=)``, ``encoder_attention(cfg=)``, the cache writers' ``cfg=``); None
+means the tuned default below. A test or benchmark that wants a variant builds it, e.g.
+``dataclasses.replace(decode_config(128, 4, 16, torch.bfloat16), k_rows=2)``, and passes it
+in: nothing here is changed at run time.
+
+Tuned on an H200 (benchmarks/bench_decode.py, bench_prefill.py, bench_cache_writers.py),
+keyed by (head_size, gqa, block_size, dtype: the cache dtype for decode, the compute dtype
+for prefill). Only measured entries are in the tables; anything else takes the heuristics.
+The measurements quoted are H200 runs kept under benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+import triton
+
+DECODE_KINDS = (
+    "streams",  # _paged_decode_streams_kernel: one key stream per warp, TILE_N // num_warps keys each
+    "streams3",  # the same, masked first / unmasked middle / masked last tile
+    "rows",  # _paged_decode_kernel, one masked loop: warps share a [BLOCK_H, TILE_N] tile
+    "rows3",  # _paged_decode_kernel, masked first / unmasked middle / masked last tile
+    "keys",  # _paged_decode_kernel keys-major, one masked loop
+    "keys3",  # the same, masked first / unmasked middle / masked last tile
+)
+_ONE_LOOP_OF = {"rows3": "rows", "keys3": "keys"}  # what a short split runs instead
+
+# --- knobs (the defaults of the config fields below) -----------------------------------------
+
+# How cache tiles read K (attention_common._load_paged_kv): 0 = a [HEAD, TILE_N] gather (a
+# warp's lanes on 16 packets 256 bytes apart); 1 = a tile that is one run of a block (decode's
+# 16-key tiles) as the page's packet rows, TILE_N * 16 contiguous bytes each; 2 = tiles of
+# several runs as well ([runs, HEAD/X, SUB*X]). Decode B=64 L=4096: 258 us with 1, 326 with 0.
+# Prefill's wgmma needs K in its own shared layout, so there the rows cost a register round
+# trip; still, with a 4096-token prefix level 2 ran 361 TFLOP/s against 337 (level 1) and 334
+# (0), no prefix 432 / 431 / 429 (results: s11_call4_ffma). Level 2 passed the CPU
+# interpreter matrix and the bench's check against SDPA, not yet the GPU test matrix: it
+# becomes the prefill default once that has run.
+PAGED_K_ROWS = 1
+PREFILL_K_ROWS = 1
+# Lazy softmax rescale margins (log2 units, attention_common._attn_update); 0 rescales the
+# accumulator on every tile. Decode: 8 is no faster (B=64 L=4096 328 vs 325 us; the
+# end-to-end shape 173.5 vs 172.3): the loop is not issue-bound. Prefill, B=4 x 4096 new
+# tokens: 8 over the cached context (paged tiles) ran the 4096-token-prefix case 2.5% faster;
+# 8 over dense tiles (new tokens, encoder) 10% slower: in the 8-warp tile the "any row" vote
+# costs two barriers a tile, more than it saves.
+DECODE_RESCALE_MARGIN = 0.0
+CONTEXT_RESCALE_MARGIN = 8.0
+DENSE_RESCALE_MARGIN = 0.0
+# Causal prefill runs each sequence's row blocks last-first (longest first: a shorter tail):
+# 397 vs 395 TFLOP/s without a prefix, 287 vs 283 with 4096 (noise ~2%).
+PREFILL_LONGEST_FIRST = True
+# Prefill fetches the new tokens' K/V tiles with TMA (tensor descriptors, NVIDIA sm_90+)
+# instead of per-lane async copies: 407 vs 395 TFLOP/s without a prefix.
+PREFILL_DENSE_TMA = True
+MIN_SPLIT_TOKENS = 64  # a KV split shorter than this costs more in merging than it saves
+MAX_SPLITS = 64
+# A split of at most this many tiles runs a tuned "rows3"/"keys3" config as one masked loop:
+# three loops would each start their software pipeline cold (B=1: 17.5 vs 18.1 us).
+ONE_LOOP_MAX_TILES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """One decode launch: ``tile_n`` keys a tile, warps, pipeline stages, loop ``kind``
+    (``DECODE_KINDS``), K read level ``k_rows`` (``PAGED_K_ROWS``), lazy-rescale margin.
+    ``one_loop_max_tiles`` > 0: a split of at most that many tiles runs a three-loop kind as
+    its one-loop kind (tuned defaults set it; a config built by hand runs as given)."""
+
+    tile_n: int
+    num_warps: int
+    num_stages: int
+    kind: str
+    k_rows: int = PAGED_K_ROWS
+    rescale_margin: float = DECODE_RESCALE_MARGIN
+    one_loop_max_tiles: int = 0
+
+    def __post_init__(self):
+        if self.kind not in DECODE_KINDS:
+            raise ValueError(f"paged_attention: decode kind {self.kind!r}; supported: {DECODE_KINDS}")
+        if self.k_rows not in (0, 1, 2):
+            raise ValueError(f"paged_attention: decode k_rows {self.k_rows}; supported: 0, 1, 2")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """One prefix-prefill (or encoder) launch: ``block_m`` query rows x ``block_n`` keys a
+    tile, warps, stages; K read level of the cached context (``PREFILL_K_ROWS``); lazy-rescale
+    margins over the cached context and over the new (dense) tokens; causal row blocks
+    longest first; the new tokens' K/V through TMA descriptors where the GPU has TMA."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    k_rows: int = PREFILL_K_ROWS
+    context_margin: float = CONTEXT_RESCALE_MARGIN
+    dense_margin: float = DENSE_RESCALE_MARGIN
+    longest_first: bool = PREFILL_LONGEST_FIRST
+    dense_tma: bool = PREFILL_DENSE_TMA
+
+    def __post_init__(self):
+        if self.k_rows not in (0, 1, 2):
+            raise ValueError(f"paged_attention: prefill k_rows {self.k_rows}; supported: 0, 1, 2")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchTarget:
+    """The GPU a launch is planned for: its SM count (KV splits) and whether it has TMA
+    (prefill's new-token K/V). ``paged_attention.launch_target(device)`` queries it."""
+
+    num_sms: int
+    tma: bool
+
+
+# The interpreter runs on CPU tensors: a nominal SM count; TMA descriptors work there.
+INTERPRETER_TARGET = LaunchTarget(num_sms=8, tma=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class WriterConfig:
+    """One cache-writer / RoPE launch: ``block_t`` tokens a program; ``num_warps`` None
+    derives it from the tile width (``writer_num_warps``)."""
+
+    block_t: int
+    num_warps: int | None = None
+
+
+def interpreting() -> bool:
+    """Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# --- decode ----------------------------------------------------------------------------------
+
+_DECODE_TUNED: dict[tuple, DecodeConfig] = {
+    # key: (head_size, gqa, block_size, cache dtype, interleaved V). B=64, L=4096: 1 warp,
+    # tile 16, three loops 323 us (one masked loop 333; 2 warps as streams 337; 4 warps sharing
+    # a 64-key tile 417: cross-warp barriers). B=16: 98.9 us (one loop 100.9); B=128: 612
+    # (638). B=1 (64 splits of 4 tiles) prefers one loop, 17.5 vs 18.1 us: ONE_LOOP_MAX_TILES.
+    (128, 4, 16, torch.bfloat16, False): DecodeConfig(16, 1, 3, "rows3"),
+    # The end-to-end model's layers (16/8 heads, interleaved V after the QK-norm fusion),
+    # B=64, L=2048, V loaded as packets (_load_paged_kv): 1 warp 172 us (one loop 174); with
+    # the 2-D V gather it took 269, and 4 warps 245-301.
+    (128, 2, 16, torch.bfloat16, True): DecodeConfig(16, 1, 3, "rows3"),
+}
+
+
+@functools.cache  # called on every attention call: one dict lookup after the first
+def decode_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.dtype,
+                  interpret: bool = False, interleaved_v: bool = False) -> DecodeConfig:
+    """The decode kernel's tuned config (``interpret``: small tiles for the CPU interpreter)."""
+    if interpret:
+        return DecodeConfig(32, 4, 1, "rows", one_loop_max_tiles=ONE_LOOP_MAX_TILES)
+    tuned = _DECODE_TUNED.get((head_size, gqa, block_size, cache_dtype, interleaved_v))
+    if tuned is None:
+        elem = cache_dtype.itemsize
+        if elem == 2 and head_size <= 128 and gqa <= 16:
+            # One warp per program: the GQA rows' max/sum stay inside the warp (no barriers);
+            # wider tiles (more heads or channels) would not fit one warp's registers.
+            tuned = DecodeConfig(16, 1, 3, "rows3")
+        else:
+            tile = 64 if head_size * elem <= 256 else 32
+            if elem == 1:
+                tile = 128 if head_size <= 128 else 64
+            tuned = DecodeConfig(tile, 4, 3, "rows")
+    return dataclasses.replace(tuned, one_loop_max_tiles=ONE_LOOP_MAX_TILES)
+
+
+def num_kv_splits(num_seqs: int, num_kv_heads: int, head_chunks: int, max_ctx: int,
+                  num_sms: int) -> int:
+    """KV splits of the decode kernel, from host shapes only (no device sync: capturable).
+
+    One split while (seqs x KV heads) already fills the GPU twice; else enough splits for
+    about 8 programs per SM, never shorter than ``MIN_SPLIT_TOKENS`` keys.
+    """
+    base = max(1, num_seqs * num_kv_heads * head_chunks)
+    if base >= 2 * num_sms:
+        return 1
+    want = triton.cdiv(8 * num_sms, base)
+    cap = max(1, triton.cdiv(max_ctx, MIN_SPLIT_TOKENS))
+    return max(1, min(want, cap, MAX_SPLITS))
+
+
+def decode_plan(cfg: DecodeConfig, num_splits: int | None, *, num_seqs: int, num_kv_heads: int,
+                head_chunks: int, max_ctx: int, num_sms: int) -> tuple[str, int]:
+    """(kind, KV splits) one decode launch runs with. Splits given by the caller are taken as
+    they are; else ``num_kv_splits``, and a split of at most ``cfg.one_loop_max_tiles``
+    tiles runs a three-loop kind as one loop."""
+    kind = cfg.kind
+    if num_splits is None:
+        num_splits = num_kv_splits(num_seqs, num_kv_heads, head_chunks, max_ctx, num_sms)
+        if (kind in _ONE_LOOP_OF and cfg.one_loop_max_tiles
+                and max_ctx <= cfg.one_loop_max_tiles * cfg.tile_n * num_splits):
+            kind = _ONE_LOOP_OF[kind]
+    return kind, num_splits
+
+
+# --- prefix prefill (and the encoder kernel) ---------------------------------------------------
+
+_PREFILL_TUNED: dict[tuple, PrefillConfig] = {
+    # B=4, 4096 new tokens, causal, with the new tokens' K/V fetched by TMA (results:
+    # s11_call2_probe): 128x128x8x3 423 TFLOP/s (128x64x8x3 420), with a 4096-token prefix 331
+    # (303). 224 KB of shared memory: NVIDIA sm_90 only (see prefill_config).
+    (128, 4, 16, torch.bfloat16): PrefillConfig(128, 128, 8, 3),
+}
+
+
+@functools.cache  # called on every attention call with prefill rows
+def prefill_config(head_size: int, gqa: int, block_size: int, dtype: torch.dtype,
+                   interpret: bool = False) -> PrefillConfig:
+    """The prefix-prefill (and encoder) kernel's tuned config for compute dtype ``dtype``."""
+    if interpret:
+        return PrefillConfig(16, 16, 4, 1)
+    # The table was measured on an H200; AMD GPUs have 64 KB of LDS: the heuristics below.
+    tuned = None if torch.version.hip else _PREFILL_TUNED.get((head_size, gqa, block_size, dtype))
+    if tuned is not None:
+        return tuned
+    if dtype == torch.float32:
+        return PrefillConfig(64, 32, 4, 2) if head_size <= 128 else PrefillConfig(32, 32, 4, 2)
+    if head_size <= 64:
+        return PrefillConfig(128, 64, 4, 3)
+    if head_size <= 128:
+        return PrefillConfig(128, 64, 8, 3)
+    return PrefillConfig(64, 32, 4, 2)
+
+
+# --- cache writers and RoPE ------------------------------------------------------------------
+
+
+def writer_block_t(num_tokens: int) -> int:
+    """Tokens per program of the writers. From the H200 sweep (bench_cache_writers.py --sweep;
+    bf16, 32/8 heads, d=128): one token per program only for tiny batches, 2 up to a few
+    hundred tokens, then 8."""
+    if num_tokens <= 32:
+        return 1
+    if num_tokens <= 512:
+        return 2
+    return 8
+
+
+def writer_num_warps(block_t: int, width: int) -> int:
+    """Warps for a ``[block_t, width]`` tile: 8 elements (16 bytes of bf16) per thread. The RoPE
+    kernels pass the half-tile width, so each half load is one 16-byte vector per thread."""
+    return max(1, min(8, block_t * width // 256))

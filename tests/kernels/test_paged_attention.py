@@ -1,0 +1,323 @@
+"""``paged_attention`` (paged decode + prefix prefill) of every provider against the float64
+oracle, and the Triton provider's launch configs and code paths.
+
+Without a GPU the reference runs on CPU tensors and Triton in its interpreter (conftest sets
+TRITON_INTERPRET=1): fp16/fp32 only (bf16 is broken there), small shapes. The ``gpu`` tests
+run the GPU providers over a larger matrix in bf16/fp16 with fp8 caches. Checks and
+tolerances: ``attention_checks.py``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import providers_under_test as put
+from attention_checks import GPU, check_paged, seed
+from inductor_rocm_attn.kernels.triton.configs import PAGED_K_ROWS, DecodeConfig, PrefillConfig
+
+PROVIDERS = put.providers_for("paged_attention")
+ON_GPU = torch.cuda.is_available()
+cpu_only = pytest.mark.skipif(ON_GPU, reason="CPU matrix; the gpu tests cover CUDA")
+
+# --- CPU matrix (reference; Triton in the interpreter): each row covers several features ----
+
+CPU_CASES = [
+    # id, query_lens, context_lens, kwargs
+    ("gqa1_d64_bs16_decode", [1, 1, 1], [5, 33, 70], dict(num_heads=2, num_kv_heads=2)),
+    ("gqa4_d80_bs32_lbhnc_interleaved_mixed", [1, 7, 1, 12], [40, 19, 3, 0],
+     dict(num_heads=8, num_kv_heads=2, head_size=80, block_size=32, layout="LBHNC",
+          interleaved_v=True)),
+    ("gqa8_d128_bs16_window_alibi", [1, 9, 1], [50, 30, 7],
+     dict(num_heads=8, num_kv_heads=1, head_size=128, sliding_window=13, alibi=True)),
+    ("gqa4_d64_bs544_sinks_softcap", [1, 6], [600, 560],
+     dict(num_heads=4, num_kv_heads=1, block_size=544, sinks=True, softcap=4.0, layout="LBHNC")),
+    ("noncausal_window_interleaved", [1, 10, 5], [21, 17, 0],
+     dict(causal=False, sliding_window=6, interleaved_v=True)),
+    ("noncausal_plain", [1, 11], [9, 20], dict(causal=False, alibi=True)),
+    ("split_forced_all_features", [1, 1, 8], [90, 17, 40],
+     dict(num_heads=8, num_kv_heads=2, num_splits=3, sliding_window=40, alibi=True, sinks=True,
+          softcap=6.0, interleaved_v=True)),
+    ("split_forced_more_splits_than_tiles", [1, 1], [3, 100], dict(num_splits=5)),
+    ("decode_three_loops_window", [1, 1, 1], [100, 7, 64],
+     dict(sliding_window=37, decode_cfg=DecodeConfig(16, 4, 1, "rows3"), num_splits=2)),
+    ("gqa8_d256_split", [1, 1, 5], [40, 17, 9],
+     dict(num_heads=8, num_kv_heads=1, head_size=256, num_splits=2)),
+    ("bs784_lbhnc", [1, 4], [790, 3],
+     dict(num_heads=2, num_kv_heads=1, block_size=784, layout="LBHNC")),
+    ("prefill_block_gather_path_with_hints", [6, 1, 9], [40, 33, 0],
+     dict(prefill_cfg=PrefillConfig(16, 32, 4, 1), hints=True, interleaved_v=True)),
+    ("decode_only_hint_skips_prefill_launch", [1, 1], [30, 5], dict(hints=True, sinks=True)),
+    ("gqa96_two_head_chunks_int64_index", [1, 2], [20, 5],
+     dict(num_heads=96, num_kv_heads=1, head_size=32, index_dtype=torch.int64, alibi=True)),
+    ("fp32_d256_gqa2", [1, 5], [30, 20],
+     dict(num_heads=4, num_kv_heads=2, head_size=256, dtype=torch.float32)),
+    ("fp8_e4m3_cache", [1, 6, 1], [45, 20, 9], dict(cache_dtype=torch.float8_e4m3fn, num_splits=2)),
+    ("fp8_e5m2_cache_interleaved", [1, 6], [30, 25],
+     dict(cache_dtype=torch.float8_e5m2, interleaved_v=True, layout="LBHNC")),
+    ("key_none_reads_cache", [1, 6, 4], [20, 11, 0], dict(key_from_cache=True, interleaved_v=True)),
+    ("padding_rows_and_empty_seq", [1, 0, 5], [12, 30, 8], dict(pad_rows=3)),
+]
+CPU_PARAMS = dict(argnames="query_lens,context_lens,kw", argvalues=[c[1:] for c in CPU_CASES],
+                  ids=[c[0] for c in CPU_CASES])
+
+
+@cpu_only
+@pytest.mark.parametrize(**CPU_PARAMS)
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_paged_attention(provider, query_lens, context_lens, kw):
+    check_paged(provider, query_lens, context_lens, **kw)
+
+
+@cpu_only
+@pytest.mark.parametrize("draw", range(4))
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_paged_attention_random(provider, draw):
+    """Fresh random geometry, features and batch each run (the seed is in the message)."""
+    seed_ = seed()
+    r = random.Random(seed_)
+    kv_heads = r.choice([1, 2])
+    b = r.randint(1, 4)
+    query_lens = [r.choice([0, 1, 1, r.randint(2, 12)]) for _ in range(b)]
+    context_lens = [r.randint(0, 70) for _ in range(b)]
+    if all(q == 0 for q in query_lens):
+        query_lens[0] = 1
+    context_lens = [max(c, 1) if q == 1 else c for q, c in zip(query_lens, context_lens)]
+    kw = dict(
+        num_heads=kv_heads * r.choice([1, 2, 4, 8]), num_kv_heads=kv_heads,
+        head_size=r.choice([32, 64, 80, 96, 128]), block_size=r.choice([16, 32, 48, 64]),
+        layout=r.choice(["LHBNC", "LBHNC"]), interleaved_v=r.random() < 0.5,
+        causal=r.random() < 0.7, sliding_window=r.choice([-1, -1, r.randint(1, 40)]),
+        alibi=r.random() < 0.3, sinks=r.random() < 0.3, softcap=r.choice([0.0, 0.0, 5.0]),
+        num_splits=r.choice([None, 1, 3]),
+    )
+    try:
+        check_paged(provider, query_lens, context_lens, **kw)
+    except pytest.skip.Exception:
+        raise
+    except Exception as e:  # any failure names its draw, so it can be replayed
+        raise AssertionError(f"draw seed {seed_}: {query_lens} {context_lens} {kw}: "
+                             f"{type(e).__name__}: {e}") from e
+
+
+# --- Triton: decode kinds, K read levels, lazy rescale, row order, dense K/V paths (CPU) ------
+
+
+@cpu_only
+@pytest.mark.parametrize("kind", ["streams", "streams3", "keys", "keys3"])
+@pytest.mark.parametrize(**CPU_PARAMS)
+def test_triton_decode_kinds(query_lens, context_lens, kw, kind):
+    """The other decode kinds over the same matrix: one stream per warp (2 streams of 16
+    keys), keys-major (32-key tiles, 2 warps)."""
+    tile = kw["decode_cfg"].tile_n if "decode_cfg" in kw else 32
+    check_paged("triton", query_lens, context_lens,
+                **{**kw, "decode_cfg": DecodeConfig(max(tile, 32), 2, 1, kind)})
+
+
+@cpu_only
+@pytest.mark.parametrize("kind", ["rows", "rows3"])
+@pytest.mark.parametrize(**CPU_PARAMS)
+def test_triton_k_rows(query_lens, context_lens, kw, kind):
+    """16-key tiles (the GPU decode default; prefill context tiles too): each tile is one run
+    of a block, so K is read as the page's packet rows (``PAGED_K_ROWS``) over the whole
+    matrix: block sizes 16/32/544/784, head sizes with padding, fp32 (x=4) and fp8 (x=16)."""
+    assert PAGED_K_ROWS >= 1 and DecodeConfig(16, 1, 1, kind).k_rows == PAGED_K_ROWS
+    check_paged("triton", query_lens, context_lens, **{
+        **kw, "decode_cfg": DecodeConfig(16, 1, 1, kind), "prefill_cfg": PrefillConfig(16, 16, 4, 1)})
+
+
+@cpu_only
+@pytest.mark.parametrize(**CPU_PARAMS)
+def test_triton_k_rows_multi_run(query_lens, context_lens, kw):
+    """K read as packet rows for tiles of several runs (level 2): 32-key decode tiles and
+    32-key prefill context tiles, two runs over 16-token blocks (one over 32/544)."""
+    check_paged("triton", query_lens, context_lens, **{
+        **kw, "decode_cfg": DecodeConfig(32, 2, 1, "rows3", k_rows=2),
+        "prefill_cfg": PrefillConfig(16, 32, 4, 1, k_rows=2)})
+
+
+@cpu_only
+@pytest.mark.parametrize("margin", [0.0, 8.0])
+@pytest.mark.parametrize("query_lens,context_lens,kw", [
+    ([1, 1, 7], [90, 40, 50], dict(num_splits=2)),
+    ([1, 9], [70, 33], dict(decode_cfg=DecodeConfig(16, 4, 1, "rows3"), sinks=True,
+                            interleaved_v=True)),
+    ([12, 1], [0, 100], dict(dtype=torch.float32, causal=False, alibi=True)),
+], ids=["splits", "three_loops_sinks", "fp32_noncausal_alibi"])
+def test_triton_lazy_rescale_with_peaked_logits(query_lens, context_lens, kw, margin):
+    """Logits 12x the usual spread (running maxima jump by far more than the margin from tile
+    to tile, in both directions): the lazy rescale (margin 8, log2 units) must take its
+    rescale branch exactly when needed; margin 0 is the rescale-every-tile update."""
+    check_paged("triton", query_lens, context_lens, scale_mult=12.0,
+                decode_changes=dict(rescale_margin=margin),
+                prefill_changes=dict(context_margin=margin, dense_margin=margin), **kw)
+
+
+@cpu_only
+@pytest.mark.parametrize("query_lens,context_lens,kw", [
+    ([1, 40, 17, 33], [5, 0, 30, 9], dict(prefill_cfg=PrefillConfig(16, 16, 4, 1))),
+    ([23, 1, 64], [16, 7, 0], dict(prefill_cfg=PrefillConfig(16, 32, 4, 1), sliding_window=19,
+                                   sinks=True)),
+])
+@pytest.mark.parametrize("longest_first", [True, False], ids=["longest_first", "grid_order"])
+def test_triton_prefill_row_block_order(longest_first, query_lens, context_lens, kw):
+    """Causal row blocks run last-first within each sequence (``PrefillConfig.longest_first``)
+    or in grid order: every row block is still computed once, also with uneven lengths and
+    decode rows mixed in."""
+    check_paged("triton", query_lens, context_lens,
+                prefill_changes=dict(longest_first=longest_first), **kw)
+
+
+@cpu_only
+@pytest.mark.parametrize("query_lens,context_lens,kw", [
+    ([1, 40, 17, 33], [5, 0, 30, 9], dict(prefill_cfg=PrefillConfig(16, 16, 4, 1), kv_pad_nan=5)),
+    ([23, 1, 64], [16, 7, 0], dict(prefill_cfg=PrefillConfig(16, 32, 4, 1), sliding_window=19,
+                                   sinks=True, dtype=torch.float32, kv_pad_nan=3)),
+    ([9, 30], [0, 4], dict(prefill_cfg=PrefillConfig(16, 16, 4, 1), causal=False, alibi=True)),
+])
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+def test_triton_prefill_dense_paths(tma, query_lens, context_lens, kw):
+    """New tokens' K/V through tensor descriptors (``PrefillConfig.dense_tma``) and through
+    pointers (ROCm, odd strides): tiles reaching into the next sequence or the NaN padding
+    after the batch stay out of the sums."""
+    check_paged("triton", query_lens, context_lens, prefill_changes=dict(dense_tma=tma),
+                expect_dense_tma=tma, **kw)
+
+
+# --- GPU matrix ------------------------------------------------------------------------------
+
+GPU_CASES = [
+    ("gqa1_d64_bs16", dict(num_heads=8, num_kv_heads=8, head_size=64, block_size=16)),
+    ("gqa4_d128_bs16", dict(num_heads=32, num_kv_heads=8, head_size=128, block_size=16)),
+    ("gqa8_d128_bs32_interleaved", dict(num_heads=16, num_kv_heads=2, head_size=128,
+                                        block_size=32, interleaved_v=True)),
+    ("gqa4_d80_bs544_lbhnc", dict(num_heads=8, num_kv_heads=2, head_size=80, block_size=544,
+                                  layout="LBHNC")),
+    ("gqa2_d96_bs784", dict(num_heads=4, num_kv_heads=2, head_size=96, block_size=784)),
+    ("gqa6_d160_bs1056_interleaved", dict(num_heads=12, num_kv_heads=2, head_size=160,
+                                          block_size=1056, interleaved_v=True)),
+    ("gqa1_d192_bs16", dict(num_heads=4, num_kv_heads=4, head_size=192)),
+    ("gqa4_d224_bs32_lbhnc", dict(num_heads=8, num_kv_heads=2, head_size=224, block_size=32,
+                                  layout="LBHNC")),
+    ("gqa8_d256_bs16", dict(num_heads=16, num_kv_heads=2, head_size=256)),
+    ("gqa16_d32_bs16", dict(num_heads=16, num_kv_heads=1, head_size=32)),
+]
+GPU_FEATURES = [  # every provider
+    ("plain", dict()),
+    ("window_alibi", dict(sliding_window=300, alibi=True)),
+    ("sinks_softcap_noncausal", dict(sinks=True, softcap=8.0, causal=False)),
+]
+TRITON_GPU_FEATURES = [  # Triton launch knobs: splits, decode kinds
+    ("split", dict(num_splits=7)),
+    ("three_loop_decode", dict(sliding_window=500, decode_cfg=DecodeConfig(32, 4, 3, "rows3"))),
+    ("one_warp_three_loop_decode", dict(sliding_window=500,
+                                        decode_cfg=DecodeConfig(16, 1, 3, "rows3"))),
+    ("keys_major_decode_alibi_softcap", dict(sliding_window=500, alibi=True, softcap=8.0,
+                                             decode_cfg=DecodeConfig(16, 1, 3, "keys3"))),
+    ("keys_major_one_loop_split_sinks", dict(sinks=True, num_splits=5,
+                                             decode_cfg=DecodeConfig(32, 2, 3, "keys"))),
+    ("rows_decode_window_alibi", dict(sliding_window=300, alibi=True,
+                                      decode_cfg=DecodeConfig(64, 4, 3, "rows"))),
+    ("streams_decode_window_alibi", dict(sliding_window=300, alibi=True,
+                                         decode_cfg=DecodeConfig(64, 4, 3, "streams3"))),
+    ("streams_one_loop_split_sinks", dict(sinks=True, softcap=8.0, num_splits=5,
+                                          decode_cfg=DecodeConfig(32, 2, 3, "streams"))),
+]
+
+
+def _gpu_matrix(features, fp16_too):
+    """Every geometry x feature set in bf16 (and every geometry plain in fp16)."""
+    m = [(g, f, torch.bfloat16) for g in GPU_CASES for f in features]
+    if fp16_too:
+        m += [(g, features[0], torch.float16) for g in GPU_CASES]
+    return dict(argnames="geom,feat,dtype", argvalues=[(g[1], f[1], d) for g, f, d in m],
+                ids=[f"{g[0]}-{f[0]}-{str(d)[6:]}" for g, f, d in m])
+
+
+# mixed batch: long and short decodes, prefills with and without a cached prefix
+GPU_BATCH = ([1, 1, 300, 1, 77, 1], [2000, 15, 1200, 1, 0, 700])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(**_gpu_matrix(GPU_FEATURES, fp16_too=True))
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_paged_attention_gpu(provider, geom, feat, dtype):
+    check_paged(provider, *GPU_BATCH, dtype=dtype, device=GPU, **geom, **feat)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(**_gpu_matrix(TRITON_GPU_FEATURES, fp16_too=False))
+def test_triton_paged_attention_gpu(geom, feat, dtype):
+    check_paged("triton", *GPU_BATCH, dtype=dtype, device=GPU, **geom, **feat)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("interleaved_v", [False, True])
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_paged_attention_gpu_fp8_cache(provider, cache_dtype, interleaved_v):
+    check_paged(provider, [1, 130, 1], [1500, 400, 33], num_heads=32, num_kv_heads=8,
+                head_size=128, dtype=torch.bfloat16, cache_dtype=cache_dtype,
+                interleaved_v=interleaved_v, device=GPU, tol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("interleaved_v", [False, True])
+@pytest.mark.parametrize("num_splits", [None, 4])
+@pytest.mark.parametrize("decode_cfg", [None, DecodeConfig(64, 4, 3, "rows"),
+                                        DecodeConfig(64, 4, 3, "streams3"),
+                                        DecodeConfig(32, 1, 3, "keys3")],
+                         ids=["default", "rows", "streams3", "keys3"])
+def test_triton_paged_attention_gpu_fp8_cache(cache_dtype, interleaved_v, num_splits, decode_cfg):
+    check_paged("triton", [1, 130, 1], [1500, 400, 33], num_heads=32, num_kv_heads=8,
+                head_size=128, dtype=torch.bfloat16, cache_dtype=cache_dtype,
+                interleaved_v=interleaved_v, num_splits=num_splits, device=GPU, tol=2e-2,
+                decode_cfg=decode_cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 3])
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_paged_attention_gpu_fp8_output(provider, num_splits):
+    if num_splits is not None and provider != "triton":
+        pytest.skip(f"{provider}: num_splits is a Triton launch knob")
+    check_paged(provider, [1, 200, 1], [900, 300, 5], num_heads=16, num_kv_heads=4,
+                head_size=128, dtype=torch.bfloat16, out_fp8=True, num_splits=num_splits,
+                device=GPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("kw", [
+    dict(num_heads=32, num_kv_heads=8, head_size=128, kv_pad_nan=7),
+    dict(num_heads=16, num_kv_heads=2, head_size=64, sliding_window=300, alibi=True,
+         decode_changes=dict(rescale_margin=8.0),
+         prefill_changes=dict(context_margin=8.0, dense_margin=8.0)),
+    dict(num_heads=8, num_kv_heads=8, head_size=128, sinks=True, softcap=8.0, causal=False,
+         kv_pad_nan=3),
+], ids=["gqa4_d128_nan_pad", "gqa8_d64_window_alibi_margin8", "mha_sinks_softcap_noncausal"])
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+def test_triton_prefill_dense_paths_gpu(tma, dtype, kw):
+    """The new tokens' K/V through TMA descriptors (``PrefillConfig.dense_tma``) and through
+    pointers."""
+    from inductor_rocm_attn.kernels.triton.paged_attention import launch_target
+
+    if tma and not launch_target(torch.device(GPU, torch.cuda.current_device())).tma:
+        pytest.skip("TMA needs an NVIDIA GPU of sm_90 or newer")
+    kw = dict(kw)  # the parameter is shared by every (tma, dtype)
+    changes = {**kw.pop("prefill_changes", {}), "dense_tma": tma}
+    check_paged("triton", [1, 300, 1, 77, 130], [2000, 1200, 1, 0, 5], dtype=dtype, device=GPU,
+                prefill_changes=changes, expect_dense_tma=tma, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_paged_attention_gpu_fp32_and_key_none(provider):
+    check_paged(provider, [1, 40], [300, 90], num_heads=8, num_kv_heads=2, head_size=128,
+                dtype=torch.float32, device=GPU)
+    check_paged(provider, [1, 40, 3], [300, 90, 0], num_heads=8, num_kv_heads=2, head_size=128,
+                dtype=torch.bfloat16, device=GPU, key_from_cache=True, pad_rows=5)

@@ -1,0 +1,163 @@
+"""``qk_norm_rope_and_cache`` (split qkv, per-head RMSNorm on q/k, RoPE, cache write) of every
+provider against the float64 oracles (``writer_checks``): q/k/v within the model dtype's
+rounding, every cache byte within one rounding step (poison included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import providers_under_test as put
+from cases import rel_err
+from inductor_rocm_attn.kernels.triton.configs import WriterConfig
+from inductor_rocm_attn.layout import CacheLayout
+from writer_checks import (
+    DEV, GPU_DTYPES, GPU_GEOMETRY, PREFILL_TILES, assert_cache_equal, cache_query, gen, make_cache,
+    make_cos_sin, make_qkv, oracle_rms_norm, oracle_rope, oracle_write, pad_slots, prefill_case,
+    scales, split,
+)
+
+OP = "qk_norm_rope_and_cache"
+PROVIDERS = put.providers_for(OP)
+# Providers that round the normalised k to the model dtype before RoPE: k differs from the
+# float64 chain by an ulp here and there, which for fp8 can flip near-zero values many codes
+# apart. Their cache is compared with their own returned k/v written by the oracle writer,
+# and (bf16 caches) with the chain at a lower exact-match fraction.
+ROUNDS_BEFORE_ROPE = {"aiter"}
+
+FUSED_CASES = [
+    # block, head, rot, layout, interleaved, neox, dtype
+    (16, 64, 64, CacheLayout.LHBNC, True, True, torch.float16),
+    (32, 128, 64, CacheLayout.LBHNC, False, False, torch.float16),
+    (544, 80, 80, CacheLayout.LHBNC, False, True, torch.float32),
+    (16, 256, 256, CacheLayout.LBHNC, True, False, torch.float16),
+    (544, 128, 128, CacheLayout.LBHNC, True, True, torch.float32),
+]
+
+
+def _kernel(provider, cache, dtype, head_size, rot_dim, interleaved_v):
+    return put.kernel(provider, OP, device=DEV, dtype=dtype, head_size=head_size,
+                      features=("partial_rotary",) if rot_dim < head_size else (),
+                      **cache_query(cache, dtype, interleaved_v))
+
+
+def _expect(qkv, q_w, k_w, eps, positions, cos_sin, is_neox, cache, slots, ks, vs, interleaved_v,
+            hq, hkv, d):
+    """(q, k, v) the op returns and, into the CPU ``cache``, what it writes."""
+    t, dtype = qkv.shape[0], qkv.dtype
+    q, k, v = split(qkv.cpu(), hq, hkv, d)
+    q = oracle_rope(oracle_rms_norm(q.reshape(t, hq, d), q_w, eps), positions, cos_sin, is_neox)
+    k = oracle_rope(oracle_rms_norm(k.reshape(t, hkv, d), k_w, eps), positions, cos_sin, is_neox)
+    q, k, v = q.to(dtype), k.to(dtype), v.contiguous()
+    oracle_write(cache, k, v, slots.cpu(), ks.cpu(), vs.cpu(), interleaved_v)
+    return q, k, v
+
+
+@pytest.mark.parametrize("block_size,head_size,rot_dim,layout,interleaved_v,is_neox,dtype", FUSED_CASES)
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_qk_norm_rope_and_cache(provider, block_size, head_size, rot_dim, layout, interleaved_v,
+                                is_neox, dtype):
+    t, hq, hkv = 9, 4, 2
+    seed = 1 + block_size + head_size + rot_dim
+    cache, slots = make_cache(block_size, hkv, head_size, dtype, layout, t, seed)
+    fn = _kernel(provider, cache, dtype, head_size, rot_dim, interleaved_v)
+    cache_want = cache.cpu().clone()
+    qkv = make_qkv(t, hq, hkv, head_size, dtype, seed, pad_cols=8)[:, : (hq + 2 * hkv) * head_size]
+    g = gen(seed + 1)
+    q_w = (1 + 0.1 * torch.randn(head_size, generator=g)).to(dtype).to(DEV)
+    k_w = (1 + 0.1 * torch.randn(head_size, generator=g)).to(dtype).to(DEV)
+    positions = torch.randint(0, 1000, (t,), generator=g).to(DEV)
+    cos_sin = make_cos_sin(1024, rot_dim, dtype)
+    slots = pad_slots(slots)[: t - 2].to(DEV)
+    ks, vs = scales(dtype)
+    q, k, v = fn(qkv, q_w, k_w, 1e-6, positions, cos_sin, is_neox, cache, slots, ks, vs,
+                 interleaved_v, hq, hkv, head_size)
+    qe, ke, ve = _expect(qkv, q_w, k_w, 1e-6, positions, cos_sin, is_neox, cache_want, slots, ks,
+                         vs, interleaved_v, hq, hkv, head_size)
+    tol = 2e-3 if dtype == torch.float16 else 1e-6
+    assert rel_err(q, qe) < tol and rel_err(k, ke) < tol
+    assert torch.equal(v.cpu(), ve)
+    assert q.shape == (t, hq, head_size) and q.is_contiguous()
+    assert_cache_equal(cache.cpu(), cache_want, dtype, exact=False)
+
+
+@pytest.mark.parametrize("block_size,block_t,dtype,interleaved_v,layout", PREFILL_TILES)
+def test_triton_prefill_tiles(block_size, block_t, dtype, interleaved_v, layout):
+    """Tiles of consecutive slots take the contiguous-store path (``WriterConfig.block_t``)."""
+    hq, hkv, d = 2, 2, 64
+    cache, slots, t = prefill_case(block_size, dtype, layout, seed=block_size + block_t)
+    fn = _kernel("triton", cache, dtype, d, d, interleaved_v)
+    cache_want = cache.cpu().clone()
+    qkv = make_qkv(t, hq, hkv, d, dtype, seed=block_t)
+    positions = torch.randint(0, 100, (t,), generator=gen(1)).to(DEV)
+    cos_sin = make_cos_sin(128, d, torch.float32)
+    ks, vs = scales(dtype)
+    w = torch.ones(d, dtype=dtype, device=DEV)
+    fn(qkv, w, w, 1e-6, positions, cos_sin, False, cache, slots, ks, vs, interleaved_v, hq, hkv, d,
+       cfg=WriterConfig(block_t))
+    _expect(qkv, w, w, 1e-6, positions, cos_sin, False, cache_want, slots, ks, vs, interleaved_v,
+            hq, hkv, d)
+    assert_cache_equal(cache.cpu(), cache_want, dtype, exact=False)
+
+
+def _check_gpu(provider, fn, *, hq, hkv, d, cache, slots, qkv, w, positions, cos_sin, is_neox,
+               ks, vs, interleaved_v):
+    before = cache.cpu().clone()  # poisoned
+    out = fn(qkv, w[0], w[1], 1e-6, positions, cos_sin, is_neox, cache, slots, ks, vs, interleaved_v,
+             hq, hkv, d)
+    cache_want = before.clone()
+    want = _expect(qkv, w[0], w[1], 1e-6, positions, cos_sin, is_neox, cache_want, slots, ks, vs,
+                   interleaved_v, hq, hkv, d)
+    torch.cuda.synchronize()
+    for o, e in zip(out, want):
+        assert o.shape == e.shape and rel_err(o, e) < 1e-2
+    if provider in ROUNDS_BEFORE_ROPE:
+        from_out = before.clone()  # the provider's own k/v, written by the oracle writer
+        oracle_write(from_out, out[1].cpu(), out[2].cpu(), slots.cpu(), ks.cpu(), vs.cpu(),
+                     interleaved_v)
+        assert_cache_equal(cache.cpu(), from_out, cache.dtype, exact=False)
+        if cache.dtype == torch.bfloat16:
+            assert_cache_equal(cache.cpu(), cache_want, cache.dtype, exact=False, min_exact=0.9)
+    else:
+        assert_cache_equal(cache.cpu(), cache_want, cache.dtype, exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,cache_dtype", GPU_DTYPES)
+@pytest.mark.parametrize("block_size,layout,interleaved_v", GPU_GEOMETRY)
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_qk_norm_rope_and_cache_gpu(provider, dtype, cache_dtype, block_size, layout, interleaved_v):
+    t, hq, hkv, d = 300, 32, 8, 128
+    seed = block_size + int(interleaved_v)
+    cache, slots = make_cache(block_size, hkv, d, cache_dtype, layout, t, seed)
+    fn = _kernel(provider, cache, dtype, d, d, interleaved_v)
+    w = torch.randn(2, d, generator=gen(seed), dtype=torch.float32).mul(0.1).add(1).to(dtype).to(DEV)
+    ks, vs = scales(dtype, 0.05, 0.03)
+    _check_gpu(provider, fn, hq=hq, hkv=hkv, d=d, cache=cache, slots=pad_slots(slots, 7)[: t - 5].to(DEV),
+               qkv=make_qkv(t, hq, hkv, d, dtype, seed), w=w,
+               positions=torch.randint(0, 4000, (t,), generator=gen(seed)).to(DEV),
+               cos_sin=make_cos_sin(4096, d, torch.float32), is_neox=False, ks=ks, vs=vs,
+               interleaved_v=interleaved_v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("block_size,layout,interleaved_v,is_neox,rot_dim", [
+    (16, CacheLayout.LHBNC, True, True, 128), (544, CacheLayout.LBHNC, False, False, 128),
+    (32, CacheLayout.LHBNC, True, True, 64),
+])
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_qk_norm_rope_and_cache_gpu_bf16_neox_gptj(provider, cache_dtype, block_size, layout,
+                                                   interleaved_v, is_neox, rot_dim):
+    """bf16 with a bf16 or fp8-e4m3 cache, NeoX and GPT-J, partial rotary (AITER's cases)."""
+    t, hq, hkv, d = 150, 16, 4, 128
+    dtype = torch.bfloat16
+    cache, slots = make_cache(block_size, hkv, d, cache_dtype, layout, t, seed=block_size)
+    fn = _kernel(provider, cache, dtype, d, rot_dim, interleaved_v)
+    w = torch.randn(2, d, generator=gen(10)).mul(0.1).add(1).to(dtype).to(DEV)
+    ks, vs = scales(dtype, 0.05, 0.03)
+    _check_gpu(provider, fn, hq=hq, hkv=hkv, d=d, cache=cache,
+               slots=pad_slots(slots, 4)[: t - 2].to(DEV), qkv=make_qkv(t, hq, hkv, d, dtype, seed=9),
+               w=w, positions=torch.randint(0, 4000, (t,), generator=gen(11)).to(DEV),
+               cos_sin=make_cos_sin(4096, rot_dim, torch.float32), is_neox=is_neox, ks=ks, vs=vs,
+               interleaved_v=interleaved_v)

@@ -1,0 +1,160 @@
+"""``rope_and_cache`` (RoPE on q/k in place + the cache write) of every provider against the
+float64 oracles (``writer_checks``): rotated q/k within the model dtype's rounding, every
+cache byte within one rounding step (poison included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import providers_under_test as put
+from cases import rel_err
+from inductor_rocm_attn.kernels.triton.configs import WriterConfig
+from inductor_rocm_attn.layout import CacheLayout
+from writer_checks import (
+    DEV, GPU_DTYPES, GPU_GEOMETRY, PREFILL_TILES, assert_cache_equal, cache_query, gen, make_cache,
+    make_cos_sin, make_qkv, oracle_rope, oracle_write, pad_slots, prefill_case, scales, split,
+)
+
+OP = "rope_and_cache"
+PROVIDERS = put.providers_for(OP)
+# Providers that leave the keys of tokens without a cache slot (padding, past slot_mapping)
+# unrotated: their keys are compared on the written tokens only.
+ROTATES_CACHED_KEYS_ONLY = {"aiter"}
+
+FUSED_CASES = [
+    # block, head, rot, layout, interleaved, neox, dtype
+    (16, 64, 64, CacheLayout.LHBNC, True, True, torch.float16),
+    (32, 128, 64, CacheLayout.LBHNC, False, False, torch.float16),
+    (544, 80, 80, CacheLayout.LHBNC, False, True, torch.float32),
+    (16, 256, 256, CacheLayout.LBHNC, True, False, torch.float16),
+    (544, 128, 128, CacheLayout.LBHNC, True, True, torch.float32),
+]
+
+
+def _kernel(provider, cache, dtype, head_size, rot_dim, interleaved_v):
+    return put.kernel(provider, OP, device=DEV, dtype=dtype, head_size=head_size,
+                      features=("partial_rotary",) if rot_dim < head_size else (),
+                      **cache_query(cache, dtype, interleaved_v))
+
+
+def _expect(qkv, cache, positions, slots, cos_sin, is_neox, ks, vs, interleaved_v, hq, hkv, d):
+    """(q/k/v columns of qkv, cache) after the op, from CPU copies of the inputs."""
+    t, dtype = qkv.shape[0], qkv.dtype
+    q, k, v = split(qkv, hq, hkv, d)
+    q_rot = oracle_rope(q.reshape(t, hq, d), positions, cos_sin, is_neox).to(dtype)
+    k_rot = oracle_rope(k.reshape(t, hkv, d), positions, cos_sin, is_neox).to(dtype)
+    oracle_write(cache, k_rot, v, slots.cpu(), ks.cpu(), vs.cpu(), interleaved_v)
+    return torch.cat([q_rot.reshape(t, -1), k_rot.reshape(t, -1), v.reshape(t, -1)], dim=1)
+
+
+@pytest.mark.parametrize("block_size,head_size,rot_dim,layout,interleaved_v,is_neox,dtype", FUSED_CASES)
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_rope_and_cache(provider, block_size, head_size, rot_dim, layout, interleaved_v, is_neox, dtype):
+    t, hq, hkv = 10, 4, 2
+    seed = block_size + head_size + rot_dim
+    cache, slots = make_cache(block_size, hkv, head_size, dtype, layout, t, seed)
+    fn = _kernel(provider, cache, dtype, head_size, rot_dim, interleaved_v)
+    cache_want = cache.cpu().clone()
+    qkv = make_qkv(t, hq, hkv, head_size, dtype, seed, pad_cols=8)
+    qkv_in = qkv.cpu().clone()
+    positions = torch.randint(0, 1000, (t,), generator=gen(seed)).to(DEV)
+    cos_sin = make_cos_sin(1024, rot_dim, torch.float32)
+    slots = pad_slots(slots)[: t - 1].to(DEV)
+    ks, vs = scales(dtype)
+    q, k, v = split(qkv, hq, hkv, head_size)
+    fn(positions, q, k, v, cache, slots, cos_sin, is_neox, ks, vs, interleaved_v)
+    want = _expect(qkv_in, cache_want, positions, slots, cos_sin, is_neox, ks, vs, interleaved_v,
+                   hq, hkv, head_size)
+    tol = 2e-3 if dtype == torch.float16 else 1e-6
+    assert rel_err(qkv[:, : want.shape[1]], want) < tol
+    assert torch.equal(qkv[:, want.shape[1]:].cpu(), qkv_in[:, want.shape[1]:])  # padding columns
+    assert_cache_equal(cache.cpu(), cache_want, dtype, exact=False)
+
+
+@pytest.mark.parametrize("block_size,block_t,dtype,interleaved_v,layout", PREFILL_TILES)
+def test_triton_prefill_tiles(block_size, block_t, dtype, interleaved_v, layout):
+    """Tiles of consecutive slots take the contiguous-store path (``WriterConfig.block_t``)."""
+    hq, hkv, d = 2, 2, 64
+    cache, slots, t = prefill_case(block_size, dtype, layout, seed=block_size + block_t)
+    fn = _kernel("triton", cache, dtype, d, d, interleaved_v)
+    cache_want = cache.cpu().clone()
+    qkv = make_qkv(t, hq, hkv, d, dtype, seed=block_t)
+    qkv_in = qkv.cpu().clone()
+    positions = torch.randint(0, 100, (t,), generator=gen(1)).to(DEV)
+    cos_sin = make_cos_sin(128, d, torch.float32)
+    ks, vs = scales(dtype)
+    q, k, v = split(qkv, hq, hkv, d)
+    fn(positions, q, k, v, cache, slots, cos_sin, True, ks, vs, interleaved_v, cfg=WriterConfig(block_t))
+    _expect(qkv_in, cache_want, positions, slots, cos_sin, True, ks, vs, interleaved_v, hq, hkv, d)
+    assert_cache_equal(cache.cpu(), cache_want, dtype, exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,cache_dtype", GPU_DTYPES)
+@pytest.mark.parametrize("block_size,layout,interleaved_v", GPU_GEOMETRY)
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_rope_and_cache_gpu(provider, dtype, cache_dtype, block_size, layout, interleaved_v):
+    t, hq, hkv, d = 300, 32, 8, 128
+    seed = block_size + int(interleaved_v)
+    cache, slots = make_cache(block_size, hkv, d, cache_dtype, layout, t, seed)
+    fn = _kernel(provider, cache, dtype, d, d, interleaved_v)
+    cache_want = cache.cpu().clone()
+    qkv = make_qkv(t, hq, hkv, d, dtype, seed)
+    qkv_in = qkv.cpu().clone()
+    positions = torch.randint(0, 4000, (t,), generator=gen(seed)).to(DEV)
+    cos_sin = make_cos_sin(4096, d, torch.float32)
+    slots = pad_slots(slots, 7)[: t - 5].to(DEV)
+    ks, vs = scales(dtype, 0.05, 0.03)
+    q, k, v = split(qkv, hq, hkv, d)
+    fn(positions, q, k, v, cache, slots, cos_sin, True, ks, vs, interleaved_v)
+    want = _expect(qkv_in, cache_want, positions, slots, cos_sin, True, ks, vs, interleaved_v,
+                   hq, hkv, d)
+    torch.cuda.synchronize()
+    got = qkv.cpu()
+    if provider in ROTATES_CACHED_KEYS_ONLY:
+        written = torch.zeros(t, dtype=torch.bool)
+        written[: slots.shape[0]] = slots.cpu() >= 0
+        k_cols = slice(hq * d, (hq + hkv) * d)
+        assert rel_err(got[:, : hq * d], want[:, : hq * d]) < 1e-2
+        assert rel_err(got[written, k_cols], want[written, k_cols]) < 1e-2
+    else:
+        assert rel_err(got, want) < 1e-2
+    assert_cache_equal(cache.cpu(), cache_want, cache_dtype, exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("block_size,layout,interleaved_v,is_neox", [
+    (16, CacheLayout.LHBNC, True, True), (32, CacheLayout.LBHNC, True, False),
+    (16, CacheLayout.LBHNC, False, True),
+])
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_rope_and_cache_gpu_bf16_neox_gptj(provider, cache_dtype, block_size, layout, interleaved_v,
+                                           is_neox):
+    """bf16 with a bf16 or fp8-e4m3 cache, NeoX and GPT-J (the cases AITER supports)."""
+    t, hq, hkv, d = 200, 32, 8, 128
+    dtype = torch.bfloat16
+    cache, slots = make_cache(block_size, hkv, d, cache_dtype, layout, t, seed=block_size)
+    fn = _kernel(provider, cache, dtype, d, d, interleaved_v)
+    cache_want = cache.cpu().clone()
+    qkv = make_qkv(t, hq, hkv, d, dtype, seed=5)
+    qkv_in = qkv.cpu().clone()
+    positions = torch.randint(0, 4000, (t,), generator=gen(6)).to(DEV)
+    cos_sin = make_cos_sin(4096, d, torch.float32)
+    slots = pad_slots(slots, 5)[: t - 3].to(DEV)
+    ks, vs = scales(dtype, 0.05, 0.03)
+    q, k, v = split(qkv, hq, hkv, d)
+    fn(positions, q, k, v, cache, slots, cos_sin, is_neox, ks, vs, interleaved_v)
+    want = _expect(qkv_in, cache_want, positions, slots, cos_sin, is_neox, ks, vs, interleaved_v,
+                   hq, hkv, d)
+    torch.cuda.synchronize()
+    got = qkv.cpu()
+    assert rel_err(got[:, : hq * d], want[:, : hq * d]) < 1e-2
+    written = torch.ones(t, dtype=torch.bool)
+    if provider in ROTATES_CACHED_KEYS_ONLY:
+        written[:] = False
+        written[: slots.shape[0]] = slots.cpu() >= 0
+    k_cols = slice(hq * d, (hq + hkv) * d)
+    assert rel_err(got[written, k_cols], want[written, k_cols]) < 1e-2
+    assert_cache_equal(cache.cpu(), cache_want, cache_dtype, exact=False)

@@ -1,0 +1,88 @@
+"""The Triton provider's launch configs (``kernels/triton/configs.py``): tuned entries,
+heuristics, KV split rules and the one-loop rule, checked on host shapes (no kernel runs;
+tests/triton_sm90_compile.py checks that the launcher passes these choices to its launches)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from inductor_rocm_attn.kernels.triton.configs import (
+    DECODE_KINDS, MAX_SPLITS, MIN_SPLIT_TOKENS, ONE_LOOP_MAX_TILES, DecodeConfig, PrefillConfig,
+    decode_config, decode_plan, num_kv_splits, prefill_config, writer_block_t, writer_num_warps,
+)
+
+
+def test_decode_config_rules():
+    # measured entries (bf16, d=128, block 16): one warp for GQA 4 and for GQA 2 with
+    # interleaved V (its V loaded as packets)
+    tuned = DecodeConfig(16, 1, 3, "rows3", one_loop_max_tiles=ONE_LOOP_MAX_TILES)
+    assert decode_config(128, 4, 16, torch.bfloat16) == tuned
+    assert decode_config(128, 2, 16, torch.bfloat16, interleaved_v=True) == tuned
+    # one warp only where its [16, HEAD] tile fits the registers and was measured faster
+    assert decode_config(64, 8, 32, torch.float16).num_warps == 1
+    assert decode_config(128, 32, 16, torch.bfloat16).num_warps == 4  # 32 GQA rows
+    assert decode_config(256, 4, 16, torch.bfloat16).num_warps == 4  # d = 256
+    assert decode_config(128, 4, 32, torch.float8_e4m3fn).num_warps == 4  # fp8 cache
+    assert decode_config(128, 4, 32, torch.bfloat16, interleaved_v=True).num_warps == 1
+    for cfg in (decode_config(h, g, 16, d) for h in (64, 128, 256) for g in (1, 8, 32)
+                for d in (torch.bfloat16, torch.float8_e5m2)):
+        assert cfg.kind in DECODE_KINDS
+    # cached: the eager path pays one lookup per call
+    assert decode_config(128, 4, 16, torch.bfloat16) is decode_config(128, 4, 16, torch.bfloat16)
+
+
+def test_prefill_config_rules():
+    assert prefill_config(128, 4, 16, torch.bfloat16) == (
+        PrefillConfig(128, 64, 8, 3) if torch.version.hip else PrefillConfig(128, 128, 8, 3))
+    assert prefill_config(64, 1, 16, torch.float16) == PrefillConfig(128, 64, 4, 3)
+    assert prefill_config(256, 4, 16, torch.float32) == PrefillConfig(32, 32, 4, 2)
+    assert prefill_config(128, 4, 16, torch.float16, interpret=True) == PrefillConfig(16, 16, 4, 1)
+    d = PrefillConfig(1, 1, 1, 1)
+    assert (d.k_rows, d.context_margin, d.dense_margin, d.longest_first, d.dense_tma) == (
+        1, 8.0, 0.0, True, True)
+
+
+def test_bad_configs_are_errors():
+    with pytest.raises(ValueError, match=r"paged_attention: decode kind 'bogus'.*streams"):
+        DecodeConfig(16, 1, 1, "bogus")
+    with pytest.raises(ValueError, match=r"paged_attention: decode k_rows 3; supported: 0, 1, 2"):
+        DecodeConfig(16, 1, 1, "rows", k_rows=3)
+    with pytest.raises(ValueError, match=r"paged_attention: prefill k_rows 5"):
+        PrefillConfig(16, 16, 4, 1, k_rows=5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        decode_config(128, 4, 16, torch.bfloat16).tile_n = 32
+
+
+def test_num_kv_splits_from_shapes_only():
+    # fills the GPU twice already: no split
+    assert num_kv_splits(64, 8, 1, 4096, 132) == 1
+    # one sequence: split, but never below MIN_SPLIT_TOKENS keys a split
+    s = num_kv_splits(1, 8, 1, 4096, 132)
+    assert 1 < s <= 4096 // MIN_SPLIT_TOKENS
+    assert num_kv_splits(1, 8, 1, MIN_SPLIT_TOKENS, 132) == 1
+    assert num_kv_splits(1, 1, 1, 1 << 20, 132) <= MAX_SPLITS
+
+
+def test_short_splits_run_the_three_loop_config_as_one_loop():
+    """The tuned "rows3" runs as one masked loop when each split holds few tiles (B=1: 64
+    splits), and as three loops otherwise; a config built by hand, or given splits, are
+    taken as given."""
+    tuned = decode_config(128, 4, 16, torch.bfloat16)
+    assert tuned.kind == "rows3"
+    plan = dict(num_kv_heads=8, head_chunks=1, max_ctx=4096, num_sms=132)
+    assert decode_plan(tuned, None, num_seqs=1, **plan) == ("rows", 64)  # 4 tiles a split
+    assert decode_plan(tuned, None, num_seqs=64, **plan) == ("rows3", 1)
+    assert decode_plan(DecodeConfig(16, 1, 3, "rows3"), None, num_seqs=1, **plan) == ("rows3", 64)
+    assert decode_plan(tuned, 64, num_seqs=1, **plan) == ("rows3", 64)
+    assert decode_plan(dataclasses.replace(tuned, kind="keys3"), None, num_seqs=1, **plan)[0] == "keys"
+    assert decode_plan(dataclasses.replace(tuned, kind="streams3"), None, num_seqs=1,
+                       **plan)[0] == "streams3"
+
+
+def test_writer_tile_rules():
+    assert [writer_block_t(t) for t in (1, 32, 33, 512, 513)] == [1, 1, 2, 2, 8]
+    assert writer_num_warps(1, 128) == 1 and writer_num_warps(8, 128) == 4
+    assert writer_num_warps(16, 256) == 8  # at most 8
