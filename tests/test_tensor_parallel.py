@@ -21,8 +21,8 @@ changes only the summation order: each row-parallel projection sums two partial 
 of half the length, and compiled code orders reductions differently again; measured
 about 3e-6. bf16 (GPUs): relative error (norm) <= 2e-2, as tests/test_compile_e2e.py.
 Both ranks compute the logits from the same all-reduced hidden states with the replicated
-lm_head, so their logits must be bitwise equal. Each rank's KV cache holds its heads' slice
-of the TP=1 model's cache (same tolerance).
+lm_head, so their logits must be bitwise equal (on GPUs: for the eager variants). Each
+rank's KV cache holds its heads' slice of the TP=1 model's cache (same tolerance).
 """
 
 from __future__ import annotations
@@ -182,12 +182,18 @@ def _check_scenario(run: dict, dtype: torch.dtype) -> None:
             assert (err <= FP32_ATOL) if dtype == torch.float32 else (rel <= BF16_RTOL), (variant, err, rel)
 
 
-def _check_ranks_agree(run: dict) -> None:
+def _check_ranks_agree(run: dict, gpu: bool = False) -> None:
+    """Bitwise equal logits on both ranks. On GPUs, compiled variants only close: Inductor
+    may pick a different kernel config on each rank by timing, changing reduction order."""
     a, b = run["logits"]
     assert a.keys() == b.keys() and len(a) == 4
     for variant in a:
         for i, (x, y) in enumerate(zip(a[variant], b[variant])):
-            assert torch.equal(x, y), (variant, i, float((x.float() - y.float()).abs().max()))
+            if gpu and not variant.endswith("eager"):
+                rel = float((x.double() - y.double()).norm() / y.double().norm())
+                assert rel <= BF16_RTOL / 2, (variant, i, rel)
+            else:
+                assert torch.equal(x, y), (variant, i, float((x.float() - y.float()).abs().max()))
 
 
 def _check_fusions_and_graphs(run: dict) -> None:
@@ -255,7 +261,7 @@ def test_tp2_nccl_bf16_cuda_graphs():
     with tempfile.TemporaryDirectory(prefix="rocm_attn_tp_gpu_") as tmp:
         run = _launch(tmp, "--device", "cuda", "--dtype", "bfloat16")
     _check_scenario(run, torch.bfloat16)
-    _check_ranks_agree(run)
+    _check_ranks_agree(run, gpu=True)
     _check_fusions_and_graphs(run)
     _check_cache_shards(run)
     assert all(res["cuda_graphs"] for res in run["ranks"])
