@@ -276,8 +276,10 @@ def main() -> None:
 def write_md(res: dict, path: str) -> None:
     lines = [f"# Tensor-parallel decode step ({res['date']})", "",
              f"Command: `{res['command']}`  ", f"Machine: `{json.dumps(res['machine'])}`  ",
-             f"Versions: `{json.dumps(res['versions'])}`  ", f"Model: {res['model']}, {res['ctx']} cached tokens a sequence", "",
-             "Step latency, ms (MAX over ranks of the per-rank median); speed-up and scaling efficiency vs TP=1:", ""]
+             f"Versions: `{json.dumps(res['versions'])}`  ",
+             f"Model: {res['model']}, {res['ctx']} cached tokens a sequence", "",
+             "Step latency, ms (MAX over ranks of the per-rank median); speed-up and scaling "
+             "efficiency vs TP=1:", ""]
     per_tp = res["per_tp"]
     batches = sorted({b for r in per_tp.values() for lat in r["latency_ms"].values() for b in lat}, key=int)
     lines += ["| mode | TP | " + " | ".join(f"B={b}" for b in batches) + " |", "|---|---|" + "---|" * len(batches)]

@@ -37,9 +37,10 @@ def main() -> None:
     p.add_argument("--check", action="store_true", help="compare with the unsharded model")
     args = p.parse_args()
 
+    device = torch.device("cpu")
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+        device = torch.device("cuda", torch.cuda.current_device())
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     tp = TensorParallel.from_group()  # the default group: every launched process

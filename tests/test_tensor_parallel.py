@@ -138,12 +138,13 @@ def test_shards_reassemble_the_full_weights(make):
         assert all(sd[k] is full[k] for _, sd in shards)
 
 
-# === the 2-process scenario =================================================================
+# === the multi-process scenarios ==========================================================
 
 
-def _launch(tmp_dir: str, *worker_args: str) -> dict:
-    """Run this file under ``torch.distributed.run`` (2 processes); returns per-rank results."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+def _launch(tmp_dir: str, *worker_args: str, nproc: int = 2) -> dict:
+    """Run this file under ``torch.distributed.run`` (``nproc`` processes); returns per-rank
+    results."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "--max-restarts", "0", os.path.abspath(__file__), "--worker", "--out", tmp_dir, *worker_args]
     log_path = os.path.join(tmp_dir, "launch.log")
     with open(log_path, "w") as log:
@@ -158,8 +159,8 @@ def _launch(tmp_dir: str, *worker_args: str) -> dict:
     out = open(log_path).read()
     if rc != 0:
         pytest.fail(f"tensor-parallel workers failed (rc={rc}, limit {LAUNCH_TIMEOUT_S} s):\n{out[-6000:]}")
-    ranks = [json.load(open(os.path.join(tmp_dir, f"rank{r}.json"))) for r in range(2)]
-    logits = [torch.load(os.path.join(tmp_dir, f"rank{r}_logits.pt")) for r in range(2)]
+    ranks = [json.load(open(os.path.join(tmp_dir, f"rank{r}.json"))) for r in range(nproc)]
+    logits = [torch.load(os.path.join(tmp_dir, f"rank{r}_logits.pt")) for r in range(nproc)]
     return {"ranks": ranks, "logits": logits, "log": out}
 
 
@@ -182,18 +183,20 @@ def _check_scenario(run: dict, dtype: torch.dtype) -> None:
             assert (err <= FP32_ATOL) if dtype == torch.float32 else (rel <= BF16_RTOL), (variant, err, rel)
 
 
-def _check_ranks_agree(run: dict, gpu: bool = False) -> None:
+def _check_ranks_agree(run: dict, gpu: bool = False, eager_only: bool = False) -> None:
     """Bitwise equal logits on both ranks. On GPUs, compiled variants only close: Inductor
     may pick a different kernel config on each rank by timing, changing reduction order."""
-    a, b = run["logits"]
-    assert a.keys() == b.keys() and len(a) == 4
-    for variant in a:
-        for i, (x, y) in enumerate(zip(a[variant], b[variant])):
+    a = run["logits"][0]
+    for b in run["logits"][1:]:
+        assert a.keys() == b.keys()
+        for variant, i in ((v, i) for v in a for i in range(len(SCHEDULE))):
+            x, y = a[variant][i], b[variant][i]
             if gpu and not variant.endswith("eager"):
                 rel = float((x.double() - y.double()).norm() / y.double().norm())
                 assert rel <= BF16_RTOL / 2, (variant, i, rel)
             else:
                 assert torch.equal(x, y), (variant, i, float((x.float() - y.float()).abs().max()))
+    assert len(a) == (2 if eager_only else 4)
 
 
 def _check_fusions_and_graphs(run: dict) -> None:
@@ -252,6 +255,16 @@ def test_each_rank_owns_its_kv_cache_shard(cpu_run):
     _check_cache_shards(cpu_run)
 
 
+def test_tp4_eager_replicates_kv_heads_over_rank_pairs():
+    """4 ranks, eager: the Qwen3-style model's 2 KV heads are each replicated on 2 ranks."""
+    with tempfile.TemporaryDirectory(prefix="rocm_attn_tp4_") as tmp:
+        run = _launch(tmp, "--eager-only", nproc=4)
+    _check_scenario(run, torch.float32)
+    _check_ranks_agree(run, eager_only=True)
+    assert [res["kv_start"] for res in run["ranks"]] == [{"qwen3": r // 2, "llama": 0} for r in range(4)]
+    assert [res["cache_shapes"]["qwen3_eager"][-1] for res in run["ranks"]] == [64] * 4
+
+
 @pytest.mark.gpu
 @pytest.mark.compile
 def test_tp2_nccl_bf16_cuda_graphs():
@@ -270,7 +283,7 @@ def test_tp2_nccl_bf16_cuda_graphs():
 # === worker (one process per rank, started by torch.distributed.run) ======================
 
 
-def _worker(out_dir: str, device_kind: str, dtype_name: str) -> None:
+def _worker(out_dir: str, device_kind: str, dtype_name: str, eager_only: bool) -> None:
     import datetime
     import time
 
@@ -291,7 +304,6 @@ def _worker(out_dir: str, device_kind: str, dtype_name: str) -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     tp = TensorParallel.from_group()
-    t_start = time.perf_counter()
 
     # The schedule's block tables and token ids (the same for every variant: each model has
     # its own caches).
@@ -409,7 +421,7 @@ def _worker(out_dir: str, device_kind: str, dtype_name: str) -> None:
     ref = build(cfg, "ref_qwen3")
     ref_outs = run_eager(ref)
     res["kv_start"] = {"qwen3": tp.heads(cfg.num_heads, cfg.num_kv_heads).kv_start}
-    for variant in ("qwen3_eager", "qwen3_compiled"):
+    for variant in ("qwen3_eager",) if eager_only else ("qwen3_eager", "qwen3_compiled"):
         model = shard_model(ref, tp, name=f"tp_{variant}")
         ira.bind_kv_caches(model, NUM_BLOCKS, dtype, device, poison=True)
         t0 = time.perf_counter()
@@ -431,6 +443,9 @@ def _worker(out_dir: str, device_kind: str, dtype_name: str) -> None:
     ira.bind_kv_caches(model, NUM_BLOCKS, dtype, device, poison=True)
     compare("llama_eager", ref_outs, run_eager(model), ref, model, cfg)
 
+    if eager_only:
+        _finish(out_dir, rank, res, logits)
+        return
     model = shard_model(ref, tp, name="tp_llama_piecewise")
     ira.bind_kv_caches(model, NUM_BLOCKS, dtype, device, poison=True)
     report.clear()
@@ -456,7 +471,11 @@ def _worker(out_dir: str, device_kind: str, dtype_name: str) -> None:
     res["records"]["llama_piecewise"] = [{"layer": r.layer_name, "pass": r.pass_name, "fused": r.fused}
                                          for r in report.records]
     compare("llama_piecewise", ref_outs, outs, ref, model, cfg)
-    res["timings"]["total"] = time.perf_counter() - t_start
+    _finish(out_dir, rank, res, logits)
+
+
+def _finish(out_dir: str, rank: int, res: dict, logits: dict) -> None:
+    import torch.distributed as dist
 
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f, indent=1)
@@ -471,5 +490,6 @@ if __name__ == "__main__":
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--eager-only", action="store_true")
     a = p.parse_args()
-    _worker(a.out, a.device, a.dtype)
+    _worker(a.out, a.device, a.dtype, a.eager_only)
