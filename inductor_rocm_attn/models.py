@@ -4,6 +4,10 @@ Llama-style (RoPE, no QK-norm) and Qwen3-style (per-head QK RMSNorm before RoPE)
 with RoPE and RMSNorm written either in the plain-PyTorch forms HF models use
 (``rotate_half``, ``x * rsqrt(mean(x^2) + eps) * w`` with HF's dtype casts) or as our
 custom ops, so the fusion passes can be exercised on both. Weights are random.
+
+``TinyDecoder(cfg, tp=TensorParallel...)`` builds one rank's tensor-parallel shard (its
+query / KV heads and MLP slice, row-parallel projections that all-reduce; see
+``parallel.py``); ``cfg`` always describes the whole model.
 """
 
 from __future__ import annotations
@@ -11,12 +15,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .layer import Attention
+
+if TYPE_CHECKING:
+    from .parallel import TensorParallel
 
 _NAME_COUNTER = itertools.count()
 
@@ -113,11 +121,20 @@ class RotaryEmbedding(nn.Module):
         return q.reshape(t, -1), k.reshape(t, -1)
 
 
+def _linear(in_features: int, out_features: int) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=False)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, layer_name: str):
+    def __init__(self, cfg: DecoderConfig, layer_name: str, tp: "TensorParallel | None" = None):
         super().__init__()
         self.cfg = cfg
-        d, hq, hkv = cfg.head_size, cfg.num_heads, cfg.num_kv_heads
+        d, hq, hkv, inter = cfg.head_size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+        if tp is not None:  # this rank's heads and MLP slice; o_proj and down_proj all-reduce
+            heads = tp.heads(hq, hkv)
+            hq, hkv, inter = heads.num_heads, heads.num_kv_heads, tp.intermediate(inter)
+        row_linear = tp.row_linear if tp is not None else _linear
+        self.num_heads, self.num_kv_heads = hq, hkv  # this rank's (all of them without tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.norm_impl)
         self.qkv_proj = nn.Linear(cfg.hidden_size, (hq + 2 * hkv) * d, bias=False)
         if cfg.qk_norm:
@@ -128,14 +145,14 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(hq, d, num_kv_heads=hkv, layer_name=layer_name,
                               block_size=cfg.block_size, cache_layout=cfg.cache_layout,
                               kv_cache_dtype=cfg.kv_cache_dtype)
-        self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=False)
+        self.o_proj = row_linear(hq * d, cfg.hidden_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.norm_impl)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = row_linear(inter, cfg.hidden_size)
 
     def qkv(self, positions, hidden):
         cfg = self.cfg
-        d, hq, hkv = cfg.head_size, cfg.num_heads, cfg.num_kv_heads
+        d, hq, hkv = cfg.head_size, self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(self.input_layernorm(hidden))
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         if cfg.qk_norm:
@@ -156,12 +173,13 @@ class DecoderLayer(nn.Module):
 class TinyDecoder(nn.Module):
     """A decoder-only LM over the paged backend: ``forward(input_ids [T], positions [T]) -> logits [T, V]``."""
 
-    def __init__(self, cfg: DecoderConfig, name: str | None = None):
+    def __init__(self, cfg: DecoderConfig, name: str | None = None, tp: "TensorParallel | None" = None):
         super().__init__()
         self.cfg = cfg
         name = name or f"model{next(_NAME_COUNTER)}"
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, f"{name}.layers.{i}.attn") for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, f"{name}.layers.{i}.attn", tp)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.norm_impl)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         with torch.no_grad():  # keep activations O(1) through depth
@@ -184,11 +202,11 @@ class TinyDecoder(nn.Module):
             positions = torch.arange(ids.shape[0], device=ids.device)
 
             def sdpa(q, k, v):
-                t = q.shape[0]
-                qh = q.view(t, cfg.num_heads, cfg.head_size).transpose(0, 1)
-                kh = k.view(t, cfg.num_kv_heads, cfg.head_size).transpose(0, 1)
-                vh = v.view(t, cfg.num_kv_heads, cfg.head_size).transpose(0, 1)
-                rep = cfg.num_heads // cfg.num_kv_heads
+                t, hq, hkv = q.shape[0], self.layers[0].num_heads, self.layers[0].num_kv_heads
+                qh = q.view(t, hq, cfg.head_size).transpose(0, 1)
+                kh = k.view(t, hkv, cfg.head_size).transpose(0, 1)
+                vh = v.view(t, hkv, cfg.head_size).transpose(0, 1)
+                rep = hq // hkv
                 o = F.scaled_dot_product_attention(
                     qh, kh.repeat_interleave(rep, 0), vh.repeat_interleave(rep, 0), is_causal=True
                 )
