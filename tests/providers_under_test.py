@@ -9,8 +9,7 @@ runs where it is testable here (``kernel(...)`` skips with the reason otherwise)
 - any other: when it is available here and its capabilities cover the case.
 
 Reads ``inductor_rocm_attn.providers.REGISTRY`` (``Provider.caps``, ``.load(op)``,
-``.unavailable_reason()``, ``.supports(op, ...)``); a tree without the registry falls back
-to ``capabilities.CAPS`` and ``providers._load``.
+``.unavailable_reason()``, ``.supports(op, ...)``).
 """
 
 from __future__ import annotations
@@ -20,60 +19,29 @@ import os
 import pytest
 import torch
 
-try:
-    from inductor_rocm_attn.providers import REGISTRY as _REGISTRY
-except ImportError:  # before the provider registry: the capability table and the loader
-    _REGISTRY = None
+from inductor_rocm_attn.providers import REGISTRY as _REGISTRY
 
 ON_GPU = torch.cuda.is_available()
 INTERPRETER = not ON_GPU and os.environ.get("TRITON_INTERPRET", "0") == "1"
 _INTERPRETER_DTYPES = (torch.float16, torch.float32)
 
 
-def _names() -> list[str]:
-    if _REGISTRY is not None:
-        return list(_REGISTRY)
-    from inductor_rocm_attn.capabilities import CAPS
-
-    return list(CAPS)
-
-
-def _ops(name: str) -> tuple[str, ...]:
-    if _REGISTRY is not None:
-        return tuple(_REGISTRY[name].caps.ops)
-    from inductor_rocm_attn.capabilities import CAPS
-
-    return tuple(CAPS[name].ops)
-
-
 def load(name: str, op: str):
     """The provider's kernel function for ``op`` (the signature of ``kernels.reference``)."""
-    if _REGISTRY is not None:
-        return _REGISTRY[name].load(op)
-    from inductor_rocm_attn import providers
-
-    return providers._load(name, op)
+    return _REGISTRY[name].load(op)
 
 
 def unavailable_reason(name: str) -> str | None:
-    if _REGISTRY is not None:
-        return _REGISTRY[name].unavailable_reason()
-    from inductor_rocm_attn.capabilities import provider_unavailable
-
-    return provider_unavailable(name)
+    return _REGISTRY[name].unavailable_reason()
 
 
 def supports(name: str, op: str, **query) -> str | None:
-    if _REGISTRY is not None:
-        return _REGISTRY[name].supports(op, **query)
-    from inductor_rocm_attn.capabilities import provider_supports
-
-    return provider_supports(name, op, **query)
+    return _REGISTRY[name].supports(op, **query)
 
 
 def providers_for(op: str) -> list[str]:
     """Registered providers that implement ``op``, in registry order (test parameters)."""
-    return [n for n in _names() if op in _ops(n)]
+    return [n for n, p in _REGISTRY.items() if op in p.caps.ops]
 
 
 def cache_dtype_name(cache_dtype: torch.dtype, model_dtype: torch.dtype) -> str:
