@@ -241,7 +241,7 @@ class PagedCache(Cache):
                              "AttentionInterface (_supports_attention_backend is False)")
         decoder = _decoder(model)
         param = next(model.parameters())
-        dtype, device = param.dtype, param.device
+        dtype, device = getattr(model, "dtype", param.dtype), getattr(model, "device", param.device)
         self.block_size, self.num_blocks = block_size, num_blocks
         self._device = device
         self._null_block = num_blocks  # zero keys/values: what a one-token padding row reads
@@ -374,7 +374,8 @@ class PagedCache(Cache):
         if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (b, self._seen + t):
             raise ValueError(
                 f"PagedCache: attention_mask must be 2-D [batch, seen + new] = [{b}, {self._seen + t}], got "
-                f"{tuple(attention_mask.shape)} (prepared 4-D masks are not supported)"
+                f"{tuple(attention_mask.shape)} (prepared 4-D masks are not supported; a PagedCache holds one "
+                "batch: reset() it or build a new one for the next)"
             )
         real = attention_mask[:, self._seen:].to("cpu", torch.bool)
         idx = torch.arange(t)

@@ -178,6 +178,16 @@ def test_deepcopy_writes_its_own_cache():
         greedy(clone, ids, mask, past_key_values=PagedCache(ours, num_blocks=8))
 
 
+def test_from_pretrained(tmp_path):
+    ours = build("gemma2", "rocm_attn")
+    ours.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="rocm_attn")
+    ids, mask = ragged_prompts()
+    want = greedy(ours, ids, mask, past_key_values=PagedCache(ours, num_blocks=8))
+    got = greedy(loaded, ids, mask, past_key_values=PagedCache(loaded, num_blocks=8))
+    assert loaded.config._attn_implementation == "rocm_attn" and torch.equal(got.sequences, want.sequences)
+
+
 def _step_inputs(module, b=2, t=3, seed=0):
     g = torch.Generator().manual_seed(seed)
     hq, hkv, d = module.config.num_attention_heads, module.config.num_key_value_heads, module.head_dim
@@ -324,3 +334,22 @@ def test_name_is_accepted_after_import(order):
 
     done = subprocess.run([sys.executable, "-c", _AFTER_IMPORT[order]], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.float16, 1e-2), (torch.bfloat16, 4e-2)], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_generate_on_gpu_matches_eager(name, dtype, tol):
+    """The Triton kernels under generate(): every step's logits against eager attention run on
+    the tokens we generated (teacher forcing, so a near-tie cannot fork the comparison)."""
+    ours = build(name, "rocm_attn").to("cuda", dtype)
+    eager = twin(ours, "eager").to("cuda", dtype)
+    ids, mask = (t.cuda() for t in ragged_prompts())
+    got = greedy(ours, ids, mask, past_key_values=PagedCache(ours, num_blocks=8, poison=True))
+    full = torch.cat([mask, torch.ones(mask.shape[0], NEW_TOKENS - 1, dtype=mask.dtype, device="cuda")], 1)
+    with torch.no_grad():
+        want = eager(got.sequences[:, :-1], attention_mask=full,
+                     position_ids=(full.cumsum(-1) - 1).clamp(min=0)).logits.float()
+    t = ids.shape[1]
+    errs = [rel(step.float(), want[:, t - 1 + i]) for i, step in enumerate(got.logits)]
+    assert max(errs) < tol, errs
