@@ -24,9 +24,11 @@ _TRANSFORMERS_REGISTRY = "transformers.modeling_utils"
 
 
 def _register_transformers() -> None:
-    # The module registers itself when its import completes (also when this runs in the
-    # middle of that import: it imports transformers.modeling_utils itself).
-    importlib.import_module(f"{__name__}.transformers")
+    module = importlib.import_module(f"{__name__}.transformers")
+    # Run in the middle of that module's own import (it imports transformers.modeling_utils),
+    # ``register`` is not defined yet: the module registers itself when its import completes.
+    if hasattr(module, "register"):
+        module.register()
 
 
 class _PostImportHook(importlib.abc.MetaPathFinder):
