@@ -1,7 +1,9 @@
 """inductor_rocm_attn: a paged-attention backend (ROCM_ATTN design) for torch.compile.
 
-Importing registers the ``rocm_attn`` ops (and nothing else: no tracing, builds, files or
-device queries).
+Importing registers the ``rocm_attn`` ops and, where transformers is installed, the name
+``attn_implementation="rocm_attn"`` (when transformers loads its attention registry: this
+import does not import transformers; see ``integrations``). Nothing else: no tracing,
+builds, files or device queries.
 """
 
 from . import ops  # noqa: F401  (registers torch.ops.rocm_attn.*)
@@ -40,5 +42,10 @@ __all__ = [
 
 from .compilation.plugin import enable_from_env as _enable_from_env
 
-_enable_from_env()  # ROCM_ATTN_PLUGIN=1: the one import-time effect besides op registration
+_enable_from_env()  # ROCM_ATTN_PLUGIN=1: turns the plugin on at import
 del _enable_from_env
+
+from .integrations import install as _install_integrations
+
+_install_integrations()  # transformers: registers "rocm_attn" now or once transformers loads it
+del _install_integrations

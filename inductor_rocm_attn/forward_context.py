@@ -3,13 +3,20 @@
 Compiled graphs carry only a layer's name; the impl, cache and the metadata of the current
 step are looked up here at run time, so a graph never bakes in per-step values and can be
 replayed from a HIP/CUDA graph. Metadata is built outside the graph (plan), read inside (run).
+
+A name resolves through the step's own layer table when the context carries one (a cache
+object that owns its layers, e.g. the transformers integration's ``PagedCache``: two caches
+of one model, or a model and its ``copy.deepcopy``, never share state), else through the
+registry of live ``Attention`` layers, where every live layer has a unique name.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import weakref
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -17,7 +24,7 @@ if TYPE_CHECKING:
     from .metadata import AttentionMetadata
 
 __all__ = ["ForwardContext", "set_forward_context", "get_forward_context", "register_layer",
-           "bind_layer_alias", "get_layer", "registered_layers"]
+           "register_copy", "bind_layer_alias", "get_layer", "registered_layers"]
 
 # layer_name -> Attention, for every live layer. Weak, so dropping a model frees its names.
 _LAYERS: "weakref.WeakValueDictionary[str, Attention]" = weakref.WeakValueDictionary()
@@ -27,6 +34,7 @@ _LAYERS: "weakref.WeakValueDictionary[str, Attention]" = weakref.WeakValueDictio
 class ForwardContext:
     attn_metadata: "AttentionMetadata | None" = None  # None: profiling run
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    layers: "Mapping[str, Attention] | None" = None  # this step's layer table; None: the registry
 
 
 _current = ForwardContext()
@@ -42,6 +50,22 @@ def register_layer(name: str, layer: "Attention") -> None:
     _LAYERS[name] = layer
 
 
+def register_copy(name: str, layer: "Attention") -> str:
+    """Register a copy of a layer (``copy.deepcopy``, unpickling) and return its name: ``name``
+    when no other live layer holds it, else the first free ``name#copyN``, so a copy never
+    resolves to (and writes the cache of) the layer it was copied from."""
+    old = _LAYERS.get(name)
+    if old is None or old is layer:
+        _LAYERS[name] = layer
+        return name
+    for n in itertools.count(1):
+        candidate = f"{name}#copy{n}"
+        if candidate not in _LAYERS:
+            _LAYERS[candidate] = layer
+            return candidate
+    raise AssertionError("unreachable")
+
+
 def bind_layer_alias(alias: str, layer: "Attention") -> None:
     """Point ``alias`` at ``layer`` (rebinding it if needed): shared compiled code names its
     layer by an alias that is bound to the right layer before that code runs."""
@@ -49,6 +73,15 @@ def bind_layer_alias(alias: str, layer: "Attention") -> None:
 
 
 def get_layer(name: str) -> "Attention":
+    table = _current.layers
+    if table is not None:
+        try:
+            return table[name]
+        except KeyError:
+            raise KeyError(
+                f"rocm_attn: no attention layer named {name!r} in this step's layer table "
+                f"(known: {sorted(table)[:8]}...)"
+            ) from None
     try:
         return _LAYERS[name]
     except KeyError:
@@ -66,11 +99,16 @@ def get_forward_context() -> ForwardContext:
 
 
 @contextlib.contextmanager
-def set_forward_context(attn_metadata: "AttentionMetadata | None", **extra: Any):
-    """Make ``attn_metadata`` the metadata that layer-level ops read during this step."""
+def set_forward_context(attn_metadata: "AttentionMetadata | None", *,
+                        layers: "Mapping[str, Attention] | None" = None, **extra: Any):
+    """Make ``attn_metadata`` the metadata that layer-level ops read during this step.
+
+    ``layers`` (name -> layer): the table layer names resolve through during the step,
+    instead of the registry of live layers.
+    """
     global _current
     prev = _current
-    _current = ForwardContext(attn_metadata, extra)
+    _current = ForwardContext(attn_metadata, extra, layers)
     try:
         yield _current
     finally:

@@ -12,7 +12,7 @@ from torch import nn
 
 from .backend import RocmAttentionImpl
 from .capabilities import AttentionType
-from .forward_context import register_layer
+from .forward_context import register_copy, register_layer
 from .layout import CacheLayout, allocate_kv_cache
 
 __all__ = ["Attention", "attention_layers", "bind_kv_caches"]
@@ -27,9 +27,16 @@ class Attention(nn.Module):
         scale: softmax scale (default ``head_size ** -0.5``).
         block_size, cache_layout, kv_cache_dtype: cache geometry (see ``layout``).
         k_scale, v_scale: per-tensor fp8 cache scales (dequant = multiply).
+        register: add the layer to the registry of live layers (the default). A layer owned
+            by a cache object that hands the forward context its own layer table (see
+            ``forward_context``) is not registered.
         Others as in ``RocmAttentionImpl``.
 
-    ``forward(query [T, Hq*D], key [T, Hkv*D], value [T, Hkv*D]) -> [T, Hq*D]``.
+    ``forward(query [T, Hq*D], key [T, Hkv*D], value [T, Hkv*D]) -> [T, Hq*D]``; 3-D
+    ``[T, H, D]`` inputs (any strides, unit channel stride) are taken as they are.
+
+    A registered layer's copy (``copy.deepcopy``, unpickling) registers itself under its
+    name, or ``name#copyN`` while the original is alive, with its own copy of the cache.
     """
 
     def __init__(
@@ -52,6 +59,7 @@ class Attention(nn.Module):
         attn_type: AttentionType | str = AttentionType.DECODER,
         sinks: torch.Tensor | None = None,
         causal: bool | None = None,
+        register: bool = True,
     ):
         super().__init__()
         self.impl = RocmAttentionImpl(
@@ -71,7 +79,14 @@ class Attention(nn.Module):
         self.register_buffer("_k_scale", torch.tensor([k_scale], dtype=torch.float32), persistent=False)
         self.register_buffer("_v_scale", torch.tensor([v_scale], dtype=torch.float32), persistent=False)
         self.kv_cache = torch.empty(0)
-        register_layer(layer_name, self)
+        self.registered = register
+        if register:
+            register_layer(layer_name, self)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if self.__dict__.get("registered", False):
+            self.layer_name = register_copy(self.layer_name, self)
 
     # --- cache ----------------------------------------------------------------------------
 
@@ -90,10 +105,14 @@ class Attention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         t = query.shape[0]
-        query = query.view(t, self.num_heads, self.head_size)
-        key = key.view(t, self.num_kv_heads, self.head_size)
-        value = value.view(t, self.num_kv_heads, self.head_size)
-        output = torch.empty_like(query)
+        if query.dim() == 3:  # possibly strided: a fresh contiguous output
+            output = query.new_empty(t, self.num_heads, self.head_size)
+        else:
+            query = query.view(t, self.num_heads, self.head_size)
+            output = torch.empty_like(query)
+        if key.dim() != 3:
+            key = key.view(t, self.num_kv_heads, self.head_size)
+            value = value.view(t, self.num_kv_heads, self.head_size)
         token = None
         if self.impl.uses_kv_cache:
             token = torch.ops.rocm_attn.unified_kv_cache_update(key, value, self.layer_name)

@@ -46,26 +46,35 @@ class AttentionMetadata:
 
 
 def _host_plan(query_lens: Sequence[int], context_lens: Sequence[int],
-               block_tables: Sequence[Sequence[int]], block_size: int):
+               block_tables: Sequence[Sequence[int]], block_size: int,
+               padding: Sequence[bool] | None = None):
     if not (len(query_lens) == len(context_lens) == len(block_tables)):
         raise ValueError(
             "build_attention_metadata: query_lens, context_lens and block_tables must have one "
             f"entry per sequence, got {len(query_lens)}, {len(context_lens)}, {len(block_tables)}"
         )
+    if padding is not None and len(padding) != len(query_lens):
+        raise ValueError(f"build_attention_metadata: padding has {len(padding)} entries for {len(query_lens)} sequences")
     qsl = [0]
     seq_lens, slots, positions = [], [], []
     for s, (ql, cl, bt) in enumerate(zip(query_lens, context_lens, block_tables)):
         if ql < 0 or cl < 0:
             raise ValueError(f"build_attention_metadata: sequence {s} has query_len {ql}, context_len {cl}")
         sl = ql + cl
+        qsl.append(qsl[-1] + ql)
+        seq_lens.append(sl)
+        if padding is not None and padding[s]:
+            if cl:
+                raise ValueError(f"build_attention_metadata: padding sequence {s} has context_len {cl} (must be 0)")
+            slots += [-1] * ql
+            positions += [0] * ql
+            continue
         need = -(-sl // block_size)
         if need > len(bt):
             raise ValueError(
                 f"build_attention_metadata: sequence {s} has {sl} tokens and needs {need} blocks of "
                 f"{block_size}, but its block table has {len(bt)}"
             )
-        qsl.append(qsl[-1] + ql)
-        seq_lens.append(sl)
         for p in range(cl, sl):
             positions.append(p)
             slots.append(bt[p // block_size] * block_size + p % block_size)
@@ -81,14 +90,19 @@ def build_attention_metadata(
     *,
     num_padded_tokens: int | None = None,
     buffers: "MetadataBuffers | None" = None,
+    padding: Sequence[bool] | None = None,
 ) -> AttentionMetadata:
     """Metadata for a batch where sequence s has ``context_lens[s]`` cached tokens and
     ``query_lens[s]`` new ones, stored in the blocks ``block_tables[s]``.
 
     ``num_padded_tokens`` pads the token dimension (slot -1, position 0) for a captured
     batch size. With ``buffers``, values are copied into them and views returned.
+    ``padding[s]`` marks sequence s as padding rows inside the batch (e.g. the left padding
+    of a ``[batch, tokens]`` layout): its tokens write nothing (slot -1, position 0), it has
+    no context, and its block table names one readable block (a one-token padding sequence
+    is a decode and reads its key there); its attention output rows are unspecified.
     """
-    qsl, seq_lens, slots, positions = _host_plan(query_lens, context_lens, block_tables, block_size)
+    qsl, seq_lens, slots, positions = _host_plan(query_lens, context_lens, block_tables, block_size, padding)
     n = len(slots)
     total = n if num_padded_tokens is None else num_padded_tokens
     if total < n:

@@ -1,0 +1,497 @@
+"""transformers models on the paged backend: ``attn_implementation="rocm_attn"`` + ``PagedCache``.
+
+>>> model = AutoModelForCausalLM.from_config(config, attn_implementation="rocm_attn")
+>>> cache = PagedCache(model, num_blocks=256)
+>>> out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=16)
+
+How it joins transformers (tested with 5.17.0), through registration points only:
+
+- ``AttentionInterface.register("rocm_attn", attention_forward)``: every attention module that
+  dispatches through ``ALL_ATTENTION_FUNCTIONS`` calls ``attention_forward`` with its
+  q/k/v ``[B, H, T, D]`` (already rotated). It views them as ``[B*T, H, D]`` without a copy
+  (a transpose of a ``[B, T, H, D]`` tensor flattens as a view) and emits the layer-level
+  ops ``rocm_attn.unified_kv_cache_update`` then ``rocm_attn.unified_attention_with_output``.
+- No ``AttentionMaskInterface`` entry: transformers skips building masks for an
+  implementation without one (``masking_utils._preprocess_mask_arguments``); padding and
+  causality come from our metadata.
+- ``PagedCache`` (a ``transformers.Cache``) is passed as ``past_key_values``. It owns one
+  ``Attention`` layer (impl + KV cache) per attention module, the block allocator and each
+  row's length; its ``update`` returns the new k/v unchanged (the attention op writes them).
+- Planning: a forward pre-hook on the model's decoder (installed by ``PagedCache``, a
+  no-op for any other cache) reads ``input_ids``/``attention_mask``/``position_ids``,
+  builds the step's metadata and enters the forward context with the cache's own layer
+  table; a forward hook leaves it. Left padding (``generate`` pads ragged prompts) becomes
+  padding sequences that write nothing (slot -1) and that no real token attends to.
+
+Positions are tied to the metadata: ``position_ids`` that disagree with a row's cached
+length raise; omitted ones are filled in from the metadata. Per-call arguments that change
+the attention (``scaling``, ``sliding_window``, ``softcap``, ``s_aux``, ``is_causal``,
+``dropout``, a prepared mask, packed-sequence or continuous-batching kwargs) must match
+what the layer was built with from its module, or raise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import weakref
+
+import torch
+from transformers.cache_utils import Cache
+from transformers.modeling_utils import AttentionInterface
+
+from ..block_allocator import BlockAllocator
+from ..forward_context import get_forward_context, set_forward_context
+from ..layer import Attention
+from ..layout import allocate_kv_cache
+from ..metadata import AttentionMetadata, build_attention_metadata
+
+__all__ = ["ATTN_IMPLEMENTATION", "PagedCache", "attention_forward", "register", "stats"]
+
+ATTN_IMPLEMENTATION = "rocm_attn"
+_NAME_PREFIX = "transformers.layers."
+# Keyword arguments of other attention paths: packed sequences (flash varlen) and
+# transformers' own continuous batching (its PagedAttentionCache).
+_FOREIGN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cache",
+                   "read_index", "write_index", "block_table")
+
+
+@dataclasses.dataclass
+class IntegrationStats:
+    qkv_copies: int = 0  # q/k/v tensors that could not be viewed as [B*T, H, D] and were copied
+
+
+stats = IntegrationStats()
+
+
+def register() -> None:
+    """Register ``attn_implementation="rocm_attn"`` (``import inductor_rocm_attn`` does it)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
+
+
+# --- attention modules ------------------------------------------------------------------------
+
+
+def _module_window(module) -> int | None:
+    if hasattr(module, "sliding_window"):  # Gemma2, Qwen2/3: per layer (None on full layers)
+        return module.sliding_window
+    return getattr(module.config, "sliding_window", None)  # Mistral passes config.sliding_window
+
+
+def _module_softcap(module) -> float | None:
+    return getattr(module, "attn_logit_softcapping", None)  # Gemma2
+
+
+def _module_sinks(module) -> torch.Tensor | None:
+    return getattr(module, "sinks", None)  # gpt-oss
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """What a transformers attention module computes, read from the module (and its config)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    sliding_window: int | None
+    softcap: float | None
+    causal: bool
+    sinks: torch.Tensor | None
+
+    @classmethod
+    def of(cls, module) -> "LayerSpec":
+        config = module.config
+        num_heads = config.num_attention_heads
+        return cls(
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_size=module.head_dim,
+            scale=float(module.scaling),
+            sliding_window=_module_window(module),
+            softcap=_module_softcap(module),
+            causal=bool(getattr(module, "is_causal", True)),
+            sinks=_module_sinks(module),
+        )
+
+
+def layer_name(module) -> str:
+    """The name the ops carry for a transformers attention module (unique within a model)."""
+    return f"{_NAME_PREFIX}{module.layer_idx}"
+
+
+def _attention_modules(decoder: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    found: dict[int, torch.nn.Module] = {}
+    for path, m in decoder.named_modules():
+        if not all(hasattr(m, a) for a in ("layer_idx", "scaling", "head_dim", "config")):
+            continue
+        if m.layer_idx in found:
+            raise NotImplementedError(
+                f"PagedCache: two attention modules share layer_idx {m.layer_idx} ({path}); models "
+                "with several attention stacks (encoder-decoder, cross-attention) are not supported"
+            )
+        found[m.layer_idx] = m
+    if not found:
+        raise ValueError(f"PagedCache: no attention modules (with layer_idx, scaling, head_dim) in {type(decoder).__name__}")
+    return found
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    return model.get_decoder() if hasattr(model, "get_decoder") else model
+
+
+# --- the attention function -------------------------------------------------------------------
+
+
+def _check_call(module, attention_mask, scaling, dropout, sliding_window, softcap, s_aux, is_causal,
+                kwargs) -> None:
+    """Per-call arguments must match what the layer was built with (``LayerSpec.of(module)``);
+    ``scaling``/``is_causal`` None means not passed, for the window and soft cap None is "off"."""
+    checks = (
+        ("sliding_window", sliding_window, _module_window(module), True),
+        ("softcap", softcap, _module_softcap(module), True),
+        ("scaling", scaling, module.scaling, False),
+        ("is_causal", is_causal, getattr(module, "is_causal", True), False),
+    )
+    bad = [(n, got, built) for n, got, built, none_is_value in checks
+           if (none_is_value or got is not None) and got != built]
+    if not (dropout or attention_mask is not None or bad or s_aux is not None
+            or any(kwargs.get(k) is not None for k in _FOREIGN_KWARGS)):
+        return
+    where = f"rocm_attn attention ({type(module).__name__} layer {module.layer_idx})"
+    if dropout:
+        raise ValueError(f"{where}: dropout={dropout} is not supported (inference only); call model.eval()")
+    if attention_mask is not None:
+        raise ValueError(
+            f"{where}: got a prepared attention mask of shape {tuple(attention_mask.shape)}; custom masks "
+            "are not supported (padding comes from the 2-D attention_mask through PagedCache)"
+        )
+    for name, got, built in bad:
+        raise ValueError(f"{where}: {name}={got!r} differs from the value the layer was built with "
+                         f"({built!r}, from the module and its config)")
+    if s_aux is not None and s_aux is not _module_sinks(module):
+        raise ValueError(f"{where}: s_aux (attention sinks) must be the module's `sinks` parameter")
+    for key in _FOREIGN_KWARGS:
+        if kwargs.get(key) is not None:
+            raise ValueError(
+                f"{where}: {key} is an argument of packed-sequence / continuous-batching attention, "
+                "which rocm_attn does not take; run batches through PagedCache"
+            )
+
+
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[B, H, T, D]`` -> ``[B*T, H, D]``: a view when the layout allows it (a transpose of a
+    ``[B, T, H, D]`` tensor does), else a copy, counted in ``stats.qkv_copies``."""
+    b, h, t, d = x.shape
+    rows = x.transpose(1, 2)
+    if x.stride(3) == 1 and (b == 1 or t == 1 or x.stride(0) == t * x.stride(2)):
+        return rows.view(b * t, h, d)
+    stats.qkv_copies += 1
+    return rows.contiguous().view(b * t, h, d)
+
+
+def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      sliding_window=None, softcap=None, s_aux=None, is_causal=None, **kwargs):
+    """transformers attention function: q ``[B, Hq, T, D]``, k/v ``[B, Hkv, T, D]`` (new tokens
+    only; ``PagedCache.update`` passes them through) -> (``[B, T, Hq, D]``, None)."""
+    _check_call(module, attention_mask, scaling, dropout, sliding_window, softcap, s_aux, is_causal, kwargs)
+    if not torch.compiler.is_compiling() and get_forward_context().layers is None:
+        raise RuntimeError(
+            f"rocm_attn attention ({type(module).__name__} layer {module.layer_idx}): no PagedCache step is "
+            "active; pass past_key_values=inductor_rocm_attn.integrations.transformers.PagedCache(model, "
+            "num_blocks=...) to the model or to generate() (a transformers DynamicCache cannot be used)"
+        )
+    b, h, t, d = query.shape
+    name = layer_name(module)
+    q, k, v = _token_rows(query), _token_rows(key), _token_rows(value)
+    out = query.new_empty(b, t, h, d)
+    token = torch.ops.rocm_attn.unified_kv_cache_update(k, v, name)
+    torch.ops.rocm_attn.unified_attention_with_output(q, k, v, out.view(b * t, h, d), name, token)
+    return out, None
+
+
+# --- the cache --------------------------------------------------------------------------------
+
+
+class PagedCache(Cache):
+    """A transformers ``Cache`` backed by this package's paged KV cache, for one batch.
+
+    Args:
+        model: a transformers model loaded with ``attn_implementation="rocm_attn"``.
+        num_blocks: cache blocks shared by all rows (each holds ``block_size`` tokens of every
+            layer); one more, kept zero, backs padding rows.
+        block_size, cache_layout, kv_cache_dtype: cache geometry, as for ``Attention``.
+        poison: fill the caches with NaN (tests: a read of an unwritten slot shows).
+
+    Rows of the batch are sequences 0..B-1 from the first forward on; ``get_seq_length()`` is
+    the padded length seen so far (as for transformers' own caches). ``reset()`` frees every
+    row to reuse the memory for a new batch. Beam search, cropping and re-batching are not
+    supported (they raise).
+    """
+
+    def __init__(self, model: torch.nn.Module, num_blocks: int, *, block_size: int = 16,
+                 cache_layout: str = "LHBNC", kv_cache_dtype: str = "auto", poison: bool = False):
+        super().__init__(layers=[])
+        impl = getattr(model.config, "_attn_implementation", None)
+        if impl != ATTN_IMPLEMENTATION:
+            raise ValueError(f"PagedCache: the model uses attn_implementation={impl!r}; load it with "
+                             f'attn_implementation="{ATTN_IMPLEMENTATION}"')
+        if hasattr(model, "is_backend_compatible") and not model.is_backend_compatible():
+            raise ValueError(f"PagedCache: {type(model).__name__} does not route attention through transformers' "
+                             "AttentionInterface (_supports_attention_backend is False)")
+        decoder = _decoder(model)
+        param = next(model.parameters())
+        dtype, device = getattr(model, "dtype", param.dtype), getattr(model, "device", param.device)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self._device = device
+        self._null_block = num_blocks  # zero keys/values: what a one-token padding row reads
+        self._layers: dict[str, Attention] = {}
+        for idx, module in sorted(_attention_modules(decoder).items()):
+            spec = LayerSpec.of(module)
+            layer = Attention(
+                spec.num_heads, spec.head_size, layer_name=layer_name(module), num_kv_heads=spec.num_kv_heads,
+                scale=spec.scale, block_size=block_size, cache_layout=cache_layout,
+                kv_cache_dtype=kv_cache_dtype, sliding_window=spec.sliding_window,
+                logits_soft_cap=spec.softcap, sinks=spec.sinks, causal=spec.causal, register=False,
+            ).to(device)
+            cache = allocate_kv_cache(layer.kv_cache_spec(dtype, device), num_blocks + 1, device)
+            if poison:
+                cache.view(torch.uint8).fill_(0xFF)
+            cache[self._null_block].zero_()
+            layer.kv_cache = cache
+            self._layers[layer.layer_name] = layer
+        self._allocator = BlockAllocator(num_blocks, block_size)
+        self._decoder = weakref.ref(decoder)
+        self._lengths: list[int] = []  # real (cached) tokens of each row
+        self._seen = 0  # padded tokens seen (attention-mask columns)
+        self._step = None  # the active step's forward context
+        self._step_from_hook = False
+        self.last_metadata: AttentionMetadata | None = None
+        _install_hooks(decoder)
+
+    # --- what transformers asks a cache ---
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return key_states, value_states  # the attention op writes them into the paged cache
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._seen
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self._seen + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._lengths) or -1
+
+    def reset(self) -> None:
+        """Free every row (end of a batch); the next forward starts a new batch."""
+        if self._step is not None:
+            raise RuntimeError("PagedCache.reset: a step is active")
+        for row, n in enumerate(self._lengths):
+            if n:
+                self._allocator.free(row)
+        self._lengths, self._seen = [], 0
+
+    def _unsupported(self, what: str):
+        raise NotImplementedError(f"PagedCache: {what} is not supported (rows own their blocks; no copy-on-write)")
+
+    def reorder_cache(self, beam_idx):
+        self._unsupported("reorder_cache (beam search)")
+
+    def crop(self, tokens_to_remove):
+        self._unsupported("crop (assisted decoding / rollback)")
+
+    def batch_repeat_interleave(self, repeats):
+        self._unsupported("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices):
+        self._unsupported("batch_select_indices")
+
+    def __repr__(self) -> str:
+        return (f"PagedCache(layers={len(self._layers)}, rows={len(self._lengths)}, seen={self._seen}, "
+                f"blocks={self.num_blocks}x{self.block_size}, free={self._allocator.num_free_blocks})")
+
+    # --- our side ---
+
+    @property
+    def layers_by_name(self) -> dict[str, Attention]:
+        """The layer table the forward context hands the ops (name -> ``Attention``)."""
+        return self._layers
+
+    def row_lengths(self) -> list[int]:
+        return list(self._lengths)
+
+    def begin_step(self, input_ids: torch.Tensor | None = None, *, inputs_embeds: torch.Tensor | None = None,
+                   attention_mask: torch.Tensor | None = None,
+                   position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Plan one forward of ``[B, T]`` new tokens and enter its forward context.
+
+        ``attention_mask`` ``[B, seen + T]`` (1: token, 0: padding; None: no padding): each
+        row's new tokens must be one run (left or right padding). ``position_ids`` ``[B, T]``
+        or ``[1, T]``, if given, must equal each real token's position (its row's cached
+        length + its index in the run). Returns the ``[B, T]`` position ids to use when
+        ``position_ids`` is None (padding gets 0), else None. The forward hook calls this.
+        """
+        if self._step is not None:
+            raise RuntimeError("PagedCache: a step is already active (end_step() first)")
+        x = input_ids if input_ids is not None else inputs_embeds
+        if x is None:
+            raise ValueError("PagedCache.begin_step: needs input_ids or inputs_embeds")
+        b, t = x.shape[0], x.shape[1]
+        if not self._lengths:
+            self._lengths = [0] * b
+        elif len(self._lengths) != b:
+            raise ValueError(f"PagedCache: batch of {b} rows for a cache holding {len(self._lengths)} rows; "
+                             "use a new PagedCache (or reset()) for a new batch")
+        real, first, count = self._new_tokens(b, t, attention_mask)
+        ctx = torch.tensor(self._lengths, dtype=torch.int64)
+        expected = ctx[:, None] + torch.arange(t)[None, :] - first[:, None]
+        inject = self._check_positions(position_ids, real, expected, b, t)
+        md = self._plan(b, t, first.tolist(), count.tolist())
+        self._seen += t
+        self.last_metadata = md
+        self._step = set_forward_context(md, layers=self._layers)
+        self._step.__enter__()
+        return inject
+
+    def end_step(self) -> None:
+        if self._step is not None:
+            step, self._step = self._step, None
+            step.__exit__(None, None, None)
+
+    def _new_tokens(self, b: int, t: int, attention_mask):
+        """(real [B, T] bool host mask or None, first real index [B], real count [B])."""
+        if attention_mask is None:
+            return None, torch.zeros(b, dtype=torch.int64), torch.full((b,), t, dtype=torch.int64)
+        if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (b, self._seen + t):
+            raise ValueError(
+                f"PagedCache: attention_mask must be 2-D [batch, seen + new] = [{b}, {self._seen + t}], got "
+                f"{tuple(attention_mask.shape)} (prepared 4-D masks are not supported; a PagedCache holds one "
+                "batch: reset() it or build a new one for the next)"
+            )
+        real = attention_mask[:, self._seen:].to("cpu", torch.bool)
+        idx = torch.arange(t)
+        count = real.sum(1)
+        first = torch.where(real, idx, t).amin(1)
+        last = torch.where(real, idx, -1).amax(1)
+        gaps = (count > 0) & (last - first + 1 != count)
+        if bool(gaps.any()):
+            row = int(gaps.nonzero()[0])
+            raise ValueError(f"PagedCache: row {row} has padding between its new tokens "
+                             f"(mask {real[row].int().tolist()}); only left or right padding is supported")
+        return real, first, count
+
+    def _check_positions(self, position_ids, real, expected, b, t):
+        if position_ids is None:
+            pos = expected if real is None else torch.where(real, expected, 0)
+            return pos.to(self._device, non_blocking=True)
+        got = position_ids.to("cpu")
+        got = got.reshape(1, -1) if got.dim() == 1 else got
+        if got.dim() != 2 or got.shape[-1] != t or got.shape[0] not in (1, b):
+            raise ValueError(f"PagedCache: position_ids must be [{b}, {t}] or [1, {t}], got {tuple(position_ids.shape)}")
+        wrong = got.expand(b, t) != expected
+        if real is not None:
+            wrong &= real
+        if bool(wrong.any()):
+            row, col = (int(i) for i in wrong.nonzero()[0])
+            raise ValueError(
+                f"PagedCache: position_ids[{row}, {col}] = {int(got.expand(b, t)[row, col])} but that token is at "
+                f"position {int(expected[row, col])} of its row ({self._lengths[row]} cached); omit position_ids "
+                "to have them derived from the cache"
+            )
+        return None
+
+    def _plan(self, b: int, t: int, first: list[int], count: list[int]) -> AttentionMetadata:
+        """Kernel sequences in token order: per row, padding before / the real run / padding after."""
+        blocks = self._allocator.blocks_needed
+        need = sum(blocks(self._lengths[r] + count[r]) - blocks(self._lengths[r]) for r in range(b))
+        if need > self._allocator.num_free_blocks:
+            raise MemoryError(f"PagedCache: this step needs {need} more blocks, {self._allocator.num_free_blocks} "
+                              f"free of {self.num_blocks}; build the cache with more num_blocks")
+        qls, ctxs, tables, pads = [], [], [], []
+        null = [self._null_block]
+        for r in range(b):
+            n, start = count[r], (first[r] if count[r] else t)
+            for ql, ctx, table, pad in ((start, 0, null, True),
+                                        (n, self._lengths[r], None, False),
+                                        (t - start - n, 0, null, True)):
+                if ql <= 0:
+                    continue
+                if not pad:
+                    table = self._allocator.allocate(r, n)
+                    self._lengths[r] += n
+                qls.append(ql), ctxs.append(ctx), tables.append(table), pads.append(pad)
+        return build_attention_metadata(qls, ctxs, tables, self.block_size, self._device, padding=pads)
+
+    def _begin_from_forward(self, decoder, args, kwargs):
+        if self._step is not None:  # planned by the caller (begin_step): run inside it
+            self._step_from_hook = False
+            return None
+        if decoder is not self._decoder():
+            raise ValueError("PagedCache: this cache was built for another model instance (e.g. the original of "
+                             "a copy.deepcopy); build one PagedCache per model")
+        impl = getattr(decoder.config, "_attn_implementation", None)
+        if impl != ATTN_IMPLEMENTATION:
+            raise ValueError(f"PagedCache: the model now uses attn_implementation={impl!r}; PagedCache only works "
+                             f'with "{ATTN_IMPLEMENTATION}"')
+        if len(args) > 1:  # bind positional inputs by name, pass everything on as keywords
+            names = _positional_names(type(decoder))
+            kwargs = {**dict(zip(names, args)), **kwargs}
+            args = ()
+        elif args:
+            kwargs = {"input_ids": args[0], **kwargs}
+            args = ()
+        inject = self.begin_step(kwargs.get("input_ids"), inputs_embeds=kwargs.get("inputs_embeds"),
+                                 attention_mask=kwargs.get("attention_mask"),
+                                 position_ids=kwargs.get("position_ids"))
+        self._step_from_hook = True
+        if inject is not None:
+            kwargs["position_ids"] = inject
+        return args, kwargs
+
+    def _end_from_forward(self):
+        if self._step_from_hook:
+            self._step_from_hook = False
+            self.end_step()
+
+
+def _positional_names(cls) -> list[str]:
+    params = inspect.signature(cls.forward).parameters
+    return [n for n, p in params.items() if n != "self" and p.kind is p.POSITIONAL_OR_KEYWORD]
+
+
+@torch.compiler.disable
+def _begin_step_hook(module, args, kwargs):
+    cache = kwargs.get("past_key_values")
+    if cache is None and len(args) > 1:
+        cache = dict(zip(_positional_names(type(module)), args)).get("past_key_values")
+    if not isinstance(cache, PagedCache):
+        return None
+    return cache._begin_from_forward(module, args, kwargs)
+
+
+@torch.compiler.disable
+def _end_step_hook(module, args, kwargs, output):
+    cache = kwargs.get("past_key_values")
+    if isinstance(cache, PagedCache):
+        cache._end_from_forward()
+
+
+def _install_hooks(decoder: torch.nn.Module) -> None:
+    """Plan/finish a step around every forward of ``decoder`` that gets a PagedCache. The
+    hooks are plain functions of the module, so a ``copy.deepcopy`` of the model keeps them."""
+    if _begin_step_hook in decoder._forward_pre_hooks.values():
+        return
+    decoder.register_forward_pre_hook(_begin_step_hook, with_kwargs=True)
+    decoder.register_forward_hook(_end_step_hook, with_kwargs=True, always_call=True)
+
+
+register()  # importing this module is how ``import inductor_rocm_attn`` registers the name

@@ -1,0 +1,364 @@
+"""transformers models with attn_implementation="rocm_attn" on PagedCache, against the same
+models with attn_implementation="eager" and their own cache (CPU, random weights, no downloads).
+
+Tolerance: fp32 logits agree within 1e-5 of the step's largest |logit|. Our CPU kernels
+accumulate in float64 and round once, eager accumulates in fp32: the measured gap is
+2-5e-7 after two layers, so 1e-5 leaves room without hiding a wrong mask (a missing
+window, soft cap or padding moves logits by > 1e-2 here, which each test checks).
+"""
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import inductor_rocm_attn as ira  # noqa: E402
+from inductor_rocm_attn.integrations import transformers as hf  # noqa: E402
+from inductor_rocm_attn.integrations.transformers import PagedCache, attention_forward  # noqa: E402
+from inductor_rocm_attn.layout import dense_kv  # noqa: E402
+
+TOL = 1e-5
+# Ragged: generate() left-pads them to 11, so rows have 6, 0, 3 and 1 padding tokens (a
+# one-token padding sequence is decode-shaped and reads the cache's zero block).
+PROMPT_LENS = [5, 11, 8, 10]
+NEW_TOKENS = 9  # one prefill step + 8 decode steps
+
+_COMMON = dict(vocab_size=256, num_hidden_layers=2, max_position_embeddings=128, pad_token_id=0,
+               bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**_COMMON, hidden_size=128, intermediate_size=256,
+                                              num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    "qwen3": lambda: transformers.Qwen3Config(**_COMMON, hidden_size=128, intermediate_size=256,
+                                              num_attention_heads=2, num_key_value_heads=1, head_dim=64),
+    "mistral": lambda: transformers.MistralConfig(**_COMMON, hidden_size=64, intermediate_size=128,
+                                                  num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                                  sliding_window=6),
+    "gemma2": lambda: transformers.Gemma2Config(**_COMMON, hidden_size=128, intermediate_size=256,
+                                                num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                                sliding_window=6, attn_logit_softcapping=2.0,
+                                                query_pre_attn_scalar=24,
+                                                layer_types=["sliding_attention", "full_attention"]),
+}
+# What each config exercises, and the config change that removes it (must change the logits).
+FEATURE_OFF = {"mistral": {"sliding_window": None},
+               "gemma2": {"attn_logit_softcapping": None, "sliding_window": 4096}}
+
+
+def build(name, impl, seed=0, **overrides):
+    config = CONFIGS[name]()
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl,
+                                                         dtype=torch.float32).eval()
+
+
+def twin(model, impl, **overrides):
+    """The same weights under another attention implementation (its own config object)."""
+    config = copy.deepcopy(model.config)
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    other = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl,
+                                                          dtype=torch.float32).eval()
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def ragged_prompts(lens=PROMPT_LENS, seed=1, left=True):
+    """Token ids everywhere (padding too: a zero-embedding pad id would hide a padding token
+    written to the cache or attended to), the mask says which are prompt tokens."""
+    t = max(lens)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 256, (len(lens), t), generator=g)
+    mask = torch.zeros(len(lens), t, dtype=torch.long)
+    for i, n in enumerate(lens):
+        mask[i, slice(t - n, t) if left else slice(0, n)] = 1
+    return ids, mask
+
+
+def greedy(model, ids, mask, **kw):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                          eos_token_id=None, output_logits=True, return_dict_in_generate=True, **kw)
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def written_slots(cache: PagedCache) -> list[int]:
+    """Per layer, cache slots holding a finite key (the cache is poisoned with NaN)."""
+    counts = []
+    for layer in cache.layers_by_name.values():
+        k, _ = dense_kv(layer.kv_cache[: cache.num_blocks], layer.num_kv_heads, layer.interleaved_v)
+        counts.append(int(k.isfinite().all(-1).all(-1).sum()))
+    return counts
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def models(request):
+    ours = build(request.param, "rocm_attn")
+    return request.param, ours, twin(ours, "eager")
+
+
+def test_generate_matches_eager(models):
+    name, ours, eager = models
+    ids, mask = ragged_prompts()
+    copies = hf.stats.qkv_copies
+    cache = PagedCache(ours, num_blocks=8, poison=True)
+    got = greedy(ours, ids, mask, past_key_values=cache)
+    want = greedy(eager, ids, mask)
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(got.logits) == NEW_TOKENS
+    errs = [rel(a, b) for a, b in zip(got.logits, want.logits)]
+    assert max(errs) < TOL, errs
+    assert hf.stats.qkv_copies == copies  # q/k/v reached the ops as views
+    # Every real token is cached once per layer and no padding token is: the last generated
+    # token is never fed back, so each row holds its prompt + NEW_TOKENS - 1 tokens.
+    real = sum(PROMPT_LENS) + len(PROMPT_LENS) * (NEW_TOKENS - 1)
+    assert cache.row_lengths() == [n + NEW_TOKENS - 1 for n in PROMPT_LENS]
+    assert written_slots(cache) == [real] * len(cache.layers_by_name)
+    for layer in cache.layers_by_name.values():  # the zero block padding rows read stays zero
+        assert not layer.kv_cache[cache.num_blocks].any()
+    # The features this model exercises change the result when switched off, so the match
+    # above is evidence that they are honoured.
+    if name in FEATURE_OFF:
+        off = greedy(twin(ours, "eager", **FEATURE_OFF[name]), ids, mask)
+        assert max(rel(a, b) for a, b in zip(off.logits, want.logits)) > 100 * TOL
+
+
+@pytest.mark.parametrize("left", [True, False], ids=["left_padded", "right_padded"])
+def test_forward_without_position_ids(left):
+    """Prefill + decode steps without position_ids: positions come from the cache's metadata
+    (padding-aware), and position_ids that disagree with it raise."""
+    ours = build("llama", "rocm_attn")
+    eager = twin(ours, "eager")
+    ids, mask = ragged_prompts(left=left)
+    cache = PagedCache(ours, num_blocks=8, poison=True)
+    ref_cache = transformers.DynamicCache(config=eager.config)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        got = ours(ids, attention_mask=mask, past_key_values=cache).logits
+        want = eager(ids, attention_mask=mask, position_ids=positions, past_key_values=ref_cache).logits
+        real = mask.bool()
+        assert rel(got[real], want[real]) < TOL
+        assert got.isfinite().all()  # padding rows too: they read no poisoned slot
+        nxt = want[:, -1].argmax(-1, keepdim=True) if left else ids[:, :1]
+        pos = positions.max(-1, keepdim=True).values
+        for step in range(3):
+            mask = torch.cat([mask, torch.ones_like(nxt)], dim=-1)
+            if step == 0:  # transformers' default for omitted ids (past length) is wrong here
+                naive = eager(nxt, attention_mask=mask, position_ids=torch.full_like(nxt, mask.shape[1] - 1),
+                              past_key_values=copy.deepcopy(ref_cache)).logits
+            pos = pos + 1
+            got = ours(nxt, attention_mask=mask, past_key_values=cache).logits
+            want = eager(nxt, attention_mask=mask, position_ids=pos, past_key_values=ref_cache).logits
+            assert rel(got, want) < TOL
+            if step == 0:
+                assert rel(naive, want) > 100 * TOL
+            nxt = want[:, -1].argmax(-1, keepdim=True)
+        # The eager default (past length + arange) is wrong for the shorter rows: refused.
+        mask = torch.cat([mask, torch.ones_like(nxt)], dim=-1)
+        wrong = torch.full_like(nxt, cache.get_seq_length())
+        with pytest.raises(ValueError, match=r"position_ids\[0, 0\] = 14 but that token is at position 8 of its row \(8 cached\)"):
+            ours(nxt, attention_mask=mask, position_ids=wrong, past_key_values=cache)
+
+
+def test_deepcopy_writes_its_own_cache():
+    ours = build("qwen3", "rocm_attn")
+    ids, mask = ragged_prompts()
+    cache = PagedCache(ours, num_blocks=8, poison=True)
+    first = greedy(ours, ids, mask, past_key_values=cache)
+    before = [layer.kv_cache.clone() for layer in cache.layers_by_name.values()]
+    clone = copy.deepcopy(ours)
+    second = greedy(clone, ids, mask, past_key_values=PagedCache(clone, num_blocks=8, poison=True))
+    assert torch.equal(first.sequences, second.sequences)
+    for b, layer in zip(before, cache.layers_by_name.values()):
+        a = layer.kv_cache
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    with pytest.raises(ValueError, match="built for another model instance"):
+        greedy(clone, ids, mask, past_key_values=PagedCache(ours, num_blocks=8))
+
+
+def test_from_pretrained(tmp_path):
+    ours = build("gemma2", "rocm_attn")
+    ours.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="rocm_attn")
+    ids, mask = ragged_prompts()
+    want = greedy(ours, ids, mask, past_key_values=PagedCache(ours, num_blocks=8))
+    got = greedy(loaded, ids, mask, past_key_values=PagedCache(loaded, num_blocks=8))
+    assert loaded.config._attn_implementation == "rocm_attn" and torch.equal(got.sequences, want.sequences)
+
+
+def _step_inputs(module, b=2, t=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hq, hkv, d = module.config.num_attention_heads, module.config.num_key_value_heads, module.head_dim
+    q = torch.randn(b, t, hq, d, generator=g).transpose(1, 2)
+    k = torch.randn(b, t, hkv, d, generator=g).transpose(1, 2)
+    v = torch.randn(b, t, hkv, d, generator=g).transpose(1, 2)
+    return q, k, v
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(scaling=0.5), r"scaling=0\.5 differs from the value the layer was built with \(0\.176"),
+    (dict(dropout=0.1), r"dropout=0\.1 is not supported"),
+    (dict(sliding_window=4), r"sliding_window=4 differs .*\(None"),
+    (dict(softcap=30.0), r"softcap=30\.0 differs"),
+    (dict(is_causal=False), r"is_causal=False differs"),
+    (dict(s_aux=torch.zeros(4)), r"s_aux \(attention sinks\) must be the module's `sinks`"),
+    (dict(attention_mask=torch.zeros(2, 1, 3, 3)), r"prepared attention mask of shape \(2, 1, 3, 3\)"),
+    (dict(cu_seq_lens_q=torch.zeros(3, dtype=torch.int32)), r"cu_seq_lens_q is an argument of packed"),
+], ids=["scaling", "dropout", "sliding_window", "softcap", "is_causal", "s_aux", "mask", "packed"])
+def test_bad_call_arguments_raise_before_writing(kwargs, match):
+    ours = build("llama", "rocm_attn")
+    module = ours.model.layers[0].self_attn
+    cache = PagedCache(ours, num_blocks=4, poison=True)
+    q, k, v = _step_inputs(module)
+    call = dict(scaling=module.scaling, attention_mask=None)
+    call.update(kwargs)
+    cache.begin_step(torch.zeros(2, 3, dtype=torch.long))
+    try:
+        with pytest.raises(ValueError, match=match):
+            attention_forward(module, q, k, v, **call)
+    finally:
+        cache.end_step()
+    assert written_slots(cache) == [0, 0]
+
+
+def test_refusals_name_the_fix():
+    ours = build("llama", "rocm_attn")
+    ids, mask = ragged_prompts()
+    with pytest.raises(RuntimeError, match="no PagedCache step is active; pass past_key_values="):
+        greedy(ours, ids, mask)  # generate() would build a DynamicCache
+    with pytest.raises(ValueError, match='load it with attn_implementation="rocm_attn"'):
+        PagedCache(twin(ours, "eager"), num_blocks=4)
+    cache = PagedCache(ours, num_blocks=4)
+    gap = torch.tensor([[1, 0, 1, 1]])
+    with pytest.raises(ValueError, match="row 0 has padding between its new tokens"):
+        ours(torch.ones(1, 4, dtype=torch.long), attention_mask=gap, past_key_values=cache)
+    with pytest.raises(ValueError, match=r"attention_mask must be 2-D \[batch, seen \+ new\] = \[1, 4\]"):
+        ours(torch.ones(1, 4, dtype=torch.long), attention_mask=torch.ones(1, 5), past_key_values=cache)
+    with pytest.raises(MemoryError, match="needs 5 more blocks, 4 free of 4"):
+        ours(torch.ones(1, 65, dtype=torch.long), past_key_values=cache)
+    with pytest.raises(NotImplementedError, match="reorder_cache .beam search. is not supported"):
+        cache.reorder_cache(torch.zeros(1, dtype=torch.long))
+
+
+class _OpInputs(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records which op produced each storage, and the q/k/v of every rocm_attn attention call."""
+
+    def __init__(self):
+        super().__init__()
+        self.producer, self.calls = {}, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.rocm_attn.unified_attention_with_output.default:
+            self.calls.append(args[:3])
+        aliasing = func.is_view or func is torch.ops.aten._unsafe_view.default  # no new storage
+        for t in () if aliasing else out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel():
+                self.producer[t.untyped_storage().data_ptr()] = func.name()
+        return out
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_qkv_reach_the_ops_without_copies(name):
+    ours = build(name, "rocm_attn")
+    ids, mask = ragged_prompts()
+    cache = PagedCache(ours, num_blocks=8)
+    copies = hf.stats.qkv_copies
+    with torch.no_grad(), _OpInputs() as rec:
+        ours(ids, attention_mask=mask, past_key_values=cache)
+    assert len(rec.calls) == 2 and hf.stats.qkv_copies == copies
+    for q, k, v in rec.calls:
+        for t in (q, k, v):
+            # [B*T, H, D] views of the model's own tensors: RoPE's add for q/k, the v projection
+            producer = rec.producer[t.untyped_storage().data_ptr()]
+            assert producer.split("::")[1].split(".")[0] in ("add", "mm", "addmm"), producer
+            assert t.shape[0] == ids.numel() and t.stride(-1) == 1
+
+
+def test_layout_without_a_view_is_copied_and_counted():
+    """q [B, H, T, D] contiguous cannot be viewed as [B*T, H, D]: copied (counted), same result."""
+    ours = build("llama", "rocm_attn")
+    module = ours.model.layers[0].self_attn
+    q, k, v = _step_inputs(module)
+    outs = []
+    for layout in ("view", "copy"):
+        cache = PagedCache(ours, num_blocks=4, poison=True)
+        cache.begin_step(torch.zeros(2, 3, dtype=torch.long))
+        before = hf.stats.qkv_copies
+        args = (q, k, v) if layout == "view" else (q.contiguous(), k.contiguous(), v.contiguous())
+        out, weights = attention_forward(module, *args, None, scaling=module.scaling)
+        cache.end_step()
+        assert weights is None and hf.stats.qkv_copies - before == (0 if layout == "view" else 3)
+        outs.append(out)
+    assert out.shape == (2, 3, 4, 32) and torch.equal(outs[0], outs[1])
+
+
+def test_caches_of_one_model_are_independent():
+    """Two PagedCaches of one model: layer names resolve through the step's own table."""
+    ours = build("llama", "rocm_attn")
+    ids, mask = ragged_prompts()
+    a, b = PagedCache(ours, num_blocks=8, poison=True), PagedCache(ours, num_blocks=8, poison=True)
+    first = greedy(ours, ids, mask, past_key_values=a)
+    assert written_slots(b) == [0, 0]
+    second = greedy(ours, ids[:2], mask[:2], past_key_values=b)
+    assert torch.equal(first.sequences[:2], second.sequences)
+    assert ira.get_forward_context().layers is None  # every step left its context
+
+
+_OURS_FIRST = """
+import sys, inductor_rocm_attn
+assert "transformers" not in sys.modules
+from transformers import AutoModelForCausalLM, LlamaConfig
+config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+model = AutoModelForCausalLM.from_config(config, attn_implementation="rocm_attn")
+assert model.config._attn_implementation == "rocm_attn"
+assert not any(type(f).__name__ == "_PostImportHook" for f in sys.meta_path)
+"""
+
+
+def test_name_is_accepted_after_import_without_importing_transformers():
+    """import inductor_rocm_attn first (a fresh interpreter): transformers is not imported; the
+    name is registered once transformers loads its attention registry, and the hook is gone."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _OURS_FIRST], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_install_registers_at_once_when_transformers_is_loaded():
+    from inductor_rocm_attn.integrations import install
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    AttentionInterface._global_mapping.pop(hf.ATTN_IMPLEMENTATION)
+    try:
+        assert hf.ATTN_IMPLEMENTATION not in ALL_ATTENTION_FUNCTIONS.valid_keys()
+        install()
+        assert ALL_ATTENTION_FUNCTIONS[hf.ATTN_IMPLEMENTATION] is attention_forward
+    finally:
+        hf.register()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.float16, 1e-2), (torch.bfloat16, 4e-2)], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_generate_on_gpu_matches_eager(name, dtype, tol):
+    """The Triton kernels under generate(): every step's logits against eager attention run on
+    the tokens we generated (teacher forcing, so a near-tie cannot fork the comparison)."""
+    ours = build(name, "rocm_attn").to("cuda", dtype)
+    eager = twin(ours, "eager").to("cuda", dtype)
+    ids, mask = (t.cuda() for t in ragged_prompts())
+    got = greedy(ours, ids, mask, past_key_values=PagedCache(ours, num_blocks=8, poison=True))
+    full = torch.cat([mask, torch.ones(mask.shape[0], NEW_TOKENS - 1, dtype=mask.dtype, device="cuda")], 1)
+    with torch.no_grad():
+        want = eager(got.sequences[:, :-1], attention_mask=full,
+                     position_ids=(full.cumsum(-1) - 1).clamp(min=0)).logits.float()
+    t = ids.shape[1]
+    errs = [rel(step.float(), want[:, t - 1 + i]) for i, step in enumerate(got.logits)]
+    assert max(errs) < tol, errs

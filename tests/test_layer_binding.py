@@ -1,0 +1,65 @@
+"""How layer names resolve: copies of a model get their own names and caches; a forward
+context can carry its own layer table."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+import inductor_rocm_attn as ira
+from inductor_rocm_attn.forward_context import get_layer
+from inductor_rocm_attn.models import TinyDecoder, llama_config
+
+from cases import poison
+
+
+def _step(model, ids, alloc, cfg, seq=0):
+    start = alloc.num_tokens(seq)
+    alloc.allocate(seq, ids.shape[0])
+    md = ira.build_attention_metadata([ids.shape[0]], [start], [alloc.block_table(seq)], cfg.block_size)
+    with torch.no_grad(), ira.set_forward_context(md):
+        return model(ids, md.positions)
+
+
+def test_deepcopy_of_a_model_writes_its_own_cache():
+    cfg = llama_config(num_layers=2, vocab_size=64, hidden_size=64, head_size=32)
+    torch.manual_seed(0)
+    model = TinyDecoder(cfg, name="binding").eval()
+    ira.bind_kv_caches(model, 8, torch.float32, poison=True)
+    clone = copy.deepcopy(model)
+    names = [layer.layer_name for layer in ira.attention_layers(clone)]
+    assert names == [f"binding.layers.{i}.attn#copy1" for i in range(2)]
+    assert all(get_layer(n) is layer for n, layer in zip(names, ira.attention_layers(clone)))
+    before = [layer.kv_cache.clone() for layer in ira.attention_layers(model)]
+    ids = torch.randint(0, 64, (11,), generator=torch.Generator().manual_seed(1))
+    got = _step(clone, ids, ira.BlockAllocator(8, cfg.block_size), cfg)
+    for b, layer in zip(before, ira.attention_layers(model)):  # the original's cache: untouched
+        assert torch.equal(b.isnan(), layer.kv_cache.isnan())
+    assert torch.equal(got, _step(model, ids, ira.BlockAllocator(8, cfg.block_size), cfg))
+    assert all(not layer.kv_cache.isnan().all() for layer in ira.attention_layers(clone))
+    assert [layer.layer_name for layer in ira.attention_layers(copy.deepcopy(model))] == [
+        f"binding.layers.{i}.attn#copy2" for i in range(2)]  # #copy1 is still alive
+
+
+def test_unpickled_layer_keeps_a_free_name():
+    layer = ira.Attention(2, 32, layer_name="binding.pickled")
+    data = pickle.dumps(layer)
+    del layer
+    restored = pickle.loads(data)
+    assert restored.layer_name == "binding.pickled" and get_layer("binding.pickled") is restored
+
+
+def test_step_layer_table_overrides_the_registry():
+    registered = ira.Attention(2, 32, layer_name="binding.table")
+    own = ira.Attention(2, 32, num_kv_heads=1, layer_name="binding.table", register=False)  # same name
+    own.kv_cache = poison(ira.allocate_kv_cache(own.kv_cache_spec(torch.float32), 2))
+    md = ira.build_attention_metadata([3], [0], [[1]], 16)
+    q = torch.randn(3, 2, 32)
+    with ira.set_forward_context(md, layers={"binding.table": own}):
+        assert get_layer("binding.table") is own
+        out = own(q, q[:, :1].clone(), q[:, :1].clone())  # 3-D inputs go in as they are
+        with pytest.raises(KeyError, match="no attention layer named 'other' in this step's layer table"):
+            get_layer("other")
+    assert get_layer("binding.table") is registered
+    assert out.shape == (3, 64) and out.isfinite().all()
