@@ -5,7 +5,7 @@
 // add a dispatcher hop and a second schema to keep in sync, for nothing. Argument checks
 // that users can trip live in the Python wrapper (inductor_rocm_attn/kernels/native.py,
 // testable without a GPU); the TORCH_CHECKs here guard the C++ entry points themselves.
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
@@ -100,7 +100,7 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Ten
   p.interleaved_v = interleaved_v ? 1 : 0;
   rocm_attn_native::DecodeConfig cfg{static_cast<int32_t>(num_warps), static_cast<int32_t>(stages),
                                      static_cast<int32_t>(warp_size), static_cast<int32_t>(max_smem)};
-  const int rc = rocm_attn_native::paged_decode(p, cfg, at::cuda::getCurrentCUDAStream().stream());
+  const int rc = rocm_attn_native::paged_decode(p, cfg, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(rc == 0, "rocm_attn native ", rocm_attn_native::last_error());
 }
 
@@ -137,7 +137,7 @@ void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache, at
            (t.stride(1) * eb) % 16 == 0;
   };
   p.vector_loads = aligned(key) ? 1 : 0;
-  const int rc = rocm_attn_native::reshape_and_cache(p, at::cuda::getCurrentCUDAStream().stream());
+  const int rc = rocm_attn_native::reshape_and_cache(p, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(rc == 0, "rocm_attn native ", rocm_attn_native::last_error());
 }
 

@@ -63,8 +63,8 @@ CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 # The extension's sources; csrc/emulate (CPU emulation for tests) is not part of it.
 SOURCES = ("bindings.cpp", "paged_decode.cu", "reshape_and_cache.cu")
 _HEADERS = ("native_api.h", "launch_util.h", "ra_compat.cuh", "paged_decode.cuh")
-_EXTRA_CFLAGS = ("-O3", "-std=c++17")
-_EXTRA_CUDA_CFLAGS = ("-O3", "-std=c++17")
+_EXTRA_CFLAGS = ("-O3",)  # the C++ standard: cpp_extension picks the one of the torch headers
+_EXTRA_CUDA_CFLAGS = ("-O3",)
 
 
 # --- build ------------------------------------------------------------------------------------
@@ -352,8 +352,9 @@ def check_decode_args(output, query, kv_cache, query_start_loc, seq_lens, block_
     _check(query.shape[1] % num_kv_heads == 0,
            f"{op}: num_heads {query.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
     _check((kv_cache.stride(0) * kv_cache.element_size()) % 16 == 0
-           and (kv_cache.stride(1) * kv_cache.element_size()) % 16 == 0,
-           f"{op}: kv_cache block stride {kv_cache.stride(0)} must be a multiple of 16 bytes")
+           and (kv_cache.stride(1) * kv_cache.element_size()) % 16 == 0 and kv_cache.data_ptr() % 16 == 0,
+           f"{op}: kv_cache must start on 16 bytes with a block stride of a multiple of 16 bytes "
+           f"(16-byte copies), got stride {kv_cache.stride(0)} at address {kv_cache.data_ptr():#x}")
     for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_table", block_table)):
         _check(t.dtype in (torch.int32, torch.int64),
                f"{op}: {name} dtype {t.dtype} is not supported; supported: int32, int64")
