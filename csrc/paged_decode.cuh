@@ -96,6 +96,158 @@ RA_DEVICE float ra_finish(float acc, float m, float l, const float* sinks, int h
   return l > 0.0f ? acc / l * v_mul : 0.0f;
 }
 
+// Where one CTA works: its sequence, KV head, query heads and key range, and the tiles of
+// this thread's warp. `active` is false for a sequence whose query_len is not 1.
+struct DecodeCta {
+  int lane, warp, num_warps, seq, kv_head, split, seq_len, q_pos, lo, hi, t_begin, t_end, nh, head_base, n_my;
+  int64_t q_row;
+  bool active;
+
+  template <int GT>
+  RA_DEVICE void init(const DecodeParams& p, const DecodeRuntime& rt) {
+    const int tid = static_cast<int>(ra_tid());
+    lane = tid % RA_WARP_SIZE;
+    warp = tid / RA_WARP_SIZE;
+    num_warps = static_cast<int>(ra_ntid()) / RA_WARP_SIZE;
+    seq = static_cast<int>(ra_bid_x());
+    kv_head = static_cast<int>(ra_bid_y()) / rt.head_chunks;
+    const int chunk = static_cast<int>(ra_bid_y()) % rt.head_chunks;
+    split = static_cast<int>(ra_bid_z());
+    q_row = ra_load_index(p.query_start_loc, seq, p.query_start_loc_is64);
+    active = ra_load_index(p.query_start_loc, seq + 1, p.query_start_loc_is64) - q_row == 1;
+    seq_len = active ? static_cast<int>(ra_load_index(p.seq_lens, seq, p.seq_lens_is64)) : 0;
+    const int gqa = p.num_heads / p.num_kv_heads;
+    nh = ra_min(GT, gqa - chunk * GT);  // real heads of this CTA
+    head_base = kv_head * gqa + chunk * GT;
+    // Visible keys [lo, hi): every key is <= the query position (causal or not); the window
+    // keeps q_pos - k_pos < sliding_window.
+    q_pos = seq_len - 1;
+    hi = seq_len;
+    lo = p.sliding_window > 0 ? ra_max(seq_len - p.sliding_window, 0) : 0;
+    t_begin = lo / kTile;
+    t_end = (hi + kTile - 1) / kTile;
+    if (p.num_splits > 1) {
+      const int per = (t_end - t_begin + p.num_splits - 1) / p.num_splits;
+      t_begin = ra_min(t_begin + split * per, t_end);
+      t_end = ra_min(t_begin + per, t_end);
+    }
+    n_my = t_begin + warp < t_end ? (t_end - t_begin - warp + num_warps - 1) / num_warps : 0;
+  }
+  RA_DEVICE int tile_start(int k) const { return (t_begin + warp + k * num_warps) * kTile; }
+};
+
+// Position (in 16-byte packets) of K packet c of token t in a tile: rows of NCP packets,
+// XOR-swizzled so that both the copies (16 tokens of one packet column) and the reads (all
+// packets of a token) spread over the shared-memory banks.
+template <int NCP>
+RA_DEVICE int k_slot(int t, int c) {
+  constexpr int SWM = ra_min(NCP, 8);
+  constexpr int SWD = ra_max(1, 8 / NCP);
+  return t * NCP + (c ^ ((t / SWD) % SWM));
+}
+
+// Position of V packet g (tokens g*x ..) of channel d in a tile: [D][16 / x]; with VSWZ (the
+// tensor-core kernel's ldmatrix reads 8 channels of one packet column) the two packets of a
+// 16-bit row swap every 4 channels.
+template <int PPC, bool VSWZ>
+RA_DEVICE int v_slot(int d, int g) {
+  return VSWZ && PPC == 2 ? d * 2 + (g ^ ((d >> 2) & 1)) : d * PPC + g;
+}
+
+// Copy the K and V tiles of keys ts .. ts + 15 (block `blk`) into a ring slot (16-byte copies,
+// asynchronous where the hardware has them).
+template <int CK, int D, bool VSWZ>
+RA_DEVICE void issue_tile(const DecodeParams& p, const DecodeCta& c, unsigned char* slot, int tile_bytes, int ts,
+                          int64_t blk) {
+  constexpr int W = RA_WARP_SIZE;
+  constexpr int ESZ = CacheKind<CK>::kBytes;
+  constexpr int X = 16 / ESZ;
+  constexpr int NCP = D / X;
+  constexpr int PPC = kTile / X;  // V packets per channel of a tile
+  static_assert((kTile * NCP) % W == 0 && (D * PPC) % W == 0, "tile copies");
+  const int bs = p.block_size;
+  const int off = ts % bs;
+  const int64_t page = (blk * p.cache_block_stride + static_cast<int64_t>(c.kv_head) * D * bs) * ESZ;
+  const unsigned char* k_src = static_cast<const unsigned char*>(p.k_cache) + page;
+  const unsigned char* v_src = static_cast<const unsigned char*>(p.v_cache) + page;
+  unsigned char* vd = slot + tile_bytes;
+#pragma unroll
+  for (int i = 0; i < kTile * NCP / W; ++i) {
+    const int j = c.lane + W * i;
+    const int t = j % kTile, cc = j / kTile;
+    ra_copy16_async(slot + k_slot<NCP>(t, cc) * 16, k_src + (static_cast<int64_t>(cc) * bs + off + t) * 16);
+  }
+#pragma unroll
+  for (int i = 0; i < D * PPC / W; ++i) {
+    const int j = c.lane + W * i;
+    const int d = j / PPC, g = j % PPC;
+    const int tok = off + g * X;
+    const int64_t e = p.interleaved_v ? (static_cast<int64_t>(tok / X) * D + d) * X : static_cast<int64_t>(d) * bs + tok;
+    ra_copy16_async(vd + v_slot<PPC, VSWZ>(d, g) * 16, v_src + e * ESZ);
+  }
+}
+
+// The warp's tile loop: a ring of `stages` slots, stages - 1 tiles in flight, the block id of
+// the next tile loaded one iteration ahead. compute(slot, ts) runs once per tile.
+template <int CK, int D, bool VSWZ, typename F>
+RA_DEVICE void tile_loop(const DecodeParams& p, const DecodeCta& c, unsigned char* ring, int tile_bytes, int stages,
+                         F&& compute) {
+  const int64_t bt_row = static_cast<int64_t>(c.seq) * p.block_table_stride;
+  auto block_of = [&](int k) -> int64_t {
+    return ra_load_index(p.block_table, bt_row + c.tile_start(k) / p.block_size, p.block_table_is64);
+  };
+  for (int s = 0; s < stages - 1; ++s) {
+    if (s < c.n_my) issue_tile<CK, D, VSWZ>(p, c, ring + s * 2 * tile_bytes, tile_bytes, c.tile_start(s), block_of(s));
+    ra_copy_commit();
+  }
+  int64_t next_blk = stages - 1 < c.n_my ? block_of(stages - 1) : 0;
+  for (int k = 0; k < c.n_my; ++k) {
+    const int kk = k + stages - 1;
+    if (kk < c.n_my)
+      issue_tile<CK, D, VSWZ>(p, c, ring + (kk % stages) * 2 * tile_bytes, tile_bytes, c.tile_start(kk), next_blk);
+    ra_copy_commit();
+    next_blk = kk + 1 < c.n_my ? block_of(kk + 1) : 0;  // used next iteration
+    ra_copy_wait(stages - 1);
+    ra_syncwarp();
+    compute(ring + (k % stages) * 2 * tile_bytes, c.tile_start(k));
+    ra_syncwarp();  // the next iteration's copies overwrite this slot
+  }
+}
+
+// After every warp wrote its (acc [GT][D], max, sum) into the merge area and the CTA synced:
+// merge the warps and store the output (one split) or the split's partials.
+template <int D, int GT>
+RA_DEVICE void merge_and_store(const DecodeParams& p, const DecodeCta& c, const float* m_acc, const float* m_max,
+                               const float* m_sum, float v_mul) {
+  for (int e = static_cast<int>(ra_tid()); e < c.nh * D; e += static_cast<int>(ra_ntid())) {
+    const int h = e / D, d = e % D;
+    float mx = RA_NEG_INF;
+    for (int w = 0; w < c.num_warps; ++w) mx = mx > m_max[w * GT + h] ? mx : m_max[w * GT + h];
+    float a = 0.0f, l = 0.0f;
+    if (mx != RA_NEG_INF) {
+      for (int w = 0; w < c.num_warps; ++w) {
+        const float f = ra_exp2(m_max[w * GT + h] - mx);
+        a += f * m_acc[(w * GT + h) * D + d];
+        l += f * m_sum[w * GT + h];
+      }
+    }
+    const int head = c.head_base + h;
+    if (p.num_splits == 1) {
+      const float o = ra_finish(a, mx, l, p.sinks, head, v_mul);
+      ra_store_model(p.out, c.q_row * p.out_stride_t + static_cast<int64_t>(head) * p.out_stride_h + d, o,
+                     p.model_dtype);
+    } else {
+      const int64_t row = (static_cast<int64_t>(c.seq) * p.num_heads + head) * p.num_splits + c.split;
+      p.part_acc[row * D + d] = a;
+      if (d == 0) {
+        p.part_ml[row * 2] = mx;
+        p.part_ml[row * 2 + 1] = l;
+      }
+    }
+  }
+}
+
+// CUDA-core decode: warp-level dot products (see the top of this file).
 template <int CK, int D, int GT>
 RA_GLOBAL void RA_LAUNCH_BOUNDS(256) paged_decode_kernel(DecodeParams p, DecodeRuntime rt, int stages) {
   using K = CacheKind<CK>;
@@ -105,7 +257,6 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(256) paged_decode_kernel(DecodeParams p, DecodeR
   constexpr int NCP = D / X;         // K packets per token
   constexpr int NCR = D / 8;         // 8-element K read groups per token
   static_assert(NCR <= W && W / NCR <= kTile, "head size does not fit the warp mapping");
-  static_assert((kTile * NCP) % W == 0 && (D * (kTile / X)) % W == 0, "tile copies");
   constexpr int TPI = W / NCR;       // tokens per K read step
   constexpr int NK = kTile / TPI;    // K read steps per tile
   constexpr int KC = ra_min(NK, ra_max(1, 16 / GT));  // steps per reduction (bounds registers)
@@ -115,43 +266,16 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(256) paged_decode_kernel(DecodeParams p, DecodeR
   constexpr int VC = ra_min(NV, 2);  // V read groups converted at a time
   constexpr int HG = W / kTile;      // head groups of the softmax phase
   constexpr int HPL = (GT + HG - 1) / HG;
-  constexpr int SWM = ra_min(NCP, 8);              // K swizzle: packet c of token t sits at
-  constexpr int SWD = ra_max(1, 8 / NCP);          // t * NCP + (c ^ ((t / SWD) % SWM))
   using RS = ReduceScatter<KC * GT, NCR>;
 
   RA_DYNAMIC_SMEM(smem);
-  const int tid = static_cast<int>(ra_tid());
-  const int lane = tid % W;
-  const int warp = tid / W;
-  const int num_warps = static_cast<int>(ra_ntid()) / W;
-  const int seq = static_cast<int>(ra_bid_x());
-  const int kv_head = static_cast<int>(ra_bid_y()) / rt.head_chunks;
-  const int chunk = static_cast<int>(ra_bid_y()) % rt.head_chunks;
-  const int split = static_cast<int>(ra_bid_z());
+  DecodeCta c;
+  c.init<GT>(p, rt);
+  if (!c.active) return;  // uniform over the CTA
+  const int lane = c.lane;
 
-  const int64_t q_row = ra_load_index(p.query_start_loc, seq, p.query_start_loc_is64);
-  if (ra_load_index(p.query_start_loc, seq + 1, p.query_start_loc_is64) - q_row != 1) return;
-  const int seq_len = static_cast<int>(ra_load_index(p.seq_lens, seq, p.seq_lens_is64));
-  const int gqa = p.num_heads / p.num_kv_heads;
-  const int h0 = chunk * GT;
-  const int nh = ra_min(GT, gqa - h0);  // real heads of this CTA
-  const int head_base = kv_head * gqa + h0;
-
-  // Visible keys [lo, hi): all keys are <= the query position (causal or not); the window
-  // keeps q_pos - k_pos < sliding_window.
-  const int q_pos = seq_len - 1;
-  const int hi = seq_len;
-  const int lo = p.sliding_window > 0 ? ra_max(seq_len - p.sliding_window, 0) : 0;
-  int t_begin = lo / kTile;
-  int t_end = (hi + kTile - 1) / kTile;
-  if (p.num_splits > 1) {
-    const int per = (t_end - t_begin + p.num_splits - 1) / p.num_splits;
-    t_begin = ra_min(t_begin + split * per, t_end);
-    t_end = ra_min(t_begin + per, t_end);
-  }
-
-  const DecodeSmem lay(D, ESZ, GT, num_warps, stages);
-  unsigned char* ring = smem + warp * lay.warp_bytes;
+  const DecodeSmem lay(D, ESZ, GT, c.num_warps, stages);
+  unsigned char* ring = smem + c.warp * lay.warp_bytes;
   float* s_buf = reinterpret_cast<float*>(ring + lay.scores);  // [GT][16] raw scores
   float* p_buf = reinterpret_cast<float*>(ring + lay.probs);   // [GT][16] probabilities
   float* a_buf = reinterpret_cast<float*>(ring + lay.alphas);  // [GT] rescale factors
@@ -166,9 +290,9 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(256) paged_decode_kernel(DecodeParams p, DecodeR
   float q[GT][8];
 #pragma unroll
   for (int h = 0; h < GT; ++h) {
-    const int64_t base = q_row * p.q_stride_t + static_cast<int64_t>(head_base + h) * p.q_stride_h + r * 8;
+    const int64_t base = c.q_row * p.q_stride_t + static_cast<int64_t>(c.head_base + h) * p.q_stride_h + r * 8;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) q[h][j] = h < nh ? ra_load_model(p.query, base + j, p.model_dtype) * q_mul : 0.0f;
+    for (int j = 0; j < 8; ++j) q[h][j] = h < c.nh ? ra_load_model(p.query, base + j, p.model_dtype) * q_mul : 0.0f;
   }
 
   // Softmax-phase state: token st of the tile, heads hg + HG * jh.
@@ -180,7 +304,7 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(256) paged_decode_kernel(DecodeParams p, DecodeR
     const int h = hg + HG * jh;
     m_run[jh] = RA_NEG_INF;
     l_run[jh] = 0.0f;
-    slope[jh] = (p.alibi_slopes != nullptr && h < nh) ? p.alibi_slopes[head_base + h] * RA_LOG2E : 0.0f;
+    slope[jh] = (p.alibi_slopes != nullptr && h < c.nh) ? p.alibi_slopes[c.head_base + h] * RA_LOG2E : 0.0f;
   }
 
   float acc[NV][GT];
@@ -189,60 +313,8 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(256) paged_decode_kernel(DecodeParams p, DecodeR
 #pragma unroll
     for (int h = 0; h < GT; ++h) acc[i][h] = 0.0f;
 
-  const int n_my = t_begin + warp < t_end ? (t_end - t_begin - warp + num_warps - 1) / num_warps : 0;
-  const int bs = p.block_size;
-  const int64_t head_off = static_cast<int64_t>(kv_head) * D * bs;
-  const unsigned char* k_base = static_cast<const unsigned char*>(p.k_cache);
-  const unsigned char* v_base = static_cast<const unsigned char*>(p.v_cache);
-  const int64_t bt_row = static_cast<int64_t>(seq) * p.block_table_stride;
-
-  auto tile_block = [&](int k) -> int64_t {
-    const int ts = (t_begin + warp + k * num_warps) * kTile;
-    return ra_load_index(p.block_table, bt_row + ts / bs, p.block_table_is64);
-  };
-  auto issue = [&](int k, int64_t blk) {
-    const int ts = (t_begin + warp + k * num_warps) * kTile;
-    const int off = ts % bs;
-    const int64_t page = (blk * p.cache_block_stride + head_off) * ESZ;
-    unsigned char* kd = ring + (k % stages) * 2 * lay.tile_bytes;
-    unsigned char* vd = kd + lay.tile_bytes;
-#pragma unroll
-    for (int i = 0; i < kTile * NCP / W; ++i) {
-      const int j = lane + W * i;
-      const int t = j % kTile, c = j / kTile;
-      const unsigned char* src = k_base + page + (static_cast<int64_t>(c) * bs + off + t) * 16;
-      ra_copy16_async(kd + (t * NCP + (c ^ ((t / SWD) % SWM))) * 16, src);
-    }
-    constexpr int PPC = kTile / X;  // V packets per channel of a tile
-#pragma unroll
-    for (int i = 0; i < D * PPC / W; ++i) {
-      const int j = lane + W * i;
-      const int d = j / PPC, g = j % PPC;
-      const int tok = off + g * X;
-      const int64_t e = p.interleaved_v ? (static_cast<int64_t>(tok / X) * D + d) * X
-                                        : static_cast<int64_t>(d) * bs + tok;
-      ra_copy16_async(vd + j * 16, v_base + page + e * ESZ);
-    }
-  };
-
-  // Prologue: the first stages - 1 tiles in flight; the block id of the next one loaded.
-  for (int s = 0; s < stages - 1; ++s) {
-    if (s < n_my) issue(s, tile_block(s));
-    ra_copy_commit();
-  }
-  int64_t next_blk = stages - 1 < n_my ? tile_block(stages - 1) : 0;
-
-  for (int k = 0; k < n_my; ++k) {
-    const int kk = k + stages - 1;
-    if (kk < n_my) issue(kk, next_blk);
-    ra_copy_commit();
-    next_blk = kk + 1 < n_my ? tile_block(kk + 1) : 0;  // used next iteration
-    ra_copy_wait(stages - 1);
-    ra_syncwarp();
-
-    const int ts = (t_begin + warp + k * num_warps) * kTile;
-    const bool full = ts >= lo && ts + kTile <= hi;
-    const unsigned char* ks = ring + (k % stages) * 2 * lay.tile_bytes;
+  tile_loop<CK, D, false>(p, c, ring, lay.tile_bytes, stages, [&](const unsigned char* ks, int ts) {
+    const bool full = ts >= c.lo && ts + kTile <= c.hi;
     const unsigned char* vs = ks + lay.tile_bytes;
 
     // K phase: raw scores of every (token, head) into s_buf.
@@ -252,9 +324,8 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(256) paged_decode_kernel(DecodeParams p, DecodeR
 #pragma unroll
       for (int i = 0; i < KC; ++i) {
         const int t = sub + TPI * (c0 + i);
-        const int c = (ESZ == 2) ? r : r / 2;
         float kf[8];
-        ra_load8<CK>(ks + (t * NCP + (c ^ ((t / SWD) % SWM))) * 16 + (ESZ == 2 ? 0 : (r % 2) * 8), kf);
+        ra_load8<CK>(ks + k_slot<NCP>(t, ESZ == 2 ? r : r / 2) * 16 + (ESZ == 2 ? 0 : (r % 2) * 8), kf);
 #pragma unroll
         for (int h = 0; h < GT; ++h) {
           float s = 0.0f;
@@ -282,8 +353,8 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(256) paged_decode_kernel(DecodeParams p, DecodeR
       float sc = real ? s_buf[h * kTile + st] : 0.0f;
       if (softcap) sc = cap_log2 * ra_tanh(sc);
       const int k_pos = ts + st;
-      sc += slope[jh] * static_cast<float>(k_pos - q_pos);
-      if (k_pos < lo || k_pos >= hi) sc = RA_NEG_INF;
+      sc += slope[jh] * static_cast<float>(k_pos - c.q_pos);
+      if (k_pos < c.lo || k_pos >= c.hi) sc = RA_NEG_INF;
       float mx = sc;
 #pragma unroll
       for (int m = kTile / 2; m >= 1; m /= 2) {
@@ -324,7 +395,7 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(256) paged_decode_kernel(DecodeParams p, DecodeR
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
             const int k_pos = ts + half * 8 + j;
-            if (k_pos < lo || k_pos >= hi) vf[i][j] = 0.0f;
+            if (k_pos < c.lo || k_pos >= c.hi) vf[i][j] = 0.0f;
           }
         }
       }
@@ -342,8 +413,7 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(256) paged_decode_kernel(DecodeParams p, DecodeR
         }
       }
     }
-    ra_syncwarp();  // the next iteration's copies overwrite this slot
-  }
+  });
 
   // Merge the two 8-token halves of each channel, then the warps.
 #pragma unroll
@@ -352,14 +422,14 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(256) paged_decode_kernel(DecodeParams p, DecodeR
     for (int h = 0; h < GT; ++h) acc[i][h] += ra_shfl_xor(acc[i][h], 1);
   ra_syncthreads();  // every warp is done with its ring: the merge area overlaps them
   float* m_acc = reinterpret_cast<float*>(smem);                 // [num_warps][GT][D]
-  float* m_max = m_acc + num_warps * GT * D;                       // [num_warps][GT]
-  float* m_sum = m_max + num_warps * GT;                           // [num_warps][GT]
+  float* m_max = m_acc + c.num_warps * GT * D;                   // [num_warps][GT]
+  float* m_sum = m_max + c.num_warps * GT;                       // [num_warps][GT]
   if (lane % 2 == 0) {
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       const int d = (lane + W * i) / 2;
 #pragma unroll
-      for (int h = 0; h < GT; ++h) m_acc[(warp * GT + h) * D + d] = acc[i][h];
+      for (int h = 0; h < GT; ++h) m_acc[(c.warp * GT + h) * D + d] = acc[i][h];
     }
   }
   if (st == 0) {
@@ -367,40 +437,13 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(256) paged_decode_kernel(DecodeParams p, DecodeR
     for (int jh = 0; jh < HPL; ++jh) {
       const int h = hg + HG * jh;
       if (h < GT) {
-        m_max[warp * GT + h] = m_run[jh];
-        m_sum[warp * GT + h] = l_run[jh];
+        m_max[c.warp * GT + h] = m_run[jh];
+        m_sum[c.warp * GT + h] = l_run[jh];
       }
     }
   }
   ra_syncthreads();
-
-  const float v_mul = K::kFp8 ? p.v_scale[0] * rt.v_factor : 1.0f;
-  for (int e = tid; e < nh * D; e += static_cast<int>(ra_ntid())) {
-    const int h = e / D, d = e % D;
-    float mx = RA_NEG_INF;
-    for (int w = 0; w < num_warps; ++w) mx = mx > m_max[w * GT + h] ? mx : m_max[w * GT + h];
-    float a = 0.0f, l = 0.0f;
-    if (mx != RA_NEG_INF) {
-      for (int w = 0; w < num_warps; ++w) {
-        const float f = ra_exp2(m_max[w * GT + h] - mx);
-        a += f * m_acc[(w * GT + h) * D + d];
-        l += f * m_sum[w * GT + h];
-      }
-    }
-    const int head = head_base + h;
-    if (p.num_splits == 1) {
-      const float o = ra_finish(a, mx, l, p.sinks, head, v_mul);
-      ra_store_model(p.out, q_row * p.out_stride_t + static_cast<int64_t>(head) * p.out_stride_h + d, o,
-                     p.model_dtype);
-    } else {
-      const int64_t row = (static_cast<int64_t>(seq) * p.num_heads + head) * p.num_splits + split;
-      p.part_acc[row * D + d] = a;
-      if (d == 0) {
-        p.part_ml[row * 2] = mx;
-        p.part_ml[row * 2 + 1] = l;
-      }
-    }
-  }
+  merge_and_store<D, GT>(p, c, m_acc, m_max, m_sum, K::kFp8 ? p.v_scale[0] * rt.v_factor : 1.0f);
 }
 
 // Merge the splits of one (sequence, head): grid (num_seqs, num_heads), one thread a channel.
