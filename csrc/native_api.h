@@ -55,6 +55,7 @@ struct DecodeConfig {
   int32_t stages;          // tiles in flight per warp (2..4)
   int32_t warp_size;       // of the device (32 NVIDIA, 64 CDNA)
   int32_t max_smem_bytes;  // dynamic shared memory a CTA may use on this device
+  int32_t tensor_cores;    // 1: the mma kernel (NVIDIA sm_80+ builds only), 0: CUDA-core dot products
 };
 
 // Query heads of one KV head that one CTA handles (1, 2, 4 or 8); GQA ratios above 8 take

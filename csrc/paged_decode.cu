@@ -2,6 +2,7 @@
 // heads per CTA), checks the launch configuration and launches decode (+ split reduction).
 #include "launch_util.h"
 #include "paged_decode.cuh"
+#include "paged_decode_mma.cuh"
 
 namespace rocm_attn_native {
 
@@ -29,15 +30,24 @@ template <int CK, int D, int GT>
 int launch_decode(const DecodeParams& p, const DecodeConfig& cfg, const DecodeRuntime& rt, void* stream) {
   using K = CacheKind<CK>;
   auto* kernel = &paged_decode_kernel<CK, D, GT>;
+#if defined(RA_HAS_TENSOR_CORE_KERNEL)
+  if (cfg.tensor_cores) {
+    if (cfg.warp_size != 32) return fail("paged_decode: the tensor-core kernel needs 32-lane warps");
+    kernel = &paged_decode_mma_kernel<CK, D, GT>;
+  }
+#else
+  if (cfg.tensor_cores) return fail("paged_decode: this build has no tensor-core kernel (HIP)");
+#endif
   const int smem = static_cast<int>(decode_smem_bytes(D, K::kBytes, GT, cfg.num_warps, cfg.stages));
   if (smem > cfg.max_smem_bytes)
     return fail("paged_decode: %d warps x %d stages need %d bytes of shared memory, the device allows %d",
                 cfg.num_warps, cfg.stages, smem, cfg.max_smem_bytes);
-  static int allowed = 48 * 1024;  // per instantiation: raise the opt-in limit once
-  if (smem > allowed) {
+  static int allowed[2] = {48 * 1024, 48 * 1024};  // per kernel: raise the opt-in limit once
+  int& limit = allowed[cfg.tensor_cores ? 1 : 0];
+  if (smem > limit) {
     if (ra_allow_smem(kernel, smem) != 0)
       return fail("paged_decode: could not raise the shared-memory limit to %d bytes", smem);
-    allowed = smem;
+    limit = smem;
   }
   const ra_grid grid = {static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.num_kv_heads * rt.head_chunks),
                         static_cast<unsigned>(p.num_splits)};

@@ -242,6 +242,7 @@ RA_DEVICE uint32_t ra_float_to_fp8(float f) {
     static constexpr int kBytes = 1;                                                              \
     static constexpr bool kFp8 = true;                                                            \
     static constexpr float kDecodeFactor = FACTOR;                                                \
+    RA_DEVICE static uint16_t to_half_bits(uint32_t b) { return HALF_BITS; }                       \
     RA_DEVICE static float to_float(uint32_t b) { return ra_fp16_to_float(HALF_BITS); }           \
     RA_DEVICE static uint32_t from_float(float f) { return ra_float_to_fp8<EB, MB, BIAS, FNUZ>(f); } \
   };
@@ -292,6 +293,110 @@ RA_DEVICE void ra_store_model(void* p, int64_t i, float v, int dtype) {
 // Index tensors (seq_lens, query_start_loc, block_table, slot_mapping) are int32 or int64.
 RA_DEVICE int64_t ra_load_index(const void* p, int64_t i, int is64) {
   return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
+}
+
+// ---- tensor cores (NVIDIA sm_80+; emulated for the tests) ------------------------------------
+// ldmatrix .x4: lane L gives the address of row L % 8 of 8x8 matrix L / 8 (16 bytes of 16-bit
+// values); r[m] receives row lane / 4, elements 2 * (lane % 4) .. + 1 of matrix m.
+// mma m16n8k16 (row.col, fp32 accumulate), with g = lane / 4, t = lane % 4:
+//   A 16x16: a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
+//   B 16x8:  b0 (2t..2t+1, g), b1 (2t+8.., g);  C/D 16x8: d0,d1 (g, 2t..2t+1), d2,d3 (g+8, 2t..)
+// (two 16-bit values per register, the lower index in the low half).
+#if defined(RA_CUDA) || defined(RA_EMULATE)
+#define RA_HAS_TENSOR_CORE_KERNEL 1
+#endif
+
+#if defined(RA_CUDA)
+RA_DEVICE void ra_ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+#else
+  (void)row;
+  r[0] = r[1] = r[2] = r[3] = 0u;
+  __trap();
+#endif
+}
+
+template <bool BF16>
+RA_DEVICE void ra_mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (BF16) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+#else
+  (void)d;
+  (void)a;
+  (void)b0;
+  (void)b1;
+  __trap();
+#endif
+}
+#elif defined(RA_EMULATE)
+RA_DEVICE void ra_ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+  uint32_t mine[2];
+  const uint64_t a = reinterpret_cast<uint64_t>(row);
+  mine[0] = static_cast<uint32_t>(a);
+  mine[1] = static_cast<uint32_t>(a >> 32);
+  uint32_t all[32][2];
+  ra_emu::warp_gather<2>(mine, all);
+  const int lane = static_cast<int>(ra_emu::cta()->current) % 32;
+  for (int m = 0; m < 4; ++m) {
+    const int src = 8 * m + lane / 4;
+    const uint64_t addr = static_cast<uint64_t>(all[src][0]) | (static_cast<uint64_t>(all[src][1]) << 32);
+    memcpy(&r[m], reinterpret_cast<const unsigned char*>(addr) + 4 * (lane % 4), 4);
+  }
+}
+
+template <bool BF16>
+RA_DEVICE float ra_emu_half(uint32_t w, int hi) {
+  const uint16_t h = static_cast<uint16_t>(hi ? w >> 16 : w & 0xffffu);
+  return BF16 ? ra_bf16_to_float(h) : ra_fp16_to_float(h);
+}
+
+template <bool BF16>
+RA_DEVICE void ra_mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b0, b1};
+  uint32_t all[32][6];
+  ra_emu::warp_gather<6>(mine, all);
+  float A[16][16], B[16][8];
+  for (int L = 0; L < 32; ++L) {
+    const int g = L / 4, t = L % 4;
+    for (int e = 0; e < 2; ++e) {
+      A[g][2 * t + e] = ra_emu_half<BF16>(all[L][0], e);
+      A[g + 8][2 * t + e] = ra_emu_half<BF16>(all[L][1], e);
+      A[g][2 * t + 8 + e] = ra_emu_half<BF16>(all[L][2], e);
+      A[g + 8][2 * t + 8 + e] = ra_emu_half<BF16>(all[L][3], e);
+      B[2 * t + e][g] = ra_emu_half<BF16>(all[L][4], e);
+      B[2 * t + 8 + e][g] = ra_emu_half<BF16>(all[L][5], e);
+    }
+  }
+  const int lane = static_cast<int>(ra_emu::cta()->current) % 32;
+  const int g = lane / 4, t = lane % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+    float s = d[i];
+    for (int k = 0; k < 16; ++k) s += A[row][k] * B[k][col];
+    d[i] = s;
+  }
+}
+#endif
+
+// Two floats as the 16-bit pair of an mma operand (round to nearest even).
+template <bool BF16>
+RA_DEVICE uint32_t ra_pack2(float lo, float hi) {
+  if constexpr (BF16) return static_cast<uint32_t>(ra_float_to_bf16(lo)) | (static_cast<uint32_t>(ra_float_to_bf16(hi)) << 16);
+  else return static_cast<uint32_t>(ra_float_to_fp16(lo)) | (static_cast<uint32_t>(ra_float_to_fp16(hi)) << 16);
 }
 
 // ---- host side: launches, kernel attributes, device queries --------------------------------

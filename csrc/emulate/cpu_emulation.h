@@ -40,6 +40,7 @@ struct Cta {
   std::vector<Fiber> fibers;
   std::vector<unsigned char> smem;
   std::vector<uint64_t> exchange;
+  std::vector<uint32_t> words;
   const std::function<void()>* body = nullptr;
 };
 
@@ -80,6 +81,19 @@ T shfl_xor(T v, int mask) {
   T r;
   memcpy(&r, &y, sizeof(T));
   return r;
+}
+
+// Every lane of the calling warp publishes N words; all[lane] receives lane's words.
+template <int N>
+void warp_gather(const uint32_t (&mine)[N], uint32_t (*all)[N]) {
+  static_assert(N <= 8, "at most 8 words a lane");
+  Cta* c = cta();
+  const unsigned me = static_cast<unsigned>(c->current), w0 = me - me % RA_WARP_SIZE;
+  for (int i = 0; i < N; ++i) c->words[me * 8 + i] = mine[i];
+  sync_warp();
+  for (unsigned l = 0; l < RA_WARP_SIZE; ++l)
+    for (int i = 0; i < N; ++i) all[l][i] = c->words[(w0 + l) * 8 + i];
+  sync_warp();
 }
 
 inline void trampoline() {
@@ -172,6 +186,7 @@ void launch(unsigned gx, unsigned gy, unsigned gz, unsigned block, size_t smem, 
   for (auto& f : c.fibers) f.stack.resize(256 * 1024);
   c.smem.assign(smem + 16, 0xA5);  // garbage, as on a GPU
   c.exchange.assign(block, 0);
+  c.words.assign(static_cast<size_t>(block) * 8, 0);
   c.body = &body;
   Cta* saved = cta();
   cta() = &c;

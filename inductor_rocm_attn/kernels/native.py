@@ -62,7 +62,7 @@ KEY_TILE = 16  # keys per kernel tile
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 # The extension's sources; csrc/emulate (CPU emulation for tests) is not part of it.
 SOURCES = ("bindings.cpp", "paged_decode.cu", "reshape_and_cache.cu")
-_HEADERS = ("native_api.h", "launch_util.h", "ra_compat.cuh", "paged_decode.cuh")
+_HEADERS = ("native_api.h", "launch_util.h", "ra_compat.cuh", "paged_decode.cuh", "paged_decode_mma.cuh")
 _EXTRA_CFLAGS = ("-O3",)  # the C++ standard: cpp_extension picks the one of the torch headers
 _EXTRA_CUDA_CFLAGS = ("-O3",)
 
@@ -276,14 +276,16 @@ def decode_smem_bytes(head_size: int, elem_bytes: int, gt: int, num_warps: int, 
 
 
 @functools.cache
-def _device_limits(index: int) -> tuple[int, int, int]:
-    """(SM count, warp size, dynamic shared memory a block may opt into)."""
+def _device_limits(index: int) -> tuple[int, int, int, bool]:
+    """(SM count, warp size, dynamic shared memory a block may opt into, tensor-core kernel
+    usable: an NVIDIA GPU of sm_80 or newer)."""
     props = torch.cuda.get_device_properties(index)
     warp = getattr(props, "warp_size", None)
     if not warp:
         warp = 64 if _is_hip() and "gfx9" in getattr(props, "gcnArchName", "") else 32
     smem = getattr(props, "shared_memory_per_block_optin", 0) or (64 << 10 if _is_hip() else 48 << 10)
-    return props.multi_processor_count, int(warp), int(smem)
+    mma = not _is_hip() and props.major >= 8 and int(warp) == 32
+    return props.multi_processor_count, int(warp), int(smem), mma
 
 
 # (num_warps, stages) tried in order until the CTA fits the device's shared memory.
@@ -433,6 +435,7 @@ def paged_attention(
     num_splits: int | None = None,
     num_warps: int | None = None,
     stages: int | None = None,
+    tensor_cores: bool | None = None,
 ) -> None:
     """Paged decode over the cache (semantics: ``reference.paged_attention`` with query_len 1).
 
@@ -443,7 +446,8 @@ def paged_attention(
     fp32; alibi_slopes/sinks ``[num_heads]``. ``causal`` does not matter for a decode token.
     ``max_query_len`` must be 1 (or None: the caller guarantees decode-only; sequences with
     another query length are skipped and their rows left unwritten). ``num_splits``,
-    ``num_warps``, ``stages`` override the heuristics (tests, benchmarks).
+    ``num_warps``, ``stages`` override the heuristics, ``tensor_cores`` the kernel choice
+    (default: the mma kernel on NVIDIA sm_80+, CUDA-core dot products elsewhere).
     """
     num_kv_heads = check_decode_args(output, query, kv_cache, query_start_loc, seq_lens, block_table,
                                      k_scale, v_scale, alibi_slopes, sinks, output_scale, max_query_len)
@@ -451,7 +455,9 @@ def paged_attention(
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or query.shape[0] == 0:
         return
-    sms, warp, smem = _device_limits(query.device.index or 0)
+    sms, warp, smem, mma = _device_limits(query.device.index or 0)
+    if tensor_cores is None:
+        tensor_cores = mma
     head_size = query.shape[2]
     gqa = query.shape[1] // num_kv_heads
     if num_warps is None or stages is None:
@@ -465,7 +471,7 @@ def paged_attention(
     _module().paged_decode(
         output, query, kv_cache, query_start_loc, seq_lens, block_table, float(scale), k_scale, v_scale,
         window, _f32(alibi_slopes), _f32(sinks), float(logits_soft_cap or 0.0), bool(interleaved_v),
-        num_kv_heads, int(num_splits), int(num_warps), int(stages), warp, smem)
+        num_kv_heads, int(num_splits), int(num_warps), int(stages), warp, smem, bool(tensor_cores))
 
 
 def reshape_and_cache(

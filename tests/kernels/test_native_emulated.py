@@ -60,7 +60,8 @@ class DecodeParams(ctypes.Structure):  # native_api.h
 
 
 class DecodeConfig(ctypes.Structure):
-    _fields_ = [("num_warps", _I32), ("stages", _I32), ("warp_size", _I32), ("max_smem_bytes", _I32)]
+    _fields_ = [("num_warps", _I32), ("stages", _I32), ("warp_size", _I32), ("max_smem_bytes", _I32),
+                ("tensor_cores", _I32)]
 
 
 class CacheWriteParams(ctypes.Structure):
@@ -119,7 +120,7 @@ def _cache_bases(kv_cache):
 def emulated_decode(output, query, kv_cache, query_start_loc, seq_lens, block_table, scale, k_scale,
                     v_scale, sliding_window, alibi_slopes, sinks, logits_soft_cap, interleaved_v, *,
                     warp=32, num_splits=None, num_warps=None, stages=None, max_seq_len=None,
-                    num_sms=8, max_smem=228 << 10):
+                    num_sms=8, max_smem=228 << 10, tensor_cores=False):
     """native.paged_attention's planning + the kernel, on the CPU."""
     num_kv_heads = native.check_decode_args(output, query, kv_cache, query_start_loc, seq_lens,
                                             block_table, k_scale, v_scale, alibi_slopes, sinks, None, 1)
@@ -145,7 +146,7 @@ def emulated_decode(output, query, kv_cache, query_start_loc, seq_lens, block_ta
         DTYPE_CODE[query.dtype], DTYPE_CODE[kv_cache.dtype],
         int(block_table.dtype == torch.int64), int(seq_lens.dtype == torch.int64),
         int(query_start_loc.dtype == torch.int64), int(interleaved_v))
-    cfg = DecodeConfig(num_warps, stages, warp, max_smem)
+    cfg = DecodeConfig(num_warps, stages, warp, max_smem, int(tensor_cores))
     lib = _emulator(warp)
     rc = lib.ra_emu_paged_decode(ctypes.byref(p), ctypes.byref(cfg))
     assert rc == 0, lib.ra_emu_last_error().decode()
@@ -228,15 +229,16 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("warp", [32, 64], ids=["warp32", "warp64"])
+KERNELS = [(32, False), (64, False), (32, True)]  # (warp width, tensor cores)
+
+
+@pytest.mark.parametrize("warp,tensor_cores", KERNELS, ids=["warp32", "warp64", "mma"])
 @pytest.mark.parametrize("context_lens,kw", [c[1:] for c in DECODE_CASES], ids=[c[0] for c in DECODE_CASES])
-def test_decode_emulated(context_lens, kw, warp):
-    if kw.get("cache_dtype") == torch.bfloat16 and kw.get("dtype") == torch.float16:
-        pass  # a 16-bit cache of the other 16-bit dtype: converted per element
-    check_decode(context_lens, warp=warp, **kw)
+def test_decode_emulated(context_lens, kw, warp, tensor_cores):
+    check_decode(context_lens, warp=warp, tensor_cores=tensor_cores, **kw)
 
 
-@pytest.mark.parametrize("draw", range(3))
+@pytest.mark.parametrize("draw", range(4))
 def test_decode_emulated_random(draw):
     seed = random.randrange(1 << 30)
     r = random.Random(seed)
@@ -248,8 +250,8 @@ def test_decode_emulated_random(draw):
         alibi=r.random() < 0.3, sinks=r.random() < 0.3, softcap=r.choice([0.0, 0.0, 5.0]),
         num_splits=r.choice([None, 1, 3]), dtype=r.choice([torch.bfloat16, torch.float16]),
         cache_dtype=r.choice([None, None, torch.float8_e4m3fn, torch.float8_e5m2]),
-        warp=r.choice([32, 64]),
     )
+    kw["warp"], kw["tensor_cores"] = r.choice(KERNELS)
     lens = [r.randint(1, 90) for _ in range(r.randint(1, 3))]
     try:
         check_decode(lens, **kw)
@@ -319,6 +321,6 @@ def test_emulator_reports_launch_errors():
     p = DecodeParams()
     p.num_seqs, p.num_heads, p.num_kv_heads, p.head_size, p.block_size = 1, 2, 1, 96, 16
     p.num_splits = 1
-    cfg = DecodeConfig(4, 2, 32, 1 << 20)
+    cfg = DecodeConfig(4, 2, 32, 1 << 20, 0)
     assert lib.ra_emu_paged_decode(ctypes.byref(p), ctypes.byref(cfg)) != 0
     assert b"head_size 96" in lib.ra_emu_last_error()
