@@ -6,7 +6,8 @@ SDPA the same tokens as contiguous K/V ``[B, 8, L, 128]`` (its best case). Each 
 checked against SDPA first (rel err < 1e-2), then timed as CUDA-graph replays
 (``triton.testing.do_bench``, median, L2 flushed before each replay). Bandwidth counts K+V
 read once plus q and out. ``--sweep`` also times the native kernel's launch configurations
-(warps x stages x KV splits) at L = 4096 for B = 1, 16, 64.
+(tensor cores or not x warps x stages x KV splits) at L = 4096 for B = 1, 16, 64; the main
+table has the CUDA-core kernel (the one HIP runs) beside the default tensor-core one.
 
 Writer: ``reshape_and_cache`` of K/V ``[T, 8, 128]`` bf16 at T = 1, 256 (random slots, a
 decode batch) and 16384 (consecutive slots, a prefill), native vs Triton, outputs compared
@@ -100,8 +101,8 @@ def rel_err(out, ref) -> float:
 def bench_decode(batches, ctxs, sweep):
     rows, sweeps = [], []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"{'B':>4} {'L':>6} {'splits':>6} | {'native us':>9} {'TB/s':>5} | {'triton us':>9} {'TB/s':>5} | "
-          f"{'sdpa us':>8} {'TB/s':>5} | native/sdpa native/triton")
+    print(f"{'B':>4} {'L':>6} {'splits':>6} | {'native us':>9} {'TB/s':>5} | {'cuda-core':>9} {'TB/s':>5} | "
+          f"{'triton us':>9} {'TB/s':>5} | {'sdpa us':>8} {'TB/s':>5} | native/sdpa native/triton")
     for b in batches:
         for L in ctxs:
             c = DecodeCase(b, L, seed=b * 7 + L)
@@ -109,35 +110,41 @@ def bench_decode(batches, ctxs, sweep):
             q4 = c.query.view(b, HQ, 1, D)
             ref = F.scaled_dot_product_attention(q4, k, v, scale=c.scale, enable_gqa=True).view(b, HQ, D)
             errs = {}
-            for name, fn in (("native", c.native), ("triton", c.triton)):
+            cuda_core = lambda: c.native(tensor_cores=False)  # noqa: E731
+            for name, fn in (("native", c.native), ("native_cuda_core", cuda_core), ("triton", c.triton)):
                 c.out.fill_(float("nan"))
                 fn()
                 errs[name] = rel_err(c.out, ref)
                 assert errs[name] < 1e-2, f"B={b} L={L}: {name} vs SDPA rel err {errs[name]:.3e}"
             t_nat = graph_time_us(c.native)
+            t_cc = graph_time_us(cuda_core)
             t_tri = graph_time_us(c.triton)
             t_sdpa = graph_time_us(lambda: F.scaled_dot_product_attention(q4, k, v, scale=c.scale, enable_gqa=True))
             nbytes = 2 * b * L * HKV * D * 2 + 2 * b * HQ * D * 2
             splits = native.num_kv_splits(b, HKV, 1, L, sms, native.decode_launch_config(
                 D, 2, HQ // HKV, native._device_limits(0)[2])[0])
-            row = dict(B=b, L=L, native_splits=splits, native_us=t_nat, triton_us=t_tri, sdpa_us=t_sdpa,
+            row = dict(B=b, L=L, native_splits=splits, native_us=t_nat, native_cuda_core_us=t_cc,
+                       native_cuda_core_tbs=nbytes / t_cc / 1e6, triton_us=t_tri, sdpa_us=t_sdpa,
                        native_tbs=nbytes / t_nat / 1e6, triton_tbs=nbytes / t_tri / 1e6,
                        sdpa_tbs=nbytes / t_sdpa / 1e6, native_vs_sdpa=t_nat / t_sdpa,
                        native_vs_triton=t_nat / t_tri, rel_err_vs_sdpa=errs)
             rows.append(row)
-            print(f"{b:4d} {L:6d} {splits:6d} | {t_nat:9.1f} {row['native_tbs']:5.2f} | {t_tri:9.1f} "
+            print(f"{b:4d} {L:6d} {splits:6d} | {t_nat:9.1f} {row['native_tbs']:5.2f} | {t_cc:9.1f} "
+                  f"{row['native_cuda_core_tbs']:5.2f} | {t_tri:9.1f} "
                   f"{row['triton_tbs']:5.2f} | {t_sdpa:8.1f} {row['sdpa_tbs']:5.2f} | "
                   f"x{row['native_vs_sdpa']:.2f}       x{row['native_vs_triton']:.2f}", flush=True)
             if sweep and L == 4096 and b in (1, 16, 64):
-                for warps, stages in ((4, 3), (4, 2), (4, 4), (2, 3), (2, 4), (8, 2), (1, 4)):
+                configs = [(tc, w, st) for tc in (True, False)
+                           for w, st in ((4, 3), (4, 2), (4, 4), (2, 3), (2, 4), (8, 2), (1, 4))]
+                for tc, warps, stages in configs:
                     for sp in sorted({max(1, splits // 2), splits, min(native.MAX_SPLITS, 2 * splits)}):
-                        kw = dict(num_warps=warps, stages=stages, num_splits=sp)
+                        kw = dict(tensor_cores=tc, num_warps=warps, stages=stages, num_splits=sp)
                         c.out.fill_(float("nan"))
                         c.native(**kw)
                         err = rel_err(c.out, ref)
                         t = graph_time_us(lambda: c.native(**kw))
                         sweeps.append(dict(B=b, L=L, **kw, us=t, tbs=nbytes / t / 1e6, rel_err_vs_sdpa=err))
-                        print(f"    sweep warps={warps} stages={stages} splits={sp:2d}: {t:8.1f} us "
+                        print(f"    sweep {'mma ' if tc else 'cuda'} warps={warps} stages={stages} splits={sp:2d}: {t:8.1f} us "
                               f"{nbytes / t / 1e6:5.2f} TB/s  err {err:.1e}", flush=True)
             del c, k, v
             torch.cuda.empty_cache()

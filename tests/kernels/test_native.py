@@ -6,7 +6,8 @@ launch planning, the ``build-native`` CLI without a GPU.
 
 GPU tests (``gpu``; they also skip when the extension cannot be built here, with the
 reason): the extension is built on first use and compared with ``kernels.reference`` in
-float64 on fresh random inputs, output poisoned (NaN) first: decode over head 64/128,
+float64 on fresh random inputs, output poisoned (NaN) first: decode (tensor-core and CUDA-core
+kernels) over head 64/128,
 block 16/32, bf16/fp16, caches auto/fp8 e4m3/e5m2, standard/interleaved V, LHBNC/LBHNC,
 GQA 1/4/8, contexts 1..5000 with and without KV splits, and the features (window, ALiBi,
 soft cap, sinks); the writer bit-exact against the reference writer. Tolerances as the
@@ -226,21 +227,30 @@ def check_decode_gpu(context_lens, *, num_heads=8, num_kv_heads=2, head_size=128
 
 
 GEOMETRY = [(h, b) for h in (64, 128) for b in (16, 32)]
+# the tensor-core kernel (NVIDIA default) and the CUDA-core one (HIP's; an option on NVIDIA)
+KERNEL = pytest.mark.parametrize("tensor_cores", [True, False], ids=["mma", "cuda_core"])
+
+
+def _kernel_available(tensor_cores):
+    if tensor_cores and not native._device_limits(torch.cuda.current_device())[3]:
+        pytest.skip("the tensor-core kernel needs an NVIDIA GPU of sm_80 or newer")
 GQA = [(8, 8), (16, 4), (16, 2)]  # (num_heads, num_kv_heads): GQA 1, 4, 8
 
 
 @pytest.mark.gpu
+@KERNEL
 @pytest.mark.parametrize("layout_", ["LHBNC", "LBHNC"])
 @pytest.mark.parametrize("interleaved_v", [False, True], ids=["std_v", "interleaved_v"])
 @pytest.mark.parametrize("cache", [None, "e4m3", "e5m2"], ids=["auto", "e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("heads", GQA, ids=["gqa1", "gqa4", "gqa8"])
 @pytest.mark.parametrize("head_size,block_size", GEOMETRY, ids=[f"d{h}_bs{b}" for h, b in GEOMETRY])
-def test_decode_gpu_matrix(ext, head_size, block_size, heads, dtype, cache, interleaved_v, layout_):
+def test_decode_gpu_matrix(ext, head_size, block_size, heads, dtype, cache, interleaved_v, layout_, tensor_cores):
+    _kernel_available(tensor_cores)
     # short, mid and long contexts; 4 sequences x few KV heads -> KV splits by the heuristic
     check_decode_gpu([1, 37, 1300, 5000], num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size,
                      block_size=block_size, dtype=dtype, cache=cache, layout_=layout_,
-                     interleaved_v=interleaved_v)
+                     interleaved_v=interleaved_v, tensor_cores=tensor_cores)
 
 
 FEATURES = [
@@ -262,10 +272,12 @@ FEATURES = [
 
 
 @pytest.mark.gpu
+@KERNEL
 @pytest.mark.parametrize("cache", [None, "e4m3"], ids=["auto", "e4m3"])
 @pytest.mark.parametrize("kw", [f[1] for f in FEATURES], ids=[f[0] for f in FEATURES])
-def test_decode_gpu_features(ext, kw, cache):
-    check_decode_gpu([1, 2, 700, 4000], cache=cache, **kw)
+def test_decode_gpu_features(ext, kw, cache, tensor_cores):
+    _kernel_available(tensor_cores)
+    check_decode_gpu([1, 2, 700, 4000], cache=cache, tensor_cores=tensor_cores, **kw)
 
 
 @pytest.mark.gpu
