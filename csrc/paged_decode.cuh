@@ -171,13 +171,15 @@ RA_DEVICE void issue_tile(const DecodeParams& p, const DecodeCta& c, unsigned ch
   const unsigned char* k_src = static_cast<const unsigned char*>(p.k_cache) + page;
   const unsigned char* v_src = static_cast<const unsigned char*>(p.v_cache) + page;
   unsigned char* vd = slot + tile_bytes;
-#pragma unroll
+  // Not unrolled: unrolled, the compiler keeps every copy's tile-invariant offsets in
+  // registers across the whole key loop.
+#pragma unroll 1
   for (int i = 0; i < kTile * NCP / W; ++i) {
     const int j = c.lane + W * i;
     const int t = j % kTile, cc = j / kTile;
     ra_copy16_async(slot + k_slot<NCP>(t, cc) * 16, k_src + (static_cast<int64_t>(cc) * bs + off + t) * 16);
   }
-#pragma unroll
+#pragma unroll 1
   for (int i = 0; i < D * PPC / W; ++i) {
     const int j = c.lane + W * i;
     const int d = j / PPC, g = j % PPC;
