@@ -1,0 +1,217 @@
+"""Native (csrc) decode and cache writer vs our Triton kernels vs SDPA, in one run.
+
+Decode: bf16, 32 query heads / 8 KV heads, head 128, block 16, blocks placed at random;
+B x L over {1, 16, 64, 128} x {1024, 4096, 16384}. Native and Triton read the paged cache,
+SDPA the same tokens as contiguous K/V ``[B, 8, L, 128]`` (its best case). Each output is
+checked against SDPA first (rel err < 1e-2), then timed as CUDA-graph replays
+(``triton.testing.do_bench``, median, L2 flushed before each replay). Bandwidth counts K+V
+read once plus q and out. ``--sweep`` also times the native kernel's launch configurations
+(tensor cores or not x warps x stages x KV splits) at L = 4096 for B = 1, 16, 64; the main
+table has the CUDA-core kernel (the one HIP runs) beside the default tensor-core one.
+
+Writer: ``reshape_and_cache`` of K/V ``[T, 8, 128]`` bf16 at T = 1, 256 (random slots, a
+decode batch) and 16384 (consecutive slots, a prefill), native vs Triton, outputs compared
+bit for bit first.
+
+    python benchmarks/bench_native.py [--batch ...] [--ctx ...] [--sweep] [--out DIR]
+
+Prints tables; writes benchmarks/results/native_<date>.json (command, machine, versions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from inductor_rocm_attn.kernels import native  # noqa: E402
+from inductor_rocm_attn.kernels.triton import paged_attention as triton_paged_attention  # noqa: E402
+from inductor_rocm_attn.kernels.triton import reshape_and_cache as triton_reshape_and_cache  # noqa: E402
+from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache, dense_kv  # noqa: E402
+
+HQ, HKV, D, BS = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+
+
+def graph_time_us(fn) -> float:
+    """Median time of one CUDA-graph replay of ``fn`` (L2 flushed before each)."""
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+class DecodeCase:
+    def __init__(self, b: int, L: int, seed: int):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        nblk = b * L // BS
+        spec = KVCacheSpec(BS, HKV, D, DTYPE, CacheLayout.LHBNC)
+        self.kv_cache = allocate_kv_cache(spec, nblk + 8, "cuda")
+        self.kv_cache.copy_(torch.randn(self.kv_cache.shape, generator=g, device="cuda", dtype=DTYPE))
+        perm = torch.randperm(nblk + 8, generator=g, device="cuda")[:nblk]
+        self.block_table = perm.view(b, L // BS).to(torch.int32).contiguous()
+        self.seq_lens = torch.full((b,), L, dtype=torch.int32, device="cuda")
+        self.qsl = torch.arange(b + 1, dtype=torch.int32, device="cuda")
+        self.query = torch.randn(b, HQ, D, generator=g, device="cuda", dtype=DTYPE)
+        self.out = torch.empty_like(self.query)
+        self.scale = D ** -0.5
+        self.one = torch.ones(1, device="cuda")
+        self.b, self.L = b, L
+
+    def args(self):
+        return (self.out, self.query, None, None, self.kv_cache, self.qsl, self.seq_lens, self.block_table,
+                self.scale, self.one, self.one, True, -1, None, None, 0.0, False, None, 1, self.L)
+
+    def native(self, **kw):
+        native.paged_attention(*self.args(), **kw)
+
+    def triton(self):
+        triton_paged_attention(*self.args())
+
+    def dense(self):
+        kd, vd = dense_kv(self.kv_cache, HKV, False)  # [nb, BS, HKV, D]
+        bt = self.block_table.long()
+        k = kd[bt].reshape(self.b, self.L, HKV, D).transpose(1, 2).contiguous()
+        v = vd[bt].reshape(self.b, self.L, HKV, D).transpose(1, 2).contiguous()
+        return k, v
+
+
+def rel_err(out, ref) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def bench_decode(batches, ctxs, sweep):
+    rows, sweeps = [], []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"{'B':>4} {'L':>6} {'splits':>6} | {'native us':>9} {'TB/s':>5} | {'cuda-core':>9} {'TB/s':>5} | "
+          f"{'triton us':>9} {'TB/s':>5} | {'sdpa us':>8} {'TB/s':>5} | native/sdpa native/triton")
+    for b in batches:
+        for L in ctxs:
+            c = DecodeCase(b, L, seed=b * 7 + L)
+            k, v = c.dense()
+            q4 = c.query.view(b, HQ, 1, D)
+            ref = F.scaled_dot_product_attention(q4, k, v, scale=c.scale, enable_gqa=True).view(b, HQ, D)
+            errs = {}
+            cuda_core = lambda: c.native(tensor_cores=False)  # noqa: E731
+            for name, fn in (("native", c.native), ("native_cuda_core", cuda_core), ("triton", c.triton)):
+                c.out.fill_(float("nan"))
+                fn()
+                errs[name] = rel_err(c.out, ref)
+                assert errs[name] < 1e-2, f"B={b} L={L}: {name} vs SDPA rel err {errs[name]:.3e}"
+            t_nat = graph_time_us(c.native)
+            t_cc = graph_time_us(cuda_core)
+            t_tri = graph_time_us(c.triton)
+            t_sdpa = graph_time_us(lambda: F.scaled_dot_product_attention(q4, k, v, scale=c.scale, enable_gqa=True))
+            nbytes = 2 * b * L * HKV * D * 2 + 2 * b * HQ * D * 2
+            splits = native.num_kv_splits(b, HKV, 1, L, sms, native.decode_launch_config(
+                D, 2, HQ // HKV, native._device_limits(0)[2])[0])
+            row = dict(B=b, L=L, native_splits=splits, native_us=t_nat, native_cuda_core_us=t_cc,
+                       native_cuda_core_tbs=nbytes / t_cc / 1e6, triton_us=t_tri, sdpa_us=t_sdpa,
+                       native_tbs=nbytes / t_nat / 1e6, triton_tbs=nbytes / t_tri / 1e6,
+                       sdpa_tbs=nbytes / t_sdpa / 1e6, native_vs_sdpa=t_nat / t_sdpa,
+                       native_vs_triton=t_nat / t_tri, rel_err_vs_sdpa=errs)
+            rows.append(row)
+            print(f"{b:4d} {L:6d} {splits:6d} | {t_nat:9.1f} {row['native_tbs']:5.2f} | {t_cc:9.1f} "
+                  f"{row['native_cuda_core_tbs']:5.2f} | {t_tri:9.1f} "
+                  f"{row['triton_tbs']:5.2f} | {t_sdpa:8.1f} {row['sdpa_tbs']:5.2f} | "
+                  f"x{row['native_vs_sdpa']:.2f}       x{row['native_vs_triton']:.2f}", flush=True)
+            if sweep and L == 4096 and b in (1, 16, 64):
+                configs = [(tc, w, st) for tc in (True, False)
+                           for w, st in ((4, 3), (4, 2), (4, 4), (2, 3), (2, 4), (8, 2), (1, 4))]
+                for tc, warps, stages in configs:
+                    for sp in sorted({max(1, splits // 2), splits, min(native.MAX_SPLITS, 2 * splits)}):
+                        kw = dict(tensor_cores=tc, num_warps=warps, stages=stages, num_splits=sp)
+                        c.out.fill_(float("nan"))
+                        c.native(**kw)
+                        err = rel_err(c.out, ref)
+                        t = graph_time_us(lambda: c.native(**kw))
+                        sweeps.append(dict(B=b, L=L, **kw, us=t, tbs=nbytes / t / 1e6, rel_err_vs_sdpa=err))
+                        print(f"    sweep {'mma ' if tc else 'cuda'} warps={warps} stages={stages} splits={sp:2d}: {t:8.1f} us "
+                              f"{nbytes / t / 1e6:5.2f} TB/s  err {err:.1e}", flush=True)
+            del c, k, v
+            torch.cuda.empty_cache()
+    return rows, sweeps
+
+
+def bench_writer(tokens):
+    rows = []
+    print(f"{'T':>6} | {'native us':>9} {'TB/s':>5} | {'triton us':>9} {'TB/s':>5} | native/triton")
+    for t in tokens:
+        g = torch.Generator(device="cuda").manual_seed(t)
+        nblk = t // BS + 64
+        spec = KVCacheSpec(BS, HKV, D, DTYPE, CacheLayout.LHBNC)
+        caches = [allocate_kv_cache(spec, nblk, "cuda").zero_() for _ in range(2)]
+        key = torch.randn(t, HKV, D, generator=g, device="cuda", dtype=DTYPE)
+        value = torch.randn(t, HKV, D, generator=g, device="cuda", dtype=DTYPE)
+        if t >= 4096:  # a prefill: consecutive slots
+            slots = torch.arange(t, device="cuda") + BS
+        else:  # a decode batch: one token somewhere in each sequence's block
+            slots = torch.randperm(nblk * BS, generator=g, device="cuda")[:t]
+        one = torch.ones(1, device="cuda")
+        nat = lambda: native.reshape_and_cache(key, value, caches[0], slots, one, one, False)  # noqa: E731
+        tri = lambda: triton_reshape_and_cache(key, value, caches[1], slots, one, one, False)  # noqa: E731
+        nat()
+        tri()
+        torch.cuda.synchronize()
+        assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8)), f"T={t}: writers differ"
+        t_nat = graph_time_us(nat)
+        t_tri = graph_time_us(tri)
+        nbytes = 2 * 2 * t * HKV * D * 2  # K and V, read and written
+        row = dict(T=t, native_us=t_nat, triton_us=t_tri, native_tbs=nbytes / t_nat / 1e6,
+                   triton_tbs=nbytes / t_tri / 1e6, native_vs_triton=t_nat / t_tri)
+        rows.append(row)
+        print(f"{t:6d} | {t_nat:9.2f} {row['native_tbs']:5.2f} | {t_tri:9.2f} {row['triton_tbs']:5.2f} | "
+              f"x{row['native_vs_triton']:.2f}", flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 128])
+    ap.add_argument("--ctx", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 256, 16384])
+    ap.add_argument("--sweep", action="store_true", help="native launch configurations at L=4096")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+    t0 = datetime.datetime.now()
+    native._module()  # build (or load) before timing anything
+    props = torch.cuda.get_device_properties(0)
+    print(f"# {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
+          f"triton {triton.__version__}; build {native._build_name()}")
+    decode, sweeps = bench_decode(args.batch, args.ctx, args.sweep)
+    writer = bench_writer(args.tokens)
+    result = dict(
+        command=" ".join([os.path.basename(sys.executable)] + sys.argv), date=t0.isoformat(timespec="seconds"),
+        machine=dict(gpu=props.name, sms=props.multi_processor_count, host=platform.node(),
+                     python=platform.python_version()),
+        versions=dict(torch=torch.__version__, cuda=torch.version.cuda, hip=torch.version.hip,
+                      triton=triton.__version__),
+        shape=dict(q_heads=HQ, kv_heads=HKV, head_size=D, block_size=BS, dtype=str(DTYPE)),
+        decode=decode, native_sweep=sweeps, writer=writer)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"native_{t0.strftime('%Y%m%d_%H%M%S')}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

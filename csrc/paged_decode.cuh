@@ -1,0 +1,479 @@
+// Paged decode kernels (query_len == 1), written once for CUDA and HIP.
+//
+// Grid (num_seqs, num_kv_heads * head_chunks, num_splits); a CTA handles up to GT query heads
+// of one KV head (all of them when gqa <= 8), so each K/V byte of its key range is read once.
+// Keys come in tiles of 16 (one run of one cache block; block sizes are multiples of 16).
+// Each warp of the CTA streams its own tiles (t_begin + warp, + num_warps, ...) with its own
+// online softmax, so the loop has no CTA barrier; the warps merge once at the end.
+//
+// Per tile, a warp
+//   1. copies the K tile (16 tokens x head_size) and the V tile (head_size x 16 tokens) into its
+//      shared-memory ring with 16-byte copies, `stages - 1` tiles ahead (cp.async on sm_80+);
+//   2. K phase: lane (r = lane % NCR, sub = lane / NCR) holds query channels r*8 .. r*8+7 of all
+//      GT heads in registers and dots them with tokens sub, sub + TPI, ...; the partial dots are
+//      summed over the NCR lanes of a token by a transposed butterfly (reduce-scatter: each
+//      step halves the values a lane holds, so a step costs one shuffle per two values);
+//   3. softmax phase: lane (token lane % 16, head group lane / 16) applies soft cap, ALiBi and
+//      the key mask, updates the running max / sum of its heads and writes P to shared memory;
+//   4. V phase: lane owns 8-token halves of channels (lane + W*i) / 2 and accumulates P V.
+// Scores live in log2 units (exp2); scale, k_scale and the fp8 decode factor are folded into
+// the query.
+#pragma once
+
+#include "ra_compat.cuh"
+
+namespace rocm_attn_native {
+
+constexpr int kTile = 16;  // keys per tile
+
+RA_HOST_DEVICE constexpr int ra_min(int a, int b) { return a < b ? a : b; }
+RA_HOST_DEVICE constexpr int ra_max(int a, int b) { return a > b ? a : b; }
+
+// Shared-memory layout of one decode CTA (bytes): per warp a ring of `stages` K+V tiles, then
+// the tile's scores, probabilities and rescale factors; after the loop the same memory holds
+// every warp's (acc, max, sum) for the merge.
+struct DecodeSmem {
+  int tile_bytes, warp_bytes, scores, probs, alphas, total;
+  RA_HOST_DEVICE DecodeSmem(int head_size, int elem_bytes, int gt, int num_warps, int stages) {
+    tile_bytes = kTile * head_size * elem_bytes;
+    scores = stages * 2 * tile_bytes;
+    probs = scores + gt * kTile * 4;
+    alphas = probs + gt * kTile * 4;
+    warp_bytes = alphas + ((gt + 3) / 4) * 16;
+    int merge = num_warps * (gt * head_size + 2 * gt) * 4;
+    total = ra_max(num_warps * warp_bytes, merge);
+  }
+};
+
+// Sum each of the N values of a lane over the NCR lanes that differ in the low bits of the
+// lane index (NCR a power of two). Afterwards the lane holds the totals of original values
+// base .. base + count - 1 (count = max(1, N / NCR)) in v[0 .. count). When N < NCR, lanes
+// that differ in the bits of `dup_mask` hold the same totals.
+template <int N, int NCR>
+struct ReduceScatter {
+  static constexpr int kCount = N >= NCR ? N / NCR : 1;
+  static constexpr int kDupMask = N >= NCR ? 0 : NCR / N - 1;
+  RA_DEVICE static int run(float (&v)[N], int lane) {
+    int base = 0;
+    int n = N;
+#pragma unroll
+    for (int m = NCR / 2; m >= 1; m /= 2) {
+      if (n >= 2) {
+        const bool hi = (lane & m) != 0;
+        const int half = n / 2;
+#pragma unroll
+        for (int j = 0; j < N / 2; ++j) {
+          if (j < half) {
+            float send = hi ? v[j] : v[j + half];
+            float keep = hi ? v[j + half] : v[j];
+            v[j] = keep + ra_shfl_xor(send, m);
+          }
+        }
+        base += hi ? half : 0;
+        n = half;
+      } else {
+        v[0] += ra_shfl_xor(v[0], m);
+      }
+    }
+    return base;
+  }
+};
+
+struct DecodeRuntime {  // per-call values every kernel variant needs
+  int head_chunks;
+  float k_factor, v_factor;  // fp8 decode factors (1 for 16-bit caches)
+};
+
+// Finish one output element: join the sink (a zero-value logit), normalise, dequantize V.
+RA_DEVICE float ra_finish(float acc, float m, float l, const float* sinks, int head, float v_mul) {
+  if (sinks != nullptr) {
+    float sk = sinks[head] * RA_LOG2E;
+    float m2 = m > sk ? m : sk;
+    float a = ra_exp2(m - m2);  // m = -inf: 0
+    acc *= a;
+    l = l * a + ra_exp2(sk - m2);
+  }
+  return l > 0.0f ? acc / l * v_mul : 0.0f;
+}
+
+// Where one CTA works: its sequence, KV head, query heads and key range, and the tiles of
+// this thread's warp. `active` is false for a sequence whose query_len is not 1.
+struct DecodeCta {
+  int lane, warp, num_warps, seq, kv_head, split, seq_len, q_pos, lo, hi, t_begin, t_end, nh, head_base, n_my;
+  int64_t q_row;
+  bool active;
+
+  template <int GT>
+  RA_DEVICE void init(const DecodeParams& p, const DecodeRuntime& rt) {
+    const int tid = static_cast<int>(ra_tid());
+    lane = tid % RA_WARP_SIZE;
+    warp = tid / RA_WARP_SIZE;
+    num_warps = static_cast<int>(ra_ntid()) / RA_WARP_SIZE;
+    seq = static_cast<int>(ra_bid_x());
+    kv_head = static_cast<int>(ra_bid_y()) / rt.head_chunks;
+    const int chunk = static_cast<int>(ra_bid_y()) % rt.head_chunks;
+    split = static_cast<int>(ra_bid_z());
+    q_row = ra_load_index(p.query_start_loc, seq, p.query_start_loc_is64);
+    active = ra_load_index(p.query_start_loc, seq + 1, p.query_start_loc_is64) - q_row == 1;
+    seq_len = active ? static_cast<int>(ra_load_index(p.seq_lens, seq, p.seq_lens_is64)) : 0;
+    const int gqa = p.num_heads / p.num_kv_heads;
+    nh = ra_min(GT, gqa - chunk * GT);  // real heads of this CTA
+    head_base = kv_head * gqa + chunk * GT;
+    // Visible keys [lo, hi): every key is <= the query position (causal or not); the window
+    // keeps q_pos - k_pos < sliding_window.
+    q_pos = seq_len - 1;
+    hi = seq_len;
+    lo = p.sliding_window > 0 ? ra_max(seq_len - p.sliding_window, 0) : 0;
+    t_begin = lo / kTile;
+    t_end = (hi + kTile - 1) / kTile;
+    if (p.num_splits > 1) {
+      const int per = (t_end - t_begin + p.num_splits - 1) / p.num_splits;
+      t_begin = ra_min(t_begin + split * per, t_end);
+      t_end = ra_min(t_begin + per, t_end);
+    }
+    n_my = t_begin + warp < t_end ? (t_end - t_begin - warp + num_warps - 1) / num_warps : 0;
+  }
+  RA_DEVICE int tile_start(int k) const { return (t_begin + warp + k * num_warps) * kTile; }
+};
+
+// Position (in 16-byte packets) of K packet c of token t in a tile: rows of NCP packets,
+// XOR-swizzled so that both the copies (16 tokens of one packet column) and the reads (all
+// packets of a token) spread over the shared-memory banks.
+template <int NCP>
+RA_DEVICE int k_slot(int t, int c) {
+  constexpr int SWM = ra_min(NCP, 8);
+  constexpr int SWD = ra_max(1, 8 / NCP);
+  return t * NCP + (c ^ ((t / SWD) % SWM));
+}
+
+// Position of V packet g (tokens g*x ..) of channel d in a tile: [D][16 / x]; with VSWZ (the
+// tensor-core kernel's ldmatrix reads 8 channels of one packet column) the two packets of a
+// 16-bit row swap every 4 channels.
+template <int PPC, bool VSWZ>
+RA_DEVICE int v_slot(int d, int g) {
+  return VSWZ && PPC == 2 ? d * 2 + (g ^ ((d >> 2) & 1)) : d * PPC + g;
+}
+
+// Copy the K and V tiles of keys ts .. ts + 15 (block `blk`) into a ring slot (16-byte copies,
+// asynchronous where the hardware has them).
+template <int CK, int D, bool VSWZ>
+RA_DEVICE void issue_tile(const DecodeParams& p, const DecodeCta& c, unsigned char* slot, int tile_bytes, int ts,
+                          int64_t blk) {
+  constexpr int W = RA_WARP_SIZE;
+  constexpr int ESZ = CacheKind<CK>::kBytes;
+  constexpr int X = 16 / ESZ;
+  constexpr int NCP = D / X;
+  constexpr int PPC = kTile / X;  // V packets per channel of a tile
+  static_assert((kTile * NCP) % W == 0 && (D * PPC) % W == 0, "tile copies");
+  const int bs = p.block_size;
+  const int off = ts % bs;
+  const int64_t page = (blk * p.cache_block_stride + static_cast<int64_t>(c.kv_head) * D * bs) * ESZ;
+  const unsigned char* k_src = static_cast<const unsigned char*>(p.k_cache) + page;
+  const unsigned char* v_src = static_cast<const unsigned char*>(p.v_cache) + page;
+  unsigned char* vd = slot + tile_bytes;
+  // Not unrolled: unrolled, the compiler keeps every copy's tile-invariant offsets in
+  // registers across the whole key loop.
+#pragma unroll 1
+  for (int i = 0; i < kTile * NCP / W; ++i) {
+    const int j = c.lane + W * i;
+    const int t = j % kTile, cc = j / kTile;
+    ra_copy16_async(slot + k_slot<NCP>(t, cc) * 16, k_src + (static_cast<int64_t>(cc) * bs + off + t) * 16);
+  }
+#pragma unroll 1
+  for (int i = 0; i < D * PPC / W; ++i) {
+    const int j = c.lane + W * i;
+    const int d = j / PPC, g = j % PPC;
+    const int tok = off + g * X;
+    const int64_t e = p.interleaved_v ? (static_cast<int64_t>(tok / X) * D + d) * X : static_cast<int64_t>(d) * bs + tok;
+    ra_copy16_async(vd + v_slot<PPC, VSWZ>(d, g) * 16, v_src + e * ESZ);
+  }
+}
+
+// The warp's tile loop: a ring of `stages` slots, stages - 1 tiles in flight, the block id of
+// the next tile loaded one iteration ahead. compute(slot, ts) runs once per tile.
+template <int CK, int D, bool VSWZ, typename F>
+RA_DEVICE void tile_loop(const DecodeParams& p, const DecodeCta& c, unsigned char* ring, int tile_bytes, int stages,
+                         F&& compute) {
+  const int64_t bt_row = static_cast<int64_t>(c.seq) * p.block_table_stride;
+  auto block_of = [&](int k) -> int64_t {
+    return ra_load_index(p.block_table, bt_row + c.tile_start(k) / p.block_size, p.block_table_is64);
+  };
+  for (int s = 0; s < stages - 1; ++s) {
+    if (s < c.n_my) issue_tile<CK, D, VSWZ>(p, c, ring + s * 2 * tile_bytes, tile_bytes, c.tile_start(s), block_of(s));
+    ra_copy_commit();
+  }
+  int64_t next_blk = stages - 1 < c.n_my ? block_of(stages - 1) : 0;
+  for (int k = 0; k < c.n_my; ++k) {
+    const int kk = k + stages - 1;
+    if (kk < c.n_my)
+      issue_tile<CK, D, VSWZ>(p, c, ring + (kk % stages) * 2 * tile_bytes, tile_bytes, c.tile_start(kk), next_blk);
+    ra_copy_commit();
+    next_blk = kk + 1 < c.n_my ? block_of(kk + 1) : 0;  // used next iteration
+    ra_copy_wait(stages - 1);
+    ra_syncwarp();
+    compute(ring + (k % stages) * 2 * tile_bytes, c.tile_start(k));
+    ra_syncwarp();  // the next iteration's copies overwrite this slot
+  }
+}
+
+// After every warp wrote its (acc [GT][D], max, sum) into the merge area and the CTA synced:
+// merge the warps and store the output (one split) or the split's partials.
+template <int D, int GT>
+RA_DEVICE void merge_and_store(const DecodeParams& p, const DecodeCta& c, const float* m_acc, const float* m_max,
+                               const float* m_sum, float v_mul) {
+  for (int e = static_cast<int>(ra_tid()); e < c.nh * D; e += static_cast<int>(ra_ntid())) {
+    const int h = e / D, d = e % D;
+    float mx = RA_NEG_INF;
+    for (int w = 0; w < c.num_warps; ++w) mx = mx > m_max[w * GT + h] ? mx : m_max[w * GT + h];
+    float a = 0.0f, l = 0.0f;
+    if (mx != RA_NEG_INF) {
+      for (int w = 0; w < c.num_warps; ++w) {
+        const float f = ra_exp2(m_max[w * GT + h] - mx);
+        a += f * m_acc[(w * GT + h) * D + d];
+        l += f * m_sum[w * GT + h];
+      }
+    }
+    const int head = c.head_base + h;
+    if (p.num_splits == 1) {
+      const float o = ra_finish(a, mx, l, p.sinks, head, v_mul);
+      ra_store_model(p.out, c.q_row * p.out_stride_t + static_cast<int64_t>(head) * p.out_stride_h + d, o,
+                     p.model_dtype);
+    } else {
+      const int64_t row = (static_cast<int64_t>(c.seq) * p.num_heads + head) * p.num_splits + c.split;
+      p.part_acc[row * D + d] = a;
+      if (d == 0) {
+        p.part_ml[row * 2] = mx;
+        p.part_ml[row * 2 + 1] = l;
+      }
+    }
+  }
+}
+
+// CUDA-core decode: warp-level dot products (see the top of this file).
+template <int CK, int D, int GT>
+RA_GLOBAL void RA_LAUNCH_BOUNDS(256) paged_decode_kernel(DecodeParams p, DecodeRuntime rt, int stages) {
+  using K = CacheKind<CK>;
+  constexpr int W = RA_WARP_SIZE;
+  constexpr int ESZ = K::kBytes;
+  constexpr int X = 16 / ESZ;        // elements per 16-byte packet
+  constexpr int NCP = D / X;         // K packets per token
+  constexpr int NCR = D / 8;         // 8-element K read groups per token
+  static_assert(NCR <= W && W / NCR <= kTile, "head size does not fit the warp mapping");
+  constexpr int TPI = W / NCR;       // tokens per K read step
+  constexpr int NK = kTile / TPI;    // K read steps per tile
+  constexpr int KC = ra_min(NK, ra_max(1, 16 / GT));  // steps per reduction (bounds registers)
+  static_assert(NK % KC == 0, "chunking");
+  constexpr int NV = 2 * D / W;      // V read groups (8 tokens of one channel) per lane
+  static_assert(NV >= 1 && (2 * D) % W == 0, "V mapping");
+  constexpr int VC = ra_min(NV, 2);  // V read groups converted at a time
+  constexpr int HG = W / kTile;      // head groups of the softmax phase
+  constexpr int HPL = (GT + HG - 1) / HG;
+  using RS = ReduceScatter<KC * GT, NCR>;
+
+  RA_DYNAMIC_SMEM(smem);
+  DecodeCta c;
+  c.init<GT>(p, rt);
+  if (!c.active) return;  // uniform over the CTA
+  const int lane = c.lane;
+
+  const DecodeSmem lay(D, ESZ, GT, c.num_warps, stages);
+  unsigned char* ring = smem + c.warp * lay.warp_bytes;
+  float* s_buf = reinterpret_cast<float*>(ring + lay.scores);  // [GT][16] raw scores
+  float* p_buf = reinterpret_cast<float*>(ring + lay.probs);   // [GT][16] probabilities
+  float* a_buf = reinterpret_cast<float*>(ring + lay.alphas);  // [GT] rescale factors
+
+  // Query channels r*8 .. r*8+7 of every head, pre-multiplied.
+  const bool softcap = p.logits_soft_cap > 0.0f;
+  const float k_mul = K::kFp8 ? p.k_scale[0] * rt.k_factor : 1.0f;
+  const float q_mul = p.scale * k_mul * (softcap ? 1.0f / p.logits_soft_cap : RA_LOG2E);
+  const float cap_log2 = softcap ? p.logits_soft_cap * RA_LOG2E : 0.0f;
+  const int r = lane % NCR;
+  const int sub = lane / NCR;
+  float q[GT][8];
+#pragma unroll
+  for (int h = 0; h < GT; ++h) {
+    const int64_t base = c.q_row * p.q_stride_t + static_cast<int64_t>(c.head_base + h) * p.q_stride_h + r * 8;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) q[h][j] = h < c.nh ? ra_load_model(p.query, base + j, p.model_dtype) * q_mul : 0.0f;
+  }
+
+  // Softmax-phase state: token st of the tile, heads hg + HG * jh.
+  const int st = lane % kTile;
+  const int hg = lane / kTile;
+  float m_run[HPL], l_run[HPL], slope[HPL];
+#pragma unroll
+  for (int jh = 0; jh < HPL; ++jh) {
+    const int h = hg + HG * jh;
+    m_run[jh] = RA_NEG_INF;
+    l_run[jh] = 0.0f;
+    slope[jh] = (p.alibi_slopes != nullptr && h < c.nh) ? p.alibi_slopes[c.head_base + h] * RA_LOG2E : 0.0f;
+  }
+
+  float acc[NV][GT];
+#pragma unroll
+  for (int i = 0; i < NV; ++i)
+#pragma unroll
+    for (int h = 0; h < GT; ++h) acc[i][h] = 0.0f;
+
+  tile_loop<CK, D, false>(p, c, ring, lay.tile_bytes, stages, [&](const unsigned char* ks, int ts) {
+    const bool full = ts >= c.lo && ts + kTile <= c.hi;
+    const unsigned char* vs = ks + lay.tile_bytes;
+
+    // K phase: raw scores of every (token, head) into s_buf.
+#pragma unroll
+    for (int c0 = 0; c0 < NK; c0 += KC) {
+      float v[KC * GT];
+#pragma unroll
+      for (int i = 0; i < KC; ++i) {
+        const int t = sub + TPI * (c0 + i);
+        float kf[8];
+        ra_load8<CK>(ks + k_slot<NCP>(t, ESZ == 2 ? r : r / 2) * 16 + (ESZ == 2 ? 0 : (r % 2) * 8), kf);
+#pragma unroll
+        for (int h = 0; h < GT; ++h) {
+          float s = 0.0f;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) s += q[h][j] * kf[j];
+          v[i * GT + h] = s;
+        }
+      }
+      const int base = RS::run(v, lane);
+      if ((r & RS::kDupMask) == 0) {
+#pragma unroll
+        for (int j = 0; j < RS::kCount; ++j) {
+          const int idx = base + j;
+          s_buf[(idx % GT) * kTile + sub + TPI * (c0 + idx / GT)] = v[j];
+        }
+      }
+    }
+    ra_syncwarp();
+
+    // Softmax phase.
+#pragma unroll
+    for (int jh = 0; jh < HPL; ++jh) {
+      const int h = hg + HG * jh;
+      const bool real = h < GT;
+      float sc = real ? s_buf[h * kTile + st] : 0.0f;
+      if (softcap) sc = cap_log2 * ra_tanh(sc);
+      const int k_pos = ts + st;
+      sc += slope[jh] * static_cast<float>(k_pos - c.q_pos);
+      if (k_pos < c.lo || k_pos >= c.hi) sc = RA_NEG_INF;
+      float mx = sc;
+#pragma unroll
+      for (int m = kTile / 2; m >= 1; m /= 2) {
+        const float o = ra_shfl_xor(mx, m);
+        mx = mx > o ? mx : o;
+      }
+      const float m_new = m_run[jh] > mx ? m_run[jh] : mx;
+      const float m_safe = m_new == RA_NEG_INF ? 0.0f : m_new;
+      const float alpha = ra_exp2(m_run[jh] - m_safe);
+      const float pr = ra_exp2(sc - m_safe);
+      float ps = pr;
+#pragma unroll
+      for (int m = kTile / 2; m >= 1; m /= 2) ps += ra_shfl_xor(ps, m);
+      l_run[jh] = l_run[jh] * alpha + ps;
+      m_run[jh] = m_new;
+      if (real) {
+        p_buf[h * kTile + st] = pr;
+        if (st == 0) a_buf[h] = alpha;
+      }
+    }
+    ra_syncwarp();
+
+    // V phase: lane's read groups u = lane + W*i: channel u / 2, tokens (u % 2) * 8 .. + 8.
+    const int half = lane & 1;
+#pragma unroll
+    for (int h = 0; h < GT; ++h) {
+      const float a = a_buf[h];
+#pragma unroll
+      for (int i = 0; i < NV; ++i) acc[i][h] *= a;
+    }
+#pragma unroll
+    for (int i0 = 0; i0 < NV; i0 += VC) {
+      float vf[VC][8];
+#pragma unroll
+      for (int i = 0; i < VC; ++i) {
+        ra_load8<CK>(vs + (lane + W * (i0 + i)) * 8 * ESZ, vf[i]);
+        if (!full) {  // keys outside [lo, hi) may hold anything (NaN): 0 * NaN = NaN
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const int k_pos = ts + half * 8 + j;
+            if (k_pos < c.lo || k_pos >= c.hi) vf[i][j] = 0.0f;
+          }
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < GT; ++h) {
+        float pv[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) pv[j] = p_buf[h * kTile + half * 8 + j];
+#pragma unroll
+        for (int i = 0; i < VC; ++i) {
+          float s = acc[i0 + i][h];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) s += pv[j] * vf[i][j];
+          acc[i0 + i][h] = s;
+        }
+      }
+    }
+  });
+
+  // Merge the two 8-token halves of each channel, then the warps.
+#pragma unroll
+  for (int i = 0; i < NV; ++i)
+#pragma unroll
+    for (int h = 0; h < GT; ++h) acc[i][h] += ra_shfl_xor(acc[i][h], 1);
+  ra_syncthreads();  // every warp is done with its ring: the merge area overlaps them
+  float* m_acc = reinterpret_cast<float*>(smem);                 // [num_warps][GT][D]
+  float* m_max = m_acc + c.num_warps * GT * D;                   // [num_warps][GT]
+  float* m_sum = m_max + c.num_warps * GT;                       // [num_warps][GT]
+  if (lane % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int d = (lane + W * i) / 2;
+#pragma unroll
+      for (int h = 0; h < GT; ++h) m_acc[(c.warp * GT + h) * D + d] = acc[i][h];
+    }
+  }
+  if (st == 0) {
+#pragma unroll
+    for (int jh = 0; jh < HPL; ++jh) {
+      const int h = hg + HG * jh;
+      if (h < GT) {
+        m_max[c.warp * GT + h] = m_run[jh];
+        m_sum[c.warp * GT + h] = l_run[jh];
+      }
+    }
+  }
+  ra_syncthreads();
+  merge_and_store<D, GT>(p, c, m_acc, m_max, m_sum, K::kFp8 ? p.v_scale[0] * rt.v_factor : 1.0f);
+}
+
+// Merge the splits of one (sequence, head): grid (num_seqs, num_heads), one thread a channel.
+RA_GLOBAL void paged_decode_reduce_kernel(DecodeParams p, float v_factor, int is_fp8) {
+  const int seq = static_cast<int>(ra_bid_x());
+  const int head = static_cast<int>(ra_bid_y());
+  const int64_t q_row = ra_load_index(p.query_start_loc, seq, p.query_start_loc_is64);
+  if (ra_load_index(p.query_start_loc, seq + 1, p.query_start_loc_is64) - q_row != 1) return;
+  const int64_t row0 = (static_cast<int64_t>(seq) * p.num_heads + head) * p.num_splits;
+  float mx = RA_NEG_INF;
+  for (int s = 0; s < p.num_splits; ++s) {
+    const float m = p.part_ml[(row0 + s) * 2];
+    mx = mx > m ? mx : m;
+  }
+  const float v_mul = is_fp8 ? p.v_scale[0] * v_factor : 1.0f;
+  for (int d = static_cast<int>(ra_tid()); d < p.head_size; d += static_cast<int>(ra_ntid())) {
+    float a = 0.0f, l = 0.0f;
+    if (mx != RA_NEG_INF) {
+      for (int s = 0; s < p.num_splits; ++s) {
+        const float f = ra_exp2(p.part_ml[(row0 + s) * 2] - mx);
+        a += f * p.part_acc[(row0 + s) * p.head_size + d];
+        l += f * p.part_ml[(row0 + s) * 2 + 1];
+      }
+    }
+    const float o = ra_finish(a, mx, l, p.sinks, head, v_mul);
+    ra_store_model(p.out, q_row * p.out_stride_t + static_cast<int64_t>(head) * p.out_stride_h + d, o,
+                   p.model_dtype);
+  }
+}
+
+}  // namespace rocm_attn_native

@@ -1,0 +1,326 @@
+"""The native (csrc) kernels on the CPU: compiled with ``RA_EMULATE`` by the host C++ compiler
+and run one fiber per GPU thread (csrc/emulate/), against the float64 oracle.
+
+This checks everything a GPU run checks except timing and the torch binding: the lane
+mappings, the K swizzle, the transposed shuffle reduction, the online softmax, the warp
+merge, KV splits and their reduction, every cache dtype (bf16 included: conversions are bit
+exact here), both V layouts, LHBNC/LBHNC, window, ALiBi, soft cap, sinks, and the writer. It
+runs with 32-lane warps (NVIDIA) and 64-lane warps (AMD CDNA). The arguments are filled the
+way ``csrc/bindings.cpp`` fills them; the launch plan (splits, warps, stages) comes from
+``inductor_rocm_attn.kernels.native``. Inputs are fresh random draws, outputs poisoned first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import random
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import cases
+from inductor_rocm_attn.kernels import native
+from inductor_rocm_attn.kernels import reference as ref
+
+CXX = shutil.which("g++") or shutil.which("c++")
+EMU_DIR = native.CSRC_DIR / "emulate"
+TOL = {torch.float16: 3e-3, torch.bfloat16: 1e-2}
+DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float8_e4m3fn: 3,
+              torch.float8_e4m3fnuz: 4, torch.float8_e5m2: 5, torch.float8_e5m2fnuz: 6}
+
+pytestmark = pytest.mark.skipif(CXX is None, reason="no host C++ compiler (g++) for the CPU emulation")
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_I32 = ctypes.c_int32
+_F = ctypes.c_float
+
+
+class DecodeParams(ctypes.Structure):  # native_api.h
+    _fields_ = [
+        ("out", _P), ("out_stride_t", _I64), ("out_stride_h", _I64),
+        ("query", _P), ("q_stride_t", _I64), ("q_stride_h", _I64),
+        ("k_cache", _P), ("v_cache", _P), ("cache_block_stride", _I64),
+        ("block_table", _P), ("block_table_stride", _I64), ("seq_lens", _P), ("query_start_loc", _P),
+        ("k_scale", _P), ("v_scale", _P), ("alibi_slopes", _P), ("sinks", _P),
+        ("part_acc", _P), ("part_ml", _P),
+        ("scale", _F), ("logits_soft_cap", _F), ("sliding_window", _I32),
+        ("num_seqs", _I32), ("num_heads", _I32), ("num_kv_heads", _I32), ("head_size", _I32),
+        ("block_size", _I32), ("num_splits", _I32), ("model_dtype", _I32), ("cache_dtype", _I32),
+        ("block_table_is64", _I32), ("seq_lens_is64", _I32), ("query_start_loc_is64", _I32),
+        ("interleaved_v", _I32),
+    ]
+
+
+class DecodeConfig(ctypes.Structure):
+    _fields_ = [("num_warps", _I32), ("stages", _I32), ("warp_size", _I32), ("max_smem_bytes", _I32),
+                ("tensor_cores", _I32)]
+
+
+class CacheWriteParams(ctypes.Structure):
+    _fields_ = [
+        ("key", _P), ("value", _P), ("key_stride_t", _I64), ("key_stride_h", _I64),
+        ("value_stride_t", _I64), ("value_stride_h", _I64),
+        ("k_cache", _P), ("v_cache", _P), ("cache_block_stride", _I64),
+        ("slot_mapping", _P), ("k_scale", _P), ("v_scale", _P),
+        ("num_tokens", _I32), ("num_kv_heads", _I32), ("head_size", _I32), ("block_size", _I32),
+        ("input_dtype", _I32), ("cache_dtype", _I32), ("slot_mapping_is64", _I32),
+        ("interleaved_v", _I32), ("vector_loads", _I32),
+    ]
+
+
+def _emu_sources() -> list[Path]:
+    return sorted(p for p in native.CSRC_DIR.rglob("*") if p.suffix in (".h", ".cuh", ".cu", ".cpp"))
+
+
+_LIBS: dict[int, ctypes.CDLL] = {}
+
+
+def _emulator(warp: int) -> ctypes.CDLL:
+    """Build (once per source hash, cached in the temp dir) and load the emulated kernels."""
+    if warp in _LIBS:
+        return _LIBS[warp]
+    h = hashlib.sha256(str(warp).encode())
+    for p in _emu_sources():
+        h.update(p.read_bytes())
+    out = Path(tempfile.gettempdir()) / f"rocm_attn_emu_{h.hexdigest()[:16]}.so"
+    if not out.exists():
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [CXX, "-std=c++17", "-O1", "-shared", "-fPIC", f"-DRA_EMU_WARP_SIZE={warp}",
+               "-o", str(tmp), str(EMU_DIR / "emulated_kernels.cpp")]
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        tmp.replace(out)
+    lib = ctypes.CDLL(str(out))
+    lib.ra_emu_last_error.restype = ctypes.c_char_p
+    for f in ("ra_emu_sizeof_decode_params", "ra_emu_sizeof_write_params", "ra_emu_decode_smem_bytes"):
+        getattr(lib, f).restype = ctypes.c_size_t
+    assert lib.ra_emu_sizeof_decode_params() == ctypes.sizeof(DecodeParams)
+    assert lib.ra_emu_sizeof_write_params() == ctypes.sizeof(CacheWriteParams)
+    assert lib.ra_emu_warp_size() == warp
+    _LIBS[warp] = lib
+    return lib
+
+
+def _ptr(t):
+    return None if t is None else t.data_ptr()
+
+
+def _cache_bases(kv_cache):
+    base = kv_cache.data_ptr()
+    return base, base + kv_cache.stride(1) * kv_cache.element_size(), kv_cache.stride(0)
+
+
+def emulated_decode(output, query, kv_cache, query_start_loc, seq_lens, block_table, scale, k_scale,
+                    v_scale, sliding_window, alibi_slopes, sinks, logits_soft_cap, interleaved_v, *,
+                    warp=32, num_splits=None, num_warps=None, stages=None, max_seq_len=None,
+                    num_sms=8, max_smem=228 << 10, tensor_cores=False):
+    """native.paged_attention's planning + the kernel, on the CPU."""
+    num_kv_heads = native.check_decode_args(output, query, kv_cache, query_start_loc, seq_lens,
+                                            block_table, k_scale, v_scale, alibi_slopes, sinks, None, 1)
+    num_seqs, (_, num_heads, head_size) = seq_lens.shape[0], query.shape
+    gqa = num_heads // num_kv_heads
+    w, s = native.decode_launch_config(head_size, kv_cache.element_size(), gqa, max_smem)
+    num_warps, stages = num_warps or w, stages or s
+    if num_splits is None:
+        max_ctx = max_seq_len or block_table.shape[1] * kv_cache.shape[2]
+        chunks = -(-gqa // native.heads_per_cta(gqa))
+        num_splits = native.num_kv_splits(num_seqs, num_kv_heads, chunks, max_ctx, num_sms, num_warps)
+    part_acc = torch.full((num_seqs, num_heads, num_splits, head_size), float("nan"))
+    part_ml = torch.full((num_seqs, num_heads, num_splits, 2), float("nan"))
+    slopes = None if alibi_slopes is None else alibi_slopes.float().contiguous()
+    sink = None if sinks is None else sinks.float().contiguous()
+    kb, vb, bstride = _cache_bases(kv_cache)
+    p = DecodeParams(
+        _ptr(output), output.stride(0), output.stride(1), _ptr(query), query.stride(0), query.stride(1),
+        kb, vb, bstride, _ptr(block_table), block_table.stride(0), _ptr(seq_lens), _ptr(query_start_loc),
+        _ptr(k_scale), _ptr(v_scale), _ptr(slopes), _ptr(sink), _ptr(part_acc), _ptr(part_ml),
+        scale, logits_soft_cap, sliding_window if sliding_window > 0 else 0,
+        num_seqs, num_heads, num_kv_heads, head_size, kv_cache.shape[2], num_splits,
+        DTYPE_CODE[query.dtype], DTYPE_CODE[kv_cache.dtype],
+        int(block_table.dtype == torch.int64), int(seq_lens.dtype == torch.int64),
+        int(query_start_loc.dtype == torch.int64), int(interleaved_v))
+    cfg = DecodeConfig(num_warps, stages, warp, max_smem, int(tensor_cores))
+    lib = _emulator(warp)
+    rc = lib.ra_emu_paged_decode(ctypes.byref(p), ctypes.byref(cfg))
+    assert rc == 0, lib.ra_emu_last_error().decode()
+    return num_splits
+
+
+def emulated_write(key, value, kv_cache, slot_mapping, k_scale, v_scale, interleaved_v, *, warp=32):
+    native.check_write_args(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    kb, vb, bstride = _cache_bases(kv_cache)
+    eb = key.element_size()
+    aligned = all(t.data_ptr() % 16 == 0 and (t.stride(0) * eb) % 16 == 0 and (t.stride(1) * eb) % 16 == 0
+                  for t in (key,))
+    p = CacheWriteParams(
+        _ptr(key), _ptr(value), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        kb, vb, bstride, _ptr(slot_mapping), _ptr(k_scale), _ptr(v_scale),
+        slot_mapping.shape[0], key.shape[1], key.shape[2], kv_cache.shape[2],
+        DTYPE_CODE[key.dtype], DTYPE_CODE[kv_cache.dtype], int(slot_mapping.dtype == torch.int64),
+        int(interleaved_v), int(aligned))
+    lib = _emulator(warp)
+    rc = lib.ra_emu_reshape_and_cache(ctypes.byref(p))
+    assert rc == 0, lib.ra_emu_last_error().decode()
+
+
+def check_decode(context_lens, *, num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
+                 dtype=torch.bfloat16, cache_dtype=None, layout="LHBNC", interleaved_v=False,
+                 sliding_window=-1, alibi=False, sinks=False, softcap=0.0, index_dtype=torch.int32,
+                 pad_rows=0, warp=32, **plan):
+    seed = random.randrange(1 << 30)
+    fp8 = cache_dtype is not None and cache_dtype != dtype
+    c = cases.make_paged_case([1] * len(context_lens), [n - 1 for n in context_lens], num_heads=num_heads,
+                              num_kv_heads=num_kv_heads, head_size=head_size, block_size=block_size,
+                              dtype=dtype, cache_dtype=cache_dtype, layout=layout, interleaved_v=interleaved_v,
+                              k_scale=0.07 if fp8 else 1.0, v_scale=0.05 if fp8 else 1.0, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    slopes = torch.rand(num_heads, generator=g) * 0.5 if alibi else None
+    sink = torch.randn(num_heads, generator=g) * 2 if sinks else None
+    scale = head_size ** -0.5
+    qsl, sl, bt = (x.to(index_dtype) for x in (c.query_start_loc, c.seq_lens, c.block_table))
+    t = c.query.shape[0]
+    query = torch.cat([c.query, torch.randn(pad_rows, num_heads, head_size).to(dtype)]) if pad_rows else c.query
+    out = cases.poison(torch.empty_like(query))
+    emulated_decode(out, query, c.kv_cache, qsl, sl, bt, scale, c.k_scale, c.v_scale, sliding_window,
+                    slopes, sink, softcap, interleaved_v, warp=warp, **plan)
+    want = cases.dense_oracle(c, scale=scale, causal=True, sliding_window=sliding_window,
+                              alibi_slopes=slopes, sinks=sink, logits_soft_cap=softcap)
+    got = out[:t].double()
+    assert not torch.isnan(got).any(), f"unwritten or NaN output rows (seed {seed})"
+    err = cases.rel_err(got, want)
+    tol = TOL[dtype] * (2 if fp8 else 1)
+    assert err < tol, f"rel err {err:.3e} (seed {seed})"
+    if pad_rows:
+        assert torch.isnan(out[t:].float()).all(), "rows past the batch were written"
+
+
+DECODE_CASES = [
+    # id, context lengths, kwargs
+    ("gqa1_d64_bs16_bf16", [5, 33, 70], dict(num_heads=2, num_kv_heads=2)),
+    ("gqa4_d128_bs16_bf16", [1, 17, 100], dict(num_heads=8, num_kv_heads=2, head_size=128)),
+    ("gqa8_d128_bs32_interleaved_fp16", [40, 3], dict(num_heads=8, num_kv_heads=1, head_size=128,
+                                                      block_size=32, interleaved_v=True, dtype=torch.float16)),
+    ("gqa2_d64_lbhnc_window_alibi", [50, 13, 64], dict(num_heads=4, num_kv_heads=2, layout="LBHNC",
+                                                       sliding_window=19, alibi=True)),
+    ("gqa4_d64_bs48_sinks_softcap", [90, 7], dict(block_size=48, num_heads=8, num_kv_heads=2,
+                                                  sinks=True, softcap=4.0)),
+    ("gqa12_two_head_chunks_int64", [30, 1], dict(num_heads=12, num_kv_heads=1, index_dtype=torch.int64,
+                                                  alibi=True, pad_rows=3)),
+    ("gqa3_splits_all_features", [150, 61, 2], dict(num_heads=6, num_kv_heads=2, num_splits=3,
+                                                    sliding_window=70, alibi=True, sinks=True, softcap=6.0,
+                                                    interleaved_v=True, block_size=32)),
+    ("more_splits_than_tiles", [3, 40], dict(num_splits=5, num_warps=2)),
+    ("one_warp_four_stages", [100, 35], dict(num_warps=1, stages=4, head_size=128, num_heads=4,
+                                             num_kv_heads=1)),
+    ("fp8_e4m3_d128", [45, 20], dict(cache_dtype=torch.float8_e4m3fn, head_size=128, num_heads=8,
+                                     num_kv_heads=2, num_splits=2)),
+    ("fp8_e5m2_interleaved_lbhnc", [30, 65], dict(cache_dtype=torch.float8_e5m2, interleaved_v=True,
+                                                  layout="LBHNC", dtype=torch.float16)),
+    ("fp8_e4m3fnuz_window", [70, 9], dict(cache_dtype=torch.float8_e4m3fnuz, sliding_window=33,
+                                          head_size=128)),
+    ("fp16_model_bf16_cache", [25, 50], dict(dtype=torch.float16, cache_dtype=torch.bfloat16)),
+]
+
+
+KERNELS = [(32, False), (64, False), (32, True)]  # (warp width, tensor cores)
+
+
+@pytest.mark.parametrize("warp,tensor_cores", KERNELS, ids=["warp32", "warp64", "mma"])
+@pytest.mark.parametrize("context_lens,kw", [c[1:] for c in DECODE_CASES], ids=[c[0] for c in DECODE_CASES])
+def test_decode_emulated(context_lens, kw, warp, tensor_cores):
+    check_decode(context_lens, warp=warp, tensor_cores=tensor_cores, **kw)
+
+
+@pytest.mark.parametrize("draw", range(4))
+def test_decode_emulated_random(draw):
+    seed = random.randrange(1 << 30)
+    r = random.Random(seed)
+    kv = r.choice([1, 2])
+    kw = dict(
+        num_heads=kv * r.choice([1, 2, 3, 4, 5, 8, 9]), num_kv_heads=kv, head_size=r.choice([64, 128]),
+        block_size=r.choice([16, 32, 64]), layout=r.choice(["LHBNC", "LBHNC"]),
+        interleaved_v=r.random() < 0.5, sliding_window=r.choice([-1, -1, r.randint(1, 60)]),
+        alibi=r.random() < 0.3, sinks=r.random() < 0.3, softcap=r.choice([0.0, 0.0, 5.0]),
+        num_splits=r.choice([None, 1, 3]), dtype=r.choice([torch.bfloat16, torch.float16]),
+        cache_dtype=r.choice([None, None, torch.float8_e4m3fn, torch.float8_e5m2]),
+    )
+    kw["warp"], kw["tensor_cores"] = r.choice(KERNELS)
+    lens = [r.randint(1, 90) for _ in range(r.randint(1, 3))]
+    try:
+        check_decode(lens, **kw)
+    except Exception as e:  # name the draw so it can be replayed
+        raise AssertionError(f"draw seed {seed}: {lens} {kw}: {type(e).__name__}: {e}") from e
+
+
+def _write_case(num_tokens, *, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.bfloat16,
+                cache_dtype=None, layout="LHBNC", interleaved_v=False, strided=False, contiguous_slots=False,
+                pad=0, index_dtype=torch.int64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cache_dtype = cache_dtype or dtype
+    num_blocks = math.ceil(num_tokens / block_size) + 3
+    spec = __import__("inductor_rocm_attn.layout", fromlist=["KVCacheSpec"])
+    kspec = spec.KVCacheSpec(block_size, num_kv_heads, head_size, cache_dtype, spec.CacheLayout(layout))
+    cache = cases.poison(spec.allocate_kv_cache(kspec, num_blocks))
+    if strided:  # slices of a fused qkv tensor: token stride > heads * head_size
+        qkv = torch.randn(num_tokens, 3 * num_kv_heads + 1, head_size, generator=g).to(dtype)
+        key, value = qkv[:, 1:1 + num_kv_heads], qkv[:, 1 + num_kv_heads:1 + 2 * num_kv_heads]
+    else:
+        key = torch.randn(num_tokens, num_kv_heads, head_size, generator=g).to(dtype)
+        value = torch.randn(num_tokens, num_kv_heads, head_size, generator=g).to(dtype)
+    if contiguous_slots:  # prefill: consecutive slots from a block start
+        slots = torch.arange(num_tokens) + block_size
+    else:
+        slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    if pad:
+        slots[torch.randperm(num_tokens, generator=g)[:pad]] = -1
+    return key, value, cache, slots.to(index_dtype)
+
+
+WRITE_CASES = [
+    ("bf16_random_slots", dict(num_tokens=37)),
+    ("fp16_prefill_bs32_interleaved", dict(num_tokens=70, block_size=32, dtype=torch.float16,
+                                           interleaved_v=True, contiguous_slots=True)),
+    ("bf16_prefill_std_padding_int32", dict(num_tokens=50, contiguous_slots=True, pad=5, index_dtype=torch.int32)),
+    ("strided_qkv_lbhnc_d128", dict(num_tokens=21, head_size=128, strided=True, layout="LBHNC")),
+    ("fp8_e4m3_prefill_interleaved", dict(num_tokens=40, cache_dtype=torch.float8_e4m3fn,
+                                          contiguous_slots=True, interleaved_v=True)),
+    ("fp8_e5m2_random_pad", dict(num_tokens=19, cache_dtype=torch.float8_e5m2, pad=4, head_size=128)),
+    ("fp8_e4m3fnuz_bs48", dict(num_tokens=30, cache_dtype=torch.float8_e4m3fnuz, block_size=48,
+                               contiguous_slots=True)),
+    ("fp32_input_bf16_cache", dict(num_tokens=9, dtype=torch.float32, cache_dtype=torch.bfloat16)),
+]
+
+
+@pytest.mark.parametrize("num_tokens_kw", [c[1] for c in WRITE_CASES], ids=[c[0] for c in WRITE_CASES])
+def test_reshape_and_cache_emulated(num_tokens_kw):
+    kw = dict(num_tokens_kw)
+    seed = random.randrange(1 << 30)
+    key, value, cache, slots = _write_case(kw.pop("num_tokens"), seed=seed, **kw)
+    interleaved = kw.get("interleaved_v", False)
+    fp8 = cache.dtype in native._FP8_CACHE_DTYPES
+    ks = torch.tensor([0.07 if fp8 else 1.0])
+    vs = torch.tensor([0.05 if fp8 else 1.0])
+    want = cache.clone()
+    ref.reshape_and_cache(key, value, want, slots, ks, vs, interleaved)
+    got = cache
+    emulated_write(key, value, got, slots, ks, vs, interleaved)
+    # bit-exact, poison (unwritten slots) included
+    diff = (got.view(torch.uint8) != want.view(torch.uint8))
+    assert not diff.any(), f"{int(diff.sum())} cache bytes differ (seed {seed})"
+
+
+def test_emulator_reports_launch_errors():
+    lib = _emulator(32)
+    p = DecodeParams()
+    p.num_seqs, p.num_heads, p.num_kv_heads, p.head_size, p.block_size = 1, 2, 1, 96, 16
+    p.num_splits = 1
+    cfg = DecodeConfig(4, 2, 32, 1 << 20, 0)
+    assert lib.ra_emu_paged_decode(ctypes.byref(p), ctypes.byref(cfg)) != 0
+    assert b"head_size 96" in lib.ra_emu_last_error()
