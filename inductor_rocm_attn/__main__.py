@@ -1,4 +1,4 @@
-"""Command line: ``python -m inductor_rocm_attn {demo,info}``."""
+"""Command line: ``python -m inductor_rocm_attn {demo,info,build-native}``."""
 
 from __future__ import annotations
 
@@ -59,7 +59,15 @@ def main(argv=None) -> int:
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     demo.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     sub.add_parser("info", help="platform, versions and which providers are usable here")
-    args = parser.parse_args(argv)
+    sub.add_parser("build-native", add_help=False,
+                   help="build the native (csrc) kernels ahead of time (--force, --quiet)")
+    args, rest = parser.parse_known_args(argv)
+    if args.cmd == "build-native":  # its own options: kernels/native.py build_native_cli
+        from .kernels.native import build_native_cli
+
+        return build_native_cli(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return _info() if args.cmd == "info" else _demo(args)
 
 

@@ -185,23 +185,6 @@ REGISTRY: dict[str, Provider] = {
             ),
         ),
         Provider(
-            name="native",
-            summary="csrc HIP/CUDA kernels (paged decode)",
-            caps=ProviderCaps(
-                devices=("cuda",),
-                ops=("paged_attention",),
-                head_sizes=(64, 128),
-                block_sizes=(16, 32),
-                layouts=(CacheLayout.LHBNC,),
-                model_dtypes=(torch.float16, torch.bfloat16),
-                kv_cache_dtypes=("auto", "float16", "bfloat16"),
-                interleaved_v=(False,),
-                features=("sliding_window", "alibi"),
-            ),
-            module=f"{_KERNELS}.native",
-            checks=(gpu_visible, ModuleSays(f"{_KERNELS}.native")),
-        ),
-        Provider(
             name="triton",
             summary="Triton kernels for every op (the GPU default)",
             caps=ProviderCaps(
@@ -217,6 +200,28 @@ REGISTRY: dict[str, Provider] = {
             ),
             module=f"{_KERNELS}.triton",
             checks=(gpu_visible, Importable("triton", "triton is not installed")),
+        ),
+        # The csrc kernels (kernels/native.py): decode-only paged attention (a call that may
+        # hold a prefill carries the "prefill" feature) and the cache writer. Declared after
+        # Triton, which supports every call it does: it is chosen where a PREFERENCES rule,
+        # from a measurement, puts it first. "not built" counts as unavailable (the first
+        # use must not start a minutes-long build inside a forward call).
+        Provider(
+            name="native",
+            summary="csrc HIP/CUDA kernels: paged decode and the KV-cache writer",
+            caps=ProviderCaps(
+                devices=("cuda",),
+                ops=("paged_attention", "reshape_and_cache"),
+                head_sizes=(64, 128),
+                block_sizes=(16, 32),
+                layouts=_ALL_LAYOUTS,
+                model_dtypes=(torch.float16, torch.bfloat16),
+                kv_cache_dtypes=SUPPORTED_KV_CACHE_DTYPES,
+                interleaved_v=(False, True),
+                features=("sliding_window", "alibi", "sinks", "logits_soft_cap", "non_causal"),
+            ),
+            module=f"{_KERNELS}.native",
+            checks=(gpu_visible, ModuleSays(f"{_KERNELS}.native")),
         ),
         Provider(
             name="reference",
@@ -441,7 +446,10 @@ def select(
 
 
 def attention_features(*, causal: bool, sliding_window: int, alibi_slopes, sinks,
-                       logits_soft_cap: float, output_scale) -> tuple[str, ...]:
+                       logits_soft_cap: float, output_scale,
+                       max_query_len: int | None = None) -> tuple[str, ...]:
+    """The capability features a paged/encoder attention call needs. ``max_query_len`` None
+    (unknown) or > 1 adds "prefill": only a call known to be decode-only omits it."""
     feats = []
     if sliding_window > 0:
         feats.append("sliding_window")
@@ -455,4 +463,6 @@ def attention_features(*, causal: bool, sliding_window: int, alibi_slopes, sinks
         feats.append("output_scale")
     if not causal:
         feats.append("non_causal")
+    if max_query_len is None or max_query_len > 1:
+        feats.append("prefill")
     return tuple(feats)

@@ -18,7 +18,7 @@ from inductor_rocm_attn.layout import CacheLayout
 from cases import poison
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-NAMES = ("aiter", "native", "triton", "reference")
+NAMES = ("aiter", "triton", "native", "reference")
 QK_NORM = dict(device="cuda", head_size=128, dtype=torch.bfloat16, block_size=16,
                layout=CacheLayout.LHBNC, kv_cache_dtype="auto", interleaved_v=True)
 BOTH_USABLE = {"aiter": None, "triton": None, "native": "not built"}
@@ -64,10 +64,13 @@ def test_supports_reads_the_record():
     assert native.supports("paged_attention", **q) is None
     assert native.supports("paged_attention", **{**q, "device": torch.device("cuda")}) is None
     assert "head sizes (64, 128), not 80" in native.supports("paged_attention", **{**q, "head_size": 80})
-    assert "layouts ['LHBNC'], not LBHNC" in native.supports("paged_attention", layout="LBHNC", **q)
-    assert "does not support interleaved V" in native.supports("paged_attention", interleaved_v=True, **q)
-    assert "does not support sinks" in native.supports("paged_attention", features=("sinks",), **q)
-    assert native.supports("reshape_and_cache", **q) == "native has no reshape_and_cache kernel"
+    assert "block sizes (16, 32), not 544" in native.supports("paged_attention", **{**q, "block_size": 544})
+    assert native.supports("paged_attention", layout="LBHNC", interleaved_v=True, **q) is None
+    assert native.supports("paged_attention", features=("sinks", "logits_soft_cap"), **q) is None
+    assert "does not support prefill" in native.supports("paged_attention", features=("prefill",), **q)
+    assert "does not support output_scale" in native.supports("paged_attention", features=("output_scale",), **q)
+    assert native.supports("reshape_and_cache", **q) is None
+    assert native.supports("rope_and_cache", **q) == "native has no rope_and_cache kernel"
     on_cpu = providers.get("triton").supports("paged_attention", **{**q, "device": "cpu"})
     assert "runs on ('cuda',), not cpu" in on_cpu
     assert providers.get("aiter").supports("qk_norm_rope_and_cache", **QK_NORM) is None
@@ -122,10 +125,11 @@ def test_no_provider_error_names_every_provider_and_why():
 def test_unavailable_provider_is_passed_over_with_its_reason():
     q = dict(device="cuda", head_size=64, dtype=torch.float16, block_size=16, layout=CacheLayout.LHBNC)
     usable = {"native": None, "triton": None}
-    assert providers.choose("paged_attention", platform="cuda", unavailable=usable, **q) == "native"
-    assert providers.choose("paged_attention", platform="cuda", unavailable={**usable, "native": "not built"},
-                            **q) == "triton"
-    with pytest.raises(NotImplementedError, match="native: not built; triton: no triton here"):
+    # Triton is declared first (no measurement puts native ahead yet).
+    assert providers.choose("paged_attention", platform="cuda", unavailable=usable, **q) == "triton"
+    assert providers.choose("paged_attention", platform="cuda", unavailable={**usable, "triton": "no triton here"},
+                            **q) == "native"
+    with pytest.raises(NotImplementedError, match="triton: no triton here; native: not built"):
         providers.choose("paged_attention", platform="cuda",
                          unavailable={"native": "not built", "triton": "no triton here"}, **q)
 
