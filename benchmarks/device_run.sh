@@ -4,7 +4,7 @@
 # packed into $OUT/<stage>.tgz as soon as it ends, so a call cut short keeps what finished.
 #   run: bash benchmarks/device_run.sh   (carry [".aiter"] to include the AITER provider tests)
 #   STAGES="tests model_step" bash benchmarks/device_run.sh   runs only those stages, in order
-#   (stages: tests model_step memcheck decode decode_grid prefill cache_writers decode_seq
+#   (stages: native_build tests model_step memcheck decode decode_grid prefill cache_writers decode_seq
 #    decode_bs64 decode_model_shape decode_stages decode_keys compile_time; the old names
 #    e2e, writers, decode_e2e_shape still work)
 #   TEST_FILES=tests/kernels/test_paged_attention.py limits the tests stage to those files
@@ -15,6 +15,13 @@ LOG=$OUT/log.txt
 stage() { echo "=== $1 ($(date +%T))" | tee -a $LOG; }
 pack() { tar czf $OUT/$1.tgz -C $OUT $1 && rm -rf $OUT/$1; }
 stage install
+# Carried wheels (.whl/: expecttest, which the device image lacks; peers) into a target dir.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target $PWD/.site .whl/*.whl >>$LOG 2>&1 \
+    && export PYTHONPATH=$PWD/.site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# The native (csrc) provider's build cache stays inside the checkout.
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.torch_ext}
 if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >>$LOG 2>&1; then
   echo "editable install failed (see above): nothing can run without it" | tee -a $LOG
   exit 1
@@ -106,6 +113,9 @@ for st in ${STAGES:-tests model_step decode prefill cache_writers}; do
     tests) run_tests;;
     model_step|e2e) run_model_step;;
     memcheck) run_memcheck;;
+    native_build) stage native_build
+      timeout ${BUILD_S:-300} python3 -m inductor_rocm_attn build-native --quiet >>$LOG 2>&1; echo "rc=$?" >>$LOG
+      python3 -m inductor_rocm_attn info >>$LOG 2>&1;;
     *) run_bench $st;;
   esac
 done
