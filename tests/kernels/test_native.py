@@ -190,7 +190,8 @@ def _e4m3():
 def check_decode_gpu(context_lens, *, num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
                      dtype=torch.bfloat16, cache=None, layout_="LHBNC", interleaved_v=False,
                      sliding_window=-1, alibi=False, sinks=False, softcap=0.0, causal=True,
-                     index_dtype=torch.int32, pad_rows=0, **plan):
+                     index_dtype=torch.int32, pad_rows=0, tensor_cores=None, **plan):
+    """Every native decode kernel (``tensor_cores`` None: both) against the float64 oracle."""
     seed = _seed()
     cache_dtype = {None: None, "e4m3": _e4m3(), "e5m2": torch.float8_e5m2}[cache]
     fp8 = cache_dtype is not None
@@ -202,55 +203,53 @@ def check_decode_gpu(context_lens, *, num_heads=8, num_kv_heads=2, head_size=128
     slopes = torch.rand(num_heads, generator=g) * 0.5 if alibi else None
     sink = torch.randn(num_heads, generator=g) * 2 if sinks else None
     scale = head_size ** -0.5
-    want = torch.empty(c.query.shape, dtype=torch.float64)
-    ref.paged_attention(want, c.query, None, None, c.kv_cache, c.query_start_loc, c.seq_lens, c.block_table,
-                        scale, c.k_scale, c.v_scale, causal, sliding_window, slopes, sink, softcap,
-                        interleaved_v, None)
     dev = lambda x: None if x is None else x.to(GPU)  # noqa: E731
+    # the float64 oracle runs on the GPU too (the same function; on the CPU it dominated the
+    # matrix's time)
+    want = torch.empty(c.query.shape, dtype=torch.float64, device=GPU)
+    ref.paged_attention(want, dev(c.query), None, None, dev(c.kv_cache), dev(c.query_start_loc), dev(c.seq_lens),
+                        dev(c.block_table), scale, dev(c.k_scale), dev(c.v_scale), causal, sliding_window,
+                        dev(slopes), dev(sink), softcap, interleaved_v, None)
     t = c.query.shape[0]
     query = c.query
     if pad_rows:
         query = torch.cat([query, torch.randn(pad_rows, num_heads, head_size).to(dtype)])
-    out = cases.poison(torch.empty(query.shape, dtype=dtype, device=GPU))
-    native.paged_attention(
-        out, dev(query), None, None, dev(c.kv_cache), dev(c.query_start_loc).to(index_dtype),
-        dev(c.seq_lens).to(index_dtype), dev(c.block_table).to(index_dtype), scale, dev(c.k_scale),
-        dev(c.v_scale), causal, sliding_window, dev(slopes), dev(sink), softcap, interleaved_v, None,
-        1, max(context_lens), **plan)
-    got = out[:t].double().cpu()
-    assert not torch.isnan(got).any(), f"unwritten or NaN output rows (seed {seed})"
-    err = cases.rel_err(got, want)
-    tol = TOL[dtype] * (2 if fp8 else 1)
-    assert err < tol, f"rel err {err:.3e} (seed {seed})"
-    if pad_rows:
-        assert torch.isnan(out[t:].float()).all(), "rows past the batch were written"
+    kernels = (True, False) if tensor_cores is None else (tensor_cores,)
+    for tc in kernels:  # every kernel against the one oracle
+        if tc and not native._device_limits(torch.cuda.current_device())[3]:
+            continue  # the tensor-core kernel needs an NVIDIA GPU of sm_80 or newer
+        out = cases.poison(torch.empty(query.shape, dtype=dtype, device=GPU))
+        native.paged_attention(
+            out, dev(query), None, None, dev(c.kv_cache), dev(c.query_start_loc).to(index_dtype),
+            dev(c.seq_lens).to(index_dtype), dev(c.block_table).to(index_dtype), scale, dev(c.k_scale),
+            dev(c.v_scale), causal, sliding_window, dev(slopes), dev(sink), softcap, interleaved_v, None,
+            1, max(context_lens), tensor_cores=tc, **plan)
+        got = out[:t].double()
+        kind = "mma" if tc else "cuda_core"
+        assert not torch.isnan(got).any(), f"{kind}: unwritten or NaN output rows (seed {seed})"
+        err = cases.rel_err(got, want)
+        tol = TOL[dtype] * (2 if fp8 else 1)
+        assert err < tol, f"{kind}: rel err {err:.3e} (seed {seed})"
+        if pad_rows:
+            assert torch.isnan(out[t:].float()).all(), f"{kind}: rows past the batch were written"
 
 
 GEOMETRY = [(h, b) for h in (64, 128) for b in (16, 32)]
-# the tensor-core kernel (NVIDIA default) and the CUDA-core one (HIP's; an option on NVIDIA)
-KERNEL = pytest.mark.parametrize("tensor_cores", [True, False], ids=["mma", "cuda_core"])
-
-
-def _kernel_available(tensor_cores):
-    if tensor_cores and not native._device_limits(torch.cuda.current_device())[3]:
-        pytest.skip("the tensor-core kernel needs an NVIDIA GPU of sm_80 or newer")
 GQA = [(8, 8), (16, 4), (16, 2)]  # (num_heads, num_kv_heads): GQA 1, 4, 8
 
 
 @pytest.mark.gpu
-@KERNEL
 @pytest.mark.parametrize("layout_", ["LHBNC", "LBHNC"])
 @pytest.mark.parametrize("interleaved_v", [False, True], ids=["std_v", "interleaved_v"])
 @pytest.mark.parametrize("cache", [None, "e4m3", "e5m2"], ids=["auto", "e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("heads", GQA, ids=["gqa1", "gqa4", "gqa8"])
 @pytest.mark.parametrize("head_size,block_size", GEOMETRY, ids=[f"d{h}_bs{b}" for h, b in GEOMETRY])
-def test_decode_gpu_matrix(ext, head_size, block_size, heads, dtype, cache, interleaved_v, layout_, tensor_cores):
-    _kernel_available(tensor_cores)
+def test_decode_gpu_matrix(ext, head_size, block_size, heads, dtype, cache, interleaved_v, layout_):
     # short, mid and long contexts; 4 sequences x few KV heads -> KV splits by the heuristic
     check_decode_gpu([1, 37, 1300, 5000], num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size,
                      block_size=block_size, dtype=dtype, cache=cache, layout_=layout_,
-                     interleaved_v=interleaved_v, tensor_cores=tensor_cores)
+                     interleaved_v=interleaved_v)
 
 
 FEATURES = [
@@ -272,12 +271,10 @@ FEATURES = [
 
 
 @pytest.mark.gpu
-@KERNEL
 @pytest.mark.parametrize("cache", [None, "e4m3"], ids=["auto", "e4m3"])
 @pytest.mark.parametrize("kw", [f[1] for f in FEATURES], ids=[f[0] for f in FEATURES])
-def test_decode_gpu_features(ext, kw, cache, tensor_cores):
-    _kernel_available(tensor_cores)
-    check_decode_gpu([1, 2, 700, 4000], cache=cache, tensor_cores=tensor_cores, **kw)
+def test_decode_gpu_features(ext, kw, cache):
+    check_decode_gpu([1, 2, 700, 4000], cache=cache, **kw)
 
 
 @pytest.mark.gpu
