@@ -56,16 +56,20 @@ TOL = 1e-2  # relative-norm error against SDPA, every output (bf16)
 
 # The split-rule / pipeline A/B (--candidates): fields of the tuned DecodeConfig replaced.
 # Why these: compiled for sm_90, the default one-warp program takes 24 KB of shared memory
-# (+1 KB static, +1 KB the driver reserves per CTA) and 203 registers, so 8 fit an SM by
-# shared memory (9 by registers). B=16 x 8 KV heads x 9 splits (the rounded-up rule) is 1152
-# programs for 132 x 8 = 1056 slots: a second wave of 96 programs, each a whole split long,
-# runs while most SMs idle (at L=16384 a split is 114 tiles = 0.9 MB; 96 of them at the ~2 TB/s
-# a few programs reach is ~40 us, the size of the gap to SDPA). B >= 64 has one split (512 or
-# 1024 programs, one wave) and runs at 4.2-4.4 TB/s. The candidates: round the split count
-# down (8 splits, 1024 programs, one wave), aim at 4 programs an SM (4 splits, 512
-# programs, B=64's regime; longer splits, a quarter of the merge traffic), and 2 pipeline
-# stages (16 KB: 9 an SM by registers, the 1152 programs in one wave at 9 splits). B=128 (one
-# split, every rule) is the control: only the stages candidate changes it.
+# (+1 KB static, +1 KB the driver reserves per CTA) and 203 registers: 8 fit an SM by shared
+# memory (9 if the static KB is the reserved one; 9 by registers). At 8, B=16 x 8 KV heads x
+# 9 splits (the rounded-up rule) is 1152 programs for 132 x 8 = 1056 slots: a second wave of
+# 96 programs, each a whole split long, runs while most SMs idle. At L=16384 a split is 114
+# tiles = 0.9 MB; 96 of them at the ~2 TB/s a few programs reach take ~40 us, the size of the
+# gap to SDPA (47 us; 14 us at L=4096, where the same estimate gives ~10 us plus the merge).
+# B >= 64 has one split (512 or 1024 programs, one wave) and runs at 4.2-4.4 TB/s, so 4-8
+# one-warp programs an SM do reach the bandwidth. The candidates: round the split count down
+# (8 splits, 1024 programs, one wave at 8 an SM), aim at 4 programs an SM (4 splits, 512
+# programs: B=64's regime, longer splits, 4/9 of the merge traffic), and 2 pipeline stages
+# (16 KB: 9 an SM by registers, all 1152 programs of 9 splits in one wave). If the tail wave
+# is the cause, round_down and stages2 both win at B=16 and tie at B=128 (one split under
+# every rule: the control; only stages2 changes its kernel). The table prints the driver's
+# programs per SM and the waves each candidate needs.
 CANDIDATES = {
     "default": {},
     "round_down": dict(splits_round_down=True),
@@ -366,9 +370,12 @@ def bench_verify(args, sms: int, ceiling: float, peers: Peers):
             c.out.fill_(float("nan"))
             c.run()  # a plain decode step of the same batch (one query token per sequence)
             row["decode_step_us"] = graph_time_us(c.run)
+            sdpa = lambda: F.scaled_dot_product_attention(  # noqa: E731
+                q, k, v, attn_mask=mask, scale=c.scale, enable_gqa=True)
             try:
-                row["sdpa_us"] = graph_time_us(lambda: F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, scale=c.scale, enable_gqa=True))
+                row["sdpa_err"] = rel_err(sdpa(), ref)
+                assert row["sdpa_err"] < TOL, f"output differs (rel err {row['sdpa_err']:.2e})"
+                row["sdpa_us"] = graph_time_us(sdpa)
             except Exception as e:  # noqa: BLE001 - no SDPA backend takes this mask with GQA
                 row["sdpa_us"] = None
                 row["sdpa_unavailable"] = f"{type(e).__name__}: {e}"[:200]

@@ -167,7 +167,7 @@ GPU_VERIFY = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("kw", [c[1] for c in GPU_VERIFY], ids=[c[0] for c in GPU_VERIFY])
-def test_verify_gpu(kw, dtype):
+def test_triton_verify_gpu(kw, dtype):
     # verify (2..8), decode and a prefill in one call, long and short contexts
     check_paged("triton", [4, 1, 8, 2, 300, 3], [2000, 15, 1200, 0, 77, 700], hints=True,
                 dtype=dtype, device=GPU, **kw)
@@ -176,7 +176,7 @@ def test_verify_gpu(kw, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("num_splits", [None, 4])
-def test_verify_gpu_fp8_cache(cache_dtype, num_splits):
+def test_triton_verify_gpu_fp8_cache(cache_dtype, num_splits):
     check_paged("triton", [4, 2, 8], [1500, 400, 33], num_heads=32, num_kv_heads=8, head_size=128,
                 dtype=torch.bfloat16, cache_dtype=cache_dtype, num_splits=num_splits, hints=True,
                 device=GPU, tol=2e-2)
@@ -184,7 +184,7 @@ def test_verify_gpu_fp8_cache(cache_dtype, num_splits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [None, 4])
-def test_verify_gpu_fp8_output(num_splits):
+def test_triton_verify_gpu_fp8_output(num_splits):
     check_paged("triton", [4, 200, 3], [900, 300, 5], num_heads=16, num_kv_heads=4,
                 head_size=128, dtype=torch.bfloat16, out_fp8=True, num_splits=num_splits,
                 hints=True, device=GPU)

@@ -61,12 +61,13 @@ PREFILL_LONGEST_FIRST = True
 PREFILL_DENSE_TMA = True
 MIN_SPLIT_TOKENS = 64  # a KV split shorter than this costs more in merging than it saves
 MAX_SPLITS = 64
-# KV splits aim at this many decode programs per SM (num_kv_splits), rounded up (today's
-# rule) or down. Rounded down, the grid never exceeds SPLIT_PROGRAMS_PER_SM x SMs: the
-# one-warp decode program takes 24 KB of shared memory (+1 KB static +1 KB reserved per CTA)
-# and 203 registers on sm_90, so 8 fit an SM, and B=16 x 8 KV heads x 9 splits = 1152
-# programs on 132 x 8 = 1056 slots leave a second wave of 96. Unmeasured: bench_decode.py
-# --candidates times both rules side by side.
+# KV splits aim at this many decode programs per SM (num_kv_splits), rounded up (the
+# default) or down: rounded down, the grid never exceeds SPLIT_PROGRAMS_PER_SM x SMs. The
+# one-warp decode program compiles for sm_90 to 24 KB of shared memory (plus 1 KB static and
+# the 1 KB the driver reserves per CTA) and 203 registers: 8 fit an SM by shared memory (9 if
+# the static KB is the reserved one). At 8, B=16 x 8 KV heads x 9 splits = 1152 programs on
+# 132 x 8 = 1056 slots leave a second wave of 96. Not measured yet: bench_decode.py
+# --candidates times both rules and prints the driver's programs per SM.
 SPLIT_PROGRAMS_PER_SM = 8
 SPLITS_ROUND_DOWN = False
 # A split of at most this many tiles runs a tuned "rows3"/"keys3" config as one masked loop:
