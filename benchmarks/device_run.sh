@@ -114,23 +114,23 @@ peer_env() {  # FlashInfer's wheels (.whl/, carried) into .site; its modules are
   fi
   PEER_PP="$PWD/.site${PYTHONPATH:+:$PYTHONPATH}"
 }
-run_peer() {  # run_peer <stage> <seconds> <bench args...>: one bench with the peers on
-  local st=$1 secs=$2; shift 2
-  mkdir -p $OUT/$st
-  PYTHONPATH=$PEER_PP FLASHINFER_DISABLE_JIT=1 timeout $secs python3 "$@" --out $OUT/$st >>$LOG 2>&1
-  echo "rc=$? ($st: $*)" | tee -a $LOG
-  cat $OUT/$st/*.md >> $OUT/tables.md 2>/dev/null
+run_peer() {  # run_peer <stage/part> <seconds> <bench args...>: one bench with the peers on
+  local dir=$OUT/$1 secs=$2; shift 2
+  mkdir -p $dir
+  PYTHONPATH=$PEER_PP FLASHINFER_DISABLE_JIT=1 timeout $secs python3 "$@" --out $dir >>$LOG 2>&1
+  echo "rc=$? (${dir#$OUT/}: $*)" | tee -a $LOG
+  cat $dir/*.md >> $OUT/tables.md 2>/dev/null
 }
 run_peers() {
   stage peers; peer_env
   # the B x L grid: ours, SDPA, FlashInfer (tensor and CUDA cores), and the A/B of the
   # split rule and pipeline depth at B=16 and B=128 (benchmarks/bench_decode.py CANDIDATES)
-  run_peer peers ${PEERS_DECODE_S:-270} benchmarks/bench_decode.py --batch 1 16 64 128 \
+  run_peer peers/decode ${PEERS_DECODE_S:-270} benchmarks/bench_decode.py --batch 1 16 64 128 \
     --ctx 1024 4096 16384 --peers flashinfer --candidates
   # prefix prefill, B=4 x 4096 new tokens, no prefix and a 4096-token prefix: FlashInfer fa3/fa2
-  run_peer peers ${PEERS_PREFILL_S:-120} benchmarks/bench_prefill.py --peers flashinfer
+  run_peer peers/prefill ${PEERS_PREFILL_S:-120} benchmarks/bench_prefill.py --peers flashinfer
   # verify batches of 4 query tokens: the verify kernel vs the prefill kernel vs a decode step
-  run_peer peers ${PEERS_VERIFY_S:-120} benchmarks/bench_decode.py --verify 4 --batch 16 64 \
+  run_peer peers/verify ${PEERS_VERIFY_S:-120} benchmarks/bench_decode.py --verify 4 --batch 16 64 \
     --ctx 4096 --peers flashinfer
   pack peers
 }
