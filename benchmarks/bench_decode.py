@@ -5,11 +5,23 @@ batch B and context L: check the Triton output against SDPA (over the same K/V m
 contiguous), then time both as CUDA-graph replays (``common.graph_time_us``: do_bench
 median, L2 flushed before each replay). Effective bandwidth counts K+V read once plus q and
 out; the ceiling is a read-only reduction measured in the same run. Variants of the tuned
-config (``--cfgs``, ``--margins``, ``--k-rows``) are passed in as ``DecodeConfig`` objects.
+config (``--cfgs``, ``--margins``, ``--k-rows``, ``--candidates``) are passed in as
+``DecodeConfig`` objects.
+
+``--peers flashinfer``: FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` on tensor cores
+and on CUDA cores in the same run, over the same values in its own NHD pages (``peers.py``),
+each output checked against SDPA; "peer unavailable: <reason>" where it cannot run.
+``--candidates``: the split-rule / pipeline A/B of ``CANDIDATES`` at the ``--ab-batch`` sizes,
+with the programs each launches and how many one SM holds (the driver's occupancy calculator).
+``--verify Q``: speculative-decode verify batches instead (Q query tokens per sequence):
+the verify kernel against the prefill kernel on the same batch, a plain decode step of the
+same batch, SDPA and the FlashInfer peers.
 
     python benchmarks/bench_decode.py [--batch 1 16 64 128] [--ctx 1024 4096 16384] [--sweep]
+    python benchmarks/bench_decode.py --peers flashinfer --candidates
+    python benchmarks/bench_decode.py --verify 4 --batch 16 64 --ctx 4096 --peers flashinfer
 
-Writes benchmarks/results/decode_<date>.json and .md (or --out DIR).
+Writes benchmarks/results/decode_<date>.json and .md (verify_<date> with --verify; or --out DIR).
 """
 
 from __future__ import annotations
@@ -26,16 +38,44 @@ import triton.language as tl
 import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import graph_time_us, stamp, write_json  # noqa: E402
+from common import graph_time_us, launched_kernels, residency, stamp, write_json  # noqa: E402
+from peers import FlashInferDecode, PeerUnavailable, flashinfer_version, nhd_pages  # noqa: E402
 from inductor_rocm_attn.kernels.triton import paged_attention  # noqa: E402  (the function)
-from inductor_rocm_attn.kernels.triton.configs import DecodeConfig, decode_config, num_kv_splits  # noqa: E402
+from inductor_rocm_attn.kernels.triton.configs import (  # noqa: E402
+    DecodeConfig, decode_config, decode_plan, num_kv_splits, verify_config, verify_rows)
 from inductor_rocm_attn.kernels.triton.paged_attention import launch_target  # noqa: E402
+from inductor_rocm_attn.kernels.triton.paged_decode import _paged_decode_kernel  # noqa: E402
+from inductor_rocm_attn.kernels.triton.paged_verify import _paged_verify_kernel  # noqa: E402
 from inductor_rocm_attn.layout import (  # noqa: E402
     CacheLayout, KVCacheSpec, allocate_kv_cache, dense_kv, k_view, v_view)
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 INTERLEAVED_V = False
 DTYPE = torch.bfloat16
+TOL = 1e-2  # relative-norm error against SDPA, every output (bf16)
+
+# The split-rule / pipeline A/B (--candidates): fields of the tuned DecodeConfig replaced.
+# Why these: compiled for sm_90, the default one-warp program takes 24 KB of shared memory
+# (+1 KB static, +1 KB the driver reserves per CTA) and 203 registers: 8 fit an SM by shared
+# memory (9 if the static KB is the reserved one; 9 by registers). At 8, B=16 x 8 KV heads x
+# 9 splits (the rounded-up rule) is 1152 programs for 132 x 8 = 1056 slots: a second wave of
+# 96 programs, each a whole split long, runs while most SMs idle. At L=16384 a split is 114
+# tiles = 0.9 MB; 96 of them at the ~2 TB/s a few programs reach take ~40 us, the size of the
+# gap to SDPA (47 us; 14 us at L=4096, where the same estimate gives ~10 us plus the merge).
+# B >= 64 has one split (512 or 1024 programs, one wave) and runs at 4.2-4.4 TB/s, so 4-8
+# one-warp programs an SM do reach the bandwidth. The candidates: round the split count down
+# (8 splits, 1024 programs, one wave at 8 an SM), aim at 4 programs an SM (4 splits, 512
+# programs: B=64's regime, longer splits, 4/9 of the merge traffic), and 2 pipeline stages
+# (16 KB: 9 an SM by registers, all 1152 programs of 9 splits in one wave). If the tail wave
+# is the cause, round_down and stages2 both win at B=16 and tie at B=128 (one split under
+# every rule: the control; only stages2 changes its kernel). The table prints the driver's
+# programs per SM and the waves each candidate needs.
+CANDIDATES = {
+    "default": {},
+    "round_down": dict(splits_round_down=True),
+    "per_sm4_down": dict(programs_per_sm=4, splits_round_down=True),
+    "stages2": dict(num_stages=2),
+}
 
 
 def read_ceiling_tbs() -> float:
@@ -157,6 +197,235 @@ class DecodeCase:
         return k, v
 
 
+
+def rel_err(got, ref) -> float:
+    return float((got.float() - ref.float()).norm() / ref.float().norm())
+
+
+class Peers:
+    """The peers of one run (``--peers``): each timed on every case; an unavailable peer is
+    reported once per reason and recorded in the rows."""
+
+    def __init__(self, names):
+        self.names = list(names)
+        self.seen: set[str] = set()
+
+    def unavailable(self, row: dict, key: str, why: str):
+        row[key + "_us"] = None
+        row[key + "_unavailable"] = why
+        if why not in self.seen:
+            self.seen.add(why)
+            print(f"  peer unavailable: {why}", flush=True)
+
+    def time(self, row: dict, key: str, make, ref, check=lambda out: out, ok_tol=TOL):
+        """Build a peer (``make()`` -> object with ``run()``), check its output against
+        ``ref``, time it; fills ``row[key + "_us"]`` and ``_err`` or ``_unavailable``."""
+        try:
+            peer = make()
+        except PeerUnavailable as e:
+            return self.unavailable(row, key, str(e))
+        err = rel_err(check(peer.run()), ref)
+        row[key + "_err"] = err
+        if not err < ok_tol:
+            return self.unavailable(row, key, f"{key}: output differs from SDPA (rel err {err:.2e})")
+        try:
+            row[key + "_us"] = graph_time_us(peer.run)
+        except Exception as e:  # noqa: BLE001 - e.g. not capturable in a CUDA graph
+            return self.unavailable(row, key, f"{key}: timing failed: {type(e).__name__}: {e}"[:300])
+        row[key + "_backend"] = getattr(peer, "backend", None)
+        return row[key + "_us"]
+
+
+def flashinfer_decode_peers(peers: Peers, c: "DecodeCase", ref, row: dict):
+    if "flashinfer" not in peers.names:
+        return
+    pages = nhd_pages(c.kv_cache, HKV, INTERLEAVED_V)
+    for tc, key in ((True, "flashinfer_tc"), (False, "flashinfer_cuda")):
+        peers.time(row, key, lambda: FlashInferDecode(pages, c.block_table, [c.L] * c.b, c.query,
+                                                      c.scale, tensor_cores=tc), ref)
+    del pages
+
+
+def time_candidates(c: "DecodeCase", ref, sms: int, nbytes: int, t_default: float) -> list[dict]:
+    """The CANDIDATES on one case: splits, programs, residency, time, check."""
+    out = []
+    for name, changes in CANDIDATES.items():
+        cfg = dataclasses.replace(default_decode_config(), **changes)
+        kind, splits = decode_plan(cfg, None, num_seqs=c.b, num_kv_heads=HKV, head_chunks=1,
+                                   max_ctx=c.L, num_sms=sms)
+        c.out.fill_(float("nan"))
+        kern = (launched_kernels(_paged_decode_kernel, lambda: c.run(decode_cfg=cfg)) or [None])[-1]
+        err = rel_err(c.out, ref)
+        assert err < TOL, f"candidate {name}: rel err {err:.3e}"
+        t = t_default if name == "default" else graph_time_us(lambda: c.run(decode_cfg=cfg))
+        res = residency(kern)
+        programs = c.b * HKV * splits
+        waves = programs / (sms * res["per_sm"]) if res["per_sm"] else None
+        out.append(dict(B=c.b, L=c.L, candidate=name, changes=changes, kind=kind, splits=splits,
+                        programs=programs, resident_per_sm=res["per_sm"], regs=res["regs"],
+                        shared_bytes=res["shared_bytes"], waves=waves, us=t,
+                        tbs=nbytes / t / 1e6, vs_default=t / t_default, rel_err_vs_sdpa=err))
+        print(f"  candidate {name:13s} {kind:5s} splits={splits:2d} programs={programs:5d} "
+              f"resident/SM={res['per_sm']} regs={res['regs']} smem={res['shared_bytes']} "
+              f"waves={'-' if waves is None else f'{waves:.2f}'}: {t:7.1f} us "
+              f"{nbytes / t / 1e6:5.2f} TB/s x{t / t_default:.3f}  err {err:.1e}", flush=True)
+    return out
+
+
+def candidates_table(cands: list[dict], rows: list[dict]) -> list[str]:
+    """Markdown: one line per (B, L), one column per candidate (us, splits, x default)."""
+    if not cands:
+        return []
+    names = list(CANDIDATES)
+    peer_cols = [k for k in ("sdpa", "flashinfer_tc", "flashinfer_cuda")
+                 if any(r.get(k + "_us") for r in rows)]
+    lines = ["", "A/B of the split rule and pipeline depth (us; splits; x default; same run):", "",
+             "| B | L | " + " | ".join(names) + " | " + " | ".join(peer_cols) + " |",
+             "|---|---|" + "---|" * (len(names) + len(peer_cols))]
+    for b, L in dict.fromkeys((x["B"], x["L"]) for x in cands):
+        by = {x["candidate"]: x for x in cands if x["B"] == b and x["L"] == L}
+        row = next(r for r in rows if r["B"] == b and r["L"] == L)
+        cells = [f"{by[n]['us']:.1f} ({by[n]['splits']}) x{by[n]['vs_default']:.2f}" for n in names]
+        cells += [f"{row[k + '_us']:.1f}" if row.get(k + "_us") else "-" for k in peer_cols]
+        lines.append(f"| {b} | {L} | " + " | ".join(cells) + " |")
+    lines += ["", "| candidate | changes | programs at B=%d (L=%d) | resident/SM | waves | regs | shared B |"
+              % (cands[0]["B"], cands[0]["L"]), "|---|---|---|---|---|---|---|"]
+    for x in cands[: len(names)]:
+        waves = "-" if x["waves"] is None else f"{x['waves']:.2f}"
+        lines.append(f"| {x['candidate']} | {x['changes'] or 'tuned'} | {x['programs']} | "
+                     f"{x['resident_per_sm']} | {waves} | {x['regs']} | {x['shared_bytes']} |")
+    return lines
+
+
+class VerifyCase:
+    """A speculative-decode verify batch over a ``DecodeCase``'s cache: each of the B sequences
+    has ``L`` tokens, its last ``q_len`` new (their K/V, already in the cache as in a model
+    step, also passed as key/value: the op's contract for query_len > 1)."""
+
+    def __init__(self, c: DecodeCase, q_len: int, seed: int = 0):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.c, self.q_len, self.b, self.L = c, q_len, c.b, c.L
+        kd, vd = dense_kv(c.kv_cache, HKV, INTERLEAVED_V)
+        bt = c.block_table.long()
+        tail = slice(c.L - q_len, c.L)
+        self.key = kd[bt].reshape(c.b, c.L, HKV, D)[:, tail].reshape(-1, HKV, D).contiguous()
+        self.value = vd[bt].reshape(c.b, c.L, HKV, D)[:, tail].reshape(-1, HKV, D).contiguous()
+        self.query = torch.randn(c.b * q_len, HQ, D, generator=g, device="cuda", dtype=DTYPE)
+        self.out = torch.empty_like(self.query)
+        self.qsl = torch.arange(c.b + 1, dtype=torch.int32, device="cuda") * q_len
+
+    def run(self, **kw):
+        c = self.c
+        paged_attention(self.out, self.query, self.key, self.value, c.kv_cache, self.qsl,
+                        c.seq_lens, c.block_table, c.scale, c.one, c.one, True, -1, None, None,
+                        0.0, INTERLEAVED_V, None, max_query_len=self.q_len, max_seq_len=c.L, **kw)
+
+    def sdpa_args(self, k, v):
+        """q ``[B, HQ, q_len, D]`` and the bottom-right causal mask over ``L`` keys."""
+        from torch.nn.attention.bias import causal_lower_right
+
+        q = self.query.view(self.b, self.q_len, HQ, D).transpose(1, 2)
+        return q, k, v, causal_lower_right(self.q_len, self.L)
+
+    def as_bhqd(self, out):
+        return out.view(self.b, self.q_len, HQ, D).transpose(1, 2)
+
+
+def bench_verify(args, sms: int, ceiling: float, peers: Peers):
+    """--verify Q: the verify kernel vs the prefill kernel vs a decode step, same batch."""
+    from peers import FlashInferPrefill
+
+    q_len = args.verify
+    rows = []
+    for b in args.batch:
+        for L in args.ctx:
+            c = DecodeCase(b, L, seed=b * 11 + L)
+            vc = VerifyCase(c, q_len, seed=b + L)
+            k, v = c.dense()
+            q, k, v, mask = vc.sdpa_args(k, v)
+            kx = k.repeat_interleave(HQ // HKV, 1)  # the reference: every backend takes this
+            ref = F.scaled_dot_product_attention(q, kx, v.repeat_interleave(HQ // HKV, 1),
+                                                 attn_mask=mask, scale=c.scale)
+            del kx
+            nbytes = 2 * b * L * HKV * D * 2 + 2 * b * q_len * HQ * D * 2
+            row = dict(B=b, L=L, q_len=q_len)
+            for name, run in (("verify", lambda: vc.run()),
+                              ("prefill_kernel", lambda: vc.run(verify_max_query_len=1))):
+                vc.out.fill_(float("nan"))
+                kerns = launched_kernels(_paged_verify_kernel, run)
+                err = rel_err(vc.as_bhqd(vc.out), ref)
+                assert err < TOL, f"B={b} L={L} {name}: rel err {err:.3e}"
+                assert bool(kerns) == (name == "verify"), f"{name}: the wrong kernel ran"
+                kern = kerns[-1] if kerns else None
+                row[name + "_us"] = graph_time_us(run)
+                row[name + "_err"] = err
+                if name == "verify":
+                    vcfg = verify_config(D, HQ // HKV, BS, DTYPE, False, INTERLEAVED_V, q_len)
+                    rows_ = verify_rows(HQ // HKV, q_len)
+                    row.update(verify_residency=residency(kern), verify_cfg=dataclasses.asdict(vcfg),
+                               verify_block_rows=rows_, verify_kind_splits=decode_plan(
+                                   vcfg, None, num_seqs=b, num_kv_heads=HKV,
+                                   head_chunks=triton.cdiv(q_len * HQ // HKV, rows_), max_ctx=L,
+                                   num_sms=sms))
+            c.out.fill_(float("nan"))
+            c.run()  # a plain decode step of the same batch (one query token per sequence)
+            row["decode_step_us"] = graph_time_us(c.run)
+            sdpa = lambda: F.scaled_dot_product_attention(  # noqa: E731
+                q, k, v, attn_mask=mask, scale=c.scale, enable_gqa=True)
+            try:
+                row["sdpa_err"] = rel_err(sdpa(), ref)
+                assert row["sdpa_err"] < TOL, f"output differs (rel err {row['sdpa_err']:.2e})"
+                row["sdpa_us"] = graph_time_us(sdpa)
+            except Exception as e:  # noqa: BLE001 - no SDPA backend takes this mask with GQA
+                row["sdpa_us"] = None
+                row["sdpa_unavailable"] = f"{type(e).__name__}: {e}"[:200]
+            if "flashinfer" in peers.names:
+                pages = nhd_pages(c.kv_cache, HKV, INTERLEAVED_V)
+                peers.time(row, "flashinfer_tc", lambda: FlashInferDecode(
+                    pages, c.block_table, [L] * b, vc.query, c.scale, tensor_cores=True,
+                    q_len=q_len), ref, check=vc.as_bhqd)
+                peers.time(row, "flashinfer_fa3_prefill", lambda: FlashInferPrefill(
+                    pages, c.block_table, [L] * b, vc.query, vc.qsl, c.scale, backend="fa3"), ref,
+                    check=vc.as_bhqd)
+                del pages
+            row["verify_vs_decode_step"] = row["verify_us"] / row["decode_step_us"]
+            row["verify_tbs"] = nbytes / row["verify_us"] / 1e6
+            rows.append(row)
+            fi = " ".join(f"{k_[:-3]} {row[k_]:.1f}" for k_ in ("flashinfer_tc_us",
+                          "flashinfer_fa3_prefill_us") if row.get(k_))
+            print(f"B={b:4d} L={L:6d} q={q_len}: verify {row['verify_us']:7.1f} us "
+                  f"({row['verify_tbs']:.2f} TB/s, x{row['verify_vs_decode_step']:.2f} of a decode step "
+                  f"{row['decode_step_us']:.1f}) | prefill kernel {row['prefill_kernel_us']:7.1f} | SDPA "
+                  f"{row['sdpa_us'] or float('nan'):7.1f} | {fi}", flush=True)
+            del c, vc, q, k, v, ref
+            torch.cuda.empty_cache()
+    meta = dict(read_ceiling_tbs=ceiling, dtype="bf16", heads=f"{HQ}/{HKV}", head_size=D,
+                block_size=BS, q_len=q_len, peers=peers.names, flashinfer=flashinfer_version()
+                if "flashinfer" in peers.names else None,
+                timing="CUDA-graph replay, do_bench median, L2 flushed",
+                goal="verify within 1.2x of a decode step of the same batch")
+    name = f"verify_{stamp()}_q{q_len}"
+    meta = write_json(os.path.join(args.out, name + ".json"), dict(rows=rows), **meta)["meta"]
+    lines = [f"# Speculative-decode verify, {torch.cuda.get_device_name()} ({meta['date']})", "",
+             f"`{meta['command']}`; bf16, heads {HQ}/{HKV}, d={D}, block {BS}, {q_len} query tokens "
+             f"per sequence (causal among themselves); {meta['timing']}. Verify: the decode-style "
+             "kernel (paged_verify.py); prefill kernel: the same call with the verify path off; "
+             "decode step: one query token per sequence over the same cache.", "",
+             "| B | L | verify us | TB/s | verify / decode step | decode step us | prefill kernel us "
+             "| SDPA us | FlashInfer tc decode (q_len_per_req) us | FlashInfer fa3 prefill us |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        fmt = lambda k_: f"{r[k_]:.1f}" if r.get(k_) else "-"  # noqa: E731
+        lines.append(f"| {r['B']} | {r['L']} | {r['verify_us']:.1f} | {r['verify_tbs']:.2f} | "
+                     f"{r['verify_vs_decode_step']:.2f} | {r['decode_step_us']:.1f} | "
+                     f"{r['prefill_kernel_us']:.1f} | {fmt('sdpa_us')} | {fmt('flashinfer_tc_us')} | "
+                     f"{fmt('flashinfer_fa3_prefill_us')} |")
+    md = "\n".join(lines) + "\n"
+    with open(os.path.join(args.out, name + ".md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
 def main():
     global BS, HQ, INTERLEAVED_V
     ap = argparse.ArgumentParser()
@@ -176,6 +445,14 @@ def main():
     ap.add_argument("--k-rows", type=int, nargs="*", default=[], choices=(0, 1, 2),
                     help="also time the default config with these K read levels (DecodeConfig.k_rows; "
                          "A/B in one run; checked against SDPA)")
+    ap.add_argument("--peers", nargs="*", default=[], choices=("flashinfer",),
+                    help="also time these peers on every case (same values, their own layout)")
+    ap.add_argument("--candidates", action="store_true",
+                    help="A/B of the split rule and pipeline depth (CANDIDATES) at --ab-batch")
+    ap.add_argument("--ab-batch", type=int, nargs="+", default=[16, 128],
+                    help="batch sizes of the --candidates A/B (default 16 128)")
+    ap.add_argument("--verify", type=int, default=0, metavar="Q",
+                    help="speculative-decode verify batches of Q query tokens per sequence instead")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     BS = args.block_size
@@ -185,7 +462,10 @@ def main():
     sms = launch_target(torch.device("cuda")).num_sms
     ceiling = read_ceiling_tbs()
     print(f"# {dev}, torch {torch.__version__}, triton {triton.__version__}; read ceiling {ceiling:.2f} TB/s")
-    rows, sweep, margins, k_rows = [], [], [], []
+    peers = Peers(args.peers)
+    if args.verify:
+        return bench_verify(args, sms, ceiling, peers)
+    rows, sweep, margins, k_rows, cands = [], [], [], [], []
     for b in args.batch:
         for L in args.ctx:
             c = DecodeCase(b, L, seed=b * 7 + L, sequential=args.sequential)
@@ -211,11 +491,18 @@ def main():
                        ratio_vs_sdpa=t_tri / t_sdpa, frac_of_ceiling=nbytes / t_tri / 1e6 / ceiling,
                        rel_err_vs_sdpa=err)
             rows.append(row)
+            flashinfer_decode_peers(peers, c, ref.view(b, HQ, D), row)
+            fi = [row[k_] for k_ in ("flashinfer_tc_us", "flashinfer_cuda_us") if row.get(k_)]
+            row["ratio_vs_best_flashinfer"] = t_tri / min(fi) if fi else None
             print(f"B={b:4d} L={L:6d} splits={splits:2d}  triton {t_tri:8.1f} us {row['triton_tbs']:5.2f} TB/s"
                   f"  sdpa {t_sdpa:8.1f} us {row['sdpa_tbs']:5.2f} TB/s  x{row['ratio_vs_sdpa']:.2f}"
                   f"  gather {row['gather_tbs']:5.2f} TB/s"
-                  + (f" (tiles {row['gather_tiles_tbs']:5.2f})" if t_tiles else "") + f"  err {err:.1e}",
-                  flush=True)
+                  + (f" (tiles {row['gather_tiles_tbs']:5.2f})" if t_tiles else "")
+                  + "".join(f"  {k_[:-3]} {row[k_]:.1f} us" for k_ in ("flashinfer_tc_us", "flashinfer_cuda_us")
+                            if row.get(k_))
+                  + f"  err {err:.1e}", flush=True)
+            if args.candidates and b in args.ab_batch:
+                cands += time_candidates(c, ref.view(b, HQ, D), sms, nbytes, t_tri)
             for mg in args.margins:  # A/B of the lazy softmax rescale, same case, same run
                 cfg = dataclasses.replace(default_decode_config(), rescale_margin=mg)
                 t = graph_time_us(lambda: c.run(decode_cfg=cfg))
@@ -267,24 +554,32 @@ def main():
                 block_size=BS, interleaved_v=INTERLEAVED_V,
                 placement="sequential" if args.sequential else "random",
                 default_config=dataclasses.asdict(default_decode_config()),
+                peers=peers.names, flashinfer=flashinfer_version() if "flashinfer" in peers.names else None,
                 timing="CUDA-graph replay, do_bench median, L2 flushed")
     name = "decode_" + stamp() + ("_seq" if args.sequential else "") + (f"_bs{BS}" if BS != 16 else "")
     name += (f"_hq{HQ}" if HQ != 32 else "") + ("_iv" if INTERLEAVED_V else "")
     meta = write_json(os.path.join(args.out, name + ".json"),
-                      dict(rows=rows, sweep=sweep, margins=margins, k_rows=k_rows), **meta)["meta"]
+                      dict(rows=rows, sweep=sweep, margins=margins, k_rows=k_rows, candidates=cands),
+                      **meta)["meta"]
     lines = [f"# Paged decode, {dev} ({meta['date']})", "",
              f"`{meta['command']}`; torch {meta['torch']}, triton {meta['triton']}; bf16, "
              f"heads {HQ}/{HKV}, d={D}, block {BS}; read ceiling {ceiling:.2f} TB/s; {meta['timing']}", "",
              "Paged gather: the same K/V pages read through the block table with no attention math "
              "(the best a paged kernel can do with this placement); gather tiles: the same with the "
              "decode kernel's tile addressing, one warp (standard V only).", "",
-             "| B | L | splits | Triton us | TB/s | % ceiling | SDPA us | SDPA TB/s | Triton/SDPA | gather TB/s | gather tiles TB/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| B | L | splits | Triton us | TB/s | % ceiling | SDPA us | SDPA TB/s | Triton/SDPA | gather TB/s "
+             "| gather tiles TB/s | FlashInfer tc us | FlashInfer cuda us | Triton/best FlashInfer |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda r, k_, f=".1f": format(r[k_], f) if r.get(k_) else "-"  # noqa: E731
     for r in rows:
         lines.append(f"| {r['B']} | {r['L']} | {r['splits']} | {r['triton_us']:.1f} | {r['triton_tbs']:.2f} | "
                      f"{100 * r['frac_of_ceiling']:.0f}% | {r['sdpa_us']:.1f} | {r['sdpa_tbs']:.2f} | "
-                     f"{r['ratio_vs_sdpa']:.2f} | {r['gather_tbs']:.2f} | "
-                     + (f"{r['gather_tiles_tbs']:.2f} |" if r['gather_tiles_tbs'] else "- |"))
+                     f"{r['ratio_vs_sdpa']:.2f} | {r['gather_tbs']:.2f} | {fmt(r, 'gather_tiles_tbs', '.2f')} | "
+                     f"{fmt(r, 'flashinfer_tc_us')} | {fmt(r, 'flashinfer_cuda_us')} | "
+                     f"{fmt(r, 'ratio_vs_best_flashinfer', '.2f')} |")
+    why = sorted({r[k_] for r in rows for k_ in r if k_.endswith("_unavailable")})
+    lines += [f"\npeer unavailable: {w}" for w in why]
+    lines += candidates_table(cands, rows)
     md = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, name + ".md"), "w") as f:
         f.write(md)

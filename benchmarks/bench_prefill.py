@@ -7,7 +7,11 @@ and made contiguous), then times both as CUDA-graph replays (``common.graph_time
 do_bench median, L2 flushed). FLOPs counted causally: 4 * B * H * D * (N * P + N * (N + 1) / 2) for N new tokens
 and prefix P. SDPA's dense causal 4096 run (same FLOPs as the no-prefix case) is the anchor.
 
-    python benchmarks/bench_prefill.py [--prefix 0 4096] [--sweep]
+``--peers flashinfer``: FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (fa3, and fa2)
+in the same run, over the same values in its own NHD pages (prefix and new tokens; ``peers.py``),
+checked against SDPA; a "peer unavailable: <reason>" row where it cannot run.
+
+    python benchmarks/bench_prefill.py [--prefix 0 4096] [--sweep] [--peers flashinfer]
 
 Writes benchmarks/results/prefill_<date>.json and .md (or --out DIR).
 """
@@ -25,6 +29,7 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import graph_time_us, stamp, write_json  # noqa: E402
+from peers import FlashInferPrefill, PeerUnavailable, flashinfer_version, nhd_pages, write_tokens  # noqa: E402
 from inductor_rocm_attn.kernels.triton import paged_attention  # noqa: E402  (the function)
 from inductor_rocm_attn.kernels.triton.configs import PrefillConfig, prefill_config  # noqa: E402
 from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache, dense_kv  # noqa: E402
@@ -114,6 +119,44 @@ def sdpa_causal(q, k, v, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
 
 
+FLASHINFER_BACKENDS = ("fa3", "fa2")
+_UNAVAILABLE_SEEN: set[str] = set()
+
+
+def flashinfer_prefill_peers(c: PrefillCase, ref, flops: float, row: dict):
+    """FlashInfer's paged prefill on the case's values (prefix pages plus the new tokens
+    written into its pages), checked against SDPA and timed; fills ``row``."""
+    pages = nhd_pages(c.kv_cache, HKV, False)
+    write_tokens(pages, c.block_table, c.prefix, c.key, c.value)
+    lens = [c.n + c.prefix] * c.b
+    for be in FLASHINFER_BACKENDS:
+        key = f"flashinfer_{be}"
+        why = None
+        try:
+            peer = FlashInferPrefill(pages, c.block_table, lens, c.query, c.qsl, c.scale, backend=be)
+            out = peer.run().view(c.b, c.n, HQ, D).transpose(1, 2)
+            err = float((out.float() - ref.float()).norm() / ref.float().norm())
+            row[key + "_err"] = err
+            if err < 1e-2:
+                t = graph_time_ms(peer.run)
+                row[key + "_ms"] = t
+                row[key + "_tflops"] = flops / (t * 1e-3) / 1e12
+                row[key + "_ratio_triton_over_peer"] = row["triton_tflops"] / row[key + "_tflops"]
+            else:
+                why = f"{key}: output differs from SDPA (rel err {err:.2e})"
+        except PeerUnavailable as e:
+            why = str(e)
+        except Exception as e:  # noqa: BLE001 - e.g. not capturable in a CUDA graph
+            why = f"{key}: {type(e).__name__}: {e}"[:300]
+        if why:
+            row[key + "_ms"] = None
+            row[key + "_unavailable"] = why
+            if why not in _UNAVAILABLE_SEEN:
+                _UNAVAILABLE_SEEN.add(why)
+                print(f"  peer unavailable: {why}", flush=True)
+    del pages
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=4)
@@ -122,6 +165,8 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
                     help="also time the default config with these changes (A/B in one run)")
+    ap.add_argument("--peers", nargs="*", default=[], choices=("flashinfer",),
+                    help="also time these peers on every case (same values, their own layout)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
@@ -158,8 +203,12 @@ def main():
                    sdpa_tflops=sdpa_tfs, ratio_vs_sdpa_same_case=tri_tfs / sdpa_tfs,
                    ratio_vs_sdpa_dense_anchor=tri_tfs / anchor_tfs, rel_err_vs_sdpa=err)
         rows.append(row)
+        if "flashinfer" in args.peers:
+            flashinfer_prefill_peers(c, ref, flops, row)
         print(f"prefix={p:5d}: triton {t_tri:.3f} ms {tri_tfs:4.0f} TFLOP/s | SDPA same case {t_sdpa:.3f} ms "
-              f"{sdpa_tfs:4.0f} TFLOP/s | x{row['ratio_vs_sdpa_dense_anchor']:.2f} of dense anchor  err {err:.1e}",
+              f"{sdpa_tfs:4.0f} TFLOP/s | x{row['ratio_vs_sdpa_dense_anchor']:.2f} of dense anchor  err {err:.1e}"
+              + "".join(f" | FlashInfer {be} {row[f'flashinfer_{be}_tflops']:4.0f} TFLOP/s"
+                        for be in FLASHINFER_BACKENDS if row.get(f"flashinfer_{be}_tflops")),
               flush=True)
         for name in args.variants:  # A/B against the default, same case, same run
             cfg = variant_config(name)
@@ -191,6 +240,7 @@ def main():
         del c, q, k, v, ref
         torch.cuda.empty_cache()
     meta = dict(dtype="bf16", heads=f"{HQ}/{HKV}", head_size=D, block_size=BS, causal=True,
+                peers=args.peers, flashinfer=flashinfer_version() if "flashinfer" in args.peers else None,
                 sdpa_dense_anchor_ms=t_anchor, sdpa_dense_anchor_tflops=anchor_tfs,
                 default_config=dataclasses.asdict(prefill_config(D, HQ // HKV, BS, DTYPE)),
                 timing="CUDA-graph replay, do_bench median")
@@ -201,11 +251,18 @@ def main():
              f"`{meta['command']}`; torch {meta['torch']}, triton {meta['triton']}; bf16, causal, "
              f"heads {HQ}/{HKV}, d={D}, block {BS}, B={b}, {n} new tokens; {meta['timing']}. "
              f"SDPA dense causal anchor (32 heads, N={n}): {anchor_tfs:.0f} TFLOP/s.", "",
-             "| prefix | Triton ms | Triton TFLOP/s | SDPA same case ms | SDPA TFLOP/s | Triton / SDPA dense anchor |",
-             "|---|---|---|---|---|---|"]
+             "| prefix | Triton ms | Triton TFLOP/s | SDPA same case ms | SDPA TFLOP/s | Triton / SDPA dense anchor "
+             "| FlashInfer fa3 ms | fa3 TFLOP/s | Triton / fa3 | FlashInfer fa2 TFLOP/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda r, k_, f: format(r[k_], f) if r.get(k_) else "-"  # noqa: E731
     for r in rows:
         lines.append(f"| {r['prefix']} | {r['triton_ms']:.3f} | {r['triton_tflops']:.0f} | {r['sdpa_ms']:.3f} | "
-                     f"{r['sdpa_tflops']:.0f} | {r['ratio_vs_sdpa_dense_anchor']:.2f} |")
+                     f"{r['sdpa_tflops']:.0f} | {r['ratio_vs_sdpa_dense_anchor']:.2f} | "
+                     f"{fmt(r, 'flashinfer_fa3_ms', '.3f')} | {fmt(r, 'flashinfer_fa3_tflops', '.0f')} | "
+                     f"{fmt(r, 'flashinfer_fa3_ratio_triton_over_peer', '.2f')} | "
+                     f"{fmt(r, 'flashinfer_fa2_tflops', '.0f')} |")
+    lines += [f"\npeer unavailable: {w}" for w in sorted(
+        {r[k_] for r in rows for k_ in r if k_.endswith("_unavailable")})]
     md = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, name + ".md"), "w") as f:
         f.write(md)

@@ -110,3 +110,45 @@ def write_json(path: str, data: dict, **meta) -> dict:
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
     return record
+
+
+def launched_kernels(jit_fn, fn) -> list:
+    """Call ``fn`` and return the compiled kernels it launched through the Triton ``@jit``
+    function ``jit_fn``, in order (empty: none; None entries in Triton's interpreter)."""
+    got = []
+    orig = jit_fn.run
+
+    def run(*args, **kwargs):
+        kernel = orig(*args, **kwargs)
+        got.append(kernel)
+        return kernel
+
+    jit_fn.run = run  # an instance attribute: kernel[grid](...) looks it up on the object
+    try:
+        fn()
+    finally:
+        del jit_fn.run
+    return got
+
+
+def residency(kernel) -> dict:
+    """Registers, shared memory and how many programs of ``kernel`` (a launched Triton
+    ``CompiledKernel``) one SM holds at once, from the driver's occupancy calculator
+    (``cuOccupancyMaxActiveBlocksPerMultiprocessor``); None fields where unavailable."""
+    info = {"regs": getattr(kernel, "n_regs", None), "shared_bytes": None, "per_sm": None}
+    if kernel is None:
+        return info
+    info["shared_bytes"] = kernel.metadata.shared
+    try:
+        import ctypes
+
+        cuda = ctypes.CDLL("libcuda.so.1")
+        n = ctypes.c_int(0)
+        err = cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(n), ctypes.c_void_p(kernel.function),
+            ctypes.c_int(kernel.metadata.num_warps * 32), ctypes.c_size_t(kernel.metadata.shared))
+        if err == 0:
+            info["per_sm"] = n.value
+    except Exception:  # noqa: BLE001 - no driver library (CPU) or another driver
+        pass
+    return info

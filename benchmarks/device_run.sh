@@ -5,8 +5,11 @@
 #   run: bash benchmarks/device_run.sh   (carry [".aiter"] to include the AITER provider tests)
 #   STAGES="tests model_step" bash benchmarks/device_run.sh   runs only those stages, in order
 #   (stages: native_build tests model_step memcheck decode decode_grid prefill cache_writers decode_seq
-#    decode_bs64 decode_model_shape decode_stages decode_keys compile_time; the old names
-#    e2e, writers, decode_e2e_shape still work)
+#    decode_bs64 decode_model_shape decode_stages decode_keys compile_time peers decode_ab
+#    verify; the old names e2e, writers, decode_e2e_shape still work)
+#   peers: FlashInfer beside ours and SDPA (carry [".whl"]: its wheels, installed into .site):
+#   the decode grid with the split-rule A/B, prefill, and verify batches; the tables are
+#   printed last (and kept in $OUT/tables.md)
 #   TEST_FILES=tests/kernels/test_paged_attention.py limits the tests stage to those files
 #   MEMCHECK_FILTER="dense_paths|plain" limits the memcheck stage to test ids matching it
 set -u
@@ -107,6 +110,37 @@ run_bench() {
   timeout ${BENCH_S:-120} python3 $args --out $OUT/$b >>$LOG 2>&1; echo "rc=$?" >>$LOG
   pack $b
 }
+peer_env() {  # FlashInfer's wheels (.whl/, carried) into .site; its modules are prebuilt
+  if [ ! -d .site/flashinfer ]; then
+    if ls .whl/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --target "$PWD/.site" .whl/*.whl >>$LOG 2>&1 \
+        || echo "peers: installing .whl/*.whl failed (see the log): FlashInfer rows say why" | tee -a $LOG
+    else
+      echo "peers: no .whl/ carried: FlashInfer rows say why" | tee -a $LOG
+    fi
+  fi
+  PEER_PP="$PWD/.site${PYTHONPATH:+:$PYTHONPATH}"
+}
+run_peer() {  # run_peer <stage/part> <seconds> <bench args...>: one bench with the peers on
+  local dir=$OUT/$1 secs=$2; shift 2
+  mkdir -p $dir
+  PYTHONPATH=$PEER_PP FLASHINFER_DISABLE_JIT=1 timeout $secs python3 "$@" --out $dir >>$LOG 2>&1
+  echo "rc=$? (${dir#$OUT/}: $*)" | tee -a $LOG
+  cat $dir/*.md >> $OUT/tables.md 2>/dev/null
+}
+run_peers() {
+  stage peers; peer_env
+  # the issue's B x L grid: ours, SDPA, FlashInfer (tensor and CUDA cores), and the A/B of the
+  # split rule and pipeline depth at B=16 and B=128 (benchmarks/bench_decode.py CANDIDATES)
+  run_peer peers/decode ${PEERS_DECODE_S:-270} benchmarks/bench_decode.py --batch 1 16 64 128 \
+    --ctx 1024 4096 16384 --peers flashinfer --candidates
+  # prefix prefill, B=4 x 4096 new tokens, no prefix and a 4096-token prefix: FlashInfer fa3/fa2
+  run_peer peers/prefill ${PEERS_PREFILL_S:-120} benchmarks/bench_prefill.py --peers flashinfer
+  # verify batches of 4 query tokens: the verify kernel vs the prefill kernel vs a decode step
+  run_peer peers/verify ${PEERS_VERIFY_S:-120} benchmarks/bench_decode.py --verify 4 --batch 16 64 \
+    --ctx 4096 --peers flashinfer
+  pack peers
+}
 # STAGES picks and orders the work (default: everything, tests first).
 for st in ${STAGES:-tests model_step decode prefill cache_writers}; do
   case $st in
@@ -116,8 +150,18 @@ for st in ${STAGES:-tests model_step decode prefill cache_writers}; do
     native_build) stage native_build
       timeout ${BUILD_S:-300} python3 -m inductor_rocm_attn build-native --quiet >>$LOG 2>&1; echo "rc=$?" >>$LOG
       python3 -m inductor_rocm_attn info >>$LOG 2>&1;;
+    peers) run_peers;;
+    # the split-rule A/B alone (B=16 and 128, every L), with FlashInfer where carried
+    decode_ab) stage decode_ab; peer_env
+      run_peer decode_ab ${BENCH_S:-200} benchmarks/bench_decode.py --batch 16 128 \
+        --ctx 1024 4096 16384 --peers flashinfer --candidates; pack decode_ab;;
+    verify) stage verify; peer_env
+      run_peer verify ${BENCH_S:-150} benchmarks/bench_decode.py --verify 4 --batch 16 64 \
+        --ctx 4096 --peers flashinfer; pack verify;;
     *) run_bench $st;;
   esac
 done
 stage done
 grep -E "passed|failed|error|TB/s|TFLOP|rc=|===" $LOG | tail -70
+# the peer stages' tables last, so that they end the output
+[ -s $OUT/tables.md ] && cat $OUT/tables.md

@@ -198,7 +198,7 @@ def _compare(base_path: str) -> int:
 
 # constexprs shown in the --compare table (the full launch names are in the --sass file)
 _SHORT = {"GQA", "TILE_N", "W", "NUM_SPLITS", "ONE_LOOP", "KEYS_MAJOR", "BLOCK_M", "BLOCK_N",
-          "DENSE_TMA", "HAS_NEW_KV", "BLOCK_T", "NUM_HEADS"}
+          "DENSE_TMA", "HAS_NEW_KV", "BLOCK_T", "NUM_HEADS", "Q_MAX", "BLOCK_R"}
 
 
 def _bench_shapes(tk, fingerprint: bool) -> int:
@@ -223,6 +223,22 @@ def _bench_shapes(tk, fingerprint: bool) -> int:
         # one loop (configs.ONE_LOOP_MAX_TILES)
         failures += _expect("_paged_decode_kernel", TILE_N=16, num_warps=1, NUM_SPLITS=64 if b == 1 else 1,
                             ONE_LOOP=b == 1)
+    for b, q_len, ctx in [(64, 4, 4096), (4, 4, 4096)]:  # verify: B=64 one split, B=4 splits
+        cache = allocate_kv_cache(KVCacheSpec(BS, HKV, D, dtype, CacheLayout.LHBNC), 16, "cpu")
+        q = torch.empty(b * q_len, 32, D, dtype=dtype)
+        kv = [torch.empty(b * q_len, HKV, D, dtype=dtype) for _ in range(2)]
+        n_before = len(_LAUNCHES)
+        tk.paged_attention(torch.empty_like(q), q, *kv, cache,
+                           torch.arange(b + 1, dtype=torch.int32) * q_len,
+                           torch.full((b,), ctx, dtype=torch.int32),
+                           torch.zeros(b, ctx // BS, dtype=torch.int32), D ** -0.5, one, one, True, -1,
+                           None, None, 0.0, False, None, q_len, ctx, target=H200)
+        failures += _expect("_paged_verify_kernel", BLOCK_R=16, num_warps=1, TILE_N=16, ONE_LOOP=b == 4,
+                            NUM_SPLITS=1 if b == 64 else 33)
+        names = [fn.__name__ for fn, _, _ in _LAUNCHES[n_before:]]
+        if "_prefix_prefill_kernel" in names:
+            print("FAIL a verify batch launched the prefill kernel", flush=True)
+            failures += 1
     for hq, b, n, prefix in prefill:
         cache = allocate_kv_cache(KVCacheSpec(BS, HKV, D, dtype, CacheLayout.LHBNC), 16, "cpu")
         q = torch.empty(b * n, hq, D, dtype=dtype)
@@ -274,7 +290,15 @@ def main() -> int:
             runs += [(([1, 1, 1], [40, 7, 100]), DecodeConfig(*cfg)) for cfg in (
                 (64, 4, 3, "streams3"), (32, 2, 3, "streams"), (16, 1, 3, "keys3"), (32, 2, 3, "keys"))]
             runs += [(([5, 1, 70], [20, 33, 0]), "dense_pointers")]  # the ROCm / odd-stride path
+            # verify (2..8 query tokens): a verify batch, a long one that splits and reduces, and
+            # a mixed decode + verify + prefill batch; then the tile-16 three-loop config
+            runs += [(([4, 3, 2], [40, 7, 100]), None), (([4, 8], [2000, 1500]), None),
+                     (([1, 5, 12], [20, 33, 0]), None),
+                     (([4, 2], [2000, 1500]), ("verify", DecodeConfig(16, 1, 3, "rows3")))]
             for (qlens, clens), cfg in runs:
+                vcfg = None
+                if isinstance(cfg, tuple):
+                    vcfg, cfg = cfg[1], None
                 pcfg = None
                 if cfg == "dense_pointers":
                     cfg, pcfg = None, replace(prefill_config(D, H // HKV, BS, dtype), dense_tma=False)
@@ -288,9 +312,11 @@ def main() -> int:
                                    torch.randn(n, HKV, D, dtype=dtype), cache, qsl, seq_lens, table, D ** -0.5,
                                    one, one, True, -1, None, None, 0.0, interleaved, None,
                                    max(qlens), int(seq_lens.max()), decode_cfg=cfg, prefill_cfg=pcfg,
-                                   target=H200)
-                if max(qlens) > 1:  # TMA for the new tokens' K/V unless the config turns it off
+                                   target=H200, verify_cfg=vcfg)
+                if max(qlens) > 8:  # TMA for the new tokens' K/V unless the config turns it off
                     failures += _expect("_prefix_prefill_kernel", DENSE_TMA=pcfg is None)
+                if max(qlens) > 1:  # 2..8 query tokens: the verify kernel
+                    failures += _expect("_paged_verify_kernel", Q_MAX=min(8, 1 << (max(qlens) - 1).bit_length()))
             failures += compile_launches(label, fingerprint)
     failures += _bench_shapes(tk, fingerprint)
     if failures:

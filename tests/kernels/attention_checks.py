@@ -104,9 +104,12 @@ def check_paged(provider, query_lens, context_lens, *, num_heads=4, num_kv_heads
                 softcap=0.0, out_fp8=False, num_splits=None, device="cpu", key_from_cache=False,
                 pad_rows=0, tol=None, decode_cfg=None, prefill_cfg=None, decode_changes=None,
                 prefill_changes=None, expect_dense_tma=None, hints=False,
-                index_dtype=torch.int32, scale_mult=1.0, kv_pad_nan=0):
+                index_dtype=torch.int32, scale_mult=1.0, kv_pad_nan=0, verify_cfg=None,
+                verify_max_query_len=None):
     """Run ``provider``'s paged_attention on a fresh random case and compare with the oracle.
-    ``expect_dense_tma`` (Triton): whether the new tokens' K/V go through TMA descriptors."""
+    ``expect_dense_tma`` (Triton): whether the new tokens' K/V go through TMA descriptors.
+    ``verify_cfg`` / ``verify_max_query_len`` (Triton): the verify kernel's config and longest
+    query (it runs only with ``hints``: the launch must know max_query_len)."""
     from inductor_rocm_attn.layout import CacheLayout
 
     fn = put.kernel(provider, "paged_attention", device=device, dtype=dtype, head_size=head_size,
@@ -156,6 +159,8 @@ def check_paged(provider, query_lens, context_lens, *, num_heads=4, num_kv_heads
             block_size=block_size, dtype=dtype, interleaved_v=interleaved_v, decode_cfg=decode_cfg,
             prefill_cfg=prefill_cfg, decode_changes=decode_changes, prefill_changes=prefill_changes)
         knobs = dict(num_splits=num_splits, decode_cfg=decode_cfg, prefill_cfg=prefill_cfg)
+        if verify_cfg is not None or verify_max_query_len is not None:
+            knobs.update(verify_cfg=verify_cfg, verify_max_query_len=verify_max_query_len)
     if hints:
         knobs.update(max_query_len=c.max_query_len, max_seq_len=c.max_seq_len)
     fn(out, query, key, value, c.kv_cache, c.query_start_loc, c.seq_lens, c.block_table, scale,

@@ -11,7 +11,8 @@ import torch
 
 from inductor_rocm_attn.kernels.triton.configs import (
     DECODE_KINDS, MAX_SPLITS, MIN_SPLIT_TOKENS, ONE_LOOP_MAX_TILES, DecodeConfig, PrefillConfig,
-    decode_config, decode_plan, num_kv_splits, prefill_config, writer_block_t, writer_num_warps,
+    decode_config, decode_plan, num_kv_splits, prefill_config, verify_config, verify_rows,
+    writer_block_t, writer_num_warps,
 )
 
 
@@ -80,6 +81,42 @@ def test_short_splits_run_the_three_loop_config_as_one_loop():
     assert decode_plan(dataclasses.replace(tuned, kind="keys3"), None, num_seqs=1, **plan)[0] == "keys"
     assert decode_plan(dataclasses.replace(tuned, kind="streams3"), None, num_seqs=1,
                        **plan)[0] == "streams3"
+
+
+def test_split_rule_variants():
+    """The split rule's fields: about ``programs_per_sm`` programs per SM, rounded up (the
+    default: B=16 x 8 KV heads on 132 SMs takes 9 splits, 1152 programs) or down (8 splits,
+    1024 programs: never more than programs_per_sm x SMs)."""
+    assert num_kv_splits(16, 8, 1, 4096, 132) == 9
+    assert num_kv_splits(16, 8, 1, 4096, 132, round_down=True) == 8
+    assert num_kv_splits(16, 8, 1, 4096, 132, programs_per_sm=4, round_down=True) == 4
+    assert num_kv_splits(64, 8, 1, 4096, 132, round_down=True) == 1  # fills the GPU twice
+    assert num_kv_splits(200, 1, 1, 4096, 132, programs_per_sm=1, round_down=True) == 1  # never 0
+    tuned = decode_config(128, 4, 16, torch.bfloat16)
+    plan = dict(num_seqs=16, num_kv_heads=8, head_chunks=1, max_ctx=4096, num_sms=132)
+    assert decode_plan(tuned, None, **plan) == ("rows3", 9)
+    assert decode_plan(dataclasses.replace(tuned, splits_round_down=True), None, **plan) == ("rows3", 8)
+    # L=1024: 8 splits of 8 tiles run as one loop; 4 splits of 16 tiles as three loops
+    short = dict(plan, max_ctx=1024)
+    assert decode_plan(dataclasses.replace(tuned, splits_round_down=True), None, **short) == ("rows", 8)
+    assert decode_plan(dataclasses.replace(tuned, programs_per_sm=4, splits_round_down=True),
+                       None, **short) == ("rows3", 4)
+    with pytest.raises(ValueError, match=r"paged_attention: decode programs_per_sm 0; supported: >= 1"):
+        DecodeConfig(16, 1, 3, "rows3", programs_per_sm=0)
+
+
+def test_verify_config_rules():
+    """Verify rows are (query token, GQA head) pairs, 16..64 a program; a warp per 16 rows
+    on top of the decode config of the shape."""
+    assert [verify_rows(4, q) for q in (2, 4, 8)] == [16, 16, 32]
+    assert verify_rows(8, 8) == 64 and verify_rows(16, 8) == 64 and verify_rows(1, 2) == 16
+    base = decode_config(128, 4, 16, torch.bfloat16)
+    assert verify_config(128, 4, 16, torch.bfloat16, q_max=4) == base  # 16 rows: one warp
+    assert verify_config(128, 4, 16, torch.bfloat16, q_max=8) == dataclasses.replace(base, num_warps=2)
+    assert verify_config(128, 8, 16, torch.bfloat16, q_max=8).num_warps == 4
+    assert verify_config(128, 4, 32, torch.float8_e4m3fn, q_max=8).num_warps == 4  # fp8: 4 already
+    assert verify_config(64, 4, 16, torch.float16, interpret=True, q_max=8) == decode_config(
+        64, 4, 16, torch.float16, interpret=True)
 
 
 def test_writer_tile_rules():

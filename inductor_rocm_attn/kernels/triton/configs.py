@@ -61,9 +61,22 @@ PREFILL_LONGEST_FIRST = True
 PREFILL_DENSE_TMA = True
 MIN_SPLIT_TOKENS = 64  # a KV split shorter than this costs more in merging than it saves
 MAX_SPLITS = 64
+# KV splits aim at this many decode programs per SM (num_kv_splits), rounded up (the
+# default) or down: rounded down, the grid never exceeds SPLIT_PROGRAMS_PER_SM x SMs. The
+# one-warp decode program compiles for sm_90 to 24 KB of shared memory (plus 1 KB static and
+# the 1 KB the driver reserves per CTA) and 203 registers: 8 fit an SM by shared memory (9 if
+# the static KB is the reserved one). At 8, B=16 x 8 KV heads x 9 splits = 1152 programs on
+# 132 x 8 = 1056 slots leave a second wave of 96. Not measured yet: bench_decode.py
+# --candidates times both rules and prints the driver's programs per SM.
+SPLIT_PROGRAMS_PER_SM = 8
+SPLITS_ROUND_DOWN = False
 # A split of at most this many tiles runs a tuned "rows3"/"keys3" config as one masked loop:
 # three loops would each start their software pipeline cold (B=1: 17.5 vs 18.1 us).
 ONE_LOOP_MAX_TILES = 8
+# Speculative-decode verify batches: sequences of 2..VERIFY_MAX_QUERY_LEN query tokens
+# (EAGLE/MTP draft verification) run in the decode-style split-KV kernel (paged_verify.py)
+# when the launch is told max_query_len; longer ones in the prefill kernel. 1 turns it off.
+VERIFY_MAX_QUERY_LEN = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +84,8 @@ class DecodeConfig:
     """One decode launch: ``tile_n`` keys a tile, warps, pipeline stages, loop ``kind``
     (``DECODE_KINDS``), K read level ``k_rows`` (``PAGED_K_ROWS``), lazy-rescale margin.
     ``one_loop_max_tiles`` > 0: a split of at most that many tiles runs a three-loop kind as
-    its one-loop kind (tuned defaults set it; a config built by hand runs as given)."""
+    its one-loop kind (tuned defaults set it; a config built by hand runs as given).
+    ``programs_per_sm`` / ``splits_round_down``: the KV split rule (``num_kv_splits``)."""
 
     tile_n: int
     num_warps: int
@@ -80,12 +94,17 @@ class DecodeConfig:
     k_rows: int = PAGED_K_ROWS
     rescale_margin: float = DECODE_RESCALE_MARGIN
     one_loop_max_tiles: int = 0
+    programs_per_sm: int = SPLIT_PROGRAMS_PER_SM
+    splits_round_down: bool = SPLITS_ROUND_DOWN
 
     def __post_init__(self):
         if self.kind not in DECODE_KINDS:
             raise ValueError(f"paged_attention: decode kind {self.kind!r}; supported: {DECODE_KINDS}")
         if self.k_rows not in (0, 1, 2):
             raise ValueError(f"paged_attention: decode k_rows {self.k_rows}; supported: 0, 1, 2")
+        if self.programs_per_sm < 1:
+            raise ValueError(f"paged_attention: decode programs_per_sm {self.programs_per_sm}; "
+                             "supported: >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,16 +193,19 @@ def decode_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.
 
 
 def num_kv_splits(num_seqs: int, num_kv_heads: int, head_chunks: int, max_ctx: int,
-                  num_sms: int) -> int:
+                  num_sms: int, programs_per_sm: int = SPLIT_PROGRAMS_PER_SM,
+                  round_down: bool = SPLITS_ROUND_DOWN) -> int:
     """KV splits of the decode kernel, from host shapes only (no device sync: capturable).
 
     One split while (seqs x KV heads) already fills the GPU twice; else enough splits for
-    about 8 programs per SM, never shorter than ``MIN_SPLIT_TOKENS`` keys.
+    about ``programs_per_sm`` programs per SM (rounded up, or down: at most that many),
+    never shorter than ``MIN_SPLIT_TOKENS`` keys.
     """
     base = max(1, num_seqs * num_kv_heads * head_chunks)
     if base >= 2 * num_sms:
         return 1
-    want = triton.cdiv(8 * num_sms, base)
+    slots = programs_per_sm * num_sms
+    want = slots // base if round_down else triton.cdiv(slots, base)
     cap = max(1, triton.cdiv(max_ctx, MIN_SPLIT_TOKENS))
     return max(1, min(want, cap, MAX_SPLITS))
 
@@ -195,11 +217,33 @@ def decode_plan(cfg: DecodeConfig, num_splits: int | None, *, num_seqs: int, num
     tiles runs a three-loop kind as one loop."""
     kind = cfg.kind
     if num_splits is None:
-        num_splits = num_kv_splits(num_seqs, num_kv_heads, head_chunks, max_ctx, num_sms)
+        num_splits = num_kv_splits(num_seqs, num_kv_heads, head_chunks, max_ctx, num_sms,
+                                   cfg.programs_per_sm, cfg.splits_round_down)
         if (kind in _ONE_LOOP_OF and cfg.one_loop_max_tiles
                 and max_ctx <= cfg.one_loop_max_tiles * cfg.tile_n * num_splits):
             kind = _ONE_LOOP_OF[kind]
     return kind, num_splits
+
+
+def verify_rows(gqa: int, q_max: int) -> int:
+    """Rows a verify program holds: (query token, GQA head) pairs of one KV head, a power of
+    two in [16, 64]; more take several row chunks (grid axis 1)."""
+    return max(16, min(64, triton.next_power_of_2(q_max * gqa)))
+
+
+@functools.cache  # called on every attention call with verify rows
+def verify_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.dtype,
+                  interpret: bool = False, interleaved_v: bool = False,
+                  q_max: int = VERIFY_MAX_QUERY_LEN) -> DecodeConfig:
+    """The verify kernel's config: the decode config of the shape (its tile, stages and K
+    read), with a warp per 16 rows (up to 4) so that a warp's share of the score and
+    accumulator tiles stays what a decode warp holds. Not measured yet (bench_decode.py
+    --verify)."""
+    base = decode_config(head_size, gqa, block_size, cache_dtype, interpret, interleaved_v)
+    if interpret:
+        return base
+    warps = max(base.num_warps, min(4, verify_rows(gqa, q_max) // 16))
+    return dataclasses.replace(base, num_warps=warps)
 
 
 # --- prefix prefill (and the encoder kernel) ---------------------------------------------------

@@ -5,8 +5,12 @@ launches
 - a decode kernel (``paged_decode.py``) for sequences with query_len == 1: one program per
   (decode sequence, KV head, KV split), all GQA query heads of the KV head in one tile; with
   more than one split, ``_decode_reduce_kernel`` merges the splits' partial sums;
-- the prefix-prefill kernel (``prefix_prefill.py``) for sequences with query_len > 1.
-Each kernel skips the other's sequences, so a mixed batch needs no host-side split. The
+- when the launch is told ``max_query_len``, the verify kernel (``paged_verify.py``) for
+  sequences with 2 <= query_len <= ``configs.VERIFY_MAX_QUERY_LEN`` (speculative-decode
+  verify batches): decode-style, one program per (sequence, KV head, row chunk, KV split);
+- the prefix-prefill kernel (``prefix_prefill.py``) for the longer sequences (all with
+  query_len > 1 when ``max_query_len`` is not given).
+Each kernel skips the others' sequences, so a mixed batch needs no host-side split. The
 number of KV splits comes from host shapes only (no device sync: CUDA-graph capturable).
 Configs (tiles, warps, loop kinds, knobs) come from ``configs.py``.
 """
@@ -22,10 +26,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # host-side TMA des
 from ...layout import cache_x, fp8_max, is_fp8_dtype, k_view, v_view
 from .attention_common import TL_DTYPES
 from .configs import (
-    INTERPRETER_TARGET, DecodeConfig, LaunchTarget, PrefillConfig, decode_config, decode_plan,
-    interpreting, prefill_config,
+    INTERPRETER_TARGET, VERIFY_MAX_QUERY_LEN, DecodeConfig, LaunchTarget, PrefillConfig,
+    decode_config, decode_plan, interpreting, prefill_config, verify_config, verify_rows,
 )
 from .paged_decode import _decode_reduce_kernel, _paged_decode_kernel, _paged_decode_streams_kernel
+from .paged_verify import _paged_verify_kernel, _verify_reduce_kernel
 from .prefix_prefill import _prefix_prefill_kernel
 
 __all__ = ["paged_attention", "launch_target", "dense_kv_descriptors"]
@@ -98,6 +103,8 @@ def paged_attention(
     decode_cfg: DecodeConfig | None = None,
     prefill_cfg: PrefillConfig | None = None,
     target: LaunchTarget | None = None,
+    verify_cfg: DecodeConfig | None = None,
+    verify_max_query_len: int | None = None,
 ) -> None:
     """Chunked prefill + paged decode over the cache (semantics: ``reference.paged_attention``).
 
@@ -108,9 +115,12 @@ def paged_attention(
     ``[num_seqs, max_blocks]`` (int32/int64); k_scale/v_scale/output_scale ``[1]`` fp32;
     alibi_slopes/sinks ``[num_heads]``. ``max_query_len``/``max_seq_len`` (host ints, optional)
     only steer launches: max_query_len == 1 skips the prefill launch, max_seq_len bounds the
-    KV split count. Keyword-only (tests, benchmarks): ``num_splits`` fixes the KV splits;
-    ``decode_cfg``/``prefill_cfg`` replace the tuned ``configs.decode_config`` /
-    ``configs.prefill_config``; ``target`` the queried ``launch_target(query.device)``.
+    KV split count; with it, sequences of 2..``verify_max_query_len`` query tokens run in the
+    verify kernel. Keyword-only (tests, benchmarks): ``num_splits`` fixes the KV splits (decode
+    and verify); ``decode_cfg``/``prefill_cfg``/``verify_cfg`` replace the tuned
+    ``configs.decode_config`` / ``prefill_config`` / ``verify_config``; ``target`` the queried
+    ``launch_target(query.device)``; ``verify_max_query_len`` (default
+    ``configs.VERIFY_MAX_QUERY_LEN``; <= 1: no verify launch) the verify kernel's longest query.
     """
     num_tokens, num_heads, head_size = query.shape
     num_seqs = seq_lens.shape[0]
@@ -149,6 +159,7 @@ def paged_attention(
     block_h = max(16, min(64, triton.next_power_of_2(gqa)))
     head_chunks = triton.cdiv(gqa, block_h)
     max_ctx = max_seq_len if max_seq_len is not None else block_table.shape[1] * block_size
+    num_splits_given = num_splits  # the verify launch plans its own splits unless given
     kind, num_splits = decode_plan(dcfg, num_splits, num_seqs=num_seqs, num_kv_heads=num_kv_heads,
                                    head_chunks=head_chunks, max_ctx=max_ctx,
                                    num_sms=target.num_sms)
@@ -191,8 +202,23 @@ def paged_attention(
             USE_OUT_SCALE=use_out_scale, OUT_MAX=out_max, num_warps=4,
         )
 
-    # --- prefix prefill: sequences with query_len > 1 -----------------------------------------
-    if max_query_len is not None and max_query_len <= 1:
+    # --- verify: sequences with 2 <= query_len <= q_max (needs the max_query_len hint) -------
+    q_max = 0
+    if max_query_len is not None and max_query_len > 1:
+        # rounded up to a power of two: fewer kernel specializations as the hint varies
+        q_max = min(triton.next_power_of_2(max_query_len), VERIFY_MAX_QUERY_LEN
+                    if verify_max_query_len is None else verify_max_query_len)
+    if q_max > 1:
+        _launch_verify(
+            q_max, output, query, key, value, kc, vc, block_table, seq_lens, query_start_loc, ptrs,
+            common, scale, softcap, window, bool(causal), num_splits_given, max_ctx, target,
+            verify_cfg or verify_config(head_size, gqa, block_size, cache_dtype, interpret,
+                                        interleaved_v, q_max), x=x)
+    else:
+        q_max = 1
+
+    # --- prefix prefill: sequences with query_len > q_max -------------------------------------
+    if max_query_len is not None and max_query_len <= q_max:
         return
     pcfg = prefill_cfg or prefill_config(head_size, gqa, block_size, compute, interpret)
     block_m, block_n = pcfg.block_m, pcfg.block_n
@@ -212,6 +238,51 @@ def paged_attention(
         HAS_NEW_KV=has_new, CAUSAL=bool(causal), RESCALE_MARGIN=float(pcfg.context_margin),
         DENSE_MARGIN=float(pcfg.dense_margin),
         LONGEST_FIRST=pcfg.longest_first and bool(causal), DENSE_TMA=descs is not None,
-        K_ROWS=pcfg.k_rows,
+        K_ROWS=pcfg.k_rows, SHORT_QUERY_MAX=q_max,
         num_warps=pcfg.num_warps, num_stages=pcfg.num_stages, **common,
     )
+
+
+def _launch_verify(q_max, output, query, key, value, kc, vc, block_table, seq_lens,
+                   query_start_loc, ptrs, common, scale, softcap, window, causal, num_splits,
+                   max_ctx, target, cfg, *, x):
+    """The verify kernel (and its split reduction) over sequences of 2..q_max query tokens."""
+    if cfg.kind not in ("rows", "rows3"):
+        raise ValueError(f"paged_attention: verify kind {cfg.kind!r}; supported: 'rows', 'rows3'")
+    num_tokens, num_heads, head_size = query.shape
+    num_seqs = seq_lens.shape[0]
+    num_kv_heads = kc.shape[1]
+    gqa = num_heads // num_kv_heads
+    block_r = verify_rows(gqa, q_max)
+    chunks = triton.cdiv(q_max * gqa, block_r)
+    kind, splits = decode_plan(cfg, num_splits, num_seqs=num_seqs, num_kv_heads=num_kv_heads,
+                               head_chunks=chunks, max_ctx=max_ctx, num_sms=target.num_sms)
+    # partial rows [seqs, q_max, heads, splits] (acc: x head_size; max and sum: x 2)
+    rows = num_seqs * q_max * num_heads * splits if splits > 1 else 0
+    part_acc = torch.empty(rows * head_size, dtype=torch.float32, device=query.device)
+    part_ml = torch.empty(rows * 2, dtype=torch.float32, device=query.device)
+    p_strides = (q_max * num_heads * splits, num_heads * splits)
+    has_new = key is not None
+    k_new = key if has_new else query  # never read without new K/V (constexpr-disabled)
+    v_new = value if has_new else query
+    block_size = kc.shape[3]
+    _paged_verify_kernel[(num_seqs, num_kv_heads * chunks, splits)](
+        output, part_acc, part_ml, query, k_new, v_new, kc, vc, block_table, seq_lens,
+        query_start_loc, *ptrs, scale, softcap, window,
+        query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), block_table.stride(0), *p_strides,
+        GQA=gqa, Q_MAX=q_max, BLOCK_R=block_r, ROW_CHUNKS=chunks, HEAD_SIZE=head_size,
+        BLOCK_D=triton.next_power_of_2(head_size), BLOCK_SIZE=block_size, X=x,
+        TILE_N=cfg.tile_n, SUB=min(cfg.tile_n, _pow2_part(block_size)),
+        NEW_N=max(16, triton.next_power_of_2(q_max)), NUM_SPLITS=splits, HAS_NEW_KV=has_new,
+        CAUSAL=causal,
+        ONE_LOOP=kind == "rows", RESCALE_MARGIN=float(cfg.rescale_margin), K_ROWS=cfg.k_rows,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
+    if splits > 1:
+        _verify_reduce_kernel[(num_seqs * q_max, num_heads)](
+            output, part_acc, part_ml, query_start_loc, ptrs[4],
+            output.stride(0), output.stride(1), *p_strides,
+            HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size), NUM_SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits), Q_MAX=q_max,
+            USE_OUT_SCALE=common["USE_OUT_SCALE"], OUT_MAX=common["OUT_MAX"], num_warps=4)

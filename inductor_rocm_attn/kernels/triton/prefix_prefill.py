@@ -41,9 +41,11 @@ def _prefix_prefill_kernel(
     OUT_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr, RESCALE_MARGIN: tl.constexpr,
     DENSE_MARGIN: tl.constexpr, LONGEST_FIRST: tl.constexpr, DENSE_TMA: tl.constexpr,
     K_ROWS: tl.constexpr,
+    SHORT_QUERY_MAX: tl.constexpr = 1,
 ):
     """Grid ``(num_tokens // BLOCK_M + num_seqs, num_heads)``; sequences with query_len <= 1
-    are skipped. Row blocks vary fastest: neighbours share one head's K/V in L2 (measured:
+    are skipped, and those up to ``SHORT_QUERY_MAX`` (the verify kernel runs them) too.
+    Row blocks vary fastest: neighbours share one head's K/V in L2 (measured:
     heads-fastest with reversed row blocks ran 353 TFLOP/s against 399 for this order).
     With ``LONGEST_FIRST`` (causal) each sequence's row blocks run last-first: a later block
     sees more keys, so the long ones start early and the short ones fill the tail.
@@ -68,6 +70,9 @@ def _prefix_prefill_kernel(
         q_tile = (q_start + q_len) // BLOCK_M - q_start // BLOCK_M - q_tile
     if q_len <= 1 or q_tile * BLOCK_M >= q_len:
         return
+    if SHORT_QUERY_MAX > 1:
+        if q_len <= SHORT_QUERY_MAX:  # a verify-sized sequence: paged_verify.py owns it
+            return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len
     kv_head = head // GQA
