@@ -10,6 +10,7 @@ and a kernel call; everything that can be decided once is decided in ``__init__`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 
 import torch
@@ -485,6 +486,7 @@ class RocmAttentionImpl:
                 f"{shares})")
 
 
+@functools.cache
 def writes_into_out_buffers(kernel):
     """``kernel`` (a provider's ``qk_norm_rope_and_cache``) in the reference's calling form:
     it writes q/k into ``q_out``/``k_out`` and returns ``(q, k, v or None)``.
