@@ -159,13 +159,14 @@ class _Block(torch.nn.Module):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("projections", ["qkv", "separate"])
-def test_compiled_rope_writer_leaves_no_copy_of_q_or_k(projections):
+def test_compiled_rope_writer_leaves_no_copy_of_q_or_k(projections, device):
     torch.manual_seed(0)
-    block = _Block(f"seed_writers.{projections}.attn", projections)
-    ira.bind_kv_caches(block, 4, torch.float32)
-    md = ira.build_attention_metadata([7], [0], [[1]], 16)
-    hidden, positions = torch.randn(7, 128), md.positions
+    block = _Block(f"seed_writers.{projections}.{device}.attn", projections).to(device)
+    ira.bind_kv_caches(block, 4, torch.float32, device)
+    md = ira.build_attention_metadata([7], [0], [[1]], 16, device)
+    hidden, positions = torch.randn(7, 128, device=device), md.positions
     import torch._inductor.utils as inductor_utils
 
     fresh_cache = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache

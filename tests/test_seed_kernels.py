@@ -52,6 +52,11 @@ def _seed() -> int:
     return random.randrange(1 << 30)
 
 
+def _dtype_device(provider):
+    """The reference in fp32 on CPU tensors; Triton in fp16 on the GPU, or in its interpreter."""
+    return (torch.float32, "cpu") if provider == "reference" else (torch.float16, DEVICE)
+
+
 # --- causal per step -----------------------------------------------------------------------
 
 
@@ -74,12 +79,12 @@ def test_causal_comes_from_the_step_when_set(monkeypatch, provider, layer_causal
     when the step sets it and its own value when the step leaves it None. Window-free: the
     sliding-window rule of a non-causal decoder step waits for a kernel change."""
     _pin_provider(monkeypatch, provider)
-    dtype = torch.float32 if provider == "reference" else torch.float16
+    dtype, dev = _dtype_device(provider)
     seed = _seed()
     c = cases.make_paged_case([5, 1, 7], [3, 20, 0], num_heads=H, num_kv_heads=HKV, head_size=D,
-                              dtype=dtype, layout="LBHNC", seed=seed)
+                              dtype=dtype, layout="LBHNC", seed=seed, device=dev)
     layer = ira.Attention(H, D, num_kv_heads=HKV, layer_name=f"seed_causal.{provider}.{layer_causal}",
-                          causal=layer_causal)
+                          causal=layer_causal).to(dev)
     layer.kv_cache = c.kv_cache
     own = layer.impl.causal
     for step_causal in (None, not own, own, None):
@@ -170,12 +175,12 @@ def _writer_inputs(t, dtype, g, num_blocks):
 @pytest.mark.parametrize("op", ["reshape_and_cache", "rope_and_cache", "qk_norm_rope_and_cache"])
 @pytest.mark.parametrize("interleaved_v", [False, True])
 def test_writers_fill_only_the_attention_pages_of_a_hybrid_block(provider, op, interleaved_v):
-    dtype = torch.float32 if provider == "reference" else torch.float16
+    dtype, dev = _dtype_device(provider)
     nb, t = 6, 20
     g = torch.Generator().manual_seed(_seed())
-    q, k, v, qkv, w, slots, positions, cos_sin, one = _writer_inputs(t, dtype, g, nb)
-    hybrid, buf = _hybrid(nb, dtype)
-    plain = cases.poison(allocate_kv_cache(KVCacheSpec(BS, HKV, D, dtype, CacheLayout.LBHNC), nb))
+    q, k, v, qkv, w, slots, positions, cos_sin, one = (x.to(dev) for x in _writer_inputs(t, dtype, g, nb))
+    hybrid, buf = _hybrid(nb, dtype, device=dev)
+    plain = cases.poison(allocate_kv_cache(KVCacheSpec(BS, HKV, D, dtype, CacheLayout.LBHNC), nb, dev))
     kernels = KERNELS[provider]
     for cache, fns in ((hybrid, kernels), (plain, ref)):
         if op == "reshape_and_cache":
@@ -187,21 +192,21 @@ def test_writers_fill_only_the_attention_pages_of_a_hybrid_block(provider, op, i
             fns.qk_norm_rope_and_cache(qkv, w[0], w[1], 1e-6, positions, cos_sin, False, cache, slots, one,
                                        one, interleaved_v, H, HKV, D)
     assert _outside_pages_untouched(buf, nb)
-    written = slots[slots >= 0]
+    written = slots[slots >= 0].cpu()
     for got, want in zip(dense_kv(hybrid, HKV, interleaved_v), dense_kv(plain, HKV, interleaved_v)):
-        got, want = got.flatten(0, 1)[written].double(), want.flatten(0, 1)[written].double()
+        got, want = got.cpu().flatten(0, 1)[written].double(), want.cpu().flatten(0, 1)[written].double()
         assert cases.rel_err(got, want) < TOL[dtype]
 
 
 @pytest.mark.parametrize("provider", ["reference", "triton"])
 @pytest.mark.parametrize("interleaved_v", [False, True])
 def test_attention_reads_a_hybrid_cache(provider, interleaved_v):
-    dtype = torch.float32 if provider == "reference" else torch.float16
+    dtype, dev = _dtype_device(provider)
     seed = _seed()
     c = cases.make_paged_case([6, 1, 1], [10, 17, 3], num_heads=H, num_kv_heads=HKV, head_size=D,
-                              dtype=dtype, layout="LBHNC", interleaved_v=interleaved_v, seed=seed)
+                              dtype=dtype, layout="LBHNC", interleaved_v=interleaved_v, seed=seed, device=dev)
     nb = c.kv_cache.shape[0]
-    hybrid, buf = _hybrid(nb, dtype)
+    hybrid, buf = _hybrid(nb, dtype, device=dev)
     hybrid.copy_(c.kv_cache)  # page by page: the interiors keep their element order
     out = cases.poison(torch.empty_like(c.query))
     KERNELS[provider].paged_attention(out, c.query, c.key, c.value, hybrid, c.query_start_loc, c.seq_lens,
