@@ -14,9 +14,9 @@ gaps are those of a captured model step. ``--sweep`` passes ``WriterConfig`` obj
   provider) when importable.
 - ``qknorm``: our ``qk_norm_rope_and_cache`` (one kernel) vs RMSNorm(q) + RMSNorm(k) (a
   one-kernel-per-tensor Triton RMSNorm below) + ``rotary_embedding`` + ``reshape_and_cache``
-  (four kernels); AITER's split+norm+rope kernel + our writer (the ``aiter`` provider), and
-  AITER's kernel alone writing its own HND cache (``aiter_hnd``, not our layout: a reference
-  point only).
+  (four kernels), and AITER's split+norm+rope kernel alone writing its own HND cache
+  (``aiter_hnd``, not our layout: a reference point only; the ``aiter`` provider takes no
+  QK-norm writer, see kernels/aiter.py).
 
 Roofline: the fewest bytes the op must move (every input read once, every output written
 once) over the measured 4.27 TB/s device-to-device copy ceiling (FACTS.md). T <= 256 uses
@@ -176,8 +176,6 @@ def qknorm_variants(p, aiter_mod, aiter_hnd):
         return qn, kn, v
 
     out = {"fused": lambda: qk_norm_rope_and_cache(*head, *tail), "unfused": unfused}
-    if aiter_mod is not None:
-        out["aiter"] = lambda: aiter_mod.qk_norm_rope_and_cache(*head, *tail)
     if aiter_hnd is not None:
         nb = (t + BS - 1) // BS + 8
         kc = torch.empty(nb, HKV, BS, D, device="cuda", dtype=DTYPE)

@@ -9,12 +9,15 @@ and a kernel call; everything that can be decided once is decided in ``__init__`
 
 from __future__ import annotations
 
-import math
+import dataclasses
+import functools
+import inspect
 
 import torch
 
 from . import capabilities, providers, validation
 from .capabilities import AttentionType
+from .forward_context import get_layer
 from .layout import (
     CacheLayout,
     KVCacheSpec,
@@ -22,6 +25,7 @@ from .layout import (
     cache_torch_dtype,
     convert_v_layout_,
     customize_spec,
+    is_fp8_dtype,
 )
 
 __all__ = ["RocmAttentionBackend", "RocmAttentionImpl"]
@@ -30,17 +34,108 @@ _SIZED_OPS = providers.SIZED_OPS
 
 
 class RocmAttentionBackend:
+    """What the backend supports, under the seed backend's query names.
+
+    Engine code written against the seed's ``RocmAttentionBackend`` asks these questions and
+    gets the seed's answers, except where we go beyond it (each such answer says so): sinks
+    work on every path, and the logits soft cap is applied (the seed stores it and ignores
+    it). The answers read ``capabilities``, the table the providers' records build on.
+    """
+
     name = "ROCM_ATTN"
     accept_output_buffer = True
-    supported_dtypes = capabilities.MODEL_DTYPES
-    supported_kv_cache_dtypes = SUPPORTED_KV_CACHE_DTYPES
+    # The cache write is a separate op (``unified_kv_cache_update`` or a fused writer), not
+    # part of the attention's forward.
+    forward_includes_kv_cache_update = False
+    supported_dtypes = list(capabilities.MODEL_DTYPES)
+    supported_kv_cache_dtypes = list(SUPPORTED_KV_CACHE_DTYPES)
     supported_head_sizes = capabilities.HEAD_SIZES
     supported_attention_types = capabilities.SUPPORTED_ATTENTION_TYPES
     cache_layouts = (CacheLayout.LHBNC, CacheLayout.LBHNC)
 
     @staticmethod
+    def get_name() -> str:
+        return "ROCM_ATTN"
+
+    @staticmethod
     def get_impl_cls():
         return RocmAttentionImpl
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list:
+        """``[MultipleOf(16)]``: any positive multiple of 16 (16, 32, 544, 784, 1056 ...).
+
+        The native kernels serve 16 and 32; the Triton and reference paths every multiple.
+        """
+        return [capabilities.MultipleOf(capabilities.BLOCK_SIZE_MULTIPLE)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(capabilities.HEAD_SIZES)
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        """True; beyond the seed, which answers False (its native decode has no sinks): here
+        every attention path applies sinks (the dispatch picks a provider that has them)."""
+        return True
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_attn_type(cls, attn_type) -> bool:
+        """DECODER, ENCODER and ENCODER_ONLY. Not ENCODER_DECODER, for the seed's reason: the
+        prefill mixes the K/V passed in with the cached K/V, which is wrong for
+        cross-attention once ``max_query_len > 1``."""
+        try:
+            return capabilities.AttentionType(attn_type) in capabilities.SUPPORTED_ATTENTION_TYPES
+        except ValueError:
+            return False
+
+    @classmethod
+    def supports_mm_prefix(cls) -> bool:
+        """False, as the seed: no bidirectional attention over a multimodal prefix."""
+        return False
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        """False, as the seed: no KV-connector (KV transfer) integration."""
+        return False
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[CacheLayout, ...]:
+        """LHBNC (the native kernels need it) and LBHNC (Triton, the reference and AITER)."""
+        return (CacheLayout.LHBNC, CacheLayout.LBHNC)
+
+    @classmethod
+    def customize_spec(cls, spec: KVCacheSpec) -> KVCacheSpec:
+        """The spec with K and V as two head slots (``num_head_slots = 2``), so a block is a
+        K page and a V page; its ``state_content_bytes`` is the seed's: the bytes one token
+        takes in one head slot. Raises for a block or head size the backend does not support."""
+        capabilities.check_cache_geometry(spec.block_size, spec.head_size, "RocmAttentionBackend.customize_spec")
+        if spec.num_head_slots != 2:
+            spec = dataclasses.replace(spec, num_head_slots=2)
+        return spec
+
+    @classmethod
+    def fused_output_quant_supported(cls, quant_key) -> bool:
+        """Static per-tensor symmetric fp8 quant of the output (``capabilities.FP8_STATIC_TENSOR_SYM``)."""
+        return capabilities.fused_output_quant_supported(quant_key)
+
+    @classmethod
+    def fused_rope_kvcache_supported(cls) -> bool:
+        """True: RoPE + cache write fuse for every configuration (the seed needs AITER)."""
+        return True
+
+    @classmethod
+    def fused_qk_norm_rope_kvcache_supported(cls) -> bool:
+        """True: QK-norm + RoPE + cache write fuse for every configuration (the seed needs AITER)."""
+        return True
 
     @staticmethod
     def supports_block_size(block_size: int) -> bool:
@@ -56,15 +151,19 @@ class RocmAttentionBackend:
         capabilities.check_cache_geometry(block_size, head_size)
         return (num_blocks, 2, block_size, num_kv_heads * head_size)
 
-    customize_spec = staticmethod(customize_spec)
-
 
 class RocmAttentionImpl:
     """One attention layer's configuration and per-step paths.
 
     ``sliding_window``: keys with ``q_pos - k_pos < sliding_window`` are kept (None: all).
-    ``logits_soft_cap``: logits become ``cap * tanh(logits / cap)`` (None/0: off).
-    ``sinks``: ``[num_heads]`` per-head logit of a virtual zero-value token.
+    ``logits_soft_cap``: logits become ``cap * tanh(logits / cap)`` (None/0: off); applied,
+    where the seed stores the cap and ignores it.
+    ``sinks``: ``[num_heads]`` per-head logit of a virtual zero-value token (every path).
+    ``causal``: the layer's value (None: True for DECODER, False otherwise); a step's
+    ``AttentionMetadata.causal`` overrides it for DECODER layers, as in the seed.
+    ``q_scale``: must be 1.0 for an fp8 query (checked when such a query arrives).
+    ``kv_sharing_target_layer_name``: this layer owns no cache and writes nothing; it reads
+    the named layer's cache, V interior and scales at run time.
     """
 
     def __init__(
@@ -81,6 +180,7 @@ class RocmAttentionImpl:
         sinks: torch.Tensor | None = None,
         causal: bool | None = None,
         q_scale: float = 1.0,
+        kv_sharing_target_layer_name: str | None = None,
     ):
         op = "RocmAttentionImpl"
         self.attn_type = capabilities.check_attention_type(attn_type, op)
@@ -89,10 +189,21 @@ class RocmAttentionImpl:
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_kv_heads <= 0 or num_heads % num_kv_heads:
             raise ValueError(f"{op}: num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-        if kv_cache_dtype.startswith("fp8") and q_scale != 1.0:
+        if self.attn_type in capabilities.ENCODER_TYPES and kv_cache_dtype.startswith("fp8"):
             raise NotImplementedError(
-                f"{op}: fp8 query quantization (q_scale={q_scale}) is not supported; q_scale must be 1.0"
+                f"{op}: kv_cache_dtype {kv_cache_dtype!r} on a {self.attn_type.value} layer is not "
+                f"supported: {capabilities.ENCODER_FP8_KV_CACHE_REASON} (an encoder layer has no KV "
+                "cache); use 'auto'"
             )
+        if kv_sharing_target_layer_name is not None:
+            if not isinstance(kv_sharing_target_layer_name, str) or not kv_sharing_target_layer_name:
+                raise ValueError(f"{op}: kv_sharing_target_layer_name must be a layer name, got "
+                                 f"{kv_sharing_target_layer_name!r}")
+            if self.attn_type != AttentionType.DECODER:
+                raise ValueError(
+                    f"{op}: kv_sharing_target_layer_name={kv_sharing_target_layer_name!r} on a "
+                    f"{self.attn_type.value} layer: only decoder layers have a KV cache to share"
+                )
         if sliding_window is not None and sliding_window <= 0:
             raise ValueError(f"{op}: sliding_window must be positive or None, got {sliding_window}")
         if logits_soft_cap is not None and logits_soft_cap < 0:
@@ -110,7 +221,8 @@ class RocmAttentionImpl:
         self.sliding_window = int(sliding_window) if sliding_window else -1
         self.logits_soft_cap = float(logits_soft_cap or 0.0)
         self.sinks = sinks
-        self.q_scale = q_scale
+        self.q_scale = float(q_scale)
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         if causal is None:
             causal = self.attn_type == AttentionType.DECODER
         self.causal = bool(causal)
@@ -118,16 +230,34 @@ class RocmAttentionImpl:
         # (op, call signature) -> kernel: the first call of a signature is validated in full
         # and resolved through the provider registry; later steps go straight to the kernel.
         self._kernels: dict[tuple, object] = {}
-        self._features = providers.attention_features(
-            causal=self.causal, sliding_window=self.sliding_window, alibi_slopes=alibi_slopes,
-            sinks=sinks, logits_soft_cap=self.logits_soft_cap, output_scale=None,
-        )
+        # The attention's features for a causal and a non-causal step (the step may override).
+        self._features_by_causal = {
+            c: providers.attention_features(
+                causal=c, sliding_window=self.sliding_window, alibi_slopes=alibi_slopes,
+                sinks=sinks, logits_soft_cap=self.logits_soft_cap, output_scale=None,
+            )
+            for c in (True, False)
+        }
 
     # --- cache ----------------------------------------------------------------------------
 
     @property
     def uses_kv_cache(self) -> bool:
-        return self.attn_type == AttentionType.DECODER
+        """Owns a KV cache: allocates it and writes it. A decoder layer that shares another
+        layer's cache reads that cache but owns none (and writes nothing)."""
+        return self.attn_type == AttentionType.DECODER and self.kv_sharing_target_layer_name is None
+
+    def fused_rope_kvcache_supported(self) -> bool:
+        """Whether this layer's RoPE and cache write may fuse (seed's name): it must write a cache."""
+        return self.uses_kv_cache
+
+    def fused_qk_norm_rope_kvcache_supported(self) -> bool:
+        """Whether this layer's QK-norm, RoPE and cache write may fuse (seed's name)."""
+        return self.uses_kv_cache
+
+    def fused_output_quant_supported(self, quant_key) -> bool:
+        """Static per-tensor symmetric fp8 output quant fuses into the attention (seed's name)."""
+        return capabilities.fused_output_quant_supported(quant_key)
 
     def kv_cache_spec(self, block_size: int, model_dtype: torch.dtype,
                       layout: CacheLayout | str = CacheLayout.LHBNC,
@@ -139,7 +269,8 @@ class RocmAttentionImpl:
         """Switch this layer's V interior; converts ``kv_cache`` in place if given.
 
         Returns True when the layout changed. Every reader and writer of the layer reads
-        ``self.interleaved_v`` at run time, so they all follow the switch.
+        ``self.interleaved_v`` at run time, so they all follow the switch (layers that share
+        this layer's cache too).
         """
         enabled = bool(enabled)
         if enabled == self.interleaved_v:
@@ -156,16 +287,27 @@ class RocmAttentionImpl:
         return (op, device, x.dtype, kv_cache.data_ptr(), kv_cache.dtype, self.interleaved_v, bucket, *extra)
 
     def _resolve(self, sig: tuple, op: str, x: torch.Tensor, kv_cache: torch.Tensor | None,
-                 num_tokens: int, features=()):
+                 num_tokens: int, features=(), interleaved_v: bool | None = None):
         """Select the kernel of a new call signature (already validated) and cache it."""
+        if interleaved_v is None:
+            interleaved_v = self.interleaved_v
         _, fn = providers.select(op, device=x.device, head_size=self.head_size, dtype=x.dtype,
                                  kv_cache=kv_cache, features=features, num_tokens=num_tokens,
-                                 interleaved_v=self.interleaved_v and kv_cache is not None)
+                                 interleaved_v=interleaved_v and kv_cache is not None)
+        if op == "qk_norm_rope_and_cache":
+            fn = writes_into_out_buffers(fn)
         self._kernels[sig] = fn
         return fn
 
     def _rope_features(self, cos_sin_cache: torch.Tensor) -> tuple[str, ...]:
         return ("partial_rotary",) if cos_sin_cache.shape[-1] < self.head_size else ()
+
+    def _check_query_scale(self, query: torch.Tensor, op: str) -> None:
+        if self.q_scale != 1.0 and is_fp8_dtype(query.dtype):
+            raise NotImplementedError(
+                f"{op}: a q_scale of {self.q_scale} with an fp8 query ({query.dtype}) is not "
+                "supported (as in the seed); an fp8 query needs q_scale 1.0"
+            )
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if not self.uses_kv_cache:
@@ -215,8 +357,13 @@ class RocmAttentionImpl:
            v_scale, self.interleaved_v)
 
     def do_qk_norm_rope_kvcache_update(self, layer, qkv, q_weight, k_weight, eps, positions,
-                                       cos_sin_cache, is_neox, kv_cache, attn_metadata):
-        """Split qkv, per-head RMSNorm q/k, RoPE, cache k/v. Returns fresh (q, k, v).
+                                       cos_sin_cache, is_neox, kv_cache, attn_metadata,
+                                       q_out=None, k_out=None):
+        """Split qkv, per-head RMSNorm q/k, RoPE, cache k/v. Returns ``(q, k)``.
+
+        q and k are written into ``q_out [T, Hq, D]`` / ``k_out [T, Hkv, D]`` when given (the
+        caller's buffers, as in the seed), else into buffers the kernel allocates. v is not
+        copied out: the caller's v is the V slice of ``qkv``.
 
         The fused writer emits interleaved V: a layer fused into it is switched (normally
         by the pass at compile time; this guard covers a cache bound after compilation).
@@ -233,15 +380,19 @@ class RocmAttentionImpl:
         fn = self._kernels.get(sig)
         if fn is None:
             op = "rocm_attn.qk_norm_rope_and_cache"
+            if not self.uses_kv_cache:
+                raise NotImplementedError(f"{op}: {self!r} writes no KV cache (an encoder layer or a "
+                                          "layer sharing another layer's cache); nothing to fuse")
             validation.check_qk_norm_rope(op, qkv, q_weight, k_weight, positions, cos_sin_cache,
                                           self.num_heads, self.num_kv_heads, self.head_size)
             validation.check_kv_cache(op, kv_cache, self.num_kv_heads, self.head_size)
             validation.check_slot_mapping(op, slot_mapping, kv_cache, t)
             fn = self._resolve(sig, "qk_norm_rope_and_cache", qkv, kv_cache, t,
                                self._rope_features(cos_sin_cache))
-        return fn(qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, kv_cache,
-                  slot_mapping, buffers["_k_scale"], buffers["_v_scale"], True, self.num_heads,
-                  self.num_kv_heads, self.head_size)
+        q, k, _ = fn(qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, kv_cache,
+                     slot_mapping, buffers["_k_scale"], buffers["_v_scale"], True, self.num_heads,
+                     self.num_kv_heads, self.head_size, q_out, k_out, False)
+        return q, k
 
     # --- attention -------------------------------------------------------------------------
 
@@ -267,32 +418,46 @@ class RocmAttentionImpl:
             key, value = key.view(-1, hkv, d), value.view(-1, hkv, d)
         if self.attn_type is not AttentionType.DECODER:
             return self._encoder_forward(query[:n], key[:n], value[:n], attn_metadata, output, output_scale)
+        # The cache this layer reads: its own, or (KV sharing) the target's, with the target's
+        # V interior and scales read now, so a later switch of the target is followed.
+        # A sharing layer's own k/v are not its keys: every key, the step's new ones too
+        # (the target wrote them earlier in the step), comes from the target's cache.
+        interleaved_v, buffers = self.interleaved_v, layer._buffers  # _buffers: skips nn.Module.__getattr__
+        if self.kv_sharing_target_layer_name is not None:
+            target = get_layer(self.kv_sharing_target_layer_name)
+            kv_cache, key, value = target.kv_cache, None, None
+            interleaved_v, buffers = target.impl.interleaved_v, target._buffers
         if n != query.shape[0]:  # padded step: rows past n are not ours to touch
-            out_n, query, key, value = output[:n], query[:n], key[:n], value[:n]
+            out_n, query = output[:n], query[:n]
+            if key is not None:
+                key, value = key[:n], value[:n]
         else:
             out_n = output
         md = attn_metadata
-        buffers = layer._buffers  # skips nn.Module.__getattr__
+        causal = self.causal if md.causal is None else md.causal
         args = (out_n, query, key, value, kv_cache, md.query_start_loc, md.seq_lens,
-                md.block_table, self.scale, buffers["_k_scale"], buffers["_v_scale"], self.causal,
+                md.block_table, self.scale, buffers["_k_scale"], buffers["_v_scale"], causal,
                 self.sliding_window, self.alibi_slopes, self.sinks, self.logits_soft_cap,
-                self.interleaved_v, output_scale, md.max_query_len, md.max_seq_len)
-        sig = self._signature("paged_attention", query, kv_cache, n, output.dtype, output_scale is None)
+                interleaved_v, output_scale, md.max_query_len, md.max_seq_len)
+        sig = self._signature("paged_attention", query, kv_cache, n, output.dtype, output_scale is None,
+                              causal, interleaved_v)
         fn = self._kernels.get(sig)
         if fn is None:
+            op = "rocm_attn.unified_attention_with_output"
+            self._check_query_scale(query, op)
             # Per-head tensors follow the query's device, checked once per signature.
             args = args[:13] + (self._alibi(query), self._sinks(query)) + args[15:]
             validation.check_paged_attention(
-                "rocm_attn.unified_attention_with_output", out_n, query, key, value,
-                kv_cache, md.query_start_loc, md.seq_lens, md.block_table, args[13], args[14],
-                output_scale,
+                op, out_n, query, key, value, kv_cache, md.query_start_loc, md.seq_lens,
+                md.block_table, args[13], args[14], output_scale,
             )
-            feats = self._features + (("output_scale",) if output_scale is not None else ())
-            fn = self._resolve(sig, "paged_attention", query, kv_cache, n, feats)
+            feats = self._features_by_causal[causal] + (("output_scale",) if output_scale is not None else ())
+            fn = self._resolve(sig, "paged_attention", query, kv_cache, n, feats, interleaved_v)
         fn(*args)
         return output
 
     def _encoder_forward(self, query, key, value, attn_metadata, output, output_scale):
+        self._check_query_scale(query, "rocm_attn.unified_attention_with_output")
         out = torch.ops.rocm_attn.encoder_attention(
             query, key, value, attn_metadata.query_start_loc, attn_metadata.max_query_len,
             self.scale, self.causal, self.sliding_window, self._alibi(query), self._sinks(query),
@@ -314,5 +479,32 @@ class RocmAttentionImpl:
         return self.sinks
 
     def __repr__(self) -> str:
+        shares = (f", shares {self.kv_sharing_target_layer_name!r}"
+                  if self.kv_sharing_target_layer_name is not None else "")
         return (f"RocmAttentionImpl(heads={self.num_heads}/{self.num_kv_heads}, d={self.head_size}, "
-                f"{self.attn_type.value}, kv={self.kv_cache_dtype}, interleaved_v={self.interleaved_v})")
+                f"{self.attn_type.value}, kv={self.kv_cache_dtype}, interleaved_v={self.interleaved_v}"
+                f"{shares})")
+
+
+@functools.cache
+def writes_into_out_buffers(kernel):
+    """``kernel`` (a provider's ``qk_norm_rope_and_cache``) in the reference's calling form:
+    it writes q/k into ``q_out``/``k_out`` and returns ``(q, k, v or None)``.
+
+    A kernel that still has the older form (no ``q_out``: it returns fresh q, k and v) is
+    wrapped: without caller buffers its fresh q/k are returned as they are (no copy); buffers
+    a caller passed are filled from them. Remove once every provider takes ``q_out``.
+    """
+    if "q_out" in inspect.signature(kernel).parameters:
+        return kernel
+
+    def call(*args):
+        *args, q_out, k_out, return_kv = args
+        q, k, v = kernel(*args)
+        if q_out is None:
+            return q, k, (v if return_kv else None)
+        q_out.copy_(q)
+        k_out.copy_(k)
+        return q_out, k_out, (v if return_kv else None)
+
+    return call

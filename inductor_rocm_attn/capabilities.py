@@ -36,11 +36,53 @@ class AttentionType(str, enum.Enum):
 
 SUPPORTED_ATTENTION_TYPES = (AttentionType.DECODER, AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 _UNSUPPORTED_ATTENTION_TYPES = {
+    # The seed's reason, which holds for our paged_attention as well.
     AttentionType.ENCODER_DECODER: (
-        "cross-attention reads a cache filled by the encoder with no per-step cache write, "
-        "which the ROCM_ATTN paged kernels do not implement"
+        "the prefill path assumes self-attention: it mixes the K/V passed in (taken as the "
+        "step's new tokens) with the cached K/V, and a cross-attention layer's encoder K/V are "
+        "already cached, so mixing them again gives wrong results when max_query_len > 1 "
+        "(e.g. beam search)"
     ),
 }
+ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+# The seed's reason for rejecting a quantized (fp8) KV-cache dtype on an encoder layer.
+ENCODER_FP8_KV_CACHE_REASON = "quantization is not supported for encoder attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class MultipleOf:
+    """A block-size rule: every positive multiple of ``base`` (the seed's ``MultipleOf(16)``)."""
+
+    base: int
+
+    def __contains__(self, block_size: object) -> bool:
+        return isinstance(block_size, int) and block_size > 0 and block_size % self.base == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantKey:
+    """How an attention output is quantized: what ``fused_output_quant_supported`` is asked about.
+
+    ``static``: the scale is a fixed tensor (not computed from the data); ``per_tensor``: one
+    scale for the whole tensor; ``symmetric``: no zero point.
+    """
+
+    dtype: torch.dtype
+    static: bool = True
+    per_tensor: bool = True
+    symmetric: bool = True
+
+
+# The one output quantization the attention fuses (the seed's ``kFp8StaticTensorSym``).
+FP8_STATIC_TENSOR_SYM = QuantKey(torch.float8_e4m3fn)
+
+
+def fused_output_quant_supported(quant_key: QuantKey) -> bool:
+    """True for a static, per-tensor, symmetric quantization to an fp8 dtype (the attention
+    writes ``clamp(out / output_scale, +-fp8_max)``); block-scaled or dynamic quant is not fused."""
+    dtype = getattr(quant_key, "dtype", None)
+    fp8 = isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize == 1
+    return bool(fp8 and quant_key.static and quant_key.per_tensor and quant_key.symmetric)
 
 OPS = (
     "paged_attention",

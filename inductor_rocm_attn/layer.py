@@ -30,6 +30,8 @@ class Attention(nn.Module):
         register: add the layer to the registry of live layers (the default). A layer owned
             by a cache object that hands the forward context its own layer table (see
             ``forward_context``) is not registered.
+        kv_sharing_target_layer_name: read that (earlier) layer's cache instead of owning one;
+            this layer then writes nothing.
         Others as in ``RocmAttentionImpl``.
 
     ``forward(query [T, Hq*D], key [T, Hkv*D], value [T, Hkv*D]) -> [T, Hq*D]``; 3-D
@@ -45,6 +47,7 @@ class Attention(nn.Module):
         head_size: int,
         *,
         layer_name: str,
+        kv_sharing_target_layer_name: str | None = None,
         num_kv_heads: int | None = None,
         scale: float | None = None,
         block_size: int = 16,
@@ -65,8 +68,10 @@ class Attention(nn.Module):
         self.impl = RocmAttentionImpl(
             num_heads, head_size, head_size**-0.5 if scale is None else scale, num_kv_heads,
             alibi_slopes, sliding_window, kv_cache_dtype, logits_soft_cap, attn_type, sinks,
-            causal, q_scale,
+            causal, q_scale, kv_sharing_target_layer_name=kv_sharing_target_layer_name,
         )
+        if kv_sharing_target_layer_name == layer_name:
+            raise ValueError(f"Attention {layer_name!r}: kv_sharing_target_layer_name names the layer itself")
         self.layer_name = layer_name
         self.num_heads, self.head_size = num_heads, head_size
         self.num_kv_heads = self.impl.num_kv_heads
@@ -131,17 +136,29 @@ def bind_kv_caches(model: nn.Module, num_blocks: int, dtype: torch.dtype,
                    device: torch.device | str = "cpu", poison: bool = False) -> dict[str, torch.Tensor]:
     """Allocate each attention layer's cache (``num_blocks`` blocks) and attach it.
 
-    Layers that use no cache (encoder types) get none. ``poison`` fills caches with NaN
-    (or fp8 max) so a read of an unwritten slot shows up in tests.
+    Layers that use no cache (encoder types) get none, nor do layers that share an earlier
+    layer's cache (``kv_sharing_target_layer_name``, checked here). ``poison`` fills caches
+    with NaN (or fp8 max) so a read of an unwritten slot shows up in tests.
     """
-    caches = {}
+    caches, specs = {}, {}
     for layer in attention_layers(model):
-        if not layer.impl.uses_kv_cache:
+        target = layer.impl.kv_sharing_target_layer_name
+        if target is None and not layer.impl.uses_kv_cache:
             continue
         spec = layer.kv_cache_spec(dtype, torch.device(device))
+        if target is not None:
+            if target not in caches:
+                raise ValueError(
+                    f"bind_kv_caches: layer {layer.layer_name!r} shares the KV cache of {target!r}, which "
+                    "is not an earlier layer of this model with a cache of its own"
+                )
+            if spec != specs[target]:
+                raise ValueError(f"bind_kv_caches: layer {layer.layer_name!r} ({spec}) cannot read the cache "
+                                 f"of {target!r} ({specs[target]}): the geometry differs")
+            continue
         cache = allocate_kv_cache(spec, num_blocks, device)
         if poison:
             cache.view(torch.uint8).fill_(0xFF)  # all-ones bytes: NaN in every cache dtype
         layer.kv_cache = cache
-        caches[layer.layer_name] = cache
+        caches[layer.layer_name], specs[layer.layer_name] = cache, spec
     return caches

@@ -1,4 +1,4 @@
-"""Paged KV-cache layouts (DESIGN.md, "KV cache").
+"""Paged KV-cache layouts (docs/design.md, "KV-cache layouts").
 
 A layer's cache is one tensor of *logical* shape
 ``[num_blocks, 2, block_size, num_kv_heads * head_size]`` (dim 1: the K and V head
@@ -7,7 +7,8 @@ tensor and can tell the layout without an extra argument:
 
 - ``LHBNC``: the K group of all blocks, then the V group of all blocks
   (``stride(1) == num_blocks * page``). The native kernels need it.
-- ``LBHNC``: per block, its K page then its V page (``stride(0) == 2 * page``).
+- ``LBHNC``: per block, its K page then its V page (``stride(0) == 2 * page``, or larger
+  in a hybrid attention/Mamba cache whose blocks hold more than the two pages).
 
 Inside a page (one block of one group, ``page = block_size * num_kv_heads * head_size``
 elements), with ``x = 16 // element_size``:
@@ -118,11 +119,20 @@ class KVCacheSpec:
 
     @property
     def state_content_bytes(self) -> int:
-        """Bytes of one block over both head groups (what the allocator hands out per block)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_head_slots * self.page_elems * elem
+        """Bytes one token takes in ONE head slot (K or V): ``num_kv_heads * head_size`` elements.
 
-    page_size_bytes = state_content_bytes
+        The seed's meaning: an allocator lays a block out as ``num_head_slots`` slots of
+        ``block_size`` tokens of this many bytes each (the pages of ``page_size_bytes``).
+        """
+        return self.num_kv_heads * self.head_size * self.dtype.itemsize
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block over both head slots: ``num_head_slots`` pages (K page, V page).
+
+        A hybrid cache may place blocks further apart than this (see ``cache_layout_of``).
+        """
+        return self.num_head_slots * self.block_size * self.state_content_bytes
 
     def logical_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
         return (num_blocks, self.num_head_slots, self.block_size, self.num_kv_heads * self.head_size)
@@ -166,12 +176,16 @@ def cache_layout_of(kv_cache: torch.Tensor) -> CacheLayout:
     s0, s1, s2, s3 = kv_cache.stride()
     if s3 != 1 or s2 != kv_cache.shape[3]:
         raise ValueError(f"rocm_attn: kv_cache pages must be contiguous, got strides {kv_cache.stride()}")
-    if s1 == page and (s0 == 2 * page or kv_cache.shape[0] == 1):
+    # LBHNC: the V page follows the K page; the block stride is 2 pages, or more in a hybrid
+    # attention/Mamba cache whose blocks also hold other state after the two pages.
+    if s1 == page and (s0 >= 2 * page or kv_cache.shape[0] == 1):
         return CacheLayout.LBHNC
     if s0 == page and s1 == kv_cache.shape[0] * page:
         return CacheLayout.LHBNC
     raise ValueError(
-        f"rocm_attn: kv_cache strides {kv_cache.stride()} match neither LHBNC nor LBHNC"
+        f"rocm_attn: kv_cache strides {kv_cache.stride()} match neither LHBNC nor LBHNC: LHBNC "
+        f"has strides ({page}, num_blocks * {page}, ...), LBHNC (a block stride >= {2 * page}, "
+        f"{page}, ...), for a page of block_size * num_kv_heads * head_size = {page} elements"
     )
 
 

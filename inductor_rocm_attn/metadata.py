@@ -39,6 +39,9 @@ class AttentionMetadata:
     positions: torch.Tensor
     num_decodes: int = 0  # sequences with query_len == 1
     num_prefills: int = 0  # sequences with query_len > 1
+    # This step's causality for decoder layers (as the seed's ``attn_metadata.causal``);
+    # None: each layer's own value.
+    causal: bool | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -91,6 +94,7 @@ def build_attention_metadata(
     num_padded_tokens: int | None = None,
     buffers: "MetadataBuffers | None" = None,
     padding: Sequence[bool] | None = None,
+    causal: bool | None = None,
 ) -> AttentionMetadata:
     """Metadata for a batch where sequence s has ``context_lens[s]`` cached tokens and
     ``query_lens[s]`` new ones, stored in the blocks ``block_tables[s]``.
@@ -101,6 +105,7 @@ def build_attention_metadata(
     of a ``[batch, tokens]`` layout): its tokens write nothing (slot -1, position 0), it has
     no context, and its block table names one readable block (a one-token padding sequence
     is a decode and reads its key there); its attention output rows are unspecified.
+    ``causal`` sets the step's causality for decoder layers (None: each layer's own).
     """
     qsl, seq_lens, slots, positions = _host_plan(query_lens, context_lens, block_tables, block_size, padding)
     n = len(slots)
@@ -128,6 +133,7 @@ def build_attention_metadata(
         max_seq_len=max(seq_lens, default=0),
         num_decodes=sum(1 for q in query_lens if q == 1),
         num_prefills=sum(1 for q in query_lens if q > 1),
+        causal=causal,
         **tensors,
     )
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from . import providers, validation
+from .backend import writes_into_out_buffers
 from .forward_context import get_forward_context, get_layer
 
 NAMESPACE = "rocm_attn"
@@ -46,7 +47,7 @@ _SCHEMAS = {
         "qk_norm_rope_and_cache(Tensor qkv, Tensor q_weight, Tensor k_weight, float eps, "
         "Tensor positions, Tensor cos_sin_cache, bool is_neox, Tensor(a!) kv_cache, "
         "Tensor slot_mapping, Tensor k_scale, Tensor v_scale, bool interleaved_v, int num_heads, "
-        "int num_kv_heads, int head_size) -> (Tensor, Tensor, Tensor)"
+        "int num_kv_heads, int head_size, Tensor(b!) q_out, Tensor(c!) k_out) -> ()"
     ),
     "encoder_attention": (
         "encoder_attention(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens, "
@@ -64,13 +65,13 @@ _SCHEMAS = {
         "str layer_name, Tensor? kv_cache_dependency=None, Tensor? output_scale=None) -> ()"
     ),
     "unified_rope_and_kv_cache_update": (
-        "unified_rope_and_kv_cache_update(Tensor positions, Tensor query, Tensor key, Tensor value, "
-        "Tensor cos_sin_cache, bool is_neox, str layer_name) -> (Tensor, Tensor, Tensor)"
+        "unified_rope_and_kv_cache_update(Tensor positions, Tensor(a!) query, Tensor(b!) key, "
+        "Tensor value, Tensor cos_sin_cache, bool is_neox, str layer_name) -> Tensor"
     ),
     "unified_qk_norm_rope_and_kv_cache_update": (
         "unified_qk_norm_rope_and_kv_cache_update(Tensor qkv, Tensor q_weight, Tensor k_weight, "
         "float eps, Tensor positions, Tensor cos_sin_cache, bool is_neox, int num_heads, "
-        "int num_kv_heads, int head_size, str layer_name) -> (Tensor, Tensor, Tensor, Tensor)"
+        "int num_kv_heads, int head_size, str layer_name) -> (Tensor, Tensor, Tensor)"
     ),
 }
 
@@ -179,13 +180,25 @@ def _rope_and_cache_fake(*args, **kwargs):
     return None
 
 
+def _check_qk_outputs(op, qkv, q_out, k_out, num_heads, num_kv_heads, head_size):
+    t = qkv.shape[0]
+    for name, out, heads in (("q_out", q_out, num_heads), ("k_out", k_out, num_kv_heads)):
+        if tuple(out.shape) != (t, heads, head_size) or out.dtype != qkv.dtype or out.device != qkv.device:
+            raise ValueError(
+                f"{op}: {name} must be [num_tokens, {'num_heads' if name == 'q_out' else 'num_kv_heads'}, "
+                f"head_size] = [{t}, {heads}, {head_size}] of qkv's dtype {qkv.dtype} on {qkv.device}, got "
+                f"{tuple(out.shape)} {out.dtype} on {out.device}"
+            )
+
+
 @_impl("qk_norm_rope_and_cache")
 def _qk_norm_rope_and_cache(qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox,
                             kv_cache, slot_mapping, k_scale, v_scale, interleaved_v, num_heads,
-                            num_kv_heads, head_size):
+                            num_kv_heads, head_size, q_out, k_out):
     op = "rocm_attn.qk_norm_rope_and_cache"
     validation.check_qk_norm_rope(op, qkv, q_weight, k_weight, positions, cos_sin_cache,
                                   num_heads, num_kv_heads, head_size)
+    _check_qk_outputs(op, qkv, q_out, k_out, num_heads, num_kv_heads, head_size)
     validation.check_kv_cache(op, kv_cache, num_kv_heads, head_size)
     validation.check_slot_mapping(op, slot_mapping, kv_cache, qkv.shape[0])
     _, fn = providers.select(
@@ -193,17 +206,14 @@ def _qk_norm_rope_and_cache(qkv, q_weight, k_weight, eps, positions, cos_sin_cac
         kv_cache=kv_cache, interleaved_v=interleaved_v, features=_rope_features(cos_sin_cache, head_size),
         num_tokens=qkv.shape[0],
     )
-    return fn(qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, kv_cache,
-              slot_mapping, k_scale, v_scale, interleaved_v, num_heads, num_kv_heads, head_size)
+    writes_into_out_buffers(fn)(qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, kv_cache,
+                                slot_mapping, k_scale, v_scale, interleaved_v, num_heads, num_kv_heads,
+                                head_size, q_out, k_out, False)
 
 
 @_fake("qk_norm_rope_and_cache")
-def _qk_norm_rope_and_cache_fake(qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox,
-                                 kv_cache, slot_mapping, k_scale, v_scale, interleaved_v, num_heads,
-                                 num_kv_heads, head_size):
-    t = qkv.shape[0]
-    return (qkv.new_empty(t, num_heads, head_size), qkv.new_empty(t, num_kv_heads, head_size),
-            qkv.new_empty(t, num_kv_heads, head_size))
+def _qk_norm_rope_and_cache_fake(*args, **kwargs):
+    return None
 
 
 @_impl("encoder_attention")
@@ -291,18 +301,18 @@ def _unified_attention_with_output_fake(*args, **kwargs):
 
 @_impl("unified_rope_and_kv_cache_update")
 def _unified_rope_and_kv_cache_update(positions, query, key, value, cos_sin_cache, is_neox, layer_name):
+    """Rotates ``query``/``key`` in place (declared mutated) and writes the cache."""
     layer = get_layer(layer_name)
     metadata = get_forward_context().attn_metadata
-    query, key = query.clone(), key.clone()  # functional op: rotate fresh copies
     layer.impl.do_rope_and_kv_cache_update(
         layer, positions, query, key, value, cos_sin_cache, is_neox, layer.kv_cache, metadata
     )
-    return query, key, _token(key)
+    return _token(key)
 
 
 @_fake("unified_rope_and_kv_cache_update")
 def _unified_rope_and_kv_cache_update_fake(positions, query, key, value, cos_sin_cache, is_neox, layer_name):
-    return torch.empty_like(query), torch.empty_like(key), _token(key)
+    return _token(key)
 
 
 @_impl("unified_qk_norm_rope_and_kv_cache_update")
@@ -310,10 +320,10 @@ def _unified_qk_norm_rope_and_kv_cache_update(qkv, q_weight, k_weight, eps, posi
                                               is_neox, num_heads, num_kv_heads, head_size, layer_name):
     layer = get_layer(layer_name)
     metadata = get_forward_context().attn_metadata
-    q, k, v = layer.impl.do_qk_norm_rope_kvcache_update(
+    q, k = layer.impl.do_qk_norm_rope_kvcache_update(
         layer, qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, layer.kv_cache, metadata
     )
-    return q, k, v, _token(k)
+    return q, k, _token(k)
 
 
 @_fake("unified_qk_norm_rope_and_kv_cache_update")
@@ -322,7 +332,7 @@ def _unified_qk_norm_rope_and_kv_cache_update_fake(qkv, q_weight, k_weight, eps,
                                                    head_size, layer_name):
     t = qkv.shape[0]
     k = qkv.new_empty(t, num_kv_heads, head_size)
-    return (qkv.new_empty(t, num_heads, head_size), k, qkv.new_empty(t, num_kv_heads, head_size), _token(k))
+    return qkv.new_empty(t, num_heads, head_size), k, _token(k)
 
 
 OP_NAMES = tuple(_SCHEMAS)

@@ -162,12 +162,13 @@ REGISTRY: dict[str, Provider] = {
         # AITER's fused_qk_rope_reshape_and_cache asserts a bf16 or fp8-e4m3 cache (so a bf16
         # model: "auto" would be fp16 for an fp16 model) and power-of-two head and block
         # sizes; it writes both V interiors (kernels/aiter.py). Partial rotary it cannot do.
+        # No qk_norm_rope_and_cache: AITER's kernel for it cannot write our cache (kernels/aiter.py).
         Provider(
             name="aiter",
-            summary="AMD AITER's fused RoPE + KV-cache kernels (optional; PyPI amd-aiter)",
+            summary="AMD AITER's fused RoPE + KV-cache kernel (optional; PyPI amd-aiter)",
             caps=ProviderCaps(
                 devices=("cuda",),
-                ops=("rope_and_cache", "qk_norm_rope_and_cache"),
+                ops=("rope_and_cache",),
                 head_sizes=(64, 128, 256),
                 block_sizes=(16, 32, 64, 128, 256, 512, 1024),
                 layouts=_ALL_LAYOUTS,
@@ -289,17 +290,14 @@ _WRITERS_RUN1 = "benchmarks/results/history/2026-12-02_1602_writers_first_versio
 #   qk_norm_rope_and_cache  triton 2.10  3.20  7.17  13.04  50.61  225.14
 #                           aiter  8.66  10.76 19.30 20.55  60.83  206.01
 #
+# (The aiter qk_norm_rope_and_cache row timed AITER's split+norm+rope kernel plus our cache
+# writer, a path the aiter provider no longer takes: kernels/aiter.py says why.)
 # On ROCm nothing is measured yet: REGISTRY order (aiter first when usable) stands there.
 PREFERENCES: tuple[Preference, ...] = (
     # Ours is faster at every measured size.
     Preference("cuda", "rope_and_cache", ("triton",), evidence=_WRITERS_RUN1),
-    # Ours is 1.2-4x faster up to 4096 tokens; AITER's split+norm+rope kernel (plus our cache
-    # writer) was faster at 16384 than our run-default block_t (206.01 vs 225.14 us). The
-    # crossover lies between (not measured there). That run's block_t sweep had ours at
-    # 201.10 us with the block_t the current heuristic picks, a tie: AITER keeps its
-    # declaration-order place from 16384 on until a re-run says otherwise.
+    # Ours is 1.2-4x faster up to 4096 tokens (no other GPU provider takes the op now).
     Preference("cuda", "qk_norm_rope_and_cache", ("triton",), max_tokens=16384, evidence=_WRITERS_RUN1),
-    Preference("cuda", "qk_norm_rope_and_cache", ("aiter",), min_tokens=16384, evidence=_WRITERS_RUN1),
 )
 
 

@@ -144,6 +144,41 @@ def match_rope(site: LayerSite) -> tuple[RopeMatch | None, str]:
     return m, ""
 
 
+@dataclasses.dataclass
+class ColumnSlice:
+    """``node`` views columns ``[start, end)`` of the 2-D tensor ``source`` (a last-dim split)."""
+
+    source: torch.fx.Node
+    start: int
+    end: int
+
+
+_SPLITS = (torch.ops.aten.split_with_sizes.default, torch.ops.aten.split.Tensor)
+
+
+def column_slice(node: torch.fx.Node) -> ColumnSlice | None:
+    """Where ``node`` (through reshapes) is one output of a last-dim split of a 2-D tensor
+    (e.g. q, k or v of a fused qkv projection): its columns in that tensor; else None."""
+    s = fx_utils.strip_views(node)
+    if not (fx_utils.is_getitem(s) and isinstance(s.args[0], torch.fx.Node) and s.args[0].target in _SPLITS):
+        return None
+    split = s.args[0]
+    source = split.args[0]
+    sv = fx_utils.val(source)
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if sv is None or sv.dim() != 2 or dim not in (-1, 1) or not isinstance(sv.shape[1], int):
+        return None
+    width = int(sv.shape[1])
+    sizes = split.args[1]
+    if isinstance(sizes, int):  # split.Tensor: equal chunks of `sizes` columns
+        sizes = [min(sizes, width - i) for i in range(0, width, sizes)]
+    if not all(isinstance(x, int) for x in sizes) or sum(sizes) != width:
+        return None
+    i = s.args[1]
+    start = sum(sizes[:i])
+    return ColumnSlice(source, start, start + sizes[i])
+
+
 def replace_outputs(graph: torch.fx.Graph, pairs) -> None:
     """Point every use of each old node at its new node (reshaped to the old shape)."""
     for old, new in pairs:

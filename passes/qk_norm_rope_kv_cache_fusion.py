@@ -10,8 +10,9 @@ Unfused (post-grad)::
 
 Fused::
 
-    q_rot, k_rot, v, token = unified_qk_norm_rope_and_kv_cache_update(
+    q_rot, k_rot, token = unified_qk_norm_rope_and_kv_cache_update(
         qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, Hq, Hkv, D, layer)
+    unified_attention_with_output(q_rot, k_rot, v, out, layer, token)   # v: the split's slice
 
 RMSNorm is recognized as ``rocm_attn.rms_norm`` or one of ``forms.RMS_FORMS`` (HF casts),
 RoPE by ``matchers.match_rope`` as in ``rope_kv_cache_fusion``. The norm must be over the head dim of a
@@ -129,9 +130,9 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
             with graph.inserting_before(cache):
                 fused = fx_utils.call(graph, rocm.unified_qk_norm_rope_and_kv_cache_update.default, (
                     qkv, wq, wk, eps, rope.positions, rope.cos_sin_cache, rope.is_neox, hq, hkv, d, layer))
-                outs = [fx_utils.call(graph, operator.getitem, (fused, i)) for i in range(4)]
+                outs = [fx_utils.call(graph, operator.getitem, (fused, i)) for i in range(3)]
             replace_outputs(graph, [(rope.q_out, outs[0]), (rope.k_out, outs[1])])
-            cache.replace_all_uses_with(outs[3])
+            cache.replace_all_uses_with(outs[2])
             graph.erase_node(cache)
             changed = True
             switched = switch_to_interleaved_v(layer)

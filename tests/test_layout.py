@@ -58,7 +58,7 @@ def test_interiors_match_design_formulas(dtype):
     assert float(flat[base_v + d * BS + t]) == 2.0
     v_view(cache, H, interleaved=False)[b, h, d, t] = 0.0
     v_view(cache, H, interleaved=True)[b, h, t // x, d, t % x] = 3.0
-    assert float(flat[base_v + (t // x) * D * x + d * x + t % x]) == 3.0  # DESIGN.md's formula
+    assert float(flat[base_v + (t // x) * D * x + d * x + t % x]) == 3.0  # docs/design.md's formula
 
 
 @pytest.mark.parametrize("layout", ["LHBNC", "LBHNC"])
@@ -83,8 +83,12 @@ def test_convert_v_layout_in_place_round_trip(layout, dtype):
 def test_customize_spec():
     spec = customize_spec(544, 8, 128, torch.bfloat16, "LBHNC")
     assert spec.num_head_slots == 2
-    assert spec.state_content_bytes == 2 * 544 * 8 * 128 * 2
+    assert spec.state_content_bytes == 8 * 128 * 2  # one token in one head slot (the seed's meaning)
+    assert spec.page_size_bytes == 2 * 544 * 8 * 128 * 2  # one block: a K page and a V page
     assert spec.logical_shape(7) == (7, 2, 544, 1024)
+    cache = allocate_kv_cache(spec, 7)
+    assert cache.untyped_storage().nbytes() == 7 * spec.page_size_bytes
+    assert cache.stride(1) * cache.element_size() == spec.block_size * spec.state_content_bytes
 
 
 def test_bad_cache_tensor():

@@ -42,6 +42,15 @@ def test_every_provider_has_one_record():
         providers.get("nope")
 
 
+# Kernels that still have an older form of the reference signature, each with the adapter
+# that calls them meanwhile. The test fails once one catches up, so the entry (and its
+# adapter) gets removed.
+SIGNATURE_LAG = {
+    # q_out / k_out / return_kv: called through backend.writes_into_out_buffers.
+    ("triton", "qk_norm_rope_and_cache"): 15,
+}
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_load_gives_a_kernel_with_the_reference_signature(name):
     p = providers.get(name)
@@ -51,6 +60,11 @@ def test_load_gives_a_kernel_with_the_reference_signature(name):
         if any(x.kind is inspect.Parameter.VAR_POSITIONAL for x in params.values()):
             continue  # a stub that only raises
         want = list(inspect.signature(getattr(ref, op)).parameters)
+        lag = SIGNATURE_LAG.get((name, op))
+        if lag is not None:
+            assert list(params)[:lag] == want[:lag] and list(params)[: len(want)] != want, (name, op)
+            assert ira.backend.writes_into_out_buffers(fn) is not fn
+            continue
         assert list(params)[: len(want)] == want, (name, op)
     missing = next((op for op in capabilities.OPS if op not in p.caps.ops), None)
     if missing is not None:
@@ -73,7 +87,10 @@ def test_supports_reads_the_record():
     assert native.supports("rope_and_cache", **q) == "native has no rope_and_cache kernel"
     on_cpu = providers.get("triton").supports("paged_attention", **{**q, "device": "cpu"})
     assert "runs on ('cuda',), not cpu" in on_cpu
-    assert providers.get("aiter").supports("qk_norm_rope_and_cache", **QK_NORM) is None
+    assert providers.get("aiter").supports("rope_and_cache", **QK_NORM) is None
+    # AITER's QK-norm kernel cannot write our cache: the record declares no such op.
+    assert providers.get("aiter").supports("qk_norm_rope_and_cache", **QK_NORM) == (
+        "aiter has no qk_norm_rope_and_cache kernel")
 
 
 def test_info_lists_every_provider_with_its_reason(capsys):
@@ -140,26 +157,24 @@ def test_qk_norm_prefers_triton_below_the_measured_crossover(num_tokens):
                             unavailable=BOTH_USABLE, **QK_NORM) == "triton"
 
 
-@pytest.mark.parametrize("num_tokens", [16384, 65536])
-def test_qk_norm_prefers_aiter_above_the_measured_crossover(num_tokens):
-    assert providers.choose("qk_norm_rope_and_cache", platform="cuda", num_tokens=num_tokens,
-                            unavailable=BOTH_USABLE, **QK_NORM) == "aiter"
-    # A preference is an order, not a requirement: without AITER, Triton serves the call.
-    assert providers.choose("qk_norm_rope_and_cache", platform="cuda", num_tokens=num_tokens,
-                            unavailable={**BOTH_USABLE, "aiter": "not importable"}, **QK_NORM) == "triton"
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+@pytest.mark.parametrize("num_tokens", [1, 16384, 65536])
+def test_qk_norm_never_goes_to_aiter(platform, num_tokens):
+    # Whatever the size or platform: AITER's kernel for it cannot write our cache.
+    assert providers.choose("qk_norm_rope_and_cache", platform=platform, num_tokens=num_tokens,
+                            unavailable=BOTH_USABLE, **QK_NORM) == "triton"
 
 
 def test_preferences_are_per_platform():
     # rope_and_cache: Triton measured faster at every size on CUDA; nothing measured on ROCm,
     # where declaration order (AITER first) stands.
-    for op in ("rope_and_cache", "qk_norm_rope_and_cache"):
-        assert providers.choose(op, platform="rocm", num_tokens=1, unavailable=BOTH_USABLE,
-                                **QK_NORM) == "aiter"
+    assert providers.choose("rope_and_cache", platform="rocm", num_tokens=1, unavailable=BOTH_USABLE,
+                            **QK_NORM) == "aiter"
     assert providers.choose("rope_and_cache", platform="cuda", num_tokens=65536, unavailable=BOTH_USABLE,
                             **QK_NORM) == "triton"
     # A query AITER cannot serve goes to Triton whatever the preference.
     fp16 = {**QK_NORM, "dtype": torch.float16}
-    assert providers.choose("qk_norm_rope_and_cache", platform="rocm", unavailable=BOTH_USABLE,
+    assert providers.choose("rope_and_cache", platform="rocm", unavailable=BOTH_USABLE,
                             **fp16) == "triton"
     assert providers.preference_order("paged_attention", platform="cuda", num_tokens=1) == NAMES
 

@@ -362,7 +362,12 @@ def _worker(out_dir: str, device_kind: str, dtype_name: str, eager_only: bool) -
             fused_ops = {torch.ops.rocm_attn.unified_qk_norm_rope_and_kv_cache_update.default,
                          torch.ops.rocm_attn.unified_rope_and_kv_cache_update.default}
             stops = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
-            fused = [n for n in graph.nodes if n.target in fused_ops]
+            functionalized = torch.ops.higher_order.auto_functionalized_v2  # the RoPE writer mutates q/k
+
+            def op_of(n):
+                return n.args[0] if n.target is functionalized else n.target
+
+            fused = [n for n in graph.nodes if op_of(n) in fused_ops]
             in_site = False
             for node in fused:
                 todo, seen = list(node.all_input_nodes), set()

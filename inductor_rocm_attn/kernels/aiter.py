@@ -12,18 +12,20 @@ What runs (ROCm/aiter at commit e4048607a5, Triton kernels under ``aiter/ops/tri
   layout is ours exactly: K ``[num_blocks, H, D/x, block_size, x]`` and V either standard
   ``[num_blocks, H, D, block_size]`` (4-D) or its "shuffle" layout ``[num_blocks, H,
   block_size/x, D, x]`` (5-D), which writes element (t, d) at ``(t//x)*D*x + d*x + t%x`` of
-  the page: DESIGN.md's interleaved V. We hand it ``layout.k_view`` / ``layout.v_view``, so
+  the page: docs/design.md's interleaved V. We hand it ``layout.k_view`` / ``layout.v_view``, so
   LHBNC and LBHNC both work through strides. Limits (asserted by AITER or checked here):
   cache bf16 or fp8 e4m3 (no fp16, no e5m2), head_size and block_size powers of two, the
   whole head rotated (no partial rotary). fp8: it multiplies by ``1/scale`` (we divide) and
   relies on the fp8 conversion to saturate. Keys of padding tokens (slot < 0) are not
   rotated in place by AITER (their rows are never read); every other row matches the
   reference.
-- ``qk_norm_rope_and_cache`` -> ``fused_qkv_split_qk_norm_rope_cache`` for split + RMSNorm +
-  RoPE, then our Triton ``reshape_and_cache`` for the cache write: AITER's kernel writes
-  only HND/NHD caches (a channel stride), which cannot express our x-packed K page, so we
-  give it an empty cache and write K/V ourselves (two launches, not one). Its RMSNorm is
-  Gemma-style ``x * (1 + w)``, so it gets ``w - 1``.
+- ``qk_norm_rope_and_cache`` is not taken. AITER's Triton split + QK-norm + RoPE kernel
+  (``fused_qkv_split_qk_norm_rope_cache``) writes only HND/NHD caches (a channel stride per
+  token), which cannot express our x-packed K page; using it with an empty cache and dummy
+  slots, then writing K/V with our own kernel, is two launches for one op. Its HIP kernel
+  ``fused_qk_norm_rope_cache_quant_shuffle`` writes a "shuffle" cache, but whether its K page
+  is ours has not been checked on a GPU. So the ``aiter`` record declares no such op and the
+  Triton kernel serves it.
 
 On CUDA (``AITER_TRITON_ONLY=1``) AITER picks the OCP/AMD fp8 type by GPU arch and assumes
 the AMD ``fnuz`` e4m3 off gfx950; we point its module-level ``e4m3_dtype`` at the cache's
@@ -38,7 +40,7 @@ import torch
 
 from ..layout import is_fp8_dtype, k_view, v_view
 
-__all__ = ["rope_and_cache", "qk_norm_rope_and_cache"]
+__all__ = ["rope_and_cache"]
 
 
 @functools.cache
@@ -46,13 +48,6 @@ def _fused_kv_cache():
     from aiter.ops.triton.fusions import fused_kv_cache
 
     return fused_kv_cache
-
-
-@functools.cache
-def _fused_qk_norm():
-    from aiter.ops.triton.rope import fused_qkv_split_qk_norm_rope_cache
-
-    return fused_qkv_split_qk_norm_rope_cache
 
 
 def _pow2(n: int) -> bool:
@@ -123,42 +118,3 @@ def rope_and_cache(
         flash_layout=False, apply_scale=is_fp8_dtype(kv_cache.dtype),
         q_out=q, k_out=k, output_zeros=False, upcast_operand=True,
     )
-
-
-def qk_norm_rope_and_cache(
-    qkv: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    eps: float,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
-    interleaved_v: bool,
-    num_heads: int,
-    num_kv_heads: int,
-    head_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as ``reference.qk_norm_rope_and_cache``: returns fresh q, k, v."""
-    if not _pow2(head_size):
-        raise NotImplementedError(f"aiter.qk_norm_rope_and_cache: head_size {head_size} is not a power of two")
-    from .triton.reshape_and_cache import reshape_and_cache as triton_reshape_and_cache
-
-    mod = _fused_qk_norm()
-    num_tokens = qkv.shape[0]
-    cos, sin = _cos_sin(cos_sin_cache)
-    # An empty HND cache: AITER bounds-checks slots against num_blocks * block_size = 0 and
-    # skips every write; slot_mapping only has to be num_tokens long (positions is).
-    no_cache = qkv.new_empty(1, num_kv_heads, 16, head_size)[:0]
-    q, k, v = mod.fused_qkv_split_qk_norm_rope_cache(
-        qkv, q_weight.float() - 1.0, k_weight.float() - 1.0, cos, sin, positions,
-        no_cache, no_cache, positions, num_heads, num_kv_heads, head_size,
-        is_neox=bool(is_neox), reuse_freqs_front_part=True, eps=float(eps),
-        kv_cache_layout="HND",
-    )
-    if num_tokens:
-        triton_reshape_and_cache(k, v, kv_cache, slot_mapping, k_scale, v_scale, interleaved_v)
-    return q, k, v

@@ -1,7 +1,7 @@
 """PyTorch reference kernels: the CPU implementation of every op and the test oracle.
 
 They compute in float64 and round once at the end, so a fast kernel is compared with the
-exact function, not with another rounding order. Semantics follow DESIGN.md; the comments
+exact function, not with another rounding order. Semantics follow docs/design.md; the comments
 name the places where the ROCM_ATTN backend's behaviour is subtle.
 """
 
@@ -160,10 +160,16 @@ def qk_norm_rope_and_cache(
     num_heads: int,
     num_kv_heads: int,
     head_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q_out: torch.Tensor | None = None,
+    k_out: torch.Tensor | None = None,
+    return_kv: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Split ``qkv`` ``[T, (Hq + 2 Hkv) * D]``, RMSNorm q and k per head, RoPE them, cache k/v.
 
-    Returns fresh ``q [T, Hq, D]``, ``k [T, Hkv, D]``, ``v [T, Hkv, D]`` in ``qkv.dtype``.
+    q and k (in ``qkv.dtype``) are written into the caller's ``q_out [T, Hq, D]`` /
+    ``k_out [T, Hkv, D]`` (any strides), or into fresh tensors when those are None. Returns
+    ``(q, k, v)``: q and k are ``q_out``/``k_out`` when given; v is a fresh ``[T, Hkv, D]``
+    copy of the V slice when ``return_kv``, else None (the caller can view it in ``qkv``).
     """
     t = qkv.shape[0]
     q, k, v = qkv.split([num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], dim=-1)
@@ -172,9 +178,13 @@ def qk_norm_rope_and_cache(
     cos, sin = _cos_sin(positions, cos_sin_cache)
     q = _rotate(q, cos, sin, is_neox).to(qkv.dtype)
     k = _rotate(k, cos, sin, is_neox).to(qkv.dtype)
-    v = v.reshape(t, num_kv_heads, head_size).clone()
+    v = v.reshape(t, num_kv_heads, head_size)
     reshape_and_cache(k, v, kv_cache, slot_mapping, k_scale, v_scale, interleaved_v)
-    return q, k, v
+    if q_out is not None:
+        q = q_out.copy_(q)
+    if k_out is not None:
+        k = k_out.copy_(k)
+    return q, k, (v.clone() if return_kv else None)
 
 
 # --- attention -------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 RoPE that produced its key and query, and the rewiring of rotated q/k to new nodes."""
 
 import itertools
+import operator
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from blocks import AttnBlock, block_inputs
 from fx_capture import capture
 from inductor_rocm_attn.models import llama_config
 from inductor_rocm_attn.passes import fx_utils
-from inductor_rocm_attn.passes.matchers import cache_updates, layer_site, match_rope, replace_outputs
+from inductor_rocm_attn.passes.matchers import cache_updates, column_slice, layer_site, match_rope, replace_outputs
 
 NO_FUSIONS = dict(qk_norm_rope_kv_cache_fusion=False, rope_kv_cache_fusion=False, attn_quant_fusion=False)
 _ids = itertools.count()
@@ -72,3 +73,19 @@ def test_replace_outputs_reshapes_to_the_old_shape():
     src = user.args[0]
     assert src is not old and src.target is torch.ops.aten.reshape.default and src.args[0] is new
     assert tuple(fx_utils.val(src).shape) == (5, 2, 4)
+
+
+def test_column_slice_of_a_qkv_split():
+    g = torch.fx.Graph()
+    mode = torch._subclasses.FakeTensorMode()
+    qkv = g.placeholder("qkv")
+    qkv.meta["val"] = mode.from_tensor(torch.randn(5, 256))
+    split = fx_utils.call(g, torch.ops.aten.split_with_sizes.default, (qkv, [128, 64, 64], -1))
+    parts = [fx_utils.call(g, operator.getitem, (split, i)) for i in range(3)]
+    k = fx_utils.call(g, torch.ops.aten.reshape.default, (parts[1], [5, 2, 32]))
+    chunks = fx_utils.call(g, torch.ops.aten.split.Tensor, (qkv, 96, 1))  # 96, 96, 64
+    last = fx_utils.call(g, operator.getitem, (chunks, 2))
+    got = [(c.source, c.start, c.end) for c in map(column_slice, (parts[0], k, parts[2], last))]
+    assert got == [(qkv, 0, 128), (qkv, 128, 192), (qkv, 192, 256), (qkv, 192, 256)]
+    rows = fx_utils.call(g, operator.getitem, (fx_utils.call(g, torch.ops.aten.split.Tensor, (qkv, 2, 0)), 0))
+    assert column_slice(rows) is None and column_slice(qkv) is None  # a row split, not a split at all

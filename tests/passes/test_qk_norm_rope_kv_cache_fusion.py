@@ -125,7 +125,7 @@ reshape_2 = aten.reshape.default(reshape_1, [in, 4, 32])  float32[T, 4, 32]
 getitem_2 = getitem(unified_qk_norm_rope_and_kv_cache_update, 1)  float32[T, 2, 32]
 reshape_3 = aten.reshape.default(getitem_2, [-1, 64])  float32[T, 64]
 reshape_4 = aten.reshape.default(reshape_3, [in, 2, 32])  float32[T, 2, 32]
-getitem_3 = getitem(unified_qk_norm_rope_and_kv_cache_update, 3)  float32[0]
+getitem_3 = getitem(unified_qk_norm_rope_and_kv_cache_update, 2)  float32[0]
 empty = aten.empty.memory_format([in, 4, 32], dtype=torch.float32, layout=torch.strided, device=cpu, pin_memory=False)  float32[T, 4, 32]
 auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=reshape_2, key=reshape_4, value=reshape, layer_name='qwen3_op', kv_cache_dependency=getitem_3, output_scale=None, _output_base_index=0, _all_bases=[empty])
 getitem_4 = getitem(auto_functionalized_v2, 1)  float32[T, 4, 32]
@@ -217,7 +217,7 @@ reshape = aten.reshape.default(getitem, [in, 2, 32])  bfloat16[T, 2, 32]
 unified_qk_norm_rope_and_kv_cache_update = rocm_attn.unified_qk_norm_rope_and_kv_cache_update.default(in_1, in_2, in_3, 1e-06, in_6, in_4, True, 4, 2, 32, 'qwen3_hf')
 getitem_1 = getitem(unified_qk_norm_rope_and_kv_cache_update, 0)  bfloat16[T, 4, 32]
 getitem_2 = getitem(unified_qk_norm_rope_and_kv_cache_update, 1)  bfloat16[T, 2, 32]
-getitem_3 = getitem(unified_qk_norm_rope_and_kv_cache_update, 3)  bfloat16[0]
+getitem_3 = getitem(unified_qk_norm_rope_and_kv_cache_update, 2)  bfloat16[0]
 empty = aten.empty.memory_format([in_5, 4, 32], dtype=torch.bfloat16, layout=torch.strided, device=cpu, pin_memory=False)  bfloat16[T, 4, 32]
 auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=getitem_1, key=getitem_2, value=reshape, layer_name='qwen3_hf', kv_cache_dependency=getitem_3, output_scale=None, _output_base_index=0, _all_bases=[empty])
 getitem_4 = getitem(auto_functionalized_v2, 1)  bfloat16[T, 4, 32]

@@ -68,14 +68,14 @@ getitem_2 = getitem(split_with_sizes, 2)  float32[T, 64]
 clone = aten.clone.default(getitem)  float32[T, 128]
 clone_1 = aten.clone.default(getitem_1)  float32[T, 64]
 reshape = aten.reshape.default(getitem_2, [in, 2, 32])  float32[T, 2, 32]
-unified_rope_and_kv_cache_update = rocm_attn.unified_rope_and_kv_cache_update.default(in_4, clone, clone_1, reshape, in_2, True, '__rocm_attn_slot0__')
-getitem_3 = getitem(unified_rope_and_kv_cache_update, 0)  float32[T, 128]
-reshape_1 = aten.reshape.default(getitem_3, [in, 4, 32])  float32[T, 4, 32]
-getitem_4 = getitem(unified_rope_and_kv_cache_update, 1)  float32[T, 64]
-reshape_2 = aten.reshape.default(getitem_4, [in, 2, 32])  float32[T, 2, 32]
-getitem_5 = getitem(unified_rope_and_kv_cache_update, 2)  float32[0]
+auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_rope_and_kv_cache_update.default, positions=in_4, value=reshape, cos_sin_cache=in_2, is_neox=True, layer_name='__rocm_attn_slot0__', _query_base_index=0, _key_base_index=1, _all_bases=[clone, clone_1])
+getitem_3 = getitem(auto_functionalized_v2, 0)  float32[0]
+getitem_4 = getitem(auto_functionalized_v2, 1)  float32[T, 128]
+reshape_1 = aten.reshape.default(getitem_4, [in, 4, 32])  float32[T, 4, 32]
+getitem_5 = getitem(auto_functionalized_v2, 2)  float32[T, 64]
+reshape_2 = aten.reshape.default(getitem_5, [in, 2, 32])  float32[T, 2, 32]
 empty = aten.empty.memory_format([in, 4, 32], dtype=torch.float32, layout=torch.strided, device=cpu, pin_memory=False)  float32[T, 4, 32]
-return (reshape_1, reshape_2, reshape, empty, getitem_5)""")
+return (reshape_1, reshape_2, reshape, empty, getitem_3)""")
 
     def test_removed_without_fusions(self):
         c = capture(Piece(), *block_inputs(CFG), pieces=True, rope_kv_cache_fusion=False)

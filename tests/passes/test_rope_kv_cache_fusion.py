@@ -28,7 +28,7 @@ def test_fuses_every_form(dtype, form):
     c = capture(block.to(dtype), *block_inputs(cfg, dtype=dtype))
     assert c.count(PASS) == 1, c.reasons(PASS)
     assert "unified_rope_and_kv_cache_update" in c.after and "unified_kv_cache_update(" not in c.after
-    assert f"{'True' if style == 'neox' else 'False'}, '{block.layer.attn.layer_name}')" in c.after
+    assert f"is_neox={style == 'neox'}, layer_name='{block.layer.attn.layer_name}'" in c.after
 
 
 @pytest.mark.parametrize("variant,why", [
@@ -97,15 +97,15 @@ getitem_2 = getitem(split_with_sizes, 2)  float32[T, 64]
 clone = aten.clone.default(getitem)  float32[T, 128]
 clone_1 = aten.clone.default(getitem_1)  float32[T, 64]
 reshape = aten.reshape.default(getitem_2, [in, 2, 32])  float32[T, 2, 32]
-unified_rope_and_kv_cache_update = rocm_attn.unified_rope_and_kv_cache_update.default(in_4, clone, clone_1, reshape, in_2, True, 'llama_op')
-getitem_3 = getitem(unified_rope_and_kv_cache_update, 0)  float32[T, 128]
-reshape_1 = aten.reshape.default(getitem_3, [in, 4, 32])  float32[T, 4, 32]
-getitem_4 = getitem(unified_rope_and_kv_cache_update, 1)  float32[T, 64]
-reshape_2 = aten.reshape.default(getitem_4, [in, 2, 32])  float32[T, 2, 32]
-getitem_5 = getitem(unified_rope_and_kv_cache_update, 2)  float32[0]
+auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_rope_and_kv_cache_update.default, positions=in_4, value=reshape, cos_sin_cache=in_2, is_neox=True, layer_name='llama_op', _query_base_index=0, _key_base_index=1, _all_bases=[clone, clone_1])
+getitem_3 = getitem(auto_functionalized_v2, 0)  float32[0]
+getitem_4 = getitem(auto_functionalized_v2, 1)  float32[T, 128]
+reshape_1 = aten.reshape.default(getitem_4, [in, 4, 32])  float32[T, 4, 32]
+getitem_5 = getitem(auto_functionalized_v2, 2)  float32[T, 64]
+reshape_2 = aten.reshape.default(getitem_5, [in, 2, 32])  float32[T, 2, 32]
 empty = aten.empty.memory_format([in, 4, 32], dtype=torch.float32, layout=torch.strided, device=cpu, pin_memory=False)  float32[T, 4, 32]
-auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=reshape_1, key=reshape_2, value=reshape, layer_name='llama_op', kv_cache_dependency=getitem_5, output_scale=None, _output_base_index=0, _all_bases=[empty])
-getitem_6 = getitem(auto_functionalized_v2, 1)  float32[T, 4, 32]
+auto_functionalized_v2_1 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=reshape_1, key=reshape_2, value=reshape, layer_name='llama_op', kv_cache_dependency=getitem_3, output_scale=None, _output_base_index=0, _all_bases=[empty])
+getitem_6 = getitem(auto_functionalized_v2_1, 1)  float32[T, 4, 32]
 reshape_3 = aten.reshape.default(getitem_6, [in, 128])  float32[T, 128]
 return (reshape_3,)""")
 
@@ -175,15 +175,54 @@ getitem_2 = getitem(split_with_sizes, 2)  bfloat16[T, 64]
 reshape = aten.reshape.default(getitem, [in, -1, 32])  bfloat16[T, 4, 32]
 reshape_1 = aten.reshape.default(getitem_1, [in, -1, 32])  bfloat16[T, 2, 32]
 reshape_2 = aten.reshape.default(getitem_2, [in, 2, 32])  bfloat16[T, 2, 32]
-unified_rope_and_kv_cache_update = rocm_attn.unified_rope_and_kv_cache_update.default(in_4, reshape, reshape_1, reshape_2, in_2, True, 'llama_hf')
-getitem_3 = getitem(unified_rope_and_kv_cache_update, 0)  bfloat16[T, 4, 32]
-getitem_4 = getitem(unified_rope_and_kv_cache_update, 1)  bfloat16[T, 2, 32]
-getitem_5 = getitem(unified_rope_and_kv_cache_update, 2)  bfloat16[0]
+auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_rope_and_kv_cache_update.default, positions=in_4, value=reshape_2, cos_sin_cache=in_2, is_neox=True, layer_name='llama_hf', _query_base_index=0, _key_base_index=1, _all_bases=[reshape, reshape_1])
+getitem_3 = getitem(auto_functionalized_v2, 0)  bfloat16[0]
+getitem_4 = getitem(auto_functionalized_v2, 1)  bfloat16[T, 4, 32]
+getitem_5 = getitem(auto_functionalized_v2, 2)  bfloat16[T, 2, 32]
 empty = aten.empty.memory_format([in_3, 4, 32], dtype=torch.bfloat16, layout=torch.strided, device=cpu, pin_memory=False)  bfloat16[T, 4, 32]
-auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=getitem_3, key=getitem_4, value=reshape_2, layer_name='llama_hf', kv_cache_dependency=getitem_5, output_scale=None, _output_base_index=0, _all_bases=[empty])
-getitem_6 = getitem(auto_functionalized_v2, 1)  bfloat16[T, 4, 32]
+auto_functionalized_v2_1 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=getitem_4, key=getitem_5, value=reshape_2, layer_name='llama_hf', kv_cache_dependency=getitem_3, output_scale=None, _output_base_index=0, _all_bases=[empty])
+getitem_6 = getitem(auto_functionalized_v2_1, 1)  bfloat16[T, 4, 32]
 reshape_3 = aten.reshape.default(getitem_6, [in, 128])  bfloat16[T, 128]
 return (reshape_3,)""")
+
+    def test_llama_hf_form_one_base(self):
+        # q and k are slices of a projection computed in the graph: that tensor is the fused
+        # op's one base, and the attention reads q, k and v from the op's result
+        cfg, block = _block(name="llama_one_base")
+        proj = torch.nn.Linear(32, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_size, bias=False)
+
+        def fn(positions, hidden):
+            return block(positions, proj(hidden))
+
+        positions, qkv = block_inputs(cfg)
+        c = capture(fn, positions, torch.randn(qkv.shape[0], 32))
+        self.assertEqual(c.count(PASS), 1)
+        self.assertExpectedInline(c.after, """\
+in: float32[256, 32]
+in_1: T
+in_2: float32[T, 32]
+in_3: float32[4096, 32]
+in_4: T
+in_5: int64[T]
+permute = aten.permute.default(in, [1, 0])  float32[32, 256]
+mm = aten.mm.default(in_2, permute)  float32[T, 256]
+split_with_sizes = aten.split_with_sizes.default(mm, [128, 64, 64], -1)
+getitem = getitem(split_with_sizes, 2)  float32[T, 64]
+reshape = aten.reshape.default(getitem, [in_1, 2, 32])  float32[T, 2, 32]
+auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_rope_and_kv_cache_update.default, positions=in_5, value=reshape, cos_sin_cache=in_3, is_neox=True, layer_name='llama_one_base', _query_base_index=0, _query_slice_dim=1, _query_slice_start=0, _query_slice_end=128, _key_base_index=0, _key_slice_dim=1, _key_slice_start=128, _key_slice_end=192, _all_bases=[mm])
+getitem_1 = getitem(auto_functionalized_v2, 0)  float32[0]
+getitem_2 = getitem(auto_functionalized_v2, 1)  float32[T, 256]
+slice = aten.slice.Tensor(getitem_2, 1, 0, 128)  float32[T, 128]
+reshape_1 = aten.reshape.default(slice, [-1, 4, 32])  float32[T, 4, 32]
+slice_1 = aten.slice.Tensor(getitem_2, 1, 128, 192)  float32[T, 64]
+reshape_2 = aten.reshape.default(slice_1, [-1, 2, 32])  float32[T, 2, 32]
+slice_2 = aten.slice.Tensor(getitem_2, 1, 192, 256)  float32[T, 64]
+reshape_3 = aten.reshape.default(slice_2, [-1, 2, 32])  float32[T, 2, 32]
+empty = aten.empty.memory_format([in_4, 4, 32], dtype=torch.float32, layout=torch.strided, device=cpu, pin_memory=False)  float32[T, 4, 32]
+auto_functionalized_v2_1 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=reshape_1, key=reshape_2, value=reshape_3, layer_name='llama_one_base', kv_cache_dependency=getitem_1, output_scale=None, _output_base_index=0, _all_bases=[empty])
+getitem_3 = getitem(auto_functionalized_v2_1, 1)  float32[T, 4, 32]
+reshape_4 = aten.reshape.default(getitem_3, [in_1, 128])  float32[T, 128]
+return (reshape_4,)""")
 
     def test_qwen3_block_with_qk_norm_pass_off(self):
         # RoPE fuses with the cache write; the per-head norms stay as they are
@@ -212,15 +251,15 @@ reshape_2 = aten.reshape.default(getitem_1, [in, 2, 32])  float32[T, 2, 32]
 rms_norm_1 = rocm_attn.rms_norm.default(reshape_2, in_3, 1e-06)  float32[T, 2, 32]
 reshape_3 = aten.reshape.default(rms_norm_1, [in, 64])  float32[T, 64]
 reshape_4 = aten.reshape.default(getitem_2, [in, 2, 32])  float32[T, 2, 32]
-unified_rope_and_kv_cache_update = rocm_attn.unified_rope_and_kv_cache_update.default(in_6, reshape_1, reshape_3, reshape_4, in_4, True, 'qwen3_rope_only')
-getitem_3 = getitem(unified_rope_and_kv_cache_update, 0)  float32[T, 128]
-reshape_5 = aten.reshape.default(getitem_3, [in, 4, 32])  float32[T, 4, 32]
-getitem_4 = getitem(unified_rope_and_kv_cache_update, 1)  float32[T, 64]
-reshape_6 = aten.reshape.default(getitem_4, [in, 2, 32])  float32[T, 2, 32]
-getitem_5 = getitem(unified_rope_and_kv_cache_update, 2)  float32[0]
+auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_rope_and_kv_cache_update.default, positions=in_6, value=reshape_4, cos_sin_cache=in_4, is_neox=True, layer_name='qwen3_rope_only', _query_base_index=0, _key_base_index=1, _all_bases=[reshape_1, reshape_3])
+getitem_3 = getitem(auto_functionalized_v2, 0)  float32[0]
+getitem_4 = getitem(auto_functionalized_v2, 1)  float32[T, 128]
+reshape_5 = aten.reshape.default(getitem_4, [in, 4, 32])  float32[T, 4, 32]
+getitem_5 = getitem(auto_functionalized_v2, 2)  float32[T, 64]
+reshape_6 = aten.reshape.default(getitem_5, [in, 2, 32])  float32[T, 2, 32]
 empty = aten.empty.memory_format([in, 4, 32], dtype=torch.float32, layout=torch.strided, device=cpu, pin_memory=False)  float32[T, 4, 32]
-auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=reshape_5, key=reshape_6, value=reshape_4, layer_name='qwen3_rope_only', kv_cache_dependency=getitem_5, output_scale=None, _output_base_index=0, _all_bases=[empty])
-getitem_6 = getitem(auto_functionalized_v2, 1)  float32[T, 4, 32]
+auto_functionalized_v2_1 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=reshape_5, key=reshape_6, value=reshape_4, layer_name='qwen3_rope_only', kv_cache_dependency=getitem_3, output_scale=None, _output_base_index=0, _all_bases=[empty])
+getitem_6 = getitem(auto_functionalized_v2_1, 1)  float32[T, 4, 32]
 reshape_7 = aten.reshape.default(getitem_6, [in, 128])  float32[T, 128]
 return (reshape_7,)""")
 

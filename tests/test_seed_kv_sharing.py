@@ -1,0 +1,158 @@
+"""KV sharing across layers (``kv_sharing_target_layer_name``).
+
+A two-layer Qwen3-style model whose layer 1 reads layer 0's cache runs a prefill eagerly,
+then mixed and decode steps compiled with the plugin (the QK-norm fusion switches layer 0 to
+interleaved V at compile time, converting its cached tokens in place), then an eager step
+after switching layer 0 back. Every step's logits are compared with a dense model that
+computes the same thing explicitly: layer 1 attends with its own query over layer 0's
+rotated keys and values. The sharing layer owns no cache, emits no cache update, and the
+passes see no write of it to fuse.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import inductor_rocm_attn as ira
+from inductor_rocm_attn import compilation
+from inductor_rocm_attn.models import TinyDecoder, qwen3_config
+
+BLOCK = 16
+rocm = torch.ops.rocm_attn
+
+
+def _sharing_model(tag: str) -> TinyDecoder:
+    cfg = qwen3_config(num_layers=2, hidden_size=64, intermediate_size=128, vocab_size=64, num_heads=4,
+                       num_kv_heads=2, head_size=32, block_size=BLOCK)
+    model = TinyDecoder(cfg, name=tag).eval()
+    target = model.layers[0].attn.layer_name
+    model.layers[1].attn = ira.Attention(cfg.num_heads, cfg.head_size, num_kv_heads=cfg.num_kv_heads,
+                                         layer_name=f"{tag}.layers.1.shared_attn", block_size=BLOCK,
+                                         kv_sharing_target_layer_name=target)
+    return model
+
+
+@torch.no_grad()
+def _dense_logits(model: TinyDecoder, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of a whole sequence, layer 1 attending over layer 0's K/V (explicitly)."""
+    cfg = model.cfg
+    saved = {}
+
+    def sdpa(q, k, v):
+        t = q.shape[0]
+        qh = q.reshape(t, cfg.num_heads, cfg.head_size).transpose(0, 1).double()
+        kh = k.reshape(t, cfg.num_kv_heads, cfg.head_size).transpose(0, 1).double()
+        vh = v.reshape(t, cfg.num_kv_heads, cfg.head_size).transpose(0, 1).double()
+        rep = cfg.num_heads // cfg.num_kv_heads
+        o = F.scaled_dot_product_attention(qh, kh.repeat_interleave(rep, 0), vh.repeat_interleave(rep, 0),
+                                           is_causal=True)
+        return o.transpose(0, 1).reshape(t, -1).to(q.dtype)
+
+    def layer0(q, k, v):
+        saved["k"], saved["v"] = k, v
+        return sdpa(q, k, v)
+
+    def layer1(q, k, v):
+        return sdpa(q, saved["k"], saved["v"])  # its own k/v are computed and ignored
+
+    positions = torch.arange(ids.shape[0])
+    hidden = model.embed(ids)
+    for layer, attention in zip(model.layers, (layer0, layer1)):
+        hidden = layer(positions, hidden, attention=attention)
+    return model.lm_head(model.norm(hidden))
+
+
+def test_sharing_layer_owns_no_cache_and_validates_its_target():
+    model = _sharing_model("share_bind")
+    caches = ira.bind_kv_caches(model, 8, torch.float32)
+    target, sharer = (layer.attn for layer in model.layers)
+    assert list(caches) == [target.layer_name]
+    assert sharer.kv_cache.numel() == 0 and not sharer.impl.uses_kv_cache
+    assert not sharer.impl.fused_rope_kvcache_supported() and target.impl.fused_rope_kvcache_supported()
+    with pytest.raises(ValueError, match="only decoder layers have a KV cache to share"):
+        ira.Attention(4, 32, layer_name="share_bad.enc", attn_type="encoder", kv_sharing_target_layer_name="x")
+    with pytest.raises(ValueError, match="names the layer itself"):
+        ira.Attention(4, 32, layer_name="share_bad.self", kv_sharing_target_layer_name="share_bad.self")
+    lone = torch.nn.ModuleList([ira.Attention(4, 32, layer_name="share_bad.lone",
+                                              kv_sharing_target_layer_name="share_bad.missing")])
+    with pytest.raises(ValueError, match="shares the KV cache of 'share_bad.missing', which is not an "
+                                         "earlier layer"):
+        ira.bind_kv_caches(lone, 8, torch.float32)
+    mismatch = torch.nn.ModuleList([
+        ira.Attention(4, 32, num_kv_heads=2, layer_name="share_bad.t"),
+        ira.Attention(4, 32, num_kv_heads=4, layer_name="share_bad.s", kv_sharing_target_layer_name="share_bad.t"),
+    ])
+    with pytest.raises(ValueError, match="cannot read the cache of 'share_bad.t'.*geometry differs"):
+        ira.bind_kv_caches(mismatch, 8, torch.float32)
+
+
+def test_sharing_layer_emits_no_cache_update():
+    model = _sharing_model("share_graph")
+    ira.bind_kv_caches(model, 8, torch.float32)
+    md = ira.build_attention_metadata([5], [0], [[1]], BLOCK)
+    ids = torch.randint(0, 64, (5,))
+    q, k, v = torch.randn(5, 128), torch.randn(5, 64), torch.randn(5, 64)
+    with ira.set_forward_context(md), torch.no_grad():
+        ops = {layer.attn.layer_name: [n.target for n in make_fx(layer.attn)(q, k, v).graph.nodes
+                                       if n.op == "call_function"] for layer in model.layers}
+        torch.testing.assert_close(model(ids, md.positions), _dense_logits(model, ids), atol=1e-5, rtol=1e-5)
+    target, sharer = (layer.attn.layer_name for layer in model.layers)
+    assert ops[target].count(rocm.unified_kv_cache_update.default) == 1
+    assert rocm.unified_kv_cache_update.default not in ops[sharer]
+    assert ops[sharer].count(rocm.unified_attention_with_output.default) == 1
+
+
+@pytest.mark.compile
+def test_compiled_sharing_model_matches_the_explicit_model():
+    torch.manual_seed(0)
+    tag = "share_e2e"
+    model = _sharing_model(tag)
+    ira.bind_kv_caches(model, 24, torch.float32, poison=True)
+    target, sharer = (layer.attn for layer in model.layers)
+    alloc = ira.BlockAllocator(24, BLOCK, shuffle_seed=5)
+    gen = torch.Generator().manual_seed(1)
+    seqs = {s: torch.randint(0, 64, (40,), generator=gen) for s in "abc"}
+    report = compilation.fusion_report()
+    report.clear()
+    torch._dynamo.reset()
+
+    def step(plan, runner):
+        ids, ql, cl, tables = [], [], [], []
+        for s, n in plan.items():
+            start = alloc.num_tokens(s)
+            alloc.allocate(s, n)
+            ids.append(seqs[s][start:start + n])
+            ql.append(n)
+            cl.append(start)
+            tables.append(alloc.block_table(s))
+        md = ira.build_attention_metadata(ql, cl, tables, BLOCK)
+        flat, pos = torch.cat(ids), md.positions.clone()
+        if runner is not model:
+            torch._dynamo.mark_dynamic(flat, 0)
+            torch._dynamo.mark_dynamic(pos, 0)
+        with torch.no_grad(), ira.set_forward_context(md):
+            got = runner(flat, pos)
+        rows = torch.cat([_dense_logits(model, seqs[s][:c + n])[c:] for (s, n), c in zip(plan.items(), cl)])
+        torch.testing.assert_close(got, rows, atol=1e-4, rtol=1e-4)
+
+    import torch._inductor.utils as inductor_utils
+
+    fresh_cache = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
+    with ira.plugin(), fresh_cache():  # a cache hit would skip the passes (and their report)
+        compiled = torch.compile(model, backend="inductor")
+        step({"a": 5, "b": 7}, model)  # eager: the standard V layout in the cache
+        assert not target.interleaved_v
+        step({"a": 1, "b": 6, "c": 9}, compiled)  # compiles: layer 0 switches to interleaved V
+        assert target.interleaved_v
+        step({"a": 1, "b": 1, "c": 1}, compiled)
+    records = [r for r in report.records if r.layer_name.startswith(tag + ".")]
+    # Only the target's write is a candidate (the sharing layer has none): it fuses.
+    assert [(r.layer_name, r.pass_name, r.fused) for r in records if r.fused] == [
+        (target.layer_name, "qk_norm_rope_kv_cache_fusion", True)]
+    assert {r.layer_name for r in records} == {target.layer_name}
+    assert sharer.kv_cache.numel() == 0
+    target.set_interleaved_v_cache(False)  # a later switch of the target: the sharer follows
+    step({"a": 1, "b": 1, "c": 1}, model)
