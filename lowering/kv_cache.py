@@ -1,5 +1,7 @@
-"""KV-cache writers: the layer-level cache update and the fused RoPE / QK-norm writers
-(functional, they return fresh q/k(/v) and a dependency token), and the kernel-level writers."""
+"""KV-cache writers: the layer-level cache update and the fused RoPE / QK-norm writers (the
+RoPE one rotates q/k in place, reinplaced by Inductor; the QK-norm one returns fresh q/k and
+a dependency token), and the kernel-level writers: explicit fallbacks so each runs in place
+on the caches it mutates."""
 
 from ._fallback import ops_of, register_fallbacks
 
