@@ -6,7 +6,7 @@
 #   STAGES="tests model_step" bash benchmarks/device_run.sh   runs only those stages, in order
 #   (stages: native_build tests model_step memcheck decode decode_grid prefill cache_writers decode_seq
 #    decode_bs64 decode_model_shape decode_stages decode_keys compile_time peers decode_ab
-#    verify; the old names e2e, writers, decode_e2e_shape still work)
+#    verify native; the old names e2e, writers, decode_e2e_shape still work)
 #   peers: FlashInfer beside ours and SDPA (carry [".whl"]: its wheels, installed into .site):
 #   the decode grid with the split-rule A/B, prefill, and verify batches; the tables are
 #   printed last (and kept in $OUT/tables.md)
@@ -151,6 +151,10 @@ for st in ${STAGES:-tests model_step decode prefill cache_writers}; do
       timeout ${BUILD_S:-300} python3 -m inductor_rocm_attn build-native --quiet >>$LOG 2>&1; echo "rc=$?" >>$LOG
       python3 -m inductor_rocm_attn info >>$LOG 2>&1;;
     peers) run_peers;;
+    # native (csrc) decode vs Triton vs SDPA over the B x L grid, native vs Triton writer
+    native) stage native; mkdir -p $OUT/native
+      timeout ${NATIVE_S:-200} python3 benchmarks/bench_native.py --out $OUT/native >>$LOG 2>&1; echo "rc=$?" >>$LOG
+      pack native;;
     # the split-rule A/B alone (B=16 and 128, every L), with FlashInfer where carried
     decode_ab) stage decode_ab; peer_env
       run_peer decode_ab ${BENCH_S:-200} benchmarks/bench_decode.py --batch 16 128 \
