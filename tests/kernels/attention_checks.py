@@ -144,10 +144,16 @@ def check_paged(provider, query_lens, context_lens, *, num_heads=4, num_kv_heads
             x.to(index_dtype) for x in (c.query_start_loc, c.seq_lens, c.block_table))
     t = c.query.shape[0]
     query = c.query
-    if pad_rows:  # rows past query_start_loc[-1] must stay untouched
+    if pad_rows:  # rows past query_start_loc[-1] (graph padding) must stay untouched
         query = torch.cat([query, torch.randn(pad_rows, *query.shape[1:], device=device).to(dtype)])
+        if key is not None and not kv_pad_nan:
+            pad = torch.randn(pad_rows, *key.shape[1:], device=device).to(dtype)
+            key, value = torch.cat([key, pad]), torch.cat([value, pad])
     out_dtype = torch.float8_e4m3fn if out_fp8 else dtype
-    out = cases.poison(torch.empty(query.shape, dtype=out_dtype, device=device))
+    # The output sits between guard rows: a write outside its rows (e.g. a negative row
+    # index of a stray program) is caught even where it lands in no other tensor.
+    guarded = cases.Guarded(query.shape, out_dtype, device)
+    out = guarded.t
     out_scale = torch.tensor([0.02], device=device) if out_fp8 else None
     knobs = {}
     if provider == "triton":
@@ -164,6 +170,9 @@ def check_paged(provider, query_lens, context_lens, *, num_heads=4, num_kv_heads
     if expect_dense_tma is not None:
         _assert_dense_path(key, value, query, head_size, num_heads // num_kv_heads, block_size,
                            dtype, prefill_cfg, expect_dense_tma)
+    guarded.assert_intact()
+    if pad_rows:
+        assert torch.isnan(out[t:].to(torch.float32)).all(), "padding rows were written"
     ref_out = cases.dense_oracle(c, scale=scale, causal=causal, sliding_window=sliding_window,
                                  alibi_slopes=slopes, sinks=sink, logits_soft_cap=softcap)
     got = out[:t].to(torch.float64).cpu()
@@ -173,8 +182,6 @@ def check_paged(provider, query_lens, context_lens, *, num_heads=4, num_kv_heads
         return 0.0
     err = cases.rel_err(got, ref_out)
     assert err < (tol or TOL[dtype]), f"rel err {err:.3e} (seed {seed_})"
-    if pad_rows:
-        assert torch.isnan(out[t:].to(torch.float32)).all(), "padding rows were written"
     return err
 
 
@@ -193,8 +200,9 @@ def _assert_dense_path(key, value, query, head_size, gqa, block_size, dtype, pre
 
 def check_encoder(provider, seq_lens, *, num_heads=4, num_kv_heads=2, head_size=80,
                   dtype=torch.float16, causal=False, sliding_window=-1, alibi=False, sinks=False,
-                  softcap=0.0, out_fp8=False, device="cpu"):
-    """Run ``provider``'s encoder_attention on fresh random varlen sequences; compare."""
+                  softcap=0.0, out_fp8=False, device="cpu", pad_rows=0):
+    """Run ``provider``'s encoder_attention on fresh random varlen sequences; compare.
+    ``pad_rows`` rows past ``cu_seqlens[-1]`` (graph padding) must stay untouched."""
     fn = put.kernel(provider, "encoder_attention", device=device, dtype=dtype, head_size=head_size,
                     features=feature_names(causal=causal, sliding_window=sliding_window,
                                            alibi=alibi, sinks=sinks, softcap=softcap,
@@ -203,9 +211,9 @@ def check_encoder(provider, seq_lens, *, num_heads=4, num_kv_heads=2, head_size=
     g = torch.Generator().manual_seed(seed_)
     cu = torch.tensor([0] + list(torch.tensor(seq_lens).cumsum(0).tolist()), dtype=torch.int32)
     t = int(cu[-1])
-    q = torch.randn(t, num_heads, head_size, generator=g).to(dtype)
-    k = torch.randn(t, num_kv_heads, head_size, generator=g).to(dtype)
-    v = torch.randn(t, num_kv_heads, head_size, generator=g).to(dtype)
+    q = torch.randn(t + pad_rows, num_heads, head_size, generator=g).to(dtype)
+    k = torch.randn(t + pad_rows, num_kv_heads, head_size, generator=g).to(dtype)
+    v = torch.randn(t + pad_rows, num_kv_heads, head_size, generator=g).to(dtype)
     slopes, sink = _features(num_heads, alibi=alibi, sinks=sinks, g=g)
     scale = 0.9 * head_size ** -0.5
     ref = torch.zeros(t, num_heads, head_size, dtype=torch.float64)
@@ -217,12 +225,15 @@ def check_encoder(provider, seq_lens, *, num_heads=4, num_kv_heads=2, head_size=
                 sliding_window=sliding_window, alibi_slopes=slopes, sinks=sink,
                 logits_soft_cap=softcap)
     out_dtype = torch.float8_e4m3fn if out_fp8 else dtype
-    out = cases.poison(torch.empty(q.shape, dtype=out_dtype, device=device))
+    guarded = cases.Guarded(q.shape, out_dtype, device)  # a stray write lands in a guard
+    out = guarded.t
     dev = lambda x: None if x is None else x.to(device)  # noqa: E731
     out_scale = torch.tensor([0.02], device=device) if out_fp8 else None
     fn(out, dev(q), dev(k), dev(v), dev(cu), scale, causal, sliding_window, dev(slopes), dev(sink),
        softcap, out_scale)
-    got = out.to(torch.float64).cpu()
+    guarded.assert_intact()
+    assert torch.isnan(out[t:].to(torch.float32)).all(), "padding rows were written"
+    got = out[:t].to(torch.float64).cpu()
     assert not torch.isnan(got).any(), f"unwritten output (seed {seed_})"
     if out_fp8:
         check_fp8_steps(got, ref / 0.02, out_dtype, seed_)

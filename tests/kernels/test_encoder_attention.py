@@ -35,6 +35,33 @@ def test_encoder_attention(provider, kw):
     check_encoder(provider, [7, 0, 23, 3], **kw)
 
 
+# Padding rows past cu_seqlens[-1] crossing the interpreter's 16-row blocks, empty sequences
+# in the middle and at the end, token counts that are multiples of no tile.
+PAD_CASES = [
+    ("seq2_pad14", [2], 14, dict()),
+    ("empty_middle_and_end", [7, 0, 23, 3, 0], 20, dict(causal=True, sliding_window=4)),
+    ("empty_first", [0, 5, 0, 17], 27, dict(sinks=True)),
+]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU matrix; the gpu tests cover CUDA")
+@pytest.mark.parametrize("seq_lens,pad_rows,kw", [c[1:] for c in PAD_CASES], ids=[c[0] for c in PAD_CASES])
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_encoder_attention_padding_rows(provider, seq_lens, pad_rows, kw):
+    check_encoder(provider, seq_lens, pad_rows=pad_rows, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq_lens,pad_rows", [([2], 254), ([700, 0, 333, 1, 0], 300)],
+                         ids=["seq2_pad254", "empty_middle_and_end_pad300"])
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_encoder_attention_padding_rows_gpu(provider, seq_lens, pad_rows, causal):
+    """GPU row blocks (64-128 rows): the padding crosses several of them."""
+    check_encoder(provider, seq_lens, dtype=torch.bfloat16, device=GPU, head_size=128,
+                  pad_rows=pad_rows, causal=causal)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("kw", [c[1] for c in GPU_CASES], ids=[c[0] for c in GPU_CASES])

@@ -186,6 +186,48 @@ def test_triton_prefill_dense_paths(tma, query_lens, context_lens, kw):
                 expect_dense_tma=tma, **kw)
 
 
+# --- padding rows past the batch (graph padding) ------------------------------------------------
+
+# The output sits between guard rows (``cases.Guarded``) and its padding rows are poisoned:
+# both must be bit-identical afterwards, and every real row right. The interpreter's prefill
+# row block is 16 rows (``configs.prefill_config``): the padding crosses row-block boundaries,
+# sequences of length 0 sit in the middle and at the end, and the token counts are multiples
+# of no tile.
+PAD_CASES = [
+    # id, query_lens, context_lens, padding rows, kwargs
+    ("prefill2_pad14", [2], [0], 14, {}),  # the smallest case: 2 + 14 rows, BLOCK_M 16
+    ("prefill_pad_two_blocks", [2], [5], 37, {}),
+    ("mixed_empty_middle", [1, 5, 0, 19], [30, 7, 12, 3], 29, {}),
+    ("prefill_empty_end", [1, 7, 0], [20, 0, 9], 20, dict(sliding_window=5)),
+    ("decode_split_empty_end", [1, 1, 0], [17, 40, 5], 17, dict(num_splits=3, sinks=True)),
+    ("long_prefill_last_hints", [3, 33], [0, 10], 13, dict(hints=True)),
+    ("noncausal_mixed", [1, 5, 0, 19], [30, 7, 12, 3], 29, dict(causal=False, alibi=True)),
+    ("key_from_cache", [4, 0, 18], [3, 2, 0], 30, dict(key_from_cache=True)),
+]
+PAD_PARAMS = dict(argnames="query_lens,context_lens,pad_rows,kw", argvalues=[c[1:] for c in PAD_CASES],
+                  ids=[c[0] for c in PAD_CASES])
+
+
+@cpu_only
+@pytest.mark.parametrize(**PAD_PARAMS)
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_paged_attention_padding_rows(provider, query_lens, context_lens, pad_rows, kw):
+    check_paged(provider, query_lens, context_lens, pad_rows=pad_rows, **kw)
+
+
+@cpu_only
+@pytest.mark.parametrize("prefill_cfg", [PrefillConfig(16, 16, 4, 1), PrefillConfig(32, 16, 4, 1)],
+                         ids=["block_m16", "block_m32"])
+@pytest.mark.parametrize("longest_first", [True, False], ids=["longest_first", "grid_order"])
+@pytest.mark.parametrize(**PAD_PARAMS)
+def test_triton_padding_rows_row_order(query_lens, context_lens, pad_rows, kw, longest_first,
+                                       prefill_cfg):
+    """Every row order and row-block size: a program whose row block lies outside its
+    sequence's rows (padding, an empty sequence) exits before it loads or stores anything."""
+    check_paged("triton", query_lens, context_lens, pad_rows=pad_rows, prefill_cfg=prefill_cfg,
+                prefill_changes=dict(longest_first=longest_first), **kw)
+
+
 # --- GPU matrix ------------------------------------------------------------------------------
 
 GPU_CASES = [
@@ -312,6 +354,40 @@ def test_triton_prefill_dense_paths_gpu(tma, dtype, kw):
     changes = {**kw.pop("prefill_changes", {}), "dense_tma": tma}
     check_paged("triton", [1, 300, 1, 77, 130], [2000, 1200, 1, 0, 5], dtype=dtype, device=GPU,
                 prefill_changes=changes, expect_dense_tma=tma, **kw)
+
+
+# GPU row blocks are 64-128 rows (configs.prefill_config): padding of 128-300 rows crosses
+# several; the compute-sanitizer memcheck run goes over these.
+GPU_PAD_CASES = [
+    ("prefill2_pad254", [2], [0], 254),
+    ("mixed_empty_middle_pad300", [1, 130, 0, 77, 1], [900, 40, 50, 0, 33], 300),
+    ("prefill_empty_end_pad128", [1, 300, 0], [2000, 1200, 9], 128),
+    ("decode_empty_end_pad129", [1, 1, 0, 1], [1500, 40, 7, 300], 129),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("query_lens,context_lens,pad_rows", [c[1:] for c in GPU_PAD_CASES],
+                         ids=[c[0] for c in GPU_PAD_CASES])
+@pytest.mark.parametrize("geom", [dict(num_heads=32, num_kv_heads=8, head_size=128),
+                                  dict(num_heads=8, num_kv_heads=8, head_size=64, causal=False)],
+                         ids=["gqa4_d128", "mha_d64_noncausal"])
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_paged_attention_padding_rows_gpu(provider, query_lens, context_lens, pad_rows, geom):
+    check_paged(provider, query_lens, context_lens, pad_rows=pad_rows, dtype=torch.bfloat16,
+                device=GPU, **geom)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("query_lens,context_lens,pad_rows", [c[1:] for c in GPU_PAD_CASES],
+                         ids=[c[0] for c in GPU_PAD_CASES])
+@pytest.mark.parametrize("knobs", [
+    dict(prefill_changes=dict(longest_first=False)), dict(prefill_changes=dict(dense_tma=False)),
+    dict(num_splits=5, hints=True), dict(key_from_cache=True, sliding_window=100),
+], ids=["grid_order", "dense_pointers", "split5_hints", "key_none_window"])
+def test_triton_padding_rows_gpu(query_lens, context_lens, pad_rows, knobs):
+    check_paged("triton", query_lens, context_lens, pad_rows=pad_rows, dtype=torch.bfloat16,
+                device=GPU, num_heads=32, num_kv_heads=8, head_size=128, **knobs)
 
 
 @pytest.mark.gpu

@@ -9,7 +9,8 @@
 - ``_paged_inner`` / ``_dense_inner``: online softmax over tiles of the paged cache, and over
   a dense ``[tokens, heads, HEAD]`` key/value pair (pointers or TMA descriptors).
 - ``_plan`` / ``_tiles``: which key tiles a row block sees, and which of them need no mask.
-- ``_find_seq`` (row block -> sequence of a varlen batch) and ``_store_rows`` (epilogue).
+- ``_row_block`` (program -> sequence and row block of a varlen batch, through
+  ``_find_seq``) and ``_store_rows`` (epilogue).
 
 ``TL_DTYPES`` maps the compute dtype of a launch to the ``COMPUTE`` constexpr.
 """
@@ -424,6 +425,30 @@ def _find_seq(cu_ptr, num_seqs, pid, BLOCK_M: tl.constexpr):
         else:
             hi = mid - 1
     return lo
+
+
+@triton.jit
+def _row_block(cu_ptr, num_seqs, pid, BLOCK_M: tl.constexpr, LAST_FIRST: tl.constexpr):
+    """Program ``pid`` of a varlen grid ``(num_tokens // BLOCK_M + num_seqs, ...)``: its
+    sequence, the sequence's first row and length, its row block and whether that block
+    holds rows of the sequence.
+
+    Sequence s owns the virtual blocks from ``cu[s] // BLOCK_M + s`` on (``_find_seq``), one
+    more than its rows need at most; programs past ``cu[-1]`` (padding rows) map onto the
+    last sequence. Only blocks ``0 .. cdiv(len, BLOCK_M) - 1`` hold rows: for any other
+    (padding, an empty sequence, a sequence's spare block) ``ok`` is False and the caller
+    returns before its first load or store. ``LAST_FIRST`` runs a sequence's blocks last
+    first; it permutes only the blocks that hold rows, so a block outside them never turns
+    into a negative row index.
+    """
+    seq = _find_seq(cu_ptr, num_seqs, pid, BLOCK_M=BLOCK_M)
+    start = tl.load(cu_ptr + seq)
+    length = tl.load(cu_ptr + seq + 1) - start
+    tile = pid - (start // BLOCK_M + seq)
+    ok = (tile >= 0) & (tile * BLOCK_M < length)
+    if LAST_FIRST:
+        tile = (length + BLOCK_M - 1) // BLOCK_M - 1 - tile
+    return seq, start, length, tile, ok
 
 
 @triton.jit

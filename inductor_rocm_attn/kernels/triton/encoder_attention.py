@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ...layout import fp8_max
-from .attention_common import TL_DTYPES, _LOG2E, _dense_inner, _find_seq, _plan, _store_rows, _tiles
+from .attention_common import TL_DTYPES, _LOG2E, _dense_inner, _plan, _row_block, _store_rows, _tiles
 from .configs import PrefillConfig, interpreting, prefill_config
 
 __all__ = ["encoder_attention"]
@@ -42,11 +42,11 @@ def _encoder_attention_kernel(
                      "BLOCK_D is the head size rounded up to a power of two")
     pid = tl.program_id(0)
     head = tl.program_id(1)
-    seq = _find_seq(cu_seqlens_ptr, num_seqs, pid, BLOCK_M=BLOCK_M)
-    start = tl.load(cu_seqlens_ptr + seq)
-    seq_len = tl.load(cu_seqlens_ptr + seq + 1) - start
-    q_tile = pid - (start // BLOCK_M + seq)
-    if q_tile * BLOCK_M >= seq_len:
+    # A program without rows (padding past cu_seqlens[-1], an empty sequence, a spare row
+    # block) returns before any load or store.
+    seq, start, seq_len, q_tile, ok = _row_block(cu_seqlens_ptr, num_seqs, pid, BLOCK_M=BLOCK_M,
+                                                 LAST_FIRST=False)
+    if not ok:
         return
     kv_head = head // GQA
 
