@@ -154,11 +154,13 @@ def make_paged_case(
 
 
 def oracle_attention(q, k, v, *, q_start_pos, scale, causal=True, sliding_window=-1,
-                     alibi_slopes=None, sinks=None, logits_soft_cap=0.0) -> torch.Tensor:
+                     alibi_slopes=None, sinks=None, logits_soft_cap=0.0,
+                     encoder=False) -> torch.Tensor:
     """Independent float64 attention for one sequence (written apart from the reference).
 
     q ``[Lq, Hq, D]``, k/v ``[Lk, Hkv, D]``; GQA by grouping query heads, the sink folded into
-    the normaliser by hand. Returns ``[Lq, Hq, D]``.
+    the normaliser by hand. The sliding window of a decoder layer drops keys more than W-1
+    before the query only; of an ``encoder`` layer, on both sides. Returns ``[Lq, Hq, D]``.
     """
     q, k, v = q.double(), k.double(), v.double()
     lq, hq, d = q.shape
@@ -175,7 +177,7 @@ def oracle_attention(q, k, v, *, q_start_pos, scale, causal=True, sliding_window
     if causal:
         visible = visible & (kp <= qp)
     if sliding_window and sliding_window > 0:
-        visible = visible & ((qp - kp).abs() < sliding_window if not causal else (qp - kp) < sliding_window)
+        visible = visible & ((qp - kp).abs() < sliding_window if encoder else (qp - kp) < sliding_window)
     logits = torch.where(visible, logits, torch.tensor(float("-inf"), dtype=torch.float64))
     m = logits.amax(-1, keepdim=True)
     if sinks is not None:

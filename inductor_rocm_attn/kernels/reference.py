@@ -192,12 +192,18 @@ def attend(
     alibi_slopes: torch.Tensor | None,
     sinks: torch.Tensor | None,
     logits_soft_cap: float,
+    window_both_sides: bool = False,
 ) -> torch.Tensor:
     """Exact attention of one sequence in float64.
 
     q ``[Lq, Hq, D]`` at positions ``q_start_pos + i``; k, v ``[Lk, Hkv, D]`` at positions
     ``0 .. Lk-1``. Order as in the backend: scale, soft cap, ALiBi, mask, softmax (with the
     sink as an extra zero-value logit). Returns ``[Lq, Hq, D]`` float64.
+
+    The sliding window keeps keys with ``q - k < sliding_window``: one-sided, as the seed's
+    ``(W-1, 0)`` for decoder layers (keys after the query stay visible when not causal).
+    ``window_both_sides`` (encoder layers, the seed's ``(W-1, W-1)``) also drops keys with
+    ``k - q >= sliding_window``.
     """
     lq, hq, _ = q.shape
     lk, hkv, _ = k.shape
@@ -216,7 +222,7 @@ def attend(
         keep &= kpos <= qpos
     if sliding_window > 0:
         keep &= (qpos - kpos) < sliding_window
-        if not causal:
+        if window_both_sides:
             keep &= (kpos - qpos) < sliding_window
     s = s.masked_fill(~keep, float("-inf"))
     if sinks is not None:
@@ -314,7 +320,8 @@ def encoder_attention(
     logits_soft_cap: float,
     output_scale: torch.Tensor | None,
 ) -> None:
-    """Attention without a cache: each sequence ``cu_seqlens[s]:cu_seqlens[s+1]`` attends to itself."""
+    """Attention without a cache: each sequence ``cu_seqlens[s]:cu_seqlens[s+1]`` attends to
+    itself. An encoder's sliding window bounds keys on both sides: ``abs(q - k) < W``."""
     cu = cu_seqlens.tolist()
     for s in range(len(cu) - 1):
         a, b = cu[s], cu[s + 1]
@@ -324,5 +331,6 @@ def encoder_attention(
             query[a:b].to(_ACC), key[a:b].to(_ACC), value[a:b].to(_ACC), q_start_pos=0,
             scale=scale, causal=causal, sliding_window=sliding_window,
             alibi_slopes=alibi_slopes, sinks=sinks, logits_soft_cap=logits_soft_cap,
+            window_both_sides=True,
         )
         _store_output(output, slice(a, b), out, output_scale)

@@ -223,7 +223,7 @@ def check_encoder(provider, seq_lens, *, num_heads=4, num_kv_heads=2, head_size=
             ref[a:b] = cases.oracle_attention(
                 q[a:b], k[a:b], v[a:b], q_start_pos=0, scale=scale, causal=causal,
                 sliding_window=sliding_window, alibi_slopes=slopes, sinks=sink,
-                logits_soft_cap=softcap)
+                logits_soft_cap=softcap, encoder=True)
     out_dtype = torch.float8_e4m3fn if out_fp8 else dtype
     guarded = cases.Guarded(q.shape, out_dtype, device)  # a stray write lands in a guard
     out = guarded.t

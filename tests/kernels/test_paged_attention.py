@@ -250,6 +250,7 @@ GPU_FEATURES = [  # every provider
     ("plain", dict()),
     ("window_alibi", dict(sliding_window=300, alibi=True)),
     ("sinks_softcap_noncausal", dict(sinks=True, softcap=8.0, causal=False)),
+    ("window_noncausal", dict(sliding_window=300, causal=False)),  # one-sided: later keys visible
 ]
 TRITON_GPU_FEATURES = [  # Triton launch knobs: splits, decode kinds
     ("split", dict(num_splits=7)),

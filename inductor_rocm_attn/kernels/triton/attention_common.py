@@ -40,9 +40,13 @@ def _attn_update(
     sm_scale, softcap, window,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    RESCALE_MARGIN: tl.constexpr,
+    RESCALE_MARGIN: tl.constexpr, WINDOW_BOTH_SIDES: tl.constexpr = False,
 ):
     """One key tile of online softmax: scale, soft cap, ALiBi, mask, then the rescaled sums.
+
+    The sliding window keeps ``q - k < window``; with ``WINDOW_BOTH_SIDES`` (encoder layers)
+    also ``k - q < window``. A decoder's window is one-sided: keys after the query stay
+    visible when it is not causal (docs/design.md, "Sliding window").
 
     Without soft cap and ALiBi the scores stay unscaled: the row max is taken on them and
     scaled once a row, and each ``exp2(qk * c - m)`` is one FFMA instead of a multiply
@@ -66,7 +70,7 @@ def _attn_update(
             keep = keep & (k_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             keep = keep & ((q_pos[:, None] - k_pos[None, :]) < window)
-            if not CAUSAL:
+            if WINDOW_BOTH_SIDES and not CAUSAL:
                 keep = keep & ((k_pos[None, :] - q_pos[:, None]) < window)
         s = tl.where(keep, s, float("-inf"))
     if RAW:
@@ -106,8 +110,10 @@ def _attn_update(
 
 
 @triton.jit
-def _plan(src_lo, src_hi, p0, p1, window, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr):
-    """Keys of a source ``[src_lo, src_hi)`` seen by query positions ``[p0, p1)``.
+def _plan(src_lo, src_hi, p0, p1, window, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
+          WINDOW_BOTH_SIDES: tl.constexpr = False):
+    """Keys of a source ``[src_lo, src_hi)`` seen by query positions ``[p0, p1)`` (the
+    window as in ``_attn_update``).
 
     Returns ``lo, hi`` (seen by some row) and ``full_lo, full_hi`` (seen by every row).
     """
@@ -121,7 +127,7 @@ def _plan(src_lo, src_hi, p0, p1, window, CAUSAL: tl.constexpr, USE_WINDOW: tl.c
     if USE_WINDOW:
         lo = tl.maximum(lo, p0 - window + 1)
         full_lo = tl.maximum(full_lo, p1 - window)
-        if not CAUSAL:
+        if WINDOW_BOTH_SIDES and not CAUSAL:
             hi = tl.minimum(hi, p1 - 1 + window)
             full_hi = tl.minimum(full_hi, p0 + window)
     hi = tl.maximum(hi, lo)
@@ -365,6 +371,7 @@ def _dense_inner(
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr, MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, RESCALE_MARGIN: tl.constexpr, TMA: tl.constexpr,
+    WINDOW_BOTH_SIDES: tl.constexpr = False,
 ):
     """Online softmax over key tiles of a dense ``[tokens, heads, HEAD]`` key/value pair.
 
@@ -407,7 +414,7 @@ def _dense_inner(
             acc, m_i, l_i, q, k.to(COMPUTE), v.to(COMPUTE), q_pos, k_pos, k_ok, slope, sm_scale,
             softcap, window, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW, USE_ALIBI=USE_ALIBI,
             USE_SOFTCAP=USE_SOFTCAP, MASK=MASK, DOT_PRECISION=DOT_PRECISION,
-            RESCALE_MARGIN=RESCALE_MARGIN)
+            RESCALE_MARGIN=RESCALE_MARGIN, WINDOW_BOTH_SIDES=WINDOW_BOTH_SIDES)
     return acc, m_i, l_i
 
 
