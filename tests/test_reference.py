@@ -89,8 +89,12 @@ def test_fp8_output_quant():
     scale = torch.tensor([0.02])
     out = run_op(case, output_scale=scale, out_dtype=torch.float8_e4m3fn)
     ref = dense_oracle(case, scale=0.11)
-    q = (ref / 0.02).clamp(-448, 448).to(torch.float8_e4m3fn).double()
-    assert torch.equal(out.double(), q) or rel_err(out.double(), q) < 0.07
+    want = (ref / 0.02).clamp(-448, 448).to(torch.float8_e4m3fn)
+    # Bit-identical: both quantize a float64 result once with the same cast; the two float64
+    # results differ by ~1e-16 relative, which moves a value across an fp8 rounding boundary
+    # only at an exact tie (never seen with random inputs).
+    assert (want.float().abs() > 0).float().mean() > 0.9, "the case must exercise the quantizer"
+    assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
 
 
 def test_padding_rows_untouched_and_padding_slots_not_written():
