@@ -52,6 +52,16 @@ def _attn_update(
     scaled once a row, and each ``exp2(qk * c - m)`` is one FFMA instead of a multiply
     and a subtract per score (``sm_scale`` > 0, checked by ``validation.check_softmax_scale``,
     so the max commutes with the scaling).
+
+    Non-finite inputs (as float64 SDPA over the keys a row sees): a NaN or +inf score of a
+    visible key reaches its row through its own weight ``exp2(s - m)`` = NaN, whatever the
+    running max did with it. (The GPU's float max drops NaN, the interpreter's keeps it: the
+    output is the same.) A masked score is -inf whatever its K. A NaN or +-inf value (V)
+    enters the ``P V`` product of its tile, where a row that masks the key multiplies it by
+    a weight of 0: such a row gets NaN in that channel too. So a non-finite V of a key
+    reaches every row of a row block in which some row sees the key (for decode tiles, all
+    rows see the same keys); an exact per-row treatment costs registers and barriers in
+    every masked tile (measured in the sm_90 SASS: spills in the loops).
     """
     qk = tl.dot(q, k, input_precision=DOT_PRECISION)
     RAW: tl.constexpr = not USE_SOFTCAP and not USE_ALIBI
@@ -466,7 +476,8 @@ def _store_rows(out_ptrs, acc, l_i, v_scale, out_scale, mask,
     inv = tl.where(l_i > 0.0, v_scale / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
     out = acc * inv[:, None]
     if USE_OUT_SCALE:
-        out = tl.minimum(tl.maximum(out / out_scale, -OUT_MAX), OUT_MAX)
+        # Saturate to the fp8 range; NaN stays NaN (the GPU's default min/max drop it).
+        out = tl.clamp(out / out_scale, -OUT_MAX, OUT_MAX, propagate_nan=tl.PropagateNan.ALL)
     tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=mask)
 
 

@@ -107,8 +107,13 @@ def paged_attention(
     query_start_loc ``[num_seqs + 1]``, seq_lens ``[num_seqs]``, block_table
     ``[num_seqs, max_blocks]`` (int32/int64); k_scale/v_scale/output_scale ``[1]`` fp32;
     alibi_slopes/sinks ``[num_heads]``. ``max_query_len``/``max_seq_len`` (host ints, optional)
-    only steer launches: max_query_len == 1 skips the prefill launch, max_seq_len bounds the
-    KV split count. Keyword-only (tests, benchmarks): ``num_splits`` fixes the KV splits;
+    only steer launches. What the launcher relies on: ``max_query_len <= 1`` means no
+    sequence has query_len > 1; the prefill launch is skipped, so such a sequence's rows
+    would be left unwritten (the caller, or validation on CPU, must keep the hint >= the
+    true maximum; None or any value > 1 launches prefill, whose programs without prefill
+    rows return at once). ``max_seq_len`` only sets the KV split count and the one-loop
+    choice: any value gives the same result (each split reads its share of the actual
+    ``seq_lens``). Keyword-only (tests, benchmarks): ``num_splits`` fixes the KV splits;
     ``decode_cfg``/``prefill_cfg`` replace the tuned ``configs.decode_config`` /
     ``configs.prefill_config``; ``target`` the queried ``launch_target(query.device)``.
     """
