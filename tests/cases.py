@@ -49,6 +49,28 @@ def poison(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+GUARD_BYTE = 0x5A  # finite in every float dtype, unlike the NaN poison: a stray write shows
+
+
+class Guarded:
+    """A poisoned ``[rows, ...]`` tensor (``.t``) inside one allocation with ``guard`` rows of
+    ``GUARD_BYTE`` before and after it. A kernel that writes outside the tensor's rows (a
+    negative row index, a row past the end) lands in a guard; ``assert_intact`` checks every
+    guard byte afterwards."""
+
+    def __init__(self, shape, dtype, device="cpu", guard=256):
+        self.guard = guard
+        self.buf = torch.empty((shape[0] + 2 * guard, *shape[1:]), dtype=dtype, device=device)
+        self.buf.view(torch.uint8).fill_(GUARD_BYTE)
+        self.t = poison(self.buf[guard: guard + shape[0]])
+
+    def assert_intact(self, what="output"):
+        for name, g in (("before", self.buf[: self.guard]), ("after", self.buf[self.buf.shape[0] - self.guard:])):
+            bad = (g.reshape(g.shape[0], -1).view(torch.uint8) != GUARD_BYTE).any(-1)
+            assert not bad.any(), (f"{what}: {int(bad.sum())} guard rows {name} the tensor were "
+                                   f"written (rows {bad.nonzero().flatten()[:8].tolist()} of the guard)")
+
+
 def make_paged_case(
     query_lens,
     context_lens,
@@ -132,11 +154,13 @@ def make_paged_case(
 
 
 def oracle_attention(q, k, v, *, q_start_pos, scale, causal=True, sliding_window=-1,
-                     alibi_slopes=None, sinks=None, logits_soft_cap=0.0) -> torch.Tensor:
+                     alibi_slopes=None, sinks=None, logits_soft_cap=0.0,
+                     encoder=False) -> torch.Tensor:
     """Independent float64 attention for one sequence (written apart from the reference).
 
     q ``[Lq, Hq, D]``, k/v ``[Lk, Hkv, D]``; GQA by grouping query heads, the sink folded into
-    the normaliser by hand. Returns ``[Lq, Hq, D]``.
+    the normaliser by hand. The sliding window of a decoder layer drops keys more than W-1
+    before the query only; of an ``encoder`` layer, on both sides. Returns ``[Lq, Hq, D]``.
     """
     q, k, v = q.double(), k.double(), v.double()
     lq, hq, d = q.shape
@@ -153,7 +177,7 @@ def oracle_attention(q, k, v, *, q_start_pos, scale, causal=True, sliding_window
     if causal:
         visible = visible & (kp <= qp)
     if sliding_window and sliding_window > 0:
-        visible = visible & ((qp - kp).abs() < sliding_window if not causal else (qp - kp) < sliding_window)
+        visible = visible & ((qp - kp).abs() < sliding_window if encoder else (qp - kp) < sliding_window)
     logits = torch.where(visible, logits, torch.tensor(float("-inf"), dtype=torch.float64))
     m = logits.amax(-1, keepdim=True)
     if sinks is not None:

@@ -119,10 +119,21 @@ def test_softmax_scale_must_be_positive(scale):
 
 
 def test_mismatched_devices():
-    # Dispatch sends any meta tensor to the fake kernel, so check the validator directly.
-    with pytest.raises(ValueError, match=r"all tensors must be on one device, got query on cpu, kv_cache on meta"):
-        validation.check_same_device("rocm_attn.paged_attention", query=torch.empty(1),
-                                     kv_cache=torch.empty(1, device="meta"))
+    """The op itself rejects a cache on another device than the query, before writing. This
+    machine has one real device, so the cache goes to "meta" and the call is sent to the
+    op's device implementation (the one a CUDA call reaches) with an explicit dispatch key:
+    plain dispatch would take any call with a meta tensor to the fake kernel."""
+    case = make_paged_case([3, 1], [5, 9], dtype=torch.float32)
+    out = poison(torch.empty_like(case.query))
+    meta_cache = torch.empty_like(case.kv_cache, device="meta")
+    cpu = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+    with pytest.raises(ValueError, match=r"rocm_attn.paged_attention: all tensors must be on one "
+                                         r"device, got output on cpu, .*kv_cache on meta"):
+        torch.ops.rocm_attn.paged_attention.default.redispatch(
+            cpu, out, case.query, case.key, case.value, meta_cache, case.query_start_loc,
+            case.seq_lens, case.block_table, case.max_query_len, case.max_seq_len, 0.1,
+            case.k_scale, case.v_scale, True, -1, None, None, 0.0, False, None)
+    assert out.isnan().all(), "a rejected call wrote its output"
 
 
 def test_unsupported_model_dtype():

@@ -20,14 +20,15 @@ def batches(draw):
     interleaved = draw(st.booleans())
     heads = draw(st.sampled_from([(2, 2), (4, 1), (6, 2)]))
     window = draw(st.sampled_from([-1, 1, 5, 40]))
+    causal = draw(st.booleans())  # a decoder's window stays one-sided when not causal
     seed = draw(st.integers(0, 2**16))
-    return qlens, clens, block_size, layout, interleaved, heads, window, seed
+    return qlens, clens, block_size, layout, interleaved, heads, window, causal, seed
 
 
 @settings(max_examples=40, deadline=None)
 @given(batches())
 def test_random_batches(b):
-    qlens, clens, block_size, layout, interleaved, (hq, hkv), window, seed = b
+    qlens, clens, block_size, layout, interleaved, (hq, hkv), window, causal, seed = b
     g = torch.Generator().manual_seed(seed)
     d = 32
     alloc = ira.BlockAllocator(64, block_size, shuffle_seed=seed)
@@ -51,8 +52,9 @@ def test_random_batches(b):
     out = poison(torch.empty_like(q))
     torch.ops.rocm_attn.paged_attention(out, q, key, value, cache, md.query_start_loc, md.seq_lens,
                                         md.block_table, md.max_query_len, md.max_seq_len, 0.2, ks, vs,
-                                        True, window, None, None, 0.0, interleaved, None)
+                                        causal, window, None, None, 0.0, interleaved, None)
     qsl = md.query_start_loc.tolist()
     want = torch.cat([oracle_attention(q[qsl[s]:qsl[s + 1]], full_k[s], full_v[s], q_start_pos=clens[s],
-                                       scale=0.2, sliding_window=window) for s in range(len(qlens))])
+                                       scale=0.2, causal=causal, sliding_window=window)
+                      for s in range(len(qlens))])
     assert rel_err(out, want) < 1e-6

@@ -202,12 +202,25 @@ def attend(
     alibi_slopes: torch.Tensor | None,
     sinks: torch.Tensor | None,
     logits_soft_cap: float,
+    window_both_sides: bool = False,
 ) -> torch.Tensor:
     """Exact attention of one sequence in float64.
 
     q ``[Lq, Hq, D]`` at positions ``q_start_pos + i``; k, v ``[Lk, Hkv, D]`` at positions
     ``0 .. Lk-1``. Order as in the backend: scale, soft cap, ALiBi, mask, softmax (with the
     sink as an extra zero-value logit). Returns ``[Lq, Hq, D]`` float64.
+
+    The sliding window keeps keys with ``q - k < sliding_window``: one-sided, as the seed's
+    ``(W-1, 0)`` for decoder layers (keys after the query stay visible when not causal).
+    ``window_both_sides`` (encoder layers, the seed's ``(W-1, W-1)``) also drops keys with
+    ``k - q >= sliding_window``.
+
+    Non-finite inputs propagate as in float64 SDPA over the keys each row sees: a NaN query
+    gives NaN for its row and head, a NaN or +inf logit of a visible key a NaN row, a NaN /
+    +-inf value NaN / +-inf in its channel. A key a row does not see has no effect on it. A
+    row whose logits are all -inf (no visible key) outputs 0. (The Triton prefill and
+    encoder kernels also turn NaN the channel of a non-finite value in the rows of a row
+    block that mask its key: ``kernels/triton/attention_common._attn_update``.)
     """
     lq, hq, _ = q.shape
     lk, hkv, _ = k.shape
@@ -226,16 +239,38 @@ def attend(
         keep &= kpos <= qpos
     if sliding_window > 0:
         keep &= (qpos - kpos) < sliding_window
-        if not causal:
+        if window_both_sides:
             keep &= (kpos - qpos) < sliding_window
     s = s.masked_fill(~keep, float("-inf"))
+    # A row whose logits are all -inf (no visible key, or only keys of logit -inf) attends
+    # to nothing and outputs 0, as SDPA does; a NaN or +inf logit makes its row NaN.
+    dead = (s == float("-inf")).all(-1, keepdim=True)
     if sinks is not None:
         sink = sinks.to(_ACC)[:, None, None].expand(hq, lq, 1)
         p = torch.softmax(torch.cat((s, sink), dim=-1), dim=-1)[..., :lk]
+        dead &= sink == float("-inf")
     else:
         p = torch.softmax(s, dim=-1)
-    p = torch.nan_to_num(p, nan=0.0)  # a row with no visible key attends to nothing
-    return torch.einsum("hqk,khd->qhd", p, v)
+    p = p.masked_fill(dead, 0.0)
+    return _weighted_values(p, v, keep)
+
+
+def _weighted_values(p: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``sum_k p[h, q, k] v[k, h, :]`` over the keys each row sees (``keep`` ``[Lq, Lk]``).
+
+    A key a row does not see adds nothing to it, whatever its value: the plain product would
+    add 0 * NaN = NaN (as SDPA's additive mask does). The non-finite values of the keys a row
+    sees propagate as in SDPA: p * inf = inf, 0 * inf = NaN, inf - inf = NaN.
+    """
+    finite = torch.isfinite(v)
+    if bool(finite.all()):
+        return torch.einsum("hqk,khd->qhd", p, v)
+    out = torch.einsum("hqk,khd->qhd", p, v.masked_fill(~finite, 0.0))
+    for j in torch.nonzero(~finite.flatten(1).all(1)).flatten().tolist():  # keys with one
+        term = p[:, :, j, None] * v[j][:, None, :]  # [Hq, Lq, D]
+        term = term.masked_fill(~keep[None, :, j, None] | finite[j][:, None, :], 0.0)
+        out += term.transpose(0, 1)
+    return out
 
 
 def _store_output(output: torch.Tensor, rows: slice, out: torch.Tensor, output_scale) -> None:
@@ -324,7 +359,8 @@ def encoder_attention(
     logits_soft_cap: float,
     output_scale: torch.Tensor | None,
 ) -> None:
-    """Attention without a cache: each sequence ``cu_seqlens[s]:cu_seqlens[s+1]`` attends to itself."""
+    """Attention without a cache: each sequence ``cu_seqlens[s]:cu_seqlens[s+1]`` attends to
+    itself. An encoder's sliding window bounds keys on both sides: ``abs(q - k) < W``."""
     cu = cu_seqlens.tolist()
     for s in range(len(cu) - 1):
         a, b = cu[s], cu[s + 1]
@@ -334,5 +370,6 @@ def encoder_attention(
             query[a:b].to(_ACC), key[a:b].to(_ACC), value[a:b].to(_ACC), q_start_pos=0,
             scale=scale, causal=causal, sliding_window=sliding_window,
             alibi_slopes=alibi_slopes, sinks=sinks, logits_soft_cap=logits_soft_cap,
+            window_both_sides=True,
         )
         _store_output(output, slice(a, b), out, output_scale)

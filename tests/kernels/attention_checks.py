@@ -147,10 +147,16 @@ def check_paged(provider, query_lens, context_lens, *, num_heads=4, num_kv_heads
             x.to(index_dtype) for x in (c.query_start_loc, c.seq_lens, c.block_table))
     t = c.query.shape[0]
     query = c.query
-    if pad_rows:  # rows past query_start_loc[-1] must stay untouched
+    if pad_rows:  # rows past query_start_loc[-1] (graph padding) must stay untouched
         query = torch.cat([query, torch.randn(pad_rows, *query.shape[1:], device=device).to(dtype)])
+        if key is not None and not kv_pad_nan:
+            pad = torch.randn(pad_rows, *key.shape[1:], device=device).to(dtype)
+            key, value = torch.cat([key, pad]), torch.cat([value, pad])
     out_dtype = torch.float8_e4m3fn if out_fp8 else dtype
-    out = cases.poison(torch.empty(query.shape, dtype=out_dtype, device=device))
+    # The output sits between guard rows: a write outside its rows (e.g. a negative row
+    # index of a stray program) is caught even where it lands in no other tensor.
+    guarded = cases.Guarded(query.shape, out_dtype, device)
+    out = guarded.t
     out_scale = torch.tensor([0.02], device=device) if out_fp8 else None
     knobs = {}
     if provider == "triton":
@@ -169,6 +175,9 @@ def check_paged(provider, query_lens, context_lens, *, num_heads=4, num_kv_heads
     if expect_dense_tma is not None:
         _assert_dense_path(key, value, query, head_size, num_heads // num_kv_heads, block_size,
                            dtype, prefill_cfg, expect_dense_tma)
+    guarded.assert_intact()
+    if pad_rows:
+        assert torch.isnan(out[t:].to(torch.float32)).all(), "padding rows were written"
     ref_out = cases.dense_oracle(c, scale=scale, causal=causal, sliding_window=sliding_window,
                                  alibi_slopes=slopes, sinks=sink, logits_soft_cap=softcap)
     got = out[:t].to(torch.float64).cpu()
@@ -178,8 +187,6 @@ def check_paged(provider, query_lens, context_lens, *, num_heads=4, num_kv_heads
         return 0.0
     err = cases.rel_err(got, ref_out)
     assert err < (tol or TOL[dtype]), f"rel err {err:.3e} (seed {seed_})"
-    if pad_rows:
-        assert torch.isnan(out[t:].to(torch.float32)).all(), "padding rows were written"
     return err
 
 
@@ -198,8 +205,9 @@ def _assert_dense_path(key, value, query, head_size, gqa, block_size, dtype, pre
 
 def check_encoder(provider, seq_lens, *, num_heads=4, num_kv_heads=2, head_size=80,
                   dtype=torch.float16, causal=False, sliding_window=-1, alibi=False, sinks=False,
-                  softcap=0.0, out_fp8=False, device="cpu"):
-    """Run ``provider``'s encoder_attention on fresh random varlen sequences; compare."""
+                  softcap=0.0, out_fp8=False, device="cpu", pad_rows=0):
+    """Run ``provider``'s encoder_attention on fresh random varlen sequences; compare.
+    ``pad_rows`` rows past ``cu_seqlens[-1]`` (graph padding) must stay untouched."""
     fn = put.kernel(provider, "encoder_attention", device=device, dtype=dtype, head_size=head_size,
                     features=feature_names(causal=causal, sliding_window=sliding_window,
                                            alibi=alibi, sinks=sinks, softcap=softcap,
@@ -208,9 +216,9 @@ def check_encoder(provider, seq_lens, *, num_heads=4, num_kv_heads=2, head_size=
     g = torch.Generator().manual_seed(seed_)
     cu = torch.tensor([0] + list(torch.tensor(seq_lens).cumsum(0).tolist()), dtype=torch.int32)
     t = int(cu[-1])
-    q = torch.randn(t, num_heads, head_size, generator=g).to(dtype)
-    k = torch.randn(t, num_kv_heads, head_size, generator=g).to(dtype)
-    v = torch.randn(t, num_kv_heads, head_size, generator=g).to(dtype)
+    q = torch.randn(t + pad_rows, num_heads, head_size, generator=g).to(dtype)
+    k = torch.randn(t + pad_rows, num_kv_heads, head_size, generator=g).to(dtype)
+    v = torch.randn(t + pad_rows, num_kv_heads, head_size, generator=g).to(dtype)
     slopes, sink = _features(num_heads, alibi=alibi, sinks=sinks, g=g)
     scale = 0.9 * head_size ** -0.5
     ref = torch.zeros(t, num_heads, head_size, dtype=torch.float64)
@@ -220,17 +228,170 @@ def check_encoder(provider, seq_lens, *, num_heads=4, num_kv_heads=2, head_size=
             ref[a:b] = cases.oracle_attention(
                 q[a:b], k[a:b], v[a:b], q_start_pos=0, scale=scale, causal=causal,
                 sliding_window=sliding_window, alibi_slopes=slopes, sinks=sink,
-                logits_soft_cap=softcap)
+                logits_soft_cap=softcap, encoder=True)
     out_dtype = torch.float8_e4m3fn if out_fp8 else dtype
-    out = cases.poison(torch.empty(q.shape, dtype=out_dtype, device=device))
+    guarded = cases.Guarded(q.shape, out_dtype, device)  # a stray write lands in a guard
+    out = guarded.t
     dev = lambda x: None if x is None else x.to(device)  # noqa: E731
     out_scale = torch.tensor([0.02], device=device) if out_fp8 else None
     fn(out, dev(q), dev(k), dev(v), dev(cu), scale, causal, sliding_window, dev(slopes), dev(sink),
        softcap, out_scale)
-    got = out.to(torch.float64).cpu()
+    guarded.assert_intact()
+    assert torch.isnan(out[t:].to(torch.float32)).all(), "padding rows were written"
+    got = out[:t].to(torch.float64).cpu()
     assert not torch.isnan(got).any(), f"unwritten output (seed {seed_})"
     if out_fp8:
         check_fp8_steps(got, ref / 0.02, out_dtype, seed_)
         return
     err = cases.rel_err(got, ref)
     assert err < TOL[dtype], f"rel err {err:.3e} (seed {seed_})"
+
+
+# --- non-finite inputs ----------------------------------------------------------------------
+
+
+def sdpa_visible(q, k, v, *, q_start_pos, scale, causal=True, sliding_window=-1, encoder=False,
+                 row_block=None):
+    """float64 ``torch`` SDPA of each query row over exactly the keys that row sees; a row that
+    sees none outputs 0. q ``[Lq, Hq, D]`` at positions ``q_start_pos + i``, k/v ``[Lk, Hkv, D]``.
+
+    SDPA itself, given a boolean mask, adds -inf to masked scores: a NaN key it masks still
+    turns the row NaN (NaN + -inf), and a masked non-finite value too (0 * NaN). A key a row
+    does not see has no effect on it here, as in SDPA's flash kernels and the reference.
+
+    ``row_block`` (the Triton kernels' rule, ``attention_common._attn_update``): the rows are
+    processed in blocks of that many; a NaN / +-inf value of a key that some row of a block
+    sees also turns NaN that channel of the block's rows that mask the key."""
+    lq, hq, d = q.shape
+    lk, hkv, _ = k.shape
+    kk = k.double().repeat_interleave(hq // hkv, 1).transpose(0, 1)  # [Hq, Lk, D]
+    vv = v.double().repeat_interleave(hq // hkv, 1).transpose(0, 1)
+    kp = torch.arange(lk)
+    qp = q_start_pos + torch.arange(lq)[:, None]
+    vis = torch.ones(lq, lk, dtype=torch.bool)
+    if causal:
+        vis &= kp <= qp
+    if sliding_window > 0:
+        vis &= (qp - kp) < sliding_window
+        if encoder:
+            vis &= (kp - qp) < sliding_window
+    out = torch.zeros(lq, hq, d, dtype=torch.float64)
+    for i in range(lq):
+        if vis[i].any():
+            out[i] = torch.nn.functional.scaled_dot_product_attention(
+                q[i].double()[:, None, :], kk[:, vis[i]], vv[:, vis[i]], scale=scale)[:, 0]
+    if row_block:
+        bad = ~torch.isfinite(vv)  # [Hq, Lk, D]
+        for b in range(0, lq, row_block):
+            blk = vis[b: b + row_block]
+            reached = blk.any(0)[None, :] & ~blk  # [rows, Lk]: the block sees the key, the row not
+            hit = torch.einsum("rk,hkd->rhd", reached.double(), bad.double()) > 0
+            out[b: b + row_block][hit] = float("nan")
+    return out
+
+
+def assert_same_nonfinite(got, want, tol, what):
+    """NaN, +inf and -inf exactly where ``want`` has them, finite values within ``tol``."""
+    got = got.detach().cpu().to(torch.float64)
+    for name, f in (("NaN", torch.isnan), ("+inf", lambda x: x == float("inf")),
+                    ("-inf", lambda x: x == float("-inf"))):
+        g, w = f(got), f(want)
+        assert torch.equal(g, w), (f"{what}: {name} at {int((g & ~w).sum())} places SDPA has none, "
+                                   f"missing at {int((w & ~g).sum())} (e.g. [row, head, ch] "
+                                   f"{(g ^ w).nonzero()[:3].tolist()})")
+    fin = torch.isfinite(want)
+    err = cases.rel_err(got[fin], want[fin])
+    assert err < tol, f"{what}: finite outputs rel err {err:.3e}"
+
+
+def check_paged_nonfinite(provider, query_lens, context_lens, inject, *, dtype=torch.float32,
+                          num_heads=4, num_kv_heads=2, head_size=64, block_size=16, causal=True,
+                          sliding_window=-1, device="cpu", **knobs):
+    """paged_attention with non-finite entries put into q, or into the K/V of chosen keys
+    (in the cache, or among a prefill's new tokens), against ``sdpa_visible``: NaN and
+    +-inf exactly where float64 SDPA over each row's visible keys has them (Triton: plus
+    the row-block rule of ``sdpa_visible``).
+
+    ``inject``: ``(tensor, seq, pos, head, channel, value)`` with tensor "q" (pos: the
+    sequence's query row) or "k"/"v" (pos: the key position in the sequence). ``knobs``:
+    Triton launch knobs (``num_splits``, ``decode_cfg``, ``prefill_cfg``)."""
+    from inductor_rocm_attn.kernels import reference as ref
+    from inductor_rocm_attn.layout import CacheLayout
+
+    fn = put.kernel(provider, "paged_attention", device=device, dtype=dtype, head_size=head_size,
+                    block_size=block_size, layout=CacheLayout.LHBNC,
+                    kv_cache_dtype=put.cache_dtype_name(dtype, dtype),
+                    features=feature_names(causal=causal, sliding_window=sliding_window))
+    seed_ = seed()
+    c = cases.make_paged_case(query_lens, context_lens, num_heads=num_heads,
+                              num_kv_heads=num_kv_heads, head_size=head_size,
+                              block_size=block_size, dtype=dtype, seed=seed_)
+    qsl = c.query_start_loc.tolist()
+    for tensor, s, pos, head, ch, val in inject:
+        ql, ctx = query_lens[s], context_lens[s]
+        if tensor == "q":
+            c.query[qsl[s] + pos, head, ch] = val
+            continue
+        full = c.k_full[s] if tensor == "k" else c.v_full[s]
+        full[pos, head, ch] = val
+        if ql > 1 and pos >= ctx:  # a prefill's new token: read from key/value
+            (c.key if tensor == "k" else c.value)[qsl[s] + pos - ctx, head, ch] = val
+        else:  # in the cache: write the token again
+            slot = int(c.block_table[s, pos // block_size]) * block_size + pos % block_size
+            ref.reshape_and_cache(c.k_full[s][pos:pos + 1].to(dtype), c.v_full[s][pos:pos + 1].to(dtype),
+                                  c.kv_cache, torch.tensor([slot], device=device), c.k_scale, c.v_scale,
+                                  False)
+    scale = 0.3 * head_size ** -0.5  # small logits: no weight underflows in fp16
+    out = cases.poison(torch.empty_like(c.query))
+    row_block = None
+    if provider == "triton":  # the prefill row block (decode rows are blocks of one)
+        from inductor_rocm_attn.kernels.triton import configs
+
+        knobs["prefill_cfg"] = knobs.get("prefill_cfg") or configs.prefill_config(
+            head_size, num_heads // num_kv_heads, block_size, dtype, configs.interpreting())
+        row_block = knobs["prefill_cfg"].block_m
+    else:
+        knobs = {}
+    fn(out, c.query, c.key, c.value, c.kv_cache, c.query_start_loc, c.seq_lens, c.block_table,
+       scale, c.k_scale, c.v_scale, causal, sliding_window, None, None, 0.0, False, None, **knobs)
+    want = torch.cat([sdpa_visible(c.query[qsl[s]:qsl[s + 1]].cpu(), c.k_full[s], c.v_full[s],
+                                   q_start_pos=context_lens[s], scale=scale, causal=causal,
+                                   sliding_window=sliding_window, row_block=row_block)
+                      for s in range(len(query_lens))])
+    assert (~torch.isfinite(want)).any() and torch.isfinite(want).any(), "the case tests nothing"
+    assert_same_nonfinite(out, want, TOL[dtype], f"{provider} seed {seed_}")
+
+
+def check_encoder_nonfinite(provider, seq_lens, inject, *, dtype=torch.float32, num_heads=4,
+                            num_kv_heads=2, head_size=64, causal=False, sliding_window=-1,
+                            device="cpu"):
+    """encoder_attention with non-finite q/k/v entries (``inject``: ``(tensor, row, head,
+    channel, value)``, rows of the whole batch) against ``sdpa_visible`` per sequence."""
+    fn = put.kernel(provider, "encoder_attention", device=device, dtype=dtype, head_size=head_size,
+                    features=feature_names(causal=causal, sliding_window=sliding_window))
+    seed_ = seed()
+    g = torch.Generator().manual_seed(seed_)
+    cu = [0] + list(torch.tensor(seq_lens).cumsum(0).tolist())
+    t = cu[-1]
+    qkv = {n: torch.randn(t, h, head_size, generator=g).to(dtype)
+           for n, h in (("q", num_heads), ("k", num_kv_heads), ("v", num_kv_heads))}
+    for tensor, row, head, ch, val in inject:
+        qkv[tensor][row, head, ch] = val
+    scale = 0.3 * head_size ** -0.5
+    out = cases.poison(torch.empty(t, num_heads, head_size, dtype=dtype, device=device))
+    q, k, v = (qkv[n].to(device) for n in "qkv")
+    knobs, row_block = {}, None
+    if provider == "triton":  # the row block of the Triton kernel
+        from inductor_rocm_attn.kernels.triton import configs
+
+        knobs["cfg"] = configs.prefill_config(head_size, num_heads // num_kv_heads, 0, dtype,
+                                              configs.interpreting())
+        row_block = knobs["cfg"].block_m
+    fn(out, q, k, v, torch.tensor(cu, dtype=torch.int32, device=device), scale, causal,
+       sliding_window, None, None, 0.0, None, **knobs)
+    want = torch.cat([sdpa_visible(qkv["q"][a:b], qkv["k"][a:b], qkv["v"][a:b], q_start_pos=0,
+                                   scale=scale, causal=causal, sliding_window=sliding_window,
+                                   encoder=True, row_block=row_block)
+                      for a, b in zip(cu[:-1], cu[1:])])
+    assert (~torch.isfinite(want)).any() and torch.isfinite(want).any(), "the case tests nothing"
+    assert_same_nonfinite(out, want, TOL[dtype], f"{provider} seed {seed_}")

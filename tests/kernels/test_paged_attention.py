@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import providers_under_test as put
-from attention_checks import GPU, check_paged, seed
+from attention_checks import GPU, check_paged, check_paged_nonfinite, seed
 from inductor_rocm_attn.kernels.triton.configs import PAGED_K_ROWS, DecodeConfig, PrefillConfig
 
 PROVIDERS = put.providers_for("paged_attention")
@@ -186,6 +186,95 @@ def test_triton_prefill_dense_paths(tma, query_lens, context_lens, kw):
                 expect_dense_tma=tma, **kw)
 
 
+# --- padding rows past the batch (graph padding) ------------------------------------------------
+
+# The output sits between guard rows (``cases.Guarded``) and its padding rows are poisoned:
+# both must be bit-identical afterwards, and every real row right. The interpreter's prefill
+# row block is 16 rows (``configs.prefill_config``): the padding crosses row-block boundaries,
+# sequences of length 0 sit in the middle and at the end, and the token counts are multiples
+# of no tile.
+PAD_CASES = [
+    # id, query_lens, context_lens, padding rows, kwargs
+    ("prefill2_pad14", [2], [0], 14, {}),  # the smallest case: 2 + 14 rows, BLOCK_M 16
+    ("prefill_pad_two_blocks", [2], [5], 37, {}),
+    ("mixed_empty_middle", [1, 5, 0, 19], [30, 7, 12, 3], 29, {}),
+    ("prefill_empty_end", [1, 7, 0], [20, 0, 9], 20, dict(sliding_window=5)),
+    ("decode_split_empty_end", [1, 1, 0], [17, 40, 5], 17, dict(num_splits=3, sinks=True)),
+    ("long_prefill_last_hints", [3, 33], [0, 10], 13, dict(hints=True)),
+    ("noncausal_mixed", [1, 5, 0, 19], [30, 7, 12, 3], 29, dict(causal=False, alibi=True)),
+    ("key_from_cache", [4, 0, 18], [3, 2, 0], 30, dict(key_from_cache=True)),
+]
+PAD_PARAMS = dict(argnames="query_lens,context_lens,pad_rows,kw", argvalues=[c[1:] for c in PAD_CASES],
+                  ids=[c[0] for c in PAD_CASES])
+
+
+@cpu_only
+@pytest.mark.parametrize(**PAD_PARAMS)
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_paged_attention_padding_rows(provider, query_lens, context_lens, pad_rows, kw):
+    check_paged(provider, query_lens, context_lens, pad_rows=pad_rows, **kw)
+
+
+@cpu_only
+@pytest.mark.parametrize("prefill_cfg", [PrefillConfig(16, 16, 4, 1), PrefillConfig(32, 16, 4, 1)],
+                         ids=["block_m16", "block_m32"])
+@pytest.mark.parametrize("longest_first", [True, False], ids=["longest_first", "grid_order"])
+@pytest.mark.parametrize(**PAD_PARAMS)
+def test_triton_padding_rows_row_order(query_lens, context_lens, pad_rows, kw, longest_first,
+                                       prefill_cfg):
+    """Every row order and row-block size: a program whose row block lies outside its
+    sequence's rows (padding, an empty sequence) exits before it loads or stores anything."""
+    check_paged("triton", query_lens, context_lens, pad_rows=pad_rows, prefill_cfg=prefill_cfg,
+                prefill_changes=dict(longest_first=longest_first), **kw)
+
+
+# --- non-finite inputs: NaN / +-inf propagate as float64 SDPA over each row's visible keys -----
+
+NAN, INF = float("nan"), float("inf")
+# Batch: a decode (context 30), a 7-token prefill on a 12-token prefix, a 20-token prefill on
+# a 5-token prefix (rows 0..15 and 16..19 in the interpreter's 16-row blocks). Entries:
+# (tensor, seq, pos, head, channel, value), pos a query row ("q") or key position ("k"/"v").
+NONFINITE_CASES = [
+    ("q_nan", [("q", 2, 3, 1, 5, NAN)], {}),
+    ("k_nan_context", [("k", 1, 4, 0, 2, NAN)], {}),
+    ("k_inf_new_token", [("k", 2, 15, 1, 7, INF)], {}),  # rows >= 10 see it: NaN or weight 0
+    ("k_neg_inf_new_token", [("k", 2, 8, 0, 1, -INF)], {}),
+    ("v_inf_new_token", [("v", 2, 15, 1, 3, INF)], {}),  # rows 0..9 of its row block mask it
+    ("v_nan_new_token", [("v", 2, 17, 0, 0, NAN)], {}),
+    ("v_nan_context", [("v", 1, 4, 1, 9, NAN)], {}),
+    ("v_both_infs_one_channel", [("v", 2, 7, 0, 6, INF), ("v", 2, 13, 0, 6, -INF)], {}),
+    ("decode_k_nan_split", [("k", 0, 17, 0, 0, NAN)], dict(num_splits=3)),
+    ("decode_v_neg_inf_own_token", [("v", 0, 30, 1, 4, -INF)], dict(num_splits=2)),
+    ("window_v_nan_masked_both_sides", [("v", 2, 8, 0, 0, NAN)], dict(sliding_window=4)),
+    ("window_k_nan_context_edge", [("k", 2, 3, 1, 2, NAN)], dict(sliding_window=6)),
+    ("noncausal_window_v_inf", [("v", 2, 8, 1, 1, INF)], dict(causal=False, sliding_window=4)),
+    ("noncausal_q_nan_k_inf", [("q", 1, 2, 3, 0, NAN), ("k", 2, 20, 0, 5, INF)], dict(causal=False)),
+]
+NONFINITE_PARAMS = dict(argnames="inject,kw", argvalues=[c[1:] for c in NONFINITE_CASES],
+                        ids=[c[0] for c in NONFINITE_CASES])
+NONFINITE_BATCH = ([1, 7, 20], [30, 12, 5])
+
+
+@cpu_only
+@pytest.mark.parametrize(**NONFINITE_PARAMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_paged_attention_nonfinite(provider, dtype, inject, kw):
+    """A NaN query gives NaN for its row and head; NaN / inf in a key's K or V gives NaN /
+    +-inf exactly where float64 SDPA over each row's visible keys does; rows that mask the
+    key (also rows of the same kernel tile) are not affected."""
+    check_paged_nonfinite(provider, *NONFINITE_BATCH, inject, dtype=dtype, **kw)
+
+
+@cpu_only
+@pytest.mark.parametrize("kind", ["rows3", "streams", "keys3"])
+@pytest.mark.parametrize("inject", [[("k", 0, 17, 0, 0, NAN)], [("v", 0, 3, 1, 4, INF)],
+                                    [("q", 0, 0, 2, 1, NAN)]], ids=["k_nan", "v_inf", "q_nan"])
+def test_triton_decode_kinds_nonfinite(kind, inject):
+    check_paged_nonfinite("triton", *NONFINITE_BATCH, inject, dtype=torch.float16,
+                          decode_cfg=DecodeConfig(32, 2, 1, kind), num_splits=2)
+
+
 # --- GPU matrix ------------------------------------------------------------------------------
 
 GPU_CASES = [
@@ -208,6 +297,7 @@ GPU_FEATURES = [  # every provider
     ("plain", dict()),
     ("window_alibi", dict(sliding_window=300, alibi=True)),
     ("sinks_softcap_noncausal", dict(sinks=True, softcap=8.0, causal=False)),
+    ("window_noncausal", dict(sliding_window=300, causal=False)),  # one-sided: later keys visible
 ]
 TRITON_GPU_FEATURES = [  # Triton launch knobs: splits, decode kinds
     ("split", dict(num_splits=7)),
@@ -312,6 +402,67 @@ def test_triton_prefill_dense_paths_gpu(tma, dtype, kw):
     changes = {**kw.pop("prefill_changes", {}), "dense_tma": tma}
     check_paged("triton", [1, 300, 1, 77, 130], [2000, 1200, 1, 0, 5], dtype=dtype, device=GPU,
                 prefill_changes=changes, expect_dense_tma=tma, **kw)
+
+
+# GPU row blocks are 64-128 rows (configs.prefill_config): padding of 128-300 rows crosses
+# several; the compute-sanitizer memcheck run goes over these.
+GPU_PAD_CASES = [
+    ("prefill2_pad254", [2], [0], 254),
+    ("mixed_empty_middle_pad300", [1, 130, 0, 77, 1], [900, 40, 50, 0, 33], 300),
+    ("prefill_empty_end_pad128", [1, 300, 0], [2000, 1200, 9], 128),
+    ("decode_empty_end_pad129", [1, 1, 0, 1], [1500, 40, 7, 300], 129),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("query_lens,context_lens,pad_rows", [c[1:] for c in GPU_PAD_CASES],
+                         ids=[c[0] for c in GPU_PAD_CASES])
+@pytest.mark.parametrize("geom", [dict(num_heads=32, num_kv_heads=8, head_size=128),
+                                  dict(num_heads=8, num_kv_heads=8, head_size=64, causal=False)],
+                         ids=["gqa4_d128", "mha_d64_noncausal"])
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_paged_attention_padding_rows_gpu(provider, query_lens, context_lens, pad_rows, geom):
+    check_paged(provider, query_lens, context_lens, pad_rows=pad_rows, dtype=torch.bfloat16,
+                device=GPU, **geom)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("query_lens,context_lens,pad_rows", [c[1:] for c in GPU_PAD_CASES],
+                         ids=[c[0] for c in GPU_PAD_CASES])
+@pytest.mark.parametrize("knobs", [
+    dict(prefill_changes=dict(longest_first=False)), dict(prefill_changes=dict(dense_tma=False)),
+    dict(num_splits=5, hints=True), dict(key_from_cache=True, sliding_window=100),
+], ids=["grid_order", "dense_pointers", "split5_hints", "key_none_window"])
+def test_triton_padding_rows_gpu(query_lens, context_lens, pad_rows, knobs):
+    check_paged("triton", query_lens, context_lens, pad_rows=pad_rows, dtype=torch.bfloat16,
+                device=GPU, num_heads=32, num_kv_heads=8, head_size=128, **knobs)
+
+
+# GPU tiles (64-128 rows, 16-128 keys): the entries sit inside row blocks and key tiles.
+GPU_NONFINITE_BATCH = ([1, 130, 300], [2000, 40, 900])
+GPU_NONFINITE_CASES = [
+    ("q_nan", [("q", 2, 70, 1, 5, NAN)], {}),
+    ("k_nan_context", [("k", 2, 333, 0, 2, NAN)], {}),
+    ("k_inf_new_token", [("k", 2, 900 + 200, 3, 7, INF)], {}),
+    ("v_inf_new_token", [("v", 2, 900 + 150, 1, 3, INF)], {}),
+    ("v_nan_new_token_window", [("v", 1, 40 + 60, 0, 0, NAN)], dict(sliding_window=50)),
+    ("v_both_infs", [("v", 2, 900 + 10, 0, 6, INF), ("v", 2, 900 + 100, 0, 6, -INF)], {}),
+    ("decode_k_nan", [("k", 0, 1234, 0, 0, NAN)], {}),
+    ("decode_v_inf_split", [("v", 0, 77, 2, 9, INF)], dict(num_splits=8)),
+    ("noncausal_window_v_inf", [("v", 2, 900 + 40, 1, 1, INF)], dict(causal=False, sliding_window=64)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inject,kw", [c[1:] for c in GPU_NONFINITE_CASES],
+                         ids=[c[0] for c in GPU_NONFINITE_CASES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_paged_attention_nonfinite_gpu(provider, dtype, inject, kw):
+    """The GPU's default float max drops NaN (the interpreter's keeps it): the outputs agree
+    anyway, since a NaN score reaches its row through its own weight exp2(NaN - m)."""
+    check_paged_nonfinite(provider, *GPU_NONFINITE_BATCH, inject, dtype=dtype, device=GPU,
+                          num_heads=32, num_kv_heads=8, head_size=128, **kw)
 
 
 @pytest.mark.gpu

@@ -11,8 +11,9 @@ import providers_under_test as put
 from inductor_rocm_attn.kernels.triton.configs import WriterConfig
 from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache, cache_x, k_view, v_view
 from writer_checks import (
-    DEV, GPU_DTYPES, GPU_GEOMETRY, LAYOUTS, PREFILL_TILES, assert_cache_equal, cache_query, fp8_exact,
-    make_cache, make_qkv, oracle_write, pad_slots, prefill_case, scales, split,
+    DEV, GPU_DTYPES, GPU_GEOMETRY, GPU_PAD_CASES, LAYOUTS, PAD_CASES, PREFILL_TILES, assert_cache_equal,
+    cache_query, fp8_exact, guarded_cache, make_cache, make_qkv, oracle_write, pad_slots, padded_slots,
+    prefill_case, scales, split,
 )
 
 OP = "reshape_and_cache"
@@ -71,6 +72,53 @@ def test_reshape_and_cache_fp8_exact_values(provider, cache_dtype, layout, inter
     assert_cache_equal(out.cpu(), expected, cache_dtype, exact=True)
 
 
+def _nonfinite(provider, dtype, cache_dtype):
+    t, hkv, d = 9, 2, 64
+    cache, slots = make_cache(16, hkv, d, cache_dtype, CacheLayout.LHBNC, t, seed=3)
+    fn = _kernel(provider, cache, dtype, d, True)
+    expected = cache.cpu().clone()
+    k = fp8_exact((t, hkv, d), dtype, 0.5, 1)
+    v = fp8_exact((t, hkv, d), dtype, 0.25, 2)
+    if cache_dtype == torch.float8_e5m2:  # e5m2 grid is coarser: snap the inputs to it
+        k = (k.float() / 0.5).to(cache_dtype).float().mul(0.5).to(dtype)
+        v = (v.float() / 0.25).to(cache_dtype).float().mul(0.25).to(dtype)
+    for x in (k, v):
+        x[0, 0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+        x[t - 1, 1, 5] = float("nan")
+    ks, vs = scales(dtype, 0.5, 0.25)
+    fn(k, v, cache, slots.to(DEV), ks, vs, True)
+    oracle_write(expected, k.cpu(), v.cpu(), slots, ks.cpu(), vs.cpu(), True)
+    got = cache.cpu()
+    # NaN stays NaN (its bit pattern may differ); everything else bit for bit: an fp16/bf16
+    # cache copies +-inf, an fp8 cache saturates it to +-fp8 max (quantize = divide, saturate).
+    nan_got, nan_want = got.float().isnan(), expected.float().isnan()
+    assert torch.equal(nan_got, nan_want), f"NaN at {int((nan_got ^ nan_want).sum())} other places"
+    bits = {1: torch.uint8, 2: torch.int16}[got.element_size()]
+    same = got.view(bits) == expected.view(bits)
+    assert bool((same | nan_want).all()), f"{int((~same & ~nan_want).sum())} non-NaN elements differ"
+    assert int((expected.float().isinf() | (expected.float().abs() == torch.finfo(cache_dtype).max)).sum()) >= 4, \
+        "the case tests nothing"
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e5m2, torch.float8_e4m3fn],
+                         ids=["fp16", "e5m2", "e4m3"])
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_reshape_and_cache_nonfinite(provider, cache_dtype):
+    """A NaN key/value is written as NaN in every cache dtype; +-inf is copied into a model-dtype
+    cache and saturates to +-max in an fp8 one."""
+    if provider == "triton" and put.INTERPRETER and cache_dtype == torch.float8_e4m3fn:
+        pytest.skip("the interpreter converts NaN to e4m3 as 384 (the GPU test covers e4m3)")
+    _nonfinite(provider, torch.float16, cache_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e5m2, torch.float8_e4m3fn],
+                         ids=["bf16", "e5m2", "e4m3"])
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_reshape_and_cache_nonfinite_gpu(provider, cache_dtype):
+    _nonfinite(provider, torch.bfloat16, cache_dtype)
+
+
 @pytest.mark.parametrize("block_size,block_t,dtype,interleaved_v,layout", PREFILL_TILES)
 def test_triton_prefill_tiles(block_size, block_t, dtype, interleaved_v, layout):
     """Tiles of consecutive slots take the contiguous-store path (``WriterConfig.block_t``)."""
@@ -84,6 +132,44 @@ def test_triton_prefill_tiles(block_size, block_t, dtype, interleaved_v, layout)
     oracle_write(expected, k.view(t, 2, 64).cpu(), v.cpu(), slots.cpu(), ks.cpu(), vs.cpu(),
                  interleaved_v)
     assert_cache_equal(cache.cpu(), expected, dtype, exact=True)
+
+
+def _padding(provider, t, n_slots, n_real, block_t, *, dtype, cache_dtype, hkv, d, block_size,
+             interleaved_v):
+    num_blocks = max(1, n_real) // block_size + 3
+    guarded = guarded_cache(block_size, hkv, d, cache_dtype, num_blocks)
+    cache = guarded.t
+    fn = _kernel(provider, cache, dtype, d, interleaved_v)
+    expected = cache.cpu().clone()
+    qkv = make_qkv(t, 2, hkv, d, dtype, seed=t + n_real)
+    _, k, v = split(qkv, 2, hkv, d)
+    k = k.view(t, hkv, d)
+    slots = padded_slots(num_blocks * block_size, t, n_slots, n_real, seed=n_slots)
+    ks, vs = scales(dtype)
+    fn(k, v, cache, slots, ks, vs, interleaved_v,
+       **(dict(cfg=WriterConfig(block_t)) if provider == "triton" and block_t else {}))
+    oracle_write(expected, k.cpu(), v.cpu(), slots.cpu(), ks.cpu(), vs.cpu(), interleaved_v)
+    assert_cache_equal(cache.cpu(), expected, cache_dtype, exact=cache_dtype == dtype)
+    guarded.assert_intact("kv_cache")
+
+
+@pytest.mark.parametrize("t,n_slots,n_real,block_t", PAD_CASES)
+@pytest.mark.parametrize("interleaved_v", [False, True])
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_reshape_and_cache_padding(provider, t, n_slots, n_real, block_t, interleaved_v):
+    """Padding tokens (slot -1, tokens past slot_mapping) across token tiles: no byte of the
+    cache outside the real tokens' slots changes, nothing past the cache is written."""
+    _padding(provider, t, n_slots, n_real, block_t, dtype=torch.float16, cache_dtype=torch.float16,
+             hkv=2, d=64, block_size=16, interleaved_v=interleaved_v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,n_slots,n_real,block_t", GPU_PAD_CASES)
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "e4m3"])
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_reshape_and_cache_padding_gpu(provider, t, n_slots, n_real, block_t, cache_dtype):
+    _padding(provider, t, n_slots, n_real, block_t, dtype=torch.bfloat16, cache_dtype=cache_dtype,
+             hkv=8, d=128, block_size=16, interleaved_v=True)
 
 
 @pytest.mark.gpu

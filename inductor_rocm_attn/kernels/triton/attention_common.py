@@ -9,7 +9,8 @@
 - ``_paged_inner`` / ``_dense_inner``: online softmax over tiles of the paged cache, and over
   a dense ``[tokens, heads, HEAD]`` key/value pair (pointers or TMA descriptors).
 - ``_plan`` / ``_tiles``: which key tiles a row block sees, and which of them need no mask.
-- ``_find_seq`` (row block -> sequence of a varlen batch) and ``_store_rows`` (epilogue).
+- ``_row_block`` (program -> sequence and row block of a varlen batch, through
+  ``_find_seq``) and ``_store_rows`` (epilogue).
 
 ``TL_DTYPES`` maps the compute dtype of a launch to the ``COMPUTE`` constexpr.
 """
@@ -39,14 +40,28 @@ def _attn_update(
     sm_scale, softcap, window,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    RESCALE_MARGIN: tl.constexpr,
+    RESCALE_MARGIN: tl.constexpr, WINDOW_BOTH_SIDES: tl.constexpr = False,
 ):
     """One key tile of online softmax: scale, soft cap, ALiBi, mask, then the rescaled sums.
+
+    The sliding window keeps ``q - k < window``; with ``WINDOW_BOTH_SIDES`` (encoder layers)
+    also ``k - q < window``. A decoder's window is one-sided: keys after the query stay
+    visible when it is not causal (docs/design.md, "Sliding window").
 
     Without soft cap and ALiBi the scores stay unscaled: the row max is taken on them and
     scaled once a row, and each ``exp2(qk * c - m)`` is one FFMA instead of a multiply
     and a subtract per score (``sm_scale`` > 0, checked by ``validation.check_softmax_scale``,
     so the max commutes with the scaling).
+
+    Non-finite inputs (as float64 SDPA over the keys a row sees): a NaN or +inf score of a
+    visible key reaches its row through its own weight ``exp2(s - m)`` = NaN, whatever the
+    running max did with it. (The GPU's float max drops NaN, the interpreter's keeps it: the
+    output is the same.) A masked score is -inf whatever its K. A NaN or +-inf value (V)
+    enters the ``P V`` product of its tile, where a row that masks the key multiplies it by
+    a weight of 0: such a row gets NaN in that channel too. So a non-finite V of a key
+    reaches every row of a row block in which some row sees the key (for decode tiles, all
+    rows see the same keys); an exact per-row treatment costs registers and barriers in
+    every masked tile (measured in the sm_90 SASS: spills in the loops).
     """
     qk = tl.dot(q, k, input_precision=DOT_PRECISION)
     RAW: tl.constexpr = not USE_SOFTCAP and not USE_ALIBI
@@ -65,7 +80,7 @@ def _attn_update(
             keep = keep & (k_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             keep = keep & ((q_pos[:, None] - k_pos[None, :]) < window)
-            if not CAUSAL:
+            if WINDOW_BOTH_SIDES and not CAUSAL:
                 keep = keep & ((k_pos[None, :] - q_pos[:, None]) < window)
         s = tl.where(keep, s, float("-inf"))
     if RAW:
@@ -105,8 +120,10 @@ def _attn_update(
 
 
 @triton.jit
-def _plan(src_lo, src_hi, p0, p1, window, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr):
-    """Keys of a source ``[src_lo, src_hi)`` seen by query positions ``[p0, p1)``.
+def _plan(src_lo, src_hi, p0, p1, window, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
+          WINDOW_BOTH_SIDES: tl.constexpr = False):
+    """Keys of a source ``[src_lo, src_hi)`` seen by query positions ``[p0, p1)`` (the
+    window as in ``_attn_update``).
 
     Returns ``lo, hi`` (seen by some row) and ``full_lo, full_hi`` (seen by every row).
     """
@@ -120,7 +137,7 @@ def _plan(src_lo, src_hi, p0, p1, window, CAUSAL: tl.constexpr, USE_WINDOW: tl.c
     if USE_WINDOW:
         lo = tl.maximum(lo, p0 - window + 1)
         full_lo = tl.maximum(full_lo, p1 - window)
-        if not CAUSAL:
+        if WINDOW_BOTH_SIDES and not CAUSAL:
             hi = tl.minimum(hi, p1 - 1 + window)
             full_hi = tl.minimum(full_hi, p0 + window)
     hi = tl.maximum(hi, lo)
@@ -364,6 +381,7 @@ def _dense_inner(
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr, MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, RESCALE_MARGIN: tl.constexpr, TMA: tl.constexpr,
+    WINDOW_BOTH_SIDES: tl.constexpr = False,
 ):
     """Online softmax over key tiles of a dense ``[tokens, heads, HEAD]`` key/value pair.
 
@@ -406,7 +424,7 @@ def _dense_inner(
             acc, m_i, l_i, q, k.to(COMPUTE), v.to(COMPUTE), q_pos, k_pos, k_ok, slope, sm_scale,
             softcap, window, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW, USE_ALIBI=USE_ALIBI,
             USE_SOFTCAP=USE_SOFTCAP, MASK=MASK, DOT_PRECISION=DOT_PRECISION,
-            RESCALE_MARGIN=RESCALE_MARGIN)
+            RESCALE_MARGIN=RESCALE_MARGIN, WINDOW_BOTH_SIDES=WINDOW_BOTH_SIDES)
     return acc, m_i, l_i
 
 
@@ -427,6 +445,30 @@ def _find_seq(cu_ptr, num_seqs, pid, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _row_block(cu_ptr, num_seqs, pid, BLOCK_M: tl.constexpr, LAST_FIRST: tl.constexpr):
+    """Program ``pid`` of a varlen grid ``(num_tokens // BLOCK_M + num_seqs, ...)``: its
+    sequence, the sequence's first row and length, its row block and whether that block
+    holds rows of the sequence.
+
+    Sequence s owns the virtual blocks from ``cu[s] // BLOCK_M + s`` on (``_find_seq``), one
+    more than its rows need at most; programs past ``cu[-1]`` (padding rows) map onto the
+    last sequence. Only blocks ``0 .. cdiv(len, BLOCK_M) - 1`` hold rows: for any other
+    (padding, an empty sequence, a sequence's spare block) ``ok`` is False and the caller
+    returns before its first load or store. ``LAST_FIRST`` runs a sequence's blocks last
+    first; it permutes only the blocks that hold rows, so a block outside them never turns
+    into a negative row index.
+    """
+    seq = _find_seq(cu_ptr, num_seqs, pid, BLOCK_M=BLOCK_M)
+    start = tl.load(cu_ptr + seq)
+    length = tl.load(cu_ptr + seq + 1) - start
+    tile = pid - (start // BLOCK_M + seq)
+    ok = (tile >= 0) & (tile * BLOCK_M < length)
+    if LAST_FIRST:
+        tile = (length + BLOCK_M - 1) // BLOCK_M - 1 - tile
+    return seq, start, length, tile, ok
+
+
+@triton.jit
 def _store_rows(out_ptrs, acc, l_i, v_scale, out_scale, mask,
                 USE_OUT_SCALE: tl.constexpr, OUT_MAX: tl.constexpr):
     """Normalise, dequantise V, optionally quantise to fp8, store."""
@@ -434,7 +476,8 @@ def _store_rows(out_ptrs, acc, l_i, v_scale, out_scale, mask,
     inv = tl.where(l_i > 0.0, v_scale / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
     out = acc * inv[:, None]
     if USE_OUT_SCALE:
-        out = tl.minimum(tl.maximum(out / out_scale, -OUT_MAX), OUT_MAX)
+        # Saturate to the fp8 range; NaN stays NaN (the GPU's default min/max drop it).
+        out = tl.clamp(out / out_scale, -OUT_MAX, OUT_MAX, propagate_nan=tl.PropagateNan.ALL)
     tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=mask)
 
 

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ...layout import fp8_max
-from .attention_common import TL_DTYPES, _LOG2E, _dense_inner, _find_seq, _plan, _store_rows, _tiles
+from .attention_common import TL_DTYPES, _LOG2E, _dense_inner, _plan, _row_block, _store_rows, _tiles
 from .configs import PrefillConfig, interpreting, prefill_config
 
 __all__ = ["encoder_attention"]
@@ -36,17 +36,18 @@ def _encoder_attention_kernel(
     """Grid ``(num_tokens // BLOCK_M + num_seqs, num_heads)`` (as the prefill kernel).
 
     q/out ``[num_tokens, num_heads, HEAD_SIZE]``, k/v ``[num_tokens, num_kv_heads, HEAD_SIZE]``;
-    sequence s is rows ``cu_seqlens[s] : cu_seqlens[s+1]``, positions from 0.
+    sequence s is rows ``cu_seqlens[s] : cu_seqlens[s+1]``, positions from 0. The sliding
+    window keeps ``abs(q - k) < window`` (``0 <= q - k < window`` when causal).
     """
     tl.static_assert(BLOCK_D >= HEAD_SIZE and (BLOCK_D & (BLOCK_D - 1)) == 0,
                      "BLOCK_D is the head size rounded up to a power of two")
     pid = tl.program_id(0)
     head = tl.program_id(1)
-    seq = _find_seq(cu_seqlens_ptr, num_seqs, pid, BLOCK_M=BLOCK_M)
-    start = tl.load(cu_seqlens_ptr + seq)
-    seq_len = tl.load(cu_seqlens_ptr + seq + 1) - start
-    q_tile = pid - (start // BLOCK_M + seq)
-    if q_tile * BLOCK_M >= seq_len:
+    # A program without rows (padding past cu_seqlens[-1], an empty sequence, a spare row
+    # block) returns before any load or store.
+    seq, start, seq_len, q_tile, ok = _row_block(cu_seqlens_ptr, num_seqs, pid, BLOCK_M=BLOCK_M,
+                                                 LAST_FIRST=False)
+    if not ok:
         return
     kv_head = head // GQA
 
@@ -72,7 +73,9 @@ def _encoder_attention_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
 
     zero = seq_len * 0
-    lo, hi, f_lo, f_hi = _plan(zero, seq_len, p0, p1, window, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW)
+    # An encoder's window bounds keys on both sides of the query (a decoder's: before it).
+    lo, hi, f_lo, f_hi = _plan(zero, seq_len, p0, p1, window, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW,
+                               WINDOW_BOTH_SIDES=True)
     t0, t1, t2, t3 = _tiles(lo, hi, f_lo, f_hi, zero, TILE=BLOCK_N)
     k_base = k_ptr + start.to(tl.int64) * stride_kt + kv_head * stride_kh
     v_base = v_ptr + start.to(tl.int64) * stride_vt + kv_head * stride_vh
@@ -81,19 +84,22 @@ def _encoder_attention_kernel(
         stride_kt, stride_vt, zero, t0, t1, lo, hi, start, 0,
         COMPUTE=COMPUTE, HEAD_SIZE=HEAD_SIZE, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL,
         USE_WINDOW=USE_WINDOW, USE_ALIBI=USE_ALIBI, USE_SOFTCAP=USE_SOFTCAP, MASK=True,
-        DOT_PRECISION=DOT_PRECISION, RESCALE_MARGIN=RESCALE_MARGIN, TMA=False)
+        DOT_PRECISION=DOT_PRECISION, RESCALE_MARGIN=RESCALE_MARGIN, TMA=False,
+        WINDOW_BOTH_SIDES=True)
     acc, m_i, l_i = _dense_inner(
         acc, m_i, l_i, q, offs_m, slope, sm_scale, softcap, window, k_base, v_base,
         stride_kt, stride_vt, zero, t1, t2, lo, hi, start, 0,
         COMPUTE=COMPUTE, HEAD_SIZE=HEAD_SIZE, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL,
         USE_WINDOW=USE_WINDOW, USE_ALIBI=USE_ALIBI, USE_SOFTCAP=USE_SOFTCAP, MASK=False,
-        DOT_PRECISION=DOT_PRECISION, RESCALE_MARGIN=RESCALE_MARGIN, TMA=False)
+        DOT_PRECISION=DOT_PRECISION, RESCALE_MARGIN=RESCALE_MARGIN, TMA=False,
+        WINDOW_BOTH_SIDES=True)
     acc, m_i, l_i = _dense_inner(
         acc, m_i, l_i, q, offs_m, slope, sm_scale, softcap, window, k_base, v_base,
         stride_kt, stride_vt, zero, t2, t3, lo, hi, start, 0,
         COMPUTE=COMPUTE, HEAD_SIZE=HEAD_SIZE, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL,
         USE_WINDOW=USE_WINDOW, USE_ALIBI=USE_ALIBI, USE_SOFTCAP=USE_SOFTCAP, MASK=True,
-        DOT_PRECISION=DOT_PRECISION, RESCALE_MARGIN=RESCALE_MARGIN, TMA=False)
+        DOT_PRECISION=DOT_PRECISION, RESCALE_MARGIN=RESCALE_MARGIN, TMA=False,
+        WINDOW_BOTH_SIDES=True)
 
     out_scale = 1.0
     if USE_OUT_SCALE:

@@ -114,11 +114,17 @@ def paged_attention(
     query_start_loc ``[num_seqs + 1]``, seq_lens ``[num_seqs]``, block_table
     ``[num_seqs, max_blocks]`` (int32/int64); k_scale/v_scale/output_scale ``[1]`` fp32;
     alibi_slopes/sinks ``[num_heads]``. ``max_query_len``/``max_seq_len`` (host ints, optional)
-    only steer launches: max_query_len == 1 skips the prefill launch, max_seq_len bounds the
-    KV split count; with it, sequences of 2..``verify_max_query_len`` query tokens run in the
-    verify kernel. Keyword-only (tests, benchmarks): ``num_splits`` fixes the KV splits (decode
-    and verify); ``decode_cfg``/``prefill_cfg``/``verify_cfg`` replace the tuned
-    ``configs.decode_config`` / ``prefill_config`` / ``verify_config``; ``target`` the queried
+    only steer launches. What the launcher relies on: ``max_query_len`` >= the true longest
+    query. With ``max_query_len <= 1`` the prefill and verify launches are skipped; with
+    ``max_query_len <= verify_max_query_len`` the prefill launch is skipped and sequences of
+    2..``verify_max_query_len`` query tokens run in the verify kernel. A sequence longer than
+    the hint would be left unwritten (the caller, or validation on CPU, must keep the hint >=
+    the true maximum; None launches every path, whose programs without rows of their kind
+    return at once). ``max_seq_len`` only sets the KV split count and the one-loop choice: any
+    value gives the same result (each split reads its share of the actual ``seq_lens``).
+    Keyword-only (tests, benchmarks): ``num_splits`` fixes the KV splits (decode and verify);
+    ``decode_cfg``/``prefill_cfg``/``verify_cfg`` replace the tuned ``configs.decode_config`` /
+    ``prefill_config`` / ``verify_config``; ``target`` the queried
     ``launch_target(query.device)``; ``verify_max_query_len`` (default
     ``configs.VERIFY_MAX_QUERY_LEN``; <= 1: no verify launch) the verify kernel's longest query.
     """

@@ -227,7 +227,9 @@ def _decode_reduce_kernel(
         v_scale = tl.load(v_scale_ptr)
     out = out * tl.where(l_sum > 0.0, v_scale / tl.where(l_sum > 0.0, l_sum, 1.0), 0.0)
     if USE_OUT_SCALE:
-        out = tl.minimum(tl.maximum(out / tl.load(out_scale_ptr), -OUT_MAX), OUT_MAX)
+        # Saturate to the fp8 range; NaN stays NaN (the GPU's default min/max drop it).
+        out = tl.clamp(out / tl.load(out_scale_ptr), -OUT_MAX, OUT_MAX,
+                       propagate_nan=tl.PropagateNan.ALL)
     tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=d_ok)
 

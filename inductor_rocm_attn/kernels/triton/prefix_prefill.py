@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .attention_common import (
-    _LOG2E, _dense_inner, _find_seq, _paged_inner, _plan, _store_rows, _tiles,
+    _LOG2E, _dense_inner, _paged_inner, _plan, _row_block, _store_rows, _tiles,
 )
 
 
@@ -48,7 +48,8 @@ def _prefix_prefill_kernel(
     Row blocks vary fastest: neighbours share one head's K/V in L2 (measured:
     heads-fastest with reversed row blocks ran 353 TFLOP/s against 399 for this order).
     With ``LONGEST_FIRST`` (causal) each sequence's row blocks run last-first: a later block
-    sees more keys, so the long ones start early and the short ones fill the tail.
+    sees more keys, so the long ones start early and the short ones fill the tail. Programs
+    with no rows of a prefill sequence return first (``_row_block``).
 
     q/out ``[num_tokens, num_heads, HEAD_SIZE]``, k/v ``[num_tokens, num_kv_heads, HEAD_SIZE]``,
     caches as ``layout.k_view`` / ``layout.v_view``, block_table ``[num_seqs, max_blocks]``.
@@ -62,13 +63,11 @@ def _prefix_prefill_kernel(
                      "row and key tiles are powers of two")
     pid = tl.program_id(0)
     head = tl.program_id(1)
-    seq = _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_M=BLOCK_M)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_tile = pid - (q_start // BLOCK_M + seq)
-    if LONGEST_FIRST:  # the sequence's virtual row blocks, last first
-        q_tile = (q_start + q_len) // BLOCK_M - q_start // BLOCK_M - q_tile
-    if q_len <= 1 or q_tile * BLOCK_M >= q_len:
+    # A program without rows of a prefill sequence (padding past the batch, an empty or
+    # decode sequence, a spare row block) returns before any load or store.
+    seq, q_start, q_len, q_tile, ok = _row_block(query_start_loc_ptr, num_seqs, pid,
+                                                 BLOCK_M=BLOCK_M, LAST_FIRST=LONGEST_FIRST)
+    if q_len <= 1 or not ok:
         return
     if SHORT_QUERY_MAX > 1:
         if q_len <= SHORT_QUERY_MAX:  # a verify-sized sequence: paged_verify.py owns it

@@ -28,10 +28,11 @@ __all__ = ["reshape_and_cache"]
 
 @triton.jit
 def _quantize(x, scale, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
-    """fp32 values -> what the cache stores, still fp32: fp8 divides by the scale and saturates."""
+    """fp32 values -> what the cache stores, still fp32: fp8 divides by the scale and
+    saturates (+-inf to +-FP8_MAX); NaN stays NaN (the GPU's default min/max would turn it
+    into -FP8_MAX)."""
     if IS_FP8:
-        x = x / scale
-        x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+        x = tl.clamp(x / scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     return x
 
 
