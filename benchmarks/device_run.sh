@@ -5,8 +5,9 @@
 #   run: bash benchmarks/device_run.sh   (carry [".aiter"] to include the AITER provider tests)
 #   STAGES="tests model_step" bash benchmarks/device_run.sh   runs only those stages, in order
 #   (stages: tests model_step memcheck decode decode_grid prefill cache_writers decode_seq
-#    decode_bs64 decode_model_shape decode_stages decode_keys compile_time; the old names
-#    e2e, writers, decode_e2e_shape still work)
+#    decode_bs64 decode_model_shape decode_stages decode_keys compile_time transformers; the
+#    old names e2e, writers, decode_e2e_shape still work)
+#   TRANSFORMERS_ARGS="--model llama-3.2-1b" passes arguments to the transformers stage
 #   TEST_FILES=tests/kernels/test_paged_attention.py limits the tests stage to those files
 #   MEMCHECK_FILTER="dense_paths|plain" limits the memcheck stage to test ids matching it
 set -u
@@ -75,6 +76,15 @@ run_memcheck() {
   grep -h "ERROR SUMMARY" $OUT/tests/memcheck*.log | sort | uniq -c | tee -a $LOG
   tar czf $OUT/memcheck.tgz -C $OUT tests/memcheck.ids $(cd $OUT && ls tests/memcheck*.log)
 }
+run_transformers() {
+  # transformers models (Qwen3-0.6B / Llama-3.2-1B shapes): ours vs sdpa / static+compile /
+  # transformers' continuous batching; the bench writes its JSON after every variant and skips
+  # variants that would start past its deadline, so the outer limit only catches a hang.
+  stage transformers; mkdir -p $OUT/transformers
+  timeout ${TRANSFORMERS_S:-300} python3 benchmarks/bench_transformers.py --out $OUT/transformers \
+    --deadline-s ${TRANSFORMERS_DEADLINE_S:-230} ${TRANSFORMERS_ARGS:-} >>$LOG 2>&1; echo "rc=$?" >>$LOG
+  pack transformers
+}
 run_bench() {
   local b=$1
   stage $b-bench; mkdir -p $OUT/$b
@@ -105,6 +115,7 @@ for st in ${STAGES:-tests model_step decode prefill cache_writers}; do
   case $st in
     tests) run_tests;;
     model_step|e2e) run_model_step;;
+    transformers) run_transformers;;
     memcheck) run_memcheck;;
     *) run_bench $st;;
   esac

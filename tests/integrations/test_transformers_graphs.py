@@ -22,7 +22,9 @@ from inductor_rocm_attn.compilation import RerunGraphBackend  # noqa: E402
 from inductor_rocm_attn.forward_context import get_layer, registered_layers  # noqa: E402
 from inductor_rocm_attn.integrations.batching import generate  # noqa: E402
 from inductor_rocm_attn.integrations.transformers import PagedCache  # noqa: E402
-from inductor_rocm_attn.integrations.transformers_runner import compile_transformers, eager_runner  # noqa: E402
+from inductor_rocm_attn.forward_context import set_forward_context  # noqa: E402
+from inductor_rocm_attn.integrations.transformers_runner import (  # noqa: E402
+    compile_transformers, eager_runner, step_forward)
 
 pytestmark = pytest.mark.compile
 
@@ -180,6 +182,20 @@ def test_eager_runner_matches_eager_transformers(name):
     got = generate(runner, prompts(), NEW_TOKENS, return_logits=True)
     assert got.tokens == want_tokens
     assert max(rel(a, b) for g, w in zip(got.logits, want_logits) for a, b in zip(g, w)) < TOL
+
+
+def test_trace_passes_through_the_paged_cache_hooks():
+    """A model that has a PagedCache (its planning hooks on the decoder) still traces in one
+    graph: the hooks are no-ops Dynamo can see through when no PagedCache is passed."""
+    model = build("llama", "rocm_attn", layers=1)
+    PagedCache(model, num_blocks=4)
+    runner = eager_runner(model, num_blocks=4, poison=True)
+    traced = torch.compile(step_forward(model), backend="eager", fullgraph=True)
+    md = runner.prepare([5], [0], [[0]])
+    ids = torch.tensor(prompts([5])[0])
+    with torch.no_grad(), set_forward_context(md, layers=runner.layers):
+        got = traced(ids, md.positions)
+    assert torch.equal(got, runner(ids, md))
 
 
 def test_refusals():
