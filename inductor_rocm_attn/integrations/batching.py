@@ -94,7 +94,7 @@ def generate(runner, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_to
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
     budget = max_tokens_per_step or runner.max_num_tokens
-    max_seqs = max_seqs_per_step or runner.max_num_seqs
+    max_seqs = min(max_seqs_per_step or runner.max_num_seqs, budget)  # every sequence decodes each step
     if budget < 1 or max_seqs < 1:
         raise ValueError(f"generate: a step needs room for a token and a sequence, got {budget} tokens, "
                          f"{max_seqs} sequences")
