@@ -5,11 +5,12 @@
 #   run: bash benchmarks/device_run.sh   (carry [".aiter"] to include the AITER provider tests)
 #   STAGES="tests model_step" bash benchmarks/device_run.sh   runs only those stages, in order
 #   (stages: tests model_step memcheck decode decode_grid prefill cache_writers decode_seq
-#    decode_bs64 decode_model_shape decode_stages decode_keys compile_time transformers; the
-#    old names e2e, writers, decode_e2e_shape still work)
-#   TRANSFORMERS_ARGS="--model llama-3.2-1b" passes arguments to the transformers stage
+#    decode_bs64 decode_model_shape decode_stages decode_keys compile_time; the old names
+#    e2e, writers, decode_e2e_shape still work)
 #   TEST_FILES=tests/kernels/test_paged_attention.py limits the tests stage to those files
 #   MEMCHECK_FILTER="dense_paths|plain" limits the memcheck stage to test ids matching it
+#   stage transformers: benchmarks/bench_transformers.py; TRANSFORMERS_ARGS="--model llama-3.2-1b"
+#   passes it arguments, TRANSFORMERS_DEADLINE_S / TRANSFORMERS_S its deadline and time limit
 set -u
 export PYTHONUNBUFFERED=1
 LOG=$OUT/log.txt
