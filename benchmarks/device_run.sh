@@ -12,6 +12,8 @@
 #   printed last (and kept in $OUT/tables.md)
 #   TEST_FILES=tests/kernels/test_paged_attention.py limits the tests stage to those files
 #   MEMCHECK_FILTER="dense_paths|plain" limits the memcheck stage to test ids matching it
+#   stage transformers: benchmarks/bench_transformers.py; TRANSFORMERS_ARGS="--model llama-3.2-1b"
+#   passes it arguments, TRANSFORMERS_DEADLINE_S / TRANSFORMERS_S its deadline and time limit
 set -u
 export PYTHONUNBUFFERED=1
 LOG=$OUT/log.txt
@@ -85,6 +87,15 @@ run_memcheck() {
   grep -h "ERROR SUMMARY" $OUT/tests/memcheck*.log | sort | uniq -c | tee -a $LOG
   tar czf $OUT/memcheck.tgz -C $OUT tests/memcheck.ids $(cd $OUT && ls tests/memcheck*.log)
 }
+run_transformers() {
+  # transformers models (Qwen3-0.6B / Llama-3.2-1B shapes): ours vs sdpa / static+compile /
+  # transformers' continuous batching; the bench writes its JSON after every variant and skips
+  # variants that would start past its deadline, so the outer limit only catches a hang.
+  stage transformers; mkdir -p $OUT/transformers
+  timeout ${TRANSFORMERS_S:-300} python3 benchmarks/bench_transformers.py --out $OUT/transformers \
+    --deadline-s ${TRANSFORMERS_DEADLINE_S:-230} ${TRANSFORMERS_ARGS:-} >>$LOG 2>&1; echo "rc=$?" >>$LOG
+  pack transformers
+}
 run_bench() {
   local b=$1
   stage $b-bench; mkdir -p $OUT/$b
@@ -146,6 +157,7 @@ for st in ${STAGES:-tests model_step decode prefill cache_writers}; do
   case $st in
     tests) run_tests;;
     model_step|e2e) run_model_step;;
+    transformers) run_transformers;;
     memcheck) run_memcheck;;
     native_build) stage native_build
       timeout ${BUILD_S:-300} python3 -m inductor_rocm_attn build-native --quiet >>$LOG 2>&1; echo "rc=$?" >>$LOG

@@ -43,18 +43,25 @@ def _info() -> int:
 
 
 def _demo(args) -> int:
-    from .demo import run_demo
+    import functools
+
+    from .demo import run_model_demo
 
     compile_ = not args.eager
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
-    result = run_demo(compile=compile_, device=args.device, dtype=dtype)
+    result = run_model_demo(args.model, compile=compile_, device=args.device, dtype=dtype,
+                            out=functools.partial(print, flush=True))
     return 0 if result["ok"] else 1
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m inductor_rocm_attn")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    demo = sub.add_parser("demo", help="serve a small Qwen3-style model through the paged path")
+    demo = sub.add_parser("demo", help="serve a small model through the paged path, compare with dense attention")
+    demo.add_argument("--model", default="tiny", choices=["tiny", "qwen3", "llama", "mistral", "gemma2"],
+                      help="tiny: this package's small Qwen3-style model (default); the others: that "
+                           "transformers architecture from config, random weights (needs transformers; "
+                           "tiny without it), compiled piecewise with the plugin")
     demo.add_argument("--eager", action="store_true", help="skip torch.compile")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     demo.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])

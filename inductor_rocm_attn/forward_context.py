@@ -8,6 +8,11 @@ A name resolves through the step's own layer table when the context carries one 
 object that owns its layers, e.g. the transformers integration's ``PagedCache``: two caches
 of one model, or a model and its ``copy.deepcopy``, never share state), else through the
 registry of live ``Attention`` layers, where every live layer has a unique name.
+
+The slot aliases of shared compiled code (``__rocm_attn_slot0__``, see
+``compilation.dedup``) are names in a piecewise runner's own table, which the runner enters
+with every step; they are never registered here, so they resolve the same way whether the
+layers are the model's own modules or owned by a cache object.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ if TYPE_CHECKING:
     from .metadata import AttentionMetadata
 
 __all__ = ["ForwardContext", "set_forward_context", "get_forward_context", "register_layer",
-           "register_copy", "bind_layer_alias", "get_layer", "registered_layers"]
+           "register_copy", "get_layer", "registered_layers"]
 
 # layer_name -> Attention, for every live layer. Weak, so dropping a model frees its names.
 _LAYERS: "weakref.WeakValueDictionary[str, Attention]" = weakref.WeakValueDictionary()
@@ -38,6 +43,7 @@ class ForwardContext:
 
 
 _current = ForwardContext()
+_SLOT_PREFIX = "__rocm_attn_slot"  # compilation.dedup.SLOT_PREFIX (not imported: no cycle)
 
 
 def register_layer(name: str, layer: "Attention") -> None:
@@ -66,12 +72,6 @@ def register_copy(name: str, layer: "Attention") -> str:
     raise AssertionError("unreachable")
 
 
-def bind_layer_alias(alias: str, layer: "Attention") -> None:
-    """Point ``alias`` at ``layer`` (rebinding it if needed): shared compiled code names its
-    layer by an alias that is bound to the right layer before that code runs."""
-    _LAYERS[alias] = layer
-
-
 def get_layer(name: str) -> "Attention":
     table = _current.layers
     if table is not None:
@@ -82,6 +82,9 @@ def get_layer(name: str) -> "Attention":
                 f"rocm_attn: no attention layer named {name!r} in this step's layer table "
                 f"(known: {sorted(table)[:8]}...)"
             ) from None
+    if name.startswith(_SLOT_PREFIX):
+        raise KeyError(f"rocm_attn: {name!r} is a slot alias of shared compiled code; it resolves only "
+                       "inside a step of the piecewise runner that compiled it (runner(input_ids, metadata))")
     try:
         return _LAYERS[name]
     except KeyError:

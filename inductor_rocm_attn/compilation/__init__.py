@@ -4,7 +4,9 @@
   ``ROCM_ATTN_PLUGIN`` switch: our pass manager as Inductor's post-grad custom pass.
 - ``piecewise``: ``compile_piecewise`` / ``PiecewiseRunner``: split the model at attention
   (``split``), compile each distinct piece once (``dedup``), capture one CUDA/HIP graph per
-  piece per size (``graph_backends``), run attention eagerly between the graphs.
+  piece per size (``graph_backends``), run attention eagerly between the graphs. A model
+  whose layers live elsewhere passes ``forward=`` and ``layers=`` (transformers models:
+  ``integrations.transformers_runner.compile_transformers``).
 
 >>> from inductor_rocm_attn.compilation import compile_piecewise
 >>> runner = compile_piecewise(model, capture_sizes=[1, 2, 4, 8], max_num_seqs=8)

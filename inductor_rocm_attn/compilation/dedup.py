@@ -1,7 +1,8 @@
 """Dedup of identical layers: the pieces of layers 1..L-1 become one graph, compiled once.
 
 A piece's layer names are replaced by slot aliases (``__rocm_attn_slot0__``) bound to the
-piece's own layers at run time (``bind_alias``), its nodes are renamed canonically, and a
+piece's own layers at run time (``bind_alias``, in the runner's layer table, which the
+forward context resolves names through during its steps), its nodes are renamed canonically, and a
 structure key (the graph up to node names, plus its inputs' metadata) says which pieces can
 share one compiled artifact. Compile time then does not grow with depth, and the canonical
 code gives the same key in Inductor's FX-graph cache across layers, depths and processes.
@@ -10,11 +11,10 @@ code gives the same key in Inductor's FX-graph cache across layers, depths and p
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Sequence
+from typing import Any, MutableMapping, Sequence
 
 import torch
 
-from inductor_rocm_attn import forward_context
 from inductor_rocm_attn.passes.interleaved_v import switch_to_interleaved_v
 
 SLOT_PREFIX = "__rocm_attn_slot"
@@ -25,9 +25,10 @@ def slot_alias(j: int) -> str:
     return f"{SLOT_PREFIX}{j}__"
 
 
-def bind_alias(alias: str, layer) -> None:
-    """Point a slot alias at ``layer``: rebound before a shared piece runs or is captured."""
-    forward_context.bind_layer_alias(alias, layer)
+def bind_alias(table: MutableMapping[str, Any], alias: str, layer) -> None:
+    """Point a slot alias at ``layer`` in ``table`` (a runner's layer table, the one its
+    steps enter as the forward context's): rebound before a shared piece runs or is captured."""
+    table[alias] = layer
 
 
 def normalize_layer_names(gm: torch.fx.GraphModule, layer_names: set[str]) -> list[str]:

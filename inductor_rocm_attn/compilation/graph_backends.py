@@ -16,8 +16,6 @@ import torch
 from inductor_rocm_attn import forward_context
 from inductor_rocm_attn.forward_context import set_forward_context
 
-from .dedup import bind_alias
-
 __all__ = ["CudaGraphBackend", "RerunGraphBackend"]
 
 
@@ -69,9 +67,9 @@ class CudaGraphBackend:
 
 class RerunGraphBackend:
     """A stand-in for graphs on machines without a GPU (tests): "capture" runs the piece and
-    keeps its inputs, outputs, layer bindings and forward context; "replay" runs it again on
-    exactly those input tensors, under that context, and copies the results into the kept
-    outputs. Like a real graph, a replay sees new data only through the same tensors
+    keeps its inputs, outputs, slot-alias binding and forward context (metadata and layer
+    table); "replay" runs it again on exactly those input tensors, under that context with
+    the piece's aliases rebound, and copies the results into the kept outputs. Like a real graph, a replay sees new data only through the same tensors
     (persistent buffers, earlier pieces' outputs), so it checks the runner's buffer
     discipline on CPU."""
 
@@ -79,9 +77,10 @@ class RerunGraphBackend:
         __slots__ = ("fn", "bind", "args", "out", "ctx")
 
         def replay(self):
-            for alias, layer in self.bind:
-                bind_alias(alias, layer)
-            with set_forward_context(self.ctx.attn_metadata):
+            ctx = self.ctx
+            with set_forward_context(ctx.attn_metadata, layers=ctx.layers, **ctx.extra):
+                if self.bind is not None:
+                    self.bind()
                 new = self.fn(*self.args)
             for o, n in zip(_flat(self.out), _flat(new)):
                 o.copy_(n)
@@ -91,10 +90,10 @@ class RerunGraphBackend:
         yield
 
     def capture(self, piece, args):
-        return self._capture(piece.fn, piece.bindings, args)
+        return self._capture(piece.fn, piece.bind, args)
 
     def capture_step(self, fn, args):
-        return self._capture(fn, (), args)
+        return self._capture(fn, None, args)
 
     def _capture(self, fn, bind, args):
         g = self._Graph()

@@ -3,8 +3,9 @@ one graph per piece per size, and run steps with attention eagerly between the g
 
 Steps (the vLLM "piecewise" scheme):
 
-1. **Trace.** Dynamo traces ``model(input_ids, positions)`` once (``fullgraph``, the token
-   dimension marked dynamic) into one FX graph; our backend receives it.
+1. **Trace.** Dynamo traces ``forward(input_ids, positions)`` once (default
+   ``model(input_ids, positions)``; ``fullgraph``, the token dimension marked dynamic) into
+   one FX graph; our backend receives it.
 2. **Split** at every attention (``split.split_at_attention``); with the plugin on, each
    piece gets stand-in attentions so the fusions fire inside it (``split.add_stand_ins``;
    the ``remove_stand_ins`` pass deletes them after the fusions).
@@ -25,6 +26,13 @@ At run time the runner calls the split graph directly with a fixed argument list
 persistent buffers and the parameters), bypassing Dynamo's guards: the per-step host work
 is the metadata plan, one copy of ``input_ids``, and the split graph's Python.
 
+Layer names resolve through the runner's own layer table (``runner.layer_table``), which
+every step, trace and capture enters as the forward context's table: the model's layers
+(its ``Attention`` modules, or the ``layers`` it was given, e.g. those a transformers
+integration owns) and the slot aliases of the shared pieces, rebound in that table before a
+shared piece runs or is captured. Nothing is bound in the global registry, so two runners
+never see each other's bindings.
+
 Example::
 
     runner = compile_piecewise(model, capture_sizes=[1, 2, 4, 8], max_num_seqs=8,
@@ -40,7 +48,7 @@ import dataclasses
 import itertools
 import time
 import types
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -115,6 +123,12 @@ class _CompiledPiece:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.bindings = [(slot_alias(j), layer) for j, layer in enumerate(slots)]  # (alias, layer)
 
+    def bind(self) -> None:
+        """Point the slot aliases of this piece's code at its own layers (runner's table)."""
+        table = self.runner.layer_table
+        for alias, layer in self.bindings:
+            bind_alias(table, alias, layer)
+
     def __call__(self, *args):
         r = self.runner
         mode = r._mode
@@ -122,8 +136,7 @@ class _CompiledPiece:
             graph, out = self.graphs[r._size]
             graph.replay()
             return out
-        for alias, layer in self.bindings:
-            bind_alias(alias, layer)
+        self.bind()
         if mode == _Mode.CAPTURE:
             graph, out = r._graph_backend.capture(self, args)
             self.graphs[r._size] = (graph, out)
@@ -146,8 +159,12 @@ class PiecewiseRunner:
 
     def __init__(self, model: nn.Module, *, capture_sizes: Sequence[int], max_num_seqs: int,
                  max_num_tokens: int, max_model_len: int, use_cuda_graphs: bool,
-                 plugin: bool | None, device: torch.device, decode_graphs: bool = False):
+                 plugin: bool | None, device: torch.device, decode_graphs: bool = False,
+                 forward: Callable | None = None, layers: Mapping[str, Any] | None = None,
+                 progress: Callable[[str], None] | None = None):
         self.model = model
+        self.forward = forward
+        self.progress = progress
         self.device = device
         self.max_model_len = max_model_len
         self.decode_graphs = decode_graphs
@@ -155,9 +172,9 @@ class PiecewiseRunner:
         self.capture_sizes = sorted(set(int(s) for s in capture_sizes))
         self.use_cuda_graphs = use_cuda_graphs
         self.max_num_tokens = max(max_num_tokens, max(self.capture_sizes, default=1))
-        layers = attention_layers(model)
+        layers = list(layers.values()) if layers is not None else attention_layers(model)
         if not layers:
-            raise ValueError("compile_piecewise: the model has no Attention layer")
+            raise ValueError("compile_piecewise: the model has no Attention layer (and no layers were given)")
         self.block_size = layers[0].block_size
         if any(layer.block_size != self.block_size for layer in layers):
             raise ValueError("compile_piecewise: all attention layers must share one block size")
@@ -166,6 +183,9 @@ class PiecewiseRunner:
         self.input_ids = torch.zeros(self.max_num_tokens, dtype=torch.long, device=device)
         self.stats = CompileStats()
         self._layers = {layer.layer_name: layer for layer in layers}
+        # What layer names resolve through during this runner's steps: its layers, and the
+        # slot aliases of shared pieces (bound as those run).
+        self.layer_table: dict[str, Any] = dict(self._layers)
         self._plugin = plugin
         self._mode = _Mode.EAGER
         self._size = 0
@@ -182,6 +202,15 @@ class PiecewiseRunner:
         self._step_graphs: dict[int, tuple[Any, Any]] = {}
         self._step_md: AttentionMetadata | None = None
         self._compile()
+
+    @property
+    def layers(self) -> dict[str, Any]:
+        """The attention layers of the model (``layer_name -> Attention``; no slot aliases)."""
+        return dict(self._layers)
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.buffers.max_num_seqs
 
     # --- compile --------------------------------------------------------------------------
 
@@ -202,17 +231,27 @@ class PiecewiseRunner:
                                  max_seq_len=max(qlens), num_decodes=sum(q == 1 for q in qlens),
                                  num_prefills=sum(q > 1 for q in qlens), **t)
 
+    def _say(self, message: str) -> None:
+        if self.progress is not None:
+            self.progress(message)
+
     def _compile(self) -> None:
-        model = self.model
+        model, forward = self.model, self.forward
+        t_start = time.perf_counter()
 
         def backend(gm: torch.fx.GraphModule, example_inputs):
             t0 = time.perf_counter()
+            self._say(f"traced in {t0 - t_start:.1f} s: {sum(1 for _ in gm.graph.nodes)} graph nodes")
             self._build(gm, list(example_inputs))
             self.stats.compile_s = time.perf_counter() - t0
             return self.split_gm
 
-        def fwd(input_ids, positions):
-            return model(input_ids, positions)
+        if forward is None:
+            def fwd(input_ids, positions):
+                return model(input_ids, positions)
+        else:
+            def fwd(input_ids, positions):
+                return forward(input_ids, positions)
 
         # A fresh code object per runner: Dynamo caches by code object, and this one is traced
         # exactly once (the runner then calls the split graph itself).
@@ -229,8 +268,9 @@ class PiecewiseRunner:
         torch._dynamo.mark_dynamic(pos, 0)
         self._trace_ids, self._trace_pos = ids, pos
         compiled = torch.compile(fwd, backend=backend, fullgraph=True, dynamic=False)
+        self._say("tracing the model with Dynamo (token dimension dynamic)")
         t0 = time.perf_counter()
-        with torch.no_grad(), set_forward_context(md):
+        with torch.no_grad(), set_forward_context(md, layers=self.layer_table):
             compiled(ids, pos)
         self.stats.trace_s = time.perf_counter() - t0 - self.stats.compile_s
 
@@ -278,33 +318,41 @@ class PiecewiseRunner:
         ctx, self.stats.plugin_active = plugin_context(self._plugin)
         if self.stats.plugin_active:
             self.stats.num_stand_ins = add_stand_ins(split, compiled_names)
-        cache: dict[str, Callable] = {}
+        # Group the pieces by structure: one compile per group, the first piece its representative.
         groups: dict[str, list[str]] = {}
+        keys: dict[str, str] = {}
         names = set(self._layers)
+        for name in compiled_names:
+            sub = split._modules[name]
+            self._slot_layers[name] = [self._layers[n] for n in normalize_layer_names(sub, names)]
+            canonicalize_names(sub)
+            keys[name] = structure_key(sub, sub_inputs.get(name, [])) or f"unique:{name}"
+            groups.setdefault(keys[name], []).append(name)
+        self._say(f"split at {len(attn_names)} attention ops into {len(compiled_names)} pieces, "
+                  f"{len(groups)} distinct: compiling each once with Inductor"
+                  f"{' and the plugin' if self.stats.plugin_active else ''}")
+        compiled: dict[str, Callable] = {}
         with ctx as manager:
             post_pass = piece_post_pass(manager)
-            for name in compiled_names:
-                sub = split._modules[name]
-                slot_names = normalize_layer_names(sub, names)
-                canonicalize_names(sub)
-                slots = [self._layers[n] for n in slot_names]
-                inputs = sub_inputs.get(name, [])
-                key = structure_key(sub, inputs) or f"unique:{name}"
-                fn = cache.get(key)
-                if fn is None:
-                    for j, layer in enumerate(slots):
-                        bind_alias(slot_alias(j), layer)
-                    fn = compile_fx(sub, inputs, config_patches={"post_grad_custom_post_pass": post_pass})
-                    cache[key] = fn
-                    self.stats.num_unique_compiles += 1
-                    groups[key] = [name]
-                else:
-                    groups[key].append(name)
-                    follow_interleaved_v(self._slot_layers.get(groups[key][0], []), slots)
-                self._slot_layers[name] = slots
-                piece = _CompiledPiece(name, fn, slots, self)
-                split.__dict__[name] = piece  # the split graph calls it in place of the submodule
-                self.pieces.append(piece)
+            for i, (key, members) in enumerate(groups.items(), 1):
+                first = members[0]
+                for j, layer in enumerate(self._slot_layers[first]):
+                    bind_alias(self.layer_table, slot_alias(j), layer)
+                t0 = time.perf_counter()
+                shared = f", shared by {len(members)} pieces" if len(members) > 1 else ""
+                self._say(f"compiling piece {i} of {len(groups)} ({first}{shared})")
+                compiled[key] = compile_fx(split._modules[first], sub_inputs.get(first, []),
+                                           config_patches={"post_grad_custom_post_pass": post_pass})
+                self._say(f"compiled piece {i} of {len(groups)} in {time.perf_counter() - t0:.1f} s")
+                self.stats.num_unique_compiles += 1
+        for name in compiled_names:
+            members = groups[keys[name]]
+            slots = self._slot_layers[name]
+            if name != members[0]:
+                follow_interleaved_v(self._slot_layers[members[0]], slots)
+            piece = _CompiledPiece(name, compiled[keys[name]], slots, self)
+            split.__dict__[name] = piece  # the split graph calls it in place of the submodule
+            self.pieces.append(piece)
         self.stats.piece_groups = list(groups.values())
 
     # --- per step -------------------------------------------------------------------------
@@ -382,7 +430,7 @@ class PiecewiseRunner:
         graphs = use_graphs and size in self._captured
         self._mode, self._size = (_Mode.REPLAY if graphs else _Mode.EAGER), size
         try:
-            with set_forward_context(metadata):
+            with set_forward_context(metadata, layers=self.layer_table):
                 out = self.split_gm(*self._args(size))
         finally:
             self._mode = _Mode.EAGER
@@ -402,10 +450,12 @@ class PiecewiseRunner:
             self._graph_backend = CudaGraphBackend()
         backend = self._graph_backend
         captured = set()
+        self._say(f"capturing {len(self.pieces)} piece graphs per size for sizes {self.capture_sizes}")
         for size in sorted(self.capture_sizes, reverse=True):
+            t1 = time.perf_counter()
             md = self._dummy_metadata(size)
             args = self._args(size)
-            with set_forward_context(md):
+            with set_forward_context(md, layers=self.layer_table):
                 with backend.warmup():
                     for _ in range(num_warmup):
                         self._mode = _Mode.EAGER
@@ -416,11 +466,13 @@ class PiecewiseRunner:
                 finally:
                     self._mode = _Mode.EAGER
             captured.add(size)
+            self._say(f"captured size {size} in {time.perf_counter() - t1:.1f} s")
         if self.decode_graphs:
             self._capture_decode_steps(num_warmup)
         backend.synchronize()
         self._captured = frozenset(captured)
         self.stats.capture_s = time.perf_counter() - t0
+        self._say(f"captured {self.stats.num_captures} graphs in {self.stats.capture_s:.1f} s")
 
     def _capture_decode_steps(self, num_warmup: int) -> None:
         """Whole decode steps in one graph each: the pieces and the attention between them.
@@ -429,11 +481,12 @@ class PiecewiseRunner:
         every decode step of that size; lengths and block tables change in the buffers."""
         backend = self._graph_backend
         self._mode = _Mode.EAGER  # pieces run their compiled code inside the step's graph
-        for size in sorted((s for s in self.capture_sizes if s <= self.buffers.max_num_seqs),
-                           reverse=True):
+        sizes = sorted((s for s in self.capture_sizes if s <= self.buffers.max_num_seqs), reverse=True)
+        self._say(f"capturing whole decode steps for sizes {sorted(sizes)}")
+        for size in sizes:
             md = self._plan_decode_step([0] * size, [[0]] * size, size, dummy=True)
             args = self._args(size)
-            with set_forward_context(md):
+            with set_forward_context(md, layers=self.layer_table):
                 with backend.warmup():
                     for _ in range(num_warmup):
                         self.split_gm(*args)
@@ -458,13 +511,17 @@ def compile_piecewise(
     capture: bool = True,
     graph_backend: Any = None,
     decode_graphs: bool = True,
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    layers: Mapping[str, Any] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> PiecewiseRunner:
     """Split ``model`` at its attention ops, compile the pieces with Inductor and (on a GPU)
     capture one graph per piece per size in ``capture_sizes``.
 
     Args:
         model: ``forward(input_ids [T] int64, positions [T] int64) -> logits [T, V]`` over
-            ``Attention`` layers, KV caches already bound (``bind_kv_caches``).
+            ``Attention`` layers, KV caches already bound (``bind_kv_caches``); or any
+            module with ``forward=`` and ``layers=`` below.
         capture_sizes: token counts to capture; a step is padded up to the next one.
         max_num_seqs: sequences per step (metadata buffer size; default ``max(capture_sizes)``).
         max_num_tokens: tokens per step, also for steps above the captured sizes that run
@@ -479,6 +536,16 @@ def compile_piecewise(
             one graph, replayed for steps whose every sequence decodes one token (sizes up
             to ``max_num_seqs``); other steps use the piecewise graphs. H200, 28-layer
             model, B=64: 5.56 ms a step, piecewise graphs 5.9-6.5 ms; B=1: 1.32 vs 4.4-7.3.
+        forward: what is traced, ``(input_ids [T] int64, positions [T] int64) -> logits [T, V]``
+            (default ``model(input_ids, positions)``); it may call the model any way it needs
+            (``integrations.transformers_runner`` adds the batch dimension transformers wants).
+            Every tensor it reads besides its two inputs must be a parameter or buffer of
+            ``model``.
+        layers: the attention layers the traced ops name (``layer_name -> Attention``);
+            default: the model's ``Attention`` modules. Give them when the model does not
+            hold them itself (a cache object owns them).
+        progress: called with one line per stage (tracing, compiling piece i of n with
+            timings, capturing), e.g. ``print``; default: silent.
     """
     p = next(model.parameters())
     device = p.device
@@ -494,7 +561,7 @@ def compile_piecewise(
         model, capture_sizes=sizes, max_num_seqs=max_num_seqs or top,
         max_num_tokens=max_num_tokens or top, max_model_len=max_model_len,
         use_cuda_graphs=use_cuda_graphs, plugin=plugin, device=device,
-        decode_graphs=decode_graphs,
+        decode_graphs=decode_graphs, forward=forward, layers=layers, progress=progress,
     )
     runner._graph_backend = graph_backend
     if capture and use_cuda_graphs:

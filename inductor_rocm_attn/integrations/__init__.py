@@ -2,7 +2,10 @@
 
 ``transformers`` (module ``integrations.transformers``): registers
 ``attn_implementation="rocm_attn"`` with transformers' ``AttentionInterface`` and provides
-``PagedCache``. Importing transformers' attention registry costs seconds, so
+``PagedCache``. ``transformers_runner``: ``compile_transformers``, piecewise compile and
+graph capture of a transformers model on its own paged cache (and ``EagerRunner``, the same
+path uncompiled); ``batching``: greedy continuous batching of ragged prompts over such a
+runner; ``transformers_configs``: tiny configs per architecture and released models' shapes. Importing transformers' attention registry costs seconds, so
 ``import inductor_rocm_attn`` does not do it: ``install()`` registers at once when
 ``transformers.modeling_utils`` (where the registry lives) is already imported, and
 otherwise leaves a post-import hook on ``sys.meta_path`` that registers right after

@@ -140,6 +140,43 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_decoder() if hasattr(model, "get_decoder") else model
 
 
+def check_model(model: torch.nn.Module, who: str) -> None:
+    """Refuse a model whose attention does not dispatch to ``attention_forward``."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl != ATTN_IMPLEMENTATION:
+        raise ValueError(f"{who}: the model uses attn_implementation={impl!r}; load it with "
+                         f'attn_implementation="{ATTN_IMPLEMENTATION}"')
+    if hasattr(model, "is_backend_compatible") and not model.is_backend_compatible():
+        raise ValueError(f"{who}: {type(model).__name__} does not route attention through transformers' "
+                         "AttentionInterface (_supports_attention_backend is False)")
+
+
+def paged_layers(model: torch.nn.Module, num_blocks: int, *, block_size: int = 16,
+                 cache_layout: str = "LHBNC", kv_cache_dtype: str = "auto",
+                 poison: bool = False) -> dict[str, Attention]:
+    """One ``Attention`` (impl + KV cache of ``num_blocks`` blocks) per attention module of
+    ``model``, built from what the module computes (``LayerSpec``), keyed by the name the ops
+    carry (``layer_name``). Not registered globally: the owner hands them to the forward
+    context as its layer table. ``poison``: caches filled with NaN (tests)."""
+    param = next(model.parameters())
+    dtype, device = getattr(model, "dtype", param.dtype), getattr(model, "device", param.device)
+    layers: dict[str, Attention] = {}
+    for idx, module in sorted(_attention_modules(_decoder(model)).items()):
+        spec = LayerSpec.of(module)
+        layer = Attention(
+            spec.num_heads, spec.head_size, layer_name=layer_name(module), num_kv_heads=spec.num_kv_heads,
+            scale=spec.scale, block_size=block_size, cache_layout=cache_layout,
+            kv_cache_dtype=kv_cache_dtype, sliding_window=spec.sliding_window,
+            logits_soft_cap=spec.softcap, sinks=spec.sinks, causal=spec.causal, register=False,
+        ).to(device)
+        cache = allocate_kv_cache(layer.kv_cache_spec(dtype, device), num_blocks, device)
+        if poison:
+            cache.view(torch.uint8).fill_(0xFF)
+        layer.kv_cache = cache
+        layers[layer.layer_name] = layer
+    return layers
+
+
 # --- the attention function -------------------------------------------------------------------
 
 
@@ -232,34 +269,16 @@ class PagedCache(Cache):
     def __init__(self, model: torch.nn.Module, num_blocks: int, *, block_size: int = 16,
                  cache_layout: str = "LHBNC", kv_cache_dtype: str = "auto", poison: bool = False):
         super().__init__(layers=[])
-        impl = getattr(model.config, "_attn_implementation", None)
-        if impl != ATTN_IMPLEMENTATION:
-            raise ValueError(f"PagedCache: the model uses attn_implementation={impl!r}; load it with "
-                             f'attn_implementation="{ATTN_IMPLEMENTATION}"')
-        if hasattr(model, "is_backend_compatible") and not model.is_backend_compatible():
-            raise ValueError(f"PagedCache: {type(model).__name__} does not route attention through transformers' "
-                             "AttentionInterface (_supports_attention_backend is False)")
+        check_model(model, "PagedCache")
         decoder = _decoder(model)
         param = next(model.parameters())
-        dtype, device = getattr(model, "dtype", param.dtype), getattr(model, "device", param.device)
         self.block_size, self.num_blocks = block_size, num_blocks
-        self._device = device
+        self._device = getattr(model, "device", param.device)
         self._null_block = num_blocks  # zero keys/values: what a one-token padding row reads
-        self._layers: dict[str, Attention] = {}
-        for idx, module in sorted(_attention_modules(decoder).items()):
-            spec = LayerSpec.of(module)
-            layer = Attention(
-                spec.num_heads, spec.head_size, layer_name=layer_name(module), num_kv_heads=spec.num_kv_heads,
-                scale=spec.scale, block_size=block_size, cache_layout=cache_layout,
-                kv_cache_dtype=kv_cache_dtype, sliding_window=spec.sliding_window,
-                logits_soft_cap=spec.softcap, sinks=spec.sinks, causal=spec.causal, register=False,
-            ).to(device)
-            cache = allocate_kv_cache(layer.kv_cache_spec(dtype, device), num_blocks + 1, device)
-            if poison:
-                cache.view(torch.uint8).fill_(0xFF)
-            cache[self._null_block].zero_()
-            layer.kv_cache = cache
-            self._layers[layer.layer_name] = layer
+        self._layers = paged_layers(model, num_blocks + 1, block_size=block_size, cache_layout=cache_layout,
+                                    kv_cache_dtype=kv_cache_dtype, poison=poison)
+        for layer in self._layers.values():
+            layer.kv_cache[self._null_block].zero_()
         self._allocator = BlockAllocator(num_blocks, block_size)
         self._decoder = weakref.ref(decoder)
         self._lengths: list[int] = []  # real (cached) tokens of each row
@@ -468,8 +487,16 @@ def _positional_names(cls) -> list[str]:
     return [n for n, p in params.items() if n != "self" and p.kind is p.POSITIONAL_OR_KEYWORD]
 
 
-@torch.compiler.disable
 def _begin_step_hook(module, args, kwargs):
+    # Traceable when no PagedCache is passed (Dynamo sees a no-op, no graph break): a forward
+    # whose steps are planned elsewhere, e.g. the one the piecewise runner traces.
+    if len(args) <= 1 and not isinstance(kwargs.get("past_key_values"), PagedCache):
+        return None
+    return _begin_step(module, args, kwargs)
+
+
+@torch.compiler.disable
+def _begin_step(module, args, kwargs):
     cache = kwargs.get("past_key_values")
     if cache is None and len(args) > 1:
         cache = dict(zip(_positional_names(type(module)), args)).get("past_key_values")
@@ -478,11 +505,14 @@ def _begin_step_hook(module, args, kwargs):
     return cache._begin_from_forward(module, args, kwargs)
 
 
-@torch.compiler.disable
 def _end_step_hook(module, args, kwargs, output):
-    cache = kwargs.get("past_key_values")
-    if isinstance(cache, PagedCache):
-        cache._end_from_forward()
+    if isinstance(kwargs.get("past_key_values"), PagedCache):
+        _end_step(kwargs["past_key_values"])
+
+
+@torch.compiler.disable
+def _end_step(cache):
+    cache._end_from_forward()
 
 
 def _install_hooks(decoder: torch.nn.Module) -> None:

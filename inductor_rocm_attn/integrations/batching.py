@@ -1,0 +1,155 @@
+"""Greedy generation for a batch of ragged prompts over a runner (continuous batching).
+
+>>> result = generate(runner, [[5, 17, 3], [9, 4]], max_new_tokens=8)
+>>> result.tokens            # the new tokens of each prompt
+[[...], [...]]
+
+Works with any runner that has the ``prepare(query_lens, context_lens, block_tables)`` /
+``runner(input_ids, metadata) -> logits [num_tokens, vocab]`` API and attention layers whose
+caches it fills: a ``PiecewiseRunner`` (``compile_piecewise``, ``compile_transformers``) or an
+``EagerRunner``. Each step decodes one token of every sequence whose prompt is cached and
+fills the rest of the step's token budget with prompt chunks (whole prompts, or the next
+chunk of a long one on top of its cached part), so prefill and decode share steps until
+every prompt is in; then decode-only steps follow, which a runner with whole-step graphs
+replays as one graph each. Blocks come from a ``BlockAllocator`` over the layers' caches and
+are freed when a sequence has its ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from ..block_allocator import BlockAllocator
+
+__all__ = ["GenerateResult", "StepRecord", "generate"]
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """What one step ran: sequences, real tokens (prefill chunks + decodes), wall time."""
+
+    index: int
+    num_seqs: int
+    num_tokens: int
+    num_decodes: int
+    whole_step_graph: bool
+    seconds: float
+
+    @property
+    def kind(self) -> str:
+        if self.num_decodes == self.num_seqs:
+            return "decode"
+        return "prefill" if self.num_decodes == 0 else "mixed"
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    tokens: list[list[int]]  # per prompt: the generated tokens
+    logits: list[list[torch.Tensor]] | None  # per prompt: the fp32 logits each token was chosen from
+    steps: list[StepRecord]
+    seconds: float
+
+    @property
+    def num_generated(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_generated / self.seconds if self.seconds else 0.0
+
+
+@dataclasses.dataclass
+class _Seq:
+    rid: int
+    tokens: list[int]  # prompt, then generated tokens
+    prompt_len: int
+    cached: int = 0  # tokens already in the cache
+
+    @property
+    def prefilling(self) -> bool:
+        return self.cached < self.prompt_len
+
+
+def _num_cache_blocks(runner) -> int:
+    layers = runner.layers
+    layer = next(iter(layers.values()))
+    return layer.kv_cache.shape[0]
+
+
+@torch.no_grad()
+def generate(runner, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int, *,
+             max_tokens_per_step: int | None = None, max_seqs_per_step: int | None = None,
+             return_logits: bool = False, on_step: Callable[[StepRecord], None] | None = None,
+             num_blocks: int | None = None) -> GenerateResult:
+    """Greedy ``max_new_tokens`` for every prompt (token id lists or 1-D tensors).
+
+    ``max_tokens_per_step`` / ``max_seqs_per_step``: a step's budget (default the runner's
+    ``max_num_tokens`` / ``max_num_seqs``). ``return_logits``: keep each generated token's
+    logits (fp32, on the CPU). ``on_step``: called after every step. ``num_blocks``: blocks
+    to hand out (default every block of the layers' caches)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+    budget = max_tokens_per_step or runner.max_num_tokens
+    max_seqs = min(max_seqs_per_step or runner.max_num_seqs, budget)  # every sequence decodes each step
+    if budget < 1 or max_seqs < 1:
+        raise ValueError(f"generate: a step needs room for a token and a sequence, got {budget} tokens, "
+                         f"{max_seqs} sequences")
+    waiting = [_Seq(i, [int(t) for t in p], len(p)) for i, p in enumerate(prompts)]
+    if any(s.prompt_len == 0 for s in waiting):
+        raise ValueError("generate: empty prompt")
+    waiting.reverse()  # pop() admits prompts in order
+    alloc = BlockAllocator(num_blocks or _num_cache_blocks(runner), runner.block_size)
+    out: list[list[int]] = [[] for _ in prompts]
+    logits_out: list[list[torch.Tensor]] | None = [[] for _ in prompts] if return_logits else None
+    running: list[_Seq] = []
+    steps: list[StepRecord] = []
+    t_start = time.perf_counter()
+    while running or waiting:
+        t0 = time.perf_counter()
+        chunks: list[tuple[_Seq, int]] = [(s, 1) for s in running if not s.prefilling]
+        room = budget - len(chunks)
+        for s in running:  # prompts partly cached continue first
+            if s.prefilling and room > 0 and len(chunks) < max_seqs:
+                n = min(s.prompt_len - s.cached, room)
+                chunks.append((s, n))
+                room -= n
+        while waiting and room > 0 and len(chunks) < max_seqs:
+            s = waiting.pop()
+            running.append(s)
+            n = min(s.prompt_len, room)
+            chunks.append((s, n))
+            room -= n
+        num_decodes = sum(1 for s, _ in chunks if not s.prefilling)
+        qlens = [n for _, n in chunks]
+        clens = [s.cached for s, _ in chunks]
+        tables = [list(alloc.allocate(s.rid, n)) for s, n in chunks]
+        ids = torch.tensor([t for s, n in chunks for t in s.tokens[s.cached:s.cached + n]], dtype=torch.long)
+        md = runner.prepare(qlens, clens, tables)
+        whole = runner.replays_whole_step(md)
+        logits = runner(ids.to(runner.device), md)
+        # The last token of a sequence's chunk picks its next token once its prompt is cached.
+        done = [(i, s) for i, (s, n) in enumerate(chunks) if s.cached + n >= s.prompt_len]
+        ends = torch.tensor(qlens).cumsum(0) - 1
+        rows = logits[ends[[i for i, _ in done]].to(logits.device)]
+        next_tokens = rows.argmax(-1).tolist()
+        kept = rows.float().cpu() if return_logits else None
+        for (s, n) in chunks:
+            s.cached += n
+        for k, ((_, s), tok) in enumerate(zip(done, next_tokens)):
+            s.tokens.append(tok)
+            out[s.rid].append(tok)
+            if kept is not None:
+                logits_out[s.rid].append(kept[k])
+        finished = [s for _, s in done if len(out[s.rid]) >= max_new_tokens]
+        for s in finished:
+            alloc.free(s.rid)
+            running.remove(s)
+        record = StepRecord(len(steps), len(chunks), sum(qlens), num_decodes, whole, time.perf_counter() - t0)
+        steps.append(record)
+        if on_step is not None:
+            on_step(record)
+    return GenerateResult(out, logits_out, steps, time.perf_counter() - t_start)

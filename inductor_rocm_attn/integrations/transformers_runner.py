@@ -1,0 +1,147 @@
+"""Piecewise graph capture of a transformers model on the paged backend.
+
+>>> model = AutoModelForCausalLM.from_config(config, attn_implementation="rocm_attn")
+>>> runner = compile_transformers(model, num_blocks=256, capture_sizes=[1, 2, 4, 8])
+>>> md = runner.prepare(query_lens, context_lens, block_tables)   # plan -> persistent buffers
+>>> logits = runner(input_ids, md)                                # [num_tokens, vocab]
+>>> result = generate(runner, prompts, max_new_tokens=16)         # integrations.batching
+
+``compile_transformers`` gives a ``PiecewiseRunner`` (``compilation.piecewise``), the same
+object our own models get from ``compile_piecewise``, so the same steps, graphs and checks
+apply:
+
+- **Layers.** One ``Attention`` (impl + paged KV cache) per attention module of the model,
+  built from the module as ``PagedCache`` builds them (``paged_layers``), owned by the
+  runner: its layer table, which every step enters as the forward context's, resolves the
+  layer names the ops carry and the slot aliases of the shared pieces.
+- **Trace.** Dynamo traces ``model(input_ids=ids[None], position_ids=positions[None],
+  use_cache=False).logits[0]`` once, the token dimension dynamic: all of a step's tokens
+  are one row, the flattened layout the metadata describes. No cache object and no mask go
+  in (``rocm_attn`` registers no mask function, so transformers builds none); the rotary
+  embedding, norms, MLPs and lm head run inside the compiled pieces, attention between them.
+- **Plan.** ``runner.prepare(query_lens, context_lens, block_tables)`` writes the step's
+  metadata (positions included: they feed the rotary embedding) into the runner's
+  persistent buffers outside any graph; decode-only steps then replay one whole-step graph,
+  others the piecewise graphs (or, above the captured sizes, the compiled pieces).
+
+``EagerRunner`` has the same ``prepare`` / call API and runs the same forward without
+compiling (the eager paged path: a reference, and the demo's ``--eager``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..forward_context import set_forward_context
+from ..metadata import AttentionMetadata, build_attention_metadata
+from .transformers import check_model, paged_layers
+
+__all__ = ["EagerRunner", "compile_transformers", "eager_runner", "step_forward"]
+
+
+def step_forward(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The forward a runner traces: ``(input_ids [T] int64, positions [T] int64) -> logits
+    [T, vocab]``, all tokens of a step as one row of the transformers model."""
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False)
+        return out.logits[0]
+
+    return forward
+
+
+def _default_max_model_len(model, num_blocks: int, block_size: int) -> int:
+    limit = getattr(model.config, "max_position_embeddings", None) or num_blocks * block_size
+    return min(limit, num_blocks * block_size)
+
+
+def compile_transformers(
+    model: torch.nn.Module,
+    *,
+    num_blocks: int,
+    block_size: int = 16,
+    capture_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+    max_num_seqs: int | None = None,
+    max_num_tokens: int | None = None,
+    max_model_len: int | None = None,
+    cache_layout: str = "LHBNC",
+    kv_cache_dtype: str = "auto",
+    poison: bool = False,
+    plugin: bool | None = None,
+    use_cuda_graphs: bool | None = None,
+    capture: bool = True,
+    graph_backend: Any = None,
+    decode_graphs: bool = True,
+    progress: Callable[[str], None] | None = None,
+):
+    """Compile a transformers causal LM piecewise around our attention, on its own paged cache.
+
+    Args:
+        model: a transformers ``...ForCausalLM`` loaded with ``attn_implementation="rocm_attn"``,
+            in eval mode, on its device and dtype.
+        num_blocks, block_size, cache_layout, kv_cache_dtype: the paged KV cache (every layer
+            gets ``num_blocks`` blocks of ``block_size`` tokens). ``poison``: NaN-filled (tests).
+        max_model_len: longest sequence (block-table width; whole-step decode graphs are
+            captured for it); default the smaller of the model's ``max_position_embeddings``
+            and what the cache holds.
+        capture_sizes, max_num_seqs, max_num_tokens, plugin, use_cuda_graphs, capture,
+        graph_backend, decode_graphs, progress: as for ``compile_piecewise``.
+
+    Returns the ``PiecewiseRunner``; ``runner.layers`` are the attention layers (their
+    ``kv_cache`` tensors are the cache).
+    """
+    from ..compilation.piecewise import compile_piecewise
+
+    check_model(model, "compile_transformers")
+    if model.training:
+        raise ValueError("compile_transformers: the model is in training mode; call model.eval() first")
+    layers = paged_layers(model, num_blocks, block_size=block_size, cache_layout=cache_layout,
+                          kv_cache_dtype=kv_cache_dtype, poison=poison)
+    return compile_piecewise(
+        model, capture_sizes, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
+        max_model_len=max_model_len or _default_max_model_len(model, num_blocks, block_size),
+        use_cuda_graphs=use_cuda_graphs, plugin=plugin, capture=capture, graph_backend=graph_backend,
+        decode_graphs=decode_graphs, forward=step_forward(model), layers=layers, progress=progress,
+    )
+
+
+class EagerRunner:
+    """The paged path without compiling: ``prepare`` / ``runner(input_ids, md)`` as for a
+    ``PiecewiseRunner``, the same forward run eagerly under the runner's layer table."""
+
+    def __init__(self, model: torch.nn.Module, layers: dict, *, max_num_seqs: int, max_num_tokens: int):
+        self.model, self.layers = model, layers
+        self.forward = step_forward(model)
+        self.block_size = next(iter(layers.values())).block_size
+        self.device = next(model.parameters()).device
+        self.max_num_seqs, self.max_num_tokens = max_num_seqs, max_num_tokens
+        self.step_s = 0.0  # wall time of the last step
+
+    def prepare(self, query_lens: Sequence[int], context_lens: Sequence[int],
+                block_tables: Sequence[Sequence[int]], **_) -> AttentionMetadata:
+        return build_attention_metadata(query_lens, context_lens, block_tables, self.block_size, self.device)
+
+    def replays_whole_step(self, metadata: AttentionMetadata) -> bool:
+        return False
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        t0 = time.perf_counter()
+        with set_forward_context(metadata, layers=self.layers):
+            out = self.forward(input_ids.to(self.device), metadata.positions)
+        self.step_s = time.perf_counter() - t0
+        return out
+
+
+def eager_runner(model: torch.nn.Module, *, num_blocks: int, block_size: int = 16, max_num_seqs: int = 64,
+                 max_num_tokens: int = 2048, cache_layout: str = "LHBNC", kv_cache_dtype: str = "auto",
+                 poison: bool = False) -> EagerRunner:
+    """An ``EagerRunner`` of ``model`` on its own paged cache (arguments as for
+    ``compile_transformers``; ``max_num_seqs`` / ``max_num_tokens`` bound a step)."""
+    check_model(model, "eager_runner")
+    layers = paged_layers(model, num_blocks, block_size=block_size, cache_layout=cache_layout,
+                          kv_cache_dtype=kv_cache_dtype, poison=poison)
+    return EagerRunner(model, layers, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens)

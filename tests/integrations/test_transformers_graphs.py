@@ -1,0 +1,237 @@
+"""Piecewise graph capture of transformers models (``compile_transformers``): ragged prompts
+served by continuous batching (prefill, mixed prefill+decode steps with a chunked prompt,
+decode-only steps replayed as whole-step graphs) against the same weights under
+``attn_implementation="eager"`` generating each prompt with its own cache.
+
+On CPU the ``RerunGraphBackend`` stands in for CUDA graphs: a replay reruns a piece on the
+tensors it was captured with, so an input the runner failed to route through its persistent
+buffers would come out stale. Tolerance: fp32 logits within 1e-5 of the step's largest
+|logit| (measured 4-6e-7 here; our CPU kernels accumulate in float64, eager in fp32), greedy
+tokens identical. Compiles are cold (the passes run) and shared per model.
+"""
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import inductor_rocm_attn as ira  # noqa: E402
+from inductor_rocm_attn.compilation import RerunGraphBackend  # noqa: E402
+from inductor_rocm_attn.forward_context import get_layer, registered_layers  # noqa: E402
+from inductor_rocm_attn.integrations.batching import generate  # noqa: E402
+from inductor_rocm_attn.integrations.transformers import PagedCache  # noqa: E402
+from inductor_rocm_attn.forward_context import set_forward_context  # noqa: E402
+from inductor_rocm_attn.integrations.transformers_runner import (  # noqa: E402
+    compile_transformers, eager_runner, step_forward)
+
+pytestmark = pytest.mark.compile
+
+TOL = 1e-5
+PROMPT_LENS = [5, 11, 8, 10]
+NEW_TOKENS = 9  # the prompt's last token picks the first; then 8 decode steps
+STEP_TOKENS = 16  # budget: prompts 3 and 4 join while 1 and 2 decode, prompt 4 in two chunks
+SIZES = [1, 2, 4, 8, 16]
+LAYERS = 3  # first piece, one shared middle piece (layers 1-2), last piece
+
+_COMMON = dict(vocab_size=256, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
+               eos_token_id=2, rms_norm_eps=1e-6)
+CONFIGS = {
+    "llama": lambda n: transformers.LlamaConfig(**_COMMON, num_hidden_layers=n, hidden_size=128,
+                                                intermediate_size=256, num_attention_heads=4,
+                                                num_key_value_heads=2, head_dim=32),
+    "qwen3": lambda n: transformers.Qwen3Config(**_COMMON, num_hidden_layers=n, hidden_size=128,
+                                                intermediate_size=256, num_attention_heads=2,
+                                                num_key_value_heads=1, head_dim=64),
+    "mistral": lambda n: transformers.MistralConfig(**_COMMON, num_hidden_layers=n, hidden_size=64,
+                                                    intermediate_size=128, num_attention_heads=2,
+                                                    num_key_value_heads=1, head_dim=32, sliding_window=6),
+    "gemma2": lambda n: transformers.Gemma2Config(**_COMMON, num_hidden_layers=n, hidden_size=128,
+                                                  intermediate_size=256, num_attention_heads=4,
+                                                  num_key_value_heads=2, head_dim=32, sliding_window=6,
+                                                  attn_logit_softcapping=2.0, query_pre_attn_scalar=24,
+                                                  layer_types=(["sliding_attention", "full_attention"] * n)[:n]),
+}
+
+
+def build(name, impl, layers=LAYERS, device="cpu", dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(
+        CONFIGS[name](layers), attn_implementation=impl, dtype=dtype).to(device).eval()
+
+
+def twin(model, impl):
+    other = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(model.config), attn_implementation=impl, dtype=model.dtype).to(model.device).eval()
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def prompts(lens=PROMPT_LENS, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lens]
+
+
+def eager_reference(eager, prompt_list, new_tokens=NEW_TOKENS):
+    """transformers' own generate (its DynamicCache), one prompt at a time: tokens and logits."""
+    tokens, logits = [], []
+    for p in prompt_list:
+        ids = torch.tensor([p], device=eager.device)
+        out = eager.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             do_sample=False, eos_token_id=None, output_logits=True,
+                             return_dict_in_generate=True)
+        tokens.append(out.sequences[0, len(p):].tolist())
+        logits.append([x[0].float().cpu() for x in out.logits])
+    return tokens, logits
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def compiled(request):
+    name = request.param
+    model = build(name, "rocm_attn")
+    ira.fusion_report().clear()
+    with torch._inductor.config.patch(force_disable_caches=True):  # cold: the passes run
+        runner = compile_transformers(model, num_blocks=32, capture_sizes=SIZES, max_num_seqs=8,
+                                      max_num_tokens=STEP_TOKENS, poison=True,
+                                      graph_backend=RerunGraphBackend(), progress=print)
+    report = ira.fusion_report()
+    print(report)
+    return name, model, runner, list(report.records)
+
+
+def test_ragged_batch_matches_eager_transformers(compiled):
+    name, model, runner, _ = compiled
+    want_tokens, want_logits = eager_reference(twin(model, "eager"), prompts())
+    captures = runner.stats.num_captures
+    got = generate(runner, prompts(), NEW_TOKENS, max_tokens_per_step=STEP_TOKENS, return_logits=True)
+    assert got.tokens == want_tokens
+    errs = [rel(a, b) for got_p, want_p in zip(got.logits, want_logits) for a, b in zip(got_p, want_p)]
+    assert len(errs) == len(PROMPT_LENS) * NEW_TOKENS and max(errs) < TOL, max(errs)
+    kinds = [s.kind for s in got.steps]
+    assert kinds[0] == "prefill" and kinds.count("mixed") >= 2 and kinds.count("decode") >= 8, kinds
+    # decode-only steps replay one whole-step graph; the others the piecewise graphs
+    assert all(s.whole_step_graph == (s.kind == "decode") for s in got.steps)
+    assert all(runner.padded_size(s.num_tokens) in runner._captured for s in got.steps)
+    assert runner.stats.num_captures == captures  # steady state: nothing captured again
+
+
+def test_pieces_are_shared_and_graphs_equal_the_pieces(compiled):
+    name, model, runner, _ = compiled
+    st = runner.stats
+    assert (st.num_attention_pieces, st.num_compiled_pieces, st.num_unique_compiles) == (LAYERS, LAYERS + 1, 3)
+    assert [p.name for p in runner.pieces[1:-1]] in st.piece_groups
+    # a prefill, a decode step and a mixed step, each with graphs and without: bitwise equal
+    alloc = ira.BlockAllocator(32, runner.block_size, shuffle_seed=3)
+    tables = [list(alloc.allocate(i, n)) for i, n in enumerate([5, 3, 10])]
+    for qlens, clens in (([4, 2, 6], [0, 0, 0]), ([1, 1, 1], [4, 2, 6]), ([1, 1, 4], [4, 2, 6])):
+        md = runner.prepare(qlens, clens, tables)
+        assert runner.replays_whole_step(md) == (qlens == [1, 1, 1])
+        ids = torch.randint(3, 256, (sum(qlens),))
+        pieces = runner(ids, md, use_graphs=False).clone()
+        graphs = runner(ids, md).clone()
+        assert torch.equal(pieces, graphs) and pieces.isfinite().all()
+
+
+def test_fusion_report_covers_every_piece_with_a_cache_write(compiled):
+    """The plugin ran inside the pieces (stand-ins for every layer) and reported on each
+    distinct piece that writes the cache; a fused site switches all layers sharing it."""
+    name, model, runner, records = compiled
+    st = runner.stats
+    assert st.plugin_active and st.num_stand_ins == LAYERS
+    sites = [r for r in records if r.pass_name in ("rope_kv_cache_fusion", "qk_norm_rope_kv_cache_fusion")]
+    assert sites and all(r.layer_name.startswith("__rocm_attn_slot") for r in sites)
+    assert len(sites) >= 2 and all(r.detail for r in sites)  # the first piece and the shared one
+    fused = any(r.fused for r in sites)
+    layers = list(runner.layers.values())
+    if fused:  # every layer that shares the fused piece's code follows its V layout
+        assert len({layer.interleaved_v for layer in layers[1:]}) == 1
+
+
+def test_slot_aliases_live_in_the_runner_table(compiled):
+    """Aliases are bound in the runner's own table, never globally: outside a runner step
+    they do not resolve, and a PagedCache of the same model (its own per-step layer table)
+    runs between the runner's steps without either disturbing the other."""
+    name, model, runner, _ = compiled
+    assert not any(n.startswith("__rocm_attn_slot") for n in registered_layers())
+    assert any(n.startswith("__rocm_attn_slot") for n in runner.layer_table)
+    with pytest.raises(KeyError, match="slot alias of shared compiled code"):
+        get_layer("__rocm_attn_slot0__")
+    ids = torch.tensor(prompts([6, 6], seed=4))
+    want = twin(model, "eager").generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                                         do_sample=False, eos_token_id=None)
+    cache = PagedCache(model, num_blocks=8)
+    got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                         eos_token_id=None, past_key_values=cache)
+    assert torch.equal(got, want)
+    again = generate(runner, ids.tolist(), 4)
+    assert again.tokens == want[:, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_eager_runner_matches_eager_transformers(name):
+    """The traced forward (all tokens of a step as one row) run eagerly on the paged path:
+    sliding windows (Mistral, Gemma2) and soft caps (Gemma2) included."""
+    model = build(name, "rocm_attn", layers=2)
+    want_tokens, want_logits = eager_reference(twin(model, "eager"), prompts())
+    runner = eager_runner(model, num_blocks=32, max_num_seqs=8, max_num_tokens=STEP_TOKENS, poison=True)
+    got = generate(runner, prompts(), NEW_TOKENS, return_logits=True)
+    assert got.tokens == want_tokens
+    assert max(rel(a, b) for g, w in zip(got.logits, want_logits) for a, b in zip(g, w)) < TOL
+
+
+def test_trace_passes_through_the_paged_cache_hooks():
+    """A model that has a PagedCache (its planning hooks on the decoder) still traces in one
+    graph: the hooks are no-ops Dynamo can see through when no PagedCache is passed."""
+    model = build("llama", "rocm_attn", layers=1)
+    PagedCache(model, num_blocks=4)
+    runner = eager_runner(model, num_blocks=4, poison=True)
+    traced = torch.compile(step_forward(model), backend="eager", fullgraph=True)
+    md = runner.prepare([5], [0], [[0]])
+    ids = torch.tensor(prompts([5])[0])
+    with torch.no_grad(), set_forward_context(md, layers=runner.layers):
+        got = traced(ids, md.positions)
+    assert torch.equal(got, runner(ids, md))
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match='load it with attn_implementation="rocm_attn"'):
+        compile_transformers(build("llama", "eager", layers=1), num_blocks=4)
+    model = build("llama", "rocm_attn", layers=1).train()
+    with pytest.raises(ValueError, match="training mode"):
+        compile_transformers(model, num_blocks=4)
+    runner = eager_runner(model.eval(), num_blocks=4)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        generate(runner, [[3, 4]], 0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        generate(runner, [[]], 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+def test_cuda_graphs_match_eager_transformers(name):
+    """CUDA graphs (bf16): every generated token's logits against eager transformers run on
+    the tokens we generated (teacher forcing: a near-tie cannot fork the comparison), and
+    graph replay bitwise equal to the compiled pieces without graphs."""
+    model = build(name, "rocm_attn", device="cuda", dtype=torch.bfloat16)
+    eager = twin(model, "eager")
+    runner = compile_transformers(model, num_blocks=64, capture_sizes=[1, 2, 4, 8, 16, 32], max_num_seqs=8,
+                                  max_num_tokens=32, poison=True)
+    ps = prompts([5, 11, 8, 10, 17, 3, 30, 9])
+    got = generate(runner, ps, NEW_TOKENS, max_tokens_per_step=32, return_logits=True)
+    assert sum(s.whole_step_graph for s in got.steps) >= 8
+    with torch.no_grad():
+        for p, toks, logits in zip(ps, got.tokens, got.logits):
+            seq = torch.tensor([p + toks[:-1]], device="cuda")
+            want = eager(seq).logits[0, len(p) - 1:].float().cpu()
+            assert max(rel(a, b) for a, b in zip(logits, want)) < 4e-2
+    alloc = ira.BlockAllocator(64, runner.block_size, shuffle_seed=3)
+    tables = [list(alloc.allocate(i, 40)) for i in range(3)]
+    md = runner.prepare([1, 1, 1], [39, 20, 31], tables)
+    ids = torch.randint(3, 256, (3,), device="cuda")
+    pieces = runner(ids, md, use_graphs=False).clone()
+    assert torch.equal(pieces, runner(ids, md)) and runner.replays_whole_step(md)
