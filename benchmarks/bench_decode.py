@@ -55,24 +55,16 @@ DTYPE = torch.bfloat16
 TOL = 1e-2  # relative-norm error against SDPA, every output (bf16)
 
 # The split-rule / pipeline A/B (--candidates): fields of the tuned DecodeConfig replaced.
-# Why these: compiled for sm_90, the default one-warp program takes 24 KB of shared memory
-# (+1 KB static, +1 KB the driver reserves per CTA) and 203 registers: 8 fit an SM by shared
-# memory (9 if the static KB is the reserved one; 9 by registers). At 8, B=16 x 8 KV heads x
-# 9 splits (the rounded-up rule) is 1152 programs for 132 x 8 = 1056 slots: a second wave of
-# 96 programs, each a whole split long, runs while most SMs idle. At L=16384 a split is 114
-# tiles = 0.9 MB; 96 of them at the ~2 TB/s a few programs reach take ~40 us, the size of the
-# gap to SDPA (47 us; 14 us at L=4096, where the same estimate gives ~10 us plus the merge).
-# B >= 64 has one split (512 or 1024 programs, one wave) and runs at 4.2-4.4 TB/s, so 4-8
-# one-warp programs an SM do reach the bandwidth. The candidates: round the split count down
-# (8 splits, 1024 programs, one wave at 8 an SM), aim at 4 programs an SM (4 splits, 512
-# programs: B=64's regime, longer splits, 4/9 of the merge traffic), and 2 pipeline stages
-# (16 KB: 9 an SM by registers, all 1152 programs of 9 splits in one wave). If the tail wave
-# is the cause, round_down and stages2 both win at B=16 and tie at B=128 (one split under
-# every rule: the control; only stages2 changes its kernel). The table prints the driver's
-# programs per SM and the waves each candidate needs.
+# Compiled for sm_90 the default one-warp program takes 24 KB of shared memory (+1 KB static,
+# +1 KB reserved per CTA) and 203 registers: 8 fit an SM. The default rule rounds the split
+# count down so the grid fits one wave (B=16 x 8 KV heads: 8 splits, 1024 programs); rounded
+# up it took 9 splits, 1152 programs, and a tail wave of 96 that cost 8-37 us at B=16 on the
+# H200 (benchmarks/results/latest/decode_grid.md). The candidates: the old rounded-up rule,
+# 4 programs an SM (4 splits, 512 programs), and 2 pipeline stages (16 KB). B=128 is the
+# control: one split under every rule.
 CANDIDATES = {
     "default": {},
-    "round_down": dict(splits_round_down=True),
+    "round_up": dict(splits_round_down=False),
     "per_sm4_down": dict(programs_per_sm=4, splits_round_down=True),
     "stages2": dict(num_stages=2),
 }

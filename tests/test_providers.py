@@ -146,7 +146,7 @@ def test_unavailable_provider_is_passed_over_with_its_reason():
     assert providers.choose("paged_attention", platform="cuda", unavailable=usable, **q) == "triton"
     assert providers.choose("paged_attention", platform="cuda", unavailable={**usable, "triton": "no triton here"},
                             **q) == "native"
-    with pytest.raises(NotImplementedError, match="triton: no triton here; native: not built"):
+    with pytest.raises(NotImplementedError, match="triton: no triton here; .*native: not built"):
         providers.choose("paged_attention", platform="cuda",
                          unavailable={"native": "not built", "triton": "no triton here"}, **q)
 
@@ -176,7 +176,9 @@ def test_preferences_are_per_platform():
     fp16 = {**QK_NORM, "dtype": torch.float16}
     assert providers.choose("rope_and_cache", platform="rocm", unavailable=BOTH_USABLE,
                             **fp16) == "triton"
-    assert providers.preference_order("paged_attention", platform="cuda", num_tokens=1) == NAMES
+    # paged_attention: Triton measured faster than native on CUDA; ROCm keeps declaration order.
+    assert providers.preference_order("paged_attention", platform="cuda", num_tokens=1)[0] == "triton"
+    assert providers.preference_order("paged_attention", platform="rocm", num_tokens=1) == NAMES
 
 
 def test_preference_table_is_well_formed():

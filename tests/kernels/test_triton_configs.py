@@ -84,18 +84,18 @@ def test_short_splits_run_the_three_loop_config_as_one_loop():
 
 
 def test_split_rule_variants():
-    """The split rule's fields: about ``programs_per_sm`` programs per SM, rounded up (the
-    default: B=16 x 8 KV heads on 132 SMs takes 9 splits, 1152 programs) or down (8 splits,
-    1024 programs: never more than programs_per_sm x SMs)."""
-    assert num_kv_splits(16, 8, 1, 4096, 132) == 9
-    assert num_kv_splits(16, 8, 1, 4096, 132, round_down=True) == 8
+    """The split rule's fields: about ``programs_per_sm`` programs per SM, rounded down (the
+    default: B=16 x 8 KV heads on 132 SMs takes 8 splits, 1024 programs, never more than
+    programs_per_sm x SMs) or up (9 splits, 1152 programs)."""
+    assert num_kv_splits(16, 8, 1, 4096, 132, round_down=False) == 9
+    assert num_kv_splits(16, 8, 1, 4096, 132) == 8
     assert num_kv_splits(16, 8, 1, 4096, 132, programs_per_sm=4, round_down=True) == 4
     assert num_kv_splits(64, 8, 1, 4096, 132, round_down=True) == 1  # fills the GPU twice
     assert num_kv_splits(200, 1, 1, 4096, 132, programs_per_sm=1, round_down=True) == 1  # never 0
     tuned = decode_config(128, 4, 16, torch.bfloat16)
     plan = dict(num_seqs=16, num_kv_heads=8, head_chunks=1, max_ctx=4096, num_sms=132)
-    assert decode_plan(tuned, None, **plan) == ("rows3", 9)
-    assert decode_plan(dataclasses.replace(tuned, splits_round_down=True), None, **plan) == ("rows3", 8)
+    assert decode_plan(tuned, None, **plan) == ("rows3", 8)
+    assert decode_plan(dataclasses.replace(tuned, splits_round_down=False), None, **plan) == ("rows3", 9)
     # L=1024: 8 splits of 8 tiles run as one loop; 4 splits of 16 tiles as three loops
     short = dict(plan, max_ctx=1024)
     assert decode_plan(dataclasses.replace(tuned, splits_round_down=True), None, **short) == ("rows", 8)

@@ -61,15 +61,16 @@ PREFILL_LONGEST_FIRST = True
 PREFILL_DENSE_TMA = True
 MIN_SPLIT_TOKENS = 64  # a KV split shorter than this costs more in merging than it saves
 MAX_SPLITS = 64
-# KV splits aim at this many decode programs per SM (num_kv_splits), rounded up (the
-# default) or down: rounded down, the grid never exceeds SPLIT_PROGRAMS_PER_SM x SMs. The
-# one-warp decode program compiles for sm_90 to 24 KB of shared memory (plus 1 KB static and
-# the 1 KB the driver reserves per CTA) and 203 registers: 8 fit an SM by shared memory (9 if
-# the static KB is the reserved one). At 8, B=16 x 8 KV heads x 9 splits = 1152 programs on
-# 132 x 8 = 1056 slots leave a second wave of 96. Not measured yet: bench_decode.py
-# --candidates times both rules and prints the driver's programs per SM.
+# KV splits aim at this many decode programs per SM (num_kv_splits), rounded down (the
+# default: the grid never exceeds SPLIT_PROGRAMS_PER_SM x SMs) or up. The one-warp decode
+# program compiles for sm_90 to 24 KB of shared memory (plus 1 KB static and the 1 KB the
+# driver reserves per CTA) and 203 registers: 8 fit an SM (the driver reports 8). Rounded
+# up, B=16 x 8 KV heads x 9 splits = 1152 programs on 132 x 8 = 1056 slots left a second
+# wave of 96. H200, bf16, 32/8 heads, d128 (benchmarks/results/latest/decode_grid.md): B=16
+# L=4096 81.9 us rounded down vs 90.3 up, L=16384 261.3 vs 298.6, L=1024 33.2 vs 33.1;
+# B=128 identical (one split either way).
 SPLIT_PROGRAMS_PER_SM = 8
-SPLITS_ROUND_DOWN = False
+SPLITS_ROUND_DOWN = True
 # A split of at most this many tiles runs a tuned "rows3"/"keys3" config as one masked loop:
 # three loops would each start their software pipeline cold (B=1: 17.5 vs 18.1 us).
 ONE_LOOP_MAX_TILES = 8
