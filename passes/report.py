@@ -3,7 +3,8 @@
 Passes add a ``FusionRecord`` for every candidate they examine; the report keeps them
 (across compiles, until ``clear()``) and prints one line per layer and pass. Graphs served
 from Inductor's FX-graph or AOTAutograd cache run no pass: their records come back through
-Inductor's counters (``base.replayed_records``), and the report takes them in whenever it is
+Inductor's counters (``base.replayed_records``), and a report made with
+``receives_replays=True`` (the plugin's ``fusion_report()``) takes them in whenever it is
 read, so a warm start prints what the cold start printed. A replayed fusion that emits
 interleaved V switches its layer again through ``interleaved_v.switch_to_interleaved_v``
 (where the layer can be found then; its impl switches it at the first fused write anyway).
@@ -19,13 +20,18 @@ _GROUP = {"qk_norm_rope_kv_cache_fusion": "kv_cache", "rope_kv_cache_fusion": "k
 
 
 class FusionReport:
-    def __init__(self):
+    """The records of every candidate; ``receives_replays``: also those of graphs served from
+    Inductor's cache (one report of a process should: the plugin's)."""
+
+    def __init__(self, receives_replays: bool = False):
         self._records: list[FusionRecord] = []
+        self.receives_replays = receives_replays
 
     @property
     def records(self) -> list[FusionRecord]:
-        """Every record, those of graphs loaded from Inductor's cache included."""
-        for record in replayed_records():
+        """Every record (with ``receives_replays``, those of graphs loaded from Inductor's
+        cache since the last read too)."""
+        for record in replayed_records() if self.receives_replays else ():
             if record.interleaved_v:
                 record.switched_interleaved_v = switch_to_interleaved_v(record.layer_name) or \
                     record.switched_interleaved_v

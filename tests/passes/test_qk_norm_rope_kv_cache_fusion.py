@@ -72,6 +72,69 @@ def test_norm_over_whole_q_still_fuses_rope_only():
     assert not get_layer(block.layer.attn.layer_name).interleaved_v
 
 
+# --- transformers' own modeling code ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fuses_transformers_qwen3_layer(dtype):
+    """Qwen3's attention: separate q/k/v projections, ``Qwen3RMSNorm`` per head on the
+    ``[B, T, H, D]`` views (with its casts in half precision), then the transposed RoPE with
+    the model's cos/sin: one op normalizes and rotates q and k in place and writes the cache."""
+    sites = pytest.importorskip("transformers_sites")
+    fn, args = sites.decoder_layer("qwen3", dtype)
+    c = capture(fn, *args, dynamic=())
+    assert c.count(PASS) == 1, c.reasons(PASS)
+    assert c.count("rope_kv_cache_fusion") == 0
+    assert "rocm_attn.unified_qk_norm_rope_cos_sin_and_kv_cache_update" in c.after
+    assert "aten.rsqrt" in c.before and c.after.count("aten.rsqrt") == c.before.count("aten.rsqrt") - 2
+    assert "eps=1e-06" in c.after and "_query_base_index=0, _key_base_index=1" in c.after
+    record = c.manager.get_pass(PASS).records[0]
+    assert record.fused and record.interleaved_v  # the layer is not registered here: switched at run time
+    assert "at its first fused write" in str(_report_of(record))
+
+
+def _report_of(record):
+    from inductor_rocm_attn.passes.report import FusionReport
+
+    report = FusionReport()
+    report.add(record)
+    return report
+
+
+def test_fuses_transformers_qwen3_with_a_dynamic_token_count():
+    sites = pytest.importorskip("transformers_sites")
+    fn, args = sites.decoder_layer("qwen3", torch.bfloat16)
+    for a in args:
+        torch._dynamo.mark_dynamic(a, 1)
+    c = capture(fn, *args, dynamic=())
+    assert c.count(PASS) == 1, c.reasons(PASS)
+    assert "bfloat16[2, T, 4, 32]" in c.before
+
+
+@pytest.mark.parametrize("variant,why", [
+    ("norm_over_heads", "the rotated q"),  # mean over the heads axis: not the norm's pattern
+    ("k_norm_eps_differs", "q-norm eps 1e-06 and k-norm eps 1e-05 differ"),
+])
+def test_does_not_fuse_transformers_qk_norm_variants(variant, why):
+    """The QK-norm fusion misses (RoPE alone still fuses: the norm stays in the graph)."""
+    sites = pytest.importorskip("transformers_sites")
+    plain = sites.SiteAttention("plain", qk_norm=True)
+    assert capture(plain, *sites.site_inputs("plain"), dynamic=()).count(PASS) == 1  # the site itself fuses
+    c = capture(sites.SiteAttention(variant, qk_norm=True), *sites.site_inputs(variant), dynamic=())
+    assert (c.count(PASS), c.count("rope_kv_cache_fusion")) == (0, 1)
+    assert any(why in r for r in c.reasons(PASS)), c.reasons(PASS)
+    assert c.after.count("aten.rsqrt") == c.before.count("aten.rsqrt")
+
+
+def test_does_not_fuse_olmo2_norm_over_the_whole_projection():
+    sites = pytest.importorskip("transformers_sites")
+    fn, args = sites.decoder_layer("olmo2")
+    c = capture(fn, *args, dynamic=())
+    assert (c.count(PASS), c.count("rope_kv_cache_fusion")) == (0, 1)
+    assert any("the rotated q is not a per-head RMSNorm output (it comes from reshape" in r
+               for r in c.reasons(PASS)), c.reasons(PASS)
+
+
 class TestSnapshots(TestCase):
     def test_qwen3_op_form(self):
         cfg, block = _block(name="qwen3_op", rope_impl="op", norm_impl="op")
