@@ -139,7 +139,8 @@ def _match_rope_hf(k_root: torch.fx.Node, q_root: torch.fx.Node) -> tuple[RopeMa
     return None, "the cached key is not a RoPE output (" + "; ".join(why) + ")"
 
 
-def _same_size(a, b) -> bool:
+def same_size(a, b) -> bool:
+    """Whether two sizes (ints or symbolic) are the same, without adding a shape guard."""
     return a is b or (isinstance(a, int) and isinstance(b, int) and a == b) or str(a) == str(b)
 
 
@@ -168,14 +169,15 @@ def _match_rope_cos_sin(k_root, q_root, kval, qval, why: list) -> tuple[RopeMatc
             return None, (f"{form} RoPE mixes dtypes (q/k {xq.dtype}/{xk.dtype}, cos/sin {cos.dtype}/{sin.dtype}, "
                           f"rotated {qval.dtype}); the fused writer rotates in the model dtype's precision")
         lead = tuple(xk.shape[:rank - 2])  # (B, T) or (T,)
-        if cos.shape != sin.shape or cos.dim() != rank - 1 or not _same_size(cos.shape[-1], d):
+        if (cos.dim() != rank - 1 or sin.dim() != rank - 1 or not same_size(cos.shape[-1], d)
+                or not all(same_size(a, b) for a, b in zip(cos.shape, sin.shape))):
             return None, f"{form} cos/sin {tuple(cos.shape)} are not per-token rows of the head size {d}"
-        if not all(_same_size(a, b) for a, b in zip(xq.shape[:rank - 2], lead)):
+        if not all(same_size(a, b) for a, b in zip(xq.shape[:rank - 2], lead)):
             return None, f"{form}: query and key have different token shapes"
         batch = None
-        if not all(_same_size(a, b) for a, b in zip(cos.shape[:-1], lead)):
+        if not all(same_size(a, b) for a, b in zip(cos.shape[:-1], lead)):
             c0 = cos.shape[0]
-            if not (rank == 4 and isinstance(c0, int) and c0 == 1 and _same_size(cos.shape[1], lead[1])
+            if not (rank == 4 and isinstance(c0, int) and c0 == 1 and same_size(cos.shape[1], lead[1])
                     and isinstance(lead[0], int)):
                 return None, f"{form} cos/sin {tuple(cos.shape)} do not give one row per token of {tuple(lead)}"
             batch = lead[0]  # position_ids [1, T] for a batch of B rows

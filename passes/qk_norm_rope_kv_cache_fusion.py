@@ -158,7 +158,8 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
             if x is None:
                 return None, why
             xv, rv, wv = fx_utils.val(x), fx_utils.val(root), fx_utils.val(w)
-            if xv is None or tuple(xv.shape) != tuple(rv.shape) or xv.dtype != rv.dtype:
+            if (xv is None or xv.dim() != rv.dim() or xv.dtype != rv.dtype
+                    or not all(matchers.same_size(a, b) for a, b in zip(xv.shape, rv.shape))):
                 return None, f"{which}-norm is not over the head dim of the {tuple(rv.shape)} heads RoPE rotates"
             if wv is None or tuple(wv.shape) != (rope.head_size,) or wv.dtype != xv.dtype:
                 return None, (f"{which}-norm weight {tuple(wv.shape) if wv is not None else None} is not "

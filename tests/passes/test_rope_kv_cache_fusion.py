@@ -395,3 +395,40 @@ def test_fuses_mrope_sections_picked_in_the_attention():
     src = re.search(r"reshape.default\((\w+), \[-1, 32\]\)", cos_def).group(1)
     assert next(line for line in c.after.splitlines() if line.startswith(f"{src} = ")).split(" = ")[1].startswith(
         "aten.cat.default")
+
+
+def test_token_major_per_token_rope_on_a_fused_qkv_is_one_base():
+    """The per-token form token-major (``x [T, H, D]``, cos/sin ``[T, D]``) on slices of one
+    qkv projection: the fused op mutates that one tensor (q and k as its column slices)."""
+    from inductor_rocm_attn.passes import forms
+
+    name = "rope_per_token_qkv.attn"
+    w = torch.randn(256, 64)
+
+    def block(x, cos, sin):
+        t = x.shape[0]
+        q, k, v = (x @ w.T).split([128, 64, 64], dim=-1)
+        q = forms.rope_neox_per_token(q.reshape(t, 4, 32), cos, sin)
+        k = forms.rope_neox_per_token(k.reshape(t, 2, 32), cos, sin)
+        v = v.reshape(t, 2, 32)
+        out = torch.empty(t, 4, 32)
+        token = torch.ops.rocm_attn.unified_kv_cache_update(k, v, name)
+        torch.ops.rocm_attn.unified_attention_with_output(q, k, v, out, name, token)
+        return out
+
+    c = capture(block, torch.randn(5, 64), torch.randn(5, 32), torch.randn(5, 32))
+    assert c.count(PASS) == 1, c.reasons(PASS)
+    assert "RoPE (per_token_neox, NeoX)" in c.manager.get_pass(PASS).records[0].detail
+    assert re.search(r"_query_base_index=0, _query_slice_dim=1, _query_slice_start=0, _query_slice_end=128, "
+                     r"_key_base_index=0, _key_slice_dim=1, _key_slice_start=128, _key_slice_end=192, "
+                     r"_all_bases=\[mm\]", c.after), c.after
+
+
+def test_cos_sin_of_one_position_row_broadcast_over_the_batch():
+    """position_ids ``[1, T]`` for a batch of B rows: cos/sin ``[1, T, D]`` broadcast in the
+    RoPE; the op gets them expanded to one row per token."""
+    sites = pytest.importorskip("transformers_sites")
+    hidden, cos, sin = sites.site_inputs("plain")
+    c = capture(sites.SiteAttention("plain"), hidden, cos[:1], sin[:1], dynamic=())
+    assert c.count(PASS) == 1, c.reasons(PASS)
+    assert re.search(r"expand = aten.expand.default\(\w+, \[2, -1, -1\]\)  float32\[2, 5, 32\]", c.after), c.after
