@@ -273,3 +273,5 @@ def check_rope_cos_sin(op: str, query: torch.Tensor, key: torch.Tensor, value: t
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         if w is not None and tuple(w.shape) != (d,):
             raise ValueError(f"{op}: {name} must be [head_size] = [{d}], got {tuple(w.shape)}")
+    if q_weight is not None and k_weight is not None and q_weight.dtype != k_weight.dtype:
+        raise ValueError(f"{op}: q_weight dtype {q_weight.dtype} != k_weight dtype {k_weight.dtype}")

@@ -75,15 +75,15 @@ def _greedy(model, ids, mask, **kw):
 class Run:
     """One architecture compiled and generated, with what the checks need."""
 
-    def __init__(self, arch: str, dtype: torch.dtype):
+    def __init__(self, arch: str, dtype: torch.dtype, device: str = "cpu"):
         config = CONFIGS[arch]()
         torch.manual_seed(0)
         ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="rocm_attn",
-                                                             dtype=dtype).eval()
+                                                             dtype=dtype).to(device).eval()
         eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager",
-                                                              dtype=dtype).eval()
+                                                              dtype=dtype).to(device).eval()
         eager.load_state_dict(ours.state_dict())
-        ids, mask = _prompts()
+        ids, mask = (x.to(device) for x in _prompts())
         torch._dynamo.reset()
         was_enabled = ira.compilation.is_enabled()
         ira.enable()
@@ -168,6 +168,17 @@ def test_qwen3_bf16_every_layer_fused(runs):
     errs = [_rel(a, b) for a, b in zip(run.got.logits, run.want.logits)]
     assert max(errs) < 3e-2, errs
     _check_report(run)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_compiled_generate_on_gpu_every_layer_fused(arch):
+    """The same on the GPU in bf16 (the Triton writers inside the compiled graphs)."""
+    run = Run(arch, torch.bfloat16, "cuda")
+    errs = [_rel(a, b) for a, b in zip(run.got.logits, run.want.logits)]
+    assert max(errs) < 3e-2, errs
+    _check_report(run)
+    _check_in_place(run)
 
 
 _WARM_START = textwrap.dedent("""

@@ -192,6 +192,7 @@ def test_triton_prefill_tiles(op, block_size, block_t, dtype, interleaved_v, lay
     ("key_heads", r"key must be \[num_tokens, heads, head_size\].*2 heads"),
     ("weight", r"q_weight must be \[head_size\] = \[64\], got \(32,\)"),
     ("dtype", r"value dtype torch.float16 != query dtype torch.float32"),
+    ("weight_dtypes", r"q_weight dtype torch.float32 != k_weight dtype torch.float16"),
 ])
 def test_bad_input_names_op_and_value(bad, match):
     t, d = 6, 64
@@ -209,12 +210,13 @@ def test_bad_input_names_op_and_value(bad, match):
         w = torch.ones(32)
     elif bad == "dtype":
         v = v.half()
+    k_weight = w.half() if bad == "weight_dtypes" else w
     spec_cache = torch.zeros(4, 2, 16, 2 * d)
     slots, one = torch.arange(t), torch.ones(1)
     before = q.clone()
     with pytest.raises(ValueError, match="rocm_attn.qk_norm_rope_cos_sin_and_cache: " + match):
-        torch.ops.rocm_attn.qk_norm_rope_cos_sin_and_cache(q, k, v, w, w, 1e-6, cos, sin, True, spec_cache, slots,
-                                                            one, one, False)
+        torch.ops.rocm_attn.qk_norm_rope_cos_sin_and_cache(q, k, v, w, k_weight, 1e-6, cos, sin, True, spec_cache,
+                                                            slots, one, one, False)
     assert torch.equal(q, before)  # validated before anything is written
 
 
