@@ -10,8 +10,6 @@ and a kernel call; everything that can be decided once is decided in ``__init__`
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 
 import torch
 
@@ -31,6 +29,7 @@ from .layout import (
 __all__ = ["RocmAttentionBackend", "RocmAttentionImpl"]
 
 _SIZED_OPS = providers.SIZED_OPS
+_NO_SLOTS: dict = {}  # device -> an empty slot_mapping: a writer call that caches nothing
 
 
 class RocmAttentionBackend:
@@ -294,8 +293,6 @@ class RocmAttentionImpl:
         _, fn = providers.select(op, device=x.device, head_size=self.head_size, dtype=x.dtype,
                                  kv_cache=kv_cache, features=features, num_tokens=num_tokens,
                                  interleaved_v=interleaved_v and kv_cache is not None)
-        if op == "qk_norm_rope_and_cache":
-            fn = writes_into_out_buffers(fn)
         self._kernels[sig] = fn
         return fn
 
@@ -394,6 +391,51 @@ class RocmAttentionImpl:
                      self.num_kv_heads, self.head_size, q_out, k_out, False)
         return q, k
 
+    def do_rope_cos_sin_and_kv_cache_update(self, layer, query, key, value, cos, sin, is_neox, kv_cache,
+                                            attn_metadata) -> None:
+        """Rotate ``query [T, Hq, D]``/``key [T, Hkv, D]`` in place with the model's per-token
+        ``cos``/``sin`` ``[T, rot_dim]`` and write the rotated key and value to the cache (a
+        profiling run or a layer without a cache of its own: rotate only)."""
+        self._cos_sin_writer("rope_cos_sin_and_cache", layer, query, key, value, cos, sin, is_neox,
+                             kv_cache, attn_metadata, ())
+
+    def do_qk_norm_rope_cos_sin_kv_cache_update(self, layer, query, key, value, q_weight, k_weight, eps, cos,
+                                                sin, is_neox, kv_cache, attn_metadata) -> None:
+        """Per-head RMSNorm (transformers' rounding), RoPE with per-token cos/sin, both on
+        ``query``/``key`` in place, and the cache write of key and value.
+
+        The fused writer stands for a layer fused at compile time into interleaved V: a layer
+        not switched yet (a graph from Inductor's cache, a cache bound after compilation) is
+        switched here, its cached data converted, before the first write.
+        """
+        if self.uses_kv_cache and not self.interleaved_v:
+            self.set_interleaved_v_cache(True, kv_cache)
+        self._cos_sin_writer("qk_norm_rope_cos_sin_and_cache", layer, query, key, value, cos, sin, is_neox,
+                             kv_cache, attn_metadata, (q_weight, k_weight, eps))
+
+    def _cos_sin_writer(self, op, layer, query, key, value, cos, sin, is_neox, kv_cache, attn_metadata,
+                        norm: tuple) -> None:
+        t = query.shape[0]
+        write = attn_metadata is not None and self.uses_kv_cache
+        slot_mapping = attn_metadata.slot_mapping if write else _NO_SLOTS.get(query.device)
+        if slot_mapping is None:
+            slot_mapping = _NO_SLOTS[query.device] = torch.empty(0, dtype=torch.int64, device=query.device)
+        cache = kv_cache if write else None
+        rot_dim = cos.shape[-1]  # partial rotary changes which providers apply
+        sig = (self._signature(op, query, kv_cache, t, rot_dim) if write
+               else (op, query.device, query.dtype, rot_dim, "no cache"))
+        fn = self._kernels.get(sig)
+        if fn is None:
+            name = f"rocm_attn.unified_{op.replace('_and_cache', '_and_kv_cache_update')}"
+            validation.check_rope_cos_sin(name, query, key, value, cos, sin, *norm[:2])
+            if write:
+                validation.check_cache_write(name, key.view(value.shape), value, kv_cache, slot_mapping,
+                                             layer._buffers["_k_scale"], layer._buffers["_v_scale"])
+            fn = self._resolve(sig, op, query, cache, t, ("partial_rotary",) if rot_dim < self.head_size else ())
+        buffers = layer._buffers  # skips nn.Module.__getattr__
+        fn(query, key, value, *norm, cos, sin, is_neox, kv_cache, slot_mapping, buffers["_k_scale"],
+           buffers["_v_scale"], self.interleaved_v and write)
+
     # --- attention -------------------------------------------------------------------------
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
@@ -484,27 +526,3 @@ class RocmAttentionImpl:
         return (f"RocmAttentionImpl(heads={self.num_heads}/{self.num_kv_heads}, d={self.head_size}, "
                 f"{self.attn_type.value}, kv={self.kv_cache_dtype}, interleaved_v={self.interleaved_v}"
                 f"{shares})")
-
-
-@functools.cache
-def writes_into_out_buffers(kernel):
-    """``kernel`` (a provider's ``qk_norm_rope_and_cache``) in the reference's calling form:
-    it writes q/k into ``q_out``/``k_out`` and returns ``(q, k, v or None)``.
-
-    A kernel that still has the older form (no ``q_out``: it returns fresh q, k and v) is
-    wrapped: without caller buffers its fresh q/k are returned as they are (no copy); buffers
-    a caller passed are filled from them. Remove once every provider takes ``q_out``.
-    """
-    if "q_out" in inspect.signature(kernel).parameters:
-        return kernel
-
-    def call(*args):
-        *args, q_out, k_out, return_kv = args
-        q, k, v = kernel(*args)
-        if q_out is None:
-            return q, k, (v if return_kv else None)
-        q_out.copy_(q)
-        k_out.copy_(k)
-        return q_out, k_out, (v if return_kv else None)
-
-    return call

@@ -90,6 +90,8 @@ OPS = (
     "rotary_embedding",
     "rope_and_cache",
     "qk_norm_rope_and_cache",
+    "rope_cos_sin_and_cache",  # RoPE with the model's per-token cos/sin (transformers)
+    "qk_norm_rope_cos_sin_and_cache",  # the same after a per-head RMSNorm, q/k/v apart
     "encoder_attention",
 )
 FEATURES = (

@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 
 from . import providers, validation
-from .backend import writes_into_out_buffers
 from .forward_context import get_forward_context, get_layer
 
 NAMESPACE = "rocm_attn"
@@ -49,6 +48,16 @@ _SCHEMAS = {
         "Tensor slot_mapping, Tensor k_scale, Tensor v_scale, bool interleaved_v, int num_heads, "
         "int num_kv_heads, int head_size, Tensor(b!) q_out, Tensor(c!) k_out) -> ()"
     ),
+    "rope_cos_sin_and_cache": (
+        "rope_cos_sin_and_cache(Tensor(a!) query, Tensor(b!) key, Tensor value, Tensor cos, Tensor sin, "
+        "bool is_neox, Tensor(c!) kv_cache, Tensor slot_mapping, Tensor k_scale, Tensor v_scale, "
+        "bool interleaved_v=False) -> ()"
+    ),
+    "qk_norm_rope_cos_sin_and_cache": (
+        "qk_norm_rope_cos_sin_and_cache(Tensor(a!) query, Tensor(b!) key, Tensor value, Tensor q_weight, "
+        "Tensor k_weight, float eps, Tensor cos, Tensor sin, bool is_neox, Tensor(c!) kv_cache, "
+        "Tensor slot_mapping, Tensor k_scale, Tensor v_scale, bool interleaved_v=False) -> ()"
+    ),
     "encoder_attention": (
         "encoder_attention(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens, "
         "int max_seqlen, float scale, bool causal=False, int sliding_window=-1, "
@@ -72,6 +81,15 @@ _SCHEMAS = {
         "unified_qk_norm_rope_and_kv_cache_update(Tensor qkv, Tensor q_weight, Tensor k_weight, "
         "float eps, Tensor positions, Tensor cos_sin_cache, bool is_neox, int num_heads, "
         "int num_kv_heads, int head_size, str layer_name) -> (Tensor, Tensor, Tensor)"
+    ),
+    "unified_rope_cos_sin_and_kv_cache_update": (
+        "unified_rope_cos_sin_and_kv_cache_update(Tensor(a!) query, Tensor(b!) key, Tensor value, "
+        "Tensor cos, Tensor sin, bool is_neox, str layer_name) -> Tensor"
+    ),
+    "unified_qk_norm_rope_cos_sin_and_kv_cache_update": (
+        "unified_qk_norm_rope_cos_sin_and_kv_cache_update(Tensor(a!) query, Tensor(b!) key, Tensor value, "
+        "Tensor q_weight, Tensor k_weight, float eps, Tensor cos, Tensor sin, bool is_neox, "
+        "str layer_name) -> Tensor"
     ),
 }
 
@@ -206,13 +224,52 @@ def _qk_norm_rope_and_cache(qkv, q_weight, k_weight, eps, positions, cos_sin_cac
         kv_cache=kv_cache, interleaved_v=interleaved_v, features=_rope_features(cos_sin_cache, head_size),
         num_tokens=qkv.shape[0],
     )
-    writes_into_out_buffers(fn)(qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, kv_cache,
-                                slot_mapping, k_scale, v_scale, interleaved_v, num_heads, num_kv_heads,
-                                head_size, q_out, k_out, False)
+    fn(qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, kv_cache, slot_mapping, k_scale,
+       v_scale, interleaved_v, num_heads, num_kv_heads, head_size, q_out, k_out, False)
 
 
 @_fake("qk_norm_rope_and_cache")
 def _qk_norm_rope_and_cache_fake(*args, **kwargs):
+    return None
+
+
+def _select_cos_sin_writer(op, query, value, kv_cache, cos, interleaved_v):
+    head_size = value.shape[-1]
+    _, fn = providers.select(
+        op, device=query.device, head_size=head_size, dtype=query.dtype, kv_cache=kv_cache,
+        interleaved_v=interleaved_v, features=_rope_features(cos, head_size), num_tokens=query.shape[0],
+    )
+    return fn
+
+
+@_impl("rope_cos_sin_and_cache")
+def _rope_cos_sin_and_cache(query, key, value, cos, sin, is_neox, kv_cache, slot_mapping, k_scale, v_scale,
+                            interleaved_v=False):
+    op = "rocm_attn.rope_cos_sin_and_cache"
+    validation.check_rope_cos_sin(op, query, key, value, cos, sin)
+    validation.check_cache_write(op, key.view(value.shape), value, kv_cache, slot_mapping, k_scale, v_scale)
+    fn = _select_cos_sin_writer("rope_cos_sin_and_cache", query, value, kv_cache, cos, interleaved_v)
+    fn(query, key, value, cos, sin, is_neox, kv_cache, slot_mapping, k_scale, v_scale, interleaved_v)
+
+
+@_fake("rope_cos_sin_and_cache")
+def _rope_cos_sin_and_cache_fake(*args, **kwargs):
+    return None
+
+
+@_impl("qk_norm_rope_cos_sin_and_cache")
+def _qk_norm_rope_cos_sin_and_cache(query, key, value, q_weight, k_weight, eps, cos, sin, is_neox, kv_cache,
+                                    slot_mapping, k_scale, v_scale, interleaved_v=False):
+    op = "rocm_attn.qk_norm_rope_cos_sin_and_cache"
+    validation.check_rope_cos_sin(op, query, key, value, cos, sin, q_weight, k_weight)
+    validation.check_cache_write(op, key.view(value.shape), value, kv_cache, slot_mapping, k_scale, v_scale)
+    fn = _select_cos_sin_writer("qk_norm_rope_cos_sin_and_cache", query, value, kv_cache, cos, interleaved_v)
+    fn(query, key, value, q_weight, k_weight, eps, cos, sin, is_neox, kv_cache, slot_mapping, k_scale, v_scale,
+       interleaved_v)
+
+
+@_fake("qk_norm_rope_cos_sin_and_cache")
+def _qk_norm_rope_cos_sin_and_cache_fake(*args, **kwargs):
     return None
 
 
@@ -333,6 +390,38 @@ def _unified_qk_norm_rope_and_kv_cache_update_fake(qkv, q_weight, k_weight, eps,
     t = qkv.shape[0]
     k = qkv.new_empty(t, num_kv_heads, head_size)
     return qkv.new_empty(t, num_heads, head_size), k, _token(k)
+
+
+@_impl("unified_rope_cos_sin_and_kv_cache_update")
+def _unified_rope_cos_sin_and_kv_cache_update(query, key, value, cos, sin, is_neox, layer_name):
+    """Rotates ``query``/``key`` in place with the model's per-token cos/sin and writes the cache."""
+    layer = get_layer(layer_name)
+    metadata = get_forward_context().attn_metadata
+    layer.impl.do_rope_cos_sin_and_kv_cache_update(layer, query, key, value, cos, sin, is_neox,
+                                                   layer.kv_cache, metadata)
+    return _token(key)
+
+
+@_fake("unified_rope_cos_sin_and_kv_cache_update")
+def _unified_rope_cos_sin_and_kv_cache_update_fake(query, key, value, cos, sin, is_neox, layer_name):
+    return _token(key)
+
+
+@_impl("unified_qk_norm_rope_cos_sin_and_kv_cache_update")
+def _unified_qk_norm_rope_cos_sin_and_kv_cache_update(query, key, value, q_weight, k_weight, eps, cos, sin,
+                                                      is_neox, layer_name):
+    """Normalizes and rotates ``query``/``key`` in place and writes the cache (interleaved V)."""
+    layer = get_layer(layer_name)
+    metadata = get_forward_context().attn_metadata
+    layer.impl.do_qk_norm_rope_cos_sin_kv_cache_update(layer, query, key, value, q_weight, k_weight, eps, cos,
+                                                       sin, is_neox, layer.kv_cache, metadata)
+    return _token(key)
+
+
+@_fake("unified_qk_norm_rope_cos_sin_and_kv_cache_update")
+def _unified_qk_norm_rope_cos_sin_and_kv_cache_update_fake(query, key, value, q_weight, k_weight, eps, cos,
+                                                           sin, is_neox, layer_name):
+    return _token(key)
 
 
 OP_NAMES = tuple(_SCHEMAS)

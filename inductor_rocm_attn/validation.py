@@ -232,3 +232,46 @@ def check_softmax_scale(op: str, scale: float) -> None:
     for a positive scale."""
     if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"{op}: scale must be a positive finite number, got {scale!r}")
+
+
+def check_rope_cos_sin(op: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None = None,
+                       k_weight: torch.Tensor | None = None) -> None:
+    """The RoPE part of the per-token cos/sin writers: value ``[T, Hkv, D]``, query ``[T, Hq,
+    D]`` or ``[T, Hq * D]``, key likewise with Hkv heads, cos/sin ``[T, rot_dim]`` (even
+    ``rot_dim <= D``), weights ``[D]``."""
+    check_same_device(op, query=query, key=key, value=value, cos=cos, sin=sin, q_weight=q_weight,
+                      k_weight=k_weight)
+    check_dtype(op, "query", query, capabilities.MODEL_DTYPES)
+    if value.dim() != 3:
+        raise ValueError(f"{op}: value must be [num_tokens, num_kv_heads, head_size], got {tuple(value.shape)}")
+    t, hkv, d = value.shape
+    capabilities.check_head_size(d, op)
+    for name, x, heads in (("query", query, None), ("key", key, hkv)):
+        ok = x.dim() in (2, 3) and x.shape[0] == t and x[0].numel() % d == 0 and (x.dim() == 2 or x.shape[2] == d)
+        if not ok or (heads is not None and x[0].numel() != heads * d):
+            raise ValueError(
+                f"{op}: {name} must be [num_tokens, heads, head_size] (or [num_tokens, heads * head_size]) "
+                f"with num_tokens {t}, head_size {d}{'' if heads is None else f', {heads} heads'} (value "
+                f"{tuple(value.shape)}), got {tuple(x.shape)}"
+            )
+    for name, x in (("key", key), ("value", value)):
+        if x.dtype != query.dtype:
+            raise ValueError(f"{op}: {name} dtype {x.dtype} != query dtype {query.dtype}")
+    if (query[0].numel() // d) % hkv:
+        raise ValueError(f"{op}: num_heads {query[0].numel() // d} is not a multiple of num_kv_heads {hkv}")
+    for name, c in (("cos", cos), ("sin", sin)):
+        check_dtype(op, name, c, capabilities.MODEL_DTYPES)
+        rot = c.shape[-1] if c.dim() == 2 else -1
+        if c.dim() != 2 or c.shape[0] != t or rot <= 0 or rot % 2 or rot > d:
+            raise ValueError(
+                f"{op}: {name} must be [num_tokens, rot_dim] = [{t}, even rot_dim <= head_size {d}] "
+                f"(one row per token), got {tuple(c.shape)}"
+            )
+    if sin.shape != cos.shape:
+        raise ValueError(f"{op}: sin {tuple(sin.shape)} and cos {tuple(cos.shape)} differ")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w is not None and tuple(w.shape) != (d,):
+            raise ValueError(f"{op}: {name} must be [head_size] = [{d}], got {tuple(w.shape)}")
+    if q_weight is not None and k_weight is not None and q_weight.dtype != k_weight.dtype:
+        raise ValueError(f"{op}: q_weight dtype {q_weight.dtype} != k_weight dtype {k_weight.dtype}")
