@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from . import capabilities, providers, validation
+from . import capabilities, providers, step_checks, validation
 from .capabilities import AttentionType
 from .forward_context import get_layer
 from .layout import (
@@ -30,6 +30,8 @@ __all__ = ["RocmAttentionBackend", "RocmAttentionImpl"]
 
 _SIZED_OPS = providers.SIZED_OPS
 _NO_SLOTS: dict = {}  # device -> an empty slot_mapping: a writer call that caches nothing
+_KV_UPDATE_OP = "rocm_attn.unified_kv_cache_update"
+_ATTN_OP = "rocm_attn.unified_attention_with_output"
 
 
 class RocmAttentionBackend:
@@ -183,11 +185,15 @@ class RocmAttentionImpl:
     ):
         op = "RocmAttentionImpl"
         self.attn_type = capabilities.check_attention_type(attn_type, op)
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        validation.check_positive_int(op, "num_heads", num_heads)
+        validation.check_positive_int(op, "num_kv_heads", num_kv_heads)
         capabilities.check_head_size(head_size, op)
         capabilities.check_kv_cache_dtype(kv_cache_dtype, op)
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        if num_heads % num_kv_heads:
             raise ValueError(f"{op}: num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+        validation.check_softmax_scale(op, scale)
+        validation.check_positive_finite(op, "q_scale", q_scale)
         if self.attn_type in capabilities.ENCODER_TYPES and kv_cache_dtype.startswith("fp8"):
             raise NotImplementedError(
                 f"{op}: kv_cache_dtype {kv_cache_dtype!r} on a {self.attn_type.value} layer is not "
@@ -203,16 +209,21 @@ class RocmAttentionImpl:
                     f"{op}: kv_sharing_target_layer_name={kv_sharing_target_layer_name!r} on a "
                     f"{self.attn_type.value} layer: only decoder layers have a KV cache to share"
                 )
-        if sliding_window is not None and sliding_window <= 0:
-            raise ValueError(f"{op}: sliding_window must be positive or None, got {sliding_window}")
-        if logits_soft_cap is not None and logits_soft_cap < 0:
-            raise ValueError(f"{op}: logits_soft_cap must be >= 0, got {logits_soft_cap}")
-        if sinks is not None and tuple(sinks.shape) != (num_heads,):
-            raise ValueError(f"{op}: sinks must be [num_heads] = [{num_heads}], got {tuple(sinks.shape)}")
+        if sliding_window is not None and (not validation.is_int(sliding_window) or sliding_window <= 0):
+            raise ValueError(f"{op}: sliding_window must be None or a positive int, got {sliding_window!r}")
+        if logits_soft_cap is not None and logits_soft_cap != 0:
+            try:
+                validation.check_positive_finite(op, "logits_soft_cap", logits_soft_cap)
+            except ValueError:
+                raise ValueError(f"{op}: logits_soft_cap must be None, 0 (off) or a positive finite number, "
+                                 f"got {logits_soft_cap!r}") from None
+        if causal is not None and not isinstance(causal, bool):
+            raise ValueError(f"{op}: causal must be True, False or None, got {causal!r}")
+        if sinks is not None:
+            sinks = validation.per_head_tensor(op, "sinks", sinks, num_heads)
         if alibi_slopes is not None:
-            alibi_slopes = torch.as_tensor(alibi_slopes, dtype=torch.float32)
-            if tuple(alibi_slopes.shape) != (num_heads,):
-                raise ValueError(f"{op}: alibi_slopes must be [num_heads] = [{num_heads}]")
+            alibi_slopes = validation.per_head_tensor(op, "alibi_slopes", alibi_slopes, num_heads,
+                                                      finite=True).to(torch.float32)
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.scale = float(scale)
         self.kv_cache_dtype = kv_cache_dtype
@@ -306,20 +317,63 @@ class RocmAttentionImpl:
                 "supported (as in the seed); an fp8 query needs q_scale 1.0"
             )
 
+    # --- per-call checks (every call, before anything is written) ---------------------------
+
+    def _kv_rows(self, op: str, key, value):
+        rows = step_checks.token_rows
+        return (rows(op, "key", key, self.num_kv_heads, self.head_size),
+                rows(op, "value", value, self.num_kv_heads, self.head_size))
+
+    def _checked_step(self, op: str, layer, key, value, kv_cache, attn_metadata):
+        """key/value as ``[T, Hkv, D]`` after the per-call checks of a write into ``kv_cache``
+        and of the step's metadata against it (the metadata the attention will read too)."""
+        key, value = self._kv_rows(op, key, value)
+        shape = step_checks.cache_shape(op, layer, kv_cache)
+        device, t = kv_cache.device, key.shape[0]
+        step_checks.check_layer_kv(op, key, value, device, t, self.num_kv_heads, self.head_size)
+        step_checks.check_step_metadata(op, attn_metadata, t, device, shape[0], shape[2])
+        return key, value
+
+    def _check_positions(self, op: str, positions, cos_sin_cache, num_tokens: int, device, attn_metadata) -> None:
+        if positions.shape[0] != num_tokens or positions.device != device or cos_sin_cache.device != device:
+            raise ValueError(f"{op}: positions ({tuple(positions.shape)} on {positions.device}) and cos_sin_cache "
+                             f"(on {cos_sin_cache.device}) must have one entry per token ({num_tokens}) on {device}")
+        if attn_metadata is not None:
+            step_checks.check_step_positions(op, attn_metadata, positions, cos_sin_cache.shape[0])
+        elif validation.index_checks_on(positions.device):
+            validation.check_positions(op, positions, cos_sin_cache.shape[0])
+
+    # --- cache writes ----------------------------------------------------------------------
+
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        """Write key/value ``[T, Hkv, D]`` (or ``[T, Hkv * D]``) at ``slot_mapping`` (the seed's
+        entry point; the layer-level op calls ``update_kv_cache`` with the step's metadata)."""
         if not self.uses_kv_cache:
             return
-        if key.dim() != 3:
-            key = key.view(-1, self.num_kv_heads, self.head_size)
-            value = value.view(-1, self.num_kv_heads, self.head_size)
+        op = "RocmAttentionImpl.do_kv_cache_update"
+        key, value = self._kv_rows(op, key, value)
+        step_checks.cache_shape(op, layer, kv_cache)
+        step_checks.check_layer_kv(op, key, value, kv_cache.device, key.shape[0], self.num_kv_heads,
+                                   self.head_size)
+        validation.check_slot_mapping(op, slot_mapping, kv_cache, key.shape[0])
+        self._write(layer, key, value, kv_cache, slot_mapping)
+
+    def update_kv_cache(self, layer, key, value, kv_cache, attn_metadata) -> None:
+        """The step's cache write (``rocm_attn.unified_kv_cache_update``): checks the step's
+        metadata against the cache, as the attention will read it, before writing."""
+        if not self.uses_kv_cache:
+            return
+        key, value = self._checked_step(_KV_UPDATE_OP, layer, key, value, kv_cache, attn_metadata)
+        self._write(layer, key, value, kv_cache, attn_metadata.slot_mapping)
+
+    def _write(self, layer, key, value, kv_cache, slot_mapping) -> None:
         buffers = layer._buffers  # skips nn.Module.__getattr__
         k_scale, v_scale = buffers["_k_scale"], buffers["_v_scale"]
         t = key.shape[0]
         sig = self._signature("reshape_and_cache", key, kv_cache, t)
         fn = self._kernels.get(sig)
         if fn is None:
-            validation.check_cache_write("rocm_attn.unified_kv_cache_update", key, value, kv_cache,
-                                         slot_mapping, k_scale, v_scale)
+            validation.check_cache_write(_KV_UPDATE_OP, key, value, kv_cache, slot_mapping, k_scale, v_scale)
             fn = self._resolve(sig, "reshape_and_cache", key, kv_cache, t)
         fn(key, value, kv_cache, slot_mapping, k_scale, v_scale, self.interleaved_v)
 
@@ -330,6 +384,8 @@ class RocmAttentionImpl:
         rot_dim = cos_sin_cache.shape[-1]  # partial rotary changes which providers apply
         if attn_metadata is None or not self.uses_kv_cache:  # profiling run / no cache
             op = "rotary_embedding"
+            self._check_positions("rocm_attn.rotary_embedding", positions, cos_sin_cache, t, query.device,
+                                  attn_metadata)
             sig = (op, query.device, query.dtype, rot_dim, providers.token_bucket(op, query.device, t))
             fn = self._kernels.get(sig)
             if fn is None:
@@ -338,15 +394,18 @@ class RocmAttentionImpl:
                 fn = self._resolve(sig, op, query, None, t, self._rope_features(cos_sin_cache))
             fn(positions, query, key, self.head_size, cos_sin_cache, is_neox)
             return
-        key = key.view(t, self.num_kv_heads, self.head_size)
-        value = value.view(t, self.num_kv_heads, self.head_size)
+        op = "rocm_attn.unified_rope_and_kv_cache_update"
+        key, value = self._checked_step(op, layer, key, value, kv_cache, attn_metadata)
+        if query.shape[0] != t or query.dtype is not key.dtype or query.device != kv_cache.device:
+            raise ValueError(f"{op}: query ({tuple(query.shape)}, {query.dtype}, {query.device}) must match key "
+                             f"({tuple(key.shape)}, {key.dtype}) on the KV cache's device {kv_cache.device}")
+        self._check_positions(op, positions, cos_sin_cache, t, kv_cache.device, attn_metadata)
         buffers = layer._buffers  # skips nn.Module.__getattr__
         k_scale, v_scale = buffers["_k_scale"], buffers["_v_scale"]
         slot_mapping = attn_metadata.slot_mapping
         sig = self._signature("rope_and_cache", query, kv_cache, t, rot_dim)
         fn = self._kernels.get(sig)
         if fn is None:
-            op = "rocm_attn.rope_and_cache"
             validation.check_rotary(op, positions, query, key, self.head_size, cos_sin_cache)
             validation.check_cache_write(op, key, value, kv_cache, slot_mapping, k_scale, v_scale)
             fn = self._resolve(sig, "rope_and_cache", query, kv_cache, t, self._rope_features(cos_sin_cache))
@@ -365,21 +424,28 @@ class RocmAttentionImpl:
         The fused writer emits interleaved V: a layer fused into it is switched (normally
         by the pass at compile time; this guard covers a cache bound after compilation).
         """
-        if not self.interleaved_v:
-            self.set_interleaved_v_cache(True, kv_cache)
+        op = "rocm_attn.qk_norm_rope_and_cache"
+        if not self.uses_kv_cache:
+            raise NotImplementedError(f"{op}: {self!r} writes no KV cache (an encoder layer or a "
+                                      "layer sharing another layer's cache); nothing to fuse")
         t = qkv.shape[0]
+        shape = step_checks.cache_shape(op, layer, kv_cache)
+        width = (self.num_heads + 2 * self.num_kv_heads) * self.head_size
+        if qkv.dim() != 2 or qkv.shape[1] != width or qkv.device != kv_cache.device:
+            raise ValueError(f"{op}: qkv must be [num_tokens, {width}] on the KV cache's device {kv_cache.device}, "
+                             f"got {tuple(qkv.shape)} on {qkv.device}")
+        self._check_positions(op, positions, cos_sin_cache, t, kv_cache.device, attn_metadata)
         if attn_metadata is None:
             slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=qkv.device)
         else:
+            step_checks.check_step_metadata(op, attn_metadata, t, kv_cache.device, shape[0], shape[2])
             slot_mapping = attn_metadata.slot_mapping
+        if not self.interleaved_v:
+            self.set_interleaved_v_cache(True, kv_cache)
         buffers = layer._buffers  # skips nn.Module.__getattr__
         sig = self._signature("qk_norm_rope_and_cache", qkv, kv_cache, t, cos_sin_cache.shape[-1])
         fn = self._kernels.get(sig)
         if fn is None:
-            op = "rocm_attn.qk_norm_rope_and_cache"
-            if not self.uses_kv_cache:
-                raise NotImplementedError(f"{op}: {self!r} writes no KV cache (an encoder layer or a "
-                                          "layer sharing another layer's cache); nothing to fuse")
             validation.check_qk_norm_rope(op, qkv, q_weight, k_weight, positions, cos_sin_cache,
                                           self.num_heads, self.num_kv_heads, self.head_size)
             validation.check_kv_cache(op, kv_cache, self.num_kv_heads, self.head_size)
@@ -440,7 +506,11 @@ class RocmAttentionImpl:
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None) -> torch.Tensor:
-        """Attention of one step into ``output`` ``[num_tokens, num_heads, head_size]``."""
+        """Attention of one step into ``output`` ``[num_tokens, num_heads, head_size]``.
+
+        ``attn_metadata`` None: a profiling run (the seed's convention; the layer-level op
+        passes None only inside ``profiling_run()``): zero-fills ``output``.
+        """
         if output_block_scale is not None:
             raise NotImplementedError(
                 "RocmAttentionImpl: output_block_scale (block-scaled output quant) is not supported; "
@@ -448,34 +518,43 @@ class RocmAttentionImpl:
             )
         if attn_metadata is None:  # profiling run
             return output.fill_(0)
-        n = attn_metadata.num_actual_tokens
+        op = _ATTN_OP
+        md = attn_metadata
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
         # The layer passes [T, H, D] tensors; views and slices only when needed (each costs
         # about a microsecond on this per-layer, per-step path).
-        if query.dim() != 3:
-            query = query.view(-1, h, d)
-        if output.dim() != 3:
-            output = output.view(-1, h, d)
-        if key.dim() != 3:
-            key, value = key.view(-1, hkv, d), value.view(-1, hkv, d)
+        query = step_checks.token_rows(op, "query", query, h, d)
+        output = step_checks.token_rows(op, "output", output, h, d)
         if self.attn_type is not AttentionType.DECODER:
-            return self._encoder_forward(query[:n], key[:n], value[:n], attn_metadata, output, output_scale)
+            key, value = self._kv_rows(op, key, value)
+            step_checks.check_layer_query(op, query, output, query.device, h, d)
+            step_checks.check_layer_kv(op, key, value, query.device, query.shape[0], hkv, d)
+            step_checks.check_step_metadata(op, md, query.shape[0], query.device)
+            n = md.num_actual_tokens
+            return self._encoder_forward(query[:n], key[:n], value[:n], md, output, output_scale)
         # The cache this layer reads: its own, or (KV sharing) the target's, with the target's
         # V interior and scales read now, so a later switch of the target is followed.
         # A sharing layer's own k/v are not its keys: every key, the step's new ones too
         # (the target wrote them earlier in the step), comes from the target's cache.
         interleaved_v, buffers = self.interleaved_v, layer._buffers  # _buffers: skips nn.Module.__getattr__
         if self.kv_sharing_target_layer_name is not None:
-            target = get_layer(self.kv_sharing_target_layer_name)
-            kv_cache, key, value = target.kv_cache, None, None
-            interleaved_v, buffers = target.impl.interleaved_v, target._buffers
-        if n != query.shape[0]:  # padded step: rows past n are not ours to touch
+            layer = get_layer(self.kv_sharing_target_layer_name)
+            kv_cache, key, value = layer.kv_cache, None, None
+            interleaved_v, buffers = layer.impl.interleaved_v, layer._buffers
+        shape = step_checks.cache_shape(op, layer, kv_cache)
+        device, t = kv_cache.device, query.shape[0]
+        step_checks.check_layer_query(op, query, output, device, h, d)
+        if key is not None:
+            key, value = self._kv_rows(op, key, value)
+            step_checks.check_layer_kv(op, key, value, device, t, hkv, d)
+        step_checks.check_step_metadata(op, md, t, device, shape[0], shape[2])
+        n = md.num_actual_tokens
+        if n != t:  # padded step: rows past n are not ours to touch
             out_n, query = output[:n], query[:n]
             if key is not None:
                 key, value = key[:n], value[:n]
         else:
             out_n = output
-        md = attn_metadata
         causal = self.causal if md.causal is None else md.causal
         args = (out_n, query, key, value, kv_cache, md.query_start_loc, md.seq_lens,
                 md.block_table, self.scale, buffers["_k_scale"], buffers["_v_scale"], causal,
@@ -485,13 +564,13 @@ class RocmAttentionImpl:
                               causal, interleaved_v)
         fn = self._kernels.get(sig)
         if fn is None:
-            op = "rocm_attn.unified_attention_with_output"
             self._check_query_scale(query, op)
             # Per-head tensors follow the query's device, checked once per signature.
             args = args[:13] + (self._alibi(query), self._sinks(query)) + args[15:]
             validation.check_paged_attention(
                 op, out_n, query, key, value, kv_cache, md.query_start_loc, md.seq_lens,
-                md.block_table, args[13], args[14], output_scale,
+                md.block_table, args[13], args[14], output_scale, k_scale=args[9], v_scale=args[10],
+                max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
             )
             feats = self._features_by_causal[causal] + (("output_scale",) if output_scale is not None else ())
             fn = self._resolve(sig, "paged_attention", query, kv_cache, n, feats, interleaved_v)
@@ -499,7 +578,7 @@ class RocmAttentionImpl:
         return output
 
     def _encoder_forward(self, query, key, value, attn_metadata, output, output_scale):
-        self._check_query_scale(query, "rocm_attn.unified_attention_with_output")
+        self._check_query_scale(query, _ATTN_OP)
         out = torch.ops.rocm_attn.encoder_attention(
             query, key, value, attn_metadata.query_start_loc, attn_metadata.max_query_len,
             self.scale, self.causal, self.sliding_window, self._alibi(query), self._sinks(query),

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from .backend import RocmAttentionImpl
-from .capabilities import AttentionType
+from .capabilities import AttentionType, check_block_size
 from .forward_context import register_copy, register_layer
 from .layout import CacheLayout, allocate_kv_cache
+from .validation import check_positive_finite, check_positive_int
 
 __all__ = ["Attention", "attention_layers", "bind_kv_caches"]
 
@@ -65,6 +66,16 @@ class Attention(nn.Module):
         register: bool = True,
     ):
         super().__init__()
+        if not isinstance(layer_name, str) or not layer_name:
+            raise ValueError(f"Attention: layer_name must be a non-empty str, got {layer_name!r}")
+        check_block_size(block_size, "Attention")
+        try:
+            cache_layout = CacheLayout(cache_layout)
+        except ValueError:
+            raise ValueError(f"Attention: cache_layout {cache_layout!r} is not supported; supported: "
+                             f"{', '.join(repr(m.value) for m in CacheLayout)}") from None
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            check_positive_finite("Attention", name, value)
         self.impl = RocmAttentionImpl(
             num_heads, head_size, head_size**-0.5 if scale is None else scale, num_kv_heads,
             alibi_slopes, sliding_window, kv_cache_dtype, logits_soft_cap, attn_type, sinks,
@@ -76,10 +87,7 @@ class Attention(nn.Module):
         self.num_heads, self.head_size = num_heads, head_size
         self.num_kv_heads = self.impl.num_kv_heads
         self.block_size = block_size
-        self.cache_layout = CacheLayout(cache_layout)
-        from .capabilities import check_block_size
-
-        check_block_size(block_size, "Attention")
+        self.cache_layout = cache_layout
         # Scales are tensors so they can change without recompiling; not parameters.
         self.register_buffer("_k_scale", torch.tensor([k_scale], dtype=torch.float32), persistent=False)
         self.register_buffer("_v_scale", torch.tensor([v_scale], dtype=torch.float32), persistent=False)
@@ -109,20 +117,44 @@ class Attention(nn.Module):
     # --- forward -----------------------------------------------------------------------------
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        # What the attention op would reject about q/k/v together is rejected here, before
+        # the cache update writes (the ops themselves check the rest, each before writing).
+        if not (query.dtype is key.dtype is value.dtype and query.device == key.device == value.device):
+            self._mismatch(query, key, value)
         t = query.shape[0]
-        if query.dim() == 3:  # possibly strided: a fresh contiguous output
-            output = query.new_empty(t, self.num_heads, self.head_size)
-        else:
-            query = query.view(t, self.num_heads, self.head_size)
-            output = torch.empty_like(query)
+        try:
+            if query.dim() == 3:  # possibly strided: a fresh contiguous output
+                if query.shape[1:] != (self.num_heads, self.head_size):
+                    raise RuntimeError
+                output = query.new_empty(t, self.num_heads, self.head_size)
+            else:
+                query = query.view(t, self.num_heads, self.head_size)
+                output = torch.empty_like(query)
+        except RuntimeError:
+            raise ValueError(f"Attention {self.layer_name!r}: query must be [num_tokens, {self.num_heads} * "
+                             f"{self.head_size}] or [num_tokens, {self.num_heads}, {self.head_size}], got "
+                             f"{tuple(query.shape)}") from None
         if key.dim() != 3:
-            key = key.view(t, self.num_kv_heads, self.head_size)
-            value = value.view(t, self.num_kv_heads, self.head_size)
+            try:
+                key = key.view(t, self.num_kv_heads, self.head_size)
+                value = value.view(t, self.num_kv_heads, self.head_size)
+            except RuntimeError:
+                raise ValueError(f"Attention {self.layer_name!r}: key and value must be [{t}, {self.num_kv_heads} "
+                                 f"* {self.head_size}] (the query's {t} tokens), got {tuple(key.shape)} and "
+                                 f"{tuple(value.shape)}") from None
         token = None
         if self.impl.uses_kv_cache:
             token = torch.ops.rocm_attn.unified_kv_cache_update(key, value, self.layer_name)
         torch.ops.rocm_attn.unified_attention_with_output(query, key, value, output, self.layer_name, token)
         return output.view(t, self.num_heads * self.head_size)
+
+    def _mismatch(self, query, key, value):
+        for name, x in (("query", query), ("value", value)):
+            if x.device != key.device:
+                raise ValueError(f"Attention {self.layer_name!r}: {name} is on {x.device} but key is on "
+                                 f"{key.device}; query, key and value must be on one device (the KV cache's)")
+            if x.dtype is not key.dtype:
+                raise ValueError(f"Attention {self.layer_name!r}: {name} dtype {x.dtype} != key dtype {key.dtype}")
 
     def extra_repr(self) -> str:
         return f"{self.layer_name}: {self.impl!r}, block={self.block_size}, {self.cache_layout.value}"
@@ -140,6 +172,7 @@ def bind_kv_caches(model: nn.Module, num_blocks: int, dtype: torch.dtype,
     layer's cache (``kv_sharing_target_layer_name``, checked here). ``poison`` fills caches
     with NaN (or fp8 max) so a read of an unwritten slot shows up in tests.
     """
+    check_positive_int("bind_kv_caches", "num_blocks", num_blocks)
     caches, specs = {}, {}
     for layer in attention_layers(model):
         target = layer.impl.kv_sharing_target_layer_name

@@ -229,7 +229,7 @@ class PiecewiseRunner:
         t = self.buffers.fill(**host)
         return AttentionMetadata(num_actual_tokens=num_tokens, max_query_len=max(qlens),
                                  max_seq_len=max(qlens), num_decodes=sum(q == 1 for q in qlens),
-                                 num_prefills=sum(q > 1 for q in qlens), **t)
+                                 num_prefills=sum(q > 1 for q in qlens), block_size=self.block_size, **t)
 
     def _say(self, message: str) -> None:
         if self.progress is not None:

@@ -1,0 +1,188 @@
+"""Checks of a layer's call: the step's metadata against the layer's KV cache, and the
+per-call tensors of the layer-level ops. Errors name the op, the parameter, the bad value and
+what is supported, and are raised before anything is written.
+
+A step's metadata is checked once per cache geometry and the result memoized on the
+metadata object (``check_step_metadata``): the first layer of a step pays, the others hit a
+dict. What is read from the index tensors follows ``validation.index_checks_on`` (CPU:
+always; GPU: with ``ROCM_ATTN_CHECK_INDICES=1``); metadata planned by
+``build_attention_metadata`` is checked on a GPU too, from the bounds its builder recorded
+(``AttentionMetadata.plan``), without reading a tensor back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import capabilities
+from .metadata import plan_tensor_ptrs
+from .validation import (
+    _INDEX_TYPES, check_dtype, check_positions, check_sequence_shapes, check_sequences,
+    check_slot_range, check_slots_follow_table, index_checks_on,
+)
+
+_METADATA_TENSORS = ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "positions")
+
+
+def check_step_metadata(op: str, md, num_tokens: int, device: torch.device,
+                        num_blocks: int | None = None, block_size: int | None = None) -> None:
+    """Check a step's ``AttentionMetadata`` for a layer whose tensors have ``num_tokens`` rows
+    on ``device``, against its KV cache of ``num_blocks`` blocks of ``block_size`` tokens
+    (None for a layer without a cache). Memoized on ``md``: once per step and geometry."""
+    key = (num_tokens, num_blocks, block_size, device)
+    checked = md._checked
+    if key not in checked:
+        _check_step(op, md, num_tokens, device, num_blocks, block_size)
+        checked[key] = None
+
+
+def _plan_holds(md) -> bool:
+    plan = md.plan
+    return (plan is not None and plan.block_size == md.block_size
+            and plan.tensor_ptrs == plan_tensor_ptrs(md))
+
+
+def _check_step(op: str, md, num_tokens: int, device: torch.device, num_blocks: int | None,
+                block_size: int | None) -> None:
+    has_cache = num_blocks is not None
+    where = "the KV cache" if has_cache else "the query"
+    if has_cache and md.block_size != block_size:
+        raise ValueError(
+            f"{op}: metadata built for block_size {md.block_size}, but the layer's KV cache has block_size "
+            f"{block_size}; build the step's metadata with block_size={block_size}"
+        )
+    for name in _METADATA_TENSORS:
+        t = getattr(md, name)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: metadata {name} must be a tensor, got {type(t).__name__}")
+        check_dtype(op, f"metadata {name}", t, _INDEX_TYPES)
+        if t.device != device:
+            raise ValueError(
+                f"{op}: metadata tensor {name} is on {t.device} but {where} is on {device}; build the "
+                f"metadata on that device (build_attention_metadata(..., device={str(device)!r}))"
+            )
+    check_sequence_shapes(op, md.query_start_loc, md.seq_lens, md.block_table if has_cache else None)
+    slots, positions = md.slot_mapping, md.positions
+    if slots.dim() != 1 or positions.shape != slots.shape:
+        raise ValueError(f"{op}: metadata slot_mapping and positions must be 1-D with one entry per token, "
+                         f"got {tuple(slots.shape)} and {tuple(positions.shape)}")
+    n = md.num_actual_tokens
+    for name in ("num_actual_tokens", "max_query_len", "max_seq_len"):
+        v = getattr(md, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{op}: metadata {name} must be an int >= 0, got {v!r}")
+    if md.causal is not None and not isinstance(md.causal, bool):
+        raise ValueError(f"{op}: metadata causal must be True, False or None, got {md.causal!r}")
+    if n > num_tokens:
+        raise ValueError(f"{op}: num_actual_tokens {n} > the {num_tokens} tokens the layer was given")
+    if has_cache and not n <= slots.shape[0] <= num_tokens:
+        raise ValueError(f"{op}: slot_mapping has {slots.shape[0]} entries; it needs one per token, between "
+                         f"num_actual_tokens {n} and the {num_tokens} tokens the layer was given")
+    if index_checks_on(device):
+        qlens, lens = check_sequences(
+            op, md.query_start_loc, md.seq_lens, md.block_table if has_cache else None,
+            num_tokens=num_tokens, num_blocks=num_blocks, block_size=block_size,
+            max_query_len=md.max_query_len, max_seq_len=md.max_seq_len)
+        _check_covers(op, n, int(md.query_start_loc[-1]))
+        if has_cache:
+            check_slot_range(op, slots, num_blocks, block_size)
+            check_slots_follow_table(op, slots, md.query_start_loc, qlens, lens, md.block_table, block_size)
+    elif _plan_holds(md):
+        _check_plan(op, md, num_tokens, num_blocks)
+
+
+def _check_covers(op: str, num_actual_tokens: int, end: int) -> None:
+    if num_actual_tokens != end:
+        raise ValueError(f"{op}: num_actual_tokens {num_actual_tokens} != query_start_loc[-1] = {end} (the "
+                         "sequences must cover exactly the step's real tokens)")
+
+
+def _check_plan(op: str, md, num_tokens: int, num_blocks: int | None) -> None:
+    """The builder's host-side bounds against the layer (no device read)."""
+    plan = md.plan
+    if plan.num_tokens > num_tokens:
+        raise ValueError(f"{op}: query_start_loc[-1] = {plan.num_tokens} runs past the {num_tokens} query tokens")
+    _check_covers(op, md.num_actual_tokens, plan.num_tokens)
+    for name, hint, longest, what in (("max_query_len", md.max_query_len, plan.max_query_len, "query"),
+                                      ("max_seq_len", md.max_seq_len, plan.max_seq_len, "sequence")):
+        if hint < longest:
+            raise ValueError(f"{op}: {name} {hint} is smaller than the longest {what} ({longest} tokens); the "
+                             f"hint must be >= every {what} length (a GPU kernel skips the rows past it)")
+    if num_blocks is not None and plan.max_block_id >= num_blocks:
+        raise IndexError(
+            f"{op}: the step uses block id {plan.max_block_id} but the KV cache has {num_blocks} blocks "
+            f"(valid block ids: 0..{num_blocks - 1}); plan the step for this cache "
+            "(build_attention_metadata(..., num_blocks=...))"
+        )
+
+
+def check_step_positions(op: str, md, positions: torch.Tensor, rows: int) -> None:
+    """The positions a layer's RoPE reads, inside the cos/sin table of ``rows`` rows: read on
+    CPU (or with ``ROCM_ATTN_CHECK_INDICES=1``), else from the builder's bounds when they are
+    the step's positions. Memoized on ``md``."""
+    key = ("positions", rows, positions.data_ptr(), positions.shape[0])
+    checked = md._checked
+    if key in checked:
+        return
+    if index_checks_on(positions.device):
+        check_positions(op, positions, rows)
+    elif (_plan_holds(md) and positions.data_ptr() == md.positions.data_ptr()
+          and positions.shape[0] <= md.positions.shape[0] and md.plan.max_position >= rows):
+        raise IndexError(f"{op}: the step's positions reach {md.plan.max_position}, outside the cos/sin table "
+                         f"(valid: 0..{rows - 1})")
+    checked[key] = None
+
+
+def check_layer_kv(op: str, key: torch.Tensor, value: torch.Tensor, device: torch.device,
+                   num_tokens: int, num_kv_heads: int, head_size: int) -> None:
+    """Every call: key/value ``[num_tokens, num_kv_heads, head_size]`` of one model dtype, on
+    ``device`` (the cache's)."""
+    ks = key.shape
+    if len(ks) != 3 or ks[0] != num_tokens or ks[1] != num_kv_heads or ks[2] != head_size or value.shape != ks:
+        raise ValueError(f"{op}: key and value must be [num_tokens, num_kv_heads, head_size] = "
+                         f"[{num_tokens}, {num_kv_heads}, {head_size}], got {tuple(ks)} and {tuple(value.shape)}")
+    dtype = key.dtype
+    if dtype not in capabilities.MODEL_DTYPES or value.dtype is not dtype:
+        raise ValueError(f"{op}: key and value must have one dtype of {capabilities.MODEL_DTYPES}, got "
+                         f"{dtype} and {value.dtype}")
+    if key.device != device or value.device != device:
+        raise ValueError(f"{op}: key is on {key.device} and value on {value.device}, but the KV cache is on "
+                         f"{device}")
+
+
+def check_layer_query(op: str, query: torch.Tensor, output: torch.Tensor, device: torch.device,
+                      num_heads: int, head_size: int) -> None:
+    """Every call: query and output ``[num_tokens, num_heads, head_size]`` on ``device``."""
+    qs = query.shape
+    if len(qs) != 3 or qs[1] != num_heads or qs[2] != head_size or output.shape != qs:
+        raise ValueError(f"{op}: query and output must be [num_tokens, num_heads, head_size] = "
+                         f"[T, {num_heads}, {head_size}], got {tuple(qs)} and {tuple(output.shape)}")
+    if query.device != device or output.device != device:
+        raise ValueError(f"{op}: query is on {query.device} and output on {output.device}, but the KV cache "
+                         f"(or the step's tensors) is on {device}")
+
+
+# --- per-call tensors of a layer ---------------------------------------------------------------
+
+
+def cache_shape(op: str, layer, kv_cache: torch.Tensor) -> torch.Size:
+    """The cache's logical shape; a clear error when the layer has none bound yet."""
+    shape = kv_cache.shape
+    if len(shape) != 4:
+        raise RuntimeError(
+            f"{op}: layer {getattr(layer, 'layer_name', layer)!r} has no KV cache bound: call "
+            "inductor_rocm_attn.bind_kv_caches(model, num_blocks, dtype, device) (or assign "
+            "layer.kv_cache) before running it"
+        )
+    return shape
+
+
+def token_rows(op: str, name: str, x: torch.Tensor, heads: int, head_size: int) -> torch.Tensor:
+    """``x`` as ``[T, heads, head_size]`` (a view of ``[T, heads * head_size]``)."""
+    if x.dim() == 3:
+        return x
+    try:
+        return x.view(-1, heads, head_size)
+    except RuntimeError:
+        raise ValueError(f"{op}: {name} must be [num_tokens, {heads} * {head_size}] or [num_tokens, "
+                         f"{heads}, {head_size}], got {tuple(x.shape)}") from None
