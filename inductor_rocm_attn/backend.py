@@ -237,6 +237,9 @@ class RocmAttentionImpl:
             causal = self.attn_type == AttentionType.DECODER
         self.causal = bool(causal)
         self.interleaved_v = False
+        # (metadata, key, value, cache, tokens) the cache update of this layer's current call
+        # checked and wrote; the attention of the same call (same objects) skips those checks.
+        self._just_written: tuple | None = None
         # (op, call signature) -> kernel: the first call of a signature is validated in full
         # and resolved through the provider registry; later steps go straight to the kernel.
         self._kernels: dict[tuple, object] = {}
@@ -365,6 +368,7 @@ class RocmAttentionImpl:
             return
         key, value = self._checked_step(_KV_UPDATE_OP, layer, key, value, kv_cache, attn_metadata)
         self._write(layer, key, value, kv_cache, attn_metadata.slot_mapping)
+        self._just_written = (attn_metadata, key, value, kv_cache, key.shape[0])
 
     def _write(self, layer, key, value, kv_cache, slot_mapping) -> None:
         buffers = layer._buffers  # skips nn.Module.__getattr__
@@ -541,13 +545,20 @@ class RocmAttentionImpl:
             layer = get_layer(self.kv_sharing_target_layer_name)
             kv_cache, key, value = layer.kv_cache, None, None
             interleaved_v, buffers = layer.impl.interleaved_v, layer._buffers
-        shape = step_checks.cache_shape(op, layer, kv_cache)
-        device, t = kv_cache.device, query.shape[0]
-        step_checks.check_layer_query(op, query, output, device, h, d)
-        if key is not None:
-            key, value = self._kv_rows(op, key, value)
-            step_checks.check_layer_kv(op, key, value, device, t, hkv, d)
-        step_checks.check_step_metadata(op, md, t, device, shape[0], shape[2])
+        written, self._just_written = self._just_written, None
+        if (written is not None and written[0] is md and written[1] is key and written[2] is value
+                and written[3] is kv_cache):
+            # The cache update of this call checked key/value and the step against this cache.
+            t = written[4]
+            step_checks.check_layer_query(op, query, output, kv_cache.device, h, d, t)
+        else:
+            shape = step_checks.cache_shape(op, layer, kv_cache)
+            device, t = kv_cache.device, query.shape[0]
+            step_checks.check_layer_query(op, query, output, device, h, d)
+            if key is not None:
+                key, value = self._kv_rows(op, key, value)
+                step_checks.check_layer_kv(op, key, value, device, t, hkv, d)
+            step_checks.check_step_metadata(op, md, t, device, shape[0], shape[2])
         n = md.num_actual_tokens
         if n != t:  # padded step: rows past n are not ours to touch
             out_n, query = output[:n], query[:n]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import step_checks
 from .backend import RocmAttentionImpl
 from .capabilities import AttentionType, check_block_size
 from .forward_context import register_copy, register_layer
@@ -119,8 +120,7 @@ class Attention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         # What the attention op would reject about q/k/v together is rejected here, before
         # the cache update writes (the ops themselves check the rest, each before writing).
-        if not (query.dtype is key.dtype is value.dtype and query.device == key.device == value.device):
-            self._mismatch(query, key, value)
+        step_checks.check_qkv(self, query, key, value)
         t = query.shape[0]
         try:
             if query.dim() == 3:  # possibly strided: a fresh contiguous output
@@ -147,14 +147,6 @@ class Attention(nn.Module):
             token = torch.ops.rocm_attn.unified_kv_cache_update(key, value, self.layer_name)
         torch.ops.rocm_attn.unified_attention_with_output(query, key, value, output, self.layer_name, token)
         return output.view(t, self.num_heads * self.head_size)
-
-    def _mismatch(self, query, key, value):
-        for name, x in (("query", query), ("value", value)):
-            if x.device != key.device:
-                raise ValueError(f"Attention {self.layer_name!r}: {name} is on {x.device} but key is on "
-                                 f"{key.device}; query, key and value must be on one device (the KV cache's)")
-            if x.dtype is not key.dtype:
-                raise ValueError(f"Attention {self.layer_name!r}: {name} dtype {x.dtype} != key dtype {key.dtype}")
 
     def extra_repr(self) -> str:
         return f"{self.layer_name}: {self.impl!r}, block={self.block_size}, {self.cache_layout.value}"

@@ -79,14 +79,14 @@ def _check_step(op: str, md, num_tokens: int, device: torch.device, num_blocks: 
         raise ValueError(f"{op}: slot_mapping has {slots.shape[0]} entries; it needs one per token, between "
                          f"num_actual_tokens {n} and the {num_tokens} tokens the layer was given")
     if index_checks_on(device):
-        qlens, lens = check_sequences(
+        qsl, lens = check_sequences(
             op, md.query_start_loc, md.seq_lens, md.block_table if has_cache else None,
             num_tokens=num_tokens, num_blocks=num_blocks, block_size=block_size,
             max_query_len=md.max_query_len, max_seq_len=md.max_seq_len)
-        _check_covers(op, n, int(md.query_start_loc[-1]))
+        _check_covers(op, n, qsl[-1])
         if has_cache:
             check_slot_range(op, slots, num_blocks, block_size)
-            check_slots_follow_table(op, slots, md.query_start_loc, qlens, lens, md.block_table, block_size)
+            check_slots_follow_table(op, slots, qsl, lens, md.block_table, block_size)
     elif _plan_holds(md):
         _check_plan(op, md, num_tokens, num_blocks)
 
@@ -133,36 +133,63 @@ def check_step_positions(op: str, md, positions: torch.Tensor, rows: int) -> Non
     checked[key] = None
 
 
+# Per-call checks: one boolean expression on the fast path (host attributes only); the
+# message is worked out only when it fails.
+_MODEL_DTYPES = frozenset(capabilities.MODEL_DTYPES)
+
+
 def check_layer_kv(op: str, key: torch.Tensor, value: torch.Tensor, device: torch.device,
                    num_tokens: int, num_kv_heads: int, head_size: int) -> None:
     """Every call: key/value ``[num_tokens, num_kv_heads, head_size]`` of one model dtype, on
     ``device`` (the cache's)."""
-    ks = key.shape
-    if len(ks) != 3 or ks[0] != num_tokens or ks[1] != num_kv_heads or ks[2] != head_size or value.shape != ks:
-        raise ValueError(f"{op}: key and value must be [num_tokens, num_kv_heads, head_size] = "
-                         f"[{num_tokens}, {num_kv_heads}, {head_size}], got {tuple(ks)} and {tuple(value.shape)}")
     dtype = key.dtype
-    if dtype not in capabilities.MODEL_DTYPES or value.dtype is not dtype:
+    if not ((num_tokens, num_kv_heads, head_size) == key.shape == value.shape and dtype in _MODEL_DTYPES
+            and value.dtype is dtype and key.device == device and value.device == device):
+        _explain_kv(op, key, value, device, num_tokens, num_kv_heads, head_size)
+
+
+def _explain_kv(op, key, value, device, num_tokens, num_kv_heads, head_size):
+    if not (num_tokens, num_kv_heads, head_size) == key.shape == value.shape:
+        raise ValueError(f"{op}: key and value must be [num_tokens, num_kv_heads, head_size] = "
+                         f"[{num_tokens}, {num_kv_heads}, {head_size}], got {tuple(key.shape)} and "
+                         f"{tuple(value.shape)}")
+    if key.dtype not in _MODEL_DTYPES or value.dtype is not key.dtype:
         raise ValueError(f"{op}: key and value must have one dtype of {capabilities.MODEL_DTYPES}, got "
-                         f"{dtype} and {value.dtype}")
-    if key.device != device or value.device != device:
-        raise ValueError(f"{op}: key is on {key.device} and value on {value.device}, but the KV cache is on "
-                         f"{device}")
+                         f"{key.dtype} and {value.dtype}")
+    raise ValueError(f"{op}: key is on {key.device} and value on {value.device}, but the KV cache is on {device}")
 
 
 def check_layer_query(op: str, query: torch.Tensor, output: torch.Tensor, device: torch.device,
-                      num_heads: int, head_size: int) -> None:
-    """Every call: query and output ``[num_tokens, num_heads, head_size]`` on ``device``."""
+                      num_heads: int, head_size: int, num_tokens: int | None = None) -> None:
+    """Every call: query and output ``[num_tokens, num_heads, head_size]`` on ``device``
+    (``num_tokens`` None: any)."""
     qs = query.shape
-    if len(qs) != 3 or qs[1] != num_heads or qs[2] != head_size or output.shape != qs:
-        raise ValueError(f"{op}: query and output must be [num_tokens, num_heads, head_size] = "
-                         f"[T, {num_heads}, {head_size}], got {tuple(qs)} and {tuple(output.shape)}")
-    if query.device != device or output.device != device:
+    if not (len(qs) == 3 and qs[1] == num_heads and qs[2] == head_size and output.shape == qs
+            and (num_tokens is None or qs[0] == num_tokens) and query.device == device
+            and output.device == device):
+        if not (len(qs) == 3 and qs[1] == num_heads and qs[2] == head_size and output.shape == qs
+                and (num_tokens is None or qs[0] == num_tokens)):
+            raise ValueError(f"{op}: query and output must be [num_tokens, num_heads, head_size] = "
+                             f"[{'T' if num_tokens is None else num_tokens}, {num_heads}, {head_size}], got "
+                             f"{tuple(qs)} and {tuple(output.shape)}")
         raise ValueError(f"{op}: query is on {query.device} and output on {output.device}, but the KV cache "
                          f"(or the step's tensors) is on {device}")
 
 
 # --- per-call tensors of a layer ---------------------------------------------------------------
+
+
+def check_qkv(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """``Attention.forward``: query, key and value of one dtype on one device (what the
+    attention op would reject about them together, rejected before the cache update writes)."""
+    if query.dtype is key.dtype is value.dtype and query.device == key.device == value.device:
+        return
+    for name, x in (("query", query), ("value", value)):
+        if x.device != key.device:
+            raise ValueError(f"Attention {layer.layer_name!r}: {name} is on {x.device} but key is on {key.device}; "
+                             "query, key and value must be on one device (the KV cache's)")
+        if x.dtype is not key.dtype:
+            raise ValueError(f"Attention {layer.layer_name!r}: {name} dtype {x.dtype} != key dtype {key.dtype}")
 
 
 def cache_shape(op: str, layer, kv_cache: torch.Tensor) -> torch.Size:

@@ -198,85 +198,84 @@ def check_sequence_shapes(op: str, query_start_loc: torch.Tensor, seq_lens: torc
 
 
 def check_query_start_loc(op: str, query_start_loc: torch.Tensor, num_tokens: int,
-                          name: str = "query_start_loc", exact: bool = False) -> torch.Tensor:
+                          name: str = "query_start_loc", exact: bool = False) -> list[int]:
     """Reads the tensor: starts at 0, never decreases, ends inside the ``num_tokens`` query rows
-    (``exact``: at ``num_tokens``). Returns the query lengths (int64)."""
-    qsl = query_start_loc.to(torch.int64)
-    qlens = qsl[1:] - qsl[:-1]
-    if int(qsl[0]) != 0 or bool((qlens < 0).any()):
+    (``exact``: at ``num_tokens``). Returns it as a host list."""
+    qsl = query_start_loc.tolist()
+    if qsl[0] != 0 or any(b < a for a, b in zip(qsl, qsl[1:])):
         raise ValueError(f"{op}: {name} must start at 0 and never decrease, got {_show(query_start_loc)}")
-    end = int(qsl[-1])
+    end = qsl[-1]
     if exact and end != num_tokens:
         raise ValueError(f"{op}: {name}[-1] = {end} but query has {num_tokens} tokens: every token must "
                          "belong to a sequence")
     if end > num_tokens:
         raise ValueError(f"{op}: {name}[-1] = {end} runs past the {num_tokens} query tokens")
-    return qlens
+    return qsl
 
 
-def _check_hint(op: str, name: str, hint: int | None, lengths: torch.Tensor, what: str) -> None:
-    if hint is None or not lengths.numel():
+def _check_hint(op: str, name: str, hint: int | None, lengths: list[int], what: str) -> None:
+    if hint is None or not lengths:
         return
-    longest = int(lengths.max())
+    longest = max(lengths)
     if hint < longest:
-        s = int(lengths.argmax())
         raise ValueError(
-            f"{op}: {name} {hint} is smaller than the longest {what} ({longest} tokens, sequence {s}); "
-            f"the hint must be >= every {what} length (a GPU kernel skips the rows past it)"
+            f"{op}: {name} {hint} is smaller than the longest {what} ({longest} tokens, sequence "
+            f"{lengths.index(longest)}); the hint must be >= every {what} length (a GPU kernel skips the "
+            "rows past it)"
         )
 
 
 def check_sequences(op: str, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor | None, *, num_tokens: int, num_blocks: int | None,
                     block_size: int | None, max_query_len: int | None,
-                    max_seq_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+                    max_seq_len: int | None) -> tuple[list[int], list[int]]:
     """Reads the tensors: query_start_loc valid for ``num_tokens`` rows, ``seq_lens >=
     query_lens``, the launch hints cover the step, and every block a sequence uses (its
-    first ceil(seq_len / block_size) entries) is in the cache. Returns (query_lens, seq_lens)
-    as int64."""
-    qlens = check_query_start_loc(op, query_start_loc, num_tokens)
-    lens = seq_lens.to(torch.int64)
-    short = lens < qlens
-    if bool(short.any()):
-        (s,) = _first(short)
-        raise ValueError(f"{op}: seq_lens[{s}] = {int(lens[s])} is smaller than that sequence's query length "
-                         f"{int(qlens[s])} (seq_lens counts the cached and the new tokens)")
+    first ceil(seq_len / block_size) entries) is in the cache. Returns query_start_loc and
+    seq_lens as host lists."""
+    qsl = check_query_start_loc(op, query_start_loc, num_tokens)
+    lens = seq_lens.tolist()
+    qlens = [b - a for a, b in zip(qsl, qsl[1:])]
+    short = next((s for s, (n, q) in enumerate(zip(lens, qlens)) if n < q), None)
+    if short is not None:
+        raise ValueError(f"{op}: seq_lens[{short}] = {lens[short]} is smaller than that sequence's query length "
+                         f"{qlens[short]} (seq_lens counts the cached and the new tokens)")
     _check_hint(op, "max_query_len", max_query_len, qlens, "query")
     _check_hint(op, "max_seq_len", max_seq_len, lens, "sequence")
-    if block_table is not None and lens.numel():
+    if block_table is not None:
         check_block_table(op, block_table, lens, num_blocks, block_size)
-    return qlens, lens
+    return qsl, lens
 
 
-def check_block_table(op: str, block_table: torch.Tensor, seq_lens: torch.Tensor,
+def check_block_table(op: str, block_table: torch.Tensor, seq_lens: torch.Tensor | list[int],
                       num_blocks: int, block_size: int) -> None:
     """Every block a sequence uses (the first ceil(seq_len / block_size) entries) is in the cache."""
-    if seq_lens.numel() == 0:
+    lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens
+    if not lens:
         return
-    lens = seq_lens.to(torch.int64)
-    used = (lens + block_size - 1) // block_size
-    if int(used.max()) > block_table.shape[1]:
-        s = int(used.argmax())
-        raise ValueError(
-            f"{op}: sequence {s} of {int(lens[s])} tokens needs {int(used[s])} blocks but "
-            f"block_table has {block_table.shape[1]} columns"
-        )
-    table = block_table[: lens.shape[0]]
-    cols = torch.arange(table.shape[1], device=table.device)
-    bad = (cols[None, :] < used[:, None]) & ((table < 0) | (table >= num_blocks))
+    used = [-(-n // block_size) for n in lens]
+    most = max(used)
+    if most > block_table.shape[1]:
+        s = used.index(most)
+        raise ValueError(f"{op}: sequence {s} of {lens[s]} tokens needs {most} blocks but block_table has "
+                         f"{block_table.shape[1]} columns")
+    table = block_table[: len(lens), :most]
+    cols = torch.arange(most, device=table.device)
+    need = torch.tensor(used, device=table.device)
+    bad = (cols[None, :] < need[:, None]) & ((table < 0) | (table >= num_blocks))
     if bool(bad.any()):
         s, j = _first(bad)
         raise IndexError(f"{op}: block_table[{s}, {j}] = {int(table[s, j])} is outside the cache "
                          f"(valid block ids: 0..{num_blocks - 1})")
 
 
-def check_slots_follow_table(op: str, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
-                             qlens: torch.Tensor, lens: torch.Tensor, block_table: torch.Tensor,
-                             block_size: int) -> None:
+def check_slots_follow_table(op: str, slot_mapping: torch.Tensor, qsl: list[int], lens: list[int],
+                             block_table: torch.Tensor, block_size: int) -> None:
     """Reads the tensors: the slot of each real token is where its sequence's block table puts
     its position (or < 0: not written), and tokens past ``query_start_loc[-1]`` (padding) write
-    nothing, so a write never lands in another sequence's blocks."""
-    n = int(query_start_loc[-1])
+    nothing, so a write never lands in another sequence's blocks. ``qsl``/``lens``: the host
+    lists ``check_sequences`` returned."""
+    n = qsl[-1]
     slots = slot_mapping.to(torch.int64)
     written_pad = slots[n:] >= 0
     if bool(written_pad.any()):
@@ -286,9 +285,12 @@ def check_slots_follow_table(op: str, slot_mapping: torch.Tensor, query_start_lo
     if n == 0:
         return
     dev = slots.device
-    seq = torch.repeat_interleave(torch.arange(qlens.shape[0], device=dev), qlens)
-    starts = query_start_loc.to(torch.int64)[:-1]
-    pos = (lens - qlens)[seq] + torch.arange(n, device=dev) - starts[seq]
+    qlens = [b - a for a, b in zip(qsl, qsl[1:])]
+    tok = torch.arange(n, device=dev)
+    seq = torch.searchsorted(torch.tensor(qsl[1:], device=dev), tok, right=True)  # token -> sequence
+    # token i of sequence s sits at position (seq_len - query_len) + (i - start)
+    offset = torch.tensor([m - q - a for a, q, m in zip(qsl, qlens, lens)], device=dev)
+    pos = offset[seq] + tok
     want = block_table[seq, pos // block_size].to(torch.int64) * block_size + pos % block_size
     got = slots[:n]
     bad = (got >= 0) & (got != want)
@@ -446,8 +448,8 @@ def check_encoder_attention(op: str, query: torch.Tensor, key: torch.Tensor, val
         if t is not None and t.shape != (query.shape[1],):
             raise ValueError(f"{op}: {name} must be [num_heads] = [{query.shape[1]}], got {tuple(t.shape)}")
     if _want_index_checks(cu_seqlens):
-        lens = check_query_start_loc(op, cu_seqlens, query.shape[0], "cu_seqlens", exact=True)
-        _check_hint(op, "max_seqlen", max_seqlen, lens, "sequence")
+        cu = check_query_start_loc(op, cu_seqlens, query.shape[0], "cu_seqlens", exact=True)
+        _check_hint(op, "max_seqlen", max_seqlen, [b - a for a, b in zip(cu, cu[1:])], "sequence")
 
 
 def check_rope_cos_sin(op: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
