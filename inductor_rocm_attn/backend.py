@@ -3,8 +3,9 @@
 ``RocmAttentionBackend`` answers capability queries (from ``capabilities``) and describes
 the cache. ``RocmAttentionImpl`` holds a layer's fixed configuration, validated once at
 construction, and runs the per-step paths: cache update, fused RoPE/QK-norm cache updates,
-attention (paged or encoder) and the profiling run. Its per-call work is a provider lookup
-and a kernel call; everything that can be decided once is decided in ``__init__``.
+attention (paged or encoder) and the profiling run. Its per-call work is the host-side checks
+of ``step_checks`` (every call, before anything is written), a provider lookup and a kernel
+call; everything that can be decided once is decided in ``__init__``.
 """
 
 from __future__ import annotations
@@ -337,15 +338,6 @@ class RocmAttentionImpl:
         step_checks.check_step_metadata(op, attn_metadata, t, device, shape[0], shape[2])
         return key, value
 
-    def _check_positions(self, op: str, positions, cos_sin_cache, num_tokens: int, device, attn_metadata) -> None:
-        if positions.shape[0] != num_tokens or positions.device != device or cos_sin_cache.device != device:
-            raise ValueError(f"{op}: positions ({tuple(positions.shape)} on {positions.device}) and cos_sin_cache "
-                             f"(on {cos_sin_cache.device}) must have one entry per token ({num_tokens}) on {device}")
-        if attn_metadata is not None:
-            step_checks.check_step_positions(op, attn_metadata, positions, cos_sin_cache.shape[0])
-        elif validation.index_checks_on(positions.device):
-            validation.check_positions(op, positions, cos_sin_cache.shape[0])
-
     # --- cache writes ----------------------------------------------------------------------
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
@@ -388,7 +380,7 @@ class RocmAttentionImpl:
         rot_dim = cos_sin_cache.shape[-1]  # partial rotary changes which providers apply
         if attn_metadata is None or not self.uses_kv_cache:  # profiling run / no cache
             op = "rotary_embedding"
-            self._check_positions("rocm_attn.rotary_embedding", positions, cos_sin_cache, t, query.device,
+            step_checks.check_rope_inputs("rocm_attn.rotary_embedding", positions, cos_sin_cache, t, query.device,
                                   attn_metadata)
             sig = (op, query.device, query.dtype, rot_dim, providers.token_bucket(op, query.device, t))
             fn = self._kernels.get(sig)
@@ -398,12 +390,12 @@ class RocmAttentionImpl:
                 fn = self._resolve(sig, op, query, None, t, self._rope_features(cos_sin_cache))
             fn(positions, query, key, self.head_size, cos_sin_cache, is_neox)
             return
-        op = "rocm_attn.unified_rope_and_kv_cache_update"
+        op = "rocm_attn.rope_and_cache"
         key, value = self._checked_step(op, layer, key, value, kv_cache, attn_metadata)
         if query.shape[0] != t or query.dtype is not key.dtype or query.device != kv_cache.device:
             raise ValueError(f"{op}: query ({tuple(query.shape)}, {query.dtype}, {query.device}) must match key "
                              f"({tuple(key.shape)}, {key.dtype}) on the KV cache's device {kv_cache.device}")
-        self._check_positions(op, positions, cos_sin_cache, t, kv_cache.device, attn_metadata)
+        step_checks.check_rope_inputs(op, positions, cos_sin_cache, t, kv_cache.device, attn_metadata)
         buffers = layer._buffers  # skips nn.Module.__getattr__
         k_scale, v_scale = buffers["_k_scale"], buffers["_v_scale"]
         slot_mapping = attn_metadata.slot_mapping
@@ -438,7 +430,7 @@ class RocmAttentionImpl:
         if qkv.dim() != 2 or qkv.shape[1] != width or qkv.device != kv_cache.device:
             raise ValueError(f"{op}: qkv must be [num_tokens, {width}] on the KV cache's device {kv_cache.device}, "
                              f"got {tuple(qkv.shape)} on {qkv.device}")
-        self._check_positions(op, positions, cos_sin_cache, t, kv_cache.device, attn_metadata)
+        step_checks.check_rope_inputs(op, positions, cos_sin_cache, t, kv_cache.device, attn_metadata)
         if attn_metadata is None:
             slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=qkv.device)
         else:

@@ -29,9 +29,10 @@ import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from .metadata import AttentionMetadata
+
 if TYPE_CHECKING:
     from .layer import Attention
-    from .metadata import AttentionMetadata
 
 __all__ = ["ForwardContext", "set_forward_context", "profiling_run", "get_forward_context",
            "register_layer", "register_copy", "get_layer", "registered_layers"]
@@ -116,8 +117,6 @@ def set_forward_context(attn_metadata: "AttentionMetadata | None", *, profiling:
     attention output), as ``profiling_run()``. ``layers`` (name -> layer): the table layer
     names resolve through during the step, instead of the registry of live layers.
     """
-    from .metadata import AttentionMetadata
-
     if attn_metadata is None:
         if not profiling:
             raise ValueError(

@@ -121,32 +121,35 @@ class Attention(nn.Module):
         # What the attention op would reject about q/k/v together is rejected here, before
         # the cache update writes (the ops themselves check the rest, each before writing).
         step_checks.check_qkv(self, query, key, value)
-        t = query.shape[0]
-        try:
-            if query.dim() == 3:  # possibly strided: a fresh contiguous output
-                if query.shape[1:] != (self.num_heads, self.head_size):
-                    raise RuntimeError
-                output = query.new_empty(t, self.num_heads, self.head_size)
-            else:
-                query = query.view(t, self.num_heads, self.head_size)
-                output = torch.empty_like(query)
-        except RuntimeError:
-            raise ValueError(f"Attention {self.layer_name!r}: query must be [num_tokens, {self.num_heads} * "
-                             f"{self.head_size}] or [num_tokens, {self.num_heads}, {self.head_size}], got "
-                             f"{tuple(query.shape)}") from None
+        t, h, hkv, d = query.shape[0], self.num_heads, self.num_kv_heads, self.head_size
+        if query.dim() == 3:  # possibly strided: a fresh contiguous output
+            if query.shape[1:] != (h, d):
+                raise self._shape_error("query", query, h)
+            output = query.new_empty(t, h, d)
+        else:
+            try:
+                query = query.view(t, h, d)
+            except RuntimeError:
+                raise self._shape_error("query", query, h) from None
+            output = torch.empty_like(query)
         if key.dim() != 3:
             try:
-                key = key.view(t, self.num_kv_heads, self.head_size)
-                value = value.view(t, self.num_kv_heads, self.head_size)
+                key, value = key.view(t, hkv, d), value.view(t, hkv, d)
             except RuntimeError:
-                raise ValueError(f"Attention {self.layer_name!r}: key and value must be [{t}, {self.num_kv_heads} "
-                                 f"* {self.head_size}] (the query's {t} tokens), got {tuple(key.shape)} and "
-                                 f"{tuple(value.shape)}") from None
+                raise self._shape_error("key and value", key, hkv, t, value) from None
+        elif key.shape[0] != t or value.shape[0] != t:
+            raise self._shape_error("key and value", key, hkv, t, value)
         token = None
         if self.impl.uses_kv_cache:
             token = torch.ops.rocm_attn.unified_kv_cache_update(key, value, self.layer_name)
         torch.ops.rocm_attn.unified_attention_with_output(query, key, value, output, self.layer_name, token)
         return output.view(t, self.num_heads * self.head_size)
+
+    def _shape_error(self, name, x, heads, tokens=None, value=None) -> ValueError:
+        t = "num_tokens" if tokens is None else f"{tokens} (the query's tokens)"
+        got = tuple(x.shape) if value is None else f"{tuple(x.shape)} and {tuple(value.shape)}"
+        return ValueError(f"Attention {self.layer_name!r}: {name} must be [{t}, {heads} * {self.head_size}] or "
+                          f"[{t}, {heads}, {self.head_size}], got {got}")
 
     def extra_repr(self) -> str:
         return f"{self.layer_name}: {self.impl!r}, block={self.block_size}, {self.cache_layout.value}"

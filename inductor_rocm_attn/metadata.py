@@ -86,6 +86,13 @@ class AttentionMetadata:
     # (what was checked, cache geometry) -> None: the step's checks already passed
     _checked: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
+    def __setattr__(self, name, value):
+        # A field set anew invalidates the step's memoized checks (and a copy made with
+        # copy.copy gets a memo of its own once it changes).
+        object.__setattr__(self, name, value)
+        if name != "_checked":
+            object.__setattr__(self, "_checked", {})
+
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]

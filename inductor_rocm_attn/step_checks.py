@@ -119,18 +119,26 @@ def _check_plan(op: str, md, num_tokens: int, num_blocks: int | None) -> None:
 def check_step_positions(op: str, md, positions: torch.Tensor, rows: int) -> None:
     """The positions a layer's RoPE reads, inside the cos/sin table of ``rows`` rows: read on
     CPU (or with ``ROCM_ATTN_CHECK_INDICES=1``), else from the builder's bounds when they are
-    the step's positions. Memoized on ``md``."""
-    key = ("positions", rows, positions.data_ptr(), positions.shape[0])
-    checked = md._checked
-    if key in checked:
-        return
+    the step's own positions tensor."""
     if index_checks_on(positions.device):
         check_positions(op, positions, rows)
-    elif (_plan_holds(md) and positions.data_ptr() == md.positions.data_ptr()
-          and positions.shape[0] <= md.positions.shape[0] and md.plan.max_position >= rows):
+    elif (md.plan is not None and md.plan.max_position >= rows and _plan_holds(md)
+          and positions.data_ptr() == md.positions.data_ptr()):
         raise IndexError(f"{op}: the step's positions reach {md.plan.max_position}, outside the cos/sin table "
                          f"(valid: 0..{rows - 1})")
-    checked[key] = None
+
+
+def check_rope_inputs(op: str, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_tokens: int,
+                      device: torch.device, md) -> None:
+    """Every call of a layer's RoPE: one position per token, on ``device``, inside the cos/sin
+    table (``md``: the step's metadata, None in a profiling run)."""
+    if positions.shape[0] != num_tokens or positions.device != device or cos_sin_cache.device != device:
+        raise ValueError(f"{op}: positions ({tuple(positions.shape)} on {positions.device}) and cos_sin_cache "
+                         f"(on {cos_sin_cache.device}) must have one entry per token ({num_tokens}) on {device}")
+    if md is not None:
+        check_step_positions(op, md, positions, cos_sin_cache.shape[0])
+    elif index_checks_on(positions.device):
+        check_positions(op, positions, cos_sin_cache.shape[0])
 
 
 # Per-call checks: one boolean expression on the fast path (host attributes only); the

@@ -135,3 +135,11 @@ def test_hand_built_metadata_states_its_block_size():
     q, k, v = qkv(2, g)
     with pytest.raises(ValueError, match=r"metadata built for block_size 32, but the layer's KV cache has block_size 16"):
         run_layer_ops(layer, md, q, k, v, torch.empty(2, H, D))
+
+
+@pytest.mark.parametrize("field, value", [("head_size", 64.0), ("block_size", 16.0), ("block_size", "16")])
+def test_sizes_must_be_ints(field, value):
+    kw = dict(head_size=D, block_size=BS)
+    kw[field] = value
+    with pytest.raises(ValueError, match=rf"{field} {value!r} is not supported"):
+        ira.Attention(H, kw["head_size"], num_kv_heads=HKV, layer_name=f"cfg.int.{field}", block_size=kw["block_size"])

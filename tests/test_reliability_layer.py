@@ -219,3 +219,37 @@ def test_profiling_run_is_deliberate_and_writes_nothing(enter):
         out = s.layer(*qkv(5, s.g))
     assert torch.count_nonzero(out) == 0
     assert unchanged(before, s.layer.kv_cache)
+
+
+def test_a_field_set_anew_is_checked_again():
+    # The step's checks are memoized on the metadata object; assigning a field drops them.
+    s = stepped_layer()
+    q, k, v = qkv(s.num_tokens, s.g)
+    with ira.set_forward_context(s.md):
+        s.layer(q, k, v)
+    bad = s.md.slot_mapping.clone()
+    bad[0] = NUM_BLOCKS * BS
+    s.md.slot_mapping = bad
+    _rejected(s, s.md, rf"slot_mapping entry {NUM_BLOCKS * BS} \(token 0\) is outside the cache")
+
+
+def test_builder_plan_is_checked_without_reading_tensors(monkeypatch):
+    # What a GPU step relies on (the index tensors are not read there): the builder's bounds.
+    from inductor_rocm_attn import step_checks
+
+    monkeypatch.setattr(step_checks, "index_checks_on", lambda device: False)
+    s = stepped_layer()
+    small = ira.Attention(H, D, num_kv_heads=HKV, layer_name="rel.small_cache")
+    ira.bind_kv_caches(small, 2, torch.float32)  # the step uses block ids up to 7
+    q, k, v = qkv(s.num_tokens, s.g)
+    before = snapshot(small.kv_cache)
+    max_block = max(b for t in s.tables for b in t)
+    with pytest.raises(IndexError, match=rf"rocm_attn\.unified_kv_cache_update: the step uses block id {max_block} "
+                                         r"but the KV cache has 2 blocks"), ira.set_forward_context(s.md):
+        small(q, k, v)
+    assert unchanged(before, small.kv_cache)
+    for hint in ("max_query_len", "max_seq_len"):
+        _rejected(s, _replace(s.md, **{hint: 1}), rf"{hint} 1 is smaller than the longest")
+    _rejected(s, _replace(s.md, num_actual_tokens=5), r"num_actual_tokens 5 != query_start_loc\[-1\] = 6")
+    # Swapped index tensors are not taken on the builder's word (checked with the opt-in only).
+    assert not step_checks._plan_holds(_replace(s.md, slot_mapping=s.md.slot_mapping.clone()))
