@@ -225,7 +225,7 @@ class RocmAttentionImpl:
         if alibi_slopes is not None:
             alibi_slopes = validation.per_head_tensor(op, "alibi_slopes", alibi_slopes, num_heads,
                                                       finite=True).to(torch.float32)
-        self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
+        self.num_heads, self.head_size, self.num_kv_heads = int(num_heads), int(head_size), int(num_kv_heads)
         self.scale = float(scale)
         self.kv_cache_dtype = kv_cache_dtype
         self.alibi_slopes = alibi_slopes

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
 from typing import TYPE_CHECKING
 
 import torch
@@ -120,7 +121,7 @@ class ProviderCaps:
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def check_head_size(head_size: int, op: str = "rocm_attn") -> None:
@@ -143,7 +144,7 @@ def check_cache_geometry(block_size: int, head_size: int, op: str = "rocm_attn")
 
 def check_model_dtype(dtype: torch.dtype, op: str = "rocm_attn") -> None:
     if dtype not in MODEL_DTYPES:
-        raise ValueError(f"{op}: dtype {dtype} is not supported; supported: {MODEL_DTYPES}")
+        raise ValueError(f"{op}: dtype {dtype!r} is not supported; supported: {MODEL_DTYPES}")
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, op: str = "rocm_attn") -> None:

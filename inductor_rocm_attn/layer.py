@@ -12,7 +12,7 @@ from torch import nn
 
 from . import step_checks
 from .backend import RocmAttentionImpl
-from .capabilities import AttentionType, check_block_size
+from .capabilities import AttentionType, check_block_size, check_model_dtype
 from .forward_context import register_copy, register_layer
 from .layout import CacheLayout, allocate_kv_cache
 from .validation import check_positive_finite, check_positive_int
@@ -85,9 +85,9 @@ class Attention(nn.Module):
         if kv_sharing_target_layer_name == layer_name:
             raise ValueError(f"Attention {layer_name!r}: kv_sharing_target_layer_name names the layer itself")
         self.layer_name = layer_name
-        self.num_heads, self.head_size = num_heads, head_size
+        self.num_heads, self.head_size = self.impl.num_heads, self.impl.head_size
         self.num_kv_heads = self.impl.num_kv_heads
-        self.block_size = block_size
+        self.block_size = int(block_size)
         self.cache_layout = cache_layout
         # Scales are tensors so they can change without recompiling; not parameters.
         self.register_buffer("_k_scale", torch.tensor([k_scale], dtype=torch.float32), persistent=False)
@@ -168,6 +168,7 @@ def bind_kv_caches(model: nn.Module, num_blocks: int, dtype: torch.dtype,
     with NaN (or fp8 max) so a read of an unwritten slot shows up in tests.
     """
     check_positive_int("bind_kv_caches", "num_blocks", num_blocks)
+    check_model_dtype(dtype, "bind_kv_caches")  # the model's dtype; the layers' kv_cache_dtype picks storage
     caches, specs = {}, {}
     for layer in attention_layers(model):
         target = layer.impl.kv_sharing_target_layer_name

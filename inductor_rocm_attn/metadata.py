@@ -13,6 +13,7 @@ index tensors back (``validation.check_step_metadata``).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Sequence
 
 import torch
@@ -102,7 +103,7 @@ _OP = "build_attention_metadata"
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _check_blocks(s: int, table: Sequence[int], used: int, num_blocks: int | None) -> int:
@@ -142,6 +143,7 @@ def _host_plan(query_lens: Sequence[int], context_lens: Sequence[int],
         if not (_is_int(ql) and _is_int(cl)) or ql < 0 or cl < 0:
             raise ValueError(f"{_OP}: sequence {s} has query_len {ql!r}, context_len {cl!r}; both must be "
                              "ints >= 0")
+        ql, cl = int(ql), int(cl)
         sl = ql + cl
         qsl.append(qsl[-1] + ql)
         seq_lens.append(sl)
@@ -201,17 +203,20 @@ def build_attention_metadata(
     n = len(slots)
     total = n if num_padded_tokens is None else num_padded_tokens
     if not _is_int(total) or total < n:
-        raise ValueError(f"{_OP}: num_padded_tokens {total!r} < {n} real tokens")
+        raise ValueError(f"{_OP}: num_padded_tokens must be an int >= the {n} real tokens, got {total!r}")
+    total = int(total)
     if causal is not None and not isinstance(causal, bool):
         raise ValueError(f"{_OP}: causal must be True, False or None, got {causal!r}")
     slots += [-1] * (total - n)
     positions += [0] * (total - n)
     width = max([len(bt) for bt in block_tables] + [1])
-    table = [list(bt) + [0] * (width - len(bt)) for bt in block_tables]
+    table = torch.tensor([list(bt) + [0] * (width - len(bt)) for bt in block_tables])
+    if table.numel() and (table.is_floating_point() or table.is_complex() or table.dtype == torch.bool):
+        raise ValueError(f"{_OP}: block_tables must hold integer block ids, got {table.dtype} values")
     host = dict(
         query_start_loc=torch.tensor(qsl, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=torch.tensor(table, dtype=torch.int32).reshape(len(block_tables), width),
+        block_table=table.to(torch.int32).reshape(len(block_tables), width),
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         positions=torch.tensor(positions, dtype=torch.int64),
     )
@@ -219,6 +224,7 @@ def build_attention_metadata(
         tensors = buffers.fill(**host)
     else:
         tensors = {k: v.to(device, non_blocking=True) for k, v in host.items()}
+    query_lens = [b - a for a, b in zip(qsl, qsl[1:])]  # host ints
     max_query_len, max_seq_len = max(query_lens, default=0), max(seq_lens, default=0)
     plan = PlanBounds(
         block_size=block_size, num_tokens=n, max_query_len=max_query_len, max_seq_len=max_seq_len,

@@ -147,7 +147,7 @@ def _paged_attention(output, query, key, value, kv_cache, query_start_loc, seq_l
         seq_lens, block_table, alibi_slopes, sinks, output_scale, k_scale=k_scale, v_scale=v_scale,
         max_query_len=max_query_len, max_seq_len=max_seq_len,
     )
-    validation.check_softmax_scale("rocm_attn.paged_attention", scale)
+    validation.check_attention_options("rocm_attn.paged_attention", scale, sliding_window, logits_soft_cap)
     feats = providers.attention_features(
         causal=causal, sliding_window=sliding_window, alibi_slopes=alibi_slopes, sinks=sinks,
         logits_soft_cap=logits_soft_cap, output_scale=output_scale,
@@ -299,7 +299,7 @@ def _encoder_attention(query, key, value, cu_seqlens, max_seqlen, scale, causal=
                        sliding_window=-1, alibi_slopes=None, sinks=None, logits_soft_cap=0.0):
     op = "rocm_attn.encoder_attention"
     validation.check_encoder_attention(op, query, key, value, cu_seqlens, alibi_slopes, sinks, max_seqlen)
-    validation.check_softmax_scale(op, scale)
+    validation.check_attention_options(op, scale, sliding_window, logits_soft_cap)
     feats = providers.attention_features(
         causal=causal, sliding_window=sliding_window, alibi_slopes=alibi_slopes, sinks=sinks,
         logits_soft_cap=logits_soft_cap, output_scale=None,

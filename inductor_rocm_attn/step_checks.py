@@ -17,8 +17,8 @@ import torch
 from . import capabilities
 from .metadata import plan_tensor_ptrs
 from .validation import (
-    _INDEX_TYPES, check_dtype, check_positions, check_sequence_shapes, check_sequences,
-    check_slot_range, check_slots_follow_table, index_checks_on,
+    _INDEX_TYPES, check_channel_stride, check_dtype, check_index_layout, check_positions,
+    check_sequence_shapes, check_sequences, check_slot_range, check_slots_follow_table, index_checks_on, is_int,
 )
 
 _METADATA_TENSORS = ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "positions")
@@ -66,10 +66,11 @@ def _check_step(op: str, md, num_tokens: int, device: torch.device, num_blocks: 
     if slots.dim() != 1 or positions.shape != slots.shape:
         raise ValueError(f"{op}: metadata slot_mapping and positions must be 1-D with one entry per token, "
                          f"got {tuple(slots.shape)} and {tuple(positions.shape)}")
+    check_index_layout(op, slot_mapping=slots, positions=positions)
     n = md.num_actual_tokens
     for name in ("num_actual_tokens", "max_query_len", "max_seq_len"):
         v = getattr(md, name)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        if not is_int(v) or v < 0:
             raise ValueError(f"{op}: metadata {name} must be an int >= 0, got {v!r}")
     if md.causal is not None and not isinstance(md.causal, bool):
         raise ValueError(f"{op}: metadata causal must be True, False or None, got {md.causal!r}")
@@ -152,7 +153,8 @@ def check_layer_kv(op: str, key: torch.Tensor, value: torch.Tensor, device: torc
     ``device`` (the cache's)."""
     dtype = key.dtype
     if not ((num_tokens, num_kv_heads, head_size) == key.shape == value.shape and dtype in _MODEL_DTYPES
-            and value.dtype is dtype and key.device == device and value.device == device):
+            and value.dtype is dtype and key.device == device and value.device == device
+            and key.stride()[2] == 1 and value.stride()[2] == 1):
         _explain_kv(op, key, value, device, num_tokens, num_kv_heads, head_size)
 
 
@@ -164,7 +166,10 @@ def _explain_kv(op, key, value, device, num_tokens, num_kv_heads, head_size):
     if key.dtype not in _MODEL_DTYPES or value.dtype is not key.dtype:
         raise ValueError(f"{op}: key and value must have one dtype of {capabilities.MODEL_DTYPES}, got "
                          f"{key.dtype} and {value.dtype}")
-    raise ValueError(f"{op}: key is on {key.device} and value on {value.device}, but the KV cache is on {device}")
+    if key.device != device or value.device != device:
+        raise ValueError(f"{op}: key is on {key.device} and value on {value.device}, but the KV cache is on "
+                         f"{device}")
+    check_channel_stride(op, key=key, value=value)
 
 
 def check_layer_query(op: str, query: torch.Tensor, output: torch.Tensor, device: torch.device,
@@ -174,14 +179,16 @@ def check_layer_query(op: str, query: torch.Tensor, output: torch.Tensor, device
     qs = query.shape
     if not (len(qs) == 3 and qs[1] == num_heads and qs[2] == head_size and output.shape == qs
             and (num_tokens is None or qs[0] == num_tokens) and query.device == device
-            and output.device == device):
+            and output.device == device and query.stride()[2] == 1 and output.stride()[2] == 1):
         if not (len(qs) == 3 and qs[1] == num_heads and qs[2] == head_size and output.shape == qs
                 and (num_tokens is None or qs[0] == num_tokens)):
             raise ValueError(f"{op}: query and output must be [num_tokens, num_heads, head_size] = "
                              f"[{'T' if num_tokens is None else num_tokens}, {num_heads}, {head_size}], got "
                              f"{tuple(qs)} and {tuple(output.shape)}")
-        raise ValueError(f"{op}: query is on {query.device} and output on {output.device}, but the KV cache "
-                         f"(or the step's tensors) is on {device}")
+        if query.device != device or output.device != device:
+            raise ValueError(f"{op}: query is on {query.device} and output on {output.device}, but the KV cache "
+                             f"(or the step's tensors) is on {device}")
+        check_channel_stride(op, query=query, output=output)
 
 
 # --- per-call tensors of a layer ---------------------------------------------------------------
@@ -190,8 +197,12 @@ def check_layer_query(op: str, query: torch.Tensor, output: torch.Tensor, device
 def check_qkv(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
     """``Attention.forward``: query, key and value of one dtype on one device (what the
     attention op would reject about them together, rejected before the cache update writes)."""
-    if query.dtype is key.dtype is value.dtype and query.device == key.device == value.device:
-        return
+    try:
+        if query.dtype is key.dtype is value.dtype and query.device == key.device == value.device:
+            return
+    except AttributeError:
+        raise TypeError(f"Attention {layer.layer_name!r}: query, key and value must be tensors, got "
+                        f"{type(query).__name__}, {type(key).__name__}, {type(value).__name__}") from None
     for name, x in (("query", query), ("value", value)):
         if x.device != key.device:
             raise ValueError(f"Attention {layer.layer_name!r}: {name} is on {x.device} but key is on {key.device}; "

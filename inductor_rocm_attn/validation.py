@@ -21,6 +21,7 @@ When each check runs:
 from __future__ import annotations
 
 import math
+import numbers
 import os
 
 import torch
@@ -68,7 +69,8 @@ def check_dtype(op: str, name: str, t: torch.Tensor, allowed) -> None:
 
 
 def is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def check_positive_int(op: str, name: str, value) -> None:
@@ -77,7 +79,7 @@ def check_positive_int(op: str, name: str, value) -> None:
 
 
 def check_positive_finite(op: str, name: str, value) -> None:
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
             and value > 0):
         raise ValueError(f"{op}: {name} must be a positive finite number, got {value!r}")
 
@@ -97,6 +99,34 @@ def per_head_tensor(op: str, name: str, value, num_heads: int, *, finite: bool =
         if bool(torch.isnan(value).any()):
             raise ValueError(f"{op}: {name} must not hold NaN, got {value.tolist()}")
     return value
+
+
+def check_index_layout(op: str, **tensors: torch.Tensor | None) -> None:
+    """Index tensors are read as dense rows by the kernels: 1-D ones contiguous, 2-D ones
+    (block tables) with contiguous rows."""
+    for name, t in tensors.items():
+        if t is not None and t.numel() > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{op}: {name} must have unit stride along its last dim (the kernels read it as "
+                             f"dense rows), got strides {t.stride()}; pass {name}.contiguous()")
+
+
+def check_channel_stride(op: str, **tensors: torch.Tensor | None) -> None:
+    """The attention kernels read each head's channels as one dense vector."""
+    for name, t in tensors.items():
+        if t is not None and t.numel() > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{op}: {name} must have unit stride along head_size (any other strides work), got "
+                             f"strides {t.stride()}")
+
+
+def check_attention_options(op: str, scale: float, sliding_window: int, logits_soft_cap: float) -> None:
+    """The kernel-level attention ops' scalars: a positive finite scale, a window of -1 / 0
+    (none) or a positive int, a soft cap of 0 (off) or a positive finite number."""
+    check_softmax_scale(op, scale)
+    if not is_int(sliding_window) or sliding_window < -1:
+        raise ValueError(f"{op}: sliding_window must be -1 or 0 (none) or a positive int, got {sliding_window!r}")
+    if not (isinstance(logits_soft_cap, numbers.Real) and math.isfinite(logits_soft_cap) and logits_soft_cap >= 0):
+        raise ValueError(f"{op}: logits_soft_cap must be 0 (off) or a positive finite number, got "
+                         f"{logits_soft_cap!r}")
 
 
 def check_softmax_scale(op: str, scale: float) -> None:
@@ -146,14 +176,21 @@ def check_slot_mapping(op: str, slot_mapping: torch.Tensor, kv_cache: torch.Tens
         )
     if slot_mapping.device != kv_cache.device:
         raise ValueError(f"{op}: slot_mapping is on {slot_mapping.device} but kv_cache is on {kv_cache.device}")
+    check_index_layout(op, slot_mapping=slot_mapping)
     if _want_index_checks(slot_mapping):
         check_slot_range(op, slot_mapping, kv_cache.shape[0], kv_cache.shape[2])
 
 
 def check_scales(op: str, **scales: torch.Tensor | None) -> None:
+    """Per-tensor scales: one element, positive and finite (the value is read where index
+    tensors are: on CPU, or with ``ROCM_ATTN_CHECK_INDICES=1``)."""
     for name, s in scales.items():
-        if s is not None and s.numel() != 1:
+        if s is None:
+            continue
+        if s.numel() != 1:
             raise ValueError(f"{op}: {name} must be a per-tensor scale (1 element), got shape {tuple(s.shape)}")
+        if index_checks_on(s.device):
+            check_positive_finite(op, name, float(s.reshape(())))
 
 
 def check_cache_write(op: str, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -195,6 +232,7 @@ def check_sequence_shapes(op: str, query_start_loc: torch.Tensor, seq_lens: torc
         )
     if block_table is not None and block_table.shape[0] < seq_lens.shape[0]:
         raise ValueError(f"{op}: block_table has {block_table.shape[0]} rows for {seq_lens.shape[0]} sequences")
+    check_index_layout(op, query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table)
 
 
 def check_query_start_loc(op: str, query_start_loc: torch.Tensor, num_tokens: int,
@@ -349,6 +387,7 @@ def check_paged_attention(
     check_kv_cache(op, kv_cache, num_kv_heads, head_size)
     if output.shape != query.shape:
         raise ValueError(f"{op}: output shape {tuple(output.shape)} does not match query {tuple(query.shape)}")
+    check_channel_stride(op, query=query, key=key, value=value, output=output)
     if output_scale is None and output.dtype != query.dtype and not is_fp8_dtype(query.dtype):
         raise ValueError(f"{op}: output dtype {output.dtype} != query dtype {query.dtype}")
     if output_scale is not None and not is_fp8_dtype(output.dtype):
@@ -380,6 +419,7 @@ def _check_positions_tensor(op: str, positions: torch.Tensor, num_tokens: int, c
     check_dtype(op, "positions", positions, _INDEX_TYPES)
     if positions.dim() != 1 or positions.shape[0] != num_tokens:
         raise ValueError(f"{op}: positions must be [num_tokens] = [{num_tokens}], got {tuple(positions.shape)}")
+    check_index_layout(op, positions=positions, cos_sin_cache=cos_sin_cache)
     if _want_index_checks(positions):
         check_positions(op, positions, cos_sin_cache.shape[0])
 
@@ -444,6 +484,8 @@ def check_encoder_attention(op: str, query: torch.Tensor, key: torch.Tensor, val
     check_dtype(op, "cu_seqlens", cu_seqlens, _INDEX_TYPES)
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
         raise ValueError(f"{op}: cu_seqlens must be [num_seqs + 1], got {tuple(cu_seqlens.shape)}")
+    check_index_layout(op, cu_seqlens=cu_seqlens)
+    check_channel_stride(op, query=query, key=key, value=value)
     for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if t is not None and t.shape != (query.shape[1],):
             raise ValueError(f"{op}: {name} must be [num_heads] = [{query.shape[1]}], got {tuple(t.shape)}")

@@ -143,3 +143,40 @@ def test_sizes_must_be_ints(field, value):
     kw[field] = value
     with pytest.raises(ValueError, match=rf"{field} {value!r} is not supported"):
         ira.Attention(H, kw["head_size"], num_kv_heads=HKV, layer_name=f"cfg.int.{field}", block_size=kw["block_size"])
+
+
+def test_numpy_ints_and_floats_are_taken():
+    np = pytest.importorskip("numpy")
+    layer = ira.Attention(np.int64(H), np.int64(D), num_kv_heads=np.int64(HKV), layer_name="cfg.numpy",
+                          scale=np.float32(0.125), block_size=np.int64(BS))
+    assert (layer.num_heads, layer.head_size, layer.block_size) == (H, D, BS) and type(layer.num_heads) is int
+    md = ira.build_attention_metadata(np.array([3, 1]), np.array([0, 17]), [np.array([2]), [5, 6]], BS)
+    assert md.max_query_len == 3 and type(md.max_query_len) is int
+
+
+def test_builder_rejects_float_block_ids():
+    with pytest.raises(ValueError, match=r"build_attention_metadata: block_tables must hold integer block ids"):
+        ira.build_attention_metadata([3], [0], [[1.5]], BS)
+
+
+def test_block_allocator_arguments():
+    with pytest.raises(ValueError, match=r"BlockAllocator: num_blocks must be a positive int, got 0"):
+        ira.BlockAllocator(0, BS)
+    alloc = ira.BlockAllocator(4, BS)
+    with pytest.raises(ValueError, match=r"BlockAllocator.allocate: num_new_tokens must be an int >= 0, got -3"):
+        alloc.allocate("a", -3)
+
+
+def test_bind_kv_caches_dtype():
+    layer = _layer("bind_dtype")
+    with pytest.raises(ValueError, match=r"bind_kv_caches: dtype 'float16' is not supported"):
+        ira.bind_kv_caches(layer, 4, "float16")
+
+
+def test_layer_inputs_must_be_tensors():
+    layer = _layer("not_tensors")
+    ira.bind_kv_caches(layer, 4, torch.float32)
+    md = ira.build_attention_metadata([2], [0], [[0]], BS)
+    with pytest.raises(TypeError, match=r"Attention 'cfg.not_tensors': query, key and value must be tensors, got "
+                                        r"Tensor, NoneType, Tensor"), ira.set_forward_context(md):
+        layer(torch.randn(2, H * D), None, torch.randn(2, HKV * D))

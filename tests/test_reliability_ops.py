@@ -169,3 +169,37 @@ def test_encoder_max_seqlen_hint():
     with pytest.raises(ValueError, match=r"rocm_attn\.encoder_attention: max_seqlen 2 is smaller than the longest "
                                          r"sequence \(3 tokens, sequence 1\)"):
         torch.ops.rocm_attn.encoder_attention(q, k, v, torch.tensor([0, 2, 5], dtype=torch.int32), 2, 0.125)
+
+
+def test_strided_index_tensors_and_channels():
+    c = _case()
+    every_other = torch.stack([c.slot_mapping, c.slot_mapping], 1)[:, 0]  # stride 2
+    before = snapshot(c.kv_cache)
+    with pytest.raises(ValueError, match=r"rocm_attn\.reshape_and_cache: slot_mapping must have unit stride along "
+                                         r"its last dim"):
+        torch.ops.rocm_attn.reshape_and_cache(c.key, c.value, c.kv_cache, every_other, c.k_scale, c.v_scale, False)
+    assert unchanged(before, c.kv_cache)
+    key_t = c.key.transpose(1, 2).contiguous().transpose(1, 2)  # channels strided
+    _attn_rejected(c, r"rocm_attn\.paged_attention: key must have unit stride along head_size", key=key_t)
+    table = torch.cat([c.block_table, c.block_table], 1)[:, ::2]
+    _attn_rejected(c, r"rocm_attn\.paged_attention: block_table must have unit stride", block_table=table)
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(sliding_window=-5), r"sliding_window must be -1 or 0 \(none\) or a positive int, got -5"),
+    (dict(logits_soft_cap=float("nan")), r"logits_soft_cap must be 0 \(off\) or a positive finite number, got nan"),
+    (dict(logits_soft_cap=-1.0), r"logits_soft_cap must be 0 \(off\) or a positive finite number"),
+    (dict(k_scale=torch.zeros(1)), r"k_scale must be a positive finite number, got 0.0"),
+    (dict(v_scale=torch.full((1,), float("inf"))), r"v_scale must be a positive finite number, got inf"),
+])
+def test_paged_attention_scalars(over, match):
+    _attn_rejected(_case(), rf"rocm_attn\.paged_attention: {match}", **over)
+
+
+def test_reshape_and_cache_zero_scale():
+    c = _case()
+    before = snapshot(c.kv_cache)
+    with pytest.raises(ValueError, match=r"rocm_attn\.reshape_and_cache: k_scale must be a positive finite number"):
+        torch.ops.rocm_attn.reshape_and_cache(c.key, c.value, c.kv_cache, c.slot_mapping, torch.zeros(1),
+                                              c.v_scale, False)
+    assert unchanged(before, c.kv_cache)
