@@ -507,6 +507,8 @@ class RocmAttentionImpl:
         ``attn_metadata`` None: a profiling run (the seed's convention; the layer-level op
         passes None only inside ``profiling_run()``): zero-fills ``output``.
         """
+        # What the cache update of this call checked; taken first, so it is never kept longer.
+        written, self._just_written = self._just_written, None
         if output_block_scale is not None:
             raise NotImplementedError(
                 "RocmAttentionImpl: output_block_scale (block-scaled output quant) is not supported; "
@@ -537,7 +539,6 @@ class RocmAttentionImpl:
             layer = get_layer(self.kv_sharing_target_layer_name)
             kv_cache, key, value = layer.kv_cache, None, None
             interleaved_v, buffers = layer.impl.interleaved_v, layer._buffers
-        written, self._just_written = self._just_written, None
         if (written is not None and written[0] is md and written[1] is key and written[2] is value
                 and written[3] is kv_cache):
             # The cache update of this call checked key/value and the step against this cache.
