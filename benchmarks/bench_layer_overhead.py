@@ -6,12 +6,17 @@ layer per step. A model of ``--layers`` attention layers (Qwen3-8B's attention s
 default) runs ``--steps`` decode steps of ``--batch`` sequences; each step gets its own
 metadata object (as an engine builds one per step), so the first layer of a step pays the
 step's metadata check and the others hit its memo. Steps end with a device synchronization.
-Variants, interleaved over ``--rounds`` so drift hits them alike:
+Two paths: ``layer_forward`` (``Attention.forward``: cache update, then attention) and
+``attention_op`` (the attention op alone: what runs eagerly between the piecewise graphs,
+whose pieces hold the cache update). Variants, interleaved over ``--rounds`` so drift hits
+them alike:
 
 - ``checks_on``: the shipped path;
 - ``checks_bypassed``: the per-call checks of ``step_checks`` replaced by no-ops;
 - ``index_checks`` (GPU only): ``ROCM_ATTN_CHECK_INDICES=1``, the opt-in that reads the
-  index tensors back every step.
+  index tensors back every step;
+- ``checks_on_gpu_path`` (CPU only): the index tensors not read (the builder's bounds
+  checked instead), i.e. the host work a GPU step pays, timed on the CPU.
 
 Also times each check alone (``micro_us``). On CPU the kernels are replaced by no-ops by
 default (``--kernels noop``): the reference kernels take milliseconds and would drown the
@@ -38,6 +43,8 @@ from common import stamp, write_json
 # What the bypassed variant replaces (each keeps its return value where the path uses one).
 _BYPASS = {
     "check_qkv": lambda *a: None,
+    "check_cache_update": lambda op, layer, key, *a: key.shape[0],
+    "check_attention_call": lambda op, layer, query, *a: query.shape[0],
     "check_layer_kv": lambda *a: None,
     "check_layer_query": lambda *a: None,
     "check_step_metadata": lambda *a: None,
@@ -56,6 +63,18 @@ def bypassed_checks():
     finally:
         for n, fn in saved.items():
             setattr(step_checks, n, fn)
+
+
+@contextlib.contextmanager
+def no_index_reads():
+    """The host work of a GPU step on any device: index tensors not read back, the builder's
+    bounds checked instead (what ``checks_on`` costs on a GPU without the opt-in)."""
+    reads = step_checks.index_checks_on
+    step_checks.index_checks_on = lambda device: False
+    try:
+        yield
+    finally:
+        step_checks.index_checks_on = reads
 
 
 @contextlib.contextmanager
@@ -101,15 +120,16 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _run_steps(model, mds, q, k, v, device) -> float:
-    """Seconds per layer per step over ``mds`` (one decode step each)."""
+def _run_steps(model, mds, call, device) -> float:
+    """Seconds per layer per step over ``mds`` (one decode step each); ``call(layer)`` runs one
+    layer's eager work."""
     layers = model.attn
     _sync(device)
     t0 = time.perf_counter()
     for md in mds:
         with ira.set_forward_context(md):
             for layer in layers:
-                layer(q, k, v)
+                call(layer)
         _sync(device)
     return (time.perf_counter() - t0) / (len(mds) * len(layers))
 
@@ -173,32 +193,49 @@ def main(argv=None) -> dict:
     variants = {"checks_on": contextlib.nullcontext, "checks_bypassed": bypassed_checks}
     if gpu:
         variants["index_checks"] = index_checks
-    per_round = max(1, steps // args.rounds)
-    times = {name: [] for name in variants}
-    with torch.no_grad(), (noop_kernels() if kernels == "noop" else contextlib.nullcontext()):
-        for name, ctx_mgr in variants.items():  # warm-up: kernels resolved, Triton compiled
-            with ctx_mgr():
-                _run_steps(model, [dataclasses.replace(md) for _ in range(2)], q, k, v, device)
-        for _ in range(args.rounds):
-            for name, ctx_mgr in variants.items():
-                mds = [dataclasses.replace(md) for _ in range(per_round)]  # a fresh memo per step
-                with ctx_mgr():
-                    times[name].append(_run_steps(model, mds, q, k, v, device) * 1e6)
-
-    # Each check alone, on this step's tensors (the memo hit is what layers 2..N pay).
-    layer, impl = model.attn[0], model.attn[0].impl
+    else:  # on CPU the index tensors are always read; this variant times the GPU path's host work
+        variants["checks_on_gpu_path"] = no_index_reads
     q3, k3, v3 = q.view(b, args.heads, -1), k.view(b, args.kv_heads, -1), v.view(b, args.kv_heads, -1)
     out = torch.empty_like(q3)
+    paths = {
+        # Attention.forward: the cache update, then the attention
+        "layer_forward": lambda layer: layer(q, k, v),
+        # the attention op alone: what runs eagerly between captured graphs (the cache update
+        # is inside the piece before it)
+        "attention_op": lambda layer: torch.ops.rocm_attn.unified_attention_with_output(
+            q3, k3, v3, out, layer.layer_name, None),
+    }
+    per_round = max(1, steps // args.rounds)
+    times = {path: {name: [] for name in variants} for path in paths}
+    with torch.no_grad(), (noop_kernels() if kernels == "noop" else contextlib.nullcontext()):
+        for path, call in paths.items():
+            for name, ctx_mgr in variants.items():  # warm-up: kernels resolved, Triton compiled
+                with ctx_mgr():
+                    _run_steps(model, [dataclasses.replace(md) for _ in range(2)], call, device)
+        for _ in range(args.rounds):
+            for path, call in paths.items():
+                for name, ctx_mgr in variants.items():
+                    mds = [dataclasses.replace(md) for _ in range(per_round)]  # a fresh memo per step
+                    with ctx_mgr():
+                        times[path][name].append(_run_steps(model, mds, call, device) * 1e6)
+
+    # Each check alone, on this step's tensors (the memo hit is what layers 2..N pay).
+    layer = model.attn[0]
     cache, shape = layer.kv_cache, layer.kv_cache.shape
     op = "bench"
     n = 20000 if gpu else 5000
     micro = {
         "check_qkv (Attention.forward)": _micro(lambda: step_checks.check_qkv(layer, q, k, v), n),
+        "check_cache_update (memo hit)": _micro(lambda: step_checks.check_cache_update(
+            op, layer, k3, v3, cache, md, args.kv_heads, args.head_size), n),
         "cache_shape": _micro(lambda: step_checks.cache_shape(op, layer, cache), n),
         "check_layer_kv": _micro(lambda: step_checks.check_layer_kv(
             op, k3, v3, cache.device, b, args.kv_heads, args.head_size), n),
         "check_layer_query": _micro(lambda: step_checks.check_layer_query(
             op, q3, out, cache.device, args.heads, args.head_size), n),
+        "check_attention_call (attention alone, decode step, memo hit)": _micro(
+            lambda: step_checks.check_attention_call(op, layer, q3, k3, v3, out, cache, md, args.heads,
+                                                     args.kv_heads, args.head_size), n),
         "check_step_metadata (memo hit)": _micro(lambda: step_checks.check_step_metadata(
             op, md, b, cache.device, shape[0], shape[2]), n),
         "check_step_metadata (first layer of a step)": _micro(lambda: step_checks.check_step_metadata(
@@ -207,46 +244,43 @@ def main(argv=None) -> dict:
     }
     # What a GPU step pays on its first layer: the builder's bounds, no tensor read (on CPU
     # the tensors are always read; here that is switched off to time the GPU path's host work).
-    reads = step_checks.index_checks_on
-    step_checks.index_checks_on = lambda device: False
-    try:
+    with no_index_reads():
         micro["check_step_metadata (first layer, from the plan)"] = _micro(lambda: step_checks.check_step_metadata(
             op, dataclasses.replace(md), b, cache.device, shape[0], shape[2]), n // 10) \
             - _micro(lambda: dataclasses.replace(md), n // 10)
-    finally:
-        step_checks.index_checks_on = reads
     if gpu:
         with index_checks():
             micro["check_step_metadata (first layer, ROCM_ATTN_CHECK_INDICES=1)"] = _micro(
                 lambda: step_checks.check_step_metadata(op, dataclasses.replace(md), b, cache.device, shape[0],
                                                         shape[2]), 200)
     # Per layer, the eager path runs check_qkv (Attention.forward), then the cache update's
-    # cache_shape, check_layer_kv and check_step_metadata, then the attention's
-    # check_layer_query (it skips what the cache update of the same call checked).
-    per_layer_sum = (micro["check_qkv (Attention.forward)"] + micro["cache_shape"] + micro["check_layer_kv"]
-                     + micro["check_layer_query"] + micro["check_step_metadata (memo hit)"])
+    # check_cache_update, then the attention's check_layer_query (it skips what the cache
+    # update of the same call checked).
+    per_layer_sum = (micro["check_qkv (Attention.forward)"] + micro["check_cache_update (memo hit)"]
+                     + micro["check_layer_query"])
 
-    med = {name: statistics.median(ts) for name, ts in times.items()}
-    best = {name: min(ts) for name, ts in times.items()}
+    med = {p: {name: statistics.median(ts) for name, ts in v.items()} for p, v in times.items()}
+    best = {p: {name: min(ts) for name, ts in v.items()} for p, v in times.items()}
     result = {
-        "config": dict(device=str(device), dtype=str(dtype), kernels=kernels, layers=args.layers, steps=per_round * args.rounds,
-                       rounds=args.rounds, batch=b, ctx=ctx, heads=args.heads, kv_heads=args.kv_heads,
-                       head_size=args.head_size, block_size=args.block_size),
+        "config": dict(device=str(device), dtype=str(dtype), kernels=kernels, layers=args.layers,
+                       steps=per_round * args.rounds, rounds=args.rounds, batch=b, ctx=ctx, heads=args.heads,
+                       kv_heads=args.kv_heads, head_size=args.head_size, block_size=args.block_size),
         "us_per_layer": med,
         "us_per_layer_best_round": best,
         "us_per_layer_rounds": times,
-        "checks_overhead_us_per_layer": med["checks_on"] - med["checks_bypassed"],
-        "checks_overhead_us_per_layer_best_rounds": best["checks_on"] - best["checks_bypassed"],
+        "overhead_vs_bypassed_us_per_layer": {
+            p: {name: t - v["checks_bypassed"] for name, t in v.items()} for p, v in med.items()},
         "micro_us": micro,
-        "micro_sum_us_per_layer": per_layer_sum,
+        "micro_sum_us_per_layer_forward": per_layer_sum,
     }
-    print(f"eager Attention.forward, decode B={b} ctx={ctx}, {args.layers} layers x {per_round * args.rounds} "
-          f"steps on {device} ({dtype}, {kernels} kernels):")
-    for name, t in med.items():
-        print(f"  {name:<18} {t:9.2f} us/layer  (rounds: {', '.join(f'{x:.2f}' for x in times[name])})")
-    print(f"  checks cost        {result['checks_overhead_us_per_layer']:9.2f} us/layer (medians; best rounds: "
-          f"{result['checks_overhead_us_per_layer_best_rounds']:.2f}; the per-call checks timed alone sum to "
-          f"{per_layer_sum:.2f}, plus the first layer's step check spread over {args.layers} layers)")
+    print(f"decode B={b} ctx={ctx}, {args.layers} layers x {per_round * args.rounds} steps on {device} "
+          f"({dtype}, {kernels} kernels), eager us per layer (median of {args.rounds} rounds):")
+    for p, v in med.items():
+        for name, t in v.items():
+            print(f"  {p:<14} {name:<18} {t:9.2f}  ({t - v['checks_bypassed']:+.2f} vs bypassed; rounds: "
+                  f"{', '.join(f'{x:.2f}' for x in times[p][name])})")
+    print(f"  the checks of one Attention.forward timed alone: {per_layer_sum:.2f} us (plus the first layer's "
+          f"step check, spread over {args.layers} layers)")
     for name, t in micro.items():
         print(f"    {name:<58} {t:8.3f} us")
     write_json(os.path.join(args.out, "layer_overhead.json"), result)

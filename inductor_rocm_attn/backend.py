@@ -329,14 +329,13 @@ class RocmAttentionImpl:
                 rows(op, "value", value, self.num_kv_heads, self.head_size))
 
     def _checked_step(self, op: str, layer, key, value, kv_cache, attn_metadata):
-        """key/value as ``[T, Hkv, D]`` after the per-call checks of a write into ``kv_cache``
-        and of the step's metadata against it (the metadata the attention will read too)."""
-        key, value = self._kv_rows(op, key, value)
-        shape = step_checks.cache_shape(op, layer, kv_cache)
-        device, t = kv_cache.device, key.shape[0]
-        step_checks.check_layer_kv(op, key, value, device, t, self.num_kv_heads, self.head_size)
-        step_checks.check_step_metadata(op, attn_metadata, t, device, shape[0], shape[2])
-        return key, value
+        """(key, value as ``[T, Hkv, D]``, T) after the per-call checks of a write into
+        ``kv_cache`` and of the step's metadata against it (the metadata the attention reads too)."""
+        if key.dim() != 3 or value.dim() != 3:
+            key, value = self._kv_rows(op, key, value)
+        t = step_checks.check_cache_update(op, layer, key, value, kv_cache, attn_metadata, self.num_kv_heads,
+                                           self.head_size)
+        return key, value, t
 
     # --- cache writes ----------------------------------------------------------------------
 
@@ -351,21 +350,20 @@ class RocmAttentionImpl:
         step_checks.check_layer_kv(op, key, value, kv_cache.device, key.shape[0], self.num_kv_heads,
                                    self.head_size)
         validation.check_slot_mapping(op, slot_mapping, kv_cache, key.shape[0])
-        self._write(layer, key, value, kv_cache, slot_mapping)
+        self._write(layer, key, value, kv_cache, slot_mapping, key.shape[0])
 
     def update_kv_cache(self, layer, key, value, kv_cache, attn_metadata) -> None:
         """The step's cache write (``rocm_attn.unified_kv_cache_update``): checks the step's
         metadata against the cache, as the attention will read it, before writing."""
         if not self.uses_kv_cache:
             return
-        key, value = self._checked_step(_KV_UPDATE_OP, layer, key, value, kv_cache, attn_metadata)
-        self._write(layer, key, value, kv_cache, attn_metadata.slot_mapping)
-        self._just_written = (attn_metadata, key, value, kv_cache, key.shape[0])
+        key, value, t = self._checked_step(_KV_UPDATE_OP, layer, key, value, kv_cache, attn_metadata)
+        self._write(layer, key, value, kv_cache, attn_metadata.slot_mapping, t)
+        self._just_written = (attn_metadata, key, value, kv_cache, t)
 
-    def _write(self, layer, key, value, kv_cache, slot_mapping) -> None:
+    def _write(self, layer, key, value, kv_cache, slot_mapping, t: int) -> None:
         buffers = layer._buffers  # skips nn.Module.__getattr__
         k_scale, v_scale = buffers["_k_scale"], buffers["_v_scale"]
-        t = key.shape[0]
         sig = self._signature("reshape_and_cache", key, kv_cache, t)
         fn = self._kernels.get(sig)
         if fn is None:
@@ -391,7 +389,7 @@ class RocmAttentionImpl:
             fn(positions, query, key, self.head_size, cos_sin_cache, is_neox)
             return
         op = "rocm_attn.rope_and_cache"
-        key, value = self._checked_step(op, layer, key, value, kv_cache, attn_metadata)
+        key, value, _ = self._checked_step(op, layer, key, value, kv_cache, attn_metadata)
         if query.shape[0] != t or query.dtype is not key.dtype or query.device != kv_cache.device:
             raise ValueError(f"{op}: query ({tuple(query.shape)}, {query.dtype}, {query.device}) must match key "
                              f"({tuple(key.shape)}, {key.dtype}) on the KV cache's device {kv_cache.device}")
@@ -544,14 +542,12 @@ class RocmAttentionImpl:
             # The cache update of this call checked key/value and the step against this cache.
             t = written[4]
             step_checks.check_layer_query(op, query, output, kv_cache.device, h, d, t)
+            if md.max_query_len > 1 and key.dtype is not query.dtype:
+                raise ValueError(f"{op}: key dtype {key.dtype} != query dtype {query.dtype}")
         else:
-            shape = step_checks.cache_shape(op, layer, kv_cache)
-            device, t = kv_cache.device, query.shape[0]
-            step_checks.check_layer_query(op, query, output, device, h, d)
-            if key is not None:
+            if key is not None and (key.dim() != 3 or value.dim() != 3):
                 key, value = self._kv_rows(op, key, value)
-                step_checks.check_layer_kv(op, key, value, device, t, hkv, d)
-            step_checks.check_step_metadata(op, md, t, device, shape[0], shape[2])
+            t = step_checks.check_attention_call(op, layer, query, key, value, output, kv_cache, md, h, hkv, d)
         n = md.num_actual_tokens
         if n != t:  # padded step: rows past n are not ours to touch
             out_n, query = output[:n], query[:n]

@@ -147,6 +147,55 @@ def check_rope_inputs(op: str, positions: torch.Tensor, cos_sin_cache: torch.Ten
 _MODEL_DTYPES = frozenset(capabilities.MODEL_DTYPES)
 
 
+def check_cache_update(op: str, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, md,
+                       num_kv_heads: int, head_size: int) -> int:
+    """Every call of a layer's cache update, in one pass: a bound cache, key/value
+    ``[T, num_kv_heads, head_size]`` on its device, and the step's metadata against it (memoized
+    as ``check_step_metadata``). Returns T."""
+    shape = kv_cache.shape
+    if len(shape) != 4:
+        cache_shape(op, layer, kv_cache)
+    device = kv_cache.device
+    ks = key.shape
+    dtype = key.dtype
+    if not (len(ks) == 3 and ks[1] == num_kv_heads and ks[2] == head_size and value.shape == ks
+            and dtype in _MODEL_DTYPES and value.dtype is dtype and key.device == device
+            and value.device == device and key.stride()[2] == 1 and value.stride()[2] == 1):
+        _explain_kv(op, key, value, device, ks[0] if len(ks) else 0, num_kv_heads, head_size)
+    t = ks[0]
+    memo = (t, shape[0], shape[2], device)
+    checked = md._checked
+    if memo not in checked:
+        _check_step(op, md, t, device, shape[0], shape[2])
+        checked[memo] = None
+    return t
+
+
+def check_attention_call(op: str, layer, query: torch.Tensor, key: torch.Tensor | None,
+                         value: torch.Tensor | None, output: torch.Tensor, kv_cache: torch.Tensor, md,
+                         num_heads: int, num_kv_heads: int, head_size: int) -> int:
+    """Every call of a layer's attention (not preceded by its cache update), in one pass: a
+    bound cache, query/output ``[T, num_heads, head_size]`` on its device, key/value when the
+    step has a query longer than one token (only then does a kernel read them), and the step's
+    metadata (memoized as ``check_step_metadata``). Returns T."""
+    shape = kv_cache.shape
+    if len(shape) != 4:
+        cache_shape(op, layer, kv_cache)
+    device = kv_cache.device
+    check_layer_query(op, query, output, device, num_heads, head_size)
+    t = query.shape[0]
+    if key is not None and md.max_query_len > 1:
+        check_layer_kv(op, key, value, device, t, num_kv_heads, head_size)
+        if key.dtype is not query.dtype:
+            raise ValueError(f"{op}: key dtype {key.dtype} != query dtype {query.dtype}")
+    memo = (t, shape[0], shape[2], device)
+    checked = md._checked
+    if memo not in checked:
+        _check_step(op, md, t, device, shape[0], shape[2])
+        checked[memo] = None
+    return t
+
+
 def check_layer_kv(op: str, key: torch.Tensor, value: torch.Tensor, device: torch.device,
                    num_tokens: int, num_kv_heads: int, head_size: int) -> None:
     """Every call: key/value ``[num_tokens, num_kv_heads, head_size]`` of one model dtype, on
