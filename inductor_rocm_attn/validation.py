@@ -39,8 +39,13 @@ def _check_indices_on_device() -> bool:
 
 def index_checks_on(device: torch.device) -> bool:
     """Whether index tensors on ``device`` are read and range-checked: always on CPU, on a
-    GPU only with ``ROCM_ATTN_CHECK_INDICES=1``."""
-    return device.type == "cpu" or _check_indices_on_device()
+    GPU only with ``ROCM_ATTN_CHECK_INDICES=1`` and never while a CUDA/HIP graph is being
+    captured (a read-back would break the capture)."""
+    if device.type == "cpu":
+        return True
+    if device.type == "meta" or not _check_indices_on_device():  # meta: no values to read
+        return False
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def _want_index_checks(t: torch.Tensor) -> bool:
