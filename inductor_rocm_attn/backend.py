@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from . import capabilities, providers, step_checks, validation
+from . import capabilities, config_checks, providers, step_checks, validation
 from .capabilities import AttentionType
 from .forward_context import get_layer
 from .layout import (
@@ -184,47 +184,9 @@ class RocmAttentionImpl:
         q_scale: float = 1.0,
         kv_sharing_target_layer_name: str | None = None,
     ):
-        op = "RocmAttentionImpl"
-        self.attn_type = capabilities.check_attention_type(attn_type, op)
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        validation.check_positive_int(op, "num_heads", num_heads)
-        validation.check_positive_int(op, "num_kv_heads", num_kv_heads)
-        capabilities.check_head_size(head_size, op)
-        capabilities.check_kv_cache_dtype(kv_cache_dtype, op)
-        if num_heads % num_kv_heads:
-            raise ValueError(f"{op}: num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-        validation.check_softmax_scale(op, scale)
-        validation.check_positive_finite(op, "q_scale", q_scale)
-        if self.attn_type in capabilities.ENCODER_TYPES and kv_cache_dtype.startswith("fp8"):
-            raise NotImplementedError(
-                f"{op}: kv_cache_dtype {kv_cache_dtype!r} on a {self.attn_type.value} layer is not "
-                f"supported: {capabilities.ENCODER_FP8_KV_CACHE_REASON} (an encoder layer has no KV "
-                "cache); use 'auto'"
-            )
-        if kv_sharing_target_layer_name is not None:
-            if not isinstance(kv_sharing_target_layer_name, str) or not kv_sharing_target_layer_name:
-                raise ValueError(f"{op}: kv_sharing_target_layer_name must be a layer name, got "
-                                 f"{kv_sharing_target_layer_name!r}")
-            if self.attn_type != AttentionType.DECODER:
-                raise ValueError(
-                    f"{op}: kv_sharing_target_layer_name={kv_sharing_target_layer_name!r} on a "
-                    f"{self.attn_type.value} layer: only decoder layers have a KV cache to share"
-                )
-        if sliding_window is not None and (not validation.is_int(sliding_window) or sliding_window <= 0):
-            raise ValueError(f"{op}: sliding_window must be None or a positive int, got {sliding_window!r}")
-        if logits_soft_cap is not None and logits_soft_cap != 0:
-            try:
-                validation.check_positive_finite(op, "logits_soft_cap", logits_soft_cap)
-            except ValueError:
-                raise ValueError(f"{op}: logits_soft_cap must be None, 0 (off) or a positive finite number, "
-                                 f"got {logits_soft_cap!r}") from None
-        if causal is not None and not isinstance(causal, bool):
-            raise ValueError(f"{op}: causal must be True, False or None, got {causal!r}")
-        if sinks is not None:
-            sinks = validation.per_head_tensor(op, "sinks", sinks, num_heads)
-        if alibi_slopes is not None:
-            alibi_slopes = validation.per_head_tensor(op, "alibi_slopes", alibi_slopes, num_heads,
-                                                      finite=True).to(torch.float32)
+        self.attn_type, num_kv_heads, sinks, alibi_slopes = config_checks.check_impl_config(
+            "RocmAttentionImpl", num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+            kv_cache_dtype, logits_soft_cap, attn_type, sinks, causal, q_scale, kv_sharing_target_layer_name)
         self.num_heads, self.head_size, self.num_kv_heads = int(num_heads), int(head_size), int(num_kv_heads)
         self.scale = float(scale)
         self.kv_cache_dtype = kv_cache_dtype
@@ -468,8 +430,6 @@ class RocmAttentionImpl:
         not switched yet (a graph from Inductor's cache, a cache bound after compilation) is
         switched here, its cached data converted, before the first write.
         """
-        if self.uses_kv_cache and not self.interleaved_v:
-            self.set_interleaved_v_cache(True, kv_cache)
         self._cos_sin_writer("qk_norm_rope_cos_sin_and_cache", layer, query, key, value, cos, sin, is_neox,
                              kv_cache, attn_metadata, (q_weight, k_weight, eps))
 
@@ -477,6 +437,14 @@ class RocmAttentionImpl:
                         norm: tuple) -> None:
         t = query.shape[0]
         write = attn_metadata is not None and self.uses_kv_cache
+        name = f"rocm_attn.unified_{op.replace('_and_cache', '_and_kv_cache_update')}"
+        if write:  # every call, before anything is written or converted
+            rows = step_checks.token_rows(name, "key", key, self.num_kv_heads, self.head_size)
+            step_checks.check_cache_update(name, layer, rows, value, kv_cache, attn_metadata, self.num_kv_heads,
+                                           self.head_size)
+        step_checks.check_cos_sin_call(name, query, key, value, cos, sin, kv_cache.device if write else value.device)
+        if norm and write and not self.interleaved_v:  # the fused QK-norm writer emits interleaved V
+            self.set_interleaved_v_cache(True, kv_cache)
         slot_mapping = attn_metadata.slot_mapping if write else _NO_SLOTS.get(query.device)
         if slot_mapping is None:
             slot_mapping = _NO_SLOTS[query.device] = torch.empty(0, dtype=torch.int64, device=query.device)
@@ -486,7 +454,6 @@ class RocmAttentionImpl:
                else (op, query.device, query.dtype, rot_dim, "no cache"))
         fn = self._kernels.get(sig)
         if fn is None:
-            name = f"rocm_attn.unified_{op.replace('_and_cache', '_and_kv_cache_update')}"
             validation.check_rope_cos_sin(name, query, key, value, cos, sin, *norm[:2])
             if write:
                 validation.check_cache_write(name, key.view(value.shape), value, kv_cache, slot_mapping,

@@ -274,8 +274,11 @@ def _rope_cos_sin_and_cache(query, key, value, cos, sin, is_neox, kv_cache, slot
 
 
 @_fake("rope_cos_sin_and_cache")
-def _rope_cos_sin_and_cache_fake(*args, **kwargs):
-    return None
+def _rope_cos_sin_and_cache_fake(query, key, value, cos, sin, is_neox, kv_cache, slot_mapping, k_scale,
+                                 v_scale, interleaved_v=False):
+    validation.check_same_device("rocm_attn.rope_cos_sin_and_cache", query=query, key=key, value=value,
+                                 cos=cos, sin=sin, kv_cache=kv_cache, slot_mapping=slot_mapping,
+                                 k_scale=k_scale, v_scale=v_scale)
 
 
 @_impl("qk_norm_rope_cos_sin_and_cache")
@@ -290,8 +293,11 @@ def _qk_norm_rope_cos_sin_and_cache(query, key, value, q_weight, k_weight, eps, 
 
 
 @_fake("qk_norm_rope_cos_sin_and_cache")
-def _qk_norm_rope_cos_sin_and_cache_fake(*args, **kwargs):
-    return None
+def _qk_norm_rope_cos_sin_and_cache_fake(query, key, value, q_weight, k_weight, eps, cos, sin, is_neox,
+                                         kv_cache, slot_mapping, k_scale, v_scale, interleaved_v=False):
+    validation.check_same_device("rocm_attn.qk_norm_rope_cos_sin_and_cache", query=query, key=key, value=value,
+                                 q_weight=q_weight, k_weight=k_weight, cos=cos, sin=sin, kv_cache=kv_cache,
+                                 slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
 @_impl("encoder_attention")
@@ -430,8 +436,7 @@ def _unified_qk_norm_rope_and_kv_cache_update_fake(qkv, q_weight, k_weight, eps,
 @_impl("unified_rope_cos_sin_and_kv_cache_update")
 def _unified_rope_cos_sin_and_kv_cache_update(query, key, value, cos, sin, is_neox, layer_name):
     """Rotates ``query``/``key`` in place with the model's per-token cos/sin and writes the cache."""
-    layer = get_layer(layer_name)
-    metadata = get_forward_context().attn_metadata
+    layer, metadata = _step("rocm_attn.unified_rope_cos_sin_and_kv_cache_update", layer_name)
     layer.impl.do_rope_cos_sin_and_kv_cache_update(layer, query, key, value, cos, sin, is_neox,
                                                    layer.kv_cache, metadata)
     return _token(key)
@@ -446,8 +451,7 @@ def _unified_rope_cos_sin_and_kv_cache_update_fake(query, key, value, cos, sin, 
 def _unified_qk_norm_rope_cos_sin_and_kv_cache_update(query, key, value, q_weight, k_weight, eps, cos, sin,
                                                       is_neox, layer_name):
     """Normalizes and rotates ``query``/``key`` in place and writes the cache (interleaved V)."""
-    layer = get_layer(layer_name)
-    metadata = get_forward_context().attn_metadata
+    layer, metadata = _step("rocm_attn.unified_qk_norm_rope_cos_sin_and_kv_cache_update", layer_name)
     layer.impl.do_qk_norm_rope_cos_sin_kv_cache_update(layer, query, key, value, q_weight, k_weight, eps, cos,
                                                        sin, is_neox, layer.kv_cache, metadata)
     return _token(key)

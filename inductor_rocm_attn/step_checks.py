@@ -142,6 +142,25 @@ def check_rope_inputs(op: str, positions: torch.Tensor, cos_sin_cache: torch.Ten
         check_positions(op, positions, cos_sin_cache.shape[0])
 
 
+def check_cos_sin_call(op: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor, device: torch.device) -> None:
+    """Every call of a per-token cos/sin writer: query/key/value of one dtype with the value's
+    T rows, and cos/sin ``[T, rot_dim]`` (one row per token, as the kernels read them), all on
+    ``device``."""
+    t = value.shape[0]
+    cs = cos.shape
+    if not (query.shape[0] == t and key.shape[0] == t and query.dtype is key.dtype is value.dtype
+            and len(cs) == 2 and cs[0] == t and sin.shape == cs and query.device == device
+            and key.device == device and value.device == device and cos.device == device
+            and sin.device == device):
+        raise ValueError(
+            f"{op}: query {tuple(query.shape)} {query.dtype} on {query.device}, key {tuple(key.shape)} "
+            f"{key.dtype} on {key.device}, value {tuple(value.shape)} {value.dtype} on {value.device}, cos "
+            f"{tuple(cos.shape)} on {cos.device}, sin {tuple(sin.shape)} on {sin.device}: expected one dtype, "
+            f"{t} rows each (cos/sin [{t}, rot_dim]), all on {device}"
+        )
+
+
 # Per-call checks: one boolean expression on the fast path (host attributes only); the
 # message is worked out only when it fails.
 _MODEL_DTYPES = frozenset(capabilities.MODEL_DTYPES)
