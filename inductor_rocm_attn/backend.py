@@ -509,7 +509,7 @@ class RocmAttentionImpl:
             # The cache update of this call checked key/value and the step against this cache.
             t = written[4]
             step_checks.check_layer_query(op, query, output, kv_cache.device, h, d, t)
-            if md.max_query_len > 1 and key.dtype is not query.dtype:
+            if md.max_query_len > 1 and key.dtype is not query.dtype and not is_fp8_dtype(query.dtype):
                 raise ValueError(f"{op}: key dtype {key.dtype} != query dtype {query.dtype}")
         else:
             if key is not None and (key.dim() != 3 or value.dim() != 3):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from . import capabilities
+from .layout import is_fp8_dtype
 from .metadata import plan_tensor_ptrs
 from .validation import (
     _INDEX_TYPES, check_channel_stride, check_dtype, check_index_layout, check_positions,
@@ -205,7 +206,7 @@ def check_attention_call(op: str, layer, query: torch.Tensor, key: torch.Tensor 
     t = query.shape[0]
     if key is not None and md.max_query_len > 1:
         check_layer_kv(op, key, value, device, t, num_kv_heads, head_size)
-        if key.dtype is not query.dtype:
+        if key.dtype is not query.dtype and not is_fp8_dtype(query.dtype):
             raise ValueError(f"{op}: key dtype {key.dtype} != query dtype {query.dtype}")
     memo = (t, shape[0], shape[2], device)
     checked = md._checked
@@ -275,7 +276,7 @@ def check_qkv(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         if x.device != key.device:
             raise ValueError(f"Attention {layer.layer_name!r}: {name} is on {x.device} but key is on {key.device}; "
                              "query, key and value must be on one device (the KV cache's)")
-        if x.dtype is not key.dtype:
+        if x.dtype is not key.dtype and not (name == "query" and is_fp8_dtype(x.dtype)):  # fp8 query: its own dtype
             raise ValueError(f"Attention {layer.layer_name!r}: {name} dtype {x.dtype} != key dtype {key.dtype}")
 
 
