@@ -247,7 +247,7 @@ def test_qk_norm_writer_first_call_validates_in_full():
     with pytest.raises(ValueError, match=r"rocm_attn.qk_norm_rope_and_cache: q_weight must be \[head_size\]"):
         layer.impl.do_qk_norm_rope_kvcache_update(layer, qkv, qw[:32], kw, 1e-6, positions, cos_sin, True,
                                                   layer.kv_cache, md)
-    with pytest.raises(ValueError, match="rocm_attn.qk_norm_rope_and_cache: slot_mapping must be 1-D"):
+    with pytest.raises(ValueError, match="rocm_attn.qk_norm_rope_and_cache: num_actual_tokens 5 > the 2 tokens"):
         layer.impl.do_qk_norm_rope_kvcache_update(layer, qkv[:2], qw, kw, 1e-6, positions[:2], cos_sin, True,
                                                   layer.kv_cache, md)
     assert not layer.impl._kernels  # nothing cached for a call that failed validation

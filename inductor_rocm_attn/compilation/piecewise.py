@@ -229,7 +229,7 @@ class PiecewiseRunner:
         t = self.buffers.fill(**host)
         return AttentionMetadata(num_actual_tokens=num_tokens, max_query_len=max(qlens),
                                  max_seq_len=max(qlens), num_decodes=sum(q == 1 for q in qlens),
-                                 num_prefills=sum(q > 1 for q in qlens), **t)
+                                 num_prefills=sum(q > 1 for q in qlens), block_size=self.block_size, **t)
 
     def _say(self, message: str) -> None:
         if self.progress is not None:
@@ -382,7 +382,13 @@ class PiecewiseRunner:
         self._step_md = None
         return build_attention_metadata(query_lens, context_lens, block_tables, self.block_size,
                                         self.device, num_padded_tokens=size,
-                                        buffers=self.buffers)
+                                        buffers=self.buffers, num_blocks=self._num_cache_blocks())
+
+    def _num_cache_blocks(self) -> int | None:
+        """The fewest blocks of the bound caches: the builder rejects a block id at or past it
+        (a whole-step graph replay runs no layer code that could)."""
+        counts = [layer.kv_cache.shape[0] for layer in self._layers.values() if layer.kv_cache.dim() == 4]
+        return min(counts) if counts else None
 
     def _plan_decode_step(self, context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
                           size: int, dummy: bool = False) -> AttentionMetadata:
@@ -393,7 +399,8 @@ class PiecewiseRunner:
         pad = size - b
         md = build_attention_metadata(
             [1] * b + [0] * pad, list(context_lens) + [0] * pad, list(block_tables) + [[]] * pad,
-            self.block_size, self.device, num_padded_tokens=size, buffers=self.buffers)
+            self.block_size, self.device, num_padded_tokens=size, buffers=self.buffers,
+            num_blocks=self._num_cache_blocks())
         if dummy:
             self.buffers.slot_mapping[:size].fill_(-1)
         return dataclasses.replace(

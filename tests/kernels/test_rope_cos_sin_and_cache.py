@@ -302,7 +302,7 @@ def test_layer_op_profiling_run_rotates_and_writes_nothing(op):
     cos, sin = make_rows(3, 64, torch.float32, 14)
     q0, k0 = q.clone(), k.clone()
     args = (q, k, v, cos, sin, False) if "norm" not in op else (q, k, v, w[0], w[1], 1e-6, cos, sin, False)
-    with ira.set_forward_context(None):
+    with ira.profiling_run():
         getattr(torch.ops.rocm_attn, op)(*args, layer.layer_name)
     want = [oracle_norm(x, wi, 1e-6, torch.float32) if "norm" in op else x.double() for x, wi in ((q0, w[0]), (k0, w[1]))]
     assert rel_err(q, oracle_rope_rows(want[0], cos, sin, False)) < 1e-6
