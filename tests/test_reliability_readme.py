@@ -1,8 +1,7 @@
 """The README's "Using it" block runs as written, and its decode step matches dense attention.
 
-The block is the first ```python block of the "## Using it" section of README.md; while
-docs/README_reliability.md (the section's new text, to be pasted into README.md) exists, its
-block is run too, and README.md's is run once it holds the same block.
+The block is the first ```python block of the "## Using it" section of README.md, run as
+written.
 """
 
 import gc
@@ -13,7 +12,6 @@ import pytest
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DRAFT = ROOT / "docs" / "README_reliability.md"
 
 
 def using_it_block(path: pathlib.Path) -> str:
@@ -26,17 +24,9 @@ def using_it_block(path: pathlib.Path) -> str:
     return block.group(1)
 
 
-def _sources():
-    yield "README.md"
-    if DRAFT.exists():
-        yield "docs/README_reliability.md"
-
-
-@pytest.mark.parametrize("source", list(_sources()))
-def test_using_it_runs_and_matches_dense_attention(source, capsys):
+def test_using_it_runs_and_matches_dense_attention(capsys):
+    source = "README.md"
     code = using_it_block(ROOT / source)
-    if source == "README.md" and DRAFT.exists() and code != using_it_block(DRAFT):
-        pytest.skip("README.md still has the old 'Using it' block: paste docs/README_reliability.md's")
     scope = {}
     torch.manual_seed(0)
     exec(compile(code, f"{source}: Using it", "exec"), scope)
