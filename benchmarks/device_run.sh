@@ -77,7 +77,7 @@ run_memcheck() {
   # access past any tensor is outside its cudaMalloc and is reported.
   mkdir -p $OUT/tests
   python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests/kernels 2>/dev/null \
-    | grep '::' | grep -E 'triton' \
+    | grep '::' | grep -v aiter \
     | grep -E "${MEMCHECK_FILTER:-.}" > $OUT/tests/memcheck.ids
   echo "memcheck over $(wc -l < $OUT/tests/memcheck.ids) GPU tests" | tee -a $LOG
   RUNNER="compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 10" \
