@@ -214,8 +214,7 @@ def check_encoder(provider, seq_lens, *, num_heads=4, num_kv_heads=2, head_size=
     fn = put.kernel(provider, "encoder_attention", device=device, dtype=dtype, head_size=head_size,
                     features=feature_names(causal=causal, sliding_window=sliding_window,
                                            alibi=alibi, sinks=sinks, softcap=softcap,
-                                           out_fp8=out_fp8,
-                                           prefill=not hints or max(query_lens) > 1))
+                                           out_fp8=out_fp8))
     seed_ = seed()
     g = torch.Generator().manual_seed(seed_)
     cu = torch.tensor([0] + list(torch.tensor(seq_lens).cumsum(0).tolist()), dtype=torch.int32)
