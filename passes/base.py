@@ -75,11 +75,15 @@ def record_key(record: FusionRecord) -> str:
 
 
 def _ledger() -> collections.Counter:
-    """``_accounted``, emptied when Inductor's counters were replaced (``counters.clear()``)."""
+    """``_accounted``, kept across a replacement of Inductor's counters that carries them on
+    (Inductor's pattern-matcher init puts back a copy of ``counters["inductor"]``) and emptied
+    when they were cleared (``counters.clear()``: a count below the ledger's)."""
     global _accounted_in
-    if counters["inductor"] is not _accounted_in:
-        _accounted.clear()
-        _accounted_in = counters["inductor"]
+    current = counters["inductor"]
+    if current is not _accounted_in:
+        if any(current.get(key, 0) < n for key, n in _accounted.items()):
+            _accounted.clear()
+        _accounted_in = current
     return _accounted
 
 

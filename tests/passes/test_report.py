@@ -60,6 +60,31 @@ def test_records_come_back_from_inductor_counters_in_order():
     assert "MISS  l1" not in warm and "skip  l1" in warm  # superseded by l1's fusion, as cold
 
 
+def test_counters_replaced_by_a_copy_replay_nothing_and_cleared_counters_replay_again():
+    """Inductor's pattern-matcher init restores ``counters["inductor"]`` from a copy: the
+    records counted before are not replays. ``counters.clear()`` starts over: an increment
+    after it is one (a graph served from the cache then)."""
+    from torch._dynamo.utils import counters
+
+    from inductor_rocm_attn.passes import base
+
+    base.replayed_records()
+    base.begin_graph()
+    before = counters["inductor"].copy()
+    base.count_record(FusionRecord("rope_kv_cache_fusion", "l0", True, "fused"))
+    (key,) = counters["inductor"] - before
+    counters["inductor"] = counters["inductor"].copy()  # what torch's lazy pattern init does
+    assert base.replayed_records() == []
+    saved = counters["inductor"]
+    try:
+        counters.clear()
+        counters["inductor"][key] += 1  # the same graph loaded from the cache
+        assert [(r.layer_name, r.fused, r.from_cache) for r in base.replayed_records()] == [("l0", True, True)]
+    finally:
+        counters["inductor"] = saved + counters["inductor"]
+        base.replayed_records()
+
+
 @pytest.mark.compile
 def test_report_survives_an_fx_graph_cache_hit():
     """Two compiles of one graph in one Inductor cache: the second is served from it and runs
