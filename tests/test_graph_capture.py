@@ -149,28 +149,45 @@ def test_prepare_rejects_foreign_metadata(compiled):
         runner(torch.zeros(1, dtype=torch.long), md)
 
 
+def _capture_with(runner, **flags):
+    """Capture the shared runner's graphs with the rerun backend and the given kinds."""
+    runner._graph_backend = RerunGraphBackend()
+    runner.use_cuda_graphs = True
+    for name, value in flags.items():
+        setattr(runner, name, value)
+    runner.capture()
+
+
+def _release(runner):
+    """Back to the fixture's state: compiled, no graphs (the runner is shared)."""
+    runner.use_cuda_graphs = False
+    runner._captured = runner._piece_sizes = frozenset()
+    runner._step_graphs.clear()
+    runner._mixed_graphs.clear()
+    runner._shapes.clear()
+    runner._step_md = runner._step_shape = None
+    for p in runner.pieces:
+        p.graphs.clear()
+
+
 def test_replay_discipline_with_rerun_graphs(compiled):
     """Graph control flow on CPU: RerunGraphBackend replays each piece on its captured input
     tensors under the capture-time context, so anything the runner failed to route through
     the persistent buffers or earlier pieces' outputs would come out stale."""
     runner, model, ref, _ = compiled
-    runner._graph_backend = RerunGraphBackend()
-    runner.use_cuda_graphs = True
-    runner.decode_graphs = False  # the piecewise graphs alone (whole steps: the next test)
     try:
-        runner.capture()
+        # the piecewise graphs alone (whole steps: the next test, test_mixed_step_graphs.py)
+        _capture_with(runner, decode_graphs=False, mixed_graphs=False, piecewise_graphs=True)
         n = runner.stats.num_captures
         assert n == len(runner.pieces) * len(SIZES)
         res = run_mixed_decode(runner, ref, steps=8, max_seqs=8, max_len=100, seed=2)
         assert res.graph_steps == res.steps and res.padded_steps > 0
+        assert res.whole_step_steps == 0
         assert res.graphs_bitwise_equal_pieces
         assert res.max_rel_err < 1e-5 and res.argmax_agreement == 1.0, res
         assert res.captures_after == res.captures_before == n
     finally:
-        runner._captured = frozenset()
-        runner.use_cuda_graphs = False
-        for p in runner.pieces:
-            p.graphs.clear()
+        _release(runner)
 
 
 def test_whole_decode_step_graphs_with_rerun_graphs(compiled):
@@ -178,14 +195,11 @@ def test_whole_decode_step_graphs_with_rerun_graphs(compiled):
     attention) captured on fixed-shape metadata views; other steps use the piecewise graphs.
     On CPU the rerun backend stands in for graphs, so stale inputs would show as errors."""
     runner, model, ref, _ = compiled
-    runner._graph_backend = RerunGraphBackend()
-    runner.use_cuda_graphs = True
-    runner.decode_graphs = True
     try:
         before = runner.stats.num_captures  # the runner is shared: count this test's captures
-        runner.capture()
+        _capture_with(runner, decode_graphs=True, mixed_graphs=False, piecewise_graphs=True)
         sizes_with_step_graph = [s for s in SIZES if s <= runner.buffers.max_num_seqs]
-        assert sorted(runner._step_graphs) == sizes_with_step_graph
+        assert sorted(runner._step_graphs) == sizes_with_step_graph and not runner._mixed_graphs
         assert runner.stats.num_captures - before == (
             len(runner.pieces) * len(SIZES) + len(sizes_with_step_graph))
         res = run_mixed_decode(runner, ref, steps=12, max_seqs=8, max_len=100, seed=3)
@@ -204,14 +218,10 @@ def test_whole_decode_step_graphs_with_rerun_graphs(compiled):
         assert md.max_seq_len == runner.max_model_len and md.num_actual_tokens == 3
         assert tuple(md.block_table.shape) == (4, runner.buffers.max_blocks_per_seq)
         assert md.slot_mapping[3].item() == -1
+        md = runner.prepare([1, 2], [4, 4], tables[:2])  # no mixed graphs: the piecewise ones
+        assert not runner.replays_whole_step(md) and md.seq_lens.tolist() == [5, 6]
     finally:
-        runner._captured = frozenset()
-        runner.use_cuda_graphs = False
-        runner.decode_graphs = False
-        runner._step_graphs.clear()
-        runner._step_md = None
-        for p in runner.pieces:
-            p.graphs.clear()
+        _release(runner)
 
 
 @pytest.mark.gpu
@@ -220,12 +230,13 @@ def test_graph_replay_matches_eager_200_mixed_steps(decode_graphs):
     """Graphs replayed with changing lengths, block tables and (padded) sizes: bitwise equal
     to the compiled pieces without graphs, equal to eager up to bf16 rounding; no
     re-capture in steady state. With decode_graphs, decode-only steps replay one graph of
-    the whole step (attention inside)."""
+    the whole step (attention inside). (Whole mixed steps: test_mixed_step_graphs.py.)"""
     cfg = qwen3_config(num_layers=3, hidden_size=512, intermediate_size=1024, num_heads=8,
                        num_kv_heads=4, head_size=64)
     model, ref = _pair(cfg, num_blocks=1024, dtype=torch.bfloat16, device="cuda")
     runner = compile_piecewise(model, capture_sizes=[1, 2, 4, 8, 16, 32, 64], max_num_seqs=32,
-                               max_model_len=512, decode_graphs=decode_graphs)
+                               max_model_len=512, decode_graphs=decode_graphs, mixed_graphs=False,
+                               piecewise_graphs=True)
     assert runner.stats.num_captures == len(runner.pieces) * 7 + (6 if decode_graphs else 0)
     res = run_mixed_decode(runner, ref, steps=200, max_seqs=24, max_len=400, seed=0)
     assert res.finite
