@@ -251,3 +251,97 @@ def test_graph_replay_matches_eager_200_mixed_steps(decode_graphs):
     # flip whose gap is within that error is expected: the H200 measured 0.969-0.97 agreement,
     # every flip within the logits' own error. The floor catches a wrong model, not rounding.
     assert res.argmax_agreement > 0.95, res
+
+
+# --- compile time: piece inputs from Dynamo's fake values, the trace cache ------------------------
+
+
+def _same_fake(a, b):
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and tuple(map(str, a.shape)) == tuple(map(str, b.shape))
+                and tuple(map(str, a.stride())) == tuple(map(str, b.stride())) and a.dtype == b.dtype
+                and a.device == b.device and a.requires_grad == b.requires_grad)
+    return str(a) == str(b)
+
+
+def test_piece_inputs_read_from_placeholder_meta():
+    """split_module copies Dynamo's fake values onto the pieces' placeholders: read there,
+    they equal the inputs a fake run of the split graph sees (the fallback when meta is
+    missing, with identical pieces run once)."""
+    from inductor_rocm_attn.compilation.dedup import canonicalize_names, normalize_layer_names, structure_key
+    from inductor_rocm_attn.compilation.split import split_at_attention, submodule_inputs
+
+    model, _ = _pair(qwen3_config(num_layers=3), num_blocks=8)
+    names = {layer.layer_name for layer in ira.attention_layers(model)}
+    seen = {}
+
+    def backend(gm, example_inputs):
+        split, compiled, _ = split_at_attention(gm)
+        for n in compiled:
+            normalize_layer_names(split._modules[n], names)
+            canonicalize_names(split._modules[n])
+        from_meta = submodule_inputs(split, example_inputs, compiled)
+        for n in compiled:  # drop the meta: the fallback runs the split graph
+            for node in split._modules[n].graph.nodes:
+                node.meta.pop("example_value", None)
+        interpreted = submodule_inputs(split, example_inputs, compiled,
+                                       memo_key=lambda n, a: structure_key(split._modules[n], a)
+                                       if n in compiled else None)
+        ran = [n for n in compiled  # the run records each node's value (AOTAutograd's cache needs it)
+               if all("example_value" in x.meta for x in split._modules[n].graph.nodes if x.op != "output")]
+        seen.update(meta=from_meta, run=interpreted, compiled=compiled, ran=ran)
+        return gm.forward
+
+    md = ira.build_attention_metadata([3, 5], [0, 0], [[0], [1]], 16)
+    ids, pos = torch.randint(0, model.cfg.vocab_size, (8,)), md.positions.clone()
+    torch._dynamo.mark_dynamic(ids, 0)
+    torch._dynamo.mark_dynamic(pos, 0)
+    with torch.no_grad(), ira.set_forward_context(md):
+        torch.compile(model, backend=backend, fullgraph=True)(ids, pos)
+    assert list(seen["meta"]) == list(seen["run"]) == seen["compiled"]
+    for n in seen["compiled"]:
+        a, b = seen["meta"][n], seen["run"][n]
+        assert len(a) == len(b) and all(_same_fake(x, y) for x, y in zip(a, b)), n
+    assert any(isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and not str(x.shape[0]).isdigit())
+               for x in seen["meta"][seen["compiled"][0]])  # the token dimension stayed symbolic
+    # identical layers ran once: the first piece, one middle piece, the last
+    assert seen["ran"] == [seen["compiled"][0], seen["compiled"][1], seen["compiled"][-1]]
+
+
+def test_trace_cache_warm_start_skips_dynamo(tmp_path):
+    """trace_cache: the first runner traces and stores the graph, a second runner of an
+    identical model loads it (no Dynamo) and computes the same logits; a changed model or
+    a changed traced source file is not served the stored graph."""
+    from inductor_rocm_attn.compilation import trace_cache as tc
+
+    cfg = qwen3_config(num_layers=3)
+    runners = []
+    for _ in range(2):
+        model, ref = _pair(cfg, num_blocks=64)
+        runners.append(compile_piecewise(model, capture_sizes=[1, 2, 4, 8], max_num_seqs=8, max_model_len=256,
+                                         trace_cache=str(tmp_path)))
+    cold, warm = runners
+    assert not cold.stats.trace_loaded and warm.stats.trace_loaded
+    assert len(list(tmp_path.glob("*.trace"))) == 1
+    assert warm.stats.num_unique_compiles == 3 and warm.stats.num_compiled_pieces == LAYERS + 1
+    res = run_mixed_decode(warm, ref, steps=6, max_seqs=4, max_len=60, seed=4, compare_no_graphs=False)
+    assert res.max_rel_err < 1e-5 and res.argmax_agreement == 1.0, res
+    # the stored graph, node for node
+    entry = tc.TraceCache(str(tmp_path)).load(next(tmp_path.glob("*.trace")).stem)
+    gm = tc.deserialize_graph(entry.graph)
+    assert tc.serialize_graph(gm) == entry.graph
+    assert any(f.endswith("models.py") for f in entry.files)  # the traced model source
+    # a different model (eps) keys differently; a traced file that changed invalidates
+    key = lambda m: tc.trace_key(m, ira.attention_layers(m), None, {})[0]  # noqa: E731
+    m1, _ = _pair(cfg, num_blocks=8)
+    m2, _ = _pair(qwen3_config(num_layers=3, rms_eps=1e-5), num_blocks=8)
+    m3, _ = _pair(cfg, num_blocks=16)  # another cache size: a layer attribute
+    assert key(m1) != key(m2) and key(m1) != key(m3) and key(m1) == key(_pair(cfg, num_blocks=8)[0])
+    src = tmp_path / "traced_source.py"
+    src.write_text("x = 1\n")
+    name = next(tmp_path.glob("*.trace")).stem
+    tc.TraceCache(str(tmp_path)).store(name, tc.TraceEntry(entry.graph, entry.plan,
+                                                            {**entry.files, str(src): tc.file_digest(str(src))}))
+    assert tc.TraceCache(str(tmp_path)).load(name) is not None
+    src.write_text("x = 2\n")
+    assert tc.TraceCache(str(tmp_path)).load(name) is None

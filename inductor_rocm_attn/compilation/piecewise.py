@@ -49,11 +49,7 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import itertools
 import time
-import types
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -62,95 +58,13 @@ from torch import nn
 from inductor_rocm_attn.forward_context import set_forward_context
 from inductor_rocm_attn.layer import attention_layers
 from inductor_rocm_attn.metadata import AttentionMetadata, MetadataBuffers, build_attention_metadata
-from inductor_rocm_attn.passes.pass_manager import PassManager
 
-from .dedup import (
-    bind_alias,
-    canonicalize_names,
-    follow_interleaved_v,
-    normalize_layer_names,
-    slot_alias,
-    structure_key,
-)
+from .build import compile_model
 from .graph_backends import CudaGraphBackend
-from .plugin import plugin as _plugin_on
-from .split import add_stand_ins, split_at_attention, submodule_inputs
+from .pieces import CompiledPiece, CompileStats, Mode, plugin_context
 from .step_graphs import DECODE, MIXED, StepShape, dummy_step, plan_step, step_shapes
 
 __all__ = ["compile_piecewise", "PiecewiseRunner", "CompileStats", "plugin_context"]
-
-_RUNNER_IDS = itertools.count()
-
-
-def plugin_context(enabled: bool | None):
-    """Context that turns the plugin's passes on for compiles inside it (``enabled``: True
-    or None; False: off). Returns ``(context manager yielding the pass manager or None,
-    plugin_active: bool)``."""
-    if enabled is False:
-        return contextlib.nullcontext(), False
-    return _plugin_on(), True
-
-
-def piece_post_pass(manager: PassManager | None):
-    """The post-grad custom pass of piece compiles: the plugin's ``manager`` in piece mode;
-    without the plugin, the pass the user installed (ours left out: ``plugin=False``)."""
-    if manager is not None:
-        return manager.for_pieces()
-    installed = torch._inductor.config.post_grad_custom_post_pass
-    return None if isinstance(installed, PassManager) else installed
-
-
-@dataclasses.dataclass
-class CompileStats:
-    """Counts and times of one runner's compile and capture (``runner.stats``)."""
-
-    num_attention_pieces: int = 0
-    num_compiled_pieces: int = 0
-    num_unique_compiles: int = 0
-    num_captures: int = 0
-    trace_s: float = 0.0
-    compile_s: float = 0.0
-    capture_s: float = 0.0
-    plugin_active: bool = False
-    num_stand_ins: int = 0
-    piece_groups: list[list[str]] = dataclasses.field(default_factory=list)
-
-
-class _Mode:
-    EAGER, CAPTURE, REPLAY = 0, 1, 2
-
-
-class _CompiledPiece:
-    """A compiled piece: runs its (shared) compiled code, or captures / replays a graph."""
-
-    __slots__ = ("name", "fn", "slots", "runner", "graphs", "bindings")
-
-    def __init__(self, name: str, fn: Callable, slots: list, runner: "PiecewiseRunner"):
-        self.name, self.fn, self.slots, self.runner = name, fn, slots, runner
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Any]] = {}
-        self.bindings = [(slot_alias(j), layer) for j, layer in enumerate(slots)]  # (alias, layer)
-
-    def bind(self) -> None:
-        """Point the slot aliases of this piece's code at its own layers (runner's table)."""
-        table = self.runner.layer_table
-        for alias, layer in self.bindings:
-            bind_alias(table, alias, layer)
-
-    def __call__(self, *args):
-        r = self.runner
-        mode = r._mode
-        if mode == _Mode.REPLAY:
-            graph, out = self.graphs[r._size]
-            graph.replay()
-            return out
-        self.bind()
-        if mode == _Mode.CAPTURE:
-            graph, out = r._graph_backend.capture(self, args)
-            self.graphs[r._size] = (graph, out)
-            r.stats.num_captures += 1
-            return out
-        return self.fn(*args)
-
 
 # === the runner ==============================================================================
 
@@ -169,7 +83,7 @@ class PiecewiseRunner:
                  plugin: bool | None, device: torch.device, decode_graphs: bool = False,
                  mixed_graphs: bool = False, piecewise_graphs: bool | None = None,
                  forward: Callable | None = None, layers: Mapping[str, Any] | None = None,
-                 progress: Callable[[str], None] | None = None):
+                 progress: Callable[[str], None] | None = None, trace_cache: Any = None):
         self.model = model
         self.forward = forward
         self.progress = progress
@@ -198,11 +112,13 @@ class PiecewiseRunner:
         # slot aliases of shared pieces (bound as those run).
         self.layer_table: dict[str, Any] = dict(self._layers)
         self._plugin = plugin
-        self._mode = _Mode.EAGER
+        self._trace_cache = trace_cache
+        self._trace_files: dict[str, str | None] = {}
+        self._mode = Mode.EAGER
         self._size = 0
         self._graph_backend = None
         self.split_gm: torch.fx.GraphModule | None = None
-        self.pieces: list[_CompiledPiece] = []
+        self.pieces: list[CompiledPiece] = []
         self.attention_pieces: list[str] = []
         self._arg_plan: list[Any] = []  # per placeholder: ("param", tensor) | ("ids",) | ("pos",) | ("sym",)
         self._args_by_size: dict[int, list[Any]] = {}
@@ -217,7 +133,7 @@ class PiecewiseRunner:
         self._shapes: dict[tuple[str, int], StepShape] = {}
         self._step_md: AttentionMetadata | None = None
         self._step_shape: StepShape | None = None
-        self._compile()
+        compile_model(self)
 
     @property
     def layers(self) -> dict[str, Any]:
@@ -250,126 +166,6 @@ class PiecewiseRunner:
     def _say(self, message: str) -> None:
         if self.progress is not None:
             self.progress(message)
-
-    def _compile(self) -> None:
-        model, forward = self.model, self.forward
-        t_start = time.perf_counter()
-
-        def backend(gm: torch.fx.GraphModule, example_inputs):
-            t0 = time.perf_counter()
-            self._say(f"traced in {t0 - t_start:.1f} s: {sum(1 for _ in gm.graph.nodes)} graph nodes")
-            self._build(gm, list(example_inputs))
-            self.stats.compile_s = time.perf_counter() - t0
-            return self.split_gm
-
-        if forward is None:
-            def fwd(input_ids, positions):
-                return model(input_ids, positions)
-        else:
-            def fwd(input_ids, positions):
-                return forward(input_ids, positions)
-
-        # A fresh code object per runner: Dynamo caches by code object, and this one is traced
-        # exactly once (the runner then calls the split graph itself).
-        fwd = types.FunctionType(fwd.__code__.replace(co_name=f"rocm_attn_piecewise_{next(_RUNNER_IDS)}"),
-                                 fwd.__globals__, None, None, fwd.__closure__)
-
-        # Trace at a size > 1 (Dynamo specializes sizes 0 and 1) with the token dim dynamic.
-        t = min(8, self.max_num_tokens) if self.max_num_tokens >= 2 else 2
-        t = max(t, 2)
-        ids = self.input_ids[:t]
-        md = self._dummy_metadata(t)
-        pos = md.positions
-        torch._dynamo.mark_dynamic(ids, 0)
-        torch._dynamo.mark_dynamic(pos, 0)
-        self._trace_ids, self._trace_pos = ids, pos
-        compiled = torch.compile(fwd, backend=backend, fullgraph=True, dynamic=False)
-        self._say("tracing the model with Dynamo (token dimension dynamic)")
-        t0 = time.perf_counter()
-        with torch.no_grad(), set_forward_context(md, layers=self.layer_table):
-            compiled(ids, pos)
-        self.stats.trace_s = time.perf_counter() - t0 - self.stats.compile_s
-
-    def _build(self, gm: torch.fx.GraphModule, example_inputs: list) -> None:
-        from torch._guards import detect_fake_mode
-        from torch._inductor.compile_fx import compile_fx
-
-        # Placeholder -> run-time value.
-        params = {id(p): p for p in list(self.model.parameters()) + list(self.model.buffers())}
-        plan = []
-        for x in example_inputs:
-            if isinstance(x, torch.Tensor):
-                if x is self._trace_ids:
-                    plan.append(("ids",))
-                elif x is self._trace_pos:
-                    plan.append(("pos",))
-                elif id(x) in params:
-                    plan.append(("param", x))
-                else:
-                    raise RuntimeError(
-                        "compile_piecewise: the traced graph takes a tensor that is neither an "
-                        f"input nor a parameter/buffer of the model (shape {tuple(x.shape)})"
-                    )
-            elif isinstance(x, (int, torch.SymInt)):
-                hint = x.node.hint if isinstance(x, torch.SymInt) else x
-                if hint != self._trace_ids.shape[0]:
-                    raise RuntimeError(f"compile_piecewise: unexpected symbolic input {x}")
-                plan.append(("sym",))
-            else:
-                raise RuntimeError(f"compile_piecewise: unexpected graph input {type(x)}")
-        self._arg_plan = plan
-
-        split, compiled_names, attn_names = split_at_attention(gm)
-        self.split_gm, self.attention_pieces = split, attn_names
-        for name in attn_names:  # eager attention: call forward directly (no Module.__call__)
-            split.__dict__[name] = getattr(split, name).forward
-        self.stats.num_attention_pieces = len(attn_names)
-        self.stats.num_compiled_pieces = len(compiled_names)
-
-        fake_mode = detect_fake_mode(example_inputs)
-        fake_args = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
-        with fake_mode:
-            sub_inputs = submodule_inputs(split, fake_args)
-
-        ctx, self.stats.plugin_active = plugin_context(self._plugin)
-        if self.stats.plugin_active:
-            self.stats.num_stand_ins = add_stand_ins(split, compiled_names)
-        # Group the pieces by structure: one compile per group, the first piece its representative.
-        groups: dict[str, list[str]] = {}
-        keys: dict[str, str] = {}
-        names = set(self._layers)
-        for name in compiled_names:
-            sub = split._modules[name]
-            self._slot_layers[name] = [self._layers[n] for n in normalize_layer_names(sub, names)]
-            canonicalize_names(sub)
-            keys[name] = structure_key(sub, sub_inputs.get(name, [])) or f"unique:{name}"
-            groups.setdefault(keys[name], []).append(name)
-        self._say(f"split at {len(attn_names)} attention ops into {len(compiled_names)} pieces, "
-                  f"{len(groups)} distinct: compiling each once with Inductor"
-                  f"{' and the plugin' if self.stats.plugin_active else ''}")
-        compiled: dict[str, Callable] = {}
-        with ctx as manager:
-            post_pass = piece_post_pass(manager)
-            for i, (key, members) in enumerate(groups.items(), 1):
-                first = members[0]
-                for j, layer in enumerate(self._slot_layers[first]):
-                    bind_alias(self.layer_table, slot_alias(j), layer)
-                t0 = time.perf_counter()
-                shared = f", shared by {len(members)} pieces" if len(members) > 1 else ""
-                self._say(f"compiling piece {i} of {len(groups)} ({first}{shared})")
-                compiled[key] = compile_fx(split._modules[first], sub_inputs.get(first, []),
-                                           config_patches={"post_grad_custom_post_pass": post_pass})
-                self._say(f"compiled piece {i} of {len(groups)} in {time.perf_counter() - t0:.1f} s")
-                self.stats.num_unique_compiles += 1
-        for name in compiled_names:
-            members = groups[keys[name]]
-            slots = self._slot_layers[name]
-            if name != members[0]:
-                follow_interleaved_v(self._slot_layers[members[0]], slots)
-            piece = _CompiledPiece(name, compiled[keys[name]], slots, self)
-            split.__dict__[name] = piece  # the split graph calls it in place of the submodule
-            self.pieces.append(piece)
-        self.stats.piece_groups = list(groups.values())
 
     # --- per step -------------------------------------------------------------------------
 
@@ -447,12 +243,12 @@ class PiecewiseRunner:
             out = out[0] if isinstance(out, (tuple, list)) else out
             return out[:n]
         graphs = use_graphs and size in self._piece_sizes
-        self._mode, self._size = (_Mode.REPLAY if graphs else _Mode.EAGER), size
+        self._mode, self._size = (Mode.REPLAY if graphs else Mode.EAGER), size
         try:
             with set_forward_context(metadata, layers=self.layer_table):
                 out = self.split_gm(*self._args(size))
         finally:
-            self._mode = _Mode.EAGER
+            self._mode = Mode.EAGER
         out = out[0] if isinstance(out, (tuple, list)) else out
         return out[:n]
 
@@ -483,13 +279,13 @@ class PiecewiseRunner:
             with set_forward_context(md, layers=self.layer_table):
                 with backend.warmup():
                     for _ in range(num_warmup):
-                        self._mode = _Mode.EAGER
+                        self._mode = Mode.EAGER
                         self.split_gm(*args)
-                self._mode, self._size = _Mode.CAPTURE, size
+                self._mode, self._size = Mode.CAPTURE, size
                 try:
                     self.split_gm(*args)
                 finally:
-                    self._mode = _Mode.EAGER
+                    self._mode = Mode.EAGER
             pieces.add(size)
             self._say(f"captured size {size} in {time.perf_counter() - t1:.1f} s")
         self._capture_whole_steps(num_warmup)
@@ -510,7 +306,7 @@ class PiecewiseRunner:
         if not shapes:
             return
         backend = self._graph_backend
-        self._mode = _Mode.EAGER  # pieces run their compiled code inside the step's graph
+        self._mode = Mode.EAGER  # pieces run their compiled code inside the step's graph
         for kind in (DECODE, MIXED):
             sizes = sorted(s.num_tokens for s in shapes if s.kind == kind)
             if sizes:
@@ -563,6 +359,7 @@ def compile_piecewise(
     forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     layers: Mapping[str, Any] | None = None,
     progress: Callable[[str], None] | None = None,
+    trace_cache: bool | str | None = None,
 ) -> PiecewiseRunner:
     """Split ``model`` at its attention ops, compile the pieces with Inductor and (on a GPU)
     capture graphs per size in ``capture_sizes``: by default one graph of each whole step
@@ -604,6 +401,10 @@ def compile_piecewise(
             hold them itself (a cache object owns them).
         progress: called with one line per stage (tracing, compiling piece i of n with
             timings, capturing), e.g. ``print``; default: silent.
+        trace_cache: store the traced graph and, in a later process with the same model,
+            code and settings, load it instead of tracing (``trace_cache``: what the key
+            covers). True: in Inductor's cache directory; a path: there; None (default): the
+            ``ROCM_ATTN_TRACE_CACHE`` environment variable ("1" or a path; unset: off).
     """
     p = next(model.parameters())
     device = p.device
@@ -620,7 +421,7 @@ def compile_piecewise(
         max_num_tokens=max_num_tokens or top, max_model_len=max_model_len,
         use_cuda_graphs=use_cuda_graphs, plugin=plugin, device=device,
         decode_graphs=decode_graphs, mixed_graphs=mixed_graphs, piecewise_graphs=piecewise_graphs,
-        forward=forward, layers=layers, progress=progress,
+        forward=forward, layers=layers, progress=progress, trace_cache=trace_cache,
     )
     runner._graph_backend = graph_backend
     if capture and use_cuda_graphs:

@@ -79,6 +79,7 @@ def compile_transformers(
     decode_graphs: bool = True,
     mixed_graphs: bool = True,
     piecewise_graphs: bool | None = None,
+    trace_cache: bool | str | None = None,
     progress: Callable[[str], None] | None = None,
 ):
     """Compile a transformers causal LM piecewise around our attention, on its own paged cache.
@@ -92,8 +93,8 @@ def compile_transformers(
             captured for it); default the smaller of the model's ``max_position_embeddings``
             and what the cache holds.
         capture_sizes, max_num_seqs, max_num_tokens, plugin, use_cuda_graphs, capture,
-        graph_backend, decode_graphs, mixed_graphs, piecewise_graphs, progress: as for
-        ``compile_piecewise``.
+        graph_backend, decode_graphs, mixed_graphs, piecewise_graphs, trace_cache, progress:
+        as for ``compile_piecewise``.
 
     Returns the ``PiecewiseRunner``; ``runner.layers`` are the attention layers (their
     ``kv_cache`` tensors are the cache).
@@ -110,7 +111,7 @@ def compile_transformers(
         max_model_len=max_model_len or _default_max_model_len(model, num_blocks, block_size),
         use_cuda_graphs=use_cuda_graphs, plugin=plugin, capture=capture, graph_backend=graph_backend,
         decode_graphs=decode_graphs, mixed_graphs=mixed_graphs, piecewise_graphs=piecewise_graphs,
-        forward=step_forward(model), layers=layers, progress=progress,
+        forward=step_forward(model), layers=layers, progress=progress, trace_cache=trace_cache,
     )
 
 
