@@ -103,6 +103,7 @@ def compile_model(runner: "PiecewiseRunner") -> None:
     if stored:
         _build_stored(runner, stored[0].graph, stored[0].plan, ids, md, None)
 
+
 def _trace_cache_entry(runner: "PiecewiseRunner", t: int):
     """(cache, key, stored entry or None) when the trace cache is on, else None."""
     directory = resolve_trace_cache(runner._trace_cache)
@@ -114,8 +115,10 @@ def _trace_cache_entry(runner: "PiecewiseRunner", t: int):
     runner._trace_files = files
     return cache, key, cache.load(key)
 
-def _store_trace(runner: "PiecewiseRunner", gm: torch.fx.GraphModule, example_inputs: list, cache: TraceCache,
-                 key: str) -> TraceEntry | None:
+
+def _store_trace(runner: "PiecewiseRunner", gm: torch.fx.GraphModule, example_inputs: list,
+                 cache: TraceCache, key: str) -> TraceEntry | None:
+    """Store the traced graph; None when it cannot be stored (then the trace is built as is)."""
     plan = plan_by_name(plan_args(runner, example_inputs), runner.model)
     data = serialize_graph(gm) if plan is not None else None
     if data is None:
@@ -127,8 +130,9 @@ def _store_trace(runner: "PiecewiseRunner", gm: torch.fx.GraphModule, example_in
     cache.store(key, entry)
     return entry
 
-def _build_stored(runner: "PiecewiseRunner", data: bytes, named_plan: list, ids: torch.Tensor, md: AttentionMetadata,
-                  t_start: float | None) -> None:
+
+def _build_stored(runner: "PiecewiseRunner", data: bytes, named_plan: list, ids: torch.Tensor,
+                  md: AttentionMetadata, t_start: float | None) -> None:
     """Build from a stored trace (``trace_cache``): the same graph and fake inputs in a
     cold start (after storing) and a warm one (instead of tracing)."""
     t0 = time.perf_counter()
@@ -140,10 +144,11 @@ def _build_stored(runner: "PiecewiseRunner", data: bytes, named_plan: list, ids:
         runner.stats.trace_loaded = True
         runner.stats.trace_s = time.perf_counter() - t_start
         runner._say(f"loaded the stored trace in {runner.stats.trace_s:.1f} s: "
-                  f"{sum(1 for _ in gm.graph.nodes)} graph nodes")
+                    f"{sum(1 for _ in gm.graph.nodes)} graph nodes")
     with torch.no_grad(), set_forward_context(md, layers=runner.layer_table):  # as the trace's
         build(runner, gm, fake_inputs(plan, ids), plan)
     runner.stats.compile_s = time.perf_counter() - t0
+
 
 def plan_args(runner: "PiecewiseRunner", example_inputs: list) -> list:
     """Placeholder -> run-time value: ("ids",) | ("pos",) | ("param", tensor) | ("sym",)."""
@@ -171,7 +176,11 @@ def plan_args(runner: "PiecewiseRunner", example_inputs: list) -> list:
             raise RuntimeError(f"compile_piecewise: unexpected graph input {type(x)}")
     return plan
 
-def build(runner: "PiecewiseRunner", gm: torch.fx.GraphModule, example_inputs: list, plan: list | None = None) -> None:
+
+def build(runner: "PiecewiseRunner", gm: torch.fx.GraphModule, example_inputs: list,
+          plan: list | None = None) -> None:
+    """Split ``gm`` at attention, dedup, compile each distinct piece (``example_inputs``: the
+    graph's inputs, real or fake; ``plan``: the argument plan when known, else derived)."""
     from torch._inductor.compile_fx import compile_fx
 
     runner._arg_plan = plan if plan is not None else plan_args(runner, example_inputs)
