@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import inductor_rocm_attn as ira
+from inductor_rocm_attn import forward_context
 from inductor_rocm_attn.decode_check import run_mixed_decode
 from inductor_rocm_attn.compilation import RerunGraphBackend, compile_piecewise
 from inductor_rocm_attn.compilation.split import SPLITTING_OPS, op_name
@@ -315,28 +316,53 @@ def test_trace_cache_warm_start_skips_dynamo(tmp_path):
     from inductor_rocm_attn.compilation import trace_cache as tc
 
     cfg = qwen3_config(num_layers=3)
-    runners = []
-    for _ in range(2):
-        model, ref = _pair(cfg, num_blocks=64)
-        runners.append(compile_piecewise(model, capture_sizes=[1, 2, 4, 8], max_num_seqs=8, max_model_len=256,
-                                         trace_cache=str(tmp_path)))
-    cold, warm = runners
-    assert not cold.stats.trace_loaded and warm.stats.trace_loaded
+
+    def named(cfg, num_blocks, name="trace_cache_model"):  # the same layer names in every start
+        torch.manual_seed(0)
+        m = TinyDecoder(cfg, name=name).eval()
+        ira.bind_kv_caches(m, num_blocks, torch.float32, "cpu", poison=True)
+        return m
+
+    def start():  # a start of a server: the model built anew, under the same layer names
+        return compile_piecewise(named(cfg, 64), capture_sizes=[1, 2, 4, 8], max_num_seqs=8,
+                                 max_model_len=256, trace_cache=str(tmp_path))
+
+    def release(runner):  # as a process exit would: the names are free again (Dynamo keeps
+        for name in runner.layers:  # the runner alive through its backend)
+            forward_context._LAYERS.pop(name, None)
+
+    cold = start()
+    assert not cold.stats.trace_loaded
+    release(cold)
+    warm = start()
+    assert warm.stats.trace_loaded
+    _, ref = _pair(cfg, num_blocks=64)
     assert len(list(tmp_path.glob("*.trace"))) == 1
     assert warm.stats.num_unique_compiles == 3 and warm.stats.num_compiled_pieces == LAYERS + 1
     res = run_mixed_decode(warm, ref, steps=6, max_seqs=4, max_len=60, seed=4, compare_no_graphs=False)
+    assert res.steps == 6
     assert res.max_rel_err < 1e-5 and res.argmax_agreement == 1.0, res
     # the stored graph, node for node
     entry = tc.TraceCache(str(tmp_path)).load(next(tmp_path.glob("*.trace")).stem)
     gm = tc.deserialize_graph(entry.graph)
-    assert tc.serialize_graph(gm) == entry.graph
+    again = tc.deserialize_graph(tc.serialize_graph(gm))
+    assert [n.format_node() for n in again.graph.nodes] == [n.format_node() for n in gm.graph.nodes]
+    assert sum(op_name(n) in SPLITTING_OPS for n in gm.graph.nodes) == LAYERS
     assert any(f.endswith("models.py") for f in entry.files)  # the traced model source
-    # a different model (eps) keys differently; a traced file that changed invalidates
-    key = lambda m: tc.trace_key(m, ira.attention_layers(m), None, {})[0]  # noqa: E731
-    m1, _ = _pair(cfg, num_blocks=8)
-    m2, _ = _pair(qwen3_config(num_layers=3, rms_eps=1e-5), num_blocks=8)
-    m3, _ = _pair(cfg, num_blocks=16)  # another cache size: a layer attribute
-    assert key(m1) != key(m2) and key(m1) != key(m3) and key(m1) == key(_pair(cfg, num_blocks=8)[0])
+    # a different model (eps, layer names, cache size) keys differently; a traced file that
+    # changed invalidates the entry
+    def key(*args, **kw):
+        m = named(*args, **kw)
+        k = tc.trace_key(m, ira.attention_layers(m), None, {})[0]
+        for layer in ira.attention_layers(m):
+            forward_context._LAYERS.pop(layer.layer_name, None)
+        return k
+
+    release(warm)
+    k = key(cfg, 8)
+    assert k == key(cfg, 8)
+    assert k != key(qwen3_config(num_layers=3, rms_eps=1e-5), 8)
+    assert k != key(cfg, 8, name="other_model") and k != key(cfg, 16)
     src = tmp_path / "traced_source.py"
     src.write_text("x = 1\n")
     name = next(tmp_path.glob("*.trace")).stem

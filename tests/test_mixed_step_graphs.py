@@ -55,9 +55,12 @@ FIXED_CASES = [
 ]
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # else Triton's interpreter
+
+
 def _fixed_step_launch(query_lens, context_lens, size, num_seqs, *, max_model_len=96, dtype=torch.float16,
                        num_heads=4, num_kv_heads=2, head_size=32, block_size=16, causal=True,
-                       sliding_window=-1, sinks=False, alibi=False, num_splits=None):
+                       sliding_window=-1, sinks=False, alibi=False, num_splits=None, device=DEVICE):
     from inductor_rocm_attn.kernels.triton.paged_attention import paged_attention
 
     seed = random.randrange(1 << 30)
@@ -84,16 +87,19 @@ def _fixed_step_launch(query_lens, context_lens, size, num_seqs, *, max_model_le
     slopes = torch.rand(num_heads, generator=g) * 0.5 if alibi else None
     sink = torch.randn(num_heads, generator=g) * 2 if sinks else None
     scale = head_size ** -0.5
-    guarded = cases.Guarded(query.shape, dtype)
+    guarded = cases.Guarded(query.shape, dtype, device)
     out = guarded.t
-    paged_attention(out, query, key, value, c.kv_cache, qsl, seq_lens, table, scale, c.k_scale,
-                    c.v_scale, causal, sliding_window, slopes, sink, 0.0, False, None,
+    dev = [None if x is None else x.to(device) for x in (query, key, value, c.kv_cache, qsl, seq_lens, table,
+                                                         c.k_scale, c.v_scale, slopes, sink)]
+    query, key, value, kv_cache, qsl, seq_lens, table, k_scale, v_scale, slopes_d, sink_d = dev
+    paged_attention(out, query, key, value, kv_cache, qsl, seq_lens, table, scale, k_scale,
+                    v_scale, causal, sliding_window, slopes_d, sink_d, 0.0, False, None,
                     max_query_len=size, max_seq_len=max_model_len, num_splits=num_splits)
     guarded.assert_intact()
     assert torch.isnan(out[t:].float()).all(), "padding rows were written"
     want = cases.dense_oracle(c, scale=scale, causal=causal, sliding_window=sliding_window,
                               alibi_slopes=slopes, sinks=sink, logits_soft_cap=0.0)
-    got = out[:t].double()
+    got = out[:t].double().cpu()
     assert not torch.isnan(got).any(), f"unwritten or NaN rows (seed {seed})"
     err = cases.rel_err(got, want)
     assert err < TOL[dtype], f"rel err {err:.3e} (seed {seed})"
@@ -105,6 +111,17 @@ def test_triton_fixed_shape_step(query_lens, context_lens, size, num_seqs, kw):
     """Every path launched with the graph's grid: decode, verify and prefill programs of
     empty sequences and past the batch exit before any load or store; real rows are right."""
     _fixed_step_launch(query_lens, context_lens, size, num_seqs, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_triton_fixed_shape_step_gpu_tiles(dtype):
+    """GPU tiles (prefill row blocks of 64-128 rows, KV splits from max_model_len): a 4160-token
+    graph size holding 3 prefill chunks, verify sequences and decodes of 64 sequences."""
+    qlens = [300, 130, 9] + [8, 5, 2] * 4 + [1] * 40
+    clens = [1200, 0, 700] + [900, 33, 1500] * 4 + [1000 + 7 * i for i in range(40)]
+    _fixed_step_launch(qlens, clens, 4160, 64, max_model_len=2304, dtype=dtype, num_heads=16, num_kv_heads=8,
+                       head_size=128)
 
 
 # --- 2. planning ----------------------------------------------------------------------------------
