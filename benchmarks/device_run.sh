@@ -6,7 +6,7 @@
 #   STAGES="tests model_step" bash benchmarks/device_run.sh   runs only those stages, in order
 #   (stages: native_build tests model_step memcheck decode decode_grid prefill cache_writers decode_seq
 #    decode_bs64 decode_model_shape decode_stages decode_keys compile_time peers decode_ab
-#    verify native; the old names e2e, writers, decode_e2e_shape still work)
+#    verify native layer_overhead; the old names e2e, writers, decode_e2e_shape still work)
 #   peers: FlashInfer beside ours and SDPA (carry [".whl"]: its wheels, installed into .site):
 #   the decode grid with the split-rule A/B, prefill, and verify batches; the tables are
 #   printed last (and kept in $OUT/tables.md)
@@ -77,7 +77,7 @@ run_memcheck() {
   # access past any tensor is outside its cudaMalloc and is reported.
   mkdir -p $OUT/tests
   python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests/kernels 2>/dev/null \
-    | grep '::' | grep -E 'triton' \
+    | grep '::' | grep -v aiter \
     | grep -E "${MEMCHECK_FILTER:-.}" > $OUT/tests/memcheck.ids
   echo "memcheck over $(wc -l < $OUT/tests/memcheck.ids) GPU tests" | tee -a $LOG
   RUNNER="compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 10" \
@@ -106,6 +106,8 @@ run_bench() {
     prefill) args="benchmarks/bench_prefill.py ${PREFILL_ARGS:-}";;
     cache_writers|writers) args="benchmarks/bench_cache_writers.py";;
     compile_time) args="benchmarks/bench_compile_time.py";;
+    # the per-call checks on the eager path: us per layer, checks on / bypassed / opt-in index reads
+    layer_overhead) args="benchmarks/bench_layer_overhead.py";;
     # diagnostics of the decode kernel: placement and block size at B=64, L=4096 (both print
     # the gather peers: the pages read with no math, 1-D and with the kernel's tile addressing)
     decode_seq) args="benchmarks/bench_decode.py --batch 64 --ctx 4096 --sequential";;

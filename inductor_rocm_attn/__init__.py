@@ -10,7 +10,7 @@ from . import ops  # noqa: F401  (registers torch.ops.rocm_attn.*)
 from .backend import RocmAttentionBackend, RocmAttentionImpl
 from .block_allocator import BlockAllocator
 from .capabilities import AttentionType
-from .forward_context import get_forward_context, set_forward_context
+from .forward_context import get_forward_context, profiling_run, set_forward_context
 from .layer import Attention, attention_layers, bind_kv_caches
 from .layout import CacheLayout, KVCacheSpec, allocate_kv_cache
 from .metadata import AttentionMetadata, MetadataBuffers, build_attention_metadata
@@ -34,6 +34,7 @@ __all__ = [
     "build_attention_metadata",
     "get_forward_context",
     "set_forward_context",
+    "profiling_run",
     "enable",
     "disable",
     "plugin",

@@ -75,7 +75,23 @@ def main(argv=None) -> int:
         return build_native_cli(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.cmd == "demo" and args.device is not None:
+        why = _device_problem(args.device)
+        if why:
+            parser.error(why)
     return _info() if args.cmd == "info" else _demo(args)
+
+
+def _device_problem(device: str) -> str | None:
+    """Why ``--device`` cannot be used here, or None."""
+    kind = device.split(":")[0]
+    if kind not in ("cpu", "cuda"):
+        return f"--device {device!r} is not supported; supported: cpu, cuda (cuda:N; ROCm GPUs are cuda too)"
+    if kind == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None and torch.version.hip is None else "a GPU build"
+        return (f"--device {device}: this torch build has no usable CUDA/ROCm GPU (torch {torch.__version__}, "
+                f"{build}); use --device cpu")
+    return None
 
 
 if __name__ == "__main__":

@@ -3,19 +3,18 @@
 ``RocmAttentionBackend`` answers capability queries (from ``capabilities``) and describes
 the cache. ``RocmAttentionImpl`` holds a layer's fixed configuration, validated once at
 construction, and runs the per-step paths: cache update, fused RoPE/QK-norm cache updates,
-attention (paged or encoder) and the profiling run. Its per-call work is a provider lookup
-and a kernel call; everything that can be decided once is decided in ``__init__``.
+attention (paged or encoder) and the profiling run. Its per-call work is the host-side checks
+of ``step_checks`` (every call, before anything is written), a provider lookup and a kernel
+call; everything that can be decided once is decided in ``__init__``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 
 import torch
 
-from . import capabilities, providers, validation
+from . import capabilities, config_checks, providers, step_checks, validation
 from .capabilities import AttentionType
 from .forward_context import get_layer
 from .layout import (
@@ -31,6 +30,9 @@ from .layout import (
 __all__ = ["RocmAttentionBackend", "RocmAttentionImpl"]
 
 _SIZED_OPS = providers.SIZED_OPS
+_NO_SLOTS: dict = {}  # device -> an empty slot_mapping: a writer call that caches nothing
+_KV_UPDATE_OP = "rocm_attn.unified_kv_cache_update"
+_ATTN_OP = "rocm_attn.unified_attention_with_output"
 
 
 class RocmAttentionBackend:
@@ -182,39 +184,10 @@ class RocmAttentionImpl:
         q_scale: float = 1.0,
         kv_sharing_target_layer_name: str | None = None,
     ):
-        op = "RocmAttentionImpl"
-        self.attn_type = capabilities.check_attention_type(attn_type, op)
-        capabilities.check_head_size(head_size, op)
-        capabilities.check_kv_cache_dtype(kv_cache_dtype, op)
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_kv_heads <= 0 or num_heads % num_kv_heads:
-            raise ValueError(f"{op}: num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-        if self.attn_type in capabilities.ENCODER_TYPES and kv_cache_dtype.startswith("fp8"):
-            raise NotImplementedError(
-                f"{op}: kv_cache_dtype {kv_cache_dtype!r} on a {self.attn_type.value} layer is not "
-                f"supported: {capabilities.ENCODER_FP8_KV_CACHE_REASON} (an encoder layer has no KV "
-                "cache); use 'auto'"
-            )
-        if kv_sharing_target_layer_name is not None:
-            if not isinstance(kv_sharing_target_layer_name, str) or not kv_sharing_target_layer_name:
-                raise ValueError(f"{op}: kv_sharing_target_layer_name must be a layer name, got "
-                                 f"{kv_sharing_target_layer_name!r}")
-            if self.attn_type != AttentionType.DECODER:
-                raise ValueError(
-                    f"{op}: kv_sharing_target_layer_name={kv_sharing_target_layer_name!r} on a "
-                    f"{self.attn_type.value} layer: only decoder layers have a KV cache to share"
-                )
-        if sliding_window is not None and sliding_window <= 0:
-            raise ValueError(f"{op}: sliding_window must be positive or None, got {sliding_window}")
-        if logits_soft_cap is not None and logits_soft_cap < 0:
-            raise ValueError(f"{op}: logits_soft_cap must be >= 0, got {logits_soft_cap}")
-        if sinks is not None and tuple(sinks.shape) != (num_heads,):
-            raise ValueError(f"{op}: sinks must be [num_heads] = [{num_heads}], got {tuple(sinks.shape)}")
-        if alibi_slopes is not None:
-            alibi_slopes = torch.as_tensor(alibi_slopes, dtype=torch.float32)
-            if tuple(alibi_slopes.shape) != (num_heads,):
-                raise ValueError(f"{op}: alibi_slopes must be [num_heads] = [{num_heads}]")
-        self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
+        self.attn_type, num_kv_heads, sinks, alibi_slopes = config_checks.check_impl_config(
+            "RocmAttentionImpl", num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+            kv_cache_dtype, logits_soft_cap, attn_type, sinks, causal, q_scale, kv_sharing_target_layer_name)
+        self.num_heads, self.head_size, self.num_kv_heads = int(num_heads), int(head_size), int(num_kv_heads)
         self.scale = float(scale)
         self.kv_cache_dtype = kv_cache_dtype
         self.alibi_slopes = alibi_slopes
@@ -227,6 +200,9 @@ class RocmAttentionImpl:
             causal = self.attn_type == AttentionType.DECODER
         self.causal = bool(causal)
         self.interleaved_v = False
+        # (metadata, key, value, cache, tokens) the cache update of this layer's current call
+        # checked and wrote; the attention of the same call (same objects) skips those checks.
+        self._just_written: tuple | None = None
         # (op, call signature) -> kernel: the first call of a signature is validated in full
         # and resolved through the provider registry; later steps go straight to the kernel.
         self._kernels: dict[tuple, object] = {}
@@ -294,8 +270,6 @@ class RocmAttentionImpl:
         _, fn = providers.select(op, device=x.device, head_size=self.head_size, dtype=x.dtype,
                                  kv_cache=kv_cache, features=features, num_tokens=num_tokens,
                                  interleaved_v=interleaved_v and kv_cache is not None)
-        if op == "qk_norm_rope_and_cache":
-            fn = writes_into_out_buffers(fn)
         self._kernels[sig] = fn
         return fn
 
@@ -309,20 +283,53 @@ class RocmAttentionImpl:
                 "supported (as in the seed); an fp8 query needs q_scale 1.0"
             )
 
+    # --- per-call checks (every call, before anything is written) ---------------------------
+
+    def _kv_rows(self, op: str, key, value):
+        rows = step_checks.token_rows
+        return (rows(op, "key", key, self.num_kv_heads, self.head_size),
+                rows(op, "value", value, self.num_kv_heads, self.head_size))
+
+    def _checked_step(self, op: str, layer, key, value, kv_cache, attn_metadata):
+        """(key, value as ``[T, Hkv, D]``, T) after the per-call checks of a write into
+        ``kv_cache`` and of the step's metadata against it (the metadata the attention reads too)."""
+        if key.dim() != 3 or value.dim() != 3:
+            key, value = self._kv_rows(op, key, value)
+        t = step_checks.check_cache_update(op, layer, key, value, kv_cache, attn_metadata, self.num_kv_heads,
+                                           self.head_size)
+        return key, value, t
+
+    # --- cache writes ----------------------------------------------------------------------
+
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        """Write key/value ``[T, Hkv, D]`` (or ``[T, Hkv * D]``) at ``slot_mapping`` (the seed's
+        entry point; the layer-level op calls ``update_kv_cache`` with the step's metadata)."""
         if not self.uses_kv_cache:
             return
-        if key.dim() != 3:
-            key = key.view(-1, self.num_kv_heads, self.head_size)
-            value = value.view(-1, self.num_kv_heads, self.head_size)
+        op = "RocmAttentionImpl.do_kv_cache_update"
+        key, value = self._kv_rows(op, key, value)
+        step_checks.cache_shape(op, layer, kv_cache)
+        step_checks.check_layer_kv(op, key, value, kv_cache.device, key.shape[0], self.num_kv_heads,
+                                   self.head_size)
+        validation.check_slot_mapping(op, slot_mapping, kv_cache, key.shape[0])
+        self._write(layer, key, value, kv_cache, slot_mapping, key.shape[0])
+
+    def update_kv_cache(self, layer, key, value, kv_cache, attn_metadata) -> None:
+        """The step's cache write (``rocm_attn.unified_kv_cache_update``): checks the step's
+        metadata against the cache, as the attention will read it, before writing."""
+        if not self.uses_kv_cache:
+            return
+        key, value, t = self._checked_step(_KV_UPDATE_OP, layer, key, value, kv_cache, attn_metadata)
+        self._write(layer, key, value, kv_cache, attn_metadata.slot_mapping, t)
+        self._just_written = (attn_metadata, key, value, kv_cache, t)
+
+    def _write(self, layer, key, value, kv_cache, slot_mapping, t: int) -> None:
         buffers = layer._buffers  # skips nn.Module.__getattr__
         k_scale, v_scale = buffers["_k_scale"], buffers["_v_scale"]
-        t = key.shape[0]
         sig = self._signature("reshape_and_cache", key, kv_cache, t)
         fn = self._kernels.get(sig)
         if fn is None:
-            validation.check_cache_write("rocm_attn.unified_kv_cache_update", key, value, kv_cache,
-                                         slot_mapping, k_scale, v_scale)
+            validation.check_cache_write(_KV_UPDATE_OP, key, value, kv_cache, slot_mapping, k_scale, v_scale)
             fn = self._resolve(sig, "reshape_and_cache", key, kv_cache, t)
         fn(key, value, kv_cache, slot_mapping, k_scale, v_scale, self.interleaved_v)
 
@@ -333,6 +340,8 @@ class RocmAttentionImpl:
         rot_dim = cos_sin_cache.shape[-1]  # partial rotary changes which providers apply
         if attn_metadata is None or not self.uses_kv_cache:  # profiling run / no cache
             op = "rotary_embedding"
+            step_checks.check_rope_inputs("rocm_attn.rotary_embedding", positions, cos_sin_cache, t, query.device,
+                                  attn_metadata)
             sig = (op, query.device, query.dtype, rot_dim, providers.token_bucket(op, query.device, t))
             fn = self._kernels.get(sig)
             if fn is None:
@@ -341,15 +350,18 @@ class RocmAttentionImpl:
                 fn = self._resolve(sig, op, query, None, t, self._rope_features(cos_sin_cache))
             fn(positions, query, key, self.head_size, cos_sin_cache, is_neox)
             return
-        key = key.view(t, self.num_kv_heads, self.head_size)
-        value = value.view(t, self.num_kv_heads, self.head_size)
+        op = "rocm_attn.rope_and_cache"
+        key, value, _ = self._checked_step(op, layer, key, value, kv_cache, attn_metadata)
+        if query.shape[0] != t or query.dtype is not key.dtype or query.device != kv_cache.device:
+            raise ValueError(f"{op}: query ({tuple(query.shape)}, {query.dtype}, {query.device}) must match key "
+                             f"({tuple(key.shape)}, {key.dtype}) on the KV cache's device {kv_cache.device}")
+        step_checks.check_rope_inputs(op, positions, cos_sin_cache, t, kv_cache.device, attn_metadata)
         buffers = layer._buffers  # skips nn.Module.__getattr__
         k_scale, v_scale = buffers["_k_scale"], buffers["_v_scale"]
         slot_mapping = attn_metadata.slot_mapping
         sig = self._signature("rope_and_cache", query, kv_cache, t, rot_dim)
         fn = self._kernels.get(sig)
         if fn is None:
-            op = "rocm_attn.rope_and_cache"
             validation.check_rotary(op, positions, query, key, self.head_size, cos_sin_cache)
             validation.check_cache_write(op, key, value, kv_cache, slot_mapping, k_scale, v_scale)
             fn = self._resolve(sig, "rope_and_cache", query, kv_cache, t, self._rope_features(cos_sin_cache))
@@ -368,21 +380,28 @@ class RocmAttentionImpl:
         The fused writer emits interleaved V: a layer fused into it is switched (normally
         by the pass at compile time; this guard covers a cache bound after compilation).
         """
-        if not self.interleaved_v:
-            self.set_interleaved_v_cache(True, kv_cache)
+        op = "rocm_attn.qk_norm_rope_and_cache"
+        if not self.uses_kv_cache:
+            raise NotImplementedError(f"{op}: {self!r} writes no KV cache (an encoder layer or a "
+                                      "layer sharing another layer's cache); nothing to fuse")
         t = qkv.shape[0]
+        shape = step_checks.cache_shape(op, layer, kv_cache)
+        width = (self.num_heads + 2 * self.num_kv_heads) * self.head_size
+        if qkv.dim() != 2 or qkv.shape[1] != width or qkv.device != kv_cache.device:
+            raise ValueError(f"{op}: qkv must be [num_tokens, {width}] on the KV cache's device {kv_cache.device}, "
+                             f"got {tuple(qkv.shape)} on {qkv.device}")
+        step_checks.check_rope_inputs(op, positions, cos_sin_cache, t, kv_cache.device, attn_metadata)
         if attn_metadata is None:
             slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=qkv.device)
         else:
+            step_checks.check_step_metadata(op, attn_metadata, t, kv_cache.device, shape[0], shape[2])
             slot_mapping = attn_metadata.slot_mapping
+        if not self.interleaved_v:
+            self.set_interleaved_v_cache(True, kv_cache)
         buffers = layer._buffers  # skips nn.Module.__getattr__
         sig = self._signature("qk_norm_rope_and_cache", qkv, kv_cache, t, cos_sin_cache.shape[-1])
         fn = self._kernels.get(sig)
         if fn is None:
-            op = "rocm_attn.qk_norm_rope_and_cache"
-            if not self.uses_kv_cache:
-                raise NotImplementedError(f"{op}: {self!r} writes no KV cache (an encoder layer or a "
-                                          "layer sharing another layer's cache); nothing to fuse")
             validation.check_qk_norm_rope(op, qkv, q_weight, k_weight, positions, cos_sin_cache,
                                           self.num_heads, self.num_kv_heads, self.head_size)
             validation.check_kv_cache(op, kv_cache, self.num_kv_heads, self.head_size)
@@ -394,11 +413,67 @@ class RocmAttentionImpl:
                      self.num_kv_heads, self.head_size, q_out, k_out, False)
         return q, k
 
+    def do_rope_cos_sin_and_kv_cache_update(self, layer, query, key, value, cos, sin, is_neox, kv_cache,
+                                            attn_metadata) -> None:
+        """Rotate ``query [T, Hq, D]``/``key [T, Hkv, D]`` in place with the model's per-token
+        ``cos``/``sin`` ``[T, rot_dim]`` and write the rotated key and value to the cache (a
+        profiling run or a layer without a cache of its own: rotate only)."""
+        self._cos_sin_writer("rope_cos_sin_and_cache", layer, query, key, value, cos, sin, is_neox,
+                             kv_cache, attn_metadata, ())
+
+    def do_qk_norm_rope_cos_sin_kv_cache_update(self, layer, query, key, value, q_weight, k_weight, eps, cos,
+                                                sin, is_neox, kv_cache, attn_metadata) -> None:
+        """Per-head RMSNorm (transformers' rounding), RoPE with per-token cos/sin, both on
+        ``query``/``key`` in place, and the cache write of key and value.
+
+        The fused writer stands for a layer fused at compile time into interleaved V: a layer
+        not switched yet (a graph from Inductor's cache, a cache bound after compilation) is
+        switched here, its cached data converted, before the first write.
+        """
+        self._cos_sin_writer("qk_norm_rope_cos_sin_and_cache", layer, query, key, value, cos, sin, is_neox,
+                             kv_cache, attn_metadata, (q_weight, k_weight, eps))
+
+    def _cos_sin_writer(self, op, layer, query, key, value, cos, sin, is_neox, kv_cache, attn_metadata,
+                        norm: tuple) -> None:
+        t = query.shape[0]
+        write = attn_metadata is not None and self.uses_kv_cache
+        name = f"rocm_attn.unified_{op.replace('_and_cache', '_and_kv_cache_update')}"
+        if write:  # every call, before anything is written or converted
+            rows = step_checks.token_rows(name, "key", key, self.num_kv_heads, self.head_size)
+            step_checks.check_cache_update(name, layer, rows, value, kv_cache, attn_metadata, self.num_kv_heads,
+                                           self.head_size)
+        step_checks.check_cos_sin_call(name, query, key, value, cos, sin, kv_cache.device if write else value.device)
+        if norm and write and not self.interleaved_v:  # the fused QK-norm writer emits interleaved V
+            self.set_interleaved_v_cache(True, kv_cache)
+        slot_mapping = attn_metadata.slot_mapping if write else _NO_SLOTS.get(query.device)
+        if slot_mapping is None:
+            slot_mapping = _NO_SLOTS[query.device] = torch.empty(0, dtype=torch.int64, device=query.device)
+        cache = kv_cache if write else None
+        rot_dim = cos.shape[-1]  # partial rotary changes which providers apply
+        sig = (self._signature(op, query, kv_cache, t, rot_dim) if write
+               else (op, query.device, query.dtype, rot_dim, "no cache"))
+        fn = self._kernels.get(sig)
+        if fn is None:
+            validation.check_rope_cos_sin(name, query, key, value, cos, sin, *norm[:2])
+            if write:
+                validation.check_cache_write(name, key.view(value.shape), value, kv_cache, slot_mapping,
+                                             layer._buffers["_k_scale"], layer._buffers["_v_scale"])
+            fn = self._resolve(sig, op, query, cache, t, ("partial_rotary",) if rot_dim < self.head_size else ())
+        buffers = layer._buffers  # skips nn.Module.__getattr__
+        fn(query, key, value, *norm, cos, sin, is_neox, kv_cache, slot_mapping, buffers["_k_scale"],
+           buffers["_v_scale"], self.interleaved_v and write)
+
     # --- attention -------------------------------------------------------------------------
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None) -> torch.Tensor:
-        """Attention of one step into ``output`` ``[num_tokens, num_heads, head_size]``."""
+        """Attention of one step into ``output`` ``[num_tokens, num_heads, head_size]``.
+
+        ``attn_metadata`` None: a profiling run (the seed's convention; the layer-level op
+        passes None only inside ``profiling_run()``): zero-fills ``output``.
+        """
+        # What the cache update of this call checked; taken first, so it is never kept longer.
+        written, self._just_written = self._just_written, None
         if output_block_scale is not None:
             raise NotImplementedError(
                 "RocmAttentionImpl: output_block_scale (block-scaled output quant) is not supported; "
@@ -406,34 +481,47 @@ class RocmAttentionImpl:
             )
         if attn_metadata is None:  # profiling run
             return output.fill_(0)
-        n = attn_metadata.num_actual_tokens
+        op = _ATTN_OP
+        md = attn_metadata
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
         # The layer passes [T, H, D] tensors; views and slices only when needed (each costs
         # about a microsecond on this per-layer, per-step path).
-        if query.dim() != 3:
-            query = query.view(-1, h, d)
-        if output.dim() != 3:
-            output = output.view(-1, h, d)
-        if key.dim() != 3:
-            key, value = key.view(-1, hkv, d), value.view(-1, hkv, d)
+        query = step_checks.token_rows(op, "query", query, h, d)
+        output = step_checks.token_rows(op, "output", output, h, d)
         if self.attn_type is not AttentionType.DECODER:
-            return self._encoder_forward(query[:n], key[:n], value[:n], attn_metadata, output, output_scale)
+            key, value = self._kv_rows(op, key, value)
+            step_checks.check_layer_query(op, query, output, query.device, h, d)
+            step_checks.check_layer_kv(op, key, value, query.device, query.shape[0], hkv, d)
+            step_checks.check_step_metadata(op, md, query.shape[0], query.device)
+            n = md.num_actual_tokens
+            return self._encoder_forward(query[:n], key[:n], value[:n], md, output, output_scale)
         # The cache this layer reads: its own, or (KV sharing) the target's, with the target's
         # V interior and scales read now, so a later switch of the target is followed.
         # A sharing layer's own k/v are not its keys: every key, the step's new ones too
         # (the target wrote them earlier in the step), comes from the target's cache.
         interleaved_v, buffers = self.interleaved_v, layer._buffers  # _buffers: skips nn.Module.__getattr__
         if self.kv_sharing_target_layer_name is not None:
-            target = get_layer(self.kv_sharing_target_layer_name)
-            kv_cache, key, value = target.kv_cache, None, None
-            interleaved_v, buffers = target.impl.interleaved_v, target._buffers
-        if n != query.shape[0]:  # padded step: rows past n are not ours to touch
+            layer = get_layer(self.kv_sharing_target_layer_name)
+            kv_cache, key, value = layer.kv_cache, None, None
+            interleaved_v, buffers = layer.impl.interleaved_v, layer._buffers
+        if (written is not None and written[0] is md and written[1] is key and written[2] is value
+                and written[3] is kv_cache):
+            # The cache update of this call checked key/value and the step against this cache.
+            t = written[4]
+            step_checks.check_layer_query(op, query, output, kv_cache.device, h, d, t)
+            if md.max_query_len > 1 and key.dtype is not query.dtype and not is_fp8_dtype(query.dtype):
+                raise ValueError(f"{op}: key dtype {key.dtype} != query dtype {query.dtype}")
+        else:
+            if key is not None and (key.dim() != 3 or value.dim() != 3):
+                key, value = self._kv_rows(op, key, value)
+            t = step_checks.check_attention_call(op, layer, query, key, value, output, kv_cache, md, h, hkv, d)
+        n = md.num_actual_tokens
+        if n != t:  # padded step: rows past n are not ours to touch
             out_n, query = output[:n], query[:n]
             if key is not None:
                 key, value = key[:n], value[:n]
         else:
             out_n = output
-        md = attn_metadata
         causal = self.causal if md.causal is None else md.causal
         args = (out_n, query, key, value, kv_cache, md.query_start_loc, md.seq_lens,
                 md.block_table, self.scale, buffers["_k_scale"], buffers["_v_scale"], causal,
@@ -443,13 +531,13 @@ class RocmAttentionImpl:
                               causal, interleaved_v)
         fn = self._kernels.get(sig)
         if fn is None:
-            op = "rocm_attn.unified_attention_with_output"
             self._check_query_scale(query, op)
             # Per-head tensors follow the query's device, checked once per signature.
             args = args[:13] + (self._alibi(query), self._sinks(query)) + args[15:]
             validation.check_paged_attention(
                 op, out_n, query, key, value, kv_cache, md.query_start_loc, md.seq_lens,
-                md.block_table, args[13], args[14], output_scale,
+                md.block_table, args[13], args[14], output_scale, k_scale=args[9], v_scale=args[10],
+                max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
             )
             feats = self._features_by_causal[causal] + (("output_scale",) if output_scale is not None else ())
             fn = self._resolve(sig, "paged_attention", query, kv_cache, n, feats, interleaved_v)
@@ -457,7 +545,7 @@ class RocmAttentionImpl:
         return output
 
     def _encoder_forward(self, query, key, value, attn_metadata, output, output_scale):
-        self._check_query_scale(query, "rocm_attn.unified_attention_with_output")
+        self._check_query_scale(query, _ATTN_OP)
         out = torch.ops.rocm_attn.encoder_attention(
             query, key, value, attn_metadata.query_start_loc, attn_metadata.max_query_len,
             self.scale, self.causal, self.sliding_window, self._alibi(query), self._sinks(query),
@@ -484,27 +572,3 @@ class RocmAttentionImpl:
         return (f"RocmAttentionImpl(heads={self.num_heads}/{self.num_kv_heads}, d={self.head_size}, "
                 f"{self.attn_type.value}, kv={self.kv_cache_dtype}, interleaved_v={self.interleaved_v}"
                 f"{shares})")
-
-
-@functools.cache
-def writes_into_out_buffers(kernel):
-    """``kernel`` (a provider's ``qk_norm_rope_and_cache``) in the reference's calling form:
-    it writes q/k into ``q_out``/``k_out`` and returns ``(q, k, v or None)``.
-
-    A kernel that still has the older form (no ``q_out``: it returns fresh q, k and v) is
-    wrapped: without caller buffers its fresh q/k are returned as they are (no copy); buffers
-    a caller passed are filled from them. Remove once every provider takes ``q_out``.
-    """
-    if "q_out" in inspect.signature(kernel).parameters:
-        return kernel
-
-    def call(*args):
-        *args, q_out, k_out, return_kv = args
-        q, k, v = kernel(*args)
-        if q_out is None:
-            return q, k, (v if return_kv else None)
-        q_out.copy_(q)
-        k_out.copy_(k)
-        return q_out, k_out, (v if return_kv else None)
-
-    return call

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import random
 
 
@@ -12,8 +13,9 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, shuffle_seed: int | None = None):
-        if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(f"BlockAllocator: num_blocks {num_blocks} and block_size {block_size} must be positive")
+        for name, v in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"BlockAllocator: {name} must be a positive int, got {v!r}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self._free = list(range(num_blocks))
         if shuffle_seed is not None:
@@ -31,6 +33,8 @@ class BlockAllocator:
 
     def allocate(self, seq_id, num_new_tokens: int) -> list[int]:
         """Grow ``seq_id`` by ``num_new_tokens`` tokens; returns its whole block table."""
+        if not isinstance(num_new_tokens, numbers.Integral) or isinstance(num_new_tokens, bool) or num_new_tokens < 0:
+            raise ValueError(f"BlockAllocator.allocate: num_new_tokens must be an int >= 0, got {num_new_tokens!r}")
         table = self._tables.setdefault(seq_id, [])
         length = self._lengths.get(seq_id, 0) + num_new_tokens
         need = self.blocks_needed(length) - len(table)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
 from typing import TYPE_CHECKING
 
 import torch
@@ -90,6 +91,8 @@ OPS = (
     "rotary_embedding",
     "rope_and_cache",
     "qk_norm_rope_and_cache",
+    "rope_cos_sin_and_cache",  # RoPE with the model's per-token cos/sin (transformers)
+    "qk_norm_rope_cos_sin_and_cache",  # the same after a per-head RMSNorm, q/k/v apart
     "encoder_attention",
 )
 FEATURES = (
@@ -117,15 +120,19 @@ class ProviderCaps:
 # --- backend-level checks (raise) -------------------------------------------------------
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def check_head_size(head_size: int, op: str = "rocm_attn") -> None:
-    if head_size not in HEAD_SIZES:
-        raise ValueError(f"{op}: head_size {head_size} is not supported; supported: {HEAD_SIZES}")
+    if not _is_int(head_size) or head_size not in HEAD_SIZES:
+        raise ValueError(f"{op}: head_size {head_size!r} is not supported; supported: {HEAD_SIZES}")
 
 
 def check_block_size(block_size: int, op: str = "rocm_attn") -> None:
-    if block_size <= 0 or block_size % BLOCK_SIZE_MULTIPLE:
+    if not _is_int(block_size) or block_size <= 0 or block_size % BLOCK_SIZE_MULTIPLE:
         raise ValueError(
-            f"{op}: block_size {block_size} is not supported; it must be a positive multiple "
+            f"{op}: block_size {block_size!r} is not supported; it must be a positive multiple "
             f"of {BLOCK_SIZE_MULTIPLE} (e.g. 16, 32, 544)"
         )
 
@@ -137,7 +144,7 @@ def check_cache_geometry(block_size: int, head_size: int, op: str = "rocm_attn")
 
 def check_model_dtype(dtype: torch.dtype, op: str = "rocm_attn") -> None:
     if dtype not in MODEL_DTYPES:
-        raise ValueError(f"{op}: dtype {dtype} is not supported; supported: {MODEL_DTYPES}")
+        raise ValueError(f"{op}: dtype {dtype!r} is not supported; supported: {MODEL_DTYPES}")
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, op: str = "rocm_attn") -> None:

@@ -4,6 +4,11 @@ Compiled graphs carry only a layer's name; the impl, cache and the metadata of t
 step are looked up here at run time, so a graph never bakes in per-step values and can be
 replayed from a HIP/CUDA graph. Metadata is built outside the graph (plan), read inside (run).
 
+A layer runs only inside a context: ``set_forward_context(metadata)`` for a step, or
+``profiling_run()`` (``set_forward_context(None, profiling=True)``) for a profiling run,
+which writes no cache and zero-fills the attention output. A layer called outside both
+raises, so a forgotten context never passes for a profiling run.
+
 A name resolves through the step's own layer table when the context carries one (a cache
 object that owns its layers, e.g. the transformers integration's ``PagedCache``: two caches
 of one model, or a model and its ``copy.deepcopy``, never share state), else through the
@@ -24,12 +29,13 @@ import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from .metadata import AttentionMetadata
+
 if TYPE_CHECKING:
     from .layer import Attention
-    from .metadata import AttentionMetadata
 
-__all__ = ["ForwardContext", "set_forward_context", "get_forward_context", "register_layer",
-           "register_copy", "get_layer", "registered_layers"]
+__all__ = ["ForwardContext", "set_forward_context", "profiling_run", "get_forward_context",
+           "register_layer", "register_copy", "get_layer", "registered_layers"]
 
 # layer_name -> Attention, for every live layer. Weak, so dropping a model frees its names.
 _LAYERS: "weakref.WeakValueDictionary[str, Attention]" = weakref.WeakValueDictionary()
@@ -37,9 +43,10 @@ _LAYERS: "weakref.WeakValueDictionary[str, Attention]" = weakref.WeakValueDictio
 
 @dataclasses.dataclass
 class ForwardContext:
-    attn_metadata: "AttentionMetadata | None" = None  # None: profiling run
+    attn_metadata: "AttentionMetadata | None" = None  # None: profiling run, or no context
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     layers: "Mapping[str, Attention] | None" = None  # this step's layer table; None: the registry
+    profiling: bool = False  # a deliberate profiling run (attn_metadata is None)
 
 
 _current = ForwardContext()
@@ -102,17 +109,38 @@ def get_forward_context() -> ForwardContext:
 
 
 @contextlib.contextmanager
-def set_forward_context(attn_metadata: "AttentionMetadata | None", *,
+def set_forward_context(attn_metadata: "AttentionMetadata | None", *, profiling: bool = False,
                         layers: "Mapping[str, Attention] | None" = None, **extra: Any):
     """Make ``attn_metadata`` the metadata that layer-level ops read during this step.
 
-    ``layers`` (name -> layer): the table layer names resolve through during the step,
-    instead of the registry of live layers.
+    ``profiling=True`` with ``attn_metadata=None``: a profiling run (no cache writes, zero
+    attention output), as ``profiling_run()``. ``layers`` (name -> layer): the table layer
+    names resolve through during the step, instead of the registry of live layers.
     """
+    if attn_metadata is None:
+        if not profiling:
+            raise ValueError(
+                "set_forward_context: attn_metadata is None; pass the step's metadata "
+                "(inductor_rocm_attn.build_attention_metadata(...)), or profiling=True (or use "
+                "inductor_rocm_attn.profiling_run()) for a profiling run that writes no cache and "
+                "zero-fills the attention output"
+            )
+    elif profiling:
+        raise ValueError("set_forward_context: profiling=True with metadata; a profiling run has no "
+                         "metadata (pass None)")
+    elif not isinstance(attn_metadata, AttentionMetadata):
+        raise TypeError(f"set_forward_context: attn_metadata must be an AttentionMetadata (from "
+                        f"build_attention_metadata), got {type(attn_metadata).__name__}")
     global _current
     prev = _current
-    _current = ForwardContext(attn_metadata, extra, layers)
+    _current = ForwardContext(attn_metadata, extra, layers, bool(profiling))
     try:
         yield _current
     finally:
         _current = prev
+
+
+def profiling_run(*, layers: "Mapping[str, Attention] | None" = None, **extra: Any):
+    """A profiling run's context (the seed's step without metadata, made deliberate): layers
+    write no cache and return zeros. ``with inductor_rocm_attn.profiling_run(): model(...)``."""
+    return set_forward_context(None, profiling=True, layers=layers, **extra)

@@ -10,10 +10,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import step_checks
 from .backend import RocmAttentionImpl
-from .capabilities import AttentionType
+from .capabilities import AttentionType, check_block_size, check_model_dtype
 from .forward_context import register_copy, register_layer
 from .layout import CacheLayout, allocate_kv_cache
+from .validation import check_positive_finite, check_positive_int
 
 __all__ = ["Attention", "attention_layers", "bind_kv_caches"]
 
@@ -65,6 +67,16 @@ class Attention(nn.Module):
         register: bool = True,
     ):
         super().__init__()
+        if not isinstance(layer_name, str) or not layer_name:
+            raise ValueError(f"Attention: layer_name must be a non-empty str, got {layer_name!r}")
+        check_block_size(block_size, "Attention")
+        try:
+            cache_layout = CacheLayout(cache_layout)
+        except ValueError:
+            raise ValueError(f"Attention: cache_layout {cache_layout!r} is not supported; supported: "
+                             f"{', '.join(repr(m.value) for m in CacheLayout)}") from None
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            check_positive_finite("Attention", name, value)
         self.impl = RocmAttentionImpl(
             num_heads, head_size, head_size**-0.5 if scale is None else scale, num_kv_heads,
             alibi_slopes, sliding_window, kv_cache_dtype, logits_soft_cap, attn_type, sinks,
@@ -73,13 +85,10 @@ class Attention(nn.Module):
         if kv_sharing_target_layer_name == layer_name:
             raise ValueError(f"Attention {layer_name!r}: kv_sharing_target_layer_name names the layer itself")
         self.layer_name = layer_name
-        self.num_heads, self.head_size = num_heads, head_size
+        self.num_heads, self.head_size = self.impl.num_heads, self.impl.head_size
         self.num_kv_heads = self.impl.num_kv_heads
-        self.block_size = block_size
-        self.cache_layout = CacheLayout(cache_layout)
-        from .capabilities import check_block_size
-
-        check_block_size(block_size, "Attention")
+        self.block_size = int(block_size)
+        self.cache_layout = cache_layout
         # Scales are tensors so they can change without recompiling; not parameters.
         self.register_buffer("_k_scale", torch.tensor([k_scale], dtype=torch.float32), persistent=False)
         self.register_buffer("_v_scale", torch.tensor([v_scale], dtype=torch.float32), persistent=False)
@@ -109,20 +118,38 @@ class Attention(nn.Module):
     # --- forward -----------------------------------------------------------------------------
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        t = query.shape[0]
+        # What the attention op would reject about q/k/v together is rejected here, before
+        # the cache update writes (the ops themselves check the rest, each before writing).
+        step_checks.check_qkv(self, query, key, value)
+        t, h, hkv, d = query.shape[0], self.num_heads, self.num_kv_heads, self.head_size
         if query.dim() == 3:  # possibly strided: a fresh contiguous output
-            output = query.new_empty(t, self.num_heads, self.head_size)
+            if query.shape[1:] != (h, d):
+                raise self._shape_error("query", query, h)
+            output = query.new_empty(t, h, d)
         else:
-            query = query.view(t, self.num_heads, self.head_size)
+            try:
+                query = query.view(t, h, d)
+            except RuntimeError:
+                raise self._shape_error("query", query, h) from None
             output = torch.empty_like(query)
         if key.dim() != 3:
-            key = key.view(t, self.num_kv_heads, self.head_size)
-            value = value.view(t, self.num_kv_heads, self.head_size)
+            try:
+                key, value = key.view(t, hkv, d), value.view(t, hkv, d)
+            except RuntimeError:
+                raise self._shape_error("key and value", key, hkv, t, value) from None
+        elif key.shape[0] != t or value.shape[0] != t:
+            raise self._shape_error("key and value", key, hkv, t, value)
         token = None
         if self.impl.uses_kv_cache:
             token = torch.ops.rocm_attn.unified_kv_cache_update(key, value, self.layer_name)
         torch.ops.rocm_attn.unified_attention_with_output(query, key, value, output, self.layer_name, token)
         return output.view(t, self.num_heads * self.head_size)
+
+    def _shape_error(self, name, x, heads, tokens=None, value=None) -> ValueError:
+        t = "num_tokens" if tokens is None else f"{tokens} (the query's tokens)"
+        got = tuple(x.shape) if value is None else f"{tuple(x.shape)} and {tuple(value.shape)}"
+        return ValueError(f"Attention {self.layer_name!r}: {name} must be [{t}, {heads} * {self.head_size}] or "
+                          f"[{t}, {heads}, {self.head_size}], got {got}")
 
     def extra_repr(self) -> str:
         return f"{self.layer_name}: {self.impl!r}, block={self.block_size}, {self.cache_layout.value}"
@@ -140,6 +167,8 @@ def bind_kv_caches(model: nn.Module, num_blocks: int, dtype: torch.dtype,
     layer's cache (``kv_sharing_target_layer_name``, checked here). ``poison`` fills caches
     with NaN (or fp8 max) so a read of an unwritten slot shows up in tests.
     """
+    check_positive_int("bind_kv_caches", "num_blocks", num_blocks)
+    check_model_dtype(dtype, "bind_kv_caches")  # the model's dtype; the layers' kv_cache_dtype picks storage
     caches, specs = {}, {}
     for layer in attention_layers(model):
         target = layer.impl.kv_sharing_target_layer_name

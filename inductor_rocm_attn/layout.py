@@ -51,6 +51,12 @@ class CacheLayout(str, enum.Enum):
     LHBNC = "LHBNC"  # [layer][head group K|V][block][token][channel]: groups contiguous
     LBHNC = "LBHNC"  # [layer][block][head group K|V][token][channel]: blocks contiguous
 
+    @classmethod
+    def _missing_(cls, value):
+        # ``CacheLayout(value)`` of an unknown value: say what is supported (not the bare enum error).
+        raise ValueError(f"rocm_attn: cache_layout {value!r} is not supported; supported: "
+                         f"{', '.join(repr(m.value) for m in cls)}")
+
 
 _FP8_DTYPES = tuple(
     getattr(torch, n)

@@ -3,16 +3,45 @@
 The builder turns per-sequence ``(query_len, context_len)`` and block tables into the index
 tensors the kernels read. It can write into persistent buffers (``MetadataBuffers``) so a
 captured HIP/CUDA graph sees the new step's values at fixed addresses.
+
+The builder checks the step on the host as it plans it (lengths, block ids, slots, hints) and
+records what it established in ``AttentionMetadata.plan``; the layers then check a step built
+here against their cache with a few integer comparisons, on a GPU too, without reading the
+index tensors back (``validation.check_step_metadata``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Sequence
 
 import torch
 
-__all__ = ["AttentionMetadata", "MetadataBuffers", "build_attention_metadata"]
+from . import capabilities
+
+__all__ = ["AttentionMetadata", "MetadataBuffers", "PlanBounds", "build_attention_metadata"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanBounds:
+    """What ``build_attention_metadata`` checked on the host while planning a step.
+
+    Holds for the tensors it built (``tensor_ptrs``: their data pointers, so metadata whose
+    index tensors were swapped for others is not taken on trust): ``query_start_loc`` starts
+    at 0 and never decreases, ``seq_lens >= query_lens``, every block a sequence uses is in
+    ``[0, max_block_id]``, every slot follows the block table (or is -1), positions are in
+    ``[0, max_position]``, and the step has ``num_tokens`` real tokens whose longest query
+    and sequence are ``max_query_len`` / ``max_seq_len``. -1: none.
+    """
+
+    block_size: int
+    num_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    max_block_id: int
+    max_position: int
+    tensor_ptrs: tuple[int, ...]
 
 
 @dataclasses.dataclass
@@ -26,7 +55,18 @@ class AttentionMetadata:
     - ``slot_mapping``: ``[num_tokens]`` int64, cache slot of each new token (-1: padding);
     - ``positions``: ``[num_tokens]`` int64, position of each new token (for RoPE).
     ``max_query_len`` / ``max_seq_len`` are host ints (grid sizes); under graph capture
-    they are the captured upper bounds.
+    they are the captured upper bounds. Contract: each is >= the actual longest query /
+    sequence of the step (a GPU kernel skips the rows of a query longer than the hint).
+
+    ``block_size`` (keyword, required): the cache block size the block table and slots were
+    computed for; a layer whose cache has another block size rejects the step.
+    ``plan``: set by ``build_attention_metadata`` (see ``PlanBounds``); None for metadata built
+    by hand, whose index tensors are then checked by reading them (on CPU every step, on a
+    GPU with ``ROCM_ATTN_CHECK_INDICES=1``). Code that swaps an index tensor of built
+    metadata (``dataclasses.replace``) must keep the used entries or pass ``plan=None``.
+
+    The layers check a step once per cache geometry and memoize it on this object: build
+    new metadata for each step rather than changing the tensors of one already used.
     """
 
     num_actual_tokens: int
@@ -42,46 +82,90 @@ class AttentionMetadata:
     # This step's causality for decoder layers (as the seed's ``attn_metadata.causal``);
     # None: each layer's own value.
     causal: bool | None = None
+    block_size: int = dataclasses.field(kw_only=True)
+    plan: PlanBounds | None = dataclasses.field(default=None, kw_only=True, repr=False)
+    # (what was checked, cache geometry) -> None: the step's checks already passed
+    _checked: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __setattr__(self, name, value):
+        # A field set anew invalidates the step's memoized checks (and a copy made with
+        # copy.copy gets a memo of its own once it changes).
+        object.__setattr__(self, name, value)
+        if name != "_checked":
+            object.__setattr__(self, "_checked", {})
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
 
 
+_OP = "build_attention_metadata"
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_blocks(s: int, table: Sequence[int], used: int, num_blocks: int | None) -> int:
+    """The largest of the first ``used`` block ids of sequence ``s`` (-1: none); each is a
+    block id (>= 0) and, when ``num_blocks`` is given, inside the cache."""
+    ids = table[:used]
+    if not ids:
+        return -1
+    lo, hi = min(ids), max(ids)
+    if lo < 0:
+        j = list(ids).index(lo)
+        raise IndexError(f"{_OP}: block_tables[{s}][{j}] = {lo} is not a block id (block ids are >= 0)")
+    if num_blocks is not None and hi >= num_blocks:
+        j = list(ids).index(hi)
+        raise IndexError(f"{_OP}: block_tables[{s}][{j}] = {hi} is outside the cache (num_blocks "
+                         f"{num_blocks}: valid block ids 0..{num_blocks - 1})")
+    return hi
+
+
 def _host_plan(query_lens: Sequence[int], context_lens: Sequence[int],
                block_tables: Sequence[Sequence[int]], block_size: int,
-               padding: Sequence[bool] | None = None):
+               padding: Sequence[bool] | None = None, num_blocks: int | None = None):
+    capabilities.check_block_size(block_size, _OP)
+    if num_blocks is not None and (not _is_int(num_blocks) or num_blocks <= 0):
+        raise ValueError(f"{_OP}: num_blocks must be a positive int or None, got {num_blocks!r}")
     if not (len(query_lens) == len(context_lens) == len(block_tables)):
         raise ValueError(
-            "build_attention_metadata: query_lens, context_lens and block_tables must have one "
+            f"{_OP}: query_lens, context_lens and block_tables must have one "
             f"entry per sequence, got {len(query_lens)}, {len(context_lens)}, {len(block_tables)}"
         )
     if padding is not None and len(padding) != len(query_lens):
-        raise ValueError(f"build_attention_metadata: padding has {len(padding)} entries for {len(query_lens)} sequences")
+        raise ValueError(f"{_OP}: padding has {len(padding)} entries for {len(query_lens)} sequences")
     qsl = [0]
     seq_lens, slots, positions = [], [], []
+    max_block = -1
     for s, (ql, cl, bt) in enumerate(zip(query_lens, context_lens, block_tables)):
-        if ql < 0 or cl < 0:
-            raise ValueError(f"build_attention_metadata: sequence {s} has query_len {ql}, context_len {cl}")
+        if not (_is_int(ql) and _is_int(cl)) or ql < 0 or cl < 0:
+            raise ValueError(f"{_OP}: sequence {s} has query_len {ql!r}, context_len {cl!r}; both must be "
+                             "ints >= 0")
+        ql, cl = int(ql), int(cl)
         sl = ql + cl
         qsl.append(qsl[-1] + ql)
         seq_lens.append(sl)
+        need = -(-sl // block_size)
         if padding is not None and padding[s]:
             if cl:
-                raise ValueError(f"build_attention_metadata: padding sequence {s} has context_len {cl} (must be 0)")
+                raise ValueError(f"{_OP}: padding sequence {s} has context_len {cl} (must be 0)")
+            # Unwritten rows; a one-token padding sequence is a decode that reads its block.
+            max_block = max(max_block, _check_blocks(s, bt, need, num_blocks))
             slots += [-1] * ql
             positions += [0] * ql
             continue
-        need = -(-sl // block_size)
         if need > len(bt):
             raise ValueError(
-                f"build_attention_metadata: sequence {s} has {sl} tokens and needs {need} blocks of "
+                f"{_OP}: sequence {s} has {sl} tokens and needs {need} blocks of "
                 f"{block_size}, but its block table has {len(bt)}"
             )
+        max_block = max(max_block, _check_blocks(s, bt, need, num_blocks))
         for p in range(cl, sl):
             positions.append(p)
             slots.append(bt[p // block_size] * block_size + p % block_size)
-    return qsl, seq_lens, slots, positions
+    return qsl, seq_lens, slots, positions, max_block
 
 
 def build_attention_metadata(
@@ -95,9 +179,11 @@ def build_attention_metadata(
     buffers: "MetadataBuffers | None" = None,
     padding: Sequence[bool] | None = None,
     causal: bool | None = None,
+    num_blocks: int | None = None,
 ) -> AttentionMetadata:
     """Metadata for a batch where sequence s has ``context_lens[s]`` cached tokens and
-    ``query_lens[s]`` new ones, stored in the blocks ``block_tables[s]``.
+    ``query_lens[s]`` new ones, stored in the blocks ``block_tables[s]`` of ``block_size``
+    tokens each.
 
     ``num_padded_tokens`` pads the token dimension (slot -1, position 0) for a captured
     batch size. With ``buffers``, values are copied into them and views returned.
@@ -106,20 +192,31 @@ def build_attention_metadata(
     no context, and its block table names one readable block (a one-token padding sequence
     is a decode and reads its key there); its attention output rows are unspecified.
     ``causal`` sets the step's causality for decoder layers (None: each layer's own).
+    ``num_blocks``: the caches' block count, to reject a block id outside them here (the
+    layers check again against their own cache).
+
+    Raises ValueError / IndexError for a bad length, block size or block id, before any
+    tensor is built; the returned metadata's ``plan`` records what was checked.
     """
-    qsl, seq_lens, slots, positions = _host_plan(query_lens, context_lens, block_tables, block_size, padding)
+    qsl, seq_lens, slots, positions, max_block = _host_plan(
+        query_lens, context_lens, block_tables, block_size, padding, num_blocks)
     n = len(slots)
     total = n if num_padded_tokens is None else num_padded_tokens
-    if total < n:
-        raise ValueError(f"build_attention_metadata: num_padded_tokens {total} < {n} real tokens")
+    if not _is_int(total) or total < n:
+        raise ValueError(f"{_OP}: num_padded_tokens must be an int >= the {n} real tokens, got {total!r}")
+    total = int(total)
+    if causal is not None and not isinstance(causal, bool):
+        raise ValueError(f"{_OP}: causal must be True, False or None, got {causal!r}")
     slots += [-1] * (total - n)
     positions += [0] * (total - n)
     width = max([len(bt) for bt in block_tables] + [1])
-    table = [list(bt) + [0] * (width - len(bt)) for bt in block_tables]
+    table = torch.tensor([list(bt) + [0] * (width - len(bt)) for bt in block_tables])
+    if table.numel() and (table.is_floating_point() or table.is_complex() or table.dtype == torch.bool):
+        raise ValueError(f"{_OP}: block_tables must hold integer block ids, got {table.dtype} values")
     host = dict(
         query_start_loc=torch.tensor(qsl, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=torch.tensor(table, dtype=torch.int32).reshape(len(block_tables), width),
+        block_table=table.to(torch.int32).reshape(len(block_tables), width),
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         positions=torch.tensor(positions, dtype=torch.int64),
     )
@@ -127,15 +224,32 @@ def build_attention_metadata(
         tensors = buffers.fill(**host)
     else:
         tensors = {k: v.to(device, non_blocking=True) for k, v in host.items()}
+    query_lens = [b - a for a, b in zip(qsl, qsl[1:])]  # host ints
+    max_query_len, max_seq_len = max(query_lens, default=0), max(seq_lens, default=0)
+    plan = PlanBounds(
+        block_size=block_size, num_tokens=n, max_query_len=max_query_len, max_seq_len=max_seq_len,
+        max_block_id=max_block, max_position=max(positions, default=-1),
+        tensor_ptrs=plan_tensor_ptrs(tensors),
+    )
     return AttentionMetadata(
         num_actual_tokens=n,
-        max_query_len=max(query_lens, default=0),
-        max_seq_len=max(seq_lens, default=0),
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
         num_decodes=sum(1 for q in query_lens if q == 1),
         num_prefills=sum(1 for q in query_lens if q > 1),
         causal=causal,
+        block_size=block_size,
+        plan=plan,
         **tensors,
     )
+
+
+def plan_tensor_ptrs(tensors) -> tuple[int, ...]:
+    """Data pointers of a step's index tensors (a dict or an ``AttentionMetadata``), in the
+    order ``PlanBounds.tensor_ptrs`` records them."""
+    get = tensors.__getitem__ if isinstance(tensors, dict) else tensors.__getattribute__
+    return tuple(get(n).data_ptr() for n in ("query_start_loc", "seq_lens", "block_table",
+                                              "slot_mapping", "positions"))
 
 
 class MetadataBuffers:

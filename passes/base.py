@@ -5,31 +5,103 @@ when a piece of a piecewise-split model is compiled and when a whole graph is, a
 ``uuid()`` hashing its own sources (its module, the modules of its base classes and the
 modules it declares in ``depends_on``). ``FusionPass`` adds what every fusion shares:
 ``matched_count``, one log line, timing, and its records for the fusion report.
+
+Records survive Inductor's caches. A graph served by the FX-graph cache (or the AOTAutograd
+cache) runs no pass, so each record is also counted in ``counters["inductor"]`` under a key
+that encodes it (``record_key``): Inductor stores a compile's counter increments with the
+compiled graph and adds them again whenever the graph is served from a cache
+(``CompiledFxGraph.counter_deltas``). ``replayed_records()`` turns the increments no pass
+of this process made back into records, so the report reads the same whether a graph was
+compiled or loaded.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import inspect
+import json
 import logging
 import time
 import types
+import uuid
 
 import torch
+from torch._dynamo.utils import counters
 
 logger = logging.getLogger("inductor_rocm_attn.passes")
 
 
 @dataclasses.dataclass
 class FusionRecord:
-    """One candidate a pass looked at: a layer, whether it fused, and what (or why not)."""
+    """One candidate a pass looked at: a layer, whether it fused, and what (or why not).
+
+    ``interleaved_v``: the fused writer emits interleaved V, so the layer must use it;
+    ``switched_interleaved_v``: the layer was switched when the record was made (else its
+    impl switches it at the first fused write); ``from_cache``: replayed for a graph served
+    from Inductor's cache (not printed: the report reads the same either way).
+    """
 
     pass_name: str
     layer_name: str
     fused: bool
     detail: str
     switched_interleaved_v: bool = False
+    interleaved_v: bool = False
+    from_cache: bool = dataclasses.field(default=False, compare=False)
+
+
+# --- records through Inductor's counters (they survive its caches) ----------------------------
+
+_KEY_PREFIX = "rocm_attn.fusion_record "
+_FIELDS = ("pass_name", "layer_name", "fused", "detail", "switched_interleaved_v", "interleaved_v")
+_accounted: collections.Counter = collections.Counter()  # key -> increments already turned into records
+_accounted_in = None  # the counters["inductor"] object _accounted refers to
+_graph = {"tag": "0", "ordinal": 0}  # the graph being compiled: a tag of its own, records numbered
+
+
+def begin_graph() -> None:
+    """The passes start on a new graph (the pass manager calls this): its records get a tag
+    of their own, so a cached graph's records come back together and in their order."""
+    _graph["tag"], _graph["ordinal"] = uuid.uuid4().hex[:12], 0
+
+
+def record_key(record: FusionRecord) -> str:
+    """The ``counters["inductor"]`` key of the next record of the current graph: the prefix,
+    the graph's tag and the record's number in it, then the record's fields as JSON."""
+    _graph["ordinal"] += 1
+    return f"{_KEY_PREFIX}{_graph['tag']}.{_graph['ordinal']} {json.dumps([getattr(record, f) for f in _FIELDS])}"
+
+
+def _ledger() -> collections.Counter:
+    """``_accounted``, emptied when Inductor's counters were replaced (``counters.clear()``)."""
+    global _accounted_in
+    if counters["inductor"] is not _accounted_in:
+        _accounted.clear()
+        _accounted_in = counters["inductor"]
+    return _accounted
+
+
+def count_record(record: FusionRecord) -> None:
+    """Count a record a pass made now: Inductor keeps the increment with the compiled graph."""
+    key = record_key(record)
+    _ledger()[key] += 1
+    counters["inductor"][key] += 1
+
+
+def replayed_records() -> list[FusionRecord]:
+    """Records of graphs served from Inductor's cache since the last call (in the order
+    Inductor replayed them): counter increments of our keys that no pass here made."""
+    ledger, out = _ledger(), []
+    for key, n in list(counters["inductor"].items()):
+        if not key.startswith(_KEY_PREFIX):
+            continue
+        extra = n - ledger[key]
+        ledger[key] = n
+        fields = json.loads(key.split(" ", 2)[2])
+        out.extend(FusionRecord(**dict(zip(_FIELDS, fields)), from_cache=True) for _ in range(extra))
+    return out
 
 
 class GraphPass:
@@ -118,14 +190,19 @@ class FusionPass(GraphPass):
     def apply(self, graph: torch.fx.Graph) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def fused(self, layer_name: str, detail: str, switched_interleaved_v: bool = False) -> None:
+    def fused(self, layer_name: str, detail: str, switched_interleaved_v: bool = False, *,
+              interleaved_v: bool | None = None) -> None:
+        """A candidate fused. ``interleaved_v``: the fused writer emits interleaved V (default:
+        ``switched_interleaved_v``, whether the pass switched the layer now)."""
         self.matched_count += 1
-        self._record(FusionRecord(self.name, layer_name, True, detail, switched_interleaved_v))
+        iv = switched_interleaved_v if interleaved_v is None else interleaved_v
+        self._record(FusionRecord(self.name, layer_name, True, detail, switched_interleaved_v, iv))
 
     def not_fused(self, layer_name: str, why: str) -> None:
         self._record(FusionRecord(self.name, layer_name, False, why))
 
     def _record(self, record: FusionRecord) -> None:
         self.records.append(record)
+        count_record(record)
         if self.report is not None:
             self.report.add(record)

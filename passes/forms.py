@@ -1,8 +1,9 @@
 """The plain-PyTorch forms the fusion passes recognize, traced into pattern-matcher patterns.
 
 Each form is a plain eager function, written the way models write it (HF ``rotate_half``
-RoPE with cos/sin gathered by position, HF RMSNorm with its dtype casts, the plain static
-fp8 quant). A form is traced once per (dtype, head geometry) with ``fwd_only`` (Inductor's
+RoPE with cos/sin gathered by position; transformers' RoPE with the model's per-token cos/sin
+on ``[B, H, T, D]`` transposes, ``rotate_half`` sliced; HF RMSNorm with its dtype casts; the
+plain static fp8 quant). A form is traced once per (dtype, head geometry) with ``fwd_only`` (Inductor's
 own decompositions, so the pattern has the shape of a post-grad graph) and turned into a
 ``PatternExpr`` with ``fx_to_pattern``. Two values are made wildcards while converting:
 
@@ -56,6 +57,35 @@ def rope_neox_hf(x: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.
     return x * cos + rotate_half(x) * sin
 
 
+def rotate_half_sliced(x: torch.Tensor) -> torch.Tensor:
+    """``rotate_half`` as transformers writes it (slicing, in every model that has it)."""
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_neox_hf_sliced(x: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``rope_neox_hf`` with the slicing ``rotate_half``."""
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
+    sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
+    return x * cos + rotate_half_sliced(x) * sin
+
+
+def rope_neox_transformers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' attention modules: the projection's view ``x [B, T, H, D]`` transposed to
+    ``[B, H, T, D]``, rotated by ``apply_rotary_pos_emb`` with the model's per-token ``cos``/
+    ``sin [B, T, D]`` (``unsqueeze_dim=1``), transposed back by the attention function."""
+    x = x.transpose(1, 2)
+    out = x * cos.unsqueeze(1) + rotate_half_sliced(x) * sin.unsqueeze(1)
+    return out.transpose(1, 2)
+
+
+def rope_neox_per_token(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The same formula token-major: ``x [T, H, D]``, per-token ``cos``/``sin [T, D]``."""
+    return x * cos.unsqueeze(1) + rotate_half_sliced(x) * sin.unsqueeze(1)
+
+
 def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x[:, :, ::2], x[:, :, 1::2]
     return torch.stack((-x2, x1), dim=-1).flatten(-2)
@@ -95,7 +125,11 @@ def make_fp8_quant_plain(fp8_dtype: torch.dtype) -> Callable:
     return fp8_quant_plain
 
 
-ROPE_FORMS = {"hf_neox": (rope_neox_hf, True), "hf_gptj": (rope_gptj_hf, False)}
+ROPE_FORMS = {"hf_neox": (rope_neox_hf, True), "hf_neox_sliced": (rope_neox_hf_sliced, True),
+              "hf_gptj": (rope_gptj_hf, False)}
+# RoPE with the model's own per-token cos/sin: form -> (function, rank of x). NeoX only: a
+# GPT-J rotation is a different function of the same inputs and is not matched.
+COS_SIN_ROPE_FORMS = {"transformers_neox": (rope_neox_transformers, 4), "per_token_neox": (rope_neox_per_token, 3)}
 RMS_FORMS = {"hf": rms_norm_hf, "hf_weight_last": rms_norm_hf_weight_last}
 
 
@@ -145,6 +179,17 @@ def rope_pattern(form: str, dtype: torch.dtype, num_heads: int, head_size: int) 
             torch.randn(_POSITIONS, head_size, dtype=dtype),
             torch.zeros(_MAGIC_T, dtype=torch.int64)]
     return _trace(fn, args, ["x", "cos_sin_cache", "positions"])
+
+
+@functools.cache
+def rope_cos_sin_pattern(form: str, dtype: torch.dtype, head_size: int) -> pm.PatternExpr:
+    """Pattern of ``COS_SIN_ROPE_FORMS[form]`` on heads of ``head_size`` in ``dtype`` (sizes
+    other than the head's never appear in it: batch, tokens and heads are free)."""
+    fn, rank = COS_SIN_ROPE_FORMS[form]
+    lead = [2, _MAGIC_T] if rank == 4 else [_MAGIC_T]
+    args = [torch.randn(*lead, 3, head_size, dtype=dtype), torch.randn(*lead, head_size, dtype=dtype),
+            torch.randn(*lead, head_size, dtype=dtype)]
+    return _trace(fn, args, ["x", "cos", "sin"])
 
 
 @functools.cache

@@ -4,8 +4,9 @@ A fused writer that emits AITER's interleaved-V layout changes how its layer's V
 be read, so the layer is switched when the fusion is compiled: its cached data is converted
 in place and every later read and write follows ``layer.interleaved_v``. Layers that share
 one compiled piece follow the layer that piece was compiled for. When a graph is compiled
-before its layer exists (or comes from Inductor's FX-graph cache, so no pass runs), the
-impl's run-time guard switches the layer on its first fused write instead.
+before its layer exists, or comes from Inductor's cache (no pass runs; the fusion report
+switches the layer again when it takes the graph's records back, if it can find the layer
+then), the impl's run-time guard switches the layer on its first fused write.
 """
 
 from __future__ import annotations

@@ -9,33 +9,47 @@ A layer site in a post-grad graph::
     auto_functionalized_v2(unified_attention_with_output, query=q_rot, key=k_rot, value=v,
                            layer_name=layer, kv_cache_dependency=token, ...)
 
-RoPE is recognized as ``rocm_attn.rotary_embedding`` (under ``auto_functionalized_v2``) or
-as one of ``forms.ROPE_FORMS`` (HF NeoX ``rotate_half``, HF GPT-J ``rotate_every_two``, cos/
-sin gathered by position) for fp16/bf16/fp32.
+RoPE is recognized as ``rocm_attn.rotary_embedding`` (under ``auto_functionalized_v2``), as
+one of ``forms.ROPE_FORMS`` (HF NeoX ``rotate_half``, HF GPT-J ``rotate_every_two``, cos/sin
+gathered by position) or as one of ``forms.COS_SIN_ROPE_FORMS`` (the model's own per-token
+cos/sin, e.g. transformers' attention: q/k viewed ``[B, T, H, D]``, rotated as ``[B, H, T,
+D]``, viewed back to ``[B*T, H, D]`` for the attention), for fp16/bf16/fp32.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 
 from . import forms, fx_utils
 
+aten = torch.ops.aten
 rocm = torch.ops.rocm_attn
 
 
 @dataclasses.dataclass
 class RopeMatch:
-    form: str  # "op" or a forms.ROPE_FORMS key
+    """A recognized RoPE of a layer's query and key. Gathered forms carry ``positions`` and
+    ``cos_sin_cache``; per-token forms (``per_token``) the model's ``cos``/``sin``."""
+
+    form: str  # "op", a forms.ROPE_FORMS or a forms.COS_SIN_ROPE_FORMS key
     is_neox: bool
-    positions: torch.fx.Node
-    cos_sin_cache: torch.fx.Node
     q_in: torch.fx.Node  # pre-rotation query / key (what the fused op takes)
     k_in: torch.fx.Node
     q_out: torch.fx.Node  # rotated query / key nodes (what the fused outputs replace)
     k_out: torch.fx.Node
     head_size: int  # the head size the rotation splits q/k into
+    positions: torch.fx.Node | None = None
+    cos_sin_cache: torch.fx.Node | None = None
+    cos: torch.fx.Node | None = None  # [B, T, D] (q/k [B, T, H, D]) or [T, D] (q/k [T, H, D])
+    sin: torch.fx.Node | None = None
+    cos_batch: int | None = None  # cos/sin [1, T, D] broadcast over this many batch rows
+
+    @property
+    def per_token(self) -> bool:
+        return self.cos is not None
 
 
 @dataclasses.dataclass
@@ -92,19 +106,24 @@ def _match_rope_op(k_root: torch.fx.Node, q_root: torch.fx.Node) -> tuple[RopeMa
     kv = fx_utils.val(bases[ki])
     if kv is None or kv.shape[-1] % head_size and kv.shape[-1] != head_size:
         return None, "rotary_embedding key shape does not fit head_size"
-    return RopeMatch("op", bool(kw["is_neox"]), kw["positions"], kw["cos_sin_cache"], bases[qi], bases[ki],
-                     q_root, k_root, int(head_size)), ""
+    return RopeMatch("op", bool(kw["is_neox"]), bases[qi], bases[ki], q_root, k_root, int(head_size),
+                     positions=kw["positions"], cos_sin_cache=kw["cos_sin_cache"]), ""
 
 
 def _match_rope_hf(k_root: torch.fx.Node, q_root: torch.fx.Node) -> tuple[RopeMatch | None, str]:
     kval, qval = fx_utils.val(k_root), fx_utils.val(q_root)
-    if kval is None or kval.dim() != 3:
-        return None, f"the cached key is not a RoPE output (it comes from {_producer(k_root)})"
-    if qval is None or qval.dim() != 3:
-        return None, f"the attention's query is not a RoPE output (it comes from {_producer(q_root)})"
+    if kval is None or kval.dim() not in (3, 4):
+        return None, f"the cached key is not a RoPE output (it comes from {producer(k_root)})"
+    if qval is None or qval.dim() != kval.dim():
+        return None, f"the attention's query is not a RoPE output (it comes from {producer(q_root)})"
     if kval.dtype not in forms.MODEL_DTYPES or qval.dtype != kval.dtype:
         return None, f"dtype {kval.dtype}/{qval.dtype} is not a supported model dtype"
     why = []
+    m, w = _match_rope_cos_sin(k_root, q_root, kval, qval, why)
+    if m is not None or w:
+        return m, w
+    if kval.dim() != 3:
+        return None, f"the cached key is not a RoPE output ({'; '.join(why)})"
     for form, (_, is_neox) in forms.ROPE_FORMS.items():
         kk, kwhy = forms.match(forms.rope_pattern(form, kval.dtype, int(kval.shape[1]), int(kval.shape[2])), k_root)
         if kk is None:
@@ -115,16 +134,64 @@ def _match_rope_hf(k_root: torch.fx.Node, q_root: torch.fx.Node) -> tuple[RopeMa
             return None, f"key is {form} RoPE but the attention's query is not ({qwhy})"
         if qk["positions"] is not kk["positions"] or qk["cos_sin_cache"] is not kk["cos_sin_cache"]:
             return None, f"query and key are rotated with different positions or cos/sin caches ({form})"
-        return RopeMatch(form, is_neox, kk["positions"], kk["cos_sin_cache"], qk["x"], kk["x"], q_root, k_root,
-                         int(kval.shape[2])), ""
+        return RopeMatch(form, is_neox, qk["x"], kk["x"], q_root, k_root, int(kval.shape[2]),
+                         positions=kk["positions"], cos_sin_cache=kk["cos_sin_cache"]), ""
     return None, "the cached key is not a RoPE output (" + "; ".join(why) + ")"
 
 
-def _producer(node: torch.fx.Node) -> str:
+def same_size(a, b) -> bool:
+    """Whether two sizes (ints or symbolic) are the same, without adding a shape guard."""
+    return a is b or (isinstance(a, int) and isinstance(b, int) and a == b) or str(a) == str(b)
+
+
+def _match_rope_cos_sin(k_root, q_root, kval, qval, why: list) -> tuple[RopeMatch | None, str]:
+    """``forms.COS_SIN_ROPE_FORMS`` at the cached key and the query: ``(match, "")``, ``(None,
+    why)`` for a RoPE of this kind that cannot fuse, ``(None, "")`` when the key is not one
+    (the reasons appended to ``why``)."""
+    rank, d = kval.dim(), int(kval.shape[-1])
+    for form, (_, form_rank) in forms.COS_SIN_ROPE_FORMS.items():
+        if form_rank != rank:
+            continue
+        kk, kwhy = forms.match(forms.rope_cos_sin_pattern(form, kval.dtype, d), k_root)
+        if kk is None:
+            why.append(f"{form}: {kwhy}")
+            continue
+        qk, qwhy = forms.match(forms.rope_cos_sin_pattern(form, qval.dtype, int(qval.shape[-1])), q_root)
+        if qk is None:
+            return None, f"key is {form} RoPE but the attention's query is not ({qwhy})"
+        if qk["cos"] is not kk["cos"] or qk["sin"] is not kk["sin"]:
+            return None, (f"query and key are rotated with different cos/sin ({form}: query {qk['cos'].name}/"
+                          f"{qk['sin'].name}, key {kk['cos'].name}/{kk['sin'].name})")
+        cos, sin = fx_utils.val(kk["cos"]), fx_utils.val(kk["sin"])
+        xk, xq = fx_utils.val(kk["x"]), fx_utils.val(qk["x"])
+        dtypes = {t.dtype for t in (cos, sin, xk, xq, kval, qval)}
+        if len(dtypes) != 1:
+            return None, (f"{form} RoPE mixes dtypes (q/k {xq.dtype}/{xk.dtype}, cos/sin {cos.dtype}/{sin.dtype}, "
+                          f"rotated {qval.dtype}); the fused writer rotates in the model dtype's precision")
+        lead = tuple(xk.shape[:rank - 2])  # (B, T) or (T,)
+        if (cos.dim() != rank - 1 or sin.dim() != rank - 1 or not same_size(cos.shape[-1], d)
+                or not all(same_size(a, b) for a, b in zip(cos.shape, sin.shape))):
+            return None, f"{form} cos/sin {tuple(cos.shape)} are not per-token rows of the head size {d}"
+        if not all(same_size(a, b) for a, b in zip(xq.shape[:rank - 2], lead)):
+            return None, f"{form}: query and key have different token shapes"
+        batch = None
+        if not all(same_size(a, b) for a, b in zip(cos.shape[:-1], lead)):
+            c0 = cos.shape[0]
+            if not (rank == 4 and isinstance(c0, int) and c0 == 1 and same_size(cos.shape[1], lead[1])
+                    and isinstance(lead[0], int)):
+                return None, f"{form} cos/sin {tuple(cos.shape)} do not give one row per token of {tuple(lead)}"
+            batch = lead[0]  # position_ids [1, T] for a batch of B rows
+        return RopeMatch(form, True, qk["x"], kk["x"], q_root, k_root, d, cos=kk["cos"], sin=kk["sin"],
+                         cos_batch=batch), ""
+    return None, ""
+
+
+def producer(node: torch.fx.Node) -> str:
+    """What computes ``node``, for a miss reason (``mm``, ``output 1 of split``...)."""
     if node.op != "call_function":
         return f"{node.op} {node.name}"
     if fx_utils.is_getitem(node):
-        return f"output {node.args[1]} of {_producer(node.args[0])}"
+        return f"output {node.args[1]} of {producer(node.args[0])}"
     return str(getattr(node.target, "__name__", node.target))
 
 
@@ -139,6 +206,14 @@ def match_rope(site: LayerSite) -> tuple[RopeMatch | None, str]:
     vv = fx_utils.val(site.value)
     if vv is None or int(vv.shape[-1]) != m.head_size:
         return None, f"RoPE splits heads of {m.head_size} channels, the cached value has heads of {vv.shape[-1]}"
+    if m.per_token:
+        # The fused outputs replace what the attention reads: [num_tokens, heads, head_size].
+        for which, node in (("key", site.key), ("query", site.query)):
+            v = fx_utils.val(node)
+            if v is None or v.dim() != 3:
+                return None, f"the attention's {which} is not a [num_tokens, heads, head_size] view"
+        m.q_out, m.k_out = site.query, site.key
+        return m, ""
     if m.positions.meta.get("val") is None or m.positions.meta["val"].dtype not in (torch.int64, torch.int32):
         return None, "positions are not an integer tensor"
     return m, ""
@@ -177,6 +252,65 @@ def column_slice(node: torch.fx.Node) -> ColumnSlice | None:
     i = s.args[1]
     start = sum(sizes[:i])
     return ColumnSlice(source, start, start + sizes[i])
+
+
+def per_token_rows(graph: torch.fx.Graph, rope: RopeMatch, x: torch.fx.Node) -> torch.fx.Node:
+    """``x`` of a per-token RoPE as ``[num_tokens, ...]`` rows: q/k ``[B, T, H, D]`` ->
+    ``[B*T, H, D]``, cos/sin ``[B, T, D]`` -> ``[B*T, D]`` (expanded first when they broadcast
+    over the batch); token-major tensors as they are. Inserted at the insert point."""
+    v = fx_utils.val(x)
+    if rope.form not in forms.COS_SIN_ROPE_FORMS or forms.COS_SIN_ROPE_FORMS[rope.form][1] == 3:
+        return x
+    if v.dim() == 3 and rope.cos_batch is not None:  # cos/sin [1, T, D]
+        x = fx_utils.call(graph, aten.expand.default, (x, [rope.cos_batch, -1, -1]))
+    return fx_utils.call(graph, aten.reshape.default, (x, [-1, *[int(s) for s in v.shape[2:]]]))
+
+
+_AUTO_FUNCTIONALIZED_V2 = torch.ops.higher_order.auto_functionalized_v2
+
+
+def emit_in_place(graph: torch.fx.Graph, op, kwargs: dict, site: LayerSite, q_in: torch.fx.Node,
+                  k_in: torch.fx.Node, q_out: torch.fx.Node, k_out: torch.fx.Node) -> torch.fx.Node:
+    """Insert ``op`` (a layer-level writer that mutates ``query`` and ``key`` in place and
+    returns a dependency token) functionalized at the insert point, on ``q_in``/``k_in``;
+    point ``q_out``/``k_out`` (and the attention's v, see below) at its results; return
+    its token. ``kwargs``: the op's other arguments (``value`` among them).
+
+    When q and k are column slices of one tensor computed in the graph (``qkv = x @ W``,
+    then split), that tensor is the one base, q and k its slices, and the attention reads
+    q, k and v as slices of the op's result: Inductor reinplaces one base per storage, so
+    this leaves no copy. Otherwise q and k are two bases (each reinplaced when nothing reads
+    it afterwards; a graph input is never mutated in place, so it is copied).
+    """
+    kwargs = dict(kwargs)
+    q_cols, k_cols = column_slice(q_in), column_slice(k_in)
+    one_base = (q_cols is not None and k_cols is not None and q_cols.source is k_cols.source
+                and q_cols.source.op != "placeholder"
+                and (q_cols.end <= k_cols.start or k_cols.end <= q_cols.start))
+    if one_base:
+        for arg, cols in (("query", q_cols), ("key", k_cols)):
+            kwargs.update({f"_{arg}_base_index": 0, f"_{arg}_slice_dim": 1,
+                           f"_{arg}_slice_start": cols.start, f"_{arg}_slice_end": cols.end})
+        kwargs["_all_bases"] = [q_cols.source]
+    else:
+        kwargs.update(_query_base_index=0, _key_base_index=1, _all_bases=[q_in, k_in])
+    fused = fx_utils.call(graph, _AUTO_FUNCTIONALIZED_V2, (op,), kwargs)
+    token = fx_utils.call(graph, operator.getitem, (fused, 0))
+    if not one_base:
+        q_new, k_new = (fx_utils.call(graph, operator.getitem, (fused, i)) for i in (1, 2))
+        replace_outputs(graph, [(q_out, q_new), (k_out, k_new)])
+        return token
+    base = fx_utils.call(graph, operator.getitem, (fused, 1))
+    q_new, k_new = (fx_utils.call(graph, aten.slice.Tensor, (base, 1, c.start, c.end)) for c in (q_cols, k_cols))
+    v_cols = column_slice(site.value)
+    if v_cols is not None and v_cols.source is q_cols.source:
+        # The attention's v is a slice of the same tensor: read it from the op's result, so no
+        # use of the tensor from before the op is left after it (one would stop the reinplacing).
+        v_new = fx_utils.reshape_like(graph, fx_utils.call(
+            graph, aten.slice.Tensor, (base, 1, v_cols.start, v_cols.end)), site.value)
+        site.value.replace_all_uses_with(v_new, delete_user_cb=lambda user: user is not fused)
+    replace_outputs(graph, [(q_out, q_new), (k_out, k_new)])
+    return token
 
 
 def replace_outputs(graph: torch.fx.Graph, pairs) -> None:

@@ -32,7 +32,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from inductor_rocm_attn import lowering
 
 from .attn_quant_fusion import AttnQuantFusionPass
-from .base import hash_sources
+from .base import begin_graph, hash_sources
 from .qk_norm_rope_kv_cache_fusion import QKNormRopeKVCacheFusionPass
 from .remove_stand_ins import RemoveStandInsPass
 from .report import FusionReport
@@ -89,6 +89,7 @@ class PassManager(CustomGraphPass):
         return next(p for p in (*self.passes, *self.last_passes) if p.name == name)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        begin_graph()
         for p in self.passes:
             if self.flags[p.name] and p.applies(in_piece=self.in_piece):
                 p(graph)

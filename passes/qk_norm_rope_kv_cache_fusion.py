@@ -14,6 +14,24 @@ Fused::
         qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, Hq, Hkv, D, layer)
     unified_attention_with_output(q_rot, k_rot, v, out, layer, token)   # v: the split's slice
 
+With separate q/k/v projections and the model's per-token cos/sin (transformers' Qwen3: the
+norm on the ``[B, T, H, D]`` view, before the transpose to ``[B, H, T, D]``)::
+
+    q = rms_norm(x_q, q_weight, eps); k = rms_norm(x_k, k_weight, eps)   # x_q [B, T, Hq, D]
+    q_rot, k_rot = rope(q, k, cos, sin)                                    # per-token cos/sin
+    token = unified_kv_cache_update(k_rot.reshape(B*T, Hkv, D), v, layer)
+
+fuses into an op that normalizes and rotates q/k in place (emitted functionalized, as the
+RoPE fusion's op)::
+
+    token, q_new, k_new = auto_functionalized_v2(unified_qk_norm_rope_cos_sin_and_kv_cache_update,
+        value=v, q_weight=q_weight, k_weight=k_weight, eps=eps, cos=cos.reshape(-1, D), ...,
+        _all_bases=[x_q.reshape(-1, Hq, D), x_k.reshape(-1, Hkv, D)])
+
+Its norm is transformers' ``Qwen3RMSNorm`` exactly (the normalized value rounded to the model
+dtype before the weight), so only ``forms.RMS_FORMS`` match there, not ``rocm_attn.rms_norm``
+(which rounds once).
+
 RMSNorm is recognized as ``rocm_attn.rms_norm`` or one of ``forms.RMS_FORMS`` (HF casts),
 RoPE by ``matchers.match_rope`` as in ``rope_kv_cache_fusion``. The norm must be over the head dim of a
 ``[T, heads, head_size]`` view of the q/k slice of the same ``qkv`` split whose v slice is
@@ -32,30 +50,41 @@ import torch
 from . import forms, fx_utils, interleaved_v, matchers
 from .base import FusionPass
 from .interleaved_v import switch_to_interleaved_v
-from .matchers import cache_updates, layer_site, match_rope, replace_outputs
+from .matchers import cache_updates, emit_in_place, layer_site, match_rope, per_token_rows, replace_outputs
 
 aten = torch.ops.aten
 rocm = torch.ops.rocm_attn
 _SPLITS = (aten.split_with_sizes.default, aten.split.Tensor)
+_QKV_OP = rocm.unified_qk_norm_rope_and_kv_cache_update.default
+_SEPARATE_OP = rocm.unified_qk_norm_rope_cos_sin_and_kv_cache_update.default
 
 
-def _match_norm(root: torch.fx.Node, which: str):
-    """``(x, weight, eps, "")`` when ``root`` is an RMSNorm of ``x`` over its last dim."""
+def _match_norm(root: torch.fx.Node, which: str, rank: int = 3, op_form: bool = True):
+    """``(x, weight, eps, "")`` when ``root`` is an RMSNorm of ``x`` over its last dim
+    (``op_form``: ``rocm_attn.rms_norm`` counts too)."""
     v = fx_utils.val(root)
-    if v is None or v.dim() != 3:
-        return None, None, None, f"{which}-norm output is not a [T, heads, head_size] tensor"
+    if v is None or v.dim() != rank:
+        shape = "[T, heads, head_size]" if rank == 3 else "[B, T, heads, head_size]"
+        return None, None, None, f"{which}-norm output is not a {shape} tensor"
     if root.op == "call_function" and root.target is rocm.rms_norm.default:
+        if not op_form:
+            return None, None, None, (f"the {which}-norm is rocm_attn.rms_norm, which rounds once; the "
+                                      "per-token writer implements transformers' RMSNorm")
         x, w, eps = root.args[:3]
         return x, w, eps, ""
     if v.dtype not in forms.MODEL_DTYPES:
         return None, None, None, f"{which}: dtype {v.dtype} is not a model dtype"
+    if not (root.op == "call_function" and root.target is aten.mul.Tensor):  # every RMS form ends in `weight *`
+        return None, None, None, (f"the rotated {which} is not a per-head RMSNorm output (it comes from "
+                                  f"{matchers.producer(root)})")
     why = []
     for form in forms.RMS_FORMS:
-        kw, w = forms.match(forms.rms_pattern(form, v.dtype, int(v.shape[1]), int(v.shape[2])), root)
+        kw, w = forms.match(forms.rms_pattern(form, v.dtype, int(v.shape[-2]), int(v.shape[-1])), root)
         if kw is not None:
             return kw["x"], kw["weight"], kw["eps"], ""
         why.append(f"{form}: {w}")
-    return None, None, None, f"the rotated {which} is not a per-head RMSNorm output (" + "; ".join(why) + ")"
+    return None, None, None, (f"the rotated {which} ({matchers.producer(root)}) is not a per-head RMSNorm output ("
+                              + "; ".join(why) + ")")
 
 
 def _split_slot(x: torch.fx.Node):
@@ -77,6 +106,8 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
         rope, why = match_rope(site)
         if rope is None:
             return None, why
+        if rope.per_token:
+            return self.match_separate(site, rope)
         parts = {}
         for which, pre, post in (("q", rope.q_in, rope.q_out), ("k", rope.k_in, rope.k_out)):
             root = fx_utils.strip_views(pre)
@@ -115,6 +146,37 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
             return None, f"RoPE splits heads of {rope.head_size} channels, the norms heads of {d}"
         return (rope, qkv, wq, wk, float(eps_q), hq, hkv, d), ""
 
+    def match_separate(self, site, rope):
+        """q and k each normalized per head before a per-token RoPE (q/k/v need not share a
+        tensor): ``((rope, x_q, x_k, w_q, w_k, eps), "")`` or ``(None, why)``."""
+        rank = fx_utils.val(rope.k_in).dim()
+        parts = {}
+        for which, root in (("q", rope.q_in), ("k", rope.k_in)):
+            # No looking through views: a norm over the whole projection, viewed as heads
+            # afterwards, normalizes over another axis.
+            x, w, eps, why = _match_norm(root, which, rank, op_form=False)
+            if x is None:
+                return None, why
+            xv, rv, wv = fx_utils.val(x), fx_utils.val(root), fx_utils.val(w)
+            if (xv is None or xv.dim() != rv.dim() or xv.dtype != rv.dtype
+                    or not all(matchers.same_size(a, b) for a, b in zip(xv.shape, rv.shape))):
+                return None, f"{which}-norm is not over the head dim of the {tuple(rv.shape)} heads RoPE rotates"
+            if wv is None or tuple(wv.shape) != (rope.head_size,) or wv.dtype != xv.dtype:
+                return None, (f"{which}-norm weight {tuple(wv.shape) if wv is not None else None} is not "
+                              f"[head_size] = [{rope.head_size}] in the model dtype {xv.dtype}")
+            parts[which] = (x, w, eps)
+        (xq, wq, eps_q), (xk, wk, eps_k) = parts["q"], parts["k"]
+        if eps_q != eps_k or not isinstance(eps_q, float):
+            return None, f"q-norm eps {eps_q} and k-norm eps {eps_k} differ or are not constants"
+        return (rope, xq, xk, wq, wk, float(eps_q)), ""
+
+    def _emit_separate(self, graph, site, m, layer: str) -> torch.fx.Node:
+        rope, xq, xk, wq, wk, eps = m
+        q_in, k_in, cos, sin = (per_token_rows(graph, rope, x) for x in (xq, xk, rope.cos, rope.sin))
+        kwargs = dict(value=site.value, q_weight=wq, k_weight=wk, eps=eps, cos=cos, sin=sin, is_neox=rope.is_neox,
+                      layer_name=layer)
+        return emit_in_place(graph, _SEPARATE_OP, kwargs, site, q_in, k_in, rope.q_out, rope.k_out)
+
     def apply(self, graph: torch.fx.Graph) -> None:
         changed = False
         for cache in cache_updates(graph):
@@ -126,19 +188,27 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
             if m is None:
                 self.not_fused(layer, why)
                 continue
-            rope, qkv, wq, wk, eps, hq, hkv, d = m
-            with graph.inserting_before(cache):
-                fused = fx_utils.call(graph, rocm.unified_qk_norm_rope_and_kv_cache_update.default, (
-                    qkv, wq, wk, eps, rope.positions, rope.cos_sin_cache, rope.is_neox, hq, hkv, d, layer))
-                outs = [fx_utils.call(graph, operator.getitem, (fused, i)) for i in range(3)]
-            replace_outputs(graph, [(rope.q_out, outs[0]), (rope.k_out, outs[1])])
-            cache.replace_all_uses_with(outs[2])
+            rope = m[0]
+            if rope.per_token:
+                eps, op = m[-1], _SEPARATE_OP
+                with graph.inserting_before(cache):
+                    token = self._emit_separate(graph, site, m, layer)
+            else:
+                _, qkv, wq, wk, eps, hq, hkv, d = m
+                op = _QKV_OP
+                with graph.inserting_before(cache):
+                    fused = fx_utils.call(graph, _QKV_OP, (
+                        qkv, wq, wk, eps, rope.positions, rope.cos_sin_cache, rope.is_neox, hq, hkv, d, layer))
+                    outs = [fx_utils.call(graph, operator.getitem, (fused, i)) for i in range(3)]
+                replace_outputs(graph, [(rope.q_out, outs[0]), (rope.k_out, outs[1])])
+                token = outs[2]
+            cache.replace_all_uses_with(token)
             graph.erase_node(cache)
             changed = True
             switched = switch_to_interleaved_v(layer)
             style = "NeoX" if rope.is_neox else "GPT-J"
             self.fused(layer, f"QK-norm (eps={eps:g}) + RoPE ({rope.form}, {style}) + KV-cache update -> "
-                       "unified_qk_norm_rope_and_kv_cache_update (interleaved V)", switched)
+                       f"{op._opname} (interleaved V)", switched, interleaved_v=True)
         if changed:
             fx_utils.finish(graph)
 

@@ -71,7 +71,7 @@ def test_slot_mapping_outside_cache():
     case = make_paged_case([3], [5], dtype=torch.float32)
     nslots = case.kv_cache.shape[0] * case.kv_cache.shape[2]
     slots = torch.tensor([0, 1, nslots], dtype=torch.int64)
-    with pytest.raises(IndexError, match=rf"reshape_and_cache: slot_mapping entry {nslots} is outside the cache"):
+    with pytest.raises(IndexError, match=rf"reshape_and_cache: slot_mapping entry {nslots} \(token 2\) is outside the cache"):
         torch.ops.rocm_attn.reshape_and_cache(case.key, case.value, case.kv_cache, slots, case.k_scale,
                                               case.v_scale, False)
 
@@ -86,7 +86,7 @@ def test_slot_mapping_dtype():
 def test_block_table_entry_outside_cache():
     case = make_paged_case([3, 1], [5, 17], dtype=torch.float32)
     case.block_table[1, 1] = case.kv_cache.shape[0] + 3
-    with pytest.raises(IndexError, match=r"paged_attention: block_table entry \d+ is outside the cache"):
+    with pytest.raises(IndexError, match=r"paged_attention: block_table\[1, 1\] = \d+ is outside the cache"):
         _attn(case)
 
 

@@ -171,6 +171,15 @@ def _release(runner):
         p.graphs.clear()
 
 
+def test_prepare_rejects_block_ids_outside_the_caches(compiled):
+    # A whole-step graph replay runs no layer code: the plan itself checks block ids against
+    # the caches (160 blocks here), for decode-only and mixed steps.
+    runner = compiled[0]
+    for qlens in ([1, 1], [1, 3]):
+        with pytest.raises(IndexError, match=r"block_tables\[1\]\[0\] = 160 is outside the cache \(num_blocks 160"):
+            runner.prepare(qlens, [3, 0], [[0], [160]])
+
+
 def test_replay_discipline_with_rerun_graphs(compiled):
     """Graph control flow on CPU: RerunGraphBackend replays each piece on its captured input
     tensors under the capture-time context, so anything the runner failed to route through

@@ -81,7 +81,7 @@ def test_profiling_run_zero_fills():
     layer = _layer("profiling")
     _bind(layer)
     q = torch.randn(6, 256)
-    with ira.set_forward_context(None):
+    with ira.profiling_run():
         out = layer(q, torch.randn(6, 128), torch.randn(6, 128))
     assert torch.count_nonzero(out) == 0
 

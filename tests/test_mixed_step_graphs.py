@@ -314,7 +314,7 @@ def test_prepare_plans_fixed_shapes():
     assert tuple(md.block_table.shape) == (8, 10) and md.block_table[2, :2].tolist() == [3, 9]
     assert (md.max_query_len, md.max_seq_len, md.num_actual_tokens) == (16, 160, 9)
     # the capture's dummy: nothing written, positions 0, every table entry a readable block
-    md = dummy_step(shape, buffers=buffers, max_model_len=160)
+    md = dummy_step(shape, buffers=buffers, max_model_len=160, block_size=16)
     assert md.query_start_loc.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 16]
     assert md.slot_mapping.eq(-1).all() and md.positions.eq(0).all() and md.block_table.eq(0).all()
     assert (md.max_query_len, md.num_actual_tokens) == (16, 16)

@@ -27,6 +27,7 @@ def kernel_level_calls(c):
     cos_sin = _rope_cache()
     qkv = torch.randn(t, (4 + 4) * 64)
     w = torch.rand(64) + 0.5
+    cos, sin = torch.randn(2, t, 64)
     return {
         "reshape_and_cache": (c.key, c.value, c.kv_cache.clone(), c.slot_mapping, c.k_scale, c.v_scale, True),
         "paged_attention": (poison(torch.empty_like(c.query)), c.query, c.key, c.value, c.kv_cache,
@@ -39,6 +40,10 @@ def kernel_level_calls(c):
         "qk_norm_rope_and_cache": (qkv, w, w, 1e-6, pos, cos_sin, True, c.kv_cache.clone(), c.slot_mapping,
                                    c.k_scale, c.v_scale, True, 4, 2, 64, poison(torch.empty(t, 4, 64)),
                                    poison(torch.empty(t, 2, 64))),
+        "rope_cos_sin_and_cache": (c.query.clone(), c.key.clone(), c.value, cos, sin, True, c.kv_cache.clone(),
+                                   c.slot_mapping, c.k_scale, c.v_scale, False),
+        "qk_norm_rope_cos_sin_and_cache": (c.query.clone(), c.key.clone(), c.value, w, w, 1e-6, cos, sin, False,
+                                           c.kv_cache.clone(), c.slot_mapping, c.k_scale, c.v_scale, True),
         "encoder_attention": (c.query, c.key, c.value, c.query_start_loc, 4, 0.1, False),
         "rms_norm": (torch.randn(5, 3, 64), w, 1e-5),
         "static_scaled_fp8_quant": (torch.randn(5, 64), torch.tensor([0.1]), torch.float8_e4m3fn),
@@ -60,6 +65,7 @@ def test_opcheck_layer_level(name):
     t = 4
     q, k, v = torch.randn(t, 4, 64), torch.randn(t, 2, 64), torch.randn(t, 2, 64)
     cos_sin = _rope_cache()
+    cos, sin, w = torch.randn(t, 64), torch.randn(t, 64), torch.rand(64) + 0.5
     args = {
         "unified_kv_cache_update": (k, v, layer.layer_name),
         "unified_attention_with_output": (q, k, v, poison(torch.empty_like(q)), layer.layer_name, None, None),
@@ -67,6 +73,9 @@ def test_opcheck_layer_level(name):
         "unified_qk_norm_rope_and_kv_cache_update": (torch.randn(t, 8 * 64), torch.rand(64), torch.rand(64),
                                                      1e-6, md.positions, cos_sin, True, 4, 2, 64,
                                                      layer.layer_name),
+        "unified_rope_cos_sin_and_kv_cache_update": (q, k, v, cos, sin, True, layer.layer_name),
+        "unified_qk_norm_rope_cos_sin_and_kv_cache_update": (q, k, v, w, w, 1e-6, cos, sin, True,
+                                                             layer.layer_name),
     }[name]
     with ira.set_forward_context(md):
         torch.library.opcheck(getattr(torch.ops.rocm_attn, name).default, args, test_utils=UTILS)

@@ -20,7 +20,6 @@ from torch.testing import FileCheck
 
 import inductor_rocm_attn as ira
 from inductor_rocm_attn import providers
-from inductor_rocm_attn.backend import writes_into_out_buffers
 from inductor_rocm_attn.kernels import reference as ref
 from inductor_rocm_attn.models import DecoderLayer, llama_config
 
@@ -90,29 +89,6 @@ def test_impl_writes_into_the_callers_buffers():
     q2, k2 = layer.impl.do_qk_norm_rope_kvcache_update(layer, qkv, w[0], w[1], 1e-6, positions, cos_sin, True,
                                                        layer.kv_cache, md)
     assert torch.equal(q2, q) and torch.equal(k2, k)
-
-
-def test_adapter_for_a_kernel_of_the_older_form():
-    """A provider kernel that returns fresh q/k/v (the Triton one until it takes q_out) is
-    called through ``writes_into_out_buffers``: no copy without caller buffers."""
-    calls = []
-
-    def older(*args):
-        calls.append(len(args))
-        return ref.qk_norm_rope_and_cache(*args)
-
-    wrapped = writes_into_out_buffers(older)
-    assert writes_into_out_buffers(ref.qk_norm_rope_and_cache) is ref.qk_norm_rope_and_cache
-    g = torch.Generator().manual_seed(3)
-    qkv, w, positions, cos_sin = _qk_norm_inputs(4, g)
-    slots, one = torch.arange(4), torch.ones(1)
-    args = (qkv, w[0], w[1], 1e-6, positions, cos_sin, True, _cache(), slots, one, one, True, H, HKV, D)
-    q, k, v = wrapped(*args, None, None, False)
-    assert v is None and calls == [15]
-    q_out, k_out = poison(torch.empty(4, H, D)), poison(torch.empty(4, HKV, D))
-    q2, k2, v2 = wrapped(*args, q_out, k_out, True)
-    assert q2 is q_out and k2 is k_out and torch.equal(q_out, q) and torch.equal(k_out, k)
-    assert torch.equal(v2, qkv[:, (H + HKV) * D:].view(4, HKV, D))
 
 
 def test_layer_rope_op_rotates_in_place():

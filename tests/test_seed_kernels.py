@@ -92,7 +92,7 @@ def test_causal_comes_from_the_step_when_set(monkeypatch, provider, layer_causal
             num_actual_tokens=c.query.shape[0], max_query_len=c.max_query_len,
             query_start_loc=c.query_start_loc, max_seq_len=c.max_seq_len, seq_lens=c.seq_lens,
             block_table=c.block_table, slot_mapping=c.slot_mapping, positions=torch.zeros_like(c.slot_mapping),
-            causal=step_causal)
+            causal=step_causal, block_size=c.kv_cache.shape[2])
         out = cases.poison(torch.empty_like(c.query))
         layer.impl.forward(layer, c.query, c.key, c.value, c.kv_cache, md, out)
         want = own if step_causal is None else step_causal

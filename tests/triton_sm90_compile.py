@@ -283,6 +283,17 @@ def main() -> int:
             qkv = torch.randn(T, (H + 2 * HKV) * D, dtype=dtype)
             tk.qk_norm_rope_and_cache(qkv, torch.ones(D, dtype=dtype), torch.ones(D, dtype=dtype), 1e-6, pos,
                                       cos_sin, True, cache, slots, one, one, interleaved, H, HKV, D)
+            tk.qk_norm_rope_and_cache(qkv, torch.ones(D, dtype=dtype), torch.ones(D, dtype=dtype), 1e-6, pos,
+                                      cos_sin, True, cache, slots, one, one, interleaved, H, HKV, D,
+                                      torch.empty(T, H, D, dtype=dtype), torch.empty(T, HKV, D, dtype=dtype), False)
+            # per-token cos/sin writers (transformers): with and without the norm, rotate-only
+            cos, sin = torch.randn(2, T, D, dtype=dtype)
+            w = torch.ones(D, dtype=dtype)
+            tk.rope_cos_sin_and_cache(q.clone(), k.clone(), v, cos, sin, True, cache, slots, one, one, interleaved)
+            tk.qk_norm_rope_cos_sin_and_cache(q.clone(), k.clone(), v, w, w, 1e-6, cos, sin, True, cache, slots,
+                                              one, one, interleaved)
+            tk.rope_cos_sin_and_cache(q.clone(), k.clone(), v, cos[:, :64], sin[:, :64], False, cache,
+                                      slots[:0], one, one, interleaved)
             # paged attention: a decode batch and a mixed prefill + decode batch
             # (decode, long decode that splits the keys and reduces, mixed prefill + decode)
             runs = [(([1, 1, 1], [40, 7, 100]), None), (([1, 1], [2000, 1500]), None),

@@ -78,7 +78,7 @@ class RerunGraphBackend:
 
         def replay(self):
             ctx = self.ctx
-            with set_forward_context(ctx.attn_metadata, layers=ctx.layers, **ctx.extra):
+            with set_forward_context(ctx.attn_metadata, profiling=ctx.profiling, layers=ctx.layers, **ctx.extra):
                 if self.bind is not None:
                     self.bind()
                 new = self.fn(*self.args)

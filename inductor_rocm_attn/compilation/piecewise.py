@@ -161,7 +161,7 @@ class PiecewiseRunner:
         t = self.buffers.fill(**host)
         return AttentionMetadata(num_actual_tokens=num_tokens, max_query_len=max(qlens),
                                  max_seq_len=max(qlens), num_decodes=sum(q == 1 for q in qlens),
-                                 num_prefills=sum(q > 1 for q in qlens), **t)
+                                 num_prefills=sum(q > 1 for q in qlens), block_size=self.block_size, **t)
 
     def _say(self, message: str) -> None:
         if self.progress is not None:
@@ -194,12 +194,19 @@ class PiecewiseRunner:
         if shape is not None:
             self._step_md = plan_step(shape, query_lens, context_lens, block_tables,
                                       buffers=self.buffers, block_size=self.block_size,
-                                      max_model_len=self.max_model_len, device=self.device)
+                                      max_model_len=self.max_model_len, device=self.device,
+                                      num_blocks=self._num_cache_blocks())
             return self._step_md
         self._step_md = None
         return build_attention_metadata(query_lens, context_lens, block_tables, self.block_size,
                                         self.device, num_padded_tokens=size,
-                                        buffers=self.buffers)
+                                        buffers=self.buffers, num_blocks=self._num_cache_blocks())
+
+    def _num_cache_blocks(self) -> int | None:
+        """The fewest blocks of the bound caches: the builder rejects a block id at or past it
+        (a whole-step graph replay runs no layer code that could)."""
+        counts = [layer.kv_cache.shape[0] for layer in self._layers.values() if layer.kv_cache.dim() == 4]
+        return min(counts) if counts else None
 
     def _whole_step_shape(self, query_lens: Sequence[int], n: int, size: int,
                           whole_step: bool | str) -> StepShape | None:
@@ -312,7 +319,8 @@ class PiecewiseRunner:
             if sizes:
                 self._say(f"capturing whole {kind} steps for sizes {sizes}")
         for shape in shapes:
-            md = dummy_step(shape, buffers=self.buffers, max_model_len=self.max_model_len)
+            md = dummy_step(shape, buffers=self.buffers, max_model_len=self.max_model_len,
+                            block_size=self.block_size)
             args = self._args(shape.num_tokens)
             with set_forward_context(md, layers=self.layer_table):
                 with backend.warmup():

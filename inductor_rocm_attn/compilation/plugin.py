@@ -33,7 +33,7 @@ def fusion_report():
     if _report is None:
         from inductor_rocm_attn.passes.report import FusionReport
 
-        _report = FusionReport()
+        _report = FusionReport(receives_replays=True)  # graphs served from Inductor's cache too
     return _report
 
 

@@ -77,19 +77,23 @@ def _fixed(md: AttentionMetadata, shape: StepShape, buffers: MetadataBuffers, ma
 
 def plan_step(shape: StepShape, query_lens: Sequence[int], context_lens: Sequence[int],
               block_tables: Sequence[Sequence[int]], *, buffers: MetadataBuffers, block_size: int,
-              max_model_len: int, device: torch.device) -> AttentionMetadata:
+              max_model_len: int, device: torch.device,
+              num_blocks: int | None = None) -> AttentionMetadata:
     """A step's metadata in ``shape`` (written into ``buffers``): its sequences, then empty
     ones up to ``shape.num_seqs``; its tokens, then padding rows up to ``shape.num_tokens``.
-    ``num_actual_tokens`` stays the step's own count (the rows the caller reads back)."""
+    ``num_actual_tokens`` stays the step's own count (the rows the caller reads back).
+    ``num_blocks``: block ids at or past it are rejected (a graph replay runs no layer code
+    that could)."""
     pad = shape.num_seqs - len(query_lens)
     md = build_attention_metadata(
         list(query_lens) + [0] * pad, list(context_lens) + [0] * pad,
         list(block_tables) + [[]] * pad, block_size, device, num_padded_tokens=shape.num_tokens,
-        buffers=buffers)
+        buffers=buffers, num_blocks=num_blocks)
     return _fixed(md, shape, buffers, max_model_len, md.num_actual_tokens)
 
 
-def dummy_step(shape: StepShape, *, buffers: MetadataBuffers, max_model_len: int) -> AttentionMetadata:
+def dummy_step(shape: StepShape, *, buffers: MetadataBuffers, max_model_len: int,
+               block_size: int) -> AttentionMetadata:
     """Metadata in ``shape`` for warm-up and capture: one-token sequences and, for a mixed
     shape, one sequence holding the remaining tokens (a verify or prefill sequence), all
     without context, reading block 0, writing nothing (slots -1), at position 0 (inside any
@@ -108,5 +112,5 @@ def dummy_step(shape: StepShape, *, buffers: MetadataBuffers, max_model_len: int
     buffers.block_table[:s].zero_()  # every column: a stale entry stays a readable block
     md = AttentionMetadata(num_actual_tokens=t, max_query_len=shape.max_query_len,
                            max_seq_len=max_model_len, num_decodes=sum(q == 1 for q in qlens),
-                           num_prefills=sum(q > 1 for q in qlens), **views)
+                           num_prefills=sum(q > 1 for q in qlens), block_size=block_size, **views)
     return _fixed(md, shape, buffers, max_model_len, t)

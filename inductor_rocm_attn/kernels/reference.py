@@ -48,6 +48,8 @@ def reshape_and_cache(
     and are skipped. Only the first ``slot_mapping.numel()`` tokens are written.
     """
     n = slot_mapping.shape[0]
+    if n == 0:  # nothing to write (the cache may then be a placeholder)
+        return
     num_kv_heads, head_size = key.shape[1], key.shape[2]
     block_size = kv_cache.shape[2]
     x = cache_x(kv_cache.dtype)
@@ -136,6 +138,90 @@ def rope_and_cache(
         value.view(value.shape[0], num_kv_heads, head_size),
         kv_cache, slot_mapping, k_scale, v_scale, interleaved_v,
     )
+
+
+def _rotate_per_token(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    """``x * cos + rotate(x) * sin`` channel for channel, x ``[T, H, D]`` and cos/sin
+    ``[T, rot]`` float64: the first ``rot`` channels rotate (``rotate_half`` for NeoX,
+    ``rotate_every_two`` for GPT-J), whatever the values of cos/sin; the rest pass through."""
+    rot = cos.shape[-1]
+    xr = x[..., :rot]
+    if is_neox:
+        x1, x2 = xr[..., : rot // 2], xr[..., rot // 2 :]
+        turned = torch.cat((-x2, x1), dim=-1)
+    else:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        turned = torch.stack((-x2, x1), dim=-1).flatten(-2)
+    out = xr * cos[:, None, :] + turned * sin[:, None, :]
+    return torch.cat((out, x[..., rot:]), dim=-1)
+
+
+def rope_cos_sin_and_cache(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    is_neox: bool,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    interleaved_v: bool,
+) -> None:
+    """RoPE with the caller's per-token cos/sin on ``query``/``key`` in place, then the
+    rotated key and ``value`` into the cache.
+
+    query ``[T, Hq, D]`` or ``[T, Hq * D]``, key likewise with Hkv heads, value ``[T, Hkv, D]``
+    (any strides); cos, sin ``[T, rot_dim]``
+    (any strides, ``rot_dim <= D`` even): token t's channel d becomes
+    ``x[d] * cos[t, d] + rotate(x)[d] * sin[t, d]`` (transformers' ``apply_rotary_pos_emb``
+    for NeoX, with cos/sin as the model computed them). The first ``slot_mapping.numel()``
+    tokens are cached (entries < 0 skipped); an empty ``slot_mapping`` only rotates.
+    """
+    c, s, d = cos.to(_ACC), sin.to(_ACC), value.shape[-1]
+    for t in (query, key):
+        x = t.view(t.shape[0], -1, d)
+        x.copy_(_rotate_per_token(x.to(_ACC), c, s, is_neox).to(t.dtype))
+    reshape_and_cache(key.view(key.shape[0], -1, d), value, kv_cache, slot_mapping, k_scale, v_scale, interleaved_v)
+
+
+def rms_norm_heads_rounded(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """transformers' per-head RMSNorm (``Qwen3RMSNorm``): statistics of ``x`` (float64 here),
+    the normalized value rounded to ``dtype`` (its ``.to(input_dtype)``), then times
+    ``weight``. Float64 out; the rounding is part of the function, not an artefact."""
+    var = x.pow(2).mean(dim=-1, keepdim=True)
+    return (x * torch.rsqrt(var + eps)).to(dtype).to(_ACC) * weight.to(_ACC)
+
+
+def qk_norm_rope_cos_sin_and_cache(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    is_neox: bool,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    interleaved_v: bool,
+) -> None:
+    """Per-head RMSNorm (``rms_norm_heads_rounded``) then RoPE with per-token cos/sin on
+    ``query``/``key`` in place, then the key and ``value`` into the cache.
+
+    Shapes as ``rope_cos_sin_and_cache``; q_weight, k_weight ``[D]`` in the model dtype.
+    Norm and rotation run in float64 between the one rounding the norm defines and the
+    final one.
+    """
+    c, s, d = cos.to(_ACC), sin.to(_ACC), value.shape[-1]
+    for t, w in ((query, q_weight), (key, k_weight)):
+        x = t.view(t.shape[0], -1, d)
+        x.copy_(_rotate_per_token(rms_norm_heads_rounded(x.to(_ACC), w, eps, t.dtype), c, s, is_neox).to(t.dtype))
+    reshape_and_cache(key.view(key.shape[0], -1, d), value, kv_cache, slot_mapping, k_scale, v_scale, interleaved_v)
 
 
 def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -57,12 +57,14 @@ def _features(num_heads, *, alibi=False, sinks=False, device="cpu", g=None):
 
 
 def feature_names(*, causal=True, sliding_window=-1, alibi=False, sinks=False, softcap=0.0,
-                  out_fp8=False) -> tuple[str, ...]:
-    """The capability-table features a case uses (``capabilities.FEATURES``)."""
+                  out_fp8=False, prefill=False) -> tuple[str, ...]:
+    """The capability-table features a case uses (``capabilities.FEATURES``). ``prefill``: the
+    call may hold a sequence with query_len > 1 (as the op says when ``max_query_len`` is
+    not given as 1)."""
     return tuple(name for name, used in (
         ("sliding_window", sliding_window is not None and sliding_window > 0), ("alibi", alibi),
         ("sinks", sinks), ("logits_soft_cap", softcap > 0), ("output_scale", out_fp8),
-        ("non_causal", not causal)) if used)
+        ("non_causal", not causal), ("prefill", prefill)) if used)
 
 
 def check_fp8_steps(got, ref, fp8_dtype, seed_):
@@ -118,7 +120,8 @@ def check_paged(provider, query_lens, context_lens, *, num_heads=4, num_kv_heads
                     interleaved_v=interleaved_v,
                     features=feature_names(causal=causal, sliding_window=sliding_window,
                                            alibi=alibi, sinks=sinks, softcap=softcap,
-                                           out_fp8=out_fp8))
+                                           out_fp8=out_fp8,
+                                           prefill=not hints or max(query_lens) > 1))
     seed_ = seed()
     fp8 = cache_dtype is not None and cache_dtype != dtype
     c = cases.make_paged_case(
@@ -321,7 +324,8 @@ def check_paged_nonfinite(provider, query_lens, context_lens, inject, *, dtype=t
     fn = put.kernel(provider, "paged_attention", device=device, dtype=dtype, head_size=head_size,
                     block_size=block_size, layout=CacheLayout.LHBNC,
                     kv_cache_dtype=put.cache_dtype_name(dtype, dtype),
-                    features=feature_names(causal=causal, sliding_window=sliding_window))
+                    features=feature_names(causal=causal, sliding_window=sliding_window,
+                                           prefill=True))  # no max_query_len hint: may prefill
     seed_ = seed()
     c = cases.make_paged_case(query_lens, context_lens, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, head_size=head_size,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import providers_under_test as put
-from cases import rel_err
+from cases import poison, rel_err
 from inductor_rocm_attn.kernels.triton.configs import WriterConfig
 from inductor_rocm_attn.layout import CacheLayout
 from writer_checks import (
@@ -205,3 +205,31 @@ def test_qk_norm_rope_and_cache_gpu_bf16_neox_gptj(provider, cache_dtype, block_
                w=w, positions=torch.randint(0, 4000, (t,), generator=gen(11)).to(DEV),
                cos_sin=make_cos_sin(4096, rot_dim, torch.float32), is_neox=is_neox, ks=ks, vs=vs,
                interleaved_v=interleaved_v)
+
+
+@pytest.mark.parametrize("return_kv", [False, True])
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_writes_into_strided_caller_buffers(provider, return_kv):
+    """q/k go to the caller's ``q_out``/``k_out`` through their strides (here head-strided views
+    of one poisoned tensor: its other heads stay poisoned); v is copied out only with
+    ``return_kv``."""
+    t, hq, hkv, d, dtype = 7, 4, 2, 64, torch.float32
+    cache, slots = make_cache(16, hkv, d, dtype, CacheLayout.LHBNC, t, seed=5)
+    fn = _kernel(provider, cache, dtype, d, d, True)
+    cache_in = cache.cpu().clone()
+    qkv = make_qkv(t, hq, hkv, d, dtype, seed=6)
+    w = (1 + 0.1 * torch.randn(2, d, generator=gen(7))).to(dtype).to(DEV)
+    positions = torch.randint(0, 100, (t,), generator=gen(8)).to(DEV)
+    cos_sin = make_cos_sin(128, d, dtype)
+    ks, vs = scales(dtype)
+    out = poison(torch.empty(t, hq + hkv + 1, d, dtype=dtype, device=DEV))
+    q_out, k_out = out[:, :hq], out[:, hq + 1:]
+    q, k, v = fn(qkv, w[0], w[1], 1e-6, positions, cos_sin, True, cache, slots.to(DEV), ks, vs, True, hq, hkv, d,
+                 q_out, k_out, return_kv)
+    qe, ke, ve = _expect(qkv, w[0], w[1], 1e-6, positions, cos_sin, True, hq, hkv, d)
+    assert q is q_out and k is k_out
+    assert rel_err(q_out, qe) < 1e-6 and rel_err(k_out, ke) < 1e-6
+    assert out[:, hq].isnan().all()  # the head between them: not written
+    assert (v is None) if not return_kv else (torch.equal(v.cpu(), ve) and v.is_contiguous())
+    # the cache holds exactly the k the op returned and the v of qkv: bit for bit
+    assert_cache_equal(cache.cpu(), _cache_of(cache_in, k_out, ve, slots, ks, vs, True), dtype)

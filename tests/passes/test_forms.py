@@ -52,6 +52,23 @@ def test_rope_pattern_matches_its_form_only(form, dtype):
     assert _matches(mod, args, forms.rope_pattern(form, dtype, 4, 64))["kw"] is None  # other geometry
 
 
+@pytest.mark.parametrize("form", list(forms.COS_SIN_ROPE_FORMS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cos_sin_rope_pattern_matches_its_form_only(form, dtype):
+    fn, rank = forms.COS_SIN_ROPE_FORMS[form]
+    lead = (2, 5) if rank == 4 else (5,)
+    args = (torch.randn(*lead, 4, 32, dtype=dtype), torch.randn(*lead, 32, dtype=dtype),
+            torch.randn(*lead, 32, dtype=dtype))
+    r = _matches(Form(fn), args, forms.rope_cos_sin_pattern(form, dtype, 32))
+    assert r["kw"] is not None, r["why"]
+    tensors = {n for n in r["inputs"] if isinstance(n.meta.get("val"), torch.Tensor)}
+    x, cos, sin = (r["kw"][k] for k in ("x", "cos", "sin"))
+    assert x.meta["val"].dim() == rank and {cos, sin} == tensors - {x} and cos is not sin
+    other = next(f for f in forms.COS_SIN_ROPE_FORMS if f != form)
+    assert _matches(Form(fn), args, forms.rope_cos_sin_pattern(other, dtype, 32))["kw"] is None
+    assert _matches(Form(fn), args, forms.rope_cos_sin_pattern(form, dtype, 64))["kw"] is None  # other head
+
+
 @pytest.mark.parametrize("form", list(forms.RMS_FORMS))
 def test_rms_pattern_binds_eps(form):
     eps = 3e-6

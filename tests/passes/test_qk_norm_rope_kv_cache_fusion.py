@@ -72,6 +72,69 @@ def test_norm_over_whole_q_still_fuses_rope_only():
     assert not get_layer(block.layer.attn.layer_name).interleaved_v
 
 
+# --- transformers' own modeling code ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fuses_transformers_qwen3_layer(dtype):
+    """Qwen3's attention: separate q/k/v projections, ``Qwen3RMSNorm`` per head on the
+    ``[B, T, H, D]`` views (with its casts in half precision), then the transposed RoPE with
+    the model's cos/sin: one op normalizes and rotates q and k in place and writes the cache."""
+    sites = pytest.importorskip("transformers_sites")
+    fn, args = sites.decoder_layer("qwen3", dtype)
+    c = capture(fn, *args, dynamic=())
+    assert c.count(PASS) == 1, c.reasons(PASS)
+    assert c.count("rope_kv_cache_fusion") == 0
+    assert "rocm_attn.unified_qk_norm_rope_cos_sin_and_kv_cache_update" in c.after
+    assert "aten.rsqrt" in c.before and c.after.count("aten.rsqrt") == c.before.count("aten.rsqrt") - 2
+    assert "eps=1e-06" in c.after and "_query_base_index=0, _key_base_index=1" in c.after
+    record = c.manager.get_pass(PASS).records[0]
+    assert record.fused and record.interleaved_v  # the layer is not registered here: switched at run time
+    assert "at its first fused write" in str(_report_of(record))
+
+
+def _report_of(record):
+    from inductor_rocm_attn.passes.report import FusionReport
+
+    report = FusionReport()
+    report.add(record)
+    return report
+
+
+def test_fuses_transformers_qwen3_with_a_dynamic_token_count():
+    sites = pytest.importorskip("transformers_sites")
+    fn, args = sites.decoder_layer("qwen3", torch.bfloat16)
+    for a in args:
+        torch._dynamo.mark_dynamic(a, 1)
+    c = capture(fn, *args, dynamic=())
+    assert c.count(PASS) == 1, c.reasons(PASS)
+    assert "bfloat16[2, T, 4, 32]" in c.before
+
+
+@pytest.mark.parametrize("variant,why", [
+    ("norm_over_heads", "the rotated q"),  # mean over the heads axis: not the norm's pattern
+    ("k_norm_eps_differs", "q-norm eps 1e-06 and k-norm eps 1e-05 differ"),
+])
+def test_does_not_fuse_transformers_qk_norm_variants(variant, why):
+    """The QK-norm fusion misses (RoPE alone still fuses: the norm stays in the graph)."""
+    sites = pytest.importorskip("transformers_sites")
+    plain = sites.SiteAttention("plain", qk_norm=True)
+    assert capture(plain, *sites.site_inputs("plain"), dynamic=()).count(PASS) == 1  # the site itself fuses
+    c = capture(sites.SiteAttention(variant, qk_norm=True), *sites.site_inputs(variant), dynamic=())
+    assert (c.count(PASS), c.count("rope_kv_cache_fusion")) == (0, 1)
+    assert any(why in r for r in c.reasons(PASS)), c.reasons(PASS)
+    assert c.after.count("aten.rsqrt") == c.before.count("aten.rsqrt")
+
+
+def test_does_not_fuse_olmo2_norm_over_the_whole_projection():
+    sites = pytest.importorskip("transformers_sites")
+    fn, args = sites.decoder_layer("olmo2")
+    c = capture(fn, *args, dynamic=())
+    assert (c.count(PASS), c.count("rope_kv_cache_fusion")) == (0, 1)
+    assert any("the rotated q is not a per-head RMSNorm output (it comes from reshape" in r
+               for r in c.reasons(PASS)), c.reasons(PASS)
+
+
 class TestSnapshots(TestCase):
     def test_qwen3_op_form(self):
         cfg, block = _block(name="qwen3_op", rope_impl="op", norm_impl="op")
@@ -131,6 +194,94 @@ auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_attention_with
 getitem_4 = getitem(auto_functionalized_v2, 1)  float32[T, 4, 32]
 reshape_5 = aten.reshape.default(getitem_4, [in, 128])  float32[T, 128]
 return (reshape_5,)""")
+
+    def test_transformers_qwen3_decoder_layer(self):
+        """One Qwen3 decoder layer of transformers (fp32, B=2, T=5) after the passes: the q/k
+        projections' outputs, viewed as heads, normalized and rotated in place by one op that
+        also writes the cache; the attention reads them; cos/sin are the model's rows."""
+        sites = pytest.importorskip("transformers_sites")
+        fn, args = sites.decoder_layer("qwen3")
+        c = capture(fn, *args, dynamic=())
+        self.assertEqual(c.count(PASS), 1)
+        self.assertExpectedInline(c.after, """\
+in: float32[2, 5, 128]
+in_1: float32[128]
+in_2: float32[128, 128]
+in_3: float32[32]
+in_4: float32[64, 128]
+in_5: float32[32]
+in_6: float32[64, 128]
+in_7: float32[2, 5, 32]
+in_8: float32[2, 5, 32]
+in_9: float32[128, 128]
+in_10: float32[128]
+in_11: float32[256, 128]
+in_12: float32[256, 128]
+in_13: float32[128, 256]
+pow = aten.pow.Tensor_Scalar(in, 2)  float32[2, 5, 128]
+mean = aten.mean.dim(pow, [-1], True)  float32[2, 5, 1]
+add = aten.add.Tensor(mean, 1e-06)  float32[2, 5, 1]
+rsqrt = aten.rsqrt.default(add)  float32[2, 5, 1]
+mul = aten.mul.Tensor(in, rsqrt)  float32[2, 5, 128]
+mul_1 = aten.mul.Tensor(in_1, mul)  float32[2, 5, 128]
+reshape = aten.reshape.default(mul_1, [10, 128])  float32[10, 128]
+permute = aten.permute.default(in_2, [1, 0])  float32[128, 128]
+mm = aten.mm.default(reshape, permute)  float32[10, 128]
+reshape_1 = aten.reshape.default(mm, [2, 5, 128])  float32[2, 5, 128]
+reshape_2 = aten.reshape.default(reshape_1, [2, 5, -1, 32])  float32[2, 5, 4, 32]
+reshape_3 = aten.reshape.default(mul_1, [10, 128])  float32[10, 128]
+permute_1 = aten.permute.default(in_4, [1, 0])  float32[128, 64]
+mm_1 = aten.mm.default(reshape_3, permute_1)  float32[10, 64]
+reshape_4 = aten.reshape.default(mm_1, [2, 5, 64])  float32[2, 5, 64]
+reshape_5 = aten.reshape.default(reshape_4, [2, 5, -1, 32])  float32[2, 5, 2, 32]
+reshape_6 = aten.reshape.default(mul_1, [10, 128])  float32[10, 128]
+permute_2 = aten.permute.default(in_6, [1, 0])  float32[128, 64]
+mm_2 = aten.mm.default(reshape_6, permute_2)  float32[10, 64]
+reshape_7 = aten.reshape.default(mm_2, [2, 5, 64])  float32[2, 5, 64]
+reshape_8 = aten.reshape.default(reshape_7, [2, 5, -1, 32])  float32[2, 5, 2, 32]
+reshape_9 = aten.reshape.default(reshape_8, [10, 2, 32])  float32[10, 2, 32]
+reshape_10 = aten.reshape.default(reshape_2, [-1, 4, 32])  float32[10, 4, 32]
+reshape_11 = aten.reshape.default(reshape_5, [-1, 2, 32])  float32[10, 2, 32]
+reshape_12 = aten.reshape.default(in_7, [-1, 32])  float32[10, 32]
+reshape_13 = aten.reshape.default(in_8, [-1, 32])  float32[10, 32]
+auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_qk_norm_rope_cos_sin_and_kv_cache_update.default, value=reshape_9, q_weight=in_3, k_weight=in_5, eps=1e-06, cos=reshape_12, sin=reshape_13, is_neox=True, layer_name='transformers.layers.0', _query_base_index=0, _key_base_index=1, _all_bases=[reshape_10, reshape_11])
+getitem = getitem(auto_functionalized_v2, 0)  float32[0]
+getitem_1 = getitem(auto_functionalized_v2, 1)  float32[10, 4, 32]
+getitem_2 = getitem(auto_functionalized_v2, 2)  float32[10, 2, 32]
+empty = aten.empty.memory_format([2, 5, 4, 32], dtype=torch.float32, layout=torch.strided, device=cpu, pin_memory=False)  float32[2, 5, 4, 32]
+auto_functionalized_v2_1 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=getitem_1, key=getitem_2, value=reshape_9, layer_name='transformers.layers.0', kv_cache_dependency=getitem, output_scale=None, _output_base_index=0, _output_size=(10, 4, 32), _output_stride=(128, 32, 1), _output_storage_offset=0, _all_bases=[empty])
+getitem_3 = getitem(auto_functionalized_v2_1, 1)  float32[2, 5, 4, 32]
+reshape_14 = aten.reshape.default(getitem_3, [2, 5, -1])  float32[2, 5, 128]
+reshape_15 = aten.reshape.default(reshape_14, [10, 128])  float32[10, 128]
+permute_3 = aten.permute.default(in_9, [1, 0])  float32[128, 128]
+mm_3 = aten.mm.default(reshape_15, permute_3)  float32[10, 128]
+reshape_16 = aten.reshape.default(mm_3, [2, 5, 128])  float32[2, 5, 128]
+add_1 = aten.add.Tensor(in, reshape_16)  float32[2, 5, 128]
+pow_1 = aten.pow.Tensor_Scalar(add_1, 2)  float32[2, 5, 128]
+mean_1 = aten.mean.dim(pow_1, [-1], True)  float32[2, 5, 1]
+add_2 = aten.add.Tensor(mean_1, 1e-06)  float32[2, 5, 1]
+rsqrt_1 = aten.rsqrt.default(add_2)  float32[2, 5, 1]
+mul_2 = aten.mul.Tensor(add_1, rsqrt_1)  float32[2, 5, 128]
+mul_3 = aten.mul.Tensor(in_10, mul_2)  float32[2, 5, 128]
+reshape_17 = aten.reshape.default(mul_3, [10, 128])  float32[10, 128]
+permute_4 = aten.permute.default(in_11, [1, 0])  float32[128, 256]
+mm_4 = aten.mm.default(reshape_17, permute_4)  float32[10, 256]
+reshape_18 = aten.reshape.default(mm_4, [2, 5, 256])  float32[2, 5, 256]
+neg = aten.neg.default(reshape_18)  float32[2, 5, 256]
+exp = aten.exp.default(neg)  float32[2, 5, 256]
+add_3 = aten.add.Tensor(exp, 1)  float32[2, 5, 256]
+div = aten.div.Tensor(reshape_18, add_3)  float32[2, 5, 256]
+reshape_19 = aten.reshape.default(mul_3, [10, 128])  float32[10, 128]
+permute_5 = aten.permute.default(in_12, [1, 0])  float32[128, 256]
+mm_5 = aten.mm.default(reshape_19, permute_5)  float32[10, 256]
+reshape_20 = aten.reshape.default(mm_5, [2, 5, 256])  float32[2, 5, 256]
+mul_4 = aten.mul.Tensor(div, reshape_20)  float32[2, 5, 256]
+reshape_21 = aten.reshape.default(mul_4, [10, 256])  float32[10, 256]
+permute_6 = aten.permute.default(in_13, [1, 0])  float32[256, 128]
+mm_6 = aten.mm.default(reshape_21, permute_6)  float32[10, 128]
+reshape_22 = aten.reshape.default(mm_6, [2, 5, 128])  float32[2, 5, 128]
+add_4 = aten.add.Tensor(add_1, reshape_22)  float32[2, 5, 128]
+return (add_4,)""")
 
     def test_qwen3_hf_form_bf16(self):
         cfg, block = _block(name="qwen3_hf")

@@ -1,6 +1,7 @@
 """RoPE + KV-cache update fusion on post-grad graphs of a Llama-style block."""
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -317,3 +318,117 @@ def test_fuses_with_static_token_count(num_tokens):
     cfg, block = _block()
     c = capture(block.to(torch.float16), *block_inputs(cfg, num_tokens, torch.float16), dynamic=())
     assert c.count(PASS) == 1, c.reasons(PASS)
+
+
+# --- transformers' own modeling code ------------------------------------------------------------
+
+TRANSFORMERS_LAYERS = [("llama", torch.float32), ("llama", torch.float16), ("llama", torch.bfloat16),
+                       ("qwen2", torch.float32), ("mistral", torch.float32), ("gemma2", torch.bfloat16),
+                       ("olmo2", torch.float32), ("qwen2_vl", torch.float32)]
+
+
+@pytest.mark.parametrize("arch,dtype", TRANSFORMERS_LAYERS)
+def test_fuses_transformers_decoder_layers(arch, dtype):
+    """The RoPE of transformers' attention (q/k viewed [B, T, H, D], rotated as [B, H, T, D]
+    with the model's per-token cos/sin, ``rotate_half`` sliced) fuses with the cache update,
+    the cos/sin rows passed as they are. OLMo2 (its QK-norm is over the whole projection,
+    not per head) fuses RoPE only; Qwen2-VL's mRoPE sections are applied inside its rotary
+    embedding, so its attention is the plain formula on per-token rows: exact here."""
+    sites = pytest.importorskip("transformers_sites")
+    fn, args = sites.decoder_layer(arch, dtype)
+    c = capture(fn, *args, dynamic=())
+    assert c.count(PASS) == 1, c.reasons(PASS)
+    assert "rocm_attn.unified_rope_cos_sin_and_kv_cache_update" in c.after
+    assert "unified_kv_cache_update(" not in c.after and "aten.cat" not in c.after  # rotate_half gone
+    # q and k are mutated in place (two bases: the projections' outputs viewed as heads)
+    assert "_query_base_index=0, _key_base_index=1" in c.after
+    # the rows the op takes are the model's cos/sin inputs, viewed per token
+    assert re.search(r"cos=reshape(_\d+)?, sin=reshape(_\d+)?, is_neox=True", c.after)
+    assert "cos=" in c.after and re.search(r"reshape(_\d+)? = aten.reshape.default\(in_\d+, \[-1, 32\]\)", c.after)
+
+
+def test_fuses_with_a_dynamic_token_count():
+    sites = pytest.importorskip("transformers_sites")
+    fn, args = sites.decoder_layer("llama")
+    for a in args:
+        torch._dynamo.mark_dynamic(a, 1)
+    c = capture(fn, *args, dynamic=())
+    assert c.count(PASS) == 1, c.reasons(PASS)
+    assert "float32[2, T, 4, 32]" in c.before  # the token count is symbolic
+
+
+@pytest.mark.parametrize("variant,dtype,why", [
+    ("gptj_rotation", torch.float32, "the cached key is not a RoPE output (transformers_neox"),
+    ("partial_rotary", torch.float32, "the cached key is not a RoPE output (transformers_neox"),
+    ("k_other_positions", torch.float32, "query and key are rotated with different cos/sin"),
+    ("cos_fp32", torch.bfloat16, "RoPE mixes dtypes"),
+])
+def test_does_not_fuse_transformers_variants(variant, dtype, why):
+    """Near-misses of transformers' attention that compute another function: GPT-J's rotation
+    on NeoX rows, partial rotary, a key at other positions, RoPE promoted to fp32."""
+    sites = pytest.importorskip("transformers_sites")
+    plain = sites.SiteAttention("plain").to(dtype)
+    assert capture(plain, *sites.site_inputs("plain", dtype), dynamic=()).count(PASS) == 1  # the site itself fuses
+    block = sites.SiteAttention(variant).to(dtype)
+    c = capture(block, *sites.site_inputs(variant, dtype), dynamic=())
+    assert c.count(PASS) == 0 and c.after == c.before
+    assert any(why in r for r in c.reasons(PASS)), c.reasons(PASS)
+
+
+def test_does_not_fuse_partial_rotary_of_transformers_phi():
+    sites = pytest.importorskip("transformers_sites")
+    fn, args = sites.decoder_layer("phi")
+    c = capture(fn, *args, dynamic=())
+    assert c.count(PASS) == 0 and c.after == c.before
+    assert any("the cached key is not a RoPE output" in r for r in c.reasons(PASS)), c.reasons(PASS)
+
+
+def test_fuses_mrope_sections_picked_in_the_attention():
+    """Sections of three position sources cut from cos/sin in the attention (Qwen2-VL's older
+    form) give per-token rows; the op rotates with exactly those rows (the sections' cat)."""
+    sites = pytest.importorskip("transformers_sites")
+    block = sites.SiteAttention("mrope_sections")
+    c = capture(block, *sites.site_inputs("mrope_sections"), dynamic=())
+    assert c.count(PASS) == 1, c.reasons(PASS)
+    cos_arg = re.search(r"cos=(\w+)", c.after.split("unified_rope_cos_sin_and_kv_cache_update")[1]).group(1)
+    cos_def = next(line for line in c.after.splitlines() if line.startswith(f"{cos_arg} = "))
+    src = re.search(r"reshape.default\((\w+), \[-1, 32\]\)", cos_def).group(1)
+    assert next(line for line in c.after.splitlines() if line.startswith(f"{src} = ")).split(" = ")[1].startswith(
+        "aten.cat.default")
+
+
+def test_token_major_per_token_rope_on_a_fused_qkv_is_one_base():
+    """The per-token form token-major (``x [T, H, D]``, cos/sin ``[T, D]``) on slices of one
+    qkv projection: the fused op mutates that one tensor (q and k as its column slices)."""
+    from inductor_rocm_attn.passes import forms
+
+    name = "rope_per_token_qkv.attn"
+    w = torch.randn(256, 64)
+
+    def block(x, cos, sin):
+        t = x.shape[0]
+        q, k, v = (x @ w.T).split([128, 64, 64], dim=-1)
+        q = forms.rope_neox_per_token(q.reshape(t, 4, 32), cos, sin)
+        k = forms.rope_neox_per_token(k.reshape(t, 2, 32), cos, sin)
+        v = v.reshape(t, 2, 32)
+        out = torch.empty(t, 4, 32)
+        token = torch.ops.rocm_attn.unified_kv_cache_update(k, v, name)
+        torch.ops.rocm_attn.unified_attention_with_output(q, k, v, out, name, token)
+        return out
+
+    c = capture(block, torch.randn(5, 64), torch.randn(5, 32), torch.randn(5, 32))
+    assert c.count(PASS) == 1, c.reasons(PASS)
+    assert "RoPE (per_token_neox, NeoX)" in c.manager.get_pass(PASS).records[0].detail
+    assert re.search(r"_query_base_index=0, _query_slice_dim=1, _query_slice_start=0, _query_slice_end=128, "
+                     r"_key_base_index=0, _key_slice_dim=1, _key_slice_start=128, _key_slice_end=192, "
+                     r"_all_bases=\[mm\]", c.after), c.after
+
+
+def test_cos_sin_of_one_position_row_broadcast_over_the_batch():
+    """position_ids ``[1, T]`` for a batch of B rows: cos/sin ``[1, T, D]`` broadcast in the
+    RoPE; the op gets them expanded to one row per token."""
+    sites = pytest.importorskip("transformers_sites")
+    hidden, cos, sin = sites.site_inputs("plain")
+    c = capture(sites.SiteAttention("plain"), hidden, cos[:1], sin[:1], dynamic=())
+    assert c.count(PASS) == 1, c.reasons(PASS)
+    assert re.search(r"expand = aten.expand.default\(\w+, \[2, -1, -1\]\)  float32\[2, 5, 32\]", c.after), c.after

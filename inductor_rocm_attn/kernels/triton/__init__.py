@@ -4,8 +4,10 @@ pieces: ``attention_common.py``; decode kernels: ``paged_decode.py``; the prefil
 ``prefix_prefill.py``; the launcher choosing them: ``paged_attention.py``."""
 
 from .qk_norm_rope_and_cache import qk_norm_rope_and_cache  # noqa: F401  (cache writers)
+from .qk_norm_rope_cos_sin_and_cache import qk_norm_rope_cos_sin_and_cache  # noqa: F401
 from .reshape_and_cache import reshape_and_cache  # noqa: F401
 from .rope_and_cache import rope_and_cache  # noqa: F401
+from .rope_cos_sin_and_cache import rope_cos_sin_and_cache  # noqa: F401
 from .rotary_embedding import rotary_embedding  # noqa: F401
 from .encoder_attention import encoder_attention  # noqa: F401  (attention)
 from .paged_attention import paged_attention  # noqa: F401

@@ -4,7 +4,8 @@ grid = (token tiles, num_heads + num_kv_heads), one kernel. Each program loads o
 ``BLOCK_T`` tokens from ``qkv`` as the two RoPE halves of ``rotary_embedding`` (plus the
 un-rotated channels under partial rotary), normalises them in fp32 with the per-row factor
 ``rsqrt(mean(x^2) + eps)`` and their weights, rotates and rounds once to the model dtype.
-Query programs write ``q``; KV programs write ``k`` and ``v`` and scatter both into the cache.
+Query programs write ``q``; KV programs write ``k`` (and ``v`` when asked: ``STORE_V``) and
+scatter both into the cache. q and k go to the caller's buffers through their strides.
 """
 
 from __future__ import annotations
@@ -54,18 +55,20 @@ def _qk_norm_rope_and_cache_kernel(
     # pointers
     qkv_ptr, q_weight_ptr, k_weight_ptr, positions_ptr, cos_sin_ptr,
     kv_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
-    q_ptr, k_ptr, v_ptr,  # outputs [T, H, D] contiguous
+    q_ptr, k_ptr, v_ptr,  # outputs [T, H, D], any strides (v: only with STORE_V)
     # sizes and scalars
     num_tokens, num_slots, eps,
     # strides (elements)
     stride_qkv_t, stride_qkv_d,
+    stride_qt, stride_qh, stride_qd,
+    stride_kt, stride_kh, stride_kd,
     stride_cs,
     stride_cache_block, stride_cache_group,
     # meta
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_SIZE: tl.constexpr, ROT_HALF: tl.constexpr, IS_NEOX: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, X: tl.constexpr,
-    INTERLEAVED_V: tl.constexpr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+    INTERLEAVED_V: tl.constexpr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, STORE_V: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     tl.static_assert(BLOCK_R >= ROT_HALF and BLOCK_D >= HEAD_SIZE, "tiles cover the head")
@@ -92,11 +95,11 @@ def _qk_norm_rope_and_cache_kernel(
         o1, o2, xp = _norm_rope(src, stride_qkv_d, q_weight_ptr, d1, d2, mask_r, dp, mask_p, mask_t,
                                 cos, sin, eps, HEAD_SIZE=HEAD_SIZE, HAS_PASS=HAS_PASS, BLOCK_T=BLOCK_T,
                                 BLOCK_P=BLOCK_P)
-        dst = q_ptr + (tok[:, None] * NUM_HEADS + pid_h) * HEAD_SIZE
-        tl.store(dst + d1[None, :], o1.to(model_ty), mask=mask)
-        tl.store(dst + d2[None, :], o2.to(model_ty), mask=mask)
+        dst = q_ptr + tok[:, None] * stride_qt + pid_h * stride_qh
+        tl.store(dst + d1[None, :] * stride_qd, o1.to(model_ty), mask=mask)
+        tl.store(dst + d2[None, :] * stride_qd, o2.to(model_ty), mask=mask)
         if HAS_PASS:
-            tl.store(dst + dp[None, :], xp.to(model_ty), mask=mask_pp)
+            tl.store(dst + dp[None, :] * stride_qd, xp.to(model_ty), mask=mask_pp)
     else:
         head = pid_h - NUM_HEADS
         in_slots = offs_t < num_slots
@@ -116,12 +119,14 @@ def _qk_norm_rope_and_cache_kernel(
         k1 = o1.to(model_ty)
         k2 = o2.to(model_ty)
         kp = xp.to(model_ty)
-        k_off = (tok[:, None] * NUM_KV_HEADS + head) * HEAD_SIZE
-        tl.store(k_ptr + k_off + d1[None, :], k1, mask=mask)
-        tl.store(k_ptr + k_off + d2[None, :], k2, mask=mask)
+        k_dst = k_ptr + tok[:, None] * stride_kt + head * stride_kh
+        tl.store(k_dst + d1[None, :] * stride_kd, k1, mask=mask)
+        tl.store(k_dst + d2[None, :] * stride_kd, k2, mask=mask)
         if HAS_PASS:
-            tl.store(k_ptr + k_off + dp[None, :], kp, mask=mask_pp)
-        tl.store(v_ptr + k_off + offs_d[None, :], v, mask=mask_t[:, None] & mask_d[None, :])
+            tl.store(k_dst + dp[None, :] * stride_kd, kp, mask=mask_pp)
+        if STORE_V:  # a contiguous [T, Hkv, D] copy of the V slice
+            v_off = (tok[:, None] * NUM_KV_HEADS + head) * HEAD_SIZE
+            tl.store(v_ptr + v_off + offs_d[None, :], v, mask=mask_t[:, None] & mask_d[None, :])
 
         mask_w = in_slots & (slot >= 0)
         page, off = _slot_page(slot, mask_w, head, stride_cache_block, HEAD_SIZE=HEAD_SIZE,
@@ -155,22 +160,27 @@ def qk_norm_rope_and_cache(
     num_heads: int,
     num_kv_heads: int,
     head_size: int,
+    q_out: torch.Tensor | None = None,
+    k_out: torch.Tensor | None = None,
+    return_kv: bool = True,
     *,
     cfg: WriterConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Split, normalise, rotate and cache (same semantics as the reference).
 
     qkv: ``[num_tokens, (num_heads + 2 * num_kv_heads) * head_size]``, any token stride.
     q_weight, k_weight: ``[head_size]``. positions: ``[num_tokens]``. cos_sin_cache:
     ``[max_position, rot_dim]``. kv_cache / slot_mapping / scales as in ``reshape_and_cache``.
-    Returns fresh contiguous ``q [T, num_heads, head_size]``, ``k``/``v``
-    ``[T, num_kv_heads, head_size]`` in ``qkv.dtype``. ``cfg`` replaces the tile rules of
-    ``configs``.
+    q and k (in ``qkv.dtype``) are stored into ``q_out [T, num_heads, head_size]`` /
+    ``k_out [T, num_kv_heads, head_size]`` through their strides, or into fresh contiguous
+    tensors when those are None. Returns ``(q, k, v)``: v is a fresh contiguous copy of the V
+    slice when ``return_kv``, else None (nothing is stored for it). ``cfg`` replaces the tile
+    rules of ``configs``.
     """
     t = qkv.shape[0]
-    q = qkv.new_empty(t, num_heads, head_size)
-    k = qkv.new_empty(t, num_kv_heads, head_size)
-    v = qkv.new_empty(t, num_kv_heads, head_size)
+    q = qkv.new_empty(t, num_heads, head_size) if q_out is None else q_out
+    k = qkv.new_empty(t, num_kv_heads, head_size) if k_out is None else k_out
+    v = qkv.new_empty(t, num_kv_heads, head_size) if return_kv else None
     if t == 0:
         return q, k, v
     rot_half = cos_sin_cache.shape[-1] // 2
@@ -181,14 +191,16 @@ def qk_norm_rope_and_cache(
     _qk_norm_rope_and_cache_kernel[grid](
         qkv, q_weight, k_weight, positions, cos_sin_cache,
         kv_cache, slot_mapping, k_scale, v_scale,
-        q, k, v,
+        q, k, k if v is None else v,
         t, slot_mapping.shape[0], float(eps),
         qkv.stride(0), qkv.stride(1),
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
         cos_sin_cache.stride(0),
         kv_cache.stride(0), kv_cache.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEAD_SIZE=head_size, ROT_HALF=rot_half, IS_NEOX=bool(is_neox),
-        INTERLEAVED_V=bool(interleaved_v), BLOCK_T=block_t,
+        INTERLEAVED_V=bool(interleaved_v), STORE_V=v is not None, BLOCK_T=block_t,
         BLOCK_R=triton.next_power_of_2(rot_half),
         BLOCK_P=triton.next_power_of_2(max(1, head_size - 2 * rot_half)), BLOCK_D=block_d,
         num_warps=warps,

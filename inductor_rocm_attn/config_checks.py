@@ -1,0 +1,59 @@
+"""Checks of an attention layer's configuration (the arguments of ``RocmAttentionImpl`` and
+``Attention``), made once at construction: each error names the class, the parameter, the
+bad value and what is supported."""
+
+from __future__ import annotations
+
+import torch
+
+from . import capabilities, validation
+from .capabilities import AttentionType
+
+
+def check_impl_config(op: str, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+                      kv_cache_dtype, logits_soft_cap, attn_type, sinks, causal, q_scale,
+                      kv_sharing_target_layer_name):
+    """Raise for a configuration the backend cannot run; returns ``(attention type, num_kv_heads,
+    sinks, alibi_slopes)`` normalized (``num_kv_heads`` None: ``num_heads``; sinks and ALiBi
+    slopes given as lists: float32 tensors)."""
+    attn_type = capabilities.check_attention_type(attn_type, op)
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    validation.check_positive_int(op, "num_heads", num_heads)
+    validation.check_positive_int(op, "num_kv_heads", num_kv_heads)
+    capabilities.check_head_size(head_size, op)
+    capabilities.check_kv_cache_dtype(kv_cache_dtype, op)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{op}: num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    validation.check_softmax_scale(op, scale)
+    validation.check_positive_finite(op, "q_scale", q_scale)
+    if attn_type in capabilities.ENCODER_TYPES and kv_cache_dtype.startswith("fp8"):
+        raise NotImplementedError(
+            f"{op}: kv_cache_dtype {kv_cache_dtype!r} on a {attn_type.value} layer is not "
+            f"supported: {capabilities.ENCODER_FP8_KV_CACHE_REASON} (an encoder layer has no KV "
+            "cache); use 'auto'"
+        )
+    if kv_sharing_target_layer_name is not None:
+        if not isinstance(kv_sharing_target_layer_name, str) or not kv_sharing_target_layer_name:
+            raise ValueError(f"{op}: kv_sharing_target_layer_name must be a layer name, got "
+                             f"{kv_sharing_target_layer_name!r}")
+        if attn_type != AttentionType.DECODER:
+            raise ValueError(
+                f"{op}: kv_sharing_target_layer_name={kv_sharing_target_layer_name!r} on a "
+                f"{attn_type.value} layer: only decoder layers have a KV cache to share"
+            )
+    if sliding_window is not None and (not validation.is_int(sliding_window) or sliding_window <= 0):
+        raise ValueError(f"{op}: sliding_window must be None or a positive int, got {sliding_window!r}")
+    if logits_soft_cap is not None and logits_soft_cap != 0:
+        try:
+            validation.check_positive_finite(op, "logits_soft_cap", logits_soft_cap)
+        except ValueError:
+            raise ValueError(f"{op}: logits_soft_cap must be None, 0 (off) or a positive finite number, "
+                             f"got {logits_soft_cap!r}") from None
+    if causal is not None and not isinstance(causal, bool):
+        raise ValueError(f"{op}: causal must be True, False or None, got {causal!r}")
+    if sinks is not None:
+        sinks = validation.per_head_tensor(op, "sinks", sinks, num_heads)
+    if alibi_slopes is not None:
+        alibi_slopes = validation.per_head_tensor(op, "alibi_slopes", alibi_slopes, num_heads,
+                                                  finite=True).to(torch.float32)
+    return attn_type, num_kv_heads, sinks, alibi_slopes

@@ -1,0 +1,38 @@
+"""Triton ``qk_norm_rope_cos_sin_and_cache``: per-head RMSNorm, RoPE with per-token cos/sin
+and the cache write on separate query/key/value tensors, in place (the ``NORM`` form of the
+kernel in ``rope_cos_sin_and_cache``)."""
+
+from __future__ import annotations
+
+import torch
+
+from .configs import WriterConfig
+from .rope_cos_sin_and_cache import launch
+
+__all__ = ["qk_norm_rope_cos_sin_and_cache"]
+
+
+def qk_norm_rope_cos_sin_and_cache(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    is_neox: bool,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    interleaved_v: bool,
+    *,
+    cfg: WriterConfig | None = None,
+) -> None:
+    """Normalize each head of ``query``/``key`` (transformers' RMSNorm: the normalized value
+    rounded to the model dtype, then times ``q_weight``/``k_weight`` ``[head_size]``), rotate
+    with ``cos``/``sin`` ``[num_tokens, rot_dim]``, both in place, and cache the key and
+    ``value``. Shapes and the other arguments as ``rope_cos_sin_and_cache``."""
+    launch(query, key, value, cos, sin, is_neox, kv_cache, slot_mapping, k_scale, v_scale,
+           interleaved_v, q_weight=q_weight, k_weight=k_weight, eps=eps, cfg=cfg)

@@ -1,0 +1,303 @@
+"""Checks of a layer's call: the step's metadata against the layer's KV cache, and the
+per-call tensors of the layer-level ops. Errors name the op, the parameter, the bad value and
+what is supported, and are raised before anything is written.
+
+A step's metadata is checked once per cache geometry and the result memoized on the
+metadata object (``check_step_metadata``): the first layer of a step pays, the others hit a
+dict. What is read from the index tensors follows ``validation.index_checks_on`` (CPU:
+always; GPU: with ``ROCM_ATTN_CHECK_INDICES=1``); metadata planned by
+``build_attention_metadata`` is checked on a GPU too, from the bounds its builder recorded
+(``AttentionMetadata.plan``), without reading a tensor back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import capabilities
+from .layout import is_fp8_dtype
+from .metadata import plan_tensor_ptrs
+from .validation import (
+    _INDEX_TYPES, check_channel_stride, check_dtype, check_index_layout, check_positions,
+    check_sequence_shapes, check_sequences, check_slot_range, check_slots_follow_table, index_checks_on, is_int,
+)
+
+_METADATA_TENSORS = ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "positions")
+
+
+def check_step_metadata(op: str, md, num_tokens: int, device: torch.device,
+                        num_blocks: int | None = None, block_size: int | None = None) -> None:
+    """Check a step's ``AttentionMetadata`` for a layer whose tensors have ``num_tokens`` rows
+    on ``device``, against its KV cache of ``num_blocks`` blocks of ``block_size`` tokens
+    (None for a layer without a cache). Memoized on ``md``: once per step and geometry."""
+    key = (num_tokens, num_blocks, block_size, device)
+    checked = md._checked
+    if key not in checked:
+        _check_step(op, md, num_tokens, device, num_blocks, block_size)
+        checked[key] = None
+
+
+def _plan_holds(md) -> bool:
+    plan = md.plan
+    return (plan is not None and plan.block_size == md.block_size
+            and plan.tensor_ptrs == plan_tensor_ptrs(md))
+
+
+def _check_step(op: str, md, num_tokens: int, device: torch.device, num_blocks: int | None,
+                block_size: int | None) -> None:
+    has_cache = num_blocks is not None
+    where = "the KV cache" if has_cache else "the query"
+    if has_cache and md.block_size != block_size:
+        raise ValueError(
+            f"{op}: metadata built for block_size {md.block_size}, but the layer's KV cache has block_size "
+            f"{block_size}; build the step's metadata with block_size={block_size}"
+        )
+    for name in _METADATA_TENSORS:
+        t = getattr(md, name)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: metadata {name} must be a tensor, got {type(t).__name__}")
+        check_dtype(op, f"metadata {name}", t, _INDEX_TYPES)
+        if t.device != device:
+            raise ValueError(
+                f"{op}: metadata tensor {name} is on {t.device} but {where} is on {device}; build the "
+                f"metadata on that device (build_attention_metadata(..., device={str(device)!r}))"
+            )
+    check_sequence_shapes(op, md.query_start_loc, md.seq_lens, md.block_table if has_cache else None)
+    slots, positions = md.slot_mapping, md.positions
+    if slots.dim() != 1 or positions.shape != slots.shape:
+        raise ValueError(f"{op}: metadata slot_mapping and positions must be 1-D with one entry per token, "
+                         f"got {tuple(slots.shape)} and {tuple(positions.shape)}")
+    check_index_layout(op, slot_mapping=slots, positions=positions)
+    n = md.num_actual_tokens
+    for name in ("num_actual_tokens", "max_query_len", "max_seq_len"):
+        v = getattr(md, name)
+        if not is_int(v) or v < 0:
+            raise ValueError(f"{op}: metadata {name} must be an int >= 0, got {v!r}")
+    if md.causal is not None and not isinstance(md.causal, bool):
+        raise ValueError(f"{op}: metadata causal must be True, False or None, got {md.causal!r}")
+    if n > num_tokens:
+        raise ValueError(f"{op}: num_actual_tokens {n} > the {num_tokens} tokens the layer was given")
+    if has_cache and not n <= slots.shape[0] <= num_tokens:
+        raise ValueError(f"{op}: slot_mapping has {slots.shape[0]} entries; it needs one per token, between "
+                         f"num_actual_tokens {n} and the {num_tokens} tokens the layer was given")
+    if index_checks_on(device):
+        qsl, lens = check_sequences(
+            op, md.query_start_loc, md.seq_lens, md.block_table if has_cache else None,
+            num_tokens=num_tokens, num_blocks=num_blocks, block_size=block_size,
+            max_query_len=md.max_query_len, max_seq_len=md.max_seq_len)
+        _check_covers(op, n, qsl[-1])
+        if has_cache:
+            check_slot_range(op, slots, num_blocks, block_size)
+            check_slots_follow_table(op, slots, qsl, lens, md.block_table, block_size)
+    elif _plan_holds(md):
+        _check_plan(op, md, num_tokens, num_blocks)
+
+
+def _check_covers(op: str, num_actual_tokens: int, end: int) -> None:
+    if num_actual_tokens != end:
+        raise ValueError(f"{op}: num_actual_tokens {num_actual_tokens} != query_start_loc[-1] = {end} (the "
+                         "sequences must cover exactly the step's real tokens)")
+
+
+def _check_plan(op: str, md, num_tokens: int, num_blocks: int | None) -> None:
+    """The builder's host-side bounds against the layer (no device read)."""
+    plan = md.plan
+    if plan.num_tokens > num_tokens:
+        raise ValueError(f"{op}: query_start_loc[-1] = {plan.num_tokens} runs past the {num_tokens} query tokens")
+    _check_covers(op, md.num_actual_tokens, plan.num_tokens)
+    for name, hint, longest, what in (("max_query_len", md.max_query_len, plan.max_query_len, "query"),
+                                      ("max_seq_len", md.max_seq_len, plan.max_seq_len, "sequence")):
+        if hint < longest:
+            raise ValueError(f"{op}: {name} {hint} is smaller than the longest {what} ({longest} tokens); the "
+                             f"hint must be >= every {what} length (a GPU kernel skips the rows past it)")
+    if num_blocks is not None and plan.max_block_id >= num_blocks:
+        raise IndexError(
+            f"{op}: the step uses block id {plan.max_block_id} but the KV cache has {num_blocks} blocks "
+            f"(valid block ids: 0..{num_blocks - 1}); plan the step for this cache "
+            "(build_attention_metadata(..., num_blocks=...))"
+        )
+
+
+def check_step_positions(op: str, md, positions: torch.Tensor, rows: int) -> None:
+    """The positions a layer's RoPE reads, inside the cos/sin table of ``rows`` rows: read on
+    CPU (or with ``ROCM_ATTN_CHECK_INDICES=1``), else from the builder's bounds when they are
+    the step's own positions tensor."""
+    if index_checks_on(positions.device):
+        check_positions(op, positions, rows)
+    elif (md.plan is not None and md.plan.max_position >= rows and _plan_holds(md)
+          and positions.data_ptr() == md.positions.data_ptr()):
+        raise IndexError(f"{op}: the step's positions reach {md.plan.max_position}, outside the cos/sin table "
+                         f"(valid: 0..{rows - 1})")
+
+
+def check_rope_inputs(op: str, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_tokens: int,
+                      device: torch.device, md) -> None:
+    """Every call of a layer's RoPE: one position per token, on ``device``, inside the cos/sin
+    table (``md``: the step's metadata, None in a profiling run)."""
+    if positions.shape[0] != num_tokens or positions.device != device or cos_sin_cache.device != device:
+        raise ValueError(f"{op}: positions ({tuple(positions.shape)} on {positions.device}) and cos_sin_cache "
+                         f"(on {cos_sin_cache.device}) must have one entry per token ({num_tokens}) on {device}")
+    if md is not None:
+        check_step_positions(op, md, positions, cos_sin_cache.shape[0])
+    elif index_checks_on(positions.device):
+        check_positions(op, positions, cos_sin_cache.shape[0])
+
+
+def check_cos_sin_call(op: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor, device: torch.device) -> None:
+    """Every call of a per-token cos/sin writer: query/key/value of one dtype with the value's
+    T rows, and cos/sin ``[T, rot_dim]`` (one row per token, as the kernels read them), all on
+    ``device``."""
+    t = value.shape[0]
+    cs = cos.shape
+    if not (query.shape[0] == t and key.shape[0] == t and query.dtype is key.dtype is value.dtype
+            and len(cs) == 2 and cs[0] == t and sin.shape == cs and query.device == device
+            and key.device == device and value.device == device and cos.device == device
+            and sin.device == device):
+        raise ValueError(
+            f"{op}: query {tuple(query.shape)} {query.dtype} on {query.device}, key {tuple(key.shape)} "
+            f"{key.dtype} on {key.device}, value {tuple(value.shape)} {value.dtype} on {value.device}, cos "
+            f"{tuple(cos.shape)} on {cos.device}, sin {tuple(sin.shape)} on {sin.device}: expected one dtype, "
+            f"{t} rows each (cos/sin [{t}, rot_dim]), all on {device}"
+        )
+
+
+# Per-call checks: one boolean expression on the fast path (host attributes only); the
+# message is worked out only when it fails.
+_MODEL_DTYPES = frozenset(capabilities.MODEL_DTYPES)
+
+
+def check_cache_update(op: str, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, md,
+                       num_kv_heads: int, head_size: int) -> int:
+    """Every call of a layer's cache update, in one pass: a bound cache, key/value
+    ``[T, num_kv_heads, head_size]`` on its device, and the step's metadata against it (memoized
+    as ``check_step_metadata``). Returns T."""
+    shape = kv_cache.shape
+    if len(shape) != 4:
+        cache_shape(op, layer, kv_cache)
+    device = kv_cache.device
+    ks = key.shape
+    dtype = key.dtype
+    if not (len(ks) == 3 and ks[1] == num_kv_heads and ks[2] == head_size and value.shape == ks
+            and dtype in _MODEL_DTYPES and value.dtype is dtype and key.device == device
+            and value.device == device and key.stride()[2] == 1 and value.stride()[2] == 1):
+        _explain_kv(op, key, value, device, ks[0] if len(ks) else 0, num_kv_heads, head_size)
+    t = ks[0]
+    memo = (t, shape[0], shape[2], device)
+    checked = md._checked
+    if memo not in checked:
+        _check_step(op, md, t, device, shape[0], shape[2])
+        checked[memo] = None
+    return t
+
+
+def check_attention_call(op: str, layer, query: torch.Tensor, key: torch.Tensor | None,
+                         value: torch.Tensor | None, output: torch.Tensor, kv_cache: torch.Tensor, md,
+                         num_heads: int, num_kv_heads: int, head_size: int) -> int:
+    """Every call of a layer's attention (not preceded by its cache update), in one pass: a
+    bound cache, query/output ``[T, num_heads, head_size]`` on its device, key/value when the
+    step has a query longer than one token (only then does a kernel read them), and the step's
+    metadata (memoized as ``check_step_metadata``). Returns T."""
+    shape = kv_cache.shape
+    if len(shape) != 4:
+        cache_shape(op, layer, kv_cache)
+    device = kv_cache.device
+    check_layer_query(op, query, output, device, num_heads, head_size)
+    t = query.shape[0]
+    if key is not None and md.max_query_len > 1:
+        check_layer_kv(op, key, value, device, t, num_kv_heads, head_size)
+        if key.dtype is not query.dtype and not is_fp8_dtype(query.dtype):
+            raise ValueError(f"{op}: key dtype {key.dtype} != query dtype {query.dtype}")
+    memo = (t, shape[0], shape[2], device)
+    checked = md._checked
+    if memo not in checked:
+        _check_step(op, md, t, device, shape[0], shape[2])
+        checked[memo] = None
+    return t
+
+
+def check_layer_kv(op: str, key: torch.Tensor, value: torch.Tensor, device: torch.device,
+                   num_tokens: int, num_kv_heads: int, head_size: int) -> None:
+    """Every call: key/value ``[num_tokens, num_kv_heads, head_size]`` of one model dtype, on
+    ``device`` (the cache's)."""
+    dtype = key.dtype
+    if not ((num_tokens, num_kv_heads, head_size) == key.shape == value.shape and dtype in _MODEL_DTYPES
+            and value.dtype is dtype and key.device == device and value.device == device
+            and key.stride()[2] == 1 and value.stride()[2] == 1):
+        _explain_kv(op, key, value, device, num_tokens, num_kv_heads, head_size)
+
+
+def _explain_kv(op, key, value, device, num_tokens, num_kv_heads, head_size):
+    if not (num_tokens, num_kv_heads, head_size) == key.shape == value.shape:
+        raise ValueError(f"{op}: key and value must be [num_tokens, num_kv_heads, head_size] = "
+                         f"[{num_tokens}, {num_kv_heads}, {head_size}], got {tuple(key.shape)} and "
+                         f"{tuple(value.shape)}")
+    if key.dtype not in _MODEL_DTYPES or value.dtype is not key.dtype:
+        raise ValueError(f"{op}: key and value must have one dtype of {capabilities.MODEL_DTYPES}, got "
+                         f"{key.dtype} and {value.dtype}")
+    if key.device != device or value.device != device:
+        raise ValueError(f"{op}: key is on {key.device} and value on {value.device}, but the KV cache is on "
+                         f"{device}")
+    check_channel_stride(op, key=key, value=value)
+
+
+def check_layer_query(op: str, query: torch.Tensor, output: torch.Tensor, device: torch.device,
+                      num_heads: int, head_size: int, num_tokens: int | None = None) -> None:
+    """Every call: query and output ``[num_tokens, num_heads, head_size]`` on ``device``
+    (``num_tokens`` None: any)."""
+    qs = query.shape
+    if not (len(qs) == 3 and qs[1] == num_heads and qs[2] == head_size and output.shape == qs
+            and (num_tokens is None or qs[0] == num_tokens) and query.device == device
+            and output.device == device and query.stride()[2] == 1 and output.stride()[2] == 1):
+        if not (len(qs) == 3 and qs[1] == num_heads and qs[2] == head_size and output.shape == qs
+                and (num_tokens is None or qs[0] == num_tokens)):
+            raise ValueError(f"{op}: query and output must be [num_tokens, num_heads, head_size] = "
+                             f"[{'T' if num_tokens is None else num_tokens}, {num_heads}, {head_size}], got "
+                             f"{tuple(qs)} and {tuple(output.shape)}")
+        if query.device != device or output.device != device:
+            raise ValueError(f"{op}: query is on {query.device} and output on {output.device}, but the KV cache "
+                             f"(or the step's tensors) is on {device}")
+        check_channel_stride(op, query=query, output=output)
+
+
+# --- per-call tensors of a layer ---------------------------------------------------------------
+
+
+def check_qkv(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """``Attention.forward``: query, key and value of one dtype on one device (what the
+    attention op would reject about them together, rejected before the cache update writes)."""
+    try:
+        if query.dtype is key.dtype is value.dtype and query.device == key.device == value.device:
+            return
+    except AttributeError:
+        raise TypeError(f"Attention {layer.layer_name!r}: query, key and value must be tensors, got "
+                        f"{type(query).__name__}, {type(key).__name__}, {type(value).__name__}") from None
+    for name, x in (("query", query), ("value", value)):
+        if x.device != key.device:
+            raise ValueError(f"Attention {layer.layer_name!r}: {name} is on {x.device} but key is on {key.device}; "
+                             "query, key and value must be on one device (the KV cache's)")
+        if x.dtype is not key.dtype and not (name == "query" and is_fp8_dtype(x.dtype)):  # fp8 query: its own dtype
+            raise ValueError(f"Attention {layer.layer_name!r}: {name} dtype {x.dtype} != key dtype {key.dtype}")
+
+
+def cache_shape(op: str, layer, kv_cache: torch.Tensor) -> torch.Size:
+    """The cache's logical shape; a clear error when the layer has none bound yet."""
+    shape = kv_cache.shape
+    if len(shape) != 4:
+        raise RuntimeError(
+            f"{op}: layer {getattr(layer, 'layer_name', layer)!r} has no KV cache bound: call "
+            "inductor_rocm_attn.bind_kv_caches(model, num_blocks, dtype, device) (or assign "
+            "layer.kv_cache) before running it"
+        )
+    return shape
+
+
+def token_rows(op: str, name: str, x: torch.Tensor, heads: int, head_size: int) -> torch.Tensor:
+    """``x`` as ``[T, heads, head_size]`` (a view of ``[T, heads * head_size]``)."""
+    if x.dim() == 3:
+        return x
+    try:
+        return x.view(-1, heads, head_size)
+    except RuntimeError:
+        raise ValueError(f"{op}: {name} must be [num_tokens, {heads} * {head_size}] or [num_tokens, "
+                         f"{heads}, {head_size}], got {tuple(x.shape)}") from None

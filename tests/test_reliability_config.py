@@ -1,0 +1,182 @@
+"""Configuration mistakes are errors at construction, each naming the op, the parameter, the
+value and what is supported (issue 14, items 3 and 6)."""
+
+import math
+
+import pytest
+import torch
+
+import inductor_rocm_attn as ira
+from inductor_rocm_attn.__main__ import main
+
+from reliability_steps import BS, D, H, HKV, qkv, run_layer_ops
+
+
+def _layer(name, **kw):
+    return ira.Attention(H, D, num_kv_heads=HKV, layer_name=f"cfg.{name}", **kw)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5, math.nan, math.inf, "0.1"])
+def test_attention_scale(scale):
+    with pytest.raises(ValueError, match=rf"RocmAttentionImpl: scale must be a positive finite number, got "
+                                         rf"{scale!r}"):
+        _layer(f"scale{scale}", scale=scale)
+
+
+@pytest.mark.parametrize("cap", [math.nan, math.inf, -1.0])
+def test_logits_soft_cap(cap):
+    with pytest.raises(ValueError, match=rf"RocmAttentionImpl: logits_soft_cap must be None, 0 \(off\) or a positive "
+                                         rf"finite number, got {cap!r}"):
+        _layer(f"cap{cap}", logits_soft_cap=cap)
+
+
+@pytest.mark.parametrize("field, value", [("num_heads", -4), ("num_heads", 0), ("num_kv_heads", -2),
+                                          ("num_heads", 4.0), ("num_kv_heads", True)])
+def test_head_counts(field, value):
+    kw = dict(num_heads=H, num_kv_heads=HKV)
+    kw[field] = value
+    with pytest.raises(ValueError, match=rf"RocmAttentionImpl: {field} must be a positive int, got {value!r}"):
+        ira.Attention(kw["num_heads"], D, num_kv_heads=kw["num_kv_heads"], layer_name=f"cfg.{field}{value}")
+
+
+@pytest.mark.parametrize("field", ["k_scale", "v_scale", "q_scale"])
+@pytest.mark.parametrize("value", [0.0, -1.0, math.nan])
+def test_quant_scales(field, value):
+    with pytest.raises(ValueError, match=rf"{field} must be a positive finite number, got {value!r}"):
+        _layer(f"{field}{value}", **{field: value})
+
+
+def test_sliding_window_must_be_a_positive_int():
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match=rf"RocmAttentionImpl: sliding_window must be None or a positive int, "
+                                             rf"got {bad!r}"):
+            _layer(f"win{bad}", sliding_window=bad)
+
+
+def test_unknown_cache_layout():
+    with pytest.raises(ValueError, match=r"Attention: cache_layout 'NHD' is not supported; supported: "
+                                         r"'LHBNC', 'LBHNC'"):
+        _layer("layout", cache_layout="NHD")
+    with pytest.raises(ValueError, match=r"cache_layout 'XYZ' is not supported; supported: 'LHBNC', 'LBHNC'"):
+        ira.CacheLayout("XYZ")
+
+
+def test_sinks_as_a_list_are_taken_as_a_tensor():
+    layer = _layer("sinks_list", sinks=[0.5, -1.0, 0.0, 2.0])
+    assert isinstance(layer.impl.sinks, torch.Tensor) and layer.impl.sinks.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"RocmAttentionImpl: sinks must be \[num_heads\] = \[4\], got \(3,\)"):
+        _layer("sinks_short", sinks=[0.5, -1.0, 0.0])
+    with pytest.raises(ValueError, match=r"RocmAttentionImpl: sinks must not hold NaN"):
+        _layer("sinks_nan", sinks=[0.5, math.nan, 0.0, 1.0])
+    with pytest.raises(TypeError, match=r"RocmAttentionImpl: sinks must be a tensor or a list of floats, got 'str'"):
+        _layer("sinks_str", sinks="abcd")
+
+
+def test_alibi_slopes_must_be_finite():
+    with pytest.raises(ValueError, match=r"RocmAttentionImpl: alibi_slopes must be finite"):
+        _layer("alibi_nan", alibi_slopes=[0.5, math.nan, 0.25, 0.125])
+
+
+def test_block_size_zero_in_the_builder():
+    with pytest.raises(ValueError, match=r"build_attention_metadata: block_size 0 is not supported; it must be a "
+                                         r"positive multiple of 16"):
+        ira.build_attention_metadata([3], [0], [[0]], 0)
+
+
+def test_builder_checks_block_ids():
+    with pytest.raises(IndexError, match=r"build_attention_metadata: block_tables\[1\]\[0\] = -1 is not a block id "
+                                         r"\(block ids are >= 0\)"):
+        ira.build_attention_metadata([3, 2], [0, 0], [[0], [-1]], BS)
+    with pytest.raises(IndexError, match=r"build_attention_metadata: block_tables\[0\]\[1\] = 8 is outside the cache "
+                                         r"\(num_blocks 8: valid block ids 0\.\.7\)"):
+        ira.build_attention_metadata([3], [20], [[0, 8]], BS, num_blocks=8)
+    with pytest.raises(ValueError, match=r"build_attention_metadata: sequence 0 has query_len -1"):
+        ira.build_attention_metadata([-1], [0], [[0]], BS)
+
+
+def test_builder_records_block_size_and_plan():
+    md = ira.build_attention_metadata([3, 1], [0, 17], [[2], [5, 6]], BS)
+    assert md.block_size == BS
+    assert md.plan.max_block_id == 6 and md.plan.max_position == 17
+
+
+def test_bind_kv_caches_num_blocks():
+    layer = _layer("bind0")
+    for bad in (0, -1, 2.0):
+        with pytest.raises(ValueError, match=rf"bind_kv_caches: num_blocks must be a positive int, got {bad!r}"):
+            ira.bind_kv_caches(layer, bad, torch.float32)
+
+
+def test_cli_device_cuda_without_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--eager", "--device", "cuda"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--device cuda: this torch build has no usable CUDA/ROCm GPU" in err and "Traceback" not in err
+
+
+def test_cli_unknown_device(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--eager", "--device", "tpu"])
+    assert e.value.code == 2
+    assert "--device 'tpu' is not supported; supported: cpu, cuda" in capsys.readouterr().err
+
+
+def test_hand_built_metadata_states_its_block_size():
+    layer = _layer("hand_built")
+    ira.bind_kv_caches(layer, 4, torch.float32)
+    md = ira.AttentionMetadata(
+        num_actual_tokens=2, max_query_len=2, query_start_loc=torch.tensor([0, 2], dtype=torch.int32),
+        max_seq_len=2, seq_lens=torch.tensor([2], dtype=torch.int32), block_table=torch.tensor([[1]], dtype=torch.int32),
+        slot_mapping=torch.tensor([16, 17]), positions=torch.tensor([0, 1]), block_size=32)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = qkv(2, g)
+    with pytest.raises(ValueError, match=r"metadata built for block_size 32, but the layer's KV cache has block_size 16"):
+        run_layer_ops(layer, md, q, k, v, torch.empty(2, H, D))
+
+
+@pytest.mark.parametrize("field, value", [("head_size", 64.0), ("block_size", 16.0), ("block_size", "16")])
+def test_sizes_must_be_ints(field, value):
+    kw = dict(head_size=D, block_size=BS)
+    kw[field] = value
+    with pytest.raises(ValueError, match=rf"{field} {value!r} is not supported"):
+        ira.Attention(H, kw["head_size"], num_kv_heads=HKV, layer_name=f"cfg.int.{field}", block_size=kw["block_size"])
+
+
+def test_numpy_ints_and_floats_are_taken():
+    np = pytest.importorskip("numpy")
+    layer = ira.Attention(np.int64(H), np.int64(D), num_kv_heads=np.int64(HKV), layer_name="cfg.numpy",
+                          scale=np.float32(0.125), block_size=np.int64(BS))
+    assert (layer.num_heads, layer.head_size, layer.block_size) == (H, D, BS) and type(layer.num_heads) is int
+    md = ira.build_attention_metadata(np.array([3, 1]), np.array([0, 17]), [np.array([2]), [5, 6]], BS)
+    assert md.max_query_len == 3 and type(md.max_query_len) is int
+
+
+def test_builder_rejects_float_block_ids():
+    with pytest.raises(ValueError, match=r"build_attention_metadata: block_tables must hold integer block ids"):
+        ira.build_attention_metadata([3], [0], [[1.5]], BS)
+
+
+def test_block_allocator_arguments():
+    with pytest.raises(ValueError, match=r"BlockAllocator: num_blocks must be a positive int, got 0"):
+        ira.BlockAllocator(0, BS)
+    alloc = ira.BlockAllocator(4, BS)
+    with pytest.raises(ValueError, match=r"BlockAllocator.allocate: num_new_tokens must be an int >= 0, got -3"):
+        alloc.allocate("a", -3)
+
+
+def test_bind_kv_caches_dtype():
+    layer = _layer("bind_dtype")
+    with pytest.raises(ValueError, match=r"bind_kv_caches: dtype 'float16' is not supported"):
+        ira.bind_kv_caches(layer, 4, "float16")
+
+
+def test_layer_inputs_must_be_tensors():
+    layer = _layer("not_tensors")
+    ira.bind_kv_caches(layer, 4, torch.float32)
+    md = ira.build_attention_metadata([2], [0], [[0]], BS)
+    with pytest.raises(TypeError, match=r"Attention 'cfg.not_tensors': query, key and value must be tensors, got "
+                                        r"Tensor, NoneType, Tensor"), ira.set_forward_context(md):
+        layer(torch.randn(2, H * D), None, torch.randn(2, HKV * D))

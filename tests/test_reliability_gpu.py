@@ -1,0 +1,81 @@
+"""The reliability checks on a GPU: tensors on another device than the cache get our error (not
+Triton's "Pointer argument cannot be accessed"), metadata planned by the builder is checked
+against the cache without reading it back, and the opt-in index checks of hand-built metadata."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import inductor_rocm_attn as ira
+
+from reliability_steps import BS, D, H, HKV, snapshot, unchanged
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def _layer(name, num_blocks=8):
+    layer = ira.Attention(H, D, num_kv_heads=HKV, layer_name=f"gpu_rel.{name}").to(DEV)
+    ira.bind_kv_caches(layer, num_blocks, torch.float16, DEV, poison=True)
+    return layer
+
+
+def _qkv(t):
+    g = torch.Generator().manual_seed(t)
+    return [torch.randn(t, n * D, generator=g).to(DEV, torch.float16) for n in (H, HKV, HKV)]
+
+
+def _rejected(layer, md, match, exc=(ValueError, IndexError)):
+    q, k, v = _qkv(md.num_actual_tokens)
+    before = snapshot(layer.kv_cache)
+    with pytest.raises(exc, match=match), ira.set_forward_context(md):
+        layer(q, k, v)
+    torch.cuda.synchronize()
+    assert unchanged(before, layer.kv_cache)
+
+
+def test_metadata_on_the_host_with_a_gpu_cache():
+    layer = _layer("host_md")
+    md = ira.build_attention_metadata([3, 1], [0, 4], [[0], [1]], BS)  # device defaults to cpu
+    _rejected(layer, md, r"metadata tensor query_start_loc is on cpu but the KV cache is on cuda:0")
+
+
+def test_query_on_the_host_with_a_gpu_cache():
+    layer = _layer("host_q")
+    md = ira.build_attention_metadata([3], [0], [[0]], BS, DEV)
+    q, k, v = _qkv(3)
+    before = snapshot(layer.kv_cache)
+    with pytest.raises(ValueError, match=r"query is on cpu but key is on cuda:0"), ira.set_forward_context(md):
+        layer(q.cpu(), k, v)
+    assert unchanged(before, layer.kv_cache)
+
+
+def test_kernel_op_slot_mapping_on_the_host():
+    layer = _layer("host_slots")
+    k = torch.randn(3, HKV, D, device=DEV, dtype=torch.float16)
+    before = snapshot(layer.kv_cache)
+    with pytest.raises(ValueError, match=r"rocm_attn\.reshape_and_cache: all tensors must be on one device"):
+        torch.ops.rocm_attn.reshape_and_cache(k, k, layer.kv_cache, torch.tensor([0, 1, 2]), layer._k_scale,
+                                              layer._v_scale, False)
+    assert unchanged(before, layer.kv_cache)
+
+
+def test_planned_metadata_is_checked_without_a_device_read():
+    layer = _layer("plan", num_blocks=2)
+    md = ira.build_attention_metadata([3, 1], [0, 40], [[0], [1, 5, 7]], BS, DEV)
+    _rejected(layer, md, r"the step uses block id 7 but the KV cache has 2 blocks")
+    ok = ira.build_attention_metadata([3, 1], [0, 20], [[0], [1, 0]], BS, DEV)
+    for hint in ("max_query_len", "max_seq_len"):
+        _rejected(layer, dataclasses.replace(ok, **{hint: 1}), rf"{hint} 1 is smaller than the longest")
+    other = ira.build_attention_metadata([3, 1], [0, 20], [[0], [1, 0, 0]], 32, DEV)
+    _rejected(layer, other, r"metadata built for block_size 32, but the layer's KV cache has block_size 16")
+
+
+def test_hand_built_metadata_index_checks_are_opt_in(monkeypatch):
+    layer = _layer("opt_in")
+    md = ira.build_attention_metadata([3], [0], [[0]], BS, DEV)
+    bad = dataclasses.replace(md, plan=None)
+    bad.block_table[0, 0] = 99
+    monkeypatch.setenv("ROCM_ATTN_CHECK_INDICES", "1")
+    _rejected(layer, bad, r"block_table\[0, 0\] = 99 is outside the cache")

@@ -1,0 +1,255 @@
+"""The layer path checks every call, before anything is written (issue 14, items 2-4 and 6).
+
+Each test runs a valid first step, then a bad second step (the same call signature, so a
+check made only on a signature's first call would miss it), and asserts a clear error and a
+KV cache byte-identical to before the call.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+import inductor_rocm_attn as ira
+
+from reliability_steps import BS, D, H, HKV, NUM_BLOCKS, qkv, run_layer_ops, snapshot, stepped_layer, unchanged
+
+
+def _rejected(s, md, match, exc=(ValueError, IndexError)):
+    """Run the next step with ``md`` through ``Attention.forward``: it must raise and write nothing."""
+    before = snapshot(s.layer.kv_cache)
+    q, k, v = qkv(s.num_tokens, s.g)
+    with pytest.raises(exc, match=match), ira.set_forward_context(md):
+        s.layer(q, k, v)
+    assert unchanged(before, s.layer.kv_cache), "a rejected call wrote the cache"
+
+
+def _replace(md, **fields):
+    return dataclasses.replace(md, **fields)
+
+
+def test_valid_second_step_runs():
+    s = stepped_layer()
+    q, k, v = qkv(s.num_tokens, s.g)
+    with ira.set_forward_context(s.md):
+        out = s.layer(q, k, v)
+    assert out.shape == (s.num_tokens, H * D) and torch.isfinite(out).all()
+
+
+def test_slot_outside_the_cache_on_a_later_step():
+    s = stepped_layer()
+    bad = NUM_BLOCKS * BS + 5
+    s.md.slot_mapping[1] = bad
+    _rejected(s, s.md, rf"rocm_attn\.unified_kv_cache_update: slot_mapping entry {bad} .*outside the cache "
+                       rf"\({NUM_BLOCKS} blocks x {BS} = {NUM_BLOCKS * BS} slots")
+
+
+def test_negative_block_id_is_an_error_not_a_wrap_around():
+    s = stepped_layer()
+    s.md.block_table[0, 0] = -1  # sequence 'a' (a decode) reads block 0 of its table
+    _rejected(s, s.md, r"rocm_attn\.unified_kv_cache_update: block_table\[0, 0\] = -1 is outside the cache "
+                       rf"\(valid block ids: 0\.\.{NUM_BLOCKS - 1}\)")
+
+
+def test_block_id_past_the_cache():
+    s = stepped_layer()
+    s.md.block_table[1, 0] = NUM_BLOCKS
+    _rejected(s, s.md, rf"block_table\[1, 0\] = {NUM_BLOCKS} is outside the cache")
+
+
+def test_seq_lens_shorter_than_the_query_is_rejected_before_the_write():
+    s = stepped_layer()
+    s.md.seq_lens[1] = 2  # 'b' has 3 new tokens
+    _rejected(s, s.md, r"rocm_attn\.unified_kv_cache_update: seq_lens\[1\] = 2 is smaller than that "
+                       r"sequence's query length 3")
+
+
+def test_query_start_loc_not_monotonic():
+    s = stepped_layer()
+    s.md.query_start_loc.copy_(torch.tensor([0, 4, 1, 6]))
+    _rejected(s, s.md, r"rocm_attn\.unified_kv_cache_update: query_start_loc must start at 0 and never "
+                       r"decrease, got \[0, 4, 1, 6\]")
+
+
+def test_query_start_loc_past_the_tokens():
+    s = stepped_layer()
+    s.md.query_start_loc[-1] = s.num_tokens + 3
+    _rejected(s, s.md, r"rocm_attn\.unified_kv_cache_update: query_start_loc\[-1\] = 9 runs past the 6 query "
+                       r"tokens")
+
+
+def test_slot_mapping_must_follow_the_block_table():
+    # A slot inside the cache but in another sequence's block: the write would overwrite
+    # that sequence's token.
+    s = stepped_layer()
+    other = s.tables[0][0] * BS + 3  # a token of 'a'
+    s.md.slot_mapping[4] = other  # the first token of 'c'
+    _rejected(s, s.md, rf"slot_mapping\[4\] = {other} but token 4 \(sequence 2, position 0\) belongs in slot "
+                       rf"{s.tables[2][0] * BS}")
+
+
+def test_metadata_for_another_block_size():
+    s = stepped_layer()
+    md = ira.build_attention_metadata(s.query_lens, s.context_lens, [t + t for t in s.tables], 32)
+    _rejected(s, md, r"rocm_attn\.unified_kv_cache_update: metadata built for block_size 32, but the "
+                     r"layer's KV cache has block_size 16; build the step's metadata with block_size=16")
+
+
+@pytest.mark.parametrize("hint", ["max_query_len", "max_seq_len"])
+def test_launch_hints_below_the_actual_lengths(hint):
+    s = stepped_layer()
+    actual = getattr(s.md, hint)
+    _rejected(s, _replace(s.md, **{hint: actual - 1}),
+              rf"rocm_attn\.unified_kv_cache_update: {hint} {actual - 1} is smaller than .*{actual}")
+
+
+def test_num_actual_tokens_must_match_the_sequences():
+    s = stepped_layer()
+    _rejected(s, _replace(s.md, num_actual_tokens=4), r"num_actual_tokens 4 != query_start_loc\[-1\] = 6")
+
+
+def test_metadata_on_another_device_than_the_cache():
+    s = stepped_layer()
+    md = ira.build_attention_metadata(s.query_lens, s.context_lens, s.tables, BS, "meta")
+    _rejected(s, md, r"rocm_attn\.unified_kv_cache_update: metadata tensor query_start_loc is on meta but the "
+                     r"KV cache is on cpu")
+
+
+@pytest.mark.parametrize("which", ["query", "value"])
+def test_query_or_value_on_another_device_than_the_key(which):
+    s = stepped_layer()
+    before = snapshot(s.layer.kv_cache)
+    q, k, v = qkv(s.num_tokens, s.g)
+    if which == "query":
+        q = q.to("meta")
+    else:
+        v = v.to("meta")
+    with pytest.raises(ValueError, match=rf"Attention 'rel\.\d+': {which} is on meta but key is on cpu"), \
+            ira.set_forward_context(s.md):
+        s.layer(q, k, v)
+    assert unchanged(before, s.layer.kv_cache)
+
+
+def test_query_dtype_differs_from_key():
+    s = stepped_layer()
+    before = snapshot(s.layer.kv_cache)
+    q, k, v = qkv(s.num_tokens, s.g)
+    with pytest.raises(ValueError, match=r"query dtype torch.float16 != key dtype torch.float32"), \
+            ira.set_forward_context(s.md):
+        s.layer(q.half(), k, v)
+    assert unchanged(before, s.layer.kv_cache)
+
+
+def test_query_width_mismatch_is_clear():
+    s = stepped_layer()
+    q, k, v = qkv(s.num_tokens, s.g)
+    with pytest.raises(ValueError, match=rf"query must be \[num_tokens, {H} \* {D}\] or \[num_tokens, {H}, {D}\], "
+                                         r"got \(6, 200\)"), ira.set_forward_context(s.md):
+        s.layer(q[:, :200], k, v)
+
+
+def test_layer_without_a_bound_cache():
+    layer = ira.Attention(H, D, num_kv_heads=HKV, layer_name="rel.unbound")
+    md = ira.build_attention_metadata([3], [0], [[0]], BS)
+    with pytest.raises(RuntimeError, match=r"rocm_attn\.unified_kv_cache_update: layer 'rel\.unbound' has no KV "
+                                           r"cache bound: call inductor_rocm_attn\.bind_kv_caches\(model, "
+                                           r"num_blocks, dtype, device\)"), ira.set_forward_context(md):
+        layer(*qkv(3, torch.Generator().manual_seed(0)))
+
+
+def test_each_layer_op_checks_the_metadata_alone():
+    # Called by hand, the attention op (no cache update before it) checks the step too, and
+    # leaves its output untouched.
+    s = stepped_layer()
+    s.md.seq_lens[2] = 1
+    q, k, v = qkv(s.num_tokens, s.g)
+    out = torch.full((s.num_tokens, H, D), 7.0)
+    before = snapshot(out, s.layer.kv_cache)
+    with pytest.raises(ValueError, match=r"rocm_attn\.unified_attention_with_output: seq_lens\[2\] = 1"), \
+            ira.set_forward_context(s.md):
+        torch.ops.rocm_attn.unified_attention_with_output(q.view(-1, H, D), k.view(-1, HKV, D),
+                                                          v.view(-1, HKV, D), out, s.layer.layer_name, None)
+    assert unchanged(before, out, s.layer.kv_cache)
+
+
+def test_bad_metadata_through_both_ops_leaves_cache_and_output():
+    s = stepped_layer()
+    s.md.block_table[2, 0] = 99
+    q, k, v = qkv(s.num_tokens, s.g)
+    out = torch.full((s.num_tokens, H, D), 7.0)
+    before = snapshot(out, s.layer.kv_cache)
+    with pytest.raises(IndexError, match=r"block_table\[2, 0\] = 99"):
+        run_layer_ops(s.layer, s.md, q, k, v, out)
+    assert unchanged(before, out, s.layer.kv_cache)
+
+
+# --- profiling run: deliberate, never an accident -------------------------------------------
+
+
+def test_layer_outside_a_forward_context_is_an_error():
+    s = stepped_layer()
+    before = snapshot(s.layer.kv_cache)
+    with pytest.raises(RuntimeError, match=r"rocm_attn\.unified_kv_cache_update \(layer 'rel\.\d+'\): called "
+                                           r"outside a forward context.*set_forward_context\(metadata\).*"
+                                           r"profiling_run\(\)"):
+        s.layer(*qkv(3, s.g))
+    assert unchanged(before, s.layer.kv_cache)
+
+
+def test_metadata_none_needs_profiling_true():
+    with pytest.raises(ValueError, match=r"set_forward_context: attn_metadata is None.*profiling=True"):
+        with ira.set_forward_context(None):
+            pass
+    md = ira.build_attention_metadata([1], [0], [[0]], BS)
+    with pytest.raises(ValueError, match="profiling=True with metadata"):
+        with ira.set_forward_context(md, profiling=True):
+            pass
+    with pytest.raises(TypeError, match=r"set_forward_context: attn_metadata must be an AttentionMetadata"):
+        with ira.set_forward_context({"slot_mapping": None}):
+            pass
+
+
+@pytest.mark.parametrize("enter", ["profiling_run", "set_forward_context"])
+def test_profiling_run_is_deliberate_and_writes_nothing(enter):
+    s = stepped_layer()
+    before = snapshot(s.layer.kv_cache)
+    ctx = ira.profiling_run() if enter == "profiling_run" else ira.set_forward_context(None, profiling=True)
+    with ctx as fc:
+        assert fc.profiling and fc.attn_metadata is None
+        out = s.layer(*qkv(5, s.g))
+    assert torch.count_nonzero(out) == 0
+    assert unchanged(before, s.layer.kv_cache)
+
+
+def test_a_field_set_anew_is_checked_again():
+    # The step's checks are memoized on the metadata object; assigning a field drops them.
+    s = stepped_layer()
+    q, k, v = qkv(s.num_tokens, s.g)
+    with ira.set_forward_context(s.md):
+        s.layer(q, k, v)
+    bad = s.md.slot_mapping.clone()
+    bad[0] = NUM_BLOCKS * BS
+    s.md.slot_mapping = bad
+    _rejected(s, s.md, rf"slot_mapping entry {NUM_BLOCKS * BS} \(token 0\) is outside the cache")
+
+
+def test_builder_plan_is_checked_without_reading_tensors(monkeypatch):
+    # What a GPU step relies on (the index tensors are not read there): the builder's bounds.
+    from inductor_rocm_attn import step_checks
+
+    monkeypatch.setattr(step_checks, "index_checks_on", lambda device: False)
+    s = stepped_layer()
+    small = ira.Attention(H, D, num_kv_heads=HKV, layer_name="rel.small_cache")
+    ira.bind_kv_caches(small, 2, torch.float32)  # the step uses block ids up to 7
+    q, k, v = qkv(s.num_tokens, s.g)
+    before = snapshot(small.kv_cache)
+    max_block = max(b for t in s.tables for b in t)
+    with pytest.raises(IndexError, match=rf"rocm_attn\.unified_kv_cache_update: the step uses block id {max_block} "
+                                         r"but the KV cache has 2 blocks"), ira.set_forward_context(s.md):
+        small(q, k, v)
+    assert unchanged(before, small.kv_cache)
+    for hint in ("max_query_len", "max_seq_len"):
+        _rejected(s, _replace(s.md, **{hint: 1}), rf"{hint} 1 is smaller than the longest")
+    _rejected(s, _replace(s.md, num_actual_tokens=5), r"num_actual_tokens 5 != query_start_loc\[-1\] = 6")
+    # Swapped index tensors are not taken on the builder's word (checked with the opt-in only).
+    assert not step_checks._plan_holds(_replace(s.md, slot_mapping=s.md.slot_mapping.clone()))
