@@ -1,4 +1,4 @@
-"""End-to-end decode benchmark: eager vs torch.compile vs the plugin vs plugin + piecewise graphs.
+"""End-to-end step benchmark: eager vs torch.compile vs the plugin vs plugin + graphs.
 
 A Qwen3-0.6B-shaped model (28 layers, hidden 1024, 16 query / 8 KV heads, d=128, random
 weights, bf16, vocab 8192) decodes one token per sequence at batch 1/8/32/64 with 2048
@@ -8,16 +8,23 @@ Step latency (the model forward of one decode step, metadata prepared) for:
 - ``eager``: the model as written (HF-form RoPE/RMSNorm, our layer-level ops);
 - ``compile``: ``torch.compile(model, fullgraph=True)``, plugin off;
 - ``compile_plugin``: the same with ``inductor_rocm_attn.plugin()`` on;
-- ``piecewise_graphs``: ``compile_piecewise(model)`` (plugin on): pieces replayed from
-  CUDA graphs, attention eager between them;
-- ``decode_graphs``: the same runner with ``decode_graphs=True``: a decode step replays one
-  CUDA graph of the whole step, attention included (``*_with_plan``: plus the metadata
-  plan and its host-to-device copies).
+- ``piecewise_graphs``: ``compile_piecewise(model)`` (plugin on) with piecewise graphs:
+  pieces replayed from CUDA graphs, attention eager between them;
+- ``decode_graphs``: the same runner's whole-step decode graph: one CUDA graph of the whole
+  step, attention included (``*_with_plan``: plus the metadata plan and its host-to-device
+  copies); ``mixed_graph``: the same decode step through the size's mixed whole-step graph
+  (verify and prefill launches too: what the decode graph saves).
 
-Memory floor = (weight bytes read per step + KV bytes) / 4.19 TB/s (FACTS.md read ceiling).
-Before timing, a 200-step mixed schedule checks graph replay against eager (and bitwise
-against the compiled pieces without graphs). Compile time: cold in this process (fresh
-cache dirs), warm in a second process over the same caches (``--compile-only``).
+A mixed step (``--mixed``, default 8 prefills of 512 new tokens + 56 decodes with 2048
+cached tokens = 4152 tokens, padded to the captured 4160): eager, the compiled pieces
+without graphs, piecewise graphs (attention eager) and the whole-step mixed graph, its
+output checked against the same step without graphs (bitwise) and eager.
+
+Memory floor = (weight bytes read per step + KV bytes) / 4.19 TB/s (FACTS.md read ceiling);
+goal: B=64 decode within 1.3x of it. Before timing, a mixed schedule (``--check-steps``)
+checks graph replay against eager (and bitwise against the compiled pieces without graphs).
+Compile time: cold in this process (fresh cache dirs), warm in a second process over the
+same caches (``--compile-only``), with the trace cache on (``--no-trace-cache``: off).
 
     PYTHONUNBUFFERED=1 python benchmarks/bench_model_decode_step.py --out $OUT [--deadline-s 230]
 
@@ -58,6 +65,7 @@ from inductor_rocm_attn.models import TinyDecoder, qwen3_0_6b_config  # noqa: E4
 READ_CEILING_TBS = 4.19
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64]
 CTX = 2048
+FLOOR_GOAL = 1.3  # B=64 decode step / memory floor
 
 
 def log(msg):
@@ -76,11 +84,19 @@ def build(args, device, dtype, num_blocks, seed=0):
     return model
 
 
+def mixed_size(args) -> int:
+    """The captured size of the mixed step: its tokens rounded up to a multiple of 64."""
+    n = args.mixed[0] * args.mixed[1] + args.mixed[2]
+    return -(-n // 64) * 64 if n else 0
+
+
 def compile_runner(model, args, max_num_blocks_per_seq_tokens, capture=True):
     t0 = time.perf_counter()
-    runner = compile_piecewise(model, capture_sizes=CAPTURE_SIZES, max_num_seqs=64,
-                               max_model_len=max_num_blocks_per_seq_tokens,
-                               capture=False, decode_graphs=True)
+    sizes = CAPTURE_SIZES + ([mixed_size(args)] if mixed_size(args) else [])
+    runner = compile_piecewise(model, capture_sizes=sizes, max_num_seqs=64,
+                               max_model_len=max_num_blocks_per_seq_tokens, capture=False,
+                               decode_graphs=True, mixed_graphs=True, piecewise_graphs=True,
+                               trace_cache=None if args.no_trace_cache else os.path.join(args.cache_dir, "traces"))
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     if capture:
@@ -137,6 +153,22 @@ class DecodeBatch:
         self.md = ira.build_attention_metadata(self.qlens, self.clens, self.tables, block_size, device)
 
 
+class MixedBatch:
+    """``p`` prefills of ``q`` new tokens (no context) and ``d`` decodes with CTX cached tokens."""
+
+    def __init__(self, p, q, d, block_size, num_blocks, vocab, device, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        need = [-(-q // block_size)] * p + [-(-(CTX + 1) // block_size)] * d
+        perm = torch.randperm(num_blocks, generator=g).tolist()
+        self.tables, i = [], 0
+        for n in need:
+            self.tables.append(perm[i: i + n])
+            i += n
+        self.qlens, self.clens = [q] * p + [1] * d, [0] * p + [CTX] * d
+        self.ids = torch.randint(0, vocab, (sum(self.qlens),), generator=g).to(device)
+        self.md = ira.build_attention_metadata(self.qlens, self.clens, self.tables, block_size, device)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -148,22 +180,31 @@ def main():
     ap.add_argument("--layers", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="small model (CPU smoke test)")
     ap.add_argument("--compile-only", action="store_true", help="(warm-compile child process)")
-    ap.add_argument("--skip", nargs="*", default=[], help="stages to skip: check compile compile_plugin warm")
+    ap.add_argument("--skip", nargs="*", default=[],
+                    help="stages to skip: check mixed compile compile_plugin warm")
+    ap.add_argument("--mixed", type=int, nargs=3, default=[8, 512, 56], metavar=("PREFILLS", "TOKENS", "DECODES"),
+                    help="the mixed step (0 0 0: none)")
+    ap.add_argument("--no-trace-cache", action="store_true", help="compile without the trace cache")
+    ap.add_argument("--num-blocks", type=int, default=0, help="KV cache blocks (default: what the steps need; "
+                                                              "--compile-only: 64)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     bs = 16
     max_b = max(args.batches)
-    num_blocks = max_b * (-(-(CTX + 64) // bs)) + 64
+    seqs = max(max_b, args.mixed[0] + args.mixed[2])
+    num_blocks = args.num_blocks or seqs * (-(-(CTX + 64) // bs)) + 64
     max_len = CTX + 256
 
     if args.compile_only:  # warm compile in a second process over the same caches
-        model = build(args, device, dtype, 64)
+        model = build(args, device, dtype, args.num_blocks or 64)
         t0 = time.perf_counter()
         runner, compile_s, capture_s = compile_runner(model, args, max_len, capture=device.type == "cuda")
         print(json.dumps({"warm_compile_s": compile_s, "warm_capture_s": capture_s,
-                          "warm_total_s": time.perf_counter() - t0,
-                          "unique_compiles": runner.stats.num_unique_compiles}))
+                          "warm_total_s": time.perf_counter() - t0, "trace_s": runner.stats.trace_s,
+                          "trace_loaded": runner.stats.trace_loaded,
+                          "unique_compiles": runner.stats.num_unique_compiles,
+                          "process_s": time.perf_counter() - T_START}))
         return
 
     from common import run_meta, stamp, write_json  # the shared result JSON (benchmarks/common.py)
@@ -173,7 +214,7 @@ def main():
         "meta": run_meta(device=str(device), timing="step latency: CUDA events around --iters "
                                                    "steps, median of 3 runs"),
         "model": {}, "check": None, "compile": {}, "latency_ms": {}, "floor_ms": {}, "skipped": [],
-        "errors": {},
+        "errors": {}, "mixed": {}, "trace_cache": not args.no_trace_cache,
     }
     out_json = os.path.join(args.out, f"model_decode_step_{stamp()}.json")
 
@@ -212,6 +253,7 @@ def main():
     capture_s = time.perf_counter() - t0
     st = runner.stats
     res["compile"]["cold"] = dict(total_s=compile_s, trace_s=st.trace_s, inductor_s=st.compile_s,
+                                  trace_loaded=st.trace_loaded,
                                   capture_s=capture_s, captures=st.num_captures,
                                   unique_compiles=st.num_unique_compiles,
                                   compiled_pieces=st.num_compiled_pieces,
@@ -287,6 +329,18 @@ def main():
         if runner.replays_whole_step(md_step):
             record("decode_graphs", b, lambda: runner(db.ids, md_step), args.iters)
             record("decode_graphs_with_plan", b, lambda: full_step(True), args.iters)
+        md_mixed = runner.prepare(db.qlens, db.clens, db.tables, whole_step="mixed")
+        if runner.replays_whole_step(md_mixed):
+            record("mixed_graph", b, lambda: runner(db.ids, md_mixed), args.iters)
+
+    # --- the mixed step ---------------------------------------------------------------------
+    if mixed_size(args) and stage_ok("mixed"):
+        try:
+            mixed_stage(res, args, runner, model, device, num_blocks, bs, save)
+        except Exception as e:
+            res["errors"]["mixed"] = repr(e)[:3000]
+            log(f"mixed step failed: {e!r}")
+        save()
 
     # --- warm compile (second process, same caches) ------------------------------------------
     if stage_ok("warm"):
@@ -296,6 +350,9 @@ def main():
             cmd.append("--tiny")
         if args.layers:
             cmd += ["--layers", str(args.layers)]
+        if args.no_trace_cache:
+            cmd.append("--no-trace-cache")
+        cmd += ["--mixed", *map(str, args.mixed), "--num-blocks", str(num_blocks)]  # the same trace key
         p = subprocess.run(cmd, capture_output=True, text=True)
         try:
             warm = json.loads(p.stdout.strip().splitlines()[-1])
@@ -357,11 +414,59 @@ def main():
     print(open(out_json[:-5] + ".md").read())
 
 
+def mixed_stage(res, args, runner, model, device, num_blocks, bs, save):
+    """The mixed step: check the whole-step graph, then time every mode."""
+    p, q, d = args.mixed
+    mb = MixedBatch(p, q, d, bs, num_blocks, model.cfg.vocab_size, device, seed=7)
+    n = len(mb.ids)
+    mixed = res["mixed"]
+    mixed.update(prefills=p, prefill_tokens=q, decodes=d, tokens=n, captured_size=runner.padded_size(n))
+    md = runner.prepare(mb.qlens, mb.clens, mb.tables)
+    mixed["whole_step_graph"] = runner.replays_whole_step(md)
+    with torch.no_grad(), ira.set_forward_context(mb.md):
+        want = model(mb.ids, mb.md.positions).float()
+    got = runner(mb.ids, md).float()
+    no_graphs = runner(mb.ids, md, use_graphs=False).float()
+    mixed["check"] = dict(bitwise_equal_no_graphs=bool(torch.equal(got, no_graphs)),
+                          rel_err_vs_eager=float((got - want).norm() / want.norm()),
+                          argmax_agreement=float((got.argmax(-1) == want.argmax(-1)).float().mean()))
+    log(f"mixed step ({p} x {q} + {d} decodes = {n} tokens, size {mixed['captured_size']}): {mixed['check']}")
+    save()
+    lat = mixed.setdefault("latency_ms", {})
+    iters = max(3, args.iters // 2) if device.type == "cuda" else 1
+
+    def record(mode, fn):
+        try:
+            lat[mode] = time_steps(fn, device, iters)
+            log(f"mixed {mode:24s}: {lat[mode]:8.3f} ms")
+        except Exception as e:
+            res["errors"][f"mixed_{mode}"] = repr(e)[:2000]
+        save()
+
+    def eager():
+        with torch.no_grad(), ira.set_forward_context(mb.md):
+            model(mb.ids, mb.md.positions)
+
+    record("eager", eager)
+    md_pieces = runner.prepare(mb.qlens, mb.clens, mb.tables, whole_step=False)
+    record("piecewise_no_graphs", lambda: runner(mb.ids, md_pieces, use_graphs=False))
+    if runner._piece_sizes:
+        record("piecewise_graphs", lambda: runner(mb.ids, md_pieces))
+    md = runner.prepare(mb.qlens, mb.clens, mb.tables)
+    if runner.replays_whole_step(md):
+        record("mixed_graph", lambda: runner(mb.ids, md))
+
+        def with_plan():
+            runner(mb.ids, runner.prepare(mb.qlens, mb.clens, mb.tables))
+
+        record("mixed_graph_with_plan", with_plan)
+
+
 def write_md(res, path):
     lat, floor = res["latency_ms"], res["floor_ms"]
     batches = list(floor)
     modes = ["eager", "compile", "compile_plugin", "piecewise_no_graphs", "piecewise_graphs",
-             "piecewise_graphs_with_plan", "decode_graphs", "decode_graphs_with_plan"]
+             "piecewise_graphs_with_plan", "decode_graphs", "decode_graphs_with_plan", "mixed_graph"]
     meta = res["meta"]
     lines = [f"# End-to-end decode: Qwen3-0.6B-shaped model ({meta['date']})", "",
              f"Command: `{meta['command']}`  ",
@@ -381,6 +486,22 @@ def write_md(res, path):
                 f"{lat['eager'][b] / t[b]:.2f}x" if b in t else "-" for b in batches) + " |")
             lines.append(f"| {label} / floor | " + " | ".join(
                 f"{t[b] / floor[b]['floor_ms']:.2f}x" if b in t else "-" for b in batches) + " |")
+    if "64" in floor and "64" in lat.get("decode_graphs", {}):
+        ratio = lat["decode_graphs"]["64"] / floor["64"]["floor_ms"]
+        lines += ["", f"B=64 decode (whole-step decode graph): {lat['decode_graphs']['64']:.3f} ms = "
+                      f"{ratio:.2f}x the memory floor {floor['64']['floor_ms']:.3f} ms; goal <= {FLOOR_GOAL}x: "
+                      f"{'met' if ratio <= FLOOR_GOAL else 'not met'}"]
+    mixed = res.get("mixed") or {}
+    if mixed.get("latency_ms"):
+        ml = mixed["latency_ms"]
+        lines += ["", f"Mixed step: {mixed['prefills']} prefills of {mixed['prefill_tokens']} tokens + "
+                      f"{mixed['decodes']} decodes ({CTX} cached) = {mixed['tokens']} tokens, captured size "
+                      f"{mixed['captured_size']}; check {json.dumps(mixed.get('check'))}", "",
+                  "| mode | ms | eager / mode |", "|---|---|---|"]
+        for m in ("eager", "piecewise_no_graphs", "piecewise_graphs", "mixed_graph", "mixed_graph_with_plan"):
+            if m in ml:
+                ratio = f"{ml['eager'] / ml[m]:.2f}x" if "eager" in ml else "-"
+                lines.append(f"| {m} | {ml[m]:.3f} | {ratio} |")
     lines += ["", f"Compile: `{json.dumps(res['compile'])}`", "", f"Mixed-batch check: `{json.dumps(res['check'])}`",
               "", f"Skipped: {res['skipped']}", "", f"Errors: `{json.dumps(res['errors'])[:3000]}`", ""]
     with open(path, "w") as f:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import inductor_rocm_attn as ira
+from inductor_rocm_attn import forward_context
 from inductor_rocm_attn.decode_check import run_mixed_decode
 from inductor_rocm_attn.compilation import RerunGraphBackend, compile_piecewise
 from inductor_rocm_attn.compilation.split import SPLITTING_OPS, op_name
@@ -149,6 +150,27 @@ def test_prepare_rejects_foreign_metadata(compiled):
         runner(torch.zeros(1, dtype=torch.long), md)
 
 
+def _capture_with(runner, **flags):
+    """Capture the shared runner's graphs with the rerun backend and the given kinds."""
+    runner._graph_backend = RerunGraphBackend()
+    runner.use_cuda_graphs = True
+    for name, value in flags.items():
+        setattr(runner, name, value)
+    runner.capture()
+
+
+def _release(runner):
+    """Back to the fixture's state: compiled, no graphs (the runner is shared)."""
+    runner.use_cuda_graphs = False
+    runner._captured = runner._piece_sizes = frozenset()
+    runner._step_graphs.clear()
+    runner._mixed_graphs.clear()
+    runner._shapes.clear()
+    runner._step_md = runner._step_shape = None
+    for p in runner.pieces:
+        p.graphs.clear()
+
+
 def test_prepare_rejects_block_ids_outside_the_caches(compiled):
     # A whole-step graph replay runs no layer code: the plan itself checks block ids against
     # the caches (160 blocks here), for decode-only and mixed steps.
@@ -163,23 +185,19 @@ def test_replay_discipline_with_rerun_graphs(compiled):
     tensors under the capture-time context, so anything the runner failed to route through
     the persistent buffers or earlier pieces' outputs would come out stale."""
     runner, model, ref, _ = compiled
-    runner._graph_backend = RerunGraphBackend()
-    runner.use_cuda_graphs = True
-    runner.decode_graphs = False  # the piecewise graphs alone (whole steps: the next test)
     try:
-        runner.capture()
+        # the piecewise graphs alone (whole steps: the next test, test_mixed_step_graphs.py)
+        _capture_with(runner, decode_graphs=False, mixed_graphs=False, piecewise_graphs=True)
         n = runner.stats.num_captures
         assert n == len(runner.pieces) * len(SIZES)
         res = run_mixed_decode(runner, ref, steps=8, max_seqs=8, max_len=100, seed=2)
         assert res.graph_steps == res.steps and res.padded_steps > 0
+        assert res.whole_step_steps == 0
         assert res.graphs_bitwise_equal_pieces
         assert res.max_rel_err < 1e-5 and res.argmax_agreement == 1.0, res
         assert res.captures_after == res.captures_before == n
     finally:
-        runner._captured = frozenset()
-        runner.use_cuda_graphs = False
-        for p in runner.pieces:
-            p.graphs.clear()
+        _release(runner)
 
 
 def test_whole_decode_step_graphs_with_rerun_graphs(compiled):
@@ -187,14 +205,11 @@ def test_whole_decode_step_graphs_with_rerun_graphs(compiled):
     attention) captured on fixed-shape metadata views; other steps use the piecewise graphs.
     On CPU the rerun backend stands in for graphs, so stale inputs would show as errors."""
     runner, model, ref, _ = compiled
-    runner._graph_backend = RerunGraphBackend()
-    runner.use_cuda_graphs = True
-    runner.decode_graphs = True
     try:
         before = runner.stats.num_captures  # the runner is shared: count this test's captures
-        runner.capture()
+        _capture_with(runner, decode_graphs=True, mixed_graphs=False, piecewise_graphs=True)
         sizes_with_step_graph = [s for s in SIZES if s <= runner.buffers.max_num_seqs]
-        assert sorted(runner._step_graphs) == sizes_with_step_graph
+        assert sorted(runner._step_graphs) == sizes_with_step_graph and not runner._mixed_graphs
         assert runner.stats.num_captures - before == (
             len(runner.pieces) * len(SIZES) + len(sizes_with_step_graph))
         res = run_mixed_decode(runner, ref, steps=12, max_seqs=8, max_len=100, seed=3)
@@ -213,14 +228,10 @@ def test_whole_decode_step_graphs_with_rerun_graphs(compiled):
         assert md.max_seq_len == runner.max_model_len and md.num_actual_tokens == 3
         assert tuple(md.block_table.shape) == (4, runner.buffers.max_blocks_per_seq)
         assert md.slot_mapping[3].item() == -1
+        md = runner.prepare([1, 2], [4, 4], tables[:2])  # no mixed graphs: the piecewise ones
+        assert not runner.replays_whole_step(md) and md.seq_lens.tolist() == [5, 6]
     finally:
-        runner._captured = frozenset()
-        runner.use_cuda_graphs = False
-        runner.decode_graphs = False
-        runner._step_graphs.clear()
-        runner._step_md = None
-        for p in runner.pieces:
-            p.graphs.clear()
+        _release(runner)
 
 
 @pytest.mark.gpu
@@ -229,12 +240,13 @@ def test_graph_replay_matches_eager_200_mixed_steps(decode_graphs):
     """Graphs replayed with changing lengths, block tables and (padded) sizes: bitwise equal
     to the compiled pieces without graphs, equal to eager up to bf16 rounding; no
     re-capture in steady state. With decode_graphs, decode-only steps replay one graph of
-    the whole step (attention inside)."""
+    the whole step (attention inside). (Whole mixed steps: test_mixed_step_graphs.py.)"""
     cfg = qwen3_config(num_layers=3, hidden_size=512, intermediate_size=1024, num_heads=8,
                        num_kv_heads=4, head_size=64)
     model, ref = _pair(cfg, num_blocks=1024, dtype=torch.bfloat16, device="cuda")
     runner = compile_piecewise(model, capture_sizes=[1, 2, 4, 8, 16, 32, 64], max_num_seqs=32,
-                               max_model_len=512, decode_graphs=decode_graphs)
+                               max_model_len=512, decode_graphs=decode_graphs, mixed_graphs=False,
+                               piecewise_graphs=True)
     assert runner.stats.num_captures == len(runner.pieces) * 7 + (6 if decode_graphs else 0)
     res = run_mixed_decode(runner, ref, steps=200, max_seqs=24, max_len=400, seed=0)
     assert res.finite
@@ -249,3 +261,122 @@ def test_graph_replay_matches_eager_200_mixed_steps(decode_graphs):
     # flip whose gap is within that error is expected: the H200 measured 0.969-0.97 agreement,
     # every flip within the logits' own error. The floor catches a wrong model, not rounding.
     assert res.argmax_agreement > 0.95, res
+
+
+# --- compile time: piece inputs from Dynamo's fake values, the trace cache ------------------------
+
+
+def _same_fake(a, b):
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and tuple(map(str, a.shape)) == tuple(map(str, b.shape))
+                and tuple(map(str, a.stride())) == tuple(map(str, b.stride())) and a.dtype == b.dtype
+                and a.device == b.device and a.requires_grad == b.requires_grad)
+    return str(a) == str(b)
+
+
+def test_piece_inputs_read_from_placeholder_meta():
+    """split_module copies Dynamo's fake values onto the pieces' placeholders: read there,
+    they equal the inputs a fake run of the split graph sees (the fallback when meta is
+    missing, with identical pieces run once)."""
+    from inductor_rocm_attn.compilation.dedup import canonicalize_names, normalize_layer_names, structure_key
+    from inductor_rocm_attn.compilation.split import split_at_attention, submodule_inputs
+
+    model, _ = _pair(qwen3_config(num_layers=3), num_blocks=8)
+    names = {layer.layer_name for layer in ira.attention_layers(model)}
+    seen = {}
+
+    def backend(gm, example_inputs):
+        split, compiled, _ = split_at_attention(gm)
+        for n in compiled:
+            normalize_layer_names(split._modules[n], names)
+            canonicalize_names(split._modules[n])
+        from_meta = submodule_inputs(split, example_inputs, compiled)
+        for n in compiled:  # drop the meta: the fallback runs the split graph
+            for node in split._modules[n].graph.nodes:
+                node.meta.pop("example_value", None)
+        interpreted = submodule_inputs(split, example_inputs, compiled,
+                                       memo_key=lambda n, a: structure_key(split._modules[n], a)
+                                       if n in compiled else None)
+        ran = [n for n in compiled  # the run records each node's value (AOTAutograd's cache needs it)
+               if all("example_value" in x.meta for x in split._modules[n].graph.nodes if x.op != "output")]
+        seen.update(meta=from_meta, run=interpreted, compiled=compiled, ran=ran)
+        return gm.forward
+
+    md = ira.build_attention_metadata([3, 5], [0, 0], [[0], [1]], 16)
+    ids, pos = torch.randint(0, model.cfg.vocab_size, (8,)), md.positions.clone()
+    torch._dynamo.mark_dynamic(ids, 0)
+    torch._dynamo.mark_dynamic(pos, 0)
+    with torch.no_grad(), ira.set_forward_context(md):
+        torch.compile(model, backend=backend, fullgraph=True)(ids, pos)
+    assert list(seen["meta"]) == list(seen["run"]) == seen["compiled"]
+    for n in seen["compiled"]:
+        a, b = seen["meta"][n], seen["run"][n]
+        assert len(a) == len(b) and all(_same_fake(x, y) for x, y in zip(a, b)), n
+    assert any(isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and not str(x.shape[0]).isdigit())
+               for x in seen["meta"][seen["compiled"][0]])  # the token dimension stayed symbolic
+    # identical layers ran once: the first piece, one middle piece, the last
+    assert seen["ran"] == [seen["compiled"][0], seen["compiled"][1], seen["compiled"][-1]]
+
+
+def test_trace_cache_warm_start_skips_dynamo(tmp_path):
+    """trace_cache: the first runner traces and stores the graph, a second runner of an
+    identical model loads it (no Dynamo) and computes the same logits; a changed model or
+    a changed traced source file is not served the stored graph."""
+    from inductor_rocm_attn.compilation import trace_cache as tc
+
+    cfg = qwen3_config(num_layers=3)
+
+    def named(cfg, num_blocks, name="trace_cache_model"):  # the same layer names in every start
+        torch.manual_seed(0)
+        m = TinyDecoder(cfg, name=name).eval()
+        ira.bind_kv_caches(m, num_blocks, torch.float32, "cpu", poison=True)
+        return m
+
+    def start():  # a start of a server: the model built anew, under the same layer names
+        return compile_piecewise(named(cfg, 64), capture_sizes=[1, 2, 4, 8], max_num_seqs=8,
+                                 max_model_len=256, trace_cache=str(tmp_path))
+
+    def release(runner):  # as a process exit would: the names are free again (Dynamo keeps
+        for name in runner.layers:  # the runner alive through its backend)
+            forward_context._LAYERS.pop(name, None)
+
+    cold = start()
+    assert not cold.stats.trace_loaded
+    release(cold)
+    warm = start()
+    assert warm.stats.trace_loaded
+    _, ref = _pair(cfg, num_blocks=64)
+    assert len(list(tmp_path.glob("*.trace"))) == 1
+    assert warm.stats.num_unique_compiles == 3 and warm.stats.num_compiled_pieces == LAYERS + 1
+    res = run_mixed_decode(warm, ref, steps=6, max_seqs=4, max_len=60, seed=4, compare_no_graphs=False)
+    assert res.steps == 6
+    assert res.max_rel_err < 1e-5 and res.argmax_agreement == 1.0, res
+    # the stored graph, node for node
+    entry = tc.TraceCache(str(tmp_path)).load(next(tmp_path.glob("*.trace")).stem)
+    gm = tc.deserialize_graph(entry.graph)
+    again = tc.deserialize_graph(tc.serialize_graph(gm))
+    assert [n.format_node() for n in again.graph.nodes] == [n.format_node() for n in gm.graph.nodes]
+    assert sum(op_name(n) in SPLITTING_OPS for n in gm.graph.nodes) == LAYERS
+    assert any(f.endswith("models.py") for f in entry.files)  # the traced model source
+    # a different model (eps, layer names, cache size) keys differently; a traced file that
+    # changed invalidates the entry
+    def key(*args, **kw):
+        m = named(*args, **kw)
+        k = tc.trace_key(m, ira.attention_layers(m), None, {})[0]
+        for layer in ira.attention_layers(m):
+            forward_context._LAYERS.pop(layer.layer_name, None)
+        return k
+
+    release(warm)
+    k = key(cfg, 8)
+    assert k == key(cfg, 8)
+    assert k != key(qwen3_config(num_layers=3, rms_eps=1e-5), 8)
+    assert k != key(cfg, 8, name="other_model") and k != key(cfg, 16)
+    src = tmp_path / "traced_source.py"
+    src.write_text("x = 1\n")
+    name = next(tmp_path.glob("*.trace")).stem
+    tc.TraceCache(str(tmp_path)).store(name, tc.TraceEntry(entry.graph, entry.plan,
+                                                            {**entry.files, str(src): tc.file_digest(str(src))}))
+    assert tc.TraceCache(str(tmp_path)).load(name) is not None
+    src.write_text("x = 2\n")
+    assert tc.TraceCache(str(tmp_path)).load(name) is None

@@ -1,7 +1,8 @@
 """The piecewise runner: trace once, split at attention, compile the pieces (deduped), capture
-one graph per piece per size, and run steps with attention eagerly between the graphs.
+graphs per size: of whole steps (pieces and attention), or of each piece with attention
+eagerly between them.
 
-Steps (the vLLM "piecewise" scheme):
+Steps (the vLLM "piecewise" scheme, then whole-step graphs):
 
 1. **Trace.** Dynamo traces ``forward(input_ids, positions)`` once (default
    ``model(input_ids, positions)``; ``fullgraph``, the token dimension marked dynamic) into
@@ -12,15 +13,20 @@ Steps (the vLLM "piecewise" scheme):
 3. **Dedup** identical layers (``dedup``) and compile each distinct piece once with
    Inductor's ``compile_fx``, the plugin's pass manager in piece mode
    (``PassManager.for_pieces()``) as its post-grad custom pass.
-4. **Capture.** On a GPU the runner captures one graph per compiled piece per size in
-   ``capture_sizes`` (token counts), all from one memory pool, in model order
-   (``graph_backends``). Inputs need no copies: parameters are static, ``input_ids`` and
-   the metadata live in persistent buffers (``MetadataBuffers``), and every other input is
-   the output of the previous piece's graph. A step pads its token count up to the next
-   captured size (padding slots are -1: skipped by writers) and replays; attention runs
-   eagerly between the graphs, reading the step's metadata through the forward context.
+4. **Capture.** On a GPU the runner captures, per size in ``capture_sizes`` (token
+   counts), one graph of the whole step: of decode-only steps (``decode_graphs``) and of
+   steps of any mix (``mixed_graphs``), each planned in fixed shapes (``step_graphs``:
+   sequences padded with empty ones, a fixed ``max_query_len``), so attention runs inside
+   the graph. Optionally (``piecewise_graphs``) it also captures one graph per compiled
+   piece per size, all from one memory pool, in model order (``graph_backends``); a step
+   planned for those replays them with attention eagerly between them, reading the step's
+   metadata through the forward context. Inputs need no copies: parameters are static,
+   ``input_ids`` and the metadata live in persistent buffers (``MetadataBuffers``), and
+   every other input is the output of the previous piece. A step pads its token count up
+   to the next captured size (padding slots are -1: skipped by writers) and replays.
    Bigger steps run the compiled pieces without graphs.
-5. **Without a GPU** the same runner runs the compiled pieces without graphs.
+5. **Without a GPU** the same runner runs the compiled pieces without graphs
+   (``RerunGraphBackend`` emulates graphs in tests).
 
 At run time the runner calls the split graph directly with a fixed argument list (the
 persistent buffers and the parameters), bypassing Dynamo's guards: the per-step host work
@@ -43,11 +49,7 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import itertools
 import time
-import types
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -56,94 +58,13 @@ from torch import nn
 from inductor_rocm_attn.forward_context import set_forward_context
 from inductor_rocm_attn.layer import attention_layers
 from inductor_rocm_attn.metadata import AttentionMetadata, MetadataBuffers, build_attention_metadata
-from inductor_rocm_attn.passes.pass_manager import PassManager
 
-from .dedup import (
-    bind_alias,
-    canonicalize_names,
-    follow_interleaved_v,
-    normalize_layer_names,
-    slot_alias,
-    structure_key,
-)
+from .build import compile_model
 from .graph_backends import CudaGraphBackend
-from .plugin import plugin as _plugin_on
-from .split import add_stand_ins, split_at_attention, submodule_inputs
+from .pieces import CompiledPiece, CompileStats, Mode, plugin_context
+from .step_graphs import DECODE, MIXED, StepShape, dummy_step, plan_step, step_shapes
 
 __all__ = ["compile_piecewise", "PiecewiseRunner", "CompileStats", "plugin_context"]
-
-_RUNNER_IDS = itertools.count()
-
-
-def plugin_context(enabled: bool | None):
-    """Context that turns the plugin's passes on for compiles inside it (``enabled``: True
-    or None; False: off). Returns ``(context manager yielding the pass manager or None,
-    plugin_active: bool)``."""
-    if enabled is False:
-        return contextlib.nullcontext(), False
-    return _plugin_on(), True
-
-
-def piece_post_pass(manager: PassManager | None):
-    """The post-grad custom pass of piece compiles: the plugin's ``manager`` in piece mode;
-    without the plugin, the pass the user installed (ours left out: ``plugin=False``)."""
-    if manager is not None:
-        return manager.for_pieces()
-    installed = torch._inductor.config.post_grad_custom_post_pass
-    return None if isinstance(installed, PassManager) else installed
-
-
-@dataclasses.dataclass
-class CompileStats:
-    """Counts and times of one runner's compile and capture (``runner.stats``)."""
-
-    num_attention_pieces: int = 0
-    num_compiled_pieces: int = 0
-    num_unique_compiles: int = 0
-    num_captures: int = 0
-    trace_s: float = 0.0
-    compile_s: float = 0.0
-    capture_s: float = 0.0
-    plugin_active: bool = False
-    num_stand_ins: int = 0
-    piece_groups: list[list[str]] = dataclasses.field(default_factory=list)
-
-
-class _Mode:
-    EAGER, CAPTURE, REPLAY = 0, 1, 2
-
-
-class _CompiledPiece:
-    """A compiled piece: runs its (shared) compiled code, or captures / replays a graph."""
-
-    __slots__ = ("name", "fn", "slots", "runner", "graphs", "bindings")
-
-    def __init__(self, name: str, fn: Callable, slots: list, runner: "PiecewiseRunner"):
-        self.name, self.fn, self.slots, self.runner = name, fn, slots, runner
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Any]] = {}
-        self.bindings = [(slot_alias(j), layer) for j, layer in enumerate(slots)]  # (alias, layer)
-
-    def bind(self) -> None:
-        """Point the slot aliases of this piece's code at its own layers (runner's table)."""
-        table = self.runner.layer_table
-        for alias, layer in self.bindings:
-            bind_alias(table, alias, layer)
-
-    def __call__(self, *args):
-        r = self.runner
-        mode = r._mode
-        if mode == _Mode.REPLAY:
-            graph, out = self.graphs[r._size]
-            graph.replay()
-            return out
-        self.bind()
-        if mode == _Mode.CAPTURE:
-            graph, out = r._graph_backend.capture(self, args)
-            self.graphs[r._size] = (graph, out)
-            r.stats.num_captures += 1
-            return out
-        return self.fn(*args)
-
 
 # === the runner ==============================================================================
 
@@ -160,14 +81,18 @@ class PiecewiseRunner:
     def __init__(self, model: nn.Module, *, capture_sizes: Sequence[int], max_num_seqs: int,
                  max_num_tokens: int, max_model_len: int, use_cuda_graphs: bool,
                  plugin: bool | None, device: torch.device, decode_graphs: bool = False,
+                 mixed_graphs: bool = False, piecewise_graphs: bool | None = None,
                  forward: Callable | None = None, layers: Mapping[str, Any] | None = None,
-                 progress: Callable[[str], None] | None = None):
+                 progress: Callable[[str], None] | None = None, trace_cache: Any = None):
         self.model = model
         self.forward = forward
         self.progress = progress
         self.device = device
         self.max_model_len = max_model_len
         self.decode_graphs = decode_graphs
+        self.mixed_graphs = mixed_graphs
+        # Piecewise graphs: by default only where whole-step graphs leave steps uncovered.
+        self.piecewise_graphs = (not mixed_graphs) if piecewise_graphs is None else piecewise_graphs
         # Steps are padded to these sizes also without graphs (so CPU runs cover padding).
         self.capture_sizes = sorted(set(int(s) for s in capture_sizes))
         self.use_cuda_graphs = use_cuda_graphs
@@ -187,21 +112,28 @@ class PiecewiseRunner:
         # slot aliases of shared pieces (bound as those run).
         self.layer_table: dict[str, Any] = dict(self._layers)
         self._plugin = plugin
-        self._mode = _Mode.EAGER
+        self._trace_cache = trace_cache
+        self._trace_files: dict[str, str | None] = {}
+        self._mode = Mode.EAGER
         self._size = 0
         self._graph_backend = None
         self.split_gm: torch.fx.GraphModule | None = None
-        self.pieces: list[_CompiledPiece] = []
+        self.pieces: list[CompiledPiece] = []
         self.attention_pieces: list[str] = []
         self._arg_plan: list[Any] = []  # per placeholder: ("param", tensor) | ("ids",) | ("pos",) | ("sym",)
         self._args_by_size: dict[int, list[Any]] = {}
         self._slot_layers: dict[str, list] = {}
-        self._captured: frozenset[int] = frozenset()
-        # Whole-step graphs of decode-only steps, per padded size, and the metadata of the
-        # step prepared for one (its tensors are the views those graphs were captured on).
+        self._captured: frozenset[int] = frozenset()  # sizes whose steps replay graphs
+        self._piece_sizes: frozenset[int] = frozenset()  # sizes with piecewise graphs
+        # Whole-step graphs (``step_graphs``) per padded size: of decode-only steps and of
+        # mixed steps; their shapes; the metadata of the step prepared for one (its tensors
+        # are the views those graphs were captured on) and that graph's shape.
         self._step_graphs: dict[int, tuple[Any, Any]] = {}
+        self._mixed_graphs: dict[int, tuple[Any, Any]] = {}
+        self._shapes: dict[tuple[str, int], StepShape] = {}
         self._step_md: AttentionMetadata | None = None
-        self._compile()
+        self._step_shape: StepShape | None = None
+        compile_model(self)
 
     @property
     def layers(self) -> dict[str, Any]:
@@ -235,126 +167,6 @@ class PiecewiseRunner:
         if self.progress is not None:
             self.progress(message)
 
-    def _compile(self) -> None:
-        model, forward = self.model, self.forward
-        t_start = time.perf_counter()
-
-        def backend(gm: torch.fx.GraphModule, example_inputs):
-            t0 = time.perf_counter()
-            self._say(f"traced in {t0 - t_start:.1f} s: {sum(1 for _ in gm.graph.nodes)} graph nodes")
-            self._build(gm, list(example_inputs))
-            self.stats.compile_s = time.perf_counter() - t0
-            return self.split_gm
-
-        if forward is None:
-            def fwd(input_ids, positions):
-                return model(input_ids, positions)
-        else:
-            def fwd(input_ids, positions):
-                return forward(input_ids, positions)
-
-        # A fresh code object per runner: Dynamo caches by code object, and this one is traced
-        # exactly once (the runner then calls the split graph itself).
-        fwd = types.FunctionType(fwd.__code__.replace(co_name=f"rocm_attn_piecewise_{next(_RUNNER_IDS)}"),
-                                 fwd.__globals__, None, None, fwd.__closure__)
-
-        # Trace at a size > 1 (Dynamo specializes sizes 0 and 1) with the token dim dynamic.
-        t = min(8, self.max_num_tokens) if self.max_num_tokens >= 2 else 2
-        t = max(t, 2)
-        ids = self.input_ids[:t]
-        md = self._dummy_metadata(t)
-        pos = md.positions
-        torch._dynamo.mark_dynamic(ids, 0)
-        torch._dynamo.mark_dynamic(pos, 0)
-        self._trace_ids, self._trace_pos = ids, pos
-        compiled = torch.compile(fwd, backend=backend, fullgraph=True, dynamic=False)
-        self._say("tracing the model with Dynamo (token dimension dynamic)")
-        t0 = time.perf_counter()
-        with torch.no_grad(), set_forward_context(md, layers=self.layer_table):
-            compiled(ids, pos)
-        self.stats.trace_s = time.perf_counter() - t0 - self.stats.compile_s
-
-    def _build(self, gm: torch.fx.GraphModule, example_inputs: list) -> None:
-        from torch._guards import detect_fake_mode
-        from torch._inductor.compile_fx import compile_fx
-
-        # Placeholder -> run-time value.
-        params = {id(p): p for p in list(self.model.parameters()) + list(self.model.buffers())}
-        plan = []
-        for x in example_inputs:
-            if isinstance(x, torch.Tensor):
-                if x is self._trace_ids:
-                    plan.append(("ids",))
-                elif x is self._trace_pos:
-                    plan.append(("pos",))
-                elif id(x) in params:
-                    plan.append(("param", x))
-                else:
-                    raise RuntimeError(
-                        "compile_piecewise: the traced graph takes a tensor that is neither an "
-                        f"input nor a parameter/buffer of the model (shape {tuple(x.shape)})"
-                    )
-            elif isinstance(x, (int, torch.SymInt)):
-                hint = x.node.hint if isinstance(x, torch.SymInt) else x
-                if hint != self._trace_ids.shape[0]:
-                    raise RuntimeError(f"compile_piecewise: unexpected symbolic input {x}")
-                plan.append(("sym",))
-            else:
-                raise RuntimeError(f"compile_piecewise: unexpected graph input {type(x)}")
-        self._arg_plan = plan
-
-        split, compiled_names, attn_names = split_at_attention(gm)
-        self.split_gm, self.attention_pieces = split, attn_names
-        for name in attn_names:  # eager attention: call forward directly (no Module.__call__)
-            split.__dict__[name] = getattr(split, name).forward
-        self.stats.num_attention_pieces = len(attn_names)
-        self.stats.num_compiled_pieces = len(compiled_names)
-
-        fake_mode = detect_fake_mode(example_inputs)
-        fake_args = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
-        with fake_mode:
-            sub_inputs = submodule_inputs(split, fake_args)
-
-        ctx, self.stats.plugin_active = plugin_context(self._plugin)
-        if self.stats.plugin_active:
-            self.stats.num_stand_ins = add_stand_ins(split, compiled_names)
-        # Group the pieces by structure: one compile per group, the first piece its representative.
-        groups: dict[str, list[str]] = {}
-        keys: dict[str, str] = {}
-        names = set(self._layers)
-        for name in compiled_names:
-            sub = split._modules[name]
-            self._slot_layers[name] = [self._layers[n] for n in normalize_layer_names(sub, names)]
-            canonicalize_names(sub)
-            keys[name] = structure_key(sub, sub_inputs.get(name, [])) or f"unique:{name}"
-            groups.setdefault(keys[name], []).append(name)
-        self._say(f"split at {len(attn_names)} attention ops into {len(compiled_names)} pieces, "
-                  f"{len(groups)} distinct: compiling each once with Inductor"
-                  f"{' and the plugin' if self.stats.plugin_active else ''}")
-        compiled: dict[str, Callable] = {}
-        with ctx as manager:
-            post_pass = piece_post_pass(manager)
-            for i, (key, members) in enumerate(groups.items(), 1):
-                first = members[0]
-                for j, layer in enumerate(self._slot_layers[first]):
-                    bind_alias(self.layer_table, slot_alias(j), layer)
-                t0 = time.perf_counter()
-                shared = f", shared by {len(members)} pieces" if len(members) > 1 else ""
-                self._say(f"compiling piece {i} of {len(groups)} ({first}{shared})")
-                compiled[key] = compile_fx(split._modules[first], sub_inputs.get(first, []),
-                                           config_patches={"post_grad_custom_post_pass": post_pass})
-                self._say(f"compiled piece {i} of {len(groups)} in {time.perf_counter() - t0:.1f} s")
-                self.stats.num_unique_compiles += 1
-        for name in compiled_names:
-            members = groups[keys[name]]
-            slots = self._slot_layers[name]
-            if name != members[0]:
-                follow_interleaved_v(self._slot_layers[members[0]], slots)
-            piece = _CompiledPiece(name, compiled[keys[name]], slots, self)
-            split.__dict__[name] = piece  # the split graph calls it in place of the submodule
-            self.pieces.append(piece)
-        self.stats.piece_groups = list(groups.values())
-
     # --- per step -------------------------------------------------------------------------
 
     def padded_size(self, num_tokens: int) -> int:
@@ -365,19 +177,25 @@ class PiecewiseRunner:
         return num_tokens
 
     def prepare(self, query_lens: Sequence[int], context_lens: Sequence[int],
-                block_tables: Sequence[Sequence[int]], *, whole_step: bool = True) -> AttentionMetadata:
+                block_tables: Sequence[Sequence[int]], *, whole_step: bool | str = True) -> AttentionMetadata:
         """Plan a step into the persistent buffers, padded to the captured size.
 
-        A decode-only step (every query_len 1) of a size with a whole-step graph
-        (``decode_graphs=True``) is planned for that graph: its sequences are padded too (empty
-        ones), the block table keeps its full width and ``max_seq_len`` is ``max_model_len``,
-        the shapes the graph was captured with. ``whole_step=False`` plans it for the
-        piecewise graphs instead."""
+        A step of a size with a whole-step graph is planned for that graph, in its fixed
+        shapes (``step_graphs``: sequences padded with empty ones, the block table at full
+        width, ``max_seq_len = max_model_len``): a decode-only step (every query_len 1) for
+        the decode graph (``decode_graphs=True``), any other step, or a decode step without
+        a decode graph, for the mixed graph (``mixed_graphs=True``). ``whole_step``: False
+        plans for the piecewise graphs instead; ``"mixed"`` takes the mixed graph also for a
+        decode-only step (a check, and a benchmark of what the decode graph saves)."""
         n = sum(query_lens)
         size = self.padded_size(n)
-        if (whole_step and size in self._step_graphs and n == len(query_lens)
-                and all(q == 1 for q in query_lens)):
-            self._step_md = self._plan_decode_step(context_lens, block_tables, size)
+        shape = self._whole_step_shape(query_lens, n, size, whole_step) if whole_step else None
+        self._step_shape = shape
+        if shape is not None:
+            self._step_md = plan_step(shape, query_lens, context_lens, block_tables,
+                                      buffers=self.buffers, block_size=self.block_size,
+                                      max_model_len=self.max_model_len, device=self.device,
+                                      num_blocks=self._num_cache_blocks())
             return self._step_md
         self._step_md = None
         return build_attention_metadata(query_lens, context_lens, block_tables, self.block_size,
@@ -390,22 +208,18 @@ class PiecewiseRunner:
         counts = [layer.kv_cache.shape[0] for layer in self._layers.values() if layer.kv_cache.dim() == 4]
         return min(counts) if counts else None
 
-    def _plan_decode_step(self, context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
-                          size: int, dummy: bool = False) -> AttentionMetadata:
-        """Metadata of ``len(context_lens)`` one-token sequences padded with empty ones to
-        ``size``, in the fixed shapes of a whole-step graph. ``dummy``: for capture (every
-        sequence one token, nothing written to the caches)."""
-        b = len(context_lens)
-        pad = size - b
-        md = build_attention_metadata(
-            [1] * b + [0] * pad, list(context_lens) + [0] * pad, list(block_tables) + [[]] * pad,
-            self.block_size, self.device, num_padded_tokens=size, buffers=self.buffers,
-            num_blocks=self._num_cache_blocks())
-        if dummy:
-            self.buffers.slot_mapping[:size].fill_(-1)
-        return dataclasses.replace(
-            md, block_table=self.buffers.block_table[:size], max_query_len=1,
-            max_seq_len=self.max_model_len, num_actual_tokens=size if dummy else b)
+    def _whole_step_shape(self, query_lens: Sequence[int], n: int, size: int,
+                          whole_step: bool | str) -> StepShape | None:
+        if whole_step is not True and whole_step != MIXED:
+            raise ValueError(f"PiecewiseRunner.prepare: whole_step={whole_step!r}; expected True, "
+                             f"False or {MIXED!r}")
+        b = len(query_lens)
+        if whole_step is True and n == b and b and max(query_lens) == 1:  # all 1: decode-only
+            shape = self._shapes.get((DECODE, size))
+            if shape is not None:
+                return shape
+        shape = self._shapes.get((MIXED, size))
+        return shape if shape is not None and shape.fits(b) else None
 
     def _args(self, size: int) -> list:
         args = self._args_by_size.get(size)
@@ -429,18 +243,19 @@ class PiecewiseRunner:
         if input_ids.shape[0] not in (n, size):
             raise ValueError(f"PiecewiseRunner: {input_ids.shape[0]} input ids for {n} tokens")
         self.input_ids[: input_ids.shape[0]].copy_(input_ids, non_blocking=True)
-        if use_graphs and metadata is self._step_md:  # a decode step with a whole-step graph
-            graph, out = self._step_graphs[size]
+        if use_graphs and metadata is self._step_md:  # a step planned for a whole-step graph
+            shape = self._step_shape
+            graph, out = (self._step_graphs if shape.kind == DECODE else self._mixed_graphs)[size]
             graph.replay()
             out = out[0] if isinstance(out, (tuple, list)) else out
             return out[:n]
-        graphs = use_graphs and size in self._captured
-        self._mode, self._size = (_Mode.REPLAY if graphs else _Mode.EAGER), size
+        graphs = use_graphs and size in self._piece_sizes
+        self._mode, self._size = (Mode.REPLAY if graphs else Mode.EAGER), size
         try:
             with set_forward_context(metadata, layers=self.layer_table):
                 out = self.split_gm(*self._args(size))
         finally:
-            self._mode = _Mode.EAGER
+            self._mode = Mode.EAGER
         out = out[0] if isinstance(out, (tuple, list)) else out
         return out[:n]
 
@@ -448,62 +263,91 @@ class PiecewiseRunner:
 
     @torch.no_grad()
     def capture(self, num_warmup: int = 1) -> None:
-        """Capture one graph per compiled piece per size, largest size first; with
-        ``decode_graphs``, also one whole-step graph per size for decode-only steps."""
+        """Capture the graphs, largest size first: with ``piecewise_graphs`` one graph per
+        compiled piece per size; with ``decode_graphs`` / ``mixed_graphs`` one whole-step
+        graph per size of decode-only / of any steps (``step_graphs``)."""
         if not self.use_cuda_graphs or not self.capture_sizes:
             return
         t0 = time.perf_counter()
         if self._graph_backend is None:
             self._graph_backend = CudaGraphBackend()
         backend = self._graph_backend
-        captured = set()
-        self._say(f"capturing {len(self.pieces)} piece graphs per size for sizes {self.capture_sizes}")
-        for size in sorted(self.capture_sizes, reverse=True):
+        self._step_graphs.clear()
+        self._mixed_graphs.clear()
+        self._shapes.clear()
+        self._step_md = self._step_shape = None
+        pieces = set()
+        if self.piecewise_graphs:
+            self._say(f"capturing {len(self.pieces)} piece graphs per size for sizes {self.capture_sizes}")
+        for size in sorted(self.capture_sizes, reverse=True) if self.piecewise_graphs else ():
             t1 = time.perf_counter()
             md = self._dummy_metadata(size)
             args = self._args(size)
             with set_forward_context(md, layers=self.layer_table):
                 with backend.warmup():
                     for _ in range(num_warmup):
-                        self._mode = _Mode.EAGER
+                        self._mode = Mode.EAGER
                         self.split_gm(*args)
-                self._mode, self._size = _Mode.CAPTURE, size
+                self._mode, self._size = Mode.CAPTURE, size
                 try:
                     self.split_gm(*args)
                 finally:
-                    self._mode = _Mode.EAGER
-            captured.add(size)
+                    self._mode = Mode.EAGER
+            pieces.add(size)
             self._say(f"captured size {size} in {time.perf_counter() - t1:.1f} s")
-        if self.decode_graphs:
-            self._capture_decode_steps(num_warmup)
+        self._capture_whole_steps(num_warmup)
         backend.synchronize()
-        self._captured = frozenset(captured)
+        self._piece_sizes = frozenset(pieces)
+        self._captured = frozenset(pieces | {size for _, size in self._shapes})
         self.stats.capture_s = time.perf_counter() - t0
         self._say(f"captured {self.stats.num_captures} graphs in {self.stats.capture_s:.1f} s")
 
-    def _capture_decode_steps(self, num_warmup: int) -> None:
-        """Whole decode steps in one graph each: the pieces and the attention between them.
+    def _capture_whole_steps(self, num_warmup: int) -> None:
+        """Whole steps in one graph each: the pieces and the attention between them.
         Attention's launches depend on host values only through the metadata's shapes and
-        ``max_seq_len``, all fixed here (``_plan_decode_step``), so one capture per size serves
-        every decode step of that size; lengths and block tables change in the buffers."""
+        its ``max_query_len`` / ``max_seq_len`` hints, all fixed by the step's shape
+        (``step_graphs``), so one capture serves every step planned in that shape; lengths,
+        block tables and slots change in the buffers."""
+        shapes = step_shapes(self.capture_sizes, self.buffers.max_num_seqs,
+                             decode=self.decode_graphs, mixed=self.mixed_graphs)
+        if not shapes:
+            return
         backend = self._graph_backend
-        self._mode = _Mode.EAGER  # pieces run their compiled code inside the step's graph
-        sizes = sorted((s for s in self.capture_sizes if s <= self.buffers.max_num_seqs), reverse=True)
-        self._say(f"capturing whole decode steps for sizes {sorted(sizes)}")
-        for size in sizes:
-            md = self._plan_decode_step([0] * size, [[0]] * size, size, dummy=True)
-            args = self._args(size)
+        self._mode = Mode.EAGER  # pieces run their compiled code inside the step's graph
+        for kind in (DECODE, MIXED):
+            sizes = sorted(s.num_tokens for s in shapes if s.kind == kind)
+            if sizes:
+                self._say(f"capturing whole {kind} steps for sizes {sizes}")
+        for shape in shapes:
+            md = dummy_step(shape, buffers=self.buffers, max_model_len=self.max_model_len,
+                            block_size=self.block_size)
+            args = self._args(shape.num_tokens)
             with set_forward_context(md, layers=self.layer_table):
                 with backend.warmup():
                     for _ in range(num_warmup):
                         self.split_gm(*args)
-                self._step_graphs[size] = backend.capture_step(self.split_gm, args)
+                graph = backend.capture_step(self.split_gm, args)
+            (self._step_graphs if shape.kind == DECODE else self._mixed_graphs)[shape.num_tokens] = graph
+            self._shapes[(shape.kind, shape.num_tokens)] = shape
             self.stats.num_captures += 1
 
     def replays_whole_step(self, metadata: AttentionMetadata) -> bool:
-        """Whether ``runner(ids, metadata)`` replays one whole-step graph (a decode step
-        prepared for ``decode_graphs``) rather than the piecewise graphs."""
+        """Whether ``runner(ids, metadata)`` replays one whole-step graph (a step prepared
+        for a decode or mixed whole-step graph) rather than the piecewise graphs."""
         return metadata is self._step_md and self._step_md is not None
+
+    def whole_step_shape(self, metadata: AttentionMetadata) -> StepShape | None:
+        """The shape (kind ``"decode"`` / ``"mixed"``, sizes) of the whole-step graph
+        ``metadata`` was prepared for, or None."""
+        return self._step_shape if self.replays_whole_step(metadata) else None
+
+    def whole_step_graph(self, metadata: AttentionMetadata) -> Any:
+        """The captured graph ``runner(ids, metadata)`` replays (``graph.replay()``: e.g. to
+        time it alone), or None when ``metadata`` was not prepared for a whole-step graph."""
+        shape = self.whole_step_shape(metadata)
+        if shape is None:
+            return None
+        return (self._step_graphs if shape.kind == DECODE else self._mixed_graphs)[shape.num_tokens][0]
 
 
 def compile_piecewise(
@@ -518,12 +362,17 @@ def compile_piecewise(
     capture: bool = True,
     graph_backend: Any = None,
     decode_graphs: bool = True,
+    mixed_graphs: bool = True,
+    piecewise_graphs: bool | None = None,
     forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     layers: Mapping[str, Any] | None = None,
     progress: Callable[[str], None] | None = None,
+    trace_cache: bool | str | None = None,
 ) -> PiecewiseRunner:
     """Split ``model`` at its attention ops, compile the pieces with Inductor and (on a GPU)
-    capture one graph per piece per size in ``capture_sizes``.
+    capture graphs per size in ``capture_sizes``: by default one graph of each whole step
+    (pieces and attention) per size, so no step up to ``max(capture_sizes)`` tokens runs
+    attention between graphs.
 
     Args:
         model: ``forward(input_ids [T] int64, positions [T] int64) -> logits [T, V]`` over
@@ -539,10 +388,17 @@ def compile_piecewise(
         capture: capture now (else call ``runner.capture()`` later).
         graph_backend: what captures and replays (default ``CudaGraphBackend``);
             ``RerunGraphBackend()`` emulates graphs without a GPU (tests).
-        decode_graphs: also capture each size's whole decode step (pieces and attention) as
-            one graph, replayed for steps whose every sequence decodes one token (sizes up
-            to ``max_num_seqs``); other steps use the piecewise graphs. H200, 28-layer
-            model, B=64: 5.56 ms a step, piecewise graphs 5.9-6.5 ms; B=1: 1.32 vs 4.4-7.3.
+        decode_graphs: capture each size's whole decode step (pieces and attention) as one
+            graph, replayed for steps whose every sequence decodes one token (sizes up to
+            ``max_num_seqs``): only the decode kernel launches. H200, 28-layer model, B=64:
+            5.56 ms a step, piecewise graphs 5.9-6.5 ms; B=1: 1.32 vs 4.4-7.3.
+        mixed_graphs: capture each size's whole step of any mix (sizes >= 2): prefill
+            chunks, verify batches (2..8 query tokens) and decodes of up to that many tokens
+            and ``min(size, max_num_seqs)`` sequences, planned in fixed shapes
+            (``step_graphs``) so every attention path launches with a fixed grid.
+        piecewise_graphs: also capture one graph per compiled piece per size, replayed for
+            steps prepared with ``whole_step=False`` (attention eager between them);
+            default: only without ``mixed_graphs`` (else every step has a whole-step graph).
         forward: what is traced, ``(input_ids [T] int64, positions [T] int64) -> logits [T, V]``
             (default ``model(input_ids, positions)``); it may call the model any way it needs
             (``integrations.transformers_runner`` adds the batch dimension transformers wants).
@@ -553,6 +409,10 @@ def compile_piecewise(
             hold them itself (a cache object owns them).
         progress: called with one line per stage (tracing, compiling piece i of n with
             timings, capturing), e.g. ``print``; default: silent.
+        trace_cache: store the traced graph and, in a later process with the same model,
+            code and settings, load it instead of tracing (``trace_cache``: what the key
+            covers). True: in Inductor's cache directory; a path: there; None (default): the
+            ``ROCM_ATTN_TRACE_CACHE`` environment variable ("1" or a path; unset: off).
     """
     p = next(model.parameters())
     device = p.device
@@ -568,7 +428,8 @@ def compile_piecewise(
         model, capture_sizes=sizes, max_num_seqs=max_num_seqs or top,
         max_num_tokens=max_num_tokens or top, max_model_len=max_model_len,
         use_cuda_graphs=use_cuda_graphs, plugin=plugin, device=device,
-        decode_graphs=decode_graphs, forward=forward, layers=layers, progress=progress,
+        decode_graphs=decode_graphs, mixed_graphs=mixed_graphs, piecewise_graphs=piecewise_graphs,
+        forward=forward, layers=layers, progress=progress, trace_cache=trace_cache,
     )
     runner._graph_backend = graph_backend
     if capture and use_cuda_graphs:

@@ -13,7 +13,7 @@ them after the fusions).
 from __future__ import annotations
 
 import operator
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx.passes.split_module
@@ -69,18 +69,78 @@ def split_at_attention(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, 
     return split, compiled, attn
 
 
-def submodule_inputs(split: torch.fx.GraphModule, fake_args: Sequence[Any]) -> dict[str, list[Any]]:
-    """Fake inputs of every submodule, in its placeholder order (run under the fake mode)."""
+def submodule_inputs(split: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                     names: Sequence[str] | None = None,
+                     memo_key: Callable[[str, list], str | None] | None = None) -> dict[str, list[Any]]:
+    """Fake inputs of the submodules ``names`` (default: all), each in its placeholder order.
+
+    ``split_module`` copies each input's node meta onto the submodule's placeholder, and a
+    graph from Dynamo carries its fake values there (``meta["example_value"]``; ``"val"``
+    after AOT tracing): read them. Only when a placeholder has none (a graph built without
+    fake values) is the split graph run on fakes of ``example_inputs`` (the graph's inputs,
+    real or fake) under their fake mode to learn them; ``memo_key(name, inputs)`` (e.g. a
+    structure key: equal keys, equal outputs) lets a submodule reuse the outputs of an
+    earlier one of the same key instead of running (identical layers run once)."""
+    names = list(names) if names is not None else [
+        n.target for n in split.graph.nodes if n.op == "call_module"]
     seen: dict[str, list[Any]] = {}
+    for name in names:
+        values = [_fake_value(ph) for ph in split._modules[name].graph.nodes if ph.op == "placeholder"]
+        if any(v is None for v in values):
+            return _interpret_inputs(split, example_inputs, names, memo_key)
+        seen[name] = values
+    return seen
+
+
+_MISSING = object()
+
+
+def _fake_value(placeholder: torch.fx.Node) -> Any:
+    meta = placeholder.meta
+    value = meta.get("val", meta.get("example_value", _MISSING))
+    if value is _MISSING or (value is None and placeholder.type is not type(None)):
+        return None
+    return value
+
+
+class _Recorder(torch.fx.Interpreter):
+    """Runs a submodule and records each node's value as Dynamo does (``example_value``):
+    AOTAutograd's cache needs it to tell tensors from other values."""
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        n.meta.setdefault("example_value", out)
+        return out
+
+
+def _interpret_inputs(split: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                      names: Sequence[str], memo_key) -> dict[str, list[Any]]:
+    """The fallback: the split graph run under the fake mode, each submodule's node values
+    recorded in its meta (a submodule reusing another's outputs records none)."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
+    fake_args = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor)
+                 else x for x in example_inputs]
+    seen: dict[str, list[Any]] = {}
+    outputs: dict[str, Any] = {}
 
     class _Interp(torch.fx.Interpreter):
         def call_module(self, target, args, kwargs):
             assert not kwargs
             seen[target] = list(args)
-            return super().call_module(target, args, kwargs)
+            key = memo_key(target, list(args)) if memo_key is not None else None
+            if key is not None and key in outputs:
+                return outputs[key]
+            out = _Recorder(split._modules[target]).run(*args)
+            if key is not None:
+                outputs[key] = out
+            return out
 
-    _Interp(split).run(*fake_args)
-    return seen
+    with fake_mode:
+        _Interp(split).run(*fake_args)
+    return {name: seen[name] for name in names}
 
 
 def _attn_call_args(node: torch.fx.Node) -> dict[str, Any]:

@@ -21,8 +21,10 @@ apply:
   embedding, norms, MLPs and lm head run inside the compiled pieces, attention between them.
 - **Plan.** ``runner.prepare(query_lens, context_lens, block_tables)`` writes the step's
   metadata (positions included: they feed the rotary embedding) into the runner's
-  persistent buffers outside any graph; decode-only steps then replay one whole-step graph,
-  others the piecewise graphs (or, above the captured sizes, the compiled pieces).
+  persistent buffers outside any graph; every step up to the largest captured size then
+  replays one whole-step graph (attention inside): a decode-only step its size's decode
+  graph, any other step (prefill chunks, verify batches, decodes mixed) its size's mixed
+  graph. Above the captured sizes the compiled pieces run without graphs.
 
 ``EagerRunner`` has the same ``prepare`` / call API and runs the same forward without
 compiling (the eager paged path: a reference, and the demo's ``--eager``).
@@ -75,6 +77,9 @@ def compile_transformers(
     capture: bool = True,
     graph_backend: Any = None,
     decode_graphs: bool = True,
+    mixed_graphs: bool = True,
+    piecewise_graphs: bool | None = None,
+    trace_cache: bool | str | None = None,
     progress: Callable[[str], None] | None = None,
 ):
     """Compile a transformers causal LM piecewise around our attention, on its own paged cache.
@@ -88,7 +93,8 @@ def compile_transformers(
             captured for it); default the smaller of the model's ``max_position_embeddings``
             and what the cache holds.
         capture_sizes, max_num_seqs, max_num_tokens, plugin, use_cuda_graphs, capture,
-        graph_backend, decode_graphs, progress: as for ``compile_piecewise``.
+        graph_backend, decode_graphs, mixed_graphs, piecewise_graphs, trace_cache, progress:
+        as for ``compile_piecewise``.
 
     Returns the ``PiecewiseRunner``; ``runner.layers`` are the attention layers (their
     ``kv_cache`` tensors are the cache).
@@ -104,7 +110,8 @@ def compile_transformers(
         model, capture_sizes, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
         max_model_len=max_model_len or _default_max_model_len(model, num_blocks, block_size),
         use_cuda_graphs=use_cuda_graphs, plugin=plugin, capture=capture, graph_backend=graph_backend,
-        decode_graphs=decode_graphs, forward=step_forward(model), layers=layers, progress=progress,
+        decode_graphs=decode_graphs, mixed_graphs=mixed_graphs, piecewise_graphs=piecewise_graphs,
+        forward=step_forward(model), layers=layers, progress=progress, trace_cache=trace_cache,
     )
 
 

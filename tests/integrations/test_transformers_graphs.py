@@ -1,6 +1,6 @@
 """Piecewise graph capture of transformers models (``compile_transformers``): ragged prompts
 served by continuous batching (prefill, mixed prefill+decode steps with a chunked prompt,
-decode-only steps replayed as whole-step graphs) against the same weights under
+decode-only steps: each replayed as one whole-step graph) against the same weights under
 ``attn_implementation="eager"`` generating each prompt with its own cache.
 
 On CPU the ``RerunGraphBackend`` stands in for CUDA graphs: a replay reruns a piece on the
@@ -114,8 +114,9 @@ def test_ragged_batch_matches_eager_transformers(compiled):
     assert len(errs) == len(PROMPT_LENS) * NEW_TOKENS and max(errs) < TOL, max(errs)
     kinds = [s.kind for s in got.steps]
     assert kinds[0] == "prefill" and kinds.count("mixed") >= 2 and kinds.count("decode") >= 8, kinds
-    # decode-only steps replay one whole-step graph; the others the piecewise graphs
-    assert all(s.whole_step_graph == (s.kind == "decode") for s in got.steps)
+    # every step replays one whole-step graph: decode-only steps their size's decode graph,
+    # prefill and mixed steps their size's mixed graph (tests/test_mixed_step_graphs.py)
+    assert all(s.whole_step_graph for s in got.steps)
     assert all(runner.padded_size(s.num_tokens) in runner._captured for s in got.steps)
     assert runner.stats.num_captures == captures  # steady state: nothing captured again
 
@@ -130,7 +131,7 @@ def test_pieces_are_shared_and_graphs_equal_the_pieces(compiled):
     tables = [list(alloc.allocate(i, n)) for i, n in enumerate([5, 3, 10])]
     for qlens, clens in (([4, 2, 6], [0, 0, 0]), ([1, 1, 1], [4, 2, 6]), ([1, 1, 4], [4, 2, 6])):
         md = runner.prepare(qlens, clens, tables)
-        assert runner.replays_whole_step(md) == (qlens == [1, 1, 1])
+        assert runner.whole_step_shape(md).kind == ("decode" if qlens == [1, 1, 1] else "mixed")
         ids = torch.randint(3, 256, (sum(qlens),))
         pieces = runner(ids, md, use_graphs=False).clone()
         graphs = runner(ids, md).clone()
