@@ -380,3 +380,19 @@ def test_trace_cache_warm_start_skips_dynamo(tmp_path):
     assert tc.TraceCache(str(tmp_path)).load(name) is not None
     src.write_text("x = 2\n")
     assert tc.TraceCache(str(tmp_path)).load(name) is None
+
+
+def test_a_fake_run_that_specializes_the_token_dimension_is_refused():
+    from torch._dynamo.source import LocalSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from inductor_rocm_attn.compilation.split import _check_not_specialized
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    ids = mode.from_tensor(torch.zeros(8, dtype=torch.int64), source=LocalSource("input_ids"),
+                           symbolic_context=StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC]))
+    _check_not_specialized(mode, [ids, ids.shape[0]])  # symbolic: fine
+    assert int(ids.shape[0]) == 8  # what torch 2.11's C++ matmul did under the fake mode
+    with pytest.raises(RuntimeError, match=r"specialized the token dimension \(s\d+ = 8\)"):
+        _check_not_specialized(mode, [ids])

@@ -273,7 +273,7 @@ def _eager_reference(ref, block_size, device):
 def test_tiny_decoder_200_steps_through_whole_step_graphs():
     model, ref = _tiny_pair()
     runner = compile_piecewise(model, capture_sizes=SIZES, max_num_seqs=8, max_model_len=160,
-                               graph_backend=RerunGraphBackend())
+                               mixed_graphs=True, graph_backend=RerunGraphBackend())
     # decode graphs at sizes <= 8 sequences, mixed graphs at every size >= 2; no piece graphs
     assert sorted(runner._step_graphs) == [1, 2, 4, 8] and sorted(runner._mixed_graphs) == SIZES[1:]
     assert runner.stats.num_captures == 4 + 6 and not runner._piece_sizes
@@ -339,7 +339,8 @@ def test_transformers_200_steps_through_whole_step_graphs():
                                                          dtype=torch.float32).eval()
     twin.load_state_dict(model.state_dict())
     runner = compile_transformers(model, num_blocks=128, capture_sizes=[1, 2, 4, 8, 16, 32], max_num_seqs=6,
-                                  max_model_len=128, poison=True, graph_backend=RerunGraphBackend())
+                                  max_model_len=128, poison=True, mixed_graphs=True,
+                                  graph_backend=RerunGraphBackend())
     assert sorted(runner._mixed_graphs) == [2, 4, 8, 16, 32] and sorted(runner._step_graphs) == [1, 2, 4]
     eager = eager_runner(twin, num_blocks=128, max_num_seqs=6, max_num_tokens=32, poison=True)
 
@@ -361,7 +362,8 @@ def test_cuda_whole_step_graphs_200_mixed_steps():
     cfg = dict(hidden_size=512, intermediate_size=1024, num_heads=8, num_kv_heads=4, head_size=64)
     model, ref = _tiny_pair("cuda", torch.bfloat16, num_blocks=4096, **cfg)
     sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    runner = compile_piecewise(model, capture_sizes=sizes, max_num_seqs=32, max_model_len=1024)
+    runner = compile_piecewise(model, capture_sizes=sizes, max_num_seqs=32, max_model_len=1024,
+                               mixed_graphs=True)
     assert runner.stats.num_captures == 8 + 6  # mixed at sizes >= 2, decode at sizes <= 32
     st = serve(runner, _eager_reference(ref, runner.block_size, "cuda"), steps=200, max_tokens=256,
                max_seqs=32, max_len=1000, vocab=model.cfg.vocab_size, seed=0)

@@ -117,6 +117,7 @@ def _interpret_inputs(split: torch.fx.GraphModule, example_inputs: Sequence[Any]
                       names: Sequence[str], memo_key) -> dict[str, list[Any]]:
     """The fallback: the split graph run under the fake mode, each submodule's node values
     recorded in its meta (a submodule reusing another's outputs records none)."""
+    from torch._dispatch.python import enable_python_dispatcher
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
@@ -138,9 +139,33 @@ def _interpret_inputs(split: torch.fx.GraphModule, example_inputs: Sequence[Any]
                 outputs[key] = out
             return out
 
-    with fake_mode:
+    # The Python dispatcher, as Dynamo's fake runs use: without it, torch 2.11's C++ matmul
+    # reads concrete sizes and specializes the token dimension (every piece then static).
+    with fake_mode, enable_python_dispatcher():
         _Interp(split).run(*fake_args)
+    _check_not_specialized(fake_mode, [x for x in example_inputs if isinstance(x, (FakeTensor, torch.SymInt))])
     return {name: seen[name] for name in names}
+
+
+def _check_not_specialized(fake_mode, fake_args: Sequence[Any]) -> None:
+    """A symbolic size of the graph's own inputs (``fake_args``: the token inputs; parameters
+    made fake here get symbols that rightly become constants) that the fake run turned into
+    a constant would compile every piece for that one size: refuse it here rather than fail
+    at the first other size."""
+    shape_env = getattr(fake_mode, "shape_env", None)
+    if shape_env is None:
+        return
+    for x in fake_args:
+        sizes = x.shape if isinstance(x, torch.Tensor) else [x]
+        for size in sizes:
+            if not isinstance(size, torch.SymInt):
+                continue
+            if size.node.expr.is_number:  # the symbol was replaced by a constant
+                symbol = next((k for k, v in shape_env.replacements.items() if v == size.node.expr), "size")
+                raise RuntimeError(
+                    f"compile_piecewise: the fake run of the split graph specialized the token "
+                    f"dimension ({symbol} = {size.node.expr}) on torch {torch.__version__}; the "
+                    f"pieces would only run at that size")
 
 
 def _attn_call_args(node: torch.fx.Node) -> dict[str, Any]:

@@ -37,7 +37,6 @@ import functools
 import hashlib
 import inspect
 import json
-import marshal
 import os
 import pickle
 import sys
@@ -229,6 +228,19 @@ def _dynamo_config() -> dict[str, Any]:
     return out
 
 
+def _code_digest(code) -> str:
+    """A code object's content: bytecode, names and constants, nested code included.
+    (Not ``marshal.dumps``: its output depends on reference counts, so one function's
+    code hashed differently from one call to the next.)"""
+    h = hashlib.sha256()
+    for part in (code.co_code, code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars,
+                 code.co_name, code.co_argcount, code.co_kwonlyargcount, code.co_flags):
+        h.update(repr(part).encode())
+    for const in code.co_consts:
+        h.update((_code_digest(const) if hasattr(const, "co_code") else repr(const)).encode())
+    return h.hexdigest()
+
+
 def trace_key(model: torch.nn.Module, layers: Iterable[Any], forward: Callable | None,
               settings: Mapping[str, Any]) -> tuple[str, dict[str, str | None]]:
     """(key, {source file: content hash}) of one trace (see the module docstring)."""
@@ -245,11 +257,11 @@ def trace_key(model: torch.nn.Module, layers: Iterable[Any], forward: Callable |
     for layer in layers:
         layer_desc.append((getattr(layer, "layer_name", None), type(layer).__qualname__, _attributes(layer),
                            _attributes(layer.impl) if hasattr(layer, "impl") else None))
-    code = marshal.dumps(forward.__code__) if forward is not None and hasattr(forward, "__code__") else b""
+    code = _code_digest(forward.__code__) if forward is not None and hasattr(forward, "__code__") else ""
     desc = json.dumps(dict(
         format=_FORMAT, torch=torch.__version__, triton=triton.__version__, python=sys.version,
         package=_package_digest(), modules=modules, tensors=tensors, layers=layer_desc,
-        forward=hashlib.sha256(code).hexdigest(), settings=dict(settings),
+        forward=code, settings=dict(settings),
         dynamo=_dynamo_config(),
         grad=torch.is_grad_enabled(), default_dtype=str(torch.get_default_dtype()),
     ), sort_keys=True, default=repr)

@@ -7,7 +7,9 @@ On CPU the ``RerunGraphBackend`` stands in for CUDA graphs: a replay reruns a pi
 tensors it was captured with, so an input the runner failed to route through its persistent
 buffers would come out stale. Tolerance: fp32 logits within 1e-5 of the step's largest
 |logit| (measured 4-6e-7 here; our CPU kernels accumulate in float64, eager in fp32), greedy
-tokens identical. Compiles are cold (the passes run) and shared per model.
+tokens identical. Compiles are cold (the passes run) and shared per model. The shared
+runner captures mixed whole-step graphs (opt-in); the piecewise graphs that serve mixed steps
+by default are checked on CPU by tests/test_graph_capture.py and here on the GPU.
 """
 
 import copy
@@ -97,7 +99,7 @@ def compiled(request):
     ira.fusion_report().clear()
     with torch._inductor.config.patch(force_disable_caches=True):  # cold: the passes run
         runner = compile_transformers(model, num_blocks=32, capture_sizes=SIZES, max_num_seqs=8,
-                                      max_num_tokens=STEP_TOKENS, poison=True,
+                                      max_num_tokens=STEP_TOKENS, poison=True, mixed_graphs=True,
                                       graph_backend=RerunGraphBackend(), progress=print)
     report = ira.fusion_report()
     print(report)
@@ -236,3 +238,22 @@ def test_cuda_graphs_match_eager_transformers(name):
     ids = torch.randint(3, 256, (3,), device="cuda")
     pieces = runner(ids, md, use_graphs=False).clone()
     assert torch.equal(pieces, runner(ids, md)) and runner.replays_whole_step(md)
+
+
+@pytest.mark.compile
+def test_trace_cache_warm_start_generates_as_eager(tmp_path):
+    """A second runner of the same model loads the stored trace (no Dynamo) and its pieces,
+    built from the stored graph by a fake run (the Python dispatcher keeps the token
+    dimension symbolic: torch 2.11's C++ matmul specialized it), serve every step size."""
+    model = build("qwen3", "rocm_attn")
+    kw = dict(num_blocks=32, capture_sizes=SIZES, max_num_seqs=8, max_num_tokens=STEP_TOKENS, poison=True,
+              graph_backend=RerunGraphBackend(), trace_cache=str(tmp_path))
+    cold = compile_transformers(model, **kw)
+    warm = compile_transformers(twin(model, "rocm_attn"), **kw)
+    assert not cold.stats.trace_loaded and warm.stats.trace_loaded
+    want_tokens, want_logits = eager_reference(twin(model, "eager"), prompts())
+    got = generate(warm, prompts(), NEW_TOKENS, max_tokens_per_step=STEP_TOKENS, return_logits=True)
+    assert got.tokens == want_tokens
+    errs = [rel(a, b) for got_p, want_p in zip(got.logits, want_logits) for a, b in zip(got_p, want_p)]
+    assert len(errs) == len(PROMPT_LENS) * NEW_TOKENS and max(errs) < TOL, max(errs)
+    assert len({s.num_tokens for s in got.steps}) >= 3  # steps of several sizes
