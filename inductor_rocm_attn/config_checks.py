@@ -1,6 +1,7 @@
-"""Checks of an attention layer's configuration (the arguments of ``RocmAttentionImpl`` and
-``Attention``), made once at construction: each error names the class, the parameter, the
-bad value and what is supported."""
+"""Checks of configuration, made once at construction: an attention layer's (the arguments
+of ``RocmAttentionImpl`` and ``Attention``) and a piecewise runner's (``compile_piecewise``,
+``compile_transformers``). Each error names the class or function, the parameter, the bad
+value and what is supported."""
 
 from __future__ import annotations
 
@@ -57,3 +58,38 @@ def check_impl_config(op: str, num_heads, head_size, scale, num_kv_heads, alibi_
         alibi_slopes = validation.per_head_tensor(op, "alibi_slopes", alibi_slopes, num_heads,
                                                   finite=True).to(torch.float32)
     return attn_type, num_kv_heads, sinks, alibi_slopes
+
+
+def check_runner_config(op: str, *, capture_sizes, max_num_seqs, max_num_tokens, max_model_len,
+                        flags: dict, optional_flags: dict, trace_cache) -> list[int]:
+    """The arguments of ``compile_piecewise`` / ``compile_transformers`` that shape the
+    runner's buffers and graphs, checked before anything is traced or allocated. Returns the
+    capture sizes as a sorted list of distinct ints."""
+    import os
+
+    try:
+        sizes = list(capture_sizes)
+    except TypeError:
+        raise TypeError(f"{op}: capture_sizes must be a sequence of positive ints, got {capture_sizes!r}") from None
+    if not sizes:
+        raise ValueError(f"{op}: capture_sizes is empty; give the token counts to capture, e.g. [1, 2, 4, 8]")
+    for size in sizes:
+        if not validation.is_int(size) or size <= 0:
+            raise ValueError(f"{op}: capture_sizes must hold positive ints, got {size!r} in {sizes!r}")
+    for name, value in (("max_num_seqs", max_num_seqs), ("max_num_tokens", max_num_tokens)):
+        if value is not None:
+            validation.check_positive_int(op, name, value)
+    validation.check_positive_int(op, "max_model_len", max_model_len)
+    top = max(sizes)
+    if max_num_tokens is not None and max_num_tokens < top:
+        raise ValueError(f"{op}: max_num_tokens {max_num_tokens} is below the largest capture size {top}; "
+                         "raise it or drop the larger sizes")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{op}: {name} must be True or False, got {value!r}")
+    for name, value in optional_flags.items():
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{op}: {name} must be True, False or None, got {value!r}")
+    if not (trace_cache is None or isinstance(trace_cache, (bool, str, os.PathLike))):
+        raise TypeError(f"{op}: trace_cache must be True, False, None or a directory path, got {trace_cache!r}")
+    return sorted(set(sizes))

@@ -180,3 +180,40 @@ def test_layer_inputs_must_be_tensors():
     with pytest.raises(TypeError, match=r"Attention 'cfg.not_tensors': query, key and value must be tensors, got "
                                         r"Tensor, NoneType, Tensor"), ira.set_forward_context(md):
         layer(torch.randn(2, H * D), None, torch.randn(2, HKV * D))
+
+
+_RUNNER_CASES = [
+    (dict(capture_sizes=[]), ValueError, r"capture_sizes is empty"),
+    (dict(capture_sizes=[0, 2]), ValueError, r"capture_sizes must hold positive ints, got 0 in \[0, 2\]"),
+    (dict(capture_sizes=[2.5]), ValueError, r"capture_sizes must hold positive ints, got 2.5"),
+    (dict(capture_sizes=3), TypeError, r"capture_sizes must be a sequence of positive ints, got 3"),
+    (dict(max_num_seqs=0), ValueError, r"max_num_seqs must be a positive int, got 0"),
+    (dict(max_num_tokens=-1), ValueError, r"max_num_tokens must be a positive int, got -1"),
+    (dict(max_num_tokens=2), ValueError, r"max_num_tokens 2 is below the largest capture size 4"),
+    (dict(max_model_len=0), ValueError, r"max_model_len must be a positive int, got 0"),
+    (dict(mixed_graphs="yes"), TypeError, r"mixed_graphs must be True or False, got 'yes'"),
+    (dict(plugin=1), TypeError, r"plugin must be True, False or None, got 1"),
+    (dict(trace_cache=123), TypeError, r"trace_cache must be True, False, None or a directory path, got 123"),
+]
+
+
+@pytest.mark.parametrize("kw, exc, message", _RUNNER_CASES, ids=[next(iter(c[0])) + str(i) for i, c in
+                                                                  enumerate(_RUNNER_CASES)])
+def test_compile_piecewise_config(kw, exc, message):
+    """Refused before anything is traced or allocated (the model needs no cache for that)."""
+    from inductor_rocm_attn.compilation import compile_piecewise
+
+    model = torch.nn.Linear(2, 2)
+    args = dict(capture_sizes=[1, 2, 4], capture=False)
+    args.update(kw)
+    with pytest.raises(exc, match=rf"compile_piecewise: {message}"):
+        compile_piecewise(model, **args)
+
+
+def test_trace_cache_directory_that_cannot_be_created(tmp_path):
+    from inductor_rocm_attn.compilation.trace_cache import TraceCache
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=r"trace_cache: the directory .* cannot be created"):
+        TraceCache(str(blocker / "traces"))

@@ -55,6 +55,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from inductor_rocm_attn.config_checks import check_runner_config
 from inductor_rocm_attn.forward_context import set_forward_context
 from inductor_rocm_attn.layer import attention_layers
 from inductor_rocm_attn.metadata import AttentionMetadata, MetadataBuffers, build_attention_metadata
@@ -416,6 +417,12 @@ def compile_piecewise(
             covers). True: in Inductor's cache directory; a path: there; None (default): the
             ``ROCM_ATTN_TRACE_CACHE`` environment variable ("1" or a path; unset: off).
     """
+    sizes = check_runner_config(
+        "compile_piecewise", capture_sizes=capture_sizes, max_num_seqs=max_num_seqs,
+        max_num_tokens=max_num_tokens, max_model_len=max_model_len,
+        flags=dict(capture=capture, decode_graphs=decode_graphs, mixed_graphs=mixed_graphs),
+        optional_flags=dict(use_cuda_graphs=use_cuda_graphs, plugin=plugin, piecewise_graphs=piecewise_graphs),
+        trace_cache=trace_cache)
     p = next(model.parameters())
     device = p.device
     if use_cuda_graphs is None:
@@ -424,8 +431,7 @@ def compile_piecewise(
         use_cuda_graphs = True
     elif use_cuda_graphs and device.type != "cuda":
         raise ValueError(f"compile_piecewise: CUDA/HIP graphs need the model on a GPU, it is on {device}")
-    sizes = list(capture_sizes)
-    top = max(sizes, default=1)
+    top = max(sizes)
     runner = PiecewiseRunner(
         model, capture_sizes=sizes, max_num_seqs=max_num_seqs or top,
         max_num_tokens=max_num_tokens or top, max_model_len=max_model_len,

@@ -302,6 +302,13 @@ class TraceCache:
     """Traced graphs under ``directory``, one file per key."""
 
     def __init__(self, directory: str):
+        """Creates ``directory`` when missing; a clear error when it cannot be (before any
+        trace, rather than when the first entry is stored)."""
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"trace_cache: the directory {directory!r} cannot be created ({e.strerror}); "
+                             "give a writable directory, or trace_cache=False") from None
         self.directory = directory
 
     def _path(self, key: str) -> str:

@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..block_allocator import BlockAllocator
+from ..validation import is_int
 
 __all__ = ["GenerateResult", "StepRecord", "generate"]
 
@@ -81,6 +82,17 @@ def _num_cache_blocks(runner) -> int:
 
 
 @torch.no_grad()
+def _vocab_size(runner) -> int | None:
+    """The vocabulary of the runner's model when it says (transformers' config, our models'
+    ``cfg``), else None."""
+    model = getattr(runner, "model", None)
+    for holder in (getattr(model, "config", None), getattr(model, "cfg", None)):
+        vocab = getattr(holder, "vocab_size", None)
+        if is_int(vocab):
+            return vocab
+    return None
+
+
 def generate(runner, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int, *,
              max_tokens_per_step: int | None = None, max_seqs_per_step: int | None = None,
              return_logits: bool = False, on_step: Callable[[StepRecord], None] | None = None,
@@ -91,8 +103,8 @@ def generate(runner, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_to
     ``max_num_tokens`` / ``max_num_seqs``). ``return_logits``: keep each generated token's
     logits (fp32, on the CPU). ``on_step``: called after every step. ``num_blocks``: blocks
     to hand out (default every block of the layers' caches)."""
-    if max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     budget = max_tokens_per_step or runner.max_num_tokens
     max_seqs = min(max_seqs_per_step or runner.max_num_seqs, budget)  # every sequence decodes each step
     if budget < 1 or max_seqs < 1:
@@ -101,6 +113,12 @@ def generate(runner, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_to
     waiting = [_Seq(i, [int(t) for t in p], len(p)) for i, p in enumerate(prompts)]
     if any(s.prompt_len == 0 for s in waiting):
         raise ValueError("generate: empty prompt")
+    vocab = _vocab_size(runner)
+    for s in waiting:  # the embedding's own error names no prompt and no vocabulary
+        bad = next((t for t in s.tokens if t < 0 or (vocab is not None and t >= vocab)), None)
+        if bad is not None:
+            raise ValueError(f"generate: prompt {s.rid} holds token id {bad}, outside the model's "
+                             f"vocabulary [0, {vocab if vocab is not None else 'vocab_size'})")
     waiting.reverse()  # pop() admits prompts in order
     alloc = BlockAllocator(num_blocks or _num_cache_blocks(runner), runner.block_size)
     out: list[list[int]] = [[] for _ in prompts]

@@ -45,6 +45,7 @@ from ..forward_context import get_forward_context, set_forward_context
 from ..layer import Attention
 from ..layout import allocate_kv_cache
 from ..metadata import AttentionMetadata, build_attention_metadata
+from ..validation import check_positive_int
 
 __all__ = ["ATTN_IMPLEMENTATION", "PagedCache", "attention_forward", "register", "stats"]
 
@@ -270,6 +271,7 @@ class PagedCache(Cache):
                  cache_layout: str = "LHBNC", kv_cache_dtype: str = "auto", poison: bool = False):
         super().__init__(layers=[])
         check_model(model, "PagedCache")
+        check_positive_int("PagedCache", "num_blocks", num_blocks)
         decoder = _decoder(model)
         param = next(model.parameters())
         self.block_size, self.num_blocks = block_size, num_blocks

@@ -37,8 +37,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..config_checks import check_runner_config
 from ..forward_context import set_forward_context
 from ..metadata import AttentionMetadata, build_attention_metadata
+from ..validation import check_positive_int
 from .transformers import check_model, paged_layers
 
 __all__ = ["EagerRunner", "compile_transformers", "eager_runner", "step_forward"]
@@ -104,6 +106,13 @@ def compile_transformers(
     check_model(model, "compile_transformers")
     if model.training:
         raise ValueError("compile_transformers: the model is in training mode; call model.eval() first")
+    check_positive_int("compile_transformers", "num_blocks", num_blocks)
+    check_runner_config(
+        "compile_transformers", capture_sizes=capture_sizes, max_num_seqs=max_num_seqs,
+        max_num_tokens=max_num_tokens, max_model_len=1 if max_model_len is None else max_model_len,
+        flags=dict(capture=capture, decode_graphs=decode_graphs, mixed_graphs=mixed_graphs, poison=poison),
+        optional_flags=dict(use_cuda_graphs=use_cuda_graphs, plugin=plugin, piecewise_graphs=piecewise_graphs),
+        trace_cache=trace_cache)
     layers = paged_layers(model, num_blocks, block_size=block_size, cache_layout=cache_layout,
                           kv_cache_dtype=kv_cache_dtype, poison=poison)
     return compile_piecewise(
@@ -149,6 +158,7 @@ def eager_runner(model: torch.nn.Module, *, num_blocks: int, block_size: int = 1
     """An ``EagerRunner`` of ``model`` on its own paged cache (arguments as for
     ``compile_transformers``; ``max_num_seqs`` / ``max_num_tokens`` bound a step)."""
     check_model(model, "eager_runner")
+    check_positive_int("eager_runner", "num_blocks", num_blocks)
     layers = paged_layers(model, num_blocks, block_size=block_size, cache_layout=cache_layout,
                           kv_cache_dtype=kv_cache_dtype, poison=poison)
     return EagerRunner(model, layers, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens)

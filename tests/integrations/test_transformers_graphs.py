@@ -207,11 +207,24 @@ def test_refusals():
     model = build("llama", "rocm_attn", layers=1).train()
     with pytest.raises(ValueError, match="training mode"):
         compile_transformers(model, num_blocks=4)
+    model.eval()
+    with pytest.raises(ValueError, match="compile_transformers: num_blocks must be a positive int, got 0"):
+        compile_transformers(model, num_blocks=0)
+    with pytest.raises(ValueError, match=r"compile_transformers: capture_sizes must hold positive ints, got -1"):
+        compile_transformers(model, num_blocks=4, capture_sizes=[-1, 2])
     runner = eager_runner(model.eval(), num_blocks=4)
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
-        generate(runner, [[3, 4]], 0)
+    for bad in (0, 2.5):
+        with pytest.raises(ValueError, match=rf"max_new_tokens must be an int >= 1, got {bad}"):
+            generate(runner, [[3, 4]], bad)
     with pytest.raises(ValueError, match="empty prompt"):
         generate(runner, [[]], 2)
+    for bad in (256, -1):  # vocab_size 256
+        with pytest.raises(ValueError, match=rf"prompt 1 holds token id {bad}, outside the model's vocabulary \[0, 256\)"):
+            generate(runner, [[3, 4], [5, bad]], 2)
+    with pytest.raises(ValueError, match="eager_runner: num_blocks must be a positive int, got 0"):
+        eager_runner(model, num_blocks=0)
+    with pytest.raises(ValueError, match="PagedCache: num_blocks must be a positive int, got -1"):
+        PagedCache(model, num_blocks=-1)
 
 
 @pytest.mark.gpu
