@@ -273,10 +273,13 @@ class MetadataBuffers:
     def fill(self, *, query_start_loc, seq_lens, block_table, slot_mapping, positions) -> dict:
         b, t, w = seq_lens.shape[0], slot_mapping.shape[0], block_table.shape[1]
         if b > self.max_num_seqs or t > self.max_num_tokens or w > self.max_blocks_per_seq:
-            raise ValueError(
-                f"MetadataBuffers: step of {b} sequences, {t} tokens, {w} blocks/seq exceeds the "
-                f"buffers ({self.max_num_seqs}, {self.max_num_tokens}, {self.max_blocks_per_seq})"
-            )
+            over = [f"{n} {what} > {name} {limit}" for n, limit, what, name in (
+                (b, self.max_num_seqs, "sequences", "max_num_seqs"),
+                (t, self.max_num_tokens, "tokens (padded)", "max_num_tokens"),
+                (w, self.max_blocks_per_seq, "blocks in a sequence's table",
+                 "the blocks of max_model_len")) if n > limit]
+            raise ValueError(f"MetadataBuffers: the step does not fit the buffers it was sized for: "
+                             f"{'; '.join(over)}")
         self.query_start_loc[: b + 1].copy_(query_start_loc, non_blocking=True)
         self.seq_lens[:b].copy_(seq_lens, non_blocking=True)
         self.block_table[:b, :w].copy_(block_table, non_blocking=True)

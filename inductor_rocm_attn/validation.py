@@ -48,6 +48,31 @@ def index_checks_on(device: torch.device) -> bool:
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
+def vocab_size_of(model) -> int | None:
+    """The vocabulary size a model states (transformers' ``config``, our models' ``cfg``),
+    else None."""
+    for holder in (getattr(model, "config", None), getattr(model, "cfg", None)):
+        vocab = getattr(holder, "vocab_size", None)
+        if is_int(vocab):
+            return vocab
+    return None
+
+
+def check_token_ids(op: str, input_ids: torch.Tensor, vocab_size: int | None) -> None:
+    """A step's token ids: an integer tensor, and (where index tensors are read: CPU, or a GPU
+    with ``ROCM_ATTN_CHECK_INDICES=1``) inside the vocabulary; the embedding would otherwise
+    read out of bounds (a CPU abort, a GPU device assert)."""
+    if input_ids.dtype not in _INDEX_TYPES:
+        raise TypeError(f"{op}: input_ids must be int64 or int32 token ids, got {input_ids.dtype}")
+    if vocab_size is None or input_ids.numel() == 0 or not index_checks_on(input_ids.device):
+        return
+    bad = (input_ids < 0) | (input_ids >= vocab_size)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{op}: input_ids[{i}] = {int(input_ids[i])} is outside the vocabulary "
+                         f"[0, {vocab_size})")
+
+
 def _want_index_checks(t: torch.Tensor) -> bool:
     return index_checks_on(t.device)
 

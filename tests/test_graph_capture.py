@@ -150,6 +150,29 @@ def test_prepare_rejects_foreign_metadata(compiled):
         runner(torch.zeros(1, dtype=torch.long), md)
 
 
+def test_step_inputs_are_checked_before_running(compiled):
+    """Token ids: integers, inside the vocabulary (CPU: always; a GPU with
+    ROCM_ATTN_CHECK_INDICES=1), one per token; metadata: the latest prepare()'s (the buffers
+    hold its step); a step larger than the buffers names the limit."""
+    runner = compiled[0]
+    vocab = runner.vocab_size
+    assert vocab == runner.model.cfg.vocab_size
+    old = runner.prepare([2], [0], [[0]])
+    md = runner.prepare([2], [0], [[1]])
+    with pytest.raises(ValueError, match=r"not the latest runner.prepare\(...\)'s"):
+        runner(torch.tensor([3, 4]), old)
+    with pytest.raises(TypeError, match=r"input_ids must be int64 or int32 token ids, got torch.float32"):
+        runner(torch.tensor([3.0, 4.0]), md)
+    with pytest.raises(ValueError, match=rf"input_ids\[1\] = {vocab} is outside the vocabulary \[0, {vocab}\)"):
+        runner(torch.tensor([3, vocab]), md)
+    with pytest.raises(ValueError, match=r"input_ids \(3,\) for a step of 2 tokens: expected \[2\]"):
+        runner(torch.tensor([3, 4, 5]), md)
+    assert runner(torch.tensor([3, 4]), md).isfinite().all()
+    with pytest.raises(ValueError, match=rf"{runner.max_num_seqs + 1} sequences > max_num_seqs {runner.max_num_seqs}"):
+        runner.prepare([1] * (runner.max_num_seqs + 1), [1] * (runner.max_num_seqs + 1),
+                       [[0]] * (runner.max_num_seqs + 1))
+
+
 def _capture_with(runner, **flags):
     """Capture the shared runner's graphs with the rerun backend and the given kinds."""
     runner._graph_backend = RerunGraphBackend()

@@ -59,6 +59,7 @@ from inductor_rocm_attn.config_checks import check_runner_config
 from inductor_rocm_attn.forward_context import set_forward_context
 from inductor_rocm_attn.layer import attention_layers
 from inductor_rocm_attn.metadata import AttentionMetadata, MetadataBuffers, build_attention_metadata
+from inductor_rocm_attn.validation import check_token_ids, vocab_size_of
 
 from .build import compile_model
 from .graph_backends import CudaGraphBackend
@@ -86,6 +87,8 @@ class PiecewiseRunner:
                  forward: Callable | None = None, layers: Mapping[str, Any] | None = None,
                  progress: Callable[[str], None] | None = None, trace_cache: Any = None):
         self.model = model
+        self.vocab_size = vocab_size_of(model)  # token ids are checked against it
+        self._prepared: AttentionMetadata | None = None  # the latest prepare()'s metadata
         self.forward = forward
         self.progress = progress
         self.device = device
@@ -197,11 +200,13 @@ class PiecewiseRunner:
                                       buffers=self.buffers, block_size=self.block_size,
                                       max_model_len=self.max_model_len, device=self.device,
                                       num_blocks=self._num_cache_blocks())
+            self._prepared = self._step_md
             return self._step_md
         self._step_md = None
-        return build_attention_metadata(query_lens, context_lens, block_tables, self.block_size,
-                                        self.device, num_padded_tokens=size,
-                                        buffers=self.buffers, num_blocks=self._num_cache_blocks())
+        self._prepared = build_attention_metadata(query_lens, context_lens, block_tables, self.block_size,
+                                                  self.device, num_padded_tokens=size,
+                                                  buffers=self.buffers, num_blocks=self._num_cache_blocks())
+        return self._prepared
 
     def _num_cache_blocks(self) -> int | None:
         """The fewest blocks of the bound caches: the builder rejects a block id at or past it
@@ -239,10 +244,16 @@ class PiecewiseRunner:
         graphs at the same padded size (a check of the graphs: results are bitwise equal)."""
         n = metadata.num_actual_tokens
         size = metadata.slot_mapping.shape[0]
-        if metadata.slot_mapping.data_ptr() != self.buffers.slot_mapping.data_ptr():
-            raise ValueError("PiecewiseRunner: build the step's metadata with runner.prepare(...)")
-        if input_ids.shape[0] not in (n, size):
-            raise ValueError(f"PiecewiseRunner: {input_ids.shape[0]} input ids for {n} tokens")
+        if metadata is not self._prepared:
+            # The buffers hold the latest prepare()'s step: an older metadata would run on it.
+            raise ValueError("PiecewiseRunner: the metadata is not the latest runner.prepare(...)'s; prepare "
+                             "each step right before running it" if metadata.slot_mapping.data_ptr() ==
+                             self.buffers.slot_mapping.data_ptr() else
+                             "PiecewiseRunner: build the step's metadata with runner.prepare(...)")
+        if input_ids.dim() != 1 or input_ids.shape[0] not in (n, size):
+            raise ValueError(f"PiecewiseRunner: input_ids {tuple(input_ids.shape)} for a step of {n} tokens: "
+                             f"expected [{n}]" + (f" (or [{size}], padded)" if size != n else ""))
+        check_token_ids("PiecewiseRunner", input_ids, self.vocab_size)
         self.input_ids[: input_ids.shape[0]].copy_(input_ids, non_blocking=True)
         if use_graphs and metadata is self._step_md:  # a step planned for a whole-step graph
             shape = self._step_shape

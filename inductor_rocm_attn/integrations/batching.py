@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..block_allocator import BlockAllocator
-from ..validation import is_int
+from ..validation import is_int, vocab_size_of
 
 __all__ = ["GenerateResult", "StepRecord", "generate"]
 
@@ -82,17 +82,6 @@ def _num_cache_blocks(runner) -> int:
 
 
 @torch.no_grad()
-def _vocab_size(runner) -> int | None:
-    """The vocabulary of the runner's model when it says (transformers' config, our models'
-    ``cfg``), else None."""
-    model = getattr(runner, "model", None)
-    for holder in (getattr(model, "config", None), getattr(model, "cfg", None)):
-        vocab = getattr(holder, "vocab_size", None)
-        if is_int(vocab):
-            return vocab
-    return None
-
-
 def generate(runner, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int, *,
              max_tokens_per_step: int | None = None, max_seqs_per_step: int | None = None,
              return_logits: bool = False, on_step: Callable[[StepRecord], None] | None = None,
@@ -113,7 +102,7 @@ def generate(runner, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_to
     waiting = [_Seq(i, [int(t) for t in p], len(p)) for i, p in enumerate(prompts)]
     if any(s.prompt_len == 0 for s in waiting):
         raise ValueError("generate: empty prompt")
-    vocab = _vocab_size(runner)
+    vocab = vocab_size_of(getattr(runner, "model", None))
     for s in waiting:  # the embedding's own error names no prompt and no vocabulary
         bad = next((t for t in s.tokens if t < 0 or (vocab is not None and t >= vocab)), None)
         if bad is not None:

@@ -40,7 +40,7 @@ import torch
 from ..config_checks import check_runner_config
 from ..forward_context import set_forward_context
 from ..metadata import AttentionMetadata, build_attention_metadata
-from ..validation import check_positive_int
+from ..validation import check_positive_int, check_token_ids, vocab_size_of
 from .transformers import check_model, paged_layers
 
 __all__ = ["EagerRunner", "compile_transformers", "eager_runner", "step_forward"]
@@ -131,6 +131,7 @@ class EagerRunner:
     def __init__(self, model: torch.nn.Module, layers: dict, *, max_num_seqs: int, max_num_tokens: int):
         self.model, self.layers = model, layers
         self.forward = step_forward(model)
+        self.vocab_size = vocab_size_of(model)
         self.block_size = next(iter(layers.values())).block_size
         self.device = next(model.parameters()).device
         self.max_num_seqs, self.max_num_tokens = max_num_seqs, max_num_tokens
@@ -146,6 +147,7 @@ class EagerRunner:
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         t0 = time.perf_counter()
+        check_token_ids("EagerRunner", input_ids, self.vocab_size)
         with set_forward_context(metadata, layers=self.layers):
             out = self.forward(input_ids.to(self.device), metadata.positions)
         self.step_s = time.perf_counter() - t0
