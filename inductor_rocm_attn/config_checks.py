@@ -5,6 +5,8 @@ value and what is supported."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import capabilities, validation
@@ -65,8 +67,6 @@ def check_runner_config(op: str, *, capture_sizes, max_num_seqs, max_num_tokens,
     """The arguments of ``compile_piecewise`` / ``compile_transformers`` that shape the
     runner's buffers and graphs, checked before anything is traced or allocated. Returns the
     capture sizes as a sorted list of distinct ints."""
-    import os
-
     try:
         sizes = list(capture_sizes)
     except TypeError:

@@ -147,15 +147,15 @@ def _interpret_inputs(split: torch.fx.GraphModule, example_inputs: Sequence[Any]
     return {name: seen[name] for name in names}
 
 
-def _check_not_specialized(fake_mode, fake_args: Sequence[Any]) -> None:
-    """A symbolic size of the graph's own inputs (``fake_args``: the token inputs; parameters
+def _check_not_specialized(fake_mode, token_inputs: Sequence[Any]) -> None:
+    """A symbolic size of the graph's token inputs (the ones that came in fake; parameters
     made fake here get symbols that rightly become constants) that the fake run turned into
     a constant would compile every piece for that one size: refuse it here rather than fail
     at the first other size."""
     shape_env = getattr(fake_mode, "shape_env", None)
     if shape_env is None:
         return
-    for x in fake_args:
+    for x in token_inputs:
         sizes = x.shape if isinstance(x, torch.Tensor) else [x]
         for size in sizes:
             if not isinstance(size, torch.SymInt):

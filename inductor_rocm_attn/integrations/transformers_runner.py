@@ -107,6 +107,7 @@ def compile_transformers(
     if model.training:
         raise ValueError("compile_transformers: the model is in training mode; call model.eval() first")
     check_positive_int("compile_transformers", "num_blocks", num_blocks)
+    # Before paged_layers allocates every layer's cache (compile_piecewise checks them again).
     check_runner_config(
         "compile_transformers", capture_sizes=capture_sizes, max_num_seqs=max_num_seqs,
         max_num_tokens=max_num_tokens, max_model_len=1 if max_model_len is None else max_model_len,
