@@ -16,10 +16,13 @@ with the programs each launches and how many one SM holds (the driver's occupanc
 ``--verify Q``: speculative-decode verify batches instead (Q query tokens per sequence):
 the verify kernel against the prefill kernel on the same batch, a plain decode step of the
 same batch, SDPA and the FlashInfer peers.
+``--fp8``: each case with a bf16 and an fp8 e4m3 cache (same geometry, same run): the fp8
+speedup (goal >= 1.8x at B=64 L=4096: half the bytes).
 
     python benchmarks/bench_decode.py [--batch 1 16 64 128] [--ctx 1024 4096 16384] [--sweep]
     python benchmarks/bench_decode.py --peers flashinfer --candidates
     python benchmarks/bench_decode.py --verify 4 --batch 16 64 --ctx 4096 --peers flashinfer
+    python benchmarks/bench_decode.py --fp8 --batch 16 64 --ctx 4096 16384
 
 Writes benchmarks/results/decode_<date>.json and .md (verify_<date> with --verify; or --out DIR).
 """
@@ -137,10 +140,11 @@ def default_decode_config() -> DecodeConfig:
 
 
 class DecodeCase:
-    def __init__(self, b: int, L: int, seed: int = 0, layout=CacheLayout.LHBNC, sequential=False):
+    def __init__(self, b: int, L: int, seed: int = 0, layout=CacheLayout.LHBNC, sequential=False,
+                 cache_dtype=DTYPE):
         g = torch.Generator(device="cuda").manual_seed(seed)
         nblk = b * L // BS
-        spec = KVCacheSpec(BS, HKV, D, DTYPE, layout)
+        spec = KVCacheSpec(BS, HKV, D, cache_dtype, layout)
         self.kv_cache = allocate_kv_cache(spec, nblk + 8, "cuda")
         self.kv_cache.copy_(torch.randn(self.kv_cache.shape, generator=g, device="cuda", dtype=DTYPE))
         perm = (torch.arange(nblk, device="cuda") if sequential
@@ -183,6 +187,7 @@ class DecodeCase:
     def dense(self):
         """Contiguous K, V ``[B, HKV, L, D]`` holding the same tokens (for SDPA)."""
         kd, vd = dense_kv(self.kv_cache, HKV, INTERLEAVED_V)  # [nb, BS, HKV, D]
+        kd, vd = kd.to(DTYPE), vd.to(DTYPE)  # an fp8 cache's values, exactly (scales are 1)
         bt = self.block_table.long()
         k = kd[bt].reshape(self.b, self.L, HKV, D).transpose(1, 2).contiguous()
         v = vd[bt].reshape(self.b, self.L, HKV, D).transpose(1, 2).contiguous()
@@ -323,6 +328,57 @@ class VerifyCase:
         return out.view(self.b, self.q_len, HQ, D).transpose(1, 2)
 
 
+FP8_TOL = 2e-2  # fp8 cache: SDPA over the same (dequantized) values, bf16 query
+
+
+def bench_fp8(args, ceiling: float):
+    """--fp8: each (B, L) with a bf16 cache and with an fp8 e4m3 cache (scales 1) of the same
+    geometry, in the same run: both checked against SDPA over their own cache values, then
+    timed. The fp8 cache holds half the bytes: the goal is >= 1.8x the bf16 speed."""
+    rows = []
+    fp8 = torch.float8_e4m3fn
+    for b in args.batch:
+        for L in args.ctx:
+            row = dict(B=b, L=L)
+            for name, dt in (("bf16", DTYPE), ("fp8_e4m3", fp8)):
+                c = DecodeCase(b, L, seed=b * 7 + L, cache_dtype=dt)
+                k, v = c.dense()
+                q4 = c.query.view(b, HQ, 1, D)
+                ref = F.scaled_dot_product_attention(q4, k, v, scale=c.scale, enable_gqa=True).view(b, HQ, D)
+                c.out.fill_(float("nan"))
+                c.run()
+                err = rel_err(c.out, ref)
+                assert err < (TOL if dt is DTYPE else FP8_TOL), f"B={b} L={L} {name}: rel err {err:.3e}"
+                t = graph_time_us(c.run)
+                nbytes = 2 * b * L * HKV * D * dt.itemsize + 2 * b * HQ * D * 2
+                row.update({f"{name}_us": t, f"{name}_tbs": nbytes / t / 1e6, f"{name}_err": err})
+                del c, k, v
+                torch.cuda.empty_cache()
+            row["fp8_speedup"] = row["bf16_us"] / row["fp8_e4m3_us"]
+            rows.append(row)
+            print(f"B={b:4d} L={L:6d}  bf16 {row['bf16_us']:8.1f} us {row['bf16_tbs']:5.2f} TB/s  fp8 e4m3 "
+                  f"{row['fp8_e4m3_us']:8.1f} us {row['fp8_e4m3_tbs']:5.2f} TB/s  speedup x{row['fp8_speedup']:.2f}"
+                  f"  err {row['bf16_err']:.1e} / {row['fp8_e4m3_err']:.1e}", flush=True)
+    meta = dict(read_ceiling_tbs=ceiling, heads=f"{HQ}/{HKV}", head_size=D, block_size=BS,
+                interleaved_v=INTERLEAVED_V, timing="CUDA-graph replay, do_bench median, L2 flushed",
+                goal="fp8 e4m3 cache >= 1.8x the bf16 speed at B=64 L=4096")
+    name = f"decode_fp8_{stamp()}"
+    meta = write_json(os.path.join(args.out, name + ".json"), dict(rows=rows), **meta)["meta"]
+    lines = [f"# Paged decode, fp8 e4m3 vs bf16 cache, {torch.cuda.get_device_name()} ({meta['date']})", "",
+             f"`{meta['command']}`; bf16 query, heads {HQ}/{HKV}, d={D}, block {BS}; read ceiling "
+             f"{ceiling:.2f} TB/s; {meta['timing']}; bytes: K+V in the cache dtype plus q and out.", "",
+             "| B | L | bf16 us | bf16 TB/s | fp8 us | fp8 TB/s | fp8 speedup | rel err bf16 / fp8 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['B']} | {r['L']} | {r['bf16_us']:.1f} | {r['bf16_tbs']:.2f} | {r['fp8_e4m3_us']:.1f} | "
+                     f"{r['fp8_e4m3_tbs']:.2f} | {r['fp8_speedup']:.2f} | {r['bf16_err']:.1e} / "
+                     f"{r['fp8_e4m3_err']:.1e} |")
+    md = "\n".join(lines) + "\n"
+    with open(os.path.join(args.out, name + ".md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
 def bench_verify(args, sms: int, ceiling: float, peers: Peers):
     """--verify Q: the verify kernel vs the prefill kernel vs a decode step, same batch."""
     from peers import FlashInferPrefill
@@ -445,6 +501,8 @@ def main():
                     help="batch sizes of the --candidates A/B (default 16 128)")
     ap.add_argument("--verify", type=int, default=0, metavar="Q",
                     help="speculative-decode verify batches of Q query tokens per sequence instead")
+    ap.add_argument("--fp8", action="store_true",
+                    help="an fp8 e4m3 cache beside the bf16 one on every case instead (speedup table)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     BS = args.block_size
@@ -457,6 +515,8 @@ def main():
     peers = Peers(args.peers)
     if args.verify:
         return bench_verify(args, sms, ceiling, peers)
+    if args.fp8:
+        return bench_fp8(args, ceiling)
     rows, sweep, margins, k_rows, cands = [], [], [], [], []
     for b in args.batch:
         for L in args.ctx:

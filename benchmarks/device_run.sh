@@ -6,7 +6,8 @@
 #   STAGES="tests model_step" bash benchmarks/device_run.sh   runs only those stages, in order
 #   (stages: native_build tests model_step memcheck decode decode_grid prefill cache_writers decode_seq
 #    decode_bs64 decode_model_shape decode_stages decode_keys compile_time peers decode_ab
-#    verify native layer_overhead; the old names e2e, writers, decode_e2e_shape still work)
+#    verify native layer_overhead compile_piecewise
+#    decode_fp8; the old names e2e, writers, decode_e2e_shape still work)
 #   peers: FlashInfer beside ours and SDPA (carry [".whl"]: its wheels, installed into .site):
 #   the decode grid with the split-rule A/B, prefill, and verify batches; the tables are
 #   printed last (and kept in $OUT/tables.md)
@@ -102,10 +103,14 @@ run_bench() {
   case $b in
     decode) args="benchmarks/bench_decode.py ${DECODE_ARGS:---batch 1 16 64 128 --ctx 4096 --k-rows 0}";;
     # the full B x L grid with the default config
+    # fp8 e4m3 cache beside bf16, same cases, same run (goal: >= 1.8x at B=64 L=4096)
+    decode_fp8) args="benchmarks/bench_decode.py --fp8 --batch 16 64 128 --ctx 4096 16384";;
     decode_grid) args="benchmarks/bench_decode.py --batch 1 16 64 128 --ctx 1024 4096 16384";;
     prefill) args="benchmarks/bench_prefill.py ${PREFILL_ARGS:-}";;
     cache_writers|writers) args="benchmarks/bench_cache_writers.py";;
     compile_time) args="benchmarks/bench_compile_time.py";;
+    # compile_piecewise (what serving uses): cold and warm starts, trace cache off and on
+    compile_piecewise) args="benchmarks/bench_compile_time.py --piecewise ${PIECEWISE_ARGS:-}";;
     # the per-call checks on the eager path: us per layer, checks on / bypassed / opt-in index reads
     layer_overhead) args="benchmarks/bench_layer_overhead.py";;
     # diagnostics of the decode kernel: placement and block size at B=64, L=4096 (both print
