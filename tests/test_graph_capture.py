@@ -419,3 +419,24 @@ def test_a_fake_run_that_specializes_the_token_dimension_is_refused():
     assert int(ids.shape[0]) == 8  # what torch 2.11's C++ matmul did under the fake mode
     with pytest.raises(RuntimeError, match=r"specialized the token dimension \(s\d+ = 8\)"):
         _check_not_specialized(mode, [ids])
+
+
+def test_capture_sizes_above_max_model_len():
+    """A capture size larger than ``max_model_len`` (a serving budget of many short
+    sequences): the warm-up and capture steps spread their tokens over ``max_num_seqs``
+    sequences instead of one sequence longer than the block table allows, and a real
+    step of that size replays the graphs and matches the eager model."""
+    model, ref = _pair(qwen3_config(num_layers=1), num_blocks=32)
+    runner = compile_piecewise(model, capture_sizes=[4, 48], max_num_seqs=4, max_num_tokens=48, max_model_len=32)
+    _capture_with(runner, decode_graphs=False, mixed_graphs=False, piecewise_graphs=True)
+    assert runner.stats.num_captures == 2 * len(runner.pieces)
+    alloc = ira.BlockAllocator(32, 16, shuffle_seed=1)
+    qlens = [20, 20, 5]  # 45 tokens: padded to the captured 48
+    tables = [list(alloc.allocate(i, q)) for i, q in enumerate(qlens)]
+    ids = torch.randint(0, model.cfg.vocab_size, (sum(qlens),))
+    md = runner.prepare(qlens, [0, 0, 0], tables)
+    out = runner(ids, md).clone()
+    ref_md = ira.build_attention_metadata(qlens, [0, 0, 0], tables, 16)
+    with torch.no_grad(), ira.set_forward_context(ref_md):
+        expect = ref(ids, ref_md.positions)
+    torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)

@@ -151,10 +151,13 @@ class PiecewiseRunner:
     # --- compile --------------------------------------------------------------------------
 
     def _dummy_metadata(self, num_tokens: int) -> AttentionMetadata:
-        """Metadata of ``num_tokens`` one-token sequences that write nothing (slots -1) and
-        read one block: for tracing, warm-up and capture."""
+        """Metadata of ``num_tokens`` tokens that write nothing (slots -1): one-token
+        sequences, or, past ``max_num_seqs`` of them, the tokens spread evenly over that many
+        sequences (so no dummy sequence is longer than the step needs: a capture size may be
+        larger than ``max_model_len``). For tracing, warm-up and capture."""
         n = min(num_tokens, self.buffers.max_num_seqs)
-        qlens = [1] * (n - 1) + [num_tokens - (n - 1)]
+        per, extra = divmod(num_tokens, n)
+        qlens = [per + (i < extra) for i in range(n)]
         host = dict(
             query_start_loc=torch.tensor([0] + list(torch.tensor(qlens).cumsum(0).tolist()), dtype=torch.int32),
             seq_lens=torch.tensor(qlens, dtype=torch.int32),
