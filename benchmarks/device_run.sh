@@ -12,6 +12,7 @@
 #   the decode grid with the split-rule A/B, prefill, and verify batches; the tables are
 #   printed last (and kept in $OUT/tables.md)
 #   TEST_FILES=tests/kernels/test_paged_attention.py limits the tests stage to those files
+#   TEST_SHARDS / WRITER_SHARDS: parallel pytest processes (default 6 / 2 for the AITER-op writers)
 #   MEMCHECK_FILTER="dense_paths|plain" limits the memcheck stage to test ids matching it
 #   stage transformers: benchmarks/bench_transformers.py; TRANSFORMERS_ARGS="--model llama-3.2-1b"
 #   passes it arguments, TRANSFORMERS_DEADLINE_S / TRANSFORMERS_S its deadline and time limit
@@ -66,7 +67,7 @@ run_tests() {
   local pp=${PYTHONPATH:-$PWD}
   [ -d .aiter ] && pp="$PWD/.aiter:$pp"
   shard main $OUT/tests/main.ids ${TEST_SHARDS:-6}
-  shard writers $OUT/tests/writers.ids 2 AITER_TRITON_ONLY=1 PYTHONPATH=$pp
+  shard writers $OUT/tests/writers.ids ${WRITER_SHARDS:-2} AITER_TRITON_ONLY=1 PYTHONPATH=$pp
   wait
   cat $OUT/tests/*.log >> $LOG
   pack tests
