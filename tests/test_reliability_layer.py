@@ -258,6 +258,43 @@ def test_builder_plan_is_checked_without_reading_tensors(monkeypatch):
 # --- what a call skips because another check of the same step or call made it ---------------
 
 
+def test_strided_query_channels_are_rejected_before_the_write():
+    # Attention.forward checks the query's channel stride itself, so the attention op after
+    # the cache update can skip it; the cache is then untouched.
+    s = stepped_layer()
+    before = snapshot(s.layer.kv_cache)
+    q, k, v = qkv(s.num_tokens, s.g)
+    q = torch.stack([q.view(-1, H, D)] * 2, dim=-1)[..., 0]  # [T, H, D] with channel stride 2
+    with pytest.raises(ValueError, match=r"Attention 'rel\.\d+': query must have unit stride along head_size"), \
+            ira.set_forward_context(s.md):
+        s.layer(q, k, v)
+    assert unchanged(before, s.layer.kv_cache)
+
+
+def test_direct_attention_call_after_a_forward_checks_its_output(monkeypatch):
+    # What Attention.forward hands its attention op is taken by that op alone: the ops
+    # called by hand afterwards check the query and output again.
+    from inductor_rocm_attn import step_checks
+
+    s = stepped_layer()
+    q, k, v = qkv(s.num_tokens, s.g)
+    calls = []
+    check = step_checks.check_layer_query
+    monkeypatch.setattr(step_checks, "check_layer_query", lambda *a: calls.append(a) or check(*a))
+    with ira.set_forward_context(s.md):
+        s.layer(q, k, v)
+    assert not calls, "the attention of Attention.forward checked again what forward checked"
+    assert s.layer.impl._forward_made is None and s.layer.impl._just_written is None
+    for out, match in ((torch.full((s.num_tokens, H, D + 1), 7.0), r"query and output must be \[num_tokens, "
+                        rf"num_heads, head_size\] = \[{s.num_tokens}, {H}, {D}\]"),
+                       (torch.full((s.num_tokens, H, 2 * D), 7.0)[..., ::2], "output must have unit stride")):
+        before = snapshot(out)
+        with pytest.raises(ValueError, match=rf"rocm_attn\.unified_attention_with_output: {match}"):
+            run_layer_ops(s.layer, s.md, q, k, v, out)
+        assert unchanged(before, out)
+    assert len(calls) == 2
+
+
 def test_builder_tensors_swapped_for_views_are_checked_in_full(monkeypatch):
     # The layers skip the per-tensor checks for the builder's own tensor objects only: a view
     # at the same address (which the builder's bounds still cover) is checked in full.
