@@ -513,8 +513,8 @@ class RocmAttentionImpl:
             # The cache update of this call checked key/value and the step against this cache.
             t = written[4]
             # Called by Attention.forward (``made``), the query's shape and channel stride, and
-            # its device and dtype against the key's, are checked, and output is a contiguous
-            # [T, H, D] tensor it made like the query.
+            # its device and dtype against the key's, are checked, and output is a [T, H, D]
+            # tensor with a unit channel stride it made like the query.
             if made is None or made[0] is not query or made[1] is not output:
                 step_checks.check_layer_query(op, query, output, kv_cache.device, h, d, t)
                 if md.max_query_len > 1 and key.dtype is not query.dtype and not is_fp8_dtype(query.dtype):

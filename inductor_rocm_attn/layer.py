@@ -123,17 +123,18 @@ class Attention(nn.Module):
         step_checks.check_qkv(self, query, key, value)
         qs = query.shape
         t, h, hkv, d = qs[0], self.num_heads, self.num_kv_heads, self.head_size
-        if len(qs) == 3:  # possibly strided
+        if query.stride()[-1] != 1:  # what the attention would reject, rejected before the cache update writes
+            check_channel_stride(f"Attention {self.layer_name!r}", query=query)
+        if len(qs) == 3:  # possibly strided: a fresh contiguous output
             if qs[1] != h or qs[2] != d:
                 raise self._shape_error("query", query, h)
+            output = query.new_empty(t, h, d)
         else:
             try:
                 query = query.view(t, h, d)
             except RuntimeError:
                 raise self._shape_error("query", query, h) from None
-        if query.stride()[2] != 1:  # what the attention would reject, rejected before the cache update writes
-            check_channel_stride(f"Attention {self.layer_name!r}", query=query)
-        output = query.new_empty(t, h, d)  # contiguous, whatever the query's strides
+            output = torch.empty_like(query)  # the query's strides if dense: still a unit channel stride
         if key.dim() != 3:
             try:
                 key, value = key.view(t, hkv, d), value.view(t, hkv, d)

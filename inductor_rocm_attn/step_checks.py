@@ -6,10 +6,10 @@ A step's metadata is checked once per cache geometry and the result memoized on 
 metadata object (``check_step_metadata``): the first layer of a step pays, the others hit a
 dict. For metadata from ``build_attention_metadata`` the first layer pays less: what does not
 depend on the layer (the index tensors' types, dtypes, shapes, layout) the builder checked
-when it made them (``check_step_tensors``). What is read from the index tensors follows ``validation.index_checks_on`` (CPU:
-always; GPU: with ``ROCM_ATTN_CHECK_INDICES=1``); metadata planned by
-``build_attention_metadata`` is checked on a GPU too, from the bounds its builder recorded
-(``AttentionMetadata.plan``), without reading a tensor back.
+when it made them (``check_step_tensors``). What is read from the index tensors follows
+``validation.index_checks_on`` (CPU: always; GPU: with ``ROCM_ATTN_CHECK_INDICES=1``);
+metadata planned by ``build_attention_metadata`` is checked on a GPU too, from the bounds its
+builder recorded (``AttentionMetadata.plan``), without reading a tensor back.
 """
 
 from __future__ import annotations
