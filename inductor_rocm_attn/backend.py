@@ -203,6 +203,9 @@ class RocmAttentionImpl:
         # (metadata, key, value, cache, tokens) the cache update of this layer's current call
         # checked and wrote; the attention of the same call (same objects) skips those checks.
         self._just_written: tuple | None = None
+        # (query, output) of ``Attention.forward``'s current call, set after its cache update:
+        # it made output and checked query against key, so the attention skips those checks.
+        self._forward_made: tuple | None = None
         # (op, call signature) -> kernel: the first call of a signature is validated in full
         # and resolved through the provider registry; later steps go straight to the kernel.
         self._kernels: dict[tuple, object] = {}
@@ -474,6 +477,7 @@ class RocmAttentionImpl:
         """
         # What the cache update of this call checked; taken first, so it is never kept longer.
         written, self._just_written = self._just_written, None
+        made, self._forward_made = self._forward_made, None
         if output_block_scale is not None:
             raise NotImplementedError(
                 "RocmAttentionImpl: output_block_scale (block-scaled output quant) is not supported; "
@@ -508,9 +512,13 @@ class RocmAttentionImpl:
                 and written[3] is kv_cache):
             # The cache update of this call checked key/value and the step against this cache.
             t = written[4]
-            step_checks.check_layer_query(op, query, output, kv_cache.device, h, d, t)
-            if md.max_query_len > 1 and key.dtype is not query.dtype and not is_fp8_dtype(query.dtype):
-                raise ValueError(f"{op}: key dtype {key.dtype} != query dtype {query.dtype}")
+            # Called by Attention.forward (``made``), the query's shape and channel stride, and
+            # its device and dtype against the key's, are checked, and output is a [T, H, D]
+            # tensor with a unit channel stride it made like the query.
+            if made is None or made[0] is not query or made[1] is not output:
+                step_checks.check_layer_query(op, query, output, kv_cache.device, h, d, t)
+                if md.max_query_len > 1 and key.dtype is not query.dtype and not is_fp8_dtype(query.dtype):
+                    raise ValueError(f"{op}: key dtype {key.dtype} != query dtype {query.dtype}")
         else:
             if key is not None and (key.dim() != 3 or value.dim() != 3):
                 key, value = self._kv_rows(op, key, value)

@@ -15,7 +15,7 @@ from .backend import RocmAttentionImpl
 from .capabilities import AttentionType, check_block_size, check_model_dtype
 from .forward_context import register_copy, register_layer
 from .layout import CacheLayout, allocate_kv_cache
-from .validation import check_positive_finite, check_positive_int
+from .validation import check_channel_stride, check_positive_finite, check_positive_int
 
 __all__ = ["Attention", "attention_layers", "bind_kv_caches"]
 
@@ -121,9 +121,12 @@ class Attention(nn.Module):
         # What the attention op would reject about q/k/v together is rejected here, before
         # the cache update writes (the ops themselves check the rest, each before writing).
         step_checks.check_qkv(self, query, key, value)
-        t, h, hkv, d = query.shape[0], self.num_heads, self.num_kv_heads, self.head_size
-        if query.dim() == 3:  # possibly strided: a fresh contiguous output
-            if query.shape[1:] != (h, d):
+        qs = query.shape
+        t, h, hkv, d = qs[0], self.num_heads, self.num_kv_heads, self.head_size
+        if query.stride()[-1] != 1:  # what the attention would reject, rejected before the cache update writes
+            check_channel_stride(f"Attention {self.layer_name!r}", query=query)
+        if len(qs) == 3:  # possibly strided: a fresh contiguous output
+            if qs[1] != h or qs[2] != d:
                 raise self._shape_error("query", query, h)
             output = query.new_empty(t, h, d)
         else:
@@ -131,7 +134,7 @@ class Attention(nn.Module):
                 query = query.view(t, h, d)
             except RuntimeError:
                 raise self._shape_error("query", query, h) from None
-            output = torch.empty_like(query)
+            output = torch.empty_like(query)  # the query's strides if dense: still a unit channel stride
         if key.dim() != 3:
             try:
                 key, value = key.view(t, hkv, d), value.view(t, hkv, d)
@@ -140,8 +143,13 @@ class Attention(nn.Module):
         elif key.shape[0] != t or value.shape[0] != t:
             raise self._shape_error("key and value", key, hkv, t, value)
         token = None
-        if self.impl.uses_kv_cache:
+        impl = self.impl
+        if impl.uses_kv_cache:
             token = torch.ops.rocm_attn.unified_kv_cache_update(key, value, self.layer_name)
+            if not torch.compiler.is_compiling():  # eager only: a traced forward keeps no state
+                # The attention after this cache update skips what this call checked or made
+                # (RocmAttentionImpl.forward).
+                impl._forward_made = (query, output)
         torch.ops.rocm_attn.unified_attention_with_output(query, key, value, output, self.layer_name, token)
         return output.view(t, self.num_heads * self.head_size)
 

@@ -7,7 +7,7 @@ captured HIP/CUDA graph sees the new step's values at fixed addresses.
 The builder checks the step on the host as it plans it (lengths, block ids, slots, hints) and
 records what it established in ``AttentionMetadata.plan``; the layers then check a step built
 here against their cache with a few integer comparisons, on a GPU too, without reading the
-index tensors back (``validation.check_step_metadata``).
+index tensors back (``step_checks.check_step_metadata``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ class PlanBounds:
     ``[0, max_block_id]``, every slot follows the block table (or is -1), positions are in
     ``[0, max_position]``, and the step has ``num_tokens`` real tokens whose longest query
     and sequence are ``max_query_len`` / ``max_seq_len``. -1: none.
+
+    ``tensors``: the index tensor objects it built, whose types, dtypes, shapes and layout
+    it checked on ``device``; the layers skip those checks for metadata holding exactly
+    these objects (``step_checks._builder_tensors``).
     """
 
     block_size: int
@@ -42,6 +46,8 @@ class PlanBounds:
     max_block_id: int
     max_position: int
     tensor_ptrs: tuple[int, ...]
+    device: torch.device | None = None
+    tensors: tuple = dataclasses.field(default=(), compare=False, repr=False)
 
 
 @dataclasses.dataclass
@@ -226,12 +232,14 @@ def build_attention_metadata(
         tensors = {k: v.to(device, non_blocking=True) for k, v in host.items()}
     query_lens = [b - a for a, b in zip(qsl, qsl[1:])]  # host ints
     max_query_len, max_seq_len = max(query_lens, default=0), max(seq_lens, default=0)
+    device = tensors["query_start_loc"].device
     plan = PlanBounds(
         block_size=block_size, num_tokens=n, max_query_len=max_query_len, max_seq_len=max_seq_len,
         max_block_id=max_block, max_position=max(positions, default=-1),
-        tensor_ptrs=plan_tensor_ptrs(tensors),
+        tensor_ptrs=plan_tensor_ptrs(tensors), device=device,
+        tensors=tuple(tensors[name] for name in _INDEX_NAMES),
     )
-    return AttentionMetadata(
+    md = AttentionMetadata(
         num_actual_tokens=n,
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
@@ -242,14 +250,24 @@ def build_attention_metadata(
         plan=plan,
         **tensors,
     )
+    # The layer-independent checks of the tensors, once here rather than on each step's first
+    # layer (only buffers replaced by hand could fail them).
+    from .step_checks import check_step_tensors  # step_checks imports this module
+    check_step_tensors(_OP, md, device, "query_start_loc")
+    return md
+
+
+_INDEX_NAMES = ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "positions")
 
 
 def plan_tensor_ptrs(tensors) -> tuple[int, ...]:
     """Data pointers of a step's index tensors (a dict or an ``AttentionMetadata``), in the
     order ``PlanBounds.tensor_ptrs`` records them."""
-    get = tensors.__getitem__ if isinstance(tensors, dict) else tensors.__getattribute__
-    return tuple(get(n).data_ptr() for n in ("query_start_loc", "seq_lens", "block_table",
-                                              "slot_mapping", "positions"))
+    if isinstance(tensors, dict):
+        return tuple(tensors[n].data_ptr() for n in _INDEX_NAMES)
+    md = tensors  # spelled out: this runs on each step's first layer
+    return (md.query_start_loc.data_ptr(), md.seq_lens.data_ptr(), md.block_table.data_ptr(),
+            md.slot_mapping.data_ptr(), md.positions.data_ptr())
 
 
 class MetadataBuffers:

@@ -4,10 +4,12 @@ what is supported, and are raised before anything is written.
 
 A step's metadata is checked once per cache geometry and the result memoized on the
 metadata object (``check_step_metadata``): the first layer of a step pays, the others hit a
-dict. What is read from the index tensors follows ``validation.index_checks_on`` (CPU:
-always; GPU: with ``ROCM_ATTN_CHECK_INDICES=1``); metadata planned by
-``build_attention_metadata`` is checked on a GPU too, from the bounds its builder recorded
-(``AttentionMetadata.plan``), without reading a tensor back.
+dict. For metadata from ``build_attention_metadata`` the first layer pays less: what does not
+depend on the layer (the index tensors' types, dtypes, shapes, layout) the builder checked
+when it made them (``check_step_tensors``). What is read from the index tensors follows
+``validation.index_checks_on`` (CPU: always; GPU: with ``ROCM_ATTN_CHECK_INDICES=1``);
+metadata planned by ``build_attention_metadata`` is checked on a GPU too, from the bounds its
+builder recorded (``AttentionMetadata.plan``), without reading a tensor back.
 """
 
 from __future__ import annotations
@@ -43,6 +45,15 @@ def _plan_holds(md) -> bool:
             and plan.tensor_ptrs == plan_tensor_ptrs(md))
 
 
+def _builder_tensors(md, plan) -> bool:
+    """Whether ``md``'s index tensors are the very tensor objects ``build_attention_metadata``
+    made, still at the addresses it recorded: then their types, dtypes, shapes, layout and
+    device are the ones it checked (``check_step_tensors``) when it made them."""
+    t = plan.tensors
+    return (len(t) == 5 and md.query_start_loc is t[0] and md.seq_lens is t[1] and md.block_table is t[2]
+            and md.slot_mapping is t[3] and md.positions is t[4] and plan.tensor_ptrs == plan_tensor_ptrs(md))
+
+
 def _check_step(op: str, md, num_tokens: int, device: torch.device, num_blocks: int | None,
                 block_size: int | None) -> None:
     has_cache = num_blocks is not None
@@ -52,26 +63,19 @@ def _check_step(op: str, md, num_tokens: int, device: torch.device, num_blocks: 
             f"{op}: metadata built for block_size {md.block_size}, but the layer's KV cache has block_size "
             f"{block_size}; build the step's metadata with block_size={block_size}"
         )
-    for name in _METADATA_TENSORS:
-        t = getattr(md, name)
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: metadata {name} must be a tensor, got {type(t).__name__}")
-        check_dtype(op, f"metadata {name}", t, _INDEX_TYPES)
-        if t.device != device:
-            raise ValueError(
-                f"{op}: metadata tensor {name} is on {t.device} but {where} is on {device}; build the "
-                f"metadata on that device (build_attention_metadata(..., device={str(device)!r}))"
-            )
-    check_sequence_shapes(op, md.query_start_loc, md.seq_lens, md.block_table if has_cache else None)
-    slots, positions = md.slot_mapping, md.positions
-    if slots.dim() != 1 or positions.shape != slots.shape:
-        raise ValueError(f"{op}: metadata slot_mapping and positions must be 1-D with one entry per token, "
-                         f"got {tuple(slots.shape)} and {tuple(positions.shape)}")
-    check_index_layout(op, slot_mapping=slots, positions=positions)
+    plan = md.plan
+    # A step planned by the builder is checked in two parts: what does not depend on the layer
+    # (the tensors' types, dtypes, shapes, layout) once, by the builder; here only the rest.
+    planned = plan is not None and plan.block_size == md.block_size and _builder_tensors(md, plan)
+    if not planned:
+        check_step_tensors(op, md, device, where, has_cache)
+    elif plan.device != device:
+        _device_error(op, "query_start_loc", plan.device, device, where)
+    slots = md.slot_mapping
     n = md.num_actual_tokens
     for name in ("num_actual_tokens", "max_query_len", "max_seq_len"):
         v = getattr(md, name)
-        if not is_int(v) or v < 0:
+        if not (type(v) is int or is_int(v)) or v < 0:  # type(v) is int: the common case, without the ABC check
             raise ValueError(f"{op}: metadata {name} must be an int >= 0, got {v!r}")
     if md.causal is not None and not isinstance(md.causal, bool):
         raise ValueError(f"{op}: metadata causal must be True, False or None, got {md.causal!r}")
@@ -89,8 +93,35 @@ def _check_step(op: str, md, num_tokens: int, device: torch.device, num_blocks: 
         if has_cache:
             check_slot_range(op, slots, num_blocks, block_size)
             check_slots_follow_table(op, slots, qsl, lens, md.block_table, block_size)
-    elif _plan_holds(md):
+    elif planned or _plan_holds(md):
         _check_plan(op, md, num_tokens, num_blocks)
+
+
+def check_step_tensors(op: str, md, device: torch.device, where: str, has_cache: bool = True) -> None:
+    """The layer-independent part of a step's check: its index tensors are tensors of index
+    dtypes on ``device`` (``where``'s: the layer's KV cache or query), shaped as
+    ``AttentionMetadata`` says, with dense rows (the block table only with ``has_cache``:
+    a layer without a cache does not read it)."""
+    for name in _METADATA_TENSORS:
+        t = getattr(md, name)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: metadata {name} must be a tensor, got {type(t).__name__}")
+        check_dtype(op, f"metadata {name}", t, _INDEX_TYPES)
+        if t.device != device:
+            _device_error(op, name, t.device, device, where)
+    check_sequence_shapes(op, md.query_start_loc, md.seq_lens, md.block_table if has_cache else None)
+    slots, positions = md.slot_mapping, md.positions
+    if slots.dim() != 1 or positions.shape != slots.shape:
+        raise ValueError(f"{op}: metadata slot_mapping and positions must be 1-D with one entry per token, "
+                         f"got {tuple(slots.shape)} and {tuple(positions.shape)}")
+    check_index_layout(op, slot_mapping=slots, positions=positions)
+
+
+def _device_error(op: str, name: str, got: torch.device, device: torch.device, where: str):
+    raise ValueError(
+        f"{op}: metadata tensor {name} is on {got} but {where} is on {device}; build the "
+        f"metadata on that device (build_attention_metadata(..., device={str(device)!r}))"
+    )
 
 
 def _check_covers(op: str, num_actual_tokens: int, end: int) -> None:
@@ -202,8 +233,13 @@ def check_attention_call(op: str, layer, query: torch.Tensor, key: torch.Tensor 
     if len(shape) != 4:
         cache_shape(op, layer, kv_cache)
     device = kv_cache.device
-    check_layer_query(op, query, output, device, num_heads, head_size)
-    t = query.shape[0]
+    # check_layer_query inlined: this runs per layer per step, between the piecewise graphs
+    qs = query.shape
+    if not (len(qs) == 3 and qs[1] == num_heads and qs[2] == head_size and output.shape == qs
+            and query.device == device and output.device == device and query.stride()[2] == 1
+            and output.stride()[2] == 1):
+        _explain_query(op, query, output, device, num_heads, head_size, None)
+    t = qs[0]
     if key is not None and md.max_query_len > 1:
         check_layer_kv(op, key, value, device, t, num_kv_heads, head_size)
         if key.dtype is not query.dtype and not is_fp8_dtype(query.dtype):
@@ -249,15 +285,20 @@ def check_layer_query(op: str, query: torch.Tensor, output: torch.Tensor, device
     if not (len(qs) == 3 and qs[1] == num_heads and qs[2] == head_size and output.shape == qs
             and (num_tokens is None or qs[0] == num_tokens) and query.device == device
             and output.device == device and query.stride()[2] == 1 and output.stride()[2] == 1):
-        if not (len(qs) == 3 and qs[1] == num_heads and qs[2] == head_size and output.shape == qs
-                and (num_tokens is None or qs[0] == num_tokens)):
-            raise ValueError(f"{op}: query and output must be [num_tokens, num_heads, head_size] = "
-                             f"[{'T' if num_tokens is None else num_tokens}, {num_heads}, {head_size}], got "
-                             f"{tuple(qs)} and {tuple(output.shape)}")
-        if query.device != device or output.device != device:
-            raise ValueError(f"{op}: query is on {query.device} and output on {output.device}, but the KV cache "
-                             f"(or the step's tensors) is on {device}")
-        check_channel_stride(op, query=query, output=output)
+        _explain_query(op, query, output, device, num_heads, head_size, num_tokens)
+
+
+def _explain_query(op, query, output, device, num_heads, head_size, num_tokens):
+    qs = query.shape
+    if not (len(qs) == 3 and qs[1] == num_heads and qs[2] == head_size and output.shape == qs
+            and (num_tokens is None or qs[0] == num_tokens)):
+        raise ValueError(f"{op}: query and output must be [num_tokens, num_heads, head_size] = "
+                         f"[{'T' if num_tokens is None else num_tokens}, {num_heads}, {head_size}], got "
+                         f"{tuple(qs)} and {tuple(output.shape)}")
+    if query.device != device or output.device != device:
+        raise ValueError(f"{op}: query is on {query.device} and output on {output.device}, but the KV cache "
+                         f"(or the step's tensors) is on {device}")
+    check_channel_stride(op, query=query, output=output)
 
 
 # --- per-call tensors of a layer ---------------------------------------------------------------

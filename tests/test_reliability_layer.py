@@ -253,3 +253,68 @@ def test_builder_plan_is_checked_without_reading_tensors(monkeypatch):
     _rejected(s, _replace(s.md, num_actual_tokens=5), r"num_actual_tokens 5 != query_start_loc\[-1\] = 6")
     # Swapped index tensors are not taken on the builder's word (checked with the opt-in only).
     assert not step_checks._plan_holds(_replace(s.md, slot_mapping=s.md.slot_mapping.clone()))
+
+
+# --- what a call skips because another check of the same step or call made it ---------------
+
+
+def test_strided_query_channels_are_rejected_before_the_write():
+    # Attention.forward checks the query's channel stride itself, so the attention op after
+    # the cache update can skip it; the cache is then untouched.
+    s = stepped_layer()
+    before = snapshot(s.layer.kv_cache)
+    q, k, v = qkv(s.num_tokens, s.g)
+    q = torch.stack([q.view(-1, H, D)] * 2, dim=-1)[..., 0]  # [T, H, D] with channel stride 2
+    with pytest.raises(ValueError, match=r"Attention 'rel\.\d+': query must have unit stride along head_size"), \
+            ira.set_forward_context(s.md):
+        s.layer(q, k, v)
+    assert unchanged(before, s.layer.kv_cache)
+
+
+def test_direct_attention_call_after_a_forward_checks_its_output(monkeypatch):
+    # What Attention.forward hands its attention op is taken by that op alone: the ops
+    # called by hand afterwards check the query and output again.
+    from inductor_rocm_attn import step_checks
+
+    s = stepped_layer()
+    q, k, v = qkv(s.num_tokens, s.g)
+    calls = []
+    check = step_checks.check_layer_query
+    monkeypatch.setattr(step_checks, "check_layer_query", lambda *a: calls.append(a) or check(*a))
+    with ira.set_forward_context(s.md):
+        s.layer(q, k, v)
+    assert not calls, "the attention of Attention.forward checked again what forward checked"
+    assert s.layer.impl._forward_made is None and s.layer.impl._just_written is None
+    for out, match in ((torch.full((s.num_tokens, H, D + 1), 7.0), r"query and output must be \[num_tokens, "
+                        rf"num_heads, head_size\] = \[{s.num_tokens}, {H}, {D}\]"),
+                       (torch.full((s.num_tokens, H, 2 * D), 7.0)[..., ::2], "output must have unit stride")):
+        before = snapshot(out)
+        with pytest.raises(ValueError, match=rf"rocm_attn\.unified_attention_with_output: {match}"):
+            run_layer_ops(s.layer, s.md, q, k, v, out)
+        assert unchanged(before, out)
+    assert len(calls) == 2
+
+
+def test_builder_tensors_swapped_for_views_are_checked_in_full(monkeypatch):
+    # The layers skip the per-tensor checks for the builder's own tensor objects only: a view
+    # at the same address (which the builder's bounds still cover) is checked in full.
+    from inductor_rocm_attn import step_checks
+
+    monkeypatch.setattr(step_checks, "index_checks_on", lambda device: False)
+    s = stepped_layer()
+    assert step_checks._builder_tensors(s.md, s.md.plan)
+    md = _replace(s.md, block_table=s.md.block_table.view(torch.float32))
+    assert step_checks._plan_holds(md) and not step_checks._builder_tensors(md, md.plan)
+    _rejected(s, md, r"rocm_attn\.unified_kv_cache_update: metadata block_table has dtype torch\.float32")
+    _rejected(s, _replace(s.md, slot_mapping=s.md.slot_mapping[:2]),
+              r"metadata slot_mapping and positions must be 1-D with one entry per token, got \(2,\) and \(6,\)")
+    _rejected(s, _replace(s.md, max_seq_len="32"), r"metadata max_seq_len must be an int >= 0, got '32'")
+
+
+def test_builder_checks_the_tensors_it_hands_the_layers():
+    # The layer-independent checks of the index tensors run once, in the builder: buffers
+    # replaced by hand are rejected there.
+    buffers = ira.MetadataBuffers(4, 16, 4, "cpu")
+    buffers.slot_mapping = torch.full((32,), -1, dtype=torch.int64)[::2]
+    with pytest.raises(ValueError, match=r"build_attention_metadata: slot_mapping must have unit stride"):
+        ira.build_attention_metadata([2], [0], [[0]], BS, buffers=buffers)
