@@ -113,7 +113,7 @@ run_bench() {
     # compile_piecewise (what serving uses): cold and warm starts, trace cache off and on
     compile_piecewise) args="benchmarks/bench_compile_time.py --piecewise ${PIECEWISE_ARGS:-}";;
     # the per-call checks on the eager path: us per layer, checks on / bypassed / opt-in index reads
-    layer_overhead) args="benchmarks/bench_layer_overhead.py";;
+    layer_overhead) args="benchmarks/bench_layer_overhead.py ${LAYER_OVERHEAD_ARGS:-}";;
     # diagnostics of the decode kernel: placement and block size at B=64, L=4096 (both print
     # the gather peers: the pages read with no math, 1-D and with the kernel's tile addressing)
     decode_seq) args="benchmarks/bench_decode.py --batch 64 --ctx 4096 --sequential";;
