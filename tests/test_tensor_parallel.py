@@ -214,9 +214,9 @@ def _check_fusions_and_graphs(run: dict) -> None:
         assert all(r["layer"].startswith("__rocm_attn_slot") for r in fused)
         stats = res["piecewise_stats"]
         assert (stats["num_compiled_pieces"], stats["num_attention_pieces"], stats["plugin_active"]) == (3, 2, True)
-        # decode steps replay whole-step graphs; the prefill and the mixed step the piecewise
-        # graphs (mixed whole-step graphs are opt-in)
-        assert res["whole_step_replays"] == [False, True, True, False, True, True]
+        # every step replays a whole-step graph: the decodes their size's decode graph, the
+        # prefill and the mixed step their size's mixed graph
+        assert res["whole_step_replays"] == [True] * len(SCHEDULE)
         # Post-grad graphs: the full graph holds one all-reduce (+ wait) after each o_proj and
         # down_proj; the pieces hold them too (the first piece none: it ends at layer 0's
         # cache write); no collective between a fused writer and the matmul that feeds it.

@@ -79,7 +79,7 @@ def compile_transformers(
     capture: bool = True,
     graph_backend: Any = None,
     decode_graphs: bool = True,
-    mixed_graphs: bool = False,
+    mixed_graphs: bool = True,
     piecewise_graphs: bool | None = None,
     trace_cache: bool | str | None = None,
     progress: Callable[[str], None] | None = None,
