@@ -195,6 +195,14 @@ class DecodeCase:
 
 
 
+def write_table(out_dir: str, name: str, lines: list[str]) -> None:
+    """The run's markdown table: ``<out_dir>/<name>.md``, and printed."""
+    md = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, name + ".md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
 def rel_err(got, ref) -> float:
     return float((got.float() - ref.float()).norm() / ref.float().norm())
 
@@ -391,10 +399,7 @@ def bench_fp8(args, ceiling: float):
                      f"{r['fp8_e4m3_tbs']:.2f} | {r['fp8_speedup']:.2f} | {r['fp8_candidate_us']:.1f} | "
                      f"{r['fp8_candidate_speedup']:.2f} | {r['bf16_err']:.1e} / {r['fp8_e4m3_err']:.1e} / "
                      f"{r['fp8_candidate_err']:.1e} |")
-    md = "\n".join(lines) + "\n"
-    with open(os.path.join(args.out, name + ".md"), "w") as f:
-        f.write(md)
-    print(md)
+    write_table(args.out, name, lines)
 
 
 def bench_verify(args, sms: int, ceiling: float, peers: Peers):
@@ -486,10 +491,7 @@ def bench_verify(args, sms: int, ceiling: float, peers: Peers):
                      f"{r['verify_vs_decode_step']:.2f} | {r['decode_step_us']:.1f} | "
                      f"{r['prefill_kernel_us']:.1f} | {fmt('sdpa_us')} | {fmt('flashinfer_tc_us')} | "
                      f"{fmt('flashinfer_fa3_prefill_us')} |")
-    md = "\n".join(lines) + "\n"
-    with open(os.path.join(args.out, name + ".md"), "w") as f:
-        f.write(md)
-    print(md)
+    write_table(args.out, name, lines)
 
 
 def main():
@@ -650,10 +652,7 @@ def main():
     why = sorted({r[k_] for r in rows for k_ in r if k_.endswith("_unavailable")})
     lines += [f"\npeer unavailable: {w}" for w in why]
     lines += candidates_table(cands, rows)
-    md = "\n".join(lines) + "\n"
-    with open(os.path.join(args.out, name + ".md"), "w") as f:
-        f.write(md)
-    print(md)
+    write_table(args.out, name, lines)
 
 
 if __name__ == "__main__":
