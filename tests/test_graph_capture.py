@@ -16,6 +16,7 @@ from inductor_rocm_attn.decode_check import run_mixed_decode
 from inductor_rocm_attn.compilation import RerunGraphBackend, compile_piecewise
 from inductor_rocm_attn.compilation.split import SPLITTING_OPS, op_name
 from inductor_rocm_attn.models import TinyDecoder, qwen3_config
+from decoder_pairs import decoder_pair
 
 pytestmark = pytest.mark.compile
 
@@ -23,19 +24,9 @@ LAYERS = 3
 SIZES = [1, 2, 4, 8, 16, 32]
 
 
-def _pair(cfg, num_blocks, dtype=torch.float32, device="cpu"):
-    torch.manual_seed(0)
-    model = TinyDecoder(cfg).to(device=device, dtype=dtype).eval()
-    ref = TinyDecoder(cfg).to(device=device, dtype=dtype).eval()
-    ref.load_state_dict(model.state_dict())
-    ira.bind_kv_caches(model, num_blocks, dtype, device, poison=True)
-    ira.bind_kv_caches(ref, num_blocks, dtype, device, poison=True)
-    return model, ref
-
-
 @pytest.fixture(scope="module")
 def compiled():
-    model, ref = _pair(qwen3_config(num_layers=LAYERS), num_blocks=160)
+    model, ref = decoder_pair(qwen3_config(num_layers=LAYERS), num_blocks=160)
     ira.fusion_report().clear()
     with torch._inductor.config.patch(force_disable_caches=True):  # cold: the passes run
         runner = compile_piecewise(model, capture_sizes=SIZES, max_num_seqs=16, max_num_tokens=64,
@@ -85,7 +76,7 @@ def test_identical_layers_share_compiled_code(compiled):
 
 
 def test_compile_count_does_not_grow_with_depth(compiled):
-    model, _ = _pair(qwen3_config(num_layers=LAYERS + 2), num_blocks=8)
+    model, _ = decoder_pair(qwen3_config(num_layers=LAYERS + 2), num_blocks=8)
     runner = compile_piecewise(model, capture_sizes=SIZES, max_num_seqs=16, max_model_len=256)
     assert runner.stats.num_compiled_pieces == LAYERS + 3
     assert runner.stats.num_unique_compiles == 3
@@ -266,7 +257,7 @@ def test_graph_replay_matches_eager_200_mixed_steps(decode_graphs):
     the whole step (attention inside). (Whole mixed steps: test_mixed_step_graphs.py.)"""
     cfg = qwen3_config(num_layers=3, hidden_size=512, intermediate_size=1024, num_heads=8,
                        num_kv_heads=4, head_size=64)
-    model, ref = _pair(cfg, num_blocks=1024, dtype=torch.bfloat16, device="cuda")
+    model, ref = decoder_pair(cfg, num_blocks=1024, dtype=torch.bfloat16, device="cuda")
     runner = compile_piecewise(model, capture_sizes=[1, 2, 4, 8, 16, 32, 64], max_num_seqs=32,
                                max_model_len=512, decode_graphs=decode_graphs, mixed_graphs=False,
                                piecewise_graphs=True)
@@ -304,7 +295,7 @@ def test_piece_inputs_read_from_placeholder_meta():
     from inductor_rocm_attn.compilation.dedup import canonicalize_names, normalize_layer_names, structure_key
     from inductor_rocm_attn.compilation.split import split_at_attention, submodule_inputs
 
-    model, _ = _pair(qwen3_config(num_layers=3), num_blocks=8)
+    model, _ = decoder_pair(qwen3_config(num_layers=3), num_blocks=8)
     names = {layer.layer_name for layer in ira.attention_layers(model)}
     seen = {}
 
@@ -368,7 +359,7 @@ def test_trace_cache_warm_start_skips_dynamo(tmp_path):
     release(cold)
     warm = start()
     assert warm.stats.trace_loaded
-    _, ref = _pair(cfg, num_blocks=64)
+    _, ref = decoder_pair(cfg, num_blocks=64)
     assert len(list(tmp_path.glob("*.trace"))) == 1
     assert warm.stats.num_unique_compiles == 3 and warm.stats.num_compiled_pieces == LAYERS + 1
     res = run_mixed_decode(warm, ref, steps=6, max_seqs=4, max_len=60, seed=4, compare_no_graphs=False)
@@ -426,7 +417,7 @@ def test_capture_sizes_above_max_model_len():
     sequences): the warm-up and capture steps spread their tokens over ``max_num_seqs``
     sequences instead of one sequence longer than the block table allows, and a real
     step of that size replays the graphs and matches the eager model."""
-    model, ref = _pair(qwen3_config(num_layers=1), num_blocks=32)
+    model, ref = decoder_pair(qwen3_config(num_layers=1), num_blocks=32)
     runner = compile_piecewise(model, capture_sizes=[4, 48], max_num_seqs=4, max_num_tokens=48, max_model_len=32)
     _capture_with(runner, decode_graphs=False, mixed_graphs=False, piecewise_graphs=True)
     assert runner.stats.num_captures == 2 * len(runner.pieces)

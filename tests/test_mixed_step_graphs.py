@@ -36,7 +36,8 @@ from attention_checks import TOL  # noqa: E402 (also fixes Triton 3.6's interpre
 from inductor_rocm_attn.compilation import RerunGraphBackend, compile_piecewise
 from inductor_rocm_attn.compilation.step_graphs import DECODE, MIXED, StepShape, step_shapes
 from inductor_rocm_attn.metadata import MetadataBuffers
-from inductor_rocm_attn.models import TinyDecoder, qwen3_config
+from inductor_rocm_attn.models import qwen3_config
+from decoder_pairs import decoder_pair
 
 # --- 1. kernels over a fixed-shape (padded) step ------------------------------------------------
 
@@ -249,14 +250,7 @@ SIZES = [1, 2, 4, 8, 16, 32, 64]
 
 
 def _tiny_pair(device="cpu", dtype=torch.float32, num_blocks=256, **cfg):
-    torch.manual_seed(0)
-    cfg = qwen3_config(**{"num_layers": 3, **cfg})
-    model = TinyDecoder(cfg).to(device=device, dtype=dtype).eval()
-    ref = TinyDecoder(cfg).to(device=device, dtype=dtype).eval()
-    ref.load_state_dict(model.state_dict())
-    ira.bind_kv_caches(model, num_blocks, dtype, device, poison=True)
-    ira.bind_kv_caches(ref, num_blocks, dtype, device, poison=True)
-    return model, ref
+    return decoder_pair(qwen3_config(**{"num_layers": 3, **cfg}), num_blocks, dtype, device)
 
 
 def _eager_reference(ref, block_size, device):
