@@ -14,6 +14,12 @@ decode batch) and 16384 (consecutive slots, a prefill), native vs Triton, output
 bit for bit first.
 
     python benchmarks/bench_native.py [--batch ...] [--ctx ...] [--sweep] [--out DIR]
+    python benchmarks/bench_native.py --variants default lean wave lean_w1s3_wave ... \
+        --batch 1 16 64 --ctx 4096
+
+``--variants`` (names of ``native.DECODE_VARIANTS``, or ``all``) times only those launch
+variants of the native decode, each checked against SDPA first, beside Triton and SDPA (no
+main table, no writer): one device call A/Bs the default against the candidates.
 
 Prints tables; writes benchmarks/results/native_<date>.json (command, machine, versions).
 """
@@ -151,6 +157,61 @@ def bench_decode(batches, ctxs, sweep):
     return rows, sweeps
 
 
+def bench_variants(batches, ctxs, names):
+    """Each named native launch variant (native.DECODE_VARIANTS) per B x L, checked against SDPA
+    before it is timed, beside Triton and SDPA."""
+    rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    _, warp, smem, _ = native._device_limits(0)
+    print(f"{'B':>4} {'L':>6} {'variant':>18} {'warps':>5} {'st':>2} {'splits':>6} | {'us':>8} {'TB/s':>5} | "
+          f"{'/triton':>7} {'/sdpa':>6} | err")
+    for b in batches:
+        for L in ctxs:
+            c = DecodeCase(b, L, seed=b * 7 + L)
+            k, v = c.dense()
+            q4 = c.query.view(b, HQ, 1, D)
+            ref = F.scaled_dot_product_attention(q4, k, v, scale=c.scale, enable_gqa=True).view(b, HQ, D)
+            nbytes = 2 * b * L * HKV * D * 2 + 2 * b * HQ * D * 2
+            c.out.fill_(float("nan"))
+            c.triton()
+            assert rel_err(c.out, ref) < 1e-2, f"B={b} L={L}: triton vs SDPA"
+            t_tri = graph_time_us(c.triton)
+            t_sdpa = graph_time_us(lambda: F.scaled_dot_product_attention(q4, k, v, scale=c.scale, enable_gqa=True))
+            print(f"{b:4d} {L:6d} {'triton':>18} {'':>5} {'':>2} {'':>6} | {t_tri:8.1f} {nbytes / t_tri / 1e6:5.2f} | "
+                  f"{'':>7} {'':>6} |", flush=True)
+            print(f"{b:4d} {L:6d} {'sdpa':>18} {'':>5} {'':>2} {'':>6} | {t_sdpa:8.1f} {nbytes / t_sdpa / 1e6:5.2f} | "
+                  f"{'':>7} {'':>6} |", flush=True)
+            for name in names:
+                kw = dict(native.DECODE_VARIANTS[name])
+                w0, s0 = native.decode_launch_config(D, 2, HQ // HKV, smem)
+                warps, stages = kw.get("num_warps", w0), kw.get("stages", s0)
+                splits = native.plan_splits(b, HKV, HQ // HKV, L, D, 2, warps, stages, num_sms=sms, warp_size=warp,
+                                            sm_smem=native._sm_smem(0), split_rule=kw.get("split_rule", "default"))
+                row = dict(B=b, L=L, variant=name, kwargs=kw, num_warps=warps, stages=stages, splits=splits,
+                           triton_us=t_tri, sdpa_us=t_sdpa)
+                try:
+                    c.out.fill_(float("nan"))
+                    c.native(**kw)
+                    err = rel_err(c.out, ref)
+                    row["rel_err_vs_sdpa"] = err
+                    if not err < 1e-2:
+                        raise AssertionError(f"rel err vs SDPA {err:.3e}")
+                    t = graph_time_us(lambda: c.native(**kw))
+                except Exception as e:  # a failing candidate must not hide the others
+                    row["error"] = f"{type(e).__name__}: {e}"
+                    rows.append(row)
+                    print(f"{b:4d} {L:6d} {name:>18} {warps:5d} {stages:2d} {splits:6d} | FAILED: {row['error']}",
+                          flush=True)
+                    continue
+                row.update(us=t, tbs=nbytes / t / 1e6, vs_triton=t / t_tri, vs_sdpa=t / t_sdpa)
+                rows.append(row)
+                print(f"{b:4d} {L:6d} {name:>18} {warps:5d} {stages:2d} {splits:6d} | {t:8.1f} {row['tbs']:5.2f} | "
+                      f"x{row['vs_triton']:6.2f} x{row['vs_sdpa']:5.2f} | {err:.1e}", flush=True)
+            del c, k, v
+            torch.cuda.empty_cache()
+    return rows
+
+
 def bench_writer(tokens):
     rows = []
     print(f"{'T':>6} | {'native us':>9} {'TB/s':>5} | {'triton us':>9} {'TB/s':>5} | native/triton")
@@ -189,15 +250,27 @@ def main():
     ap.add_argument("--ctx", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 256, 16384])
     ap.add_argument("--sweep", action="store_true", help="native launch configurations at L=4096")
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help=f"only time these native decode variants ('all' = {', '.join(native.DECODE_VARIANTS)})")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
+    if args.variants == ["all"]:
+        args.variants = list(native.DECODE_VARIANTS)
+    for name in args.variants or ():
+        if name not in native.DECODE_VARIANTS:
+            ap.error(f"unknown variant {name!r}; known: {', '.join(native.DECODE_VARIANTS)}")
     t0 = datetime.datetime.now()
     native._module()  # build (or load) before timing anything
     props = torch.cuda.get_device_properties(0)
     print(f"# {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
           f"triton {triton.__version__}; build {native._build_name()}")
-    decode, sweeps = bench_decode(args.batch, args.ctx, args.sweep)
-    writer = bench_writer(args.tokens)
+    variants = []
+    if args.variants:
+        decode, sweeps, writer = [], [], []
+        variants = bench_variants(args.batch, args.ctx, args.variants)
+    else:
+        decode, sweeps = bench_decode(args.batch, args.ctx, args.sweep)
+        writer = bench_writer(args.tokens)
     result = dict(
         command=" ".join([os.path.basename(sys.executable)] + sys.argv), date=t0.isoformat(timespec="seconds"),
         machine=dict(gpu=props.name, sms=props.multi_processor_count, host=platform.node(),
@@ -205,7 +278,7 @@ def main():
         versions=dict(torch=torch.__version__, cuda=torch.version.cuda, hip=torch.version.hip,
                       triton=triton.__version__),
         shape=dict(q_heads=HQ, kv_heads=HKV, head_size=D, block_size=BS, dtype=str(DTYPE)),
-        decode=decode, native_sweep=sweeps, writer=writer)
+        decode=decode, native_sweep=sweeps, writer=writer, native_variants=variants)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"native_{t0.strftime('%Y%m%d_%H%M%S')}.json")
     with open(path, "w") as f:

@@ -45,6 +45,9 @@ __all__ = [
     "build_native_cli",
     "num_kv_splits",
     "decode_launch_config",
+    "ctas_per_sm",
+    "num_kv_splits_wave",
+    "DECODE_VARIANTS",
     "HEAD_SIZES",
 ]
 
@@ -314,6 +317,84 @@ def num_kv_splits(num_seqs: int, num_kv_heads: int, head_chunks: int, max_seq_le
     return max(1, min(want, cap, MAX_SPLITS))
 
 
+# Resident decode CTAs per SM, for the "wave" split rule: from shared memory (the driver reserves
+# 1 KB per CTA) and threads; registers are not known here (the kernels compile to <= 255, which
+# never lowers these counts below what shared memory allows for the (warps, stages) in use:
+# 8 warps/SM at 255 registers still fit 65536).
+_SMEM_RESERVED_PER_CTA = 1024
+
+
+@functools.cache
+def _sm_smem(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_multiprocessor", 0) or (64 << 10 if _is_hip() else 228 << 10))
+
+
+def ctas_per_sm(smem_per_cta: int, num_warps: int, warp_size: int, sm_smem: int,
+                max_threads: int = 2048, max_ctas: int = 32) -> int:
+    by_smem = sm_smem // (smem_per_cta + _SMEM_RESERVED_PER_CTA)
+    return max(1, min(by_smem, max_threads // (num_warps * warp_size), max_ctas))
+
+
+def num_kv_splits_wave(num_seqs: int, num_kv_heads: int, head_chunks: int, max_seq_len: int,
+                       num_sms: int, num_warps: int, resident_per_sm: int,
+                       min_tiles_per_warp: int = 2) -> int:
+    """KV splits so that the grid is at most one wave of resident CTAs (rounded down, as the
+    Triton decode's rule), each warp keeping at least ``min_tiles_per_warp`` tiles. A candidate
+    (``split_rule="wave"``): the default rule (``num_kv_splits``) aims at 4 CTAs per SM, but a
+    (4 warps, 3 stages) CTA of 98 KB fits 2 per SM on an H200, so B=16 L=4096 (5 splits) ran
+    640 CTAs on 264 slots: 2.4 waves (hypothesis; not measured)."""
+    ctas = max(1, num_seqs * num_kv_heads * head_chunks)
+    slots = resident_per_sm * num_sms
+    want = max(1, slots // ctas)
+    tiles = -(-max(1, max_seq_len) // KEY_TILE)
+    cap = max(1, tiles // (min_tiles_per_warp * num_warps))
+    return max(1, min(want, cap, MAX_SPLITS))
+
+
+SPLIT_RULES = ("default", "wave", "triton")  # triton: "wave", but one split once the CTAs fill 2 x SMs
+
+# Named launch variants of the native decode for A/B runs (benchmarks/bench_native.py
+# --variants): keyword arguments of ``paged_attention``. "default" is what the provider runs.
+# The candidates are hypotheses from the sm_90 SASS (docs/performance.md, "Native decode"),
+# not measured yet:
+# - lean: the division-free, unrolled copy loop (csrc LeanCopies: ~60 instead of ~630 issued
+#   instructions of copy/address work per 16-key tile and warp);
+# - wave: KV splits filling one wave of resident CTAs (B=16: 2 splits on 256 CTAs instead of 5
+#   on 640 with (4, 3));
+# - w1s3: Triton's shape: one warp per CTA, 3 stages, 8 CTAs per SM (25 KB each), the wave rule
+#   giving Triton's split counts at B=1 L=4096 (64) and B=16 (8), 2 at B=64 where Triton runs
+#   1 ("triton": that rule exactly).
+DECODE_VARIANTS: dict[str, dict] = {
+    "default": {},
+    "wave": dict(split_rule="wave"),
+    "lean": dict(lean_copies=True),
+    "lean_wave": dict(lean_copies=True, split_rule="wave"),
+    "w1s3_wave": dict(num_warps=1, stages=3, split_rule="wave"),
+    "lean_w1s3_wave": dict(lean_copies=True, num_warps=1, stages=3, split_rule="wave"),
+    "lean_w1s3_triton": dict(lean_copies=True, num_warps=1, stages=3, split_rule="triton"),
+    "lean_w1s4_wave": dict(lean_copies=True, num_warps=1, stages=4, split_rule="wave"),
+    "lean_w2s3_wave": dict(lean_copies=True, num_warps=2, stages=3, split_rule="wave"),
+}
+
+
+def plan_splits(num_seqs: int, num_kv_heads: int, gqa: int, max_ctx: int, head_size: int, elem_bytes: int,
+                num_warps: int, stages: int, *, num_sms: int, warp_size: int, sm_smem: int,
+                split_rule: str = "default") -> int:
+    """The KV split count ``paged_attention`` launches with (host shapes only)."""
+    if split_rule not in SPLIT_RULES:
+        raise ValueError(f"native paged_attention: split_rule {split_rule!r}; supported: {SPLIT_RULES}")
+    gt = heads_per_cta(gqa)
+    chunks = -(-gqa // gt)
+    if split_rule == "triton" and num_seqs * num_kv_heads * chunks >= 2 * num_sms:
+        return 1
+    if split_rule in ("wave", "triton"):
+        per_sm = ctas_per_sm(decode_smem_bytes(head_size, elem_bytes, gt, num_warps, stages), num_warps,
+                             warp_size, sm_smem)
+        return num_kv_splits_wave(num_seqs, num_kv_heads, chunks, max_ctx, num_sms, num_warps, per_sm)
+    return num_kv_splits(num_seqs, num_kv_heads, chunks, max_ctx, num_sms, num_warps)
+
+
 # --- validation ------------------------------------------------------------------------------
 
 
@@ -436,6 +517,8 @@ def paged_attention(
     num_warps: int | None = None,
     stages: int | None = None,
     tensor_cores: bool | None = None,
+    lean_copies: bool = False,
+    split_rule: str = "default",
 ) -> None:
     """Paged decode over the cache (semantics: ``reference.paged_attention`` with query_len 1).
 
@@ -448,6 +531,8 @@ def paged_attention(
     another query length are skipped and their rows left unwritten). ``num_splits``,
     ``num_warps``, ``stages`` override the heuristics, ``tensor_cores`` the kernel choice
     (default: the mma kernel on NVIDIA sm_80+, CUDA-core dot products elsewhere).
+    ``lean_copies`` (power-of-two block sizes) and ``split_rule="wave"`` select candidate
+    variants (``DECODE_VARIANTS``); the defaults are what the provider runs.
     """
     num_kv_heads = check_decode_args(output, query, kv_cache, query_start_loc, seq_lens, block_table,
                                      k_scale, v_scale, alibi_slopes, sinks, output_scale, max_query_len)
@@ -465,13 +550,15 @@ def paged_attention(
         num_warps, stages = num_warps or w, stages or s
     if num_splits is None:
         max_ctx = max_seq_len if max_seq_len is not None else block_table.shape[1] * kv_cache.shape[2]
-        chunks = -(-gqa // heads_per_cta(gqa))
-        num_splits = num_kv_splits(num_seqs, num_kv_heads, chunks, max_ctx, sms, num_warps)
+        num_splits = plan_splits(num_seqs, num_kv_heads, gqa, max_ctx, head_size, kv_cache.element_size(),
+                                 num_warps, stages, num_sms=sms, warp_size=warp,
+                                 sm_smem=_sm_smem(query.device.index or 0), split_rule=split_rule)
     window = int(sliding_window) if sliding_window is not None and sliding_window > 0 else 0
     _module().paged_decode(
         output, query, kv_cache, query_start_loc, seq_lens, block_table, float(scale), k_scale, v_scale,
         window, _f32(alibi_slopes), _f32(sinks), float(logits_soft_cap or 0.0), bool(interleaved_v),
-        num_kv_heads, int(num_splits), int(num_warps), int(stages), warp, smem, bool(tensor_cores))
+        num_kv_heads, int(num_splits), int(num_warps), int(stages), warp, smem, bool(tensor_cores),
+        bool(lean_copies))
 
 
 def reshape_and_cache(

@@ -170,6 +170,29 @@ def test_launch_planning():
     assert native.decode_smem_bytes(128, 2, 4, w, s) <= 64 << 10
 
 
+def test_wave_split_rule_and_variants():
+    h200 = dict(num_sms=132, warp_size=32, sm_smem=228 << 10)
+    # (4 warps, 3 stages): 98 KB a CTA, 2 per SM -> B=16 fills 264 slots with 2 splits
+    assert native.ctas_per_sm(native.decode_smem_bytes(128, 2, 4, 4, 3), 4, 32, 228 << 10) == 2
+    assert native.plan_splits(16, 8, 4, 4096, 128, 2, 4, 3, split_rule="wave", **h200) == 2
+    assert native.plan_splits(16, 8, 4, 4096, 128, 2, 4, 3, **h200) == 5  # the default rule
+    # one warp, 3 stages: 8 CTAs per SM, Triton's split counts at B=1 and 16
+    assert native.ctas_per_sm(native.decode_smem_bytes(128, 2, 4, 1, 3), 1, 32, 228 << 10) == 8
+    assert native.plan_splits(1, 8, 4, 4096, 128, 2, 1, 3, split_rule="wave", **h200) == 64
+    assert native.plan_splits(16, 8, 4, 4096, 128, 2, 1, 3, split_rule="wave", **h200) == 8
+    assert native.plan_splits(64, 8, 4, 4096, 128, 2, 1, 3, split_rule="wave", **h200) == 2
+    assert native.plan_splits(64, 8, 4, 4096, 128, 2, 1, 3, split_rule="triton", **h200) == 1
+    assert native.plan_splits(1, 8, 4, 16, 128, 2, 1, 3, split_rule="wave", **h200) == 1
+    with pytest.raises(ValueError, match="split_rule"):
+        native.plan_splits(1, 8, 4, 4096, 128, 2, 1, 3, split_rule="nope", **h200)
+    import inspect
+    params = inspect.signature(native.paged_attention).parameters
+    assert native.DECODE_VARIANTS["default"] == {}
+    for name, kw in native.DECODE_VARIANTS.items():
+        assert set(kw) <= set(params), name
+        assert kw.get("split_rule", "default") in native.SPLIT_RULES, name
+
+
 # --- GPU ----------------------------------------------------------------------------------
 
 
