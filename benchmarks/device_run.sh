@@ -14,6 +14,7 @@
 #   TEST_FILES=tests/kernels/test_paged_attention.py limits the tests stage to those files
 #   TEST_SHARDS / WRITER_SHARDS: parallel pytest processes (default 6 / 2 for the AITER-op writers)
 #   MEMCHECK_FILTER="dense_paths|plain" limits the memcheck stage to test ids matching it
+#   NATIVE_ARGS passes bench_native.py arguments (e.g. "--variants all --batch 1 16 64 --ctx 4096")
 #   stage transformers: benchmarks/bench_transformers.py; TRANSFORMERS_ARGS="--model llama-3.2-1b"
 #   passes it arguments, TRANSFORMERS_DEADLINE_S / TRANSFORMERS_S its deadline and time limit
 set -u
@@ -173,7 +174,7 @@ for st in ${STAGES:-tests model_step decode prefill cache_writers}; do
     peers) run_peers;;
     # native (csrc) decode vs Triton vs SDPA over the B x L grid, native vs Triton writer
     native) stage native; mkdir -p $OUT/native
-      timeout ${NATIVE_S:-200} python3 benchmarks/bench_native.py --out $OUT/native >>$LOG 2>&1; echo "rc=$?" >>$LOG
+      timeout ${NATIVE_S:-200} python3 benchmarks/bench_native.py --out $OUT/native ${NATIVE_ARGS:-} >>$LOG 2>&1; echo "rc=$?" >>$LOG
       pack native;;
     # the split-rule A/B alone (B=16 and 128, every L), with FlashInfer where carried
     decode_ab) stage decode_ab; peer_env
