@@ -341,6 +341,9 @@ FP8_TOL = 2e-2  # fp8 cache: SDPA over the same (dequantized) values, bf16 query
 # cache: the fp8 default is still the generic 128-key, 4-warp "rows" config, which ran at
 # 0.66-0.73x the bf16 speed on the H200 (results/latest/decode_fp8.json).
 FP8_CANDIDATE = DecodeConfig(16, 1, 3, "rows3")
+# The candidate with fp16 dots (DecodeConfig.fp8_fp16_dot): the bf16 query divided by a power
+# of two and converted to fp16 once, fp8 -> fp16 one conversion a pair (no fp16 -> bf16 step).
+FP8_FP16_DOT = dataclasses.replace(FP8_CANDIDATE, fp8_fp16_dot=True)
 
 
 def bench_fp8(args, ceiling: float):
@@ -371,6 +374,12 @@ def bench_fp8(args, ceiling: float):
                     assert c_err < FP8_TOL, f"B={b} L={L} fp8 candidate: rel err {c_err:.3e}"
                     tc = graph_time_us(lambda: c.run(decode_cfg=FP8_CANDIDATE))
                     row.update(fp8_candidate_us=tc, fp8_candidate_tbs=nbytes / tc / 1e6, fp8_candidate_err=c_err)
+                    c.out.fill_(float("nan"))
+                    c.run(decode_cfg=FP8_FP16_DOT)
+                    d_err = rel_err(c.out, ref)
+                    assert d_err < FP8_TOL, f"B={b} L={L} fp8 candidate, fp16 dots: rel err {d_err:.3e}"
+                    td = graph_time_us(lambda: c.run(decode_cfg=FP8_FP16_DOT))
+                    row.update(fp8_fp16_dot_us=td, fp8_fp16_dot_tbs=nbytes / td / 1e6, fp8_fp16_dot_err=d_err)
                     # Diagnostic: the candidate with an fp16 query (the kernel computes in fp16:
                     # no fp8 -> fp16 -> bf16 conversion chain per element, docs/performance.md)
                     q_bf16, out_bf16 = c.query, c.out
@@ -384,17 +393,20 @@ def bench_fp8(args, ceiling: float):
                 torch.cuda.empty_cache()
             row["fp8_speedup"] = row["bf16_us"] / row["fp8_e4m3_us"]
             row["fp8_candidate_speedup"] = row["bf16_us"] / row["fp8_candidate_us"]
+            row["fp8_fp16_dot_speedup"] = row["bf16_us"] / row["fp8_fp16_dot_us"]
             rows.append(row)
             print(f"B={b:4d} L={L:6d}  bf16 {row['bf16_us']:8.1f} us {row['bf16_tbs']:5.2f} TB/s  fp8 e4m3 "
                   f"{row['fp8_e4m3_us']:8.1f} us {row['fp8_e4m3_tbs']:5.2f} TB/s  speedup x{row['fp8_speedup']:.2f}"
                   f"  candidate {row['fp8_candidate_us']:8.1f} us x{row['fp8_candidate_speedup']:.2f}"
+                  f"  fp16 dots {row['fp8_fp16_dot_us']:8.1f} us x{row['fp8_fp16_dot_speedup']:.2f}"
                   f" (fp16 query {row['fp8_candidate_fp16_query_us']:.1f} us)"
                   f"  err {row['bf16_err']:.1e} / {row['fp8_e4m3_err']:.1e}", flush=True)
     meta = dict(read_ceiling_tbs=ceiling, heads=f"{HQ}/{HKV}", head_size=D, block_size=BS,
                 interleaved_v=INTERLEAVED_V, timing="CUDA-graph replay, do_bench median, L2 flushed",
                 goal="fp8 e4m3 cache >= 1.8x the bf16 speed at B=64 L=4096",
                 fp8_default_config=dataclasses.asdict(decode_config(D, HQ // HKV, BS, fp8, False, INTERLEAVED_V)),
-                fp8_candidate_config=dataclasses.asdict(FP8_CANDIDATE))
+                fp8_candidate_config=dataclasses.asdict(FP8_CANDIDATE),
+                fp8_fp16_dot_config=dataclasses.asdict(FP8_FP16_DOT))
     name = f"decode_fp8_{stamp()}"
     meta = write_json(os.path.join(args.out, name + ".json"), dict(rows=rows), **meta)["meta"]
     lines = [f"# Paged decode, fp8 e4m3 vs bf16 cache, {torch.cuda.get_device_name()} ({meta['date']})", "",
@@ -402,14 +414,16 @@ def bench_fp8(args, ceiling: float):
              f"{ceiling:.2f} TB/s; {meta['timing']}; bytes: K+V in the cache dtype plus q and out.", "",
              f"fp8 default config {meta['fp8_default_config']}; candidate {meta['fp8_candidate_config']}.", "",
              "| B | L | bf16 us | bf16 TB/s | fp8 us | fp8 TB/s | fp8 speedup | fp8 candidate us | candidate "
-             "speedup | candidate, fp16 query us | rel err bf16 / fp8 / candidate |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "speedup | candidate, fp16 dots us | fp16 dots speedup | candidate, fp16 query us | "
+             "rel err bf16 / fp8 / candidate / fp16 dots |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['B']} | {r['L']} | {r['bf16_us']:.1f} | {r['bf16_tbs']:.2f} | {r['fp8_e4m3_us']:.1f} | "
                      f"{r['fp8_e4m3_tbs']:.2f} | {r['fp8_speedup']:.2f} | {r['fp8_candidate_us']:.1f} | "
-                     f"{r['fp8_candidate_speedup']:.2f} | {r['fp8_candidate_fp16_query_us']:.1f} | "
+                     f"{r['fp8_candidate_speedup']:.2f} | {r['fp8_fp16_dot_us']:.1f} | "
+                     f"{r['fp8_fp16_dot_speedup']:.2f} | {r['fp8_candidate_fp16_query_us']:.1f} | "
                      f"{r['bf16_err']:.1e} / {r['fp8_e4m3_err']:.1e} / "
-                     f"{r['fp8_candidate_err']:.1e} |")
+                     f"{r['fp8_candidate_err']:.1e} / {r['fp8_fp16_dot_err']:.1e} |")
     write_table(args.out, name, lines)
 
 

@@ -359,8 +359,12 @@ def test_paged_attention_gpu_fp8_cache(provider, cache_dtype, interleaved_v):
 @pytest.mark.parametrize("num_splits", [None, 4])
 @pytest.mark.parametrize("decode_cfg", [None, DecodeConfig(64, 4, 3, "rows"),
                                         DecodeConfig(64, 4, 3, "streams3"),
-                                        DecodeConfig(32, 1, 3, "keys3")],
-                         ids=["default", "rows", "streams3", "keys3"])
+                                        DecodeConfig(32, 1, 3, "keys3"),
+                                        DecodeConfig(16, 1, 3, "rows3"),
+                                        DecodeConfig(16, 1, 3, "rows3", fp8_fp16_dot=True),
+                                        DecodeConfig(64, 4, 3, "rows", fp8_fp16_dot=True)],
+                         ids=["default", "rows", "streams3", "keys3", "rows3", "rows3_fp16_dot",
+                              "rows_fp16_dot"])
 def test_triton_paged_attention_gpu_fp8_cache(cache_dtype, interleaved_v, num_splits, decode_cfg):
     check_paged("triton", [1, 130, 1], [1500, 400, 33], num_heads=32, num_kv_heads=8,
                 head_size=128, dtype=torch.bfloat16, cache_dtype=cache_dtype,

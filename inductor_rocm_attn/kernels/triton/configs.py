@@ -86,7 +86,13 @@ class DecodeConfig:
     (``DECODE_KINDS``), K read level ``k_rows`` (``PAGED_K_ROWS``), lazy-rescale margin.
     ``one_loop_max_tiles`` > 0: a split of at most that many tiles runs a three-loop kind as
     its one-loop kind (tuned defaults set it; a config built by hand runs as given).
-    ``programs_per_sm`` / ``splits_round_down``: the KV split rule (``num_kv_splits``)."""
+    ``programs_per_sm`` / ``splits_round_down``: the KV split rule (``num_kv_splits``).
+    ``fp8_fp16_dot``: with an fp8 cache and a bf16 query, the dots run in fp16 (kinds "rows",
+    "rows3"). Every e4m3/e5m2 value is exact in fp16, and one conversion instruction turns a
+    pair of fp8 values into fp16 (sm_90), where bf16 takes three per pair (fp8 -> fp16 -> bf16).
+    The query is divided by a power of two taken from its largest finite element in the
+    program (exact: it then lies in [-2, 2), where fp16 holds every bf16 value down to 2^-17
+    of that element), and the score scale multiplied by it. Other launches ignore it."""
 
     tile_n: int
     num_warps: int
@@ -97,10 +103,14 @@ class DecodeConfig:
     one_loop_max_tiles: int = 0
     programs_per_sm: int = SPLIT_PROGRAMS_PER_SM
     splits_round_down: bool = SPLITS_ROUND_DOWN
+    fp8_fp16_dot: bool = False
 
     def __post_init__(self):
         if self.kind not in DECODE_KINDS:
             raise ValueError(f"paged_attention: decode kind {self.kind!r}; supported: {DECODE_KINDS}")
+        if self.fp8_fp16_dot and self.kind not in ("rows", "rows3"):
+            raise ValueError(f"paged_attention: decode fp8_fp16_dot with kind {self.kind!r}; "
+                             "supported with kinds 'rows', 'rows3'")
         if self.k_rows not in (0, 1, 2):
             raise ValueError(f"paged_attention: decode k_rows {self.k_rows}; supported: 0, 1, 2")
         if self.programs_per_sm < 1:

@@ -194,11 +194,15 @@ def paged_attention(
             *decode_args, W=dcfg.num_warps, S=s, ONE_LOOP=kind == "streams",
             num_warps=dcfg.num_warps, num_stages=dcfg.num_stages, **shape, **common)
     else:
+        # fp8 cache, bf16 query: the dots in fp16 with the query scaled by a power of two
+        # (DecodeConfig.fp8_fp16_dot); an fp16 or fp32 query computes in its own dtype anyway.
+        fp16_dot = dcfg.fp8_fp16_dot and fp8_kv and compute == torch.bfloat16
+        dcommon = {**common, "COMPUTE": TL_DTYPES[torch.float16]} if fp16_dot else common
         _paged_decode_kernel[grid](
             *decode_args, TILE_N=dcfg.tile_n, SUB=min(dcfg.tile_n, _pow2_part(block_size)),
             ONE_LOOP=kind in ("rows", "keys"), KEYS_MAJOR=kind.startswith("keys"),
-            RESCALE_MARGIN=float(dcfg.rescale_margin), K_ROWS=dcfg.k_rows,
-            num_warps=dcfg.num_warps, num_stages=dcfg.num_stages, **shape, **common)
+            RESCALE_MARGIN=float(dcfg.rescale_margin), K_ROWS=dcfg.k_rows, Q_POW2_SCALE=fp16_dot,
+            num_warps=dcfg.num_warps, num_stages=dcfg.num_stages, **shape, **dcommon)
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             output, part_acc, part_ml, query_start_loc, v_scale, ptrs[4],

@@ -61,7 +61,7 @@ def _paged_decode_kernel(
     USE_SOFTCAP: tl.constexpr, FP8_KV: tl.constexpr, INTERLEAVED_V: tl.constexpr,
     USE_OUT_SCALE: tl.constexpr, OUT_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ONE_LOOP: tl.constexpr, KEYS_MAJOR: tl.constexpr, RESCALE_MARGIN: tl.constexpr,
-    K_ROWS: tl.constexpr,
+    K_ROWS: tl.constexpr, Q_POW2_SCALE: tl.constexpr = False,
 ):
     """Grid ``(num_seqs, num_kv_heads * HEAD_CHUNKS, NUM_SPLITS)``; only query_len == 1.
 
@@ -86,7 +86,12 @@ def _paged_decode_kernel(
     d_ok = offs_d < HEAD_SIZE
     heads = kv_head * GQA + offs_h
     q = tl.load(q_ptr + q_start.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(COMPUTE)
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    q_unit = 1.0
+    if Q_POW2_SCALE:  # DecodeConfig.fp8_fp16_dot: q / 2^floor(log2 max|q|) is exact in fp16
+        q_unit = _pow2_floor_of_max(q.to(tl.float32))
+        q = q.to(tl.float32) / q_unit
+    q = q.to(COMPUTE)
     q_pos = tl.zeros([BLOCK_H], tl.int32) + (seq_len - 1)
 
     # Keys [lo, seq_len) are visible (every key is <= the query position: causal or not).
@@ -103,10 +108,10 @@ def _paged_decode_kernel(
         t_lo = s_lo
         t_hi = s_hi
 
-    sm = sm_scale
+    sm = sm_scale * q_unit
     v_scale = 1.0
     if FP8_KV:
-        sm = sm_scale * tl.load(k_scale_ptr)
+        sm = sm * tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
     slope = tl.zeros([BLOCK_H], tl.float32)
     if USE_ALIBI:
@@ -191,6 +196,18 @@ def _paged_decode_kernel(
                   stride_ot, stride_oh, stride_pa_s, stride_pa_h, stride_pa_k,
                   NUM_SPLITS=NUM_SPLITS, USE_OUT_SCALE=USE_OUT_SCALE, OUT_MAX=OUT_MAX)
 
+
+
+@triton.jit
+def _pow2_floor_of_max(x):
+    """2^floor(log2 m) for m the largest finite |x| (exactly, from m's exponent bits); 1.0
+    when no element is finite and nonzero or m is an fp32 subnormal. Non-finite elements do
+    not count: an inf or NaN in one head's query stays its own (x / unit keeps it), the other
+    heads of the program keep their scale."""
+    a = tl.abs(x)
+    m = tl.max(tl.max(tl.where(a < float("inf"), a, 0.0), 1), 0)
+    e = m.to(tl.int32, bitcast=True) & 0x7F800000
+    return tl.where(e == 0, 1.0, e.to(tl.float32, bitcast=True))
 
 
 @triton.jit
