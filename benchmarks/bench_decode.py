@@ -337,24 +337,28 @@ class VerifyCase:
 
 
 FP8_TOL = 2e-2  # fp8 cache: SDPA over the same (dequantized) values, bf16 query
-# The bf16 tuned decode config (one warp, 16-key tiles, K read as packet rows) on an fp8
-# cache: the fp8 default is still the generic 128-key, 4-warp "rows" config, which ran at
-# 0.66-0.73x the bf16 speed on the H200 (results/latest/decode_fp8.json).
-FP8_CANDIDATE = DecodeConfig(16, 1, 3, "rows3")
-# The candidate with fp16 dots (DecodeConfig.fp8_fp16_dot): the bf16 query divided by a power
-# of two and converted to fp16 once, fp8 -> fp16 one conversion a pair (no fp16 -> bf16 step).
-FP8_FP16_DOT = dataclasses.replace(FP8_CANDIDATE, fp8_fp16_dot=True)
+
+
+def parse_cfg(spec: str, **changes) -> tuple[DecodeConfig, int | None]:
+    """``tile,warps,stages,kind[,splits]`` -> (config, splits or None for the heuristic)."""
+    f = spec.split(",")
+    return DecodeConfig(int(f[0]), int(f[1]), int(f[2]), f[3], **changes), int(f[4]) if len(f) > 4 else None
 
 
 def bench_fp8(args, ceiling: float):
     """--fp8: each (B, L) with a bf16 cache and with an fp8 e4m3 cache (scales 1) of the same
     geometry, in the same run: both checked against SDPA over their own cache values, then
-    timed. The fp8 cache holds half the bytes: the goal is >= 1.8x the bf16 speed."""
+    timed. The fp8 cache holds half the bytes: the goal is >= 1.8x the bf16 speed. Beside the
+    fp8 default (fp16 dots): the same config with bf16 dots (what fp8 ran before), and
+    ``--fp8-cfgs`` (tile,warps,stages,kind[,splits], fp16 dots), each checked first."""
     rows = []
     fp8 = torch.float8_e4m3fn
+    fp8_default = decode_config(D, HQ // HKV, BS, fp8, False, INTERLEAVED_V)
+    variants = [("bf16_dots", dataclasses.replace(fp8_default, fp8_fp16_dot=False), None)]
+    variants += [(spec, *parse_cfg(spec, fp8_fp16_dot=True)) for spec in args.fp8_cfgs]
     for b in args.batch:
         for L in args.ctx:
-            row = dict(B=b, L=L)
+            row = dict(B=b, L=L, variants={})
             for name, dt in (("bf16", DTYPE), ("fp8_e4m3", fp8)):
                 c = DecodeCase(b, L, seed=b * 7 + L, cache_dtype=dt)
                 k, v = c.dense()
@@ -367,63 +371,52 @@ def bench_fp8(args, ceiling: float):
                 t = graph_time_us(c.run)
                 nbytes = 2 * b * L * HKV * D * dt.itemsize + 2 * b * HQ * D * 2
                 row.update({f"{name}_us": t, f"{name}_tbs": nbytes / t / 1e6, f"{name}_err": err})
-                if dt is fp8:  # candidate: the fp8 cache through the bf16 tuned config (FP8_CANDIDATE)
+                for vname, cfg, sp in variants if dt is fp8 else ():
                     c.out.fill_(float("nan"))
-                    c.run(decode_cfg=FP8_CANDIDATE)
-                    c_err = rel_err(c.out, ref)
-                    assert c_err < FP8_TOL, f"B={b} L={L} fp8 candidate: rel err {c_err:.3e}"
-                    tc = graph_time_us(lambda: c.run(decode_cfg=FP8_CANDIDATE))
-                    row.update(fp8_candidate_us=tc, fp8_candidate_tbs=nbytes / tc / 1e6, fp8_candidate_err=c_err)
-                    c.out.fill_(float("nan"))
-                    c.run(decode_cfg=FP8_FP16_DOT)
-                    d_err = rel_err(c.out, ref)
-                    assert d_err < FP8_TOL, f"B={b} L={L} fp8 candidate, fp16 dots: rel err {d_err:.3e}"
-                    td = graph_time_us(lambda: c.run(decode_cfg=FP8_FP16_DOT))
-                    row.update(fp8_fp16_dot_us=td, fp8_fp16_dot_tbs=nbytes / td / 1e6, fp8_fp16_dot_err=d_err)
-                    # Diagnostic: the candidate with an fp16 query (the kernel computes in fp16:
-                    # no fp8 -> fp16 -> bf16 conversion chain per element, docs/performance.md)
-                    q_bf16, out_bf16 = c.query, c.out
-                    c.query, c.out = q_bf16.half(), torch.full_like(out_bf16, float("nan"), dtype=torch.float16)
-                    c.run(decode_cfg=FP8_CANDIDATE)
-                    h_err = rel_err(c.out, ref)
-                    assert h_err < FP8_TOL, f"B={b} L={L} fp8 candidate, fp16 query: rel err {h_err:.3e}"
-                    row["fp8_candidate_fp16_query_us"] = graph_time_us(lambda: c.run(decode_cfg=FP8_CANDIDATE))
-                    c.query, c.out = q_bf16, out_bf16
+                    try:
+                        c.run(decode_cfg=cfg, num_splits=sp)
+                        v_err = rel_err(c.out, ref)
+                        assert v_err < FP8_TOL, f"rel err {v_err:.3e}"
+                        tv = graph_time_us(lambda: c.run(decode_cfg=cfg, num_splits=sp))
+                    except Exception as e:  # a failing candidate must not hide the others
+                        row["variants"][vname] = dict(error=f"{type(e).__name__}: {e}")
+                        continue
+                    row["variants"][vname] = dict(us=tv, tbs=nbytes / tv / 1e6, err=v_err)
                 del c, k, v
                 torch.cuda.empty_cache()
             row["fp8_speedup"] = row["bf16_us"] / row["fp8_e4m3_us"]
-            row["fp8_candidate_speedup"] = row["bf16_us"] / row["fp8_candidate_us"]
-            row["fp8_fp16_dot_speedup"] = row["bf16_us"] / row["fp8_fp16_dot_us"]
+            for vr in row["variants"].values():
+                if "us" in vr:
+                    vr["speedup"] = row["bf16_us"] / vr["us"]
             rows.append(row)
             print(f"B={b:4d} L={L:6d}  bf16 {row['bf16_us']:8.1f} us {row['bf16_tbs']:5.2f} TB/s  fp8 e4m3 "
                   f"{row['fp8_e4m3_us']:8.1f} us {row['fp8_e4m3_tbs']:5.2f} TB/s  speedup x{row['fp8_speedup']:.2f}"
-                  f"  candidate {row['fp8_candidate_us']:8.1f} us x{row['fp8_candidate_speedup']:.2f}"
-                  f"  fp16 dots {row['fp8_fp16_dot_us']:8.1f} us x{row['fp8_fp16_dot_speedup']:.2f}"
-                  f" (fp16 query {row['fp8_candidate_fp16_query_us']:.1f} us)"
-                  f"  err {row['bf16_err']:.1e} / {row['fp8_e4m3_err']:.1e}", flush=True)
+                  + "".join(f"  {n} " + (f"{vr['us']:.1f} us x{vr['speedup']:.2f}" if "us" in vr else vr["error"])
+                            for n, vr in row["variants"].items())
+                  + f"  err {row['bf16_err']:.1e} / {row['fp8_e4m3_err']:.1e}", flush=True)
     meta = dict(read_ceiling_tbs=ceiling, heads=f"{HQ}/{HKV}", head_size=D, block_size=BS,
                 interleaved_v=INTERLEAVED_V, timing="CUDA-graph replay, do_bench median, L2 flushed",
                 goal="fp8 e4m3 cache >= 1.8x the bf16 speed at B=64 L=4096",
-                fp8_default_config=dataclasses.asdict(decode_config(D, HQ // HKV, BS, fp8, False, INTERLEAVED_V)),
-                fp8_candidate_config=dataclasses.asdict(FP8_CANDIDATE),
-                fp8_fp16_dot_config=dataclasses.asdict(FP8_FP16_DOT))
+                fp8_default_config=dataclasses.asdict(fp8_default),
+                variants={n: dict(cfg=dataclasses.asdict(cfg), splits=sp) for n, cfg, sp in variants})
     name = f"decode_fp8_{stamp()}"
     meta = write_json(os.path.join(args.out, name + ".json"), dict(rows=rows), **meta)["meta"]
+    names = [n for n, _, _ in variants]
     lines = [f"# Paged decode, fp8 e4m3 vs bf16 cache, {torch.cuda.get_device_name()} ({meta['date']})", "",
              f"`{meta['command']}`; bf16 query, heads {HQ}/{HKV}, d={D}, block {BS}; read ceiling "
              f"{ceiling:.2f} TB/s; {meta['timing']}; bytes: K+V in the cache dtype plus q and out.", "",
-             f"fp8 default config {meta['fp8_default_config']}; candidate {meta['fp8_candidate_config']}.", "",
-             "| B | L | bf16 us | bf16 TB/s | fp8 us | fp8 TB/s | fp8 speedup | fp8 candidate us | candidate "
-             "speedup | candidate, fp16 dots us | fp16 dots speedup | candidate, fp16 query us | "
-             "rel err bf16 / fp8 / candidate / fp16 dots |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"fp8 default config {meta['fp8_default_config']}; variants (us, speedup over bf16): "
+             f"bf16_dots = the default with fp8_fp16_dot off; the others tile,warps,stages,kind[,splits] "
+             f"with fp16 dots.", "",
+             "| B | L | bf16 us | bf16 TB/s | fp8 us | fp8 TB/s | fp8 speedup | "
+             + " | ".join(names) + " | rel err bf16 / fp8 |",
+             "|---|---|---|---|---|---|---|" + "---|" * len(names) + "---|"]
     for r in rows:
+        cells = [f"{r['variants'][n]['us']:.1f} (x{r['variants'][n]['speedup']:.2f})"
+                 if "us" in r["variants"][n] else "failed" for n in names]
         lines.append(f"| {r['B']} | {r['L']} | {r['bf16_us']:.1f} | {r['bf16_tbs']:.2f} | {r['fp8_e4m3_us']:.1f} | "
-                     f"{r['fp8_e4m3_tbs']:.2f} | {r['fp8_speedup']:.2f} | {r['fp8_candidate_us']:.1f} | "
-                     f"{r['fp8_candidate_speedup']:.2f} | {r['fp8_fp16_dot_us']:.1f} | "
-                     f"{r['fp8_fp16_dot_speedup']:.2f} | {r['fp8_candidate_fp16_query_us']:.1f} | "
-                     f"{r['bf16_err']:.1e} / {r['fp8_e4m3_err']:.1e} / "
-                     f"{r['fp8_candidate_err']:.1e} / {r['fp8_fp16_dot_err']:.1e} |")
+                     f"{r['fp8_e4m3_tbs']:.2f} | {r['fp8_speedup']:.2f} | " + " | ".join(cells)
+                     + f" | {r['bf16_err']:.1e} / {r['fp8_e4m3_err']:.1e} |")
     write_table(args.out, name, lines)
 
 
@@ -548,6 +541,8 @@ def main():
                     help="speculative-decode verify batches of Q query tokens per sequence instead")
     ap.add_argument("--fp8", action="store_true",
                     help="an fp8 e4m3 cache beside the bf16 one on every case instead (speedup table)")
+    ap.add_argument("--fp8-cfgs", nargs="*", default=[],
+                    help="with --fp8: also these fp8 configs (fp16 dots), tile,warps,stages,kind[,splits]")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     BS = args.block_size
@@ -631,9 +626,7 @@ def main():
                 if b == 16:
                     runs += [(cfg, sp) for cfg in one_warp[:2] for sp in (4, 16)]
                 if args.cfgs:  # tile,warps,stages,kind[,splits]
-                    runs = [(DecodeConfig(int(f[0]), int(f[1]), int(f[2]), f[3]),
-                             int(f[4]) if len(f) > 4 else None)
-                            for f in (c_.split(",") for c_ in args.cfgs)]
+                    runs = [parse_cfg(spec) for spec in args.cfgs]
                 for cfg, sp in runs:
                     try:
                         t = graph_time_us(lambda: c.run(decode_cfg=cfg, num_splits=sp))

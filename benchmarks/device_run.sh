@@ -14,6 +14,7 @@
 #   TEST_FILES=tests/kernels/test_paged_attention.py limits the tests stage to those files
 #   TEST_SHARDS / WRITER_SHARDS: parallel pytest processes (default 6 / 2 for the AITER-op writers)
 #   MEMCHECK_FILTER="dense_paths|plain" limits the memcheck stage to test ids matching it
+#   FP8_ARGS replaces decode_fp8's arguments (e.g. "--batch 64 --ctx 4096 --fp8-cfgs 16,1,4,rows3 16,1,3,rows3,2")
 #   NATIVE_ARGS passes bench_native.py arguments (e.g. "--variants all --batch 1 16 64 --ctx 4096")
 #   stage transformers: benchmarks/bench_transformers.py; TRANSFORMERS_ARGS="--model llama-3.2-1b"
 #   passes it arguments, TRANSFORMERS_DEADLINE_S / TRANSFORMERS_S its deadline and time limit
@@ -106,7 +107,7 @@ run_bench() {
     decode) args="benchmarks/bench_decode.py ${DECODE_ARGS:---batch 1 16 64 128 --ctx 4096 --k-rows 0}";;
     # the issue's full B x L grid with the default config
     # fp8 e4m3 cache beside bf16, same cases, same run (goal: >= 1.8x at B=64 L=4096)
-    decode_fp8) args="benchmarks/bench_decode.py --fp8 --batch 16 64 128 --ctx 4096 16384";;
+    decode_fp8) args="benchmarks/bench_decode.py --fp8 ${FP8_ARGS:---batch 16 64 128 --ctx 4096 16384}";;
     decode_grid) args="benchmarks/bench_decode.py --batch 1 16 64 128 --ctx 1024 4096 16384";;
     prefill) args="benchmarks/bench_prefill.py ${PREFILL_ARGS:-}";;
     cache_writers|writers) args="benchmarks/bench_cache_writers.py";;

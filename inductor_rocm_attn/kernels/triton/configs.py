@@ -191,15 +191,21 @@ def decode_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.
     tuned = _DECODE_TUNED.get((head_size, gqa, block_size, cache_dtype, interleaved_v))
     if tuned is None:
         elem = cache_dtype.itemsize
-        if elem == 2 and head_size <= 128 and gqa <= 16:
+        # fp8 caches compute in fp16 (fp8_fp16_dot): sm_90 converts e4m3 to bf16 through fp16,
+        # three conversion instructions a pair that bound the loop. H200, bf16 query, 32/8
+        # heads, d128, (16, 1, 3, "rows3"), us bf16 cache / fp8 with bf16 dots / fp8 with fp16
+        # dots (results history 2026-12-03_2022): B=16 L=4096 80.8 / 64.9 / 51.4, B=64 L=4096
+        # 254.7 / 277.7 / 173.4, B=128 L=16384 1921 / 1594 / 982. (The generic (128, 4, 3,
+        # "rows") fp8 config ran 382 at B=64 L=4096.)
+        if elem <= 2 and head_size <= 128 and gqa <= 16:
             # One warp per program: the GQA rows' max/sum stay inside the warp (no barriers);
             # wider tiles (more heads or channels) would not fit one warp's registers.
-            tuned = DecodeConfig(16, 1, 3, "rows3")
+            tuned = DecodeConfig(16, 1, 3, "rows3", fp8_fp16_dot=elem == 1)
         else:
             tile = 64 if head_size * elem <= 256 else 32
             if elem == 1:
                 tile = 128 if head_size <= 128 else 64
-            tuned = DecodeConfig(tile, 4, 3, "rows")
+            tuned = DecodeConfig(tile, 4, 3, "rows", fp8_fp16_dot=elem == 1)
     return dataclasses.replace(tuned, one_loop_max_tiles=ONE_LOOP_MAX_TILES)
 
 
@@ -253,6 +259,10 @@ def verify_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.
     base = decode_config(head_size, gqa, block_size, cache_dtype, interpret, interleaved_v)
     if interpret:
         return base
+    if base.fp8_fp16_dot:  # decode's fp8 config; the verify kernel keeps bf16 dots and the
+        # generic fp8 tile it was tested with
+        base = DecodeConfig(128 if head_size <= 128 else 64, 4, 3, "rows",
+                            one_loop_max_tiles=ONE_LOOP_MAX_TILES)
     warps = max(base.num_warps, min(4, verify_rows(gqa, q_max) // 16))
     return dataclasses.replace(base, num_warps=warps)
 
