@@ -72,6 +72,21 @@ def test_num_kv_splits_from_shapes_only():
     assert num_kv_splits(1, 1, 1, 1 << 20, 132) <= MAX_SPLITS
 
 
+def test_fp8_decode_splits_until_four_programs_per_sm():
+    """fp8 programs hold half the bytes in flight: B=64 x 8 KV heads (512 programs on 132
+    SMs) splits in two (H200: 144 vs 174 us), B=128 does not; bf16 keeps one split at B=64."""
+    def splits(b, dtype):
+        cfg = decode_config(128, 4, 16, dtype)
+        return decode_plan(cfg, None, num_seqs=b, num_kv_heads=8, head_chunks=1, max_ctx=4096,
+                           num_sms=132)[1]
+
+    fp8 = torch.float8_e4m3fn
+    assert [splits(b, fp8) for b in (16, 64, 128)] == [8, 2, 1]
+    assert [splits(b, torch.bfloat16) for b in (16, 64, 128)] == [8, 1, 1]
+    with pytest.raises(ValueError, match="one_split_ctas_per_sm 0"):
+        DecodeConfig(16, 1, 3, "rows3", one_split_ctas_per_sm=0)
+
+
 def test_short_splits_run_the_three_loop_config_as_one_loop():
     """The tuned "rows3" runs as one masked loop when each split holds few tiles (B=1: 64
     splits), and as three loops otherwise; a config built by hand, or given splits, are

@@ -86,7 +86,8 @@ class DecodeConfig:
     (``DECODE_KINDS``), K read level ``k_rows`` (``PAGED_K_ROWS``), lazy-rescale margin.
     ``one_loop_max_tiles`` > 0: a split of at most that many tiles runs a three-loop kind as
     its one-loop kind (tuned defaults set it; a config built by hand runs as given).
-    ``programs_per_sm`` / ``splits_round_down``: the KV split rule (``num_kv_splits``).
+    ``programs_per_sm`` / ``splits_round_down`` / ``one_split_ctas_per_sm``: the KV split
+    rule (``num_kv_splits``).
     ``fp8_fp16_dot``: with an fp8 cache and a bf16 query, the dots run in fp16 (kinds "rows",
     "rows3"). Every e4m3/e5m2 value is exact in fp16, and one conversion instruction turns a
     pair of fp8 values into fp16 (sm_90), where bf16 takes three per pair (fp8 -> fp16 -> bf16).
@@ -104,6 +105,7 @@ class DecodeConfig:
     programs_per_sm: int = SPLIT_PROGRAMS_PER_SM
     splits_round_down: bool = SPLITS_ROUND_DOWN
     fp8_fp16_dot: bool = False
+    one_split_ctas_per_sm: int = 2
 
     def __post_init__(self):
         if self.kind not in DECODE_KINDS:
@@ -113,9 +115,9 @@ class DecodeConfig:
                              "supported with kinds 'rows', 'rows3'")
         if self.k_rows not in (0, 1, 2):
             raise ValueError(f"paged_attention: decode k_rows {self.k_rows}; supported: 0, 1, 2")
-        if self.programs_per_sm < 1:
-            raise ValueError(f"paged_attention: decode programs_per_sm {self.programs_per_sm}; "
-                             "supported: >= 1")
+        for name in ("programs_per_sm", "one_split_ctas_per_sm"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"paged_attention: decode {name} {getattr(self, name)}; supported: >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +202,11 @@ def decode_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.
         if elem <= 2 and head_size <= 128 and gqa <= 16:
             # One warp per program: the GQA rows' max/sum stay inside the warp (no barriers);
             # wider tiles (more heads or channels) would not fit one warp's registers.
-            tuned = DecodeConfig(16, 1, 3, "rows3", fp8_fp16_dot=elem == 1)
+            tuned = DecodeConfig(16, 1, 3, "rows3")
+            if elem == 1:
+                # An fp8 tile is half the bytes: at B=64 (512 programs, 2 splits) 144.4 us
+                # (1.79x bf16) against 173.7 with one split; B=128 keeps one (263.4 vs 326.8).
+                tuned = DecodeConfig(16, 1, 3, "rows3", fp8_fp16_dot=True, one_split_ctas_per_sm=4)
         else:
             tile = 64 if head_size * elem <= 256 else 32
             if elem == 1:
@@ -211,15 +217,16 @@ def decode_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.
 
 def num_kv_splits(num_seqs: int, num_kv_heads: int, head_chunks: int, max_ctx: int,
                   num_sms: int, programs_per_sm: int = SPLIT_PROGRAMS_PER_SM,
-                  round_down: bool = SPLITS_ROUND_DOWN) -> int:
+                  round_down: bool = SPLITS_ROUND_DOWN, one_split_ctas_per_sm: int = 2) -> int:
     """KV splits of the decode kernel, from host shapes only (no device sync: capturable).
 
-    One split while (seqs x KV heads) already fills the GPU twice; else enough splits for
+    One split while (seqs x KV heads) already fills the GPU ``one_split_ctas_per_sm`` times
+    (2; fp8 caches 4: their programs hold half the bytes in flight); else enough splits for
     about ``programs_per_sm`` programs per SM (rounded up, or down: at most that many),
     never shorter than ``MIN_SPLIT_TOKENS`` keys.
     """
     base = max(1, num_seqs * num_kv_heads * head_chunks)
-    if base >= 2 * num_sms:
+    if base >= one_split_ctas_per_sm * num_sms:
         return 1
     slots = programs_per_sm * num_sms
     want = slots // base if round_down else triton.cdiv(slots, base)
@@ -235,7 +242,8 @@ def decode_plan(cfg: DecodeConfig, num_splits: int | None, *, num_seqs: int, num
     kind = cfg.kind
     if num_splits is None:
         num_splits = num_kv_splits(num_seqs, num_kv_heads, head_chunks, max_ctx, num_sms,
-                                   cfg.programs_per_sm, cfg.splits_round_down)
+                                   cfg.programs_per_sm, cfg.splits_round_down,
+                                   cfg.one_split_ctas_per_sm)
         if (kind in _ONE_LOOP_OF and cfg.one_loop_max_tiles
                 and max_ctx <= cfg.one_loop_max_tiles * cfg.tile_n * num_splits):
             kind = _ONE_LOOP_OF[kind]
