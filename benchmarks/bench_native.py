@@ -14,7 +14,7 @@ decode batch) and 16384 (consecutive slots, a prefill), native vs Triton, output
 bit for bit first.
 
     python benchmarks/bench_native.py [--batch ...] [--ctx ...] [--sweep] [--out DIR]
-    python benchmarks/bench_native.py --variants default lean wave lean_w1s3_wave ... \
+    python benchmarks/bench_native.py --variants default wave w1s3_wave ... \
         --batch 1 16 64 --ctx 4096
 
 ``--variants`` (names of ``native.DECODE_VARIANTS``, or ``all``) times only those launch

@@ -356,10 +356,6 @@ SPLIT_RULES = ("default", "wave", "triton")  # triton: "wave", but one split onc
 
 # Named launch variants of the native decode for A/B runs (benchmarks/bench_native.py
 # --variants): keyword arguments of ``paged_attention``. "default" is what the provider runs.
-# The candidates are hypotheses from the sm_90 SASS (docs/performance.md, "Native decode"),
-# not measured yet:
-# - lean: the division-free, unrolled copy loop (csrc LeanCopies: ~60 instead of ~630 issued
-#   instructions of copy/address work per 16-key tile and warp);
 # - wave: KV splits filling one wave of resident CTAs (B=16: 2 splits on 256 CTAs instead of 5
 #   on 640 with (4, 3));
 # - w1s3: Triton's shape: one warp per CTA, 3 stages, 8 CTAs per SM (25 KB each), the wave rule
@@ -368,13 +364,9 @@ SPLIT_RULES = ("default", "wave", "triton")  # triton: "wave", but one split onc
 DECODE_VARIANTS: dict[str, dict] = {
     "default": {},
     "wave": dict(split_rule="wave"),
-    "lean": dict(lean_copies=True),
-    "lean_wave": dict(lean_copies=True, split_rule="wave"),
     "w1s3_wave": dict(num_warps=1, stages=3, split_rule="wave"),
-    "lean_w1s3_wave": dict(lean_copies=True, num_warps=1, stages=3, split_rule="wave"),
-    "lean_w1s3_triton": dict(lean_copies=True, num_warps=1, stages=3, split_rule="triton"),
-    "lean_w1s4_wave": dict(lean_copies=True, num_warps=1, stages=4, split_rule="wave"),
-    "lean_w2s3_wave": dict(lean_copies=True, num_warps=2, stages=3, split_rule="wave"),
+    "w1s3_triton": dict(num_warps=1, stages=3, split_rule="triton"),
+    "w2s3_wave": dict(num_warps=2, stages=3, split_rule="wave"),
 }
 
 
@@ -517,7 +509,6 @@ def paged_attention(
     num_warps: int | None = None,
     stages: int | None = None,
     tensor_cores: bool | None = None,
-    lean_copies: bool = False,
     split_rule: str = "default",
 ) -> None:
     """Paged decode over the cache (semantics: ``reference.paged_attention`` with query_len 1).
@@ -531,8 +522,8 @@ def paged_attention(
     another query length are skipped and their rows left unwritten). ``num_splits``,
     ``num_warps``, ``stages`` override the heuristics, ``tensor_cores`` the kernel choice
     (default: the mma kernel on NVIDIA sm_80+, CUDA-core dot products elsewhere).
-    ``lean_copies`` (power-of-two block sizes) and ``split_rule="wave"`` select candidate
-    variants (``DECODE_VARIANTS``); the defaults are what the provider runs.
+    ``split_rule="wave"`` selects a candidate variant (``DECODE_VARIANTS``); the defaults are
+    what the provider runs.
     """
     num_kv_heads = check_decode_args(output, query, kv_cache, query_start_loc, seq_lens, block_table,
                                      k_scale, v_scale, alibi_slopes, sinks, output_scale, max_query_len)
@@ -557,8 +548,7 @@ def paged_attention(
     _module().paged_decode(
         output, query, kv_cache, query_start_loc, seq_lens, block_table, float(scale), k_scale, v_scale,
         window, _f32(alibi_slopes), _f32(sinks), float(logits_soft_cap or 0.0), bool(interleaved_v),
-        num_kv_heads, int(num_splits), int(num_warps), int(stages), warp, smem, bool(tensor_cores),
-        bool(lean_copies))
+        num_kv_heads, int(num_splits), int(num_warps), int(stages), warp, smem, bool(tensor_cores))
 
 
 def reshape_and_cache(

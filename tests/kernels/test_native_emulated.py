@@ -61,7 +61,7 @@ class DecodeParams(ctypes.Structure):  # native_api.h
 
 class DecodeConfig(ctypes.Structure):
     _fields_ = [("num_warps", _I32), ("stages", _I32), ("warp_size", _I32), ("max_smem_bytes", _I32),
-                ("tensor_cores", _I32), ("lean_copies", _I32)]
+                ("tensor_cores", _I32)]
 
 
 class CacheWriteParams(ctypes.Structure):
@@ -120,7 +120,7 @@ def _cache_bases(kv_cache):
 def emulated_decode(output, query, kv_cache, query_start_loc, seq_lens, block_table, scale, k_scale,
                     v_scale, sliding_window, alibi_slopes, sinks, logits_soft_cap, interleaved_v, *,
                     warp=32, num_splits=None, num_warps=None, stages=None, max_seq_len=None,
-                    num_sms=8, max_smem=228 << 10, tensor_cores=False, lean_copies=False):
+                    num_sms=8, max_smem=228 << 10, tensor_cores=False):
     """native.paged_attention's planning + the kernel, on the CPU."""
     num_kv_heads = native.check_decode_args(output, query, kv_cache, query_start_loc, seq_lens,
                                             block_table, k_scale, v_scale, alibi_slopes, sinks, None, 1)
@@ -146,7 +146,7 @@ def emulated_decode(output, query, kv_cache, query_start_loc, seq_lens, block_ta
         DTYPE_CODE[query.dtype], DTYPE_CODE[kv_cache.dtype],
         int(block_table.dtype == torch.int64), int(seq_lens.dtype == torch.int64),
         int(query_start_loc.dtype == torch.int64), int(interleaved_v))
-    cfg = DecodeConfig(num_warps, stages, warp, max_smem, int(tensor_cores), int(lean_copies))
+    cfg = DecodeConfig(num_warps, stages, warp, max_smem, int(tensor_cores))
     lib = _emulator(warp)
     rc = lib.ra_emu_paged_decode(ctypes.byref(p), ctypes.byref(cfg))
     assert rc == 0, lib.ra_emu_last_error().decode()
@@ -236,21 +236,6 @@ KERNELS = [(32, False), (64, False), (32, True)]  # (warp width, tensor cores)
 @pytest.mark.parametrize("context_lens,kw", [c[1:] for c in DECODE_CASES], ids=[c[0] for c in DECODE_CASES])
 def test_decode_emulated(context_lens, kw, warp, tensor_cores):
     check_decode(context_lens, warp=warp, tensor_cores=tensor_cores, **kw)
-
-
-# The lean copy loop (DecodeConfig.lean_copies): power-of-two block sizes only.
-LEAN_CASES = [c for c in DECODE_CASES if c[2].get("block_size", 16) in (16, 32, 64)]
-
-
-@pytest.mark.parametrize("warp,tensor_cores", KERNELS, ids=["warp32", "warp64", "mma"])
-@pytest.mark.parametrize("context_lens,kw", [c[1:] for c in LEAN_CASES], ids=[c[0] for c in LEAN_CASES])
-def test_decode_emulated_lean(context_lens, kw, warp, tensor_cores):
-    check_decode(context_lens, warp=warp, tensor_cores=tensor_cores, lean_copies=True, **kw)
-
-
-def test_decode_emulated_lean_needs_pow2_block():
-    with pytest.raises(AssertionError, match="power-of-two block_size"):
-        check_decode([20], block_size=48, lean_copies=True)
 
 
 @pytest.mark.parametrize("draw", range(4))
