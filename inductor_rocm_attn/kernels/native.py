@@ -390,7 +390,7 @@ def _check_split_rule(split_rule: str) -> None:
 #                       1-warp wave (8) 112.2
 #   B=64 [254.0 / 248.5]: 4-warp (1 split) 388.6; 1-warp wave (2 splits) 354.9
 # So: one warp, 3 stages, the wave rule once the grid is at least half the SMs (B=16: 128 CTAs
-# >= 66 on 132 SMs: -21%; B=64: -10%); below it (B=1: 8 CTAs) decode_launch_config's 4-warp
+# >= 66 on 132 SMs: -21%; B=64: -9%); below it (B=1: 8 CTAs) decode_launch_config's 4-warp
 # config and the four_per_sm rule (the 1-warp launch is 19% slower there). Measured only with
 # the tensor-core kernel on the H200; the CUDA-core kernel (HIP) follows the same rule.
 WIDE_GRID_LAUNCH = (1, 3, "wave")  # (num_warps, stages, split_rule)
