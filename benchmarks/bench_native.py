@@ -14,12 +14,14 @@ decode batch) and 16384 (consecutive slots, a prefill), native vs Triton, output
 bit for bit first.
 
     python benchmarks/bench_native.py [--batch ...] [--ctx ...] [--sweep] [--out DIR]
-    python benchmarks/bench_native.py --variants default lean wave lean_w1s3_wave ... \
+    python benchmarks/bench_native.py --variants default w4s3 w4s3_wave w1s3_wave ... \
         --batch 1 16 64 --ctx 4096
 
 ``--variants`` (names of ``native.DECODE_VARIANTS``, or ``all``) times only those launch
 variants of the native decode, each checked against SDPA first, beside Triton and SDPA (no
-main table, no writer): one device call A/Bs the default against the candidates.
+main table, no writer): one device call A/Bs the default against the candidates. The
+main table's native column is the default launch (``native.plan_decode``: its warps, stages
+and splits are in the row).
 
 Prints tables; writes benchmarks/results/native_<date>.json (command, machine, versions).
 """
@@ -104,9 +106,16 @@ def rel_err(out, ref) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
+def launch_plan(b: int, L: int, **kw) -> native.DecodeLaunch:
+    """What native.paged_attention launches for this case with these keyword arguments."""
+    sms, warp, smem, _ = native._device_limits(0)
+    plan_kw = {k: v for k, v in kw.items() if k in ("num_warps", "stages", "num_splits", "split_rule")}
+    return native.plan_decode(b, HKV, HQ // HKV, L, D, 2, num_sms=sms, warp_size=warp, max_smem=smem,
+                              sm_smem=native._sm_smem(0), **plan_kw)
+
+
 def bench_decode(batches, ctxs, sweep):
     rows, sweeps = [], []
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{'B':>4} {'L':>6} {'splits':>6} | {'native us':>9} {'TB/s':>5} | {'cuda-core':>9} {'TB/s':>5} | "
           f"{'triton us':>9} {'TB/s':>5} | {'sdpa us':>8} {'TB/s':>5} | native/sdpa native/triton")
     for b in batches:
@@ -127,9 +136,10 @@ def bench_decode(batches, ctxs, sweep):
             t_tri = graph_time_us(c.triton)
             t_sdpa = graph_time_us(lambda: F.scaled_dot_product_attention(q4, k, v, scale=c.scale, enable_gqa=True))
             nbytes = 2 * b * L * HKV * D * 2 + 2 * b * HQ * D * 2
-            splits = native.num_kv_splits(b, HKV, 1, L, sms, native.decode_launch_config(
-                D, 2, HQ // HKV, native._device_limits(0)[2])[0])
-            row = dict(B=b, L=L, native_splits=splits, native_us=t_nat, native_cuda_core_us=t_cc,
+            plan = launch_plan(b, L)
+            splits = plan.num_splits
+            row = dict(B=b, L=L, native_splits=splits, native_warps=plan.num_warps, native_stages=plan.stages,
+                       native_split_rule=plan.split_rule, native_us=t_nat, native_cuda_core_us=t_cc,
                        native_cuda_core_tbs=nbytes / t_cc / 1e6, triton_us=t_tri, sdpa_us=t_sdpa,
                        native_tbs=nbytes / t_nat / 1e6, triton_tbs=nbytes / t_tri / 1e6,
                        sdpa_tbs=nbytes / t_sdpa / 1e6, native_vs_sdpa=t_nat / t_sdpa,
@@ -161,8 +171,6 @@ def bench_variants(batches, ctxs, names):
     """Each named native launch variant (native.DECODE_VARIANTS) per B x L, checked against SDPA
     before it is timed, beside Triton and SDPA."""
     rows = []
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    _, warp, smem, _ = native._device_limits(0)
     print(f"{'B':>4} {'L':>6} {'variant':>18} {'warps':>5} {'st':>2} {'splits':>6} | {'us':>8} {'TB/s':>5} | "
           f"{'/triton':>7} {'/sdpa':>6} | err")
     for b in batches:
@@ -183,12 +191,9 @@ def bench_variants(batches, ctxs, names):
                   f"{'':>7} {'':>6} |", flush=True)
             for name in names:
                 kw = dict(native.DECODE_VARIANTS[name])
-                w0, s0 = native.decode_launch_config(D, 2, HQ // HKV, smem)
-                warps, stages = kw.get("num_warps", w0), kw.get("stages", s0)
-                splits = native.plan_splits(b, HKV, HQ // HKV, L, D, 2, warps, stages, num_sms=sms, warp_size=warp,
-                                            sm_smem=native._sm_smem(0), split_rule=kw.get("split_rule", "default"))
+                warps, stages, splits, rule = launch_plan(b, L, **kw)
                 row = dict(B=b, L=L, variant=name, kwargs=kw, num_warps=warps, stages=stages, splits=splits,
-                           triton_us=t_tri, sdpa_us=t_sdpa)
+                           split_rule=rule, triton_us=t_tri, sdpa_us=t_sdpa)
                 try:
                     c.out.fill_(float("nan"))
                     c.native(**kw)

@@ -54,8 +54,7 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Ten
                   at::Tensor seq_lens, at::Tensor block_table, double scale, at::Tensor k_scale, at::Tensor v_scale,
                   int64_t sliding_window, std::optional<at::Tensor> alibi_slopes, std::optional<at::Tensor> sinks,
                   double logits_soft_cap, bool interleaved_v, int64_t num_kv_heads, int64_t num_splits,
-                  int64_t num_warps, int64_t stages, int64_t warp_size, int64_t max_smem, bool tensor_cores,
-                  bool lean_copies) {
+                  int64_t num_warps, int64_t stages, int64_t warp_size, int64_t max_smem, bool tensor_cores) {
   const c10::cuda::CUDAGuard guard(query.device());
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "rocm_attn native: query/output channels must be contiguous");
   rocm_attn_native::DecodeParams p{};
@@ -101,7 +100,7 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Ten
   p.interleaved_v = interleaved_v ? 1 : 0;
   rocm_attn_native::DecodeConfig cfg{static_cast<int32_t>(num_warps), static_cast<int32_t>(stages),
                                      static_cast<int32_t>(warp_size), static_cast<int32_t>(max_smem),
-                                     tensor_cores ? 1 : 0, lean_copies ? 1 : 0};
+                                     tensor_cores ? 1 : 0};
   const int rc = rocm_attn_native::paged_decode(p, cfg, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(rc == 0, "rocm_attn native ", rocm_attn_native::last_error());
 }

@@ -56,8 +56,6 @@ struct DecodeConfig {
   int32_t warp_size;       // of the device (32 NVIDIA, 64 CDNA)
   int32_t max_smem_bytes;  // dynamic shared memory a CTA may use on this device
   int32_t tensor_cores;    // 1: the mma kernel (NVIDIA sm_80+ builds only), 0: CUDA-core dot products
-  int32_t lean_copies;     // 1: the division-free, unrolled copy loop (power-of-two block sizes; a
-                           // candidate, see paged_decode.cuh LeanCopies), 0: the default loop
 };
 
 // Query heads of one KV head that one CTA handles (1, 2, 4 or 8); GQA ratios above 8 take

@@ -29,11 +29,11 @@ namespace {
 template <int CK, int D, int GT>
 int launch_decode(const DecodeParams& p, const DecodeConfig& cfg, const DecodeRuntime& rt, void* stream) {
   using K = CacheKind<CK>;
-  auto* kernel = cfg.lean_copies ? &paged_decode_kernel<CK, D, GT, true> : &paged_decode_kernel<CK, D, GT, false>;
+  auto* kernel = &paged_decode_kernel<CK, D, GT>;
 #if defined(RA_HAS_TENSOR_CORE_KERNEL)
   if (cfg.tensor_cores) {
     if (cfg.warp_size != 32) return fail("paged_decode: the tensor-core kernel needs 32-lane warps");
-    kernel = cfg.lean_copies ? &paged_decode_mma_kernel<CK, D, GT, true> : &paged_decode_mma_kernel<CK, D, GT, false>;
+    kernel = &paged_decode_mma_kernel<CK, D, GT>;
   }
 #else
   if (cfg.tensor_cores) return fail("paged_decode: this build has no tensor-core kernel (HIP)");
@@ -42,8 +42,8 @@ int launch_decode(const DecodeParams& p, const DecodeConfig& cfg, const DecodeRu
   if (smem > cfg.max_smem_bytes)
     return fail("paged_decode: %d warps x %d stages need %d bytes of shared memory, the device allows %d",
                 cfg.num_warps, cfg.stages, smem, cfg.max_smem_bytes);
-  static int allowed[4] = {48 * 1024, 48 * 1024, 48 * 1024, 48 * 1024};  // per kernel: raise the opt-in limit once
-  int& limit = allowed[(cfg.tensor_cores ? 1 : 0) + (cfg.lean_copies ? 2 : 0)];
+  static int allowed[2] = {48 * 1024, 48 * 1024};  // per kernel: raise the opt-in limit once
+  int& limit = allowed[cfg.tensor_cores ? 1 : 0];
   if (smem > limit) {
     if (ra_allow_smem(kernel, smem) != 0)
       return fail("paged_decode: could not raise the shared-memory limit to %d bytes", smem);
@@ -95,8 +95,6 @@ int paged_decode(const DecodeParams& p, const DecodeConfig& cfg, void* stream) {
     return fail("paged_decode: stages %d is not supported; supported: 2, 3, 4", cfg.stages);
   if (p.block_size <= 0 || p.block_size % kTile != 0)
     return fail("paged_decode: block_size %d is not supported; it must be a multiple of %d", p.block_size, kTile);
-  if (cfg.lean_copies && (p.block_size & (p.block_size - 1)) != 0)
-    return fail("paged_decode: lean_copies needs a power-of-two block_size, got %d", p.block_size);
   if (p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0)
     return fail("paged_decode: num_heads %d is not a multiple of num_kv_heads %d", p.num_heads, p.num_kv_heads);
   const int gqa = p.num_heads / p.num_kv_heads;
@@ -104,8 +102,6 @@ int paged_decode(const DecodeParams& p, const DecodeConfig& cfg, void* stream) {
   DecodeRuntime rt;
   rt.head_chunks = (gqa + gt - 1) / gt;
   rt.k_factor = rt.v_factor = 1.0f;
-  rt.bs_log2 = 0;
-  while ((1 << rt.bs_log2) < p.block_size) ++rt.bs_log2;
   switch (static_cast<DType>(p.cache_dtype)) {
     case DType::kBFloat16: return dispatch_head<static_cast<int>(DType::kBFloat16)>(p, cfg, rt, gt, stream);
     case DType::kFloat16: return dispatch_head<static_cast<int>(DType::kFloat16)>(p, cfg, rt, gt, stream);

@@ -82,7 +82,6 @@ struct ReduceScatter {
 struct DecodeRuntime {  // per-call values every kernel variant needs
   int head_chunks;
   float k_factor, v_factor;  // fp8 decode factors (1 for 16-bit caches)
-  int bs_log2;               // log2(block_size) (the lean variant: power-of-two block sizes only)
 };
 
 // Finish one output element: join the sink (a zero-value logit), normalise, dequantize V.
@@ -217,120 +216,6 @@ RA_DEVICE void tile_loop(const DecodeParams& p, const DecodeCta& c, unsigned cha
   }
 }
 
-// The lean variant of issue_tile / tile_loop (DecodeConfig::lean_copies; same tiles, same ring
-// layout, same results): no integer division in the loop (block index and in-block offset by
-// shift and mask: power-of-two block sizes), ring slots and key positions advanced
-// incrementally, and the copy loops unrolled so that every copy's tile-invariant offsets are
-// computed once per warp (registers: the unrolled form keeps them live across the key loop).
-// Static count (sm_90, bf16, d128, GT 4, tensor cores): the default loop issues ~550
-// instructions of address arithmetic for its 16 copies per tile (integer divisions by the
-// runtime block size and stage count, 64-bit offsets recomputed per copy); see
-// docs/performance.md. Whether this is what makes the native kernel slower than Triton's is
-// a hypothesis to be measured (benchmarks/bench_native.py --variants).
-template <int CK, int D, bool VSWZ>
-struct LeanCopies {
-  static constexpr int W = RA_WARP_SIZE;
-  static constexpr int ESZ = CacheKind<CK>::kBytes;
-  static constexpr int X = 16 / ESZ;
-  static constexpr int NCP = D / X;
-  static constexpr int PPC = kTile / X;
-  static constexpr int NK = kTile * NCP / W;  // K copies per lane and tile
-  static constexpr int NV = D * PPC / W;      // V copies per lane and tile
-  static_assert((kTile * NCP) % W == 0 && (D * PPC) % W == 0 && W % kTile == 0, "tile copies");
-  int k_dst[NK], v_dst[NV];   // slot-relative shared-memory byte offsets
-  int64_t k_src, v_src;       // page-relative global byte offsets of copy 0 (in-block offset 0)
-  int64_t k_step, v_step;     // global bytes from copy i to copy i + 1
-  int64_t page_stride, head_off;
-  int v_tok_mul;              // global bytes per in-block token offset of V
-
-  RA_DEVICE void init(const DecodeParams& p, const DecodeCta& c, int tile_bytes) {
-    const int bs = p.block_size;
-    // K copy i: token t = lane % 16 (the same for every i), packet column lane / 16 + (W / 16) * i.
-    const int t = c.lane % kTile;
-#pragma unroll
-    for (int i = 0; i < NK; ++i) k_dst[i] = k_slot<NCP>(t, (c.lane + W * i) / kTile) * 16;
-    k_src = (static_cast<int64_t>(c.lane / kTile) * bs + t) * 16;
-    k_step = static_cast<int64_t>(W / kTile) * bs * 16;
-    // V copy i: channel d = (lane + W i) / PPC, packet g = lane % PPC (the same for every i).
-    const int g = c.lane % PPC;
-    const int d0 = c.lane / PPC;
-#pragma unroll
-    for (int i = 0; i < NV; ++i) v_dst[i] = tile_bytes + v_slot<PPC, VSWZ>((c.lane + W * i) / PPC, g) * 16;
-    if (p.interleaved_v) {  // [bs / X][D][X]: packet (tok / X, d)
-      v_src = (static_cast<int64_t>(g) * D + d0) * X * ESZ;
-      v_step = static_cast<int64_t>(W / PPC) * X * ESZ;
-      v_tok_mul = D * ESZ;  // per token of an X-aligned offset (off / X packets of D * X elements)
-    } else {  // [D][bs]
-      v_src = (static_cast<int64_t>(d0) * bs + g * X) * ESZ;
-      v_step = static_cast<int64_t>(W / PPC) * bs * ESZ;
-      v_tok_mul = ESZ;
-    }
-    page_stride = p.cache_block_stride * ESZ;
-    head_off = static_cast<int64_t>(c.kv_head) * D * bs * ESZ;
-  }
-
-  // Copy the tile of keys off .. off + 15 of block `blk` into `slot`.
-  RA_DEVICE void issue(const DecodeParams& p, unsigned char* slot, int off, int64_t blk) const {
-    const int64_t page = blk * page_stride + head_off;
-    const unsigned char* ks = static_cast<const unsigned char*>(p.k_cache) + page + k_src + off * 16;
-    // interleaved V: off is a multiple of 16 (a tile start), so off / X packets of D * X elements
-    const unsigned char* vs = static_cast<const unsigned char*>(p.v_cache) + page + v_src + off * v_tok_mul;
-#pragma unroll
-    for (int i = 0; i < NK; ++i) ra_copy16_async(slot + k_dst[i], ks + i * k_step);
-#pragma unroll
-    for (int i = 0; i < NV; ++i) ra_copy16_async(slot + v_dst[i], vs + i * v_step);
-  }
-};
-
-template <int CK, int D, bool VSWZ, typename F>
-RA_DEVICE void tile_loop_lean(const DecodeParams& p, const DecodeRuntime& rt, const DecodeCta& c, unsigned char* ring,
-                              int tile_bytes, int stages, F&& compute) {
-  LeanCopies<CK, D, VSWZ> cp;
-  cp.init(p, c, tile_bytes);
-  const int bs_mask = p.block_size - 1;
-  const int step = c.num_warps * kTile;  // keys from one of this warp's tiles to the next
-  const int64_t bt_row = static_cast<int64_t>(c.seq) * p.block_table_stride;
-  const int slot_bytes = 2 * tile_bytes;
-  // Issue side: key position of the next tile to copy and its ring slot.
-  int ik = c.tile_start(0);
-  int islot = 0;
-  int64_t iblk = 0;
-  for (int s = 0; s < stages - 1; ++s) {
-    if (s < c.n_my) {
-      iblk = ra_load_index(p.block_table, bt_row + (ik >> rt.bs_log2), p.block_table_is64);
-      cp.issue(p, ring + islot * slot_bytes, ik & bs_mask, iblk);
-    }
-    ra_copy_commit();
-    ik += step;
-    islot = islot + 1 == stages ? 0 : islot + 1;
-  }
-  int64_t next_blk = stages - 1 < c.n_my ? ra_load_index(p.block_table, bt_row + (ik >> rt.bs_log2), p.block_table_is64) : 0;
-  int cslot = 0;
-  int ck = c.tile_start(0);
-  for (int k = 0; k < c.n_my; ++k) {
-    const int kk = k + stages - 1;
-    if (kk < c.n_my) cp.issue(p, ring + islot * slot_bytes, ik & bs_mask, next_blk);
-    ra_copy_commit();
-    ik += step;
-    islot = islot + 1 == stages ? 0 : islot + 1;
-    next_blk = kk + 1 < c.n_my ? ra_load_index(p.block_table, bt_row + (ik >> rt.bs_log2), p.block_table_is64) : 0;
-    ra_copy_wait(stages - 1);
-    ra_syncwarp();
-    compute(ring + cslot * slot_bytes, ck);
-    ra_syncwarp();  // the next iteration's copies overwrite this slot
-    ck += step;
-    cslot = cslot + 1 == stages ? 0 : cslot + 1;
-  }
-}
-
-// The default or the lean tile loop.
-template <bool LEAN, int CK, int D, bool VSWZ, typename F>
-RA_DEVICE void run_tiles(const DecodeParams& p, const DecodeRuntime& rt, const DecodeCta& c, unsigned char* ring,
-                         int tile_bytes, int stages, F&& compute) {
-  if constexpr (LEAN) tile_loop_lean<CK, D, VSWZ>(p, rt, c, ring, tile_bytes, stages, compute);
-  else tile_loop<CK, D, VSWZ>(p, c, ring, tile_bytes, stages, compute);
-}
-
 // After every warp wrote its (acc [GT][D], max, sum) into the merge area and the CTA synced:
 // merge the warps and store the output (one split) or the split's partials.
 template <int D, int GT>
@@ -365,7 +250,7 @@ RA_DEVICE void merge_and_store(const DecodeParams& p, const DecodeCta& c, const 
 }
 
 // CUDA-core decode: warp-level dot products (see the top of this file).
-template <int CK, int D, int GT, bool LEAN = false>
+template <int CK, int D, int GT>
 RA_GLOBAL void RA_LAUNCH_BOUNDS(256) paged_decode_kernel(DecodeParams p, DecodeRuntime rt, int stages) {
   using K = CacheKind<CK>;
   constexpr int W = RA_WARP_SIZE;
@@ -430,7 +315,7 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(256) paged_decode_kernel(DecodeParams p, DecodeR
 #pragma unroll
     for (int h = 0; h < GT; ++h) acc[i][h] = 0.0f;
 
-  run_tiles<LEAN, CK, D, false>(p, rt, c, ring, lay.tile_bytes, stages, [&](const unsigned char* ks, int ts) {
+  tile_loop<CK, D, false>(p, c, ring, lay.tile_bytes, stages, [&](const unsigned char* ks, int ts) {
     const bool full = ts >= c.lo && ts + kTile <= c.hi;
     const unsigned char* vs = ks + lay.tile_bytes;
 

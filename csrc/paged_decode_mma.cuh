@@ -28,7 +28,7 @@ RA_DEVICE uint32_t fp8_pair_as_f16x2(const unsigned char* p) {
          (static_cast<uint32_t>(CacheKind<CK>::to_half_bits(b >> 8)) << 16);
 }
 
-template <int CK, int D, int GT, bool LEAN = false>
+template <int CK, int D, int GT>
 RA_GLOBAL void RA_LAUNCH_BOUNDS(256) paged_decode_mma_kernel(DecodeParams p, DecodeRuntime rt, int stages) {
   using K = CacheKind<CK>;
   static_assert(GT <= 8, "a tile holds at most 8 query heads");
@@ -74,7 +74,7 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(256) paged_decode_mma_kernel(DecodeParams p, Dec
 #pragma unroll
   for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
 
-  run_tiles<LEAN, CK, D, true>(p, rt, c, ring, lay.tile_bytes, stages, [&](const unsigned char* ks_ptr, int ts) {
+  tile_loop<CK, D, true>(p, c, ring, lay.tile_bytes, stages, [&](const unsigned char* ks_ptr, int ts) {
     unsigned char* vs = const_cast<unsigned char*>(ks_ptr) + lay.tile_bytes;
     if (ts < c.lo || ts + kTile > c.hi) {  // keys outside [lo, hi) may hold anything (NaN): zero their V
       for (int i = lane; i < D * kTile; i += RA_WARP_SIZE) {

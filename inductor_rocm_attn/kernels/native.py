@@ -31,6 +31,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -45,6 +46,8 @@ __all__ = [
     "build_native_cli",
     "num_kv_splits",
     "decode_launch_config",
+    "plan_decode",
+    "DecodeLaunch",
     "ctas_per_sm",
     "num_kv_splits_wave",
     "DECODE_VARIANTS",
@@ -340,10 +343,10 @@ def num_kv_splits_wave(num_seqs: int, num_kv_heads: int, head_chunks: int, max_s
                        num_sms: int, num_warps: int, resident_per_sm: int,
                        min_tiles_per_warp: int = 2) -> int:
     """KV splits so that the grid is at most one wave of resident CTAs (rounded down, as the
-    Triton decode's rule), each warp keeping at least ``min_tiles_per_warp`` tiles. A candidate
-    (``split_rule="wave"``): the default rule (``num_kv_splits``) aims at 4 CTAs per SM, but a
-    (4 warps, 3 stages) CTA of 98 KB fits 2 per SM on an H200, so B=16 L=4096 (5 splits) ran
-    640 CTAs on 264 slots: 2.4 waves (hypothesis; not measured)."""
+    Triton decode's rule), each warp keeping at least ``min_tiles_per_warp`` tiles
+    (``split_rule="wave"``). ``num_kv_splits`` aims at 4 CTAs per SM, but a (4 warps, 3 stages)
+    CTA of 98 KB fits 2 per SM on an H200: B=16 L=4096 ran 640 CTAs on 264 slots (5 splits,
+    141.4 us); the wave rule gives 2 splits (118.6 us)."""
     ctas = max(1, num_seqs * num_kv_heads * head_chunks)
     slots = resident_per_sm * num_sms
     want = max(1, slots // ctas)
@@ -352,38 +355,16 @@ def num_kv_splits_wave(num_seqs: int, num_kv_heads: int, head_chunks: int, max_s
     return max(1, min(want, cap, MAX_SPLITS))
 
 
-SPLIT_RULES = ("default", "wave", "triton")  # triton: "wave", but one split once the CTAs fill 2 x SMs
-
-# Named launch variants of the native decode for A/B runs (benchmarks/bench_native.py
-# --variants): keyword arguments of ``paged_attention``. "default" is what the provider runs.
-# The candidates are hypotheses from the sm_90 SASS (docs/performance.md, "Native decode"),
-# not measured yet:
-# - lean: the division-free, unrolled copy loop (csrc LeanCopies: ~60 instead of ~630 issued
-#   instructions of copy/address work per 16-key tile and warp);
-# - wave: KV splits filling one wave of resident CTAs (B=16: 2 splits on 256 CTAs instead of 5
-#   on 640 with (4, 3));
-# - w1s3: Triton's shape: one warp per CTA, 3 stages, 8 CTAs per SM (25 KB each), the wave rule
-#   giving Triton's split counts at B=1 L=4096 (64) and B=16 (8), 2 at B=64 where Triton runs
-#   1 ("triton": that rule exactly).
-DECODE_VARIANTS: dict[str, dict] = {
-    "default": {},
-    "wave": dict(split_rule="wave"),
-    "lean": dict(lean_copies=True),
-    "lean_wave": dict(lean_copies=True, split_rule="wave"),
-    "w1s3_wave": dict(num_warps=1, stages=3, split_rule="wave"),
-    "lean_w1s3_wave": dict(lean_copies=True, num_warps=1, stages=3, split_rule="wave"),
-    "lean_w1s3_triton": dict(lean_copies=True, num_warps=1, stages=3, split_rule="triton"),
-    "lean_w1s4_wave": dict(lean_copies=True, num_warps=1, stages=4, split_rule="wave"),
-    "lean_w2s3_wave": dict(lean_copies=True, num_warps=2, stages=3, split_rule="wave"),
-}
+# KV split rules: "four_per_sm" (``num_kv_splits``), "wave" (``num_kv_splits_wave``), "triton"
+# ("wave", but one split once the CTAs fill 2 x SMs).
+SPLIT_RULES = ("four_per_sm", "wave", "triton")
 
 
 def plan_splits(num_seqs: int, num_kv_heads: int, gqa: int, max_ctx: int, head_size: int, elem_bytes: int,
                 num_warps: int, stages: int, *, num_sms: int, warp_size: int, sm_smem: int,
-                split_rule: str = "default") -> int:
-    """The KV split count ``paged_attention`` launches with (host shapes only)."""
-    if split_rule not in SPLIT_RULES:
-        raise ValueError(f"native paged_attention: split_rule {split_rule!r}; supported: {SPLIT_RULES}")
+                split_rule: str = "four_per_sm") -> int:
+    """The KV split count of a (num_warps, stages) launch under ``split_rule`` (host shapes only)."""
+    _check_split_rule(split_rule)
     gt = heads_per_cta(gqa)
     chunks = -(-gqa // gt)
     if split_rule == "triton" and num_seqs * num_kv_heads * chunks >= 2 * num_sms:
@@ -393,6 +374,81 @@ def plan_splits(num_seqs: int, num_kv_heads: int, gqa: int, max_ctx: int, head_s
                              warp_size, sm_smem)
         return num_kv_splits_wave(num_seqs, num_kv_heads, chunks, max_ctx, num_sms, num_warps, per_sm)
     return num_kv_splits(num_seqs, num_kv_heads, chunks, max_ctx, num_sms, num_warps)
+
+
+def _check_split_rule(split_rule: str) -> None:
+    if split_rule not in SPLIT_RULES:
+        raise ValueError(f"native paged_attention: split_rule {split_rule!r}; supported: {SPLIT_RULES}")
+
+
+# The default launch by grid size (CTAs = num_seqs x num_kv_heads x head chunks, before splits).
+# H200, bf16, 32/8 heads, d128, block 16, L=4096 (bench_native.py --variants, benchmarks/results
+# history 2026-12-03_2022_native_variants_decode_fp8_h200; us, [Triton / SDPA] on the same case):
+#   B=1  [15.6 / 16.9]: 4 warps, 3 stages, four_per_sm (32 splits) 25.9; 1 warp, 3 stages, wave
+#                       (64 splits) 30.9; 4-warp wave 25.8
+#   B=16 [81.2 / 76.0]: 4-warp four_per_sm (5 splits) 141.4; 4-warp wave (2) 118.6;
+#                       1-warp wave (8) 112.2
+#   B=64 [254.0 / 248.5]: 4-warp (1 split) 388.6; 1-warp wave (2 splits) 354.9
+# So: one warp, 3 stages, the wave rule once the grid is at least half the SMs (B=16: 128 CTAs
+# >= 66 on 132 SMs: -21%; B=64: -9%); below it (B=1: 8 CTAs) decode_launch_config's 4-warp
+# config and the four_per_sm rule (the 1-warp launch is 19% slower there). Measured only with
+# the tensor-core kernel on the H200; the CUDA-core kernel (HIP) follows the same rule.
+WIDE_GRID_LAUNCH = (1, 3, "wave")  # (num_warps, stages, split_rule)
+NARROW_GRID_SPLIT_RULE = "four_per_sm"
+
+
+class DecodeLaunch(NamedTuple):
+    num_warps: int
+    stages: int
+    num_splits: int
+    split_rule: str
+
+
+def plan_decode(num_seqs: int, num_kv_heads: int, gqa: int, max_ctx: int, head_size: int, elem_bytes: int, *,
+                num_sms: int, warp_size: int, max_smem: int, sm_smem: int, num_warps: int | None = None,
+                stages: int | None = None, num_splits: int | None = None,
+                split_rule: str | None = None) -> DecodeLaunch:
+    """The launch ``paged_attention`` runs, from host shapes only (no device read: CUDA-graph
+    capturable). ``max_smem``: dynamic shared memory a CTA may opt into; ``sm_smem``: an SM's.
+
+    With neither ``num_warps`` nor ``stages`` given: ``WIDE_GRID_LAUNCH`` when the grid is at
+    least half the SM count and its CTA fits ``max_smem``, else ``decode_launch_config`` with
+    the four_per_sm rule. Giving ``num_warps`` or ``stages`` opts out of that choice: the other
+    comes from ``decode_launch_config`` and the rule is four_per_sm. An explicit ``split_rule``
+    or ``num_splits`` replaces the planned one either way.
+    """
+    if split_rule is not None:
+        _check_split_rule(split_rule)
+    gt = heads_per_cta(gqa)
+    grid = num_seqs * num_kv_heads * -(-gqa // gt)
+    rule = NARROW_GRID_SPLIT_RULE
+    if num_warps is None and stages is None:
+        w, s, r = WIDE_GRID_LAUNCH
+        if 2 * grid >= num_sms and decode_smem_bytes(head_size, elem_bytes, gt, w, s) <= max_smem:
+            num_warps, stages, rule = w, s, r
+    if num_warps is None or stages is None:
+        w, s = decode_launch_config(head_size, elem_bytes, gqa, max_smem)
+        num_warps, stages = num_warps or w, stages or s
+    split_rule = split_rule or rule
+    if num_splits is None:
+        num_splits = plan_splits(num_seqs, num_kv_heads, gqa, max_ctx, head_size, elem_bytes, num_warps, stages,
+                                 num_sms=num_sms, warp_size=warp_size, sm_smem=sm_smem, split_rule=split_rule)
+    return DecodeLaunch(int(num_warps), int(stages), int(num_splits), split_rule)
+
+
+# Named launch variants of the native decode for A/B runs (benchmarks/bench_native.py
+# --variants): keyword arguments of ``paged_attention``. "default" is what the provider runs
+# (``plan_decode``); the others fix (warps, stages, split rule), so that they launch the same
+# on every grid: "w4s3" is the default before the wide-grid launch (on the H200: what
+# decode_launch_config gives), "w1s3_wave" the wide-grid launch everywhere.
+DECODE_VARIANTS: dict[str, dict] = {
+    "default": {},
+    "w4s3": dict(num_warps=4, stages=3, split_rule="four_per_sm"),
+    "w4s3_wave": dict(num_warps=4, stages=3, split_rule="wave"),
+    "w1s3_wave": dict(num_warps=1, stages=3, split_rule="wave"),
+    "w1s3_triton": dict(num_warps=1, stages=3, split_rule="triton"),
+    "w2s3_wave": dict(num_warps=2, stages=3, split_rule="wave"),
+}
 
 
 # --- validation ------------------------------------------------------------------------------
@@ -517,8 +573,7 @@ def paged_attention(
     num_warps: int | None = None,
     stages: int | None = None,
     tensor_cores: bool | None = None,
-    lean_copies: bool = False,
-    split_rule: str = "default",
+    split_rule: str | None = None,
 ) -> None:
     """Paged decode over the cache (semantics: ``reference.paged_attention`` with query_len 1).
 
@@ -529,10 +584,10 @@ def paged_attention(
     fp32; alibi_slopes/sinks ``[num_heads]``. ``causal`` does not matter for a decode token.
     ``max_query_len`` must be 1 (or None: the caller guarantees decode-only; sequences with
     another query length are skipped and their rows left unwritten). ``num_splits``,
-    ``num_warps``, ``stages`` override the heuristics, ``tensor_cores`` the kernel choice
-    (default: the mma kernel on NVIDIA sm_80+, CUDA-core dot products elsewhere).
-    ``lean_copies`` (power-of-two block sizes) and ``split_rule="wave"`` select candidate
-    variants (``DECODE_VARIANTS``); the defaults are what the provider runs.
+    ``num_warps``, ``stages``, ``split_rule`` (``SPLIT_RULES``) override the launch plan
+    (``plan_decode``: one warp and one wave of CTAs on wide grids, 4 warps below),
+    ``tensor_cores`` the kernel choice (default: the mma kernel on NVIDIA sm_80+, CUDA-core dot
+    products elsewhere).
     """
     num_kv_heads = check_decode_args(output, query, kv_cache, query_start_loc, seq_lens, block_table,
                                      k_scale, v_scale, alibi_slopes, sinks, output_scale, max_query_len)
@@ -545,20 +600,15 @@ def paged_attention(
         tensor_cores = mma
     head_size = query.shape[2]
     gqa = query.shape[1] // num_kv_heads
-    if num_warps is None or stages is None:
-        w, s = decode_launch_config(head_size, kv_cache.element_size(), gqa, smem)
-        num_warps, stages = num_warps or w, stages or s
-    if num_splits is None:
-        max_ctx = max_seq_len if max_seq_len is not None else block_table.shape[1] * kv_cache.shape[2]
-        num_splits = plan_splits(num_seqs, num_kv_heads, gqa, max_ctx, head_size, kv_cache.element_size(),
-                                 num_warps, stages, num_sms=sms, warp_size=warp,
-                                 sm_smem=_sm_smem(query.device.index or 0), split_rule=split_rule)
+    max_ctx = max_seq_len if max_seq_len is not None else block_table.shape[1] * kv_cache.shape[2]
+    launch = plan_decode(num_seqs, num_kv_heads, gqa, max_ctx, head_size, kv_cache.element_size(),
+                         num_sms=sms, warp_size=warp, max_smem=smem, sm_smem=_sm_smem(query.device.index or 0),
+                         num_warps=num_warps, stages=stages, num_splits=num_splits, split_rule=split_rule)
     window = int(sliding_window) if sliding_window is not None and sliding_window > 0 else 0
     _module().paged_decode(
         output, query, kv_cache, query_start_loc, seq_lens, block_table, float(scale), k_scale, v_scale,
         window, _f32(alibi_slopes), _f32(sinks), float(logits_soft_cap or 0.0), bool(interleaved_v),
-        num_kv_heads, int(num_splits), int(num_warps), int(stages), warp, smem, bool(tensor_cores),
-        bool(lean_copies))
+        num_kv_heads, launch.num_splits, launch.num_warps, launch.stages, warp, smem, bool(tensor_cores))
 
 
 def reshape_and_cache(

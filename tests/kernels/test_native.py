@@ -190,7 +190,110 @@ def test_wave_split_rule_and_variants():
     assert native.DECODE_VARIANTS["default"] == {}
     for name, kw in native.DECODE_VARIANTS.items():
         assert set(kw) <= set(params), name
-        assert kw.get("split_rule", "default") in native.SPLIT_RULES, name
+        assert kw.get("split_rule", "four_per_sm") in native.SPLIT_RULES, name
+
+
+# An H200: 132 SMs, 227 KB of opt-in shared memory a CTA, 228 KB an SM.
+H200 = dict(num_sms=132, warp_size=32, max_smem=227 << 10, sm_smem=228 << 10)
+
+
+def _plan(num_seqs, num_kv_heads=8, gqa=4, max_ctx=4096, head_size=128, elem_bytes=2, **kw):
+    return tuple(native.plan_decode(num_seqs, num_kv_heads, gqa, max_ctx, head_size, elem_bytes, **{**H200, **kw}))
+
+
+def test_default_launch_by_grid():
+    # bf16, 32/8 heads, d128, L=4096 (the H200 A/B's case): (warps, stages, splits, rule)
+    assert _plan(1) == (4, 3, 32, "four_per_sm")   # 8 CTAs < 66: the 4-warp launch
+    assert _plan(16) == (1, 3, 8, "wave")          # 128 CTAs >= 66: one warp, one wave
+    assert _plan(64) == (1, 3, 2, "wave")
+    # the threshold: grid (seqs x KV heads x head chunks) >= half the SMs
+    assert _plan(33, num_kv_heads=2)[:2] == (1, 3)  # 66 CTAs
+    assert _plan(65, num_kv_heads=1)[:2] == (4, 3)  # 65 CTAs
+    assert _plan(8)[:2] == (4, 3)                   # 64 CTAs
+    # GQA 12: 8 heads a CTA, 2 head chunks
+    assert _plan(4, gqa=12)[:2] == (4, 3)           # 4 x 8 x 2 = 64
+    assert _plan(5, gqa=12)[:2] == (1, 3)           # 80
+    # the 4-warp launch is decode_launch_config's, the 1-warp one's splits are plan_splits' "wave"
+    assert _plan(1)[:2] == native.decode_launch_config(128, 2, 4, H200["max_smem"])
+    assert _plan(16)[2] == native.plan_splits(16, 8, 4, 4096, 128, 2, 1, 3, split_rule="wave", num_sms=132,
+                                              warp_size=32, sm_smem=228 << 10)
+    # head size 64, fp8 cache: the same choice
+    assert _plan(16, head_size=64, elem_bytes=1)[:2] == (1, 3)
+    assert _plan(1, head_size=64, elem_bytes=1)[:2] == (4, 3)
+
+
+def test_launch_overrides():
+    # num_warps or stages given: that config with the four_per_sm rule, as before the wide-grid launch
+    assert _plan(16, num_warps=4) == (4, 3, 5, "four_per_sm")
+    assert _plan(16, num_warps=4, stages=3) == (4, 3, 5, "four_per_sm")
+    assert _plan(16, stages=2) == (4, 2, 5, "four_per_sm")
+    assert _plan(16, num_warps=1, stages=3) == (1, 3, 5, "four_per_sm")
+    assert _plan(1, num_warps=1, stages=3, split_rule="wave") == (1, 3, 64, "wave")
+    # split_rule / num_splits alone keep the planned warps and stages
+    assert _plan(16, split_rule="four_per_sm") == (1, 3, 5, "four_per_sm")
+    assert _plan(64, split_rule="triton") == (1, 3, 1, "triton")
+    assert _plan(1, split_rule="wave") == (4, 3, 32, "wave")
+    assert _plan(16, num_splits=3) == (1, 3, 3, "wave")
+    assert _plan(1, num_splits=7) == (4, 3, 7, "four_per_sm")
+    for kw in (dict(), dict(num_splits=2)):
+        with pytest.raises(ValueError, match="split_rule 'nope'"):
+            _plan(16, split_rule="nope", **kw)
+    # the A/B variants: "w4s3" is the launch before this default on the H200, at every B
+    for b in (1, 16, 64):
+        old = (*native.decode_launch_config(128, 2, 4, H200["max_smem"]),
+               native.num_kv_splits(b, 8, 1, 4096, 132, 4), "four_per_sm")
+        assert _plan(b, **native.DECODE_VARIANTS["w4s3"]) == old
+        assert _plan(b, **native.DECODE_VARIANTS["default"]) == _plan(b)
+    assert _plan(1, **native.DECODE_VARIANTS["w1s3_wave"]) == (1, 3, 64, "wave")
+
+
+def test_wide_grid_launch_falls_back_when_its_smem_does_not_fit():
+    one_warp = native.decode_smem_bytes(128, 2, 4, 1, 3)
+    small = one_warp - 1  # (1 warp, 3 stages) does not fit; (1, 2) does
+    assert native.decode_smem_bytes(128, 2, 4, 1, 2) <= small
+    assert _plan(16, max_smem=small) == (1, 2, native.num_kv_splits(16, 8, 1, 4096, 132, 1), "four_per_sm")
+    assert _plan(16, max_smem=one_warp)[:2] == (1, 3)  # exactly fits
+    # 64 KB (AMD LDS): the 1-warp CTA fits, (4, 3) does not
+    assert _plan(16, max_smem=64 << 10, sm_smem=64 << 10, warp_size=64)[:2] == (1, 3)
+    w, s, _, rule = _plan(1, max_smem=64 << 10, sm_smem=64 << 10, warp_size=64)
+    assert (w, s) == native.decode_launch_config(128, 2, 4, 64 << 10) and rule == "four_per_sm"
+    # the check is per GQA tile: 8 heads a CTA need more than 4
+    limit = native.decode_smem_bytes(128, 2, 4, 1, 3)
+    assert native.decode_smem_bytes(128, 2, 8, 1, 3) > limit
+    assert _plan(16, gqa=4, max_smem=limit)[:2] == (1, 3)
+    assert _plan(16, gqa=8, max_smem=limit) == (1, 2, native.num_kv_splits(16, 8, 1, 4096, 132, 1), "four_per_sm")
+
+
+def test_paged_attention_launches_the_plan(monkeypatch):
+    """paged_attention passes plan_decode's launch to the extension (no device: a fake module)."""
+    calls = []
+
+    class FakeExt:
+        @staticmethod
+        def paged_decode(*args):
+            calls.append(args)
+
+    monkeypatch.setattr(native, "_module", lambda: FakeExt)
+    monkeypatch.setattr(native, "_check_device", lambda op, t: None)
+    monkeypatch.setattr(native, "_device_limits", lambda index: (132, 32, 227 << 10, True))
+    monkeypatch.setattr(native, "_sm_smem", lambda index: 228 << 10)
+
+    def launched(num_seqs, **kw):
+        c = cases.make_paged_case([1] * num_seqs, [7] * num_seqs, num_heads=32, num_kv_heads=8, head_size=128,
+                                  block_size=16, dtype=torch.bfloat16, seed=0)
+        calls.clear()
+        native.paged_attention(torch.empty_like(c.query), c.query, None, None, c.kv_cache, c.query_start_loc,
+                               c.seq_lens, c.block_table, 0.1, c.k_scale, c.v_scale, True, -1, None, None, 0.0,
+                               False, None, 1, 4096, **kw)
+        (args,) = calls
+        return args[-6], args[-5], args[-4]  # num_splits, num_warps, stages
+
+    assert launched(1) == (32, 4, 3)
+    assert launched(16) == (8, 1, 3)
+    assert launched(64) == (2, 1, 3)
+    assert launched(16, num_warps=4, stages=3) == (5, 4, 3)
+    assert launched(16, split_rule="four_per_sm") == (5, 1, 3)
+    assert launched(64, num_splits=4) == (4, 1, 3)
 
 
 # --- GPU ----------------------------------------------------------------------------------

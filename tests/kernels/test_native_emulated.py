@@ -61,7 +61,7 @@ class DecodeParams(ctypes.Structure):  # native_api.h
 
 class DecodeConfig(ctypes.Structure):
     _fields_ = [("num_warps", _I32), ("stages", _I32), ("warp_size", _I32), ("max_smem_bytes", _I32),
-                ("tensor_cores", _I32), ("lean_copies", _I32)]
+                ("tensor_cores", _I32)]
 
 
 class CacheWriteParams(ctypes.Structure):
@@ -119,19 +119,19 @@ def _cache_bases(kv_cache):
 
 def emulated_decode(output, query, kv_cache, query_start_loc, seq_lens, block_table, scale, k_scale,
                     v_scale, sliding_window, alibi_slopes, sinks, logits_soft_cap, interleaved_v, *,
-                    warp=32, num_splits=None, num_warps=None, stages=None, max_seq_len=None,
-                    num_sms=8, max_smem=228 << 10, tensor_cores=False, lean_copies=False):
-    """native.paged_attention's planning + the kernel, on the CPU."""
+                    warp=32, num_splits=None, num_warps=None, stages=None, split_rule=None, max_seq_len=None,
+                    num_sms=8, max_smem=227 << 10, sm_smem=228 << 10, tensor_cores=False):
+    """native.paged_attention's planning (``native.plan_decode``) + the kernel, on the CPU;
+    returns the launch."""
     num_kv_heads = native.check_decode_args(output, query, kv_cache, query_start_loc, seq_lens,
                                             block_table, k_scale, v_scale, alibi_slopes, sinks, None, 1)
     num_seqs, (_, num_heads, head_size) = seq_lens.shape[0], query.shape
-    gqa = num_heads // num_kv_heads
-    w, s = native.decode_launch_config(head_size, kv_cache.element_size(), gqa, max_smem)
-    num_warps, stages = num_warps or w, stages or s
-    if num_splits is None:
-        max_ctx = max_seq_len or block_table.shape[1] * kv_cache.shape[2]
-        chunks = -(-gqa // native.heads_per_cta(gqa))
-        num_splits = native.num_kv_splits(num_seqs, num_kv_heads, chunks, max_ctx, num_sms, num_warps)
+    max_ctx = max_seq_len or block_table.shape[1] * kv_cache.shape[2]
+    launch = native.plan_decode(num_seqs, num_kv_heads, num_heads // num_kv_heads, max_ctx, head_size,
+                                kv_cache.element_size(), num_sms=num_sms, warp_size=warp, max_smem=max_smem,
+                                sm_smem=sm_smem, num_warps=num_warps, stages=stages, num_splits=num_splits,
+                                split_rule=split_rule)
+    num_warps, stages, num_splits = launch.num_warps, launch.stages, launch.num_splits
     part_acc = torch.full((num_seqs, num_heads, num_splits, head_size), float("nan"))
     part_ml = torch.full((num_seqs, num_heads, num_splits, 2), float("nan"))
     slopes = None if alibi_slopes is None else alibi_slopes.float().contiguous()
@@ -146,11 +146,11 @@ def emulated_decode(output, query, kv_cache, query_start_loc, seq_lens, block_ta
         DTYPE_CODE[query.dtype], DTYPE_CODE[kv_cache.dtype],
         int(block_table.dtype == torch.int64), int(seq_lens.dtype == torch.int64),
         int(query_start_loc.dtype == torch.int64), int(interleaved_v))
-    cfg = DecodeConfig(num_warps, stages, warp, max_smem, int(tensor_cores), int(lean_copies))
+    cfg = DecodeConfig(num_warps, stages, warp, max_smem, int(tensor_cores))
     lib = _emulator(warp)
     rc = lib.ra_emu_paged_decode(ctypes.byref(p), ctypes.byref(cfg))
     assert rc == 0, lib.ra_emu_last_error().decode()
-    return num_splits
+    return launch
 
 
 def emulated_write(key, value, kv_cache, slot_mapping, k_scale, v_scale, interleaved_v, *, warp=32):
@@ -188,7 +188,7 @@ def check_decode(context_lens, *, num_heads=4, num_kv_heads=2, head_size=64, blo
     t = c.query.shape[0]
     query = torch.cat([c.query, torch.randn(pad_rows, num_heads, head_size).to(dtype)]) if pad_rows else c.query
     out = cases.poison(torch.empty_like(query))
-    emulated_decode(out, query, c.kv_cache, qsl, sl, bt, scale, c.k_scale, c.v_scale, sliding_window,
+    launch = emulated_decode(out, query, c.kv_cache, qsl, sl, bt, scale, c.k_scale, c.v_scale, sliding_window,
                     slopes, sink, softcap, interleaved_v, warp=warp, **plan)
     want = cases.dense_oracle(c, scale=scale, causal=True, sliding_window=sliding_window,
                               alibi_slopes=slopes, sinks=sink, logits_soft_cap=softcap)
@@ -199,6 +199,7 @@ def check_decode(context_lens, *, num_heads=4, num_kv_heads=2, head_size=64, blo
     assert err < tol, f"rel err {err:.3e} (seed {seed})"
     if pad_rows:
         assert torch.isnan(out[t:].float()).all(), "rows past the batch were written"
+    return launch
 
 
 DECODE_CASES = [
@@ -219,6 +220,8 @@ DECODE_CASES = [
     ("more_splits_than_tiles", [3, 40], dict(num_splits=5, num_warps=2)),
     ("one_warp_four_stages", [100, 35], dict(num_warps=1, stages=4, head_size=128, num_heads=4,
                                              num_kv_heads=1)),
+    ("one_warp_three_stages_wave", [200, 90, 1], dict(num_warps=1, stages=3, split_rule="wave", head_size=128,
+                                                      num_heads=8, num_kv_heads=2)),
     ("fp8_e4m3_d128", [45, 20], dict(cache_dtype=torch.float8_e4m3fn, head_size=128, num_heads=8,
                                      num_kv_heads=2, num_splits=2)),
     ("fp8_e5m2_interleaved_lbhnc", [30, 65], dict(cache_dtype=torch.float8_e5m2, interleaved_v=True,
@@ -230,27 +233,62 @@ DECODE_CASES = [
 
 
 KERNELS = [(32, False), (64, False), (32, True)]  # (warp width, tensor cores)
+# SM counts of the planned launch: with 8 SMs most cases' grids are at least half the SMs (the
+# wide-grid launch: one warp, 3 stages, the wave rule), with 132 none are (4 warps).
+SMS = [8, 132]
 
 
+@pytest.mark.parametrize("num_sms", SMS, ids=[f"sms{n}" for n in SMS])
 @pytest.mark.parametrize("warp,tensor_cores", KERNELS, ids=["warp32", "warp64", "mma"])
 @pytest.mark.parametrize("context_lens,kw", [c[1:] for c in DECODE_CASES], ids=[c[0] for c in DECODE_CASES])
-def test_decode_emulated(context_lens, kw, warp, tensor_cores):
-    check_decode(context_lens, warp=warp, tensor_cores=tensor_cores, **kw)
+def test_decode_emulated(context_lens, kw, warp, tensor_cores, num_sms):
+    check_decode(context_lens, warp=warp, tensor_cores=tensor_cores, num_sms=num_sms, **kw)
 
 
-# The lean copy loop (DecodeConfig.lean_copies): power-of-two block sizes only.
-LEAN_CASES = [c for c in DECODE_CASES if c[2].get("block_size", 16) in (16, 32, 64)]
+def _case_launch(context_lens, kw, warp, num_sms):
+    kw = dict(kw)
+    heads, kv = kw.get("num_heads", 4), kw.get("num_kv_heads", 2)
+    eb = (kw.get("cache_dtype") or kw.get("dtype") or torch.bfloat16).itemsize
+    max_ctx = max(context_lens)  # the splits may differ from check_decode's (block-table width)
+    plan = {k: kw[k] for k in ("num_warps", "stages", "num_splits", "split_rule") if k in kw}
+    return native.plan_decode(len(context_lens), kv, heads // kv, max_ctx, kw.get("head_size", 64), eb,
+                              num_sms=num_sms, warp_size=warp, max_smem=227 << 10, sm_smem=228 << 10, **plan)
 
 
-@pytest.mark.parametrize("warp,tensor_cores", KERNELS, ids=["warp32", "warp64", "mma"])
-@pytest.mark.parametrize("context_lens,kw", [c[1:] for c in LEAN_CASES], ids=[c[0] for c in LEAN_CASES])
-def test_decode_emulated_lean(context_lens, kw, warp, tensor_cores):
-    check_decode(context_lens, warp=warp, tensor_cores=tensor_cores, lean_copies=True, **kw)
+def test_decode_cases_cover_both_default_launches():
+    """test_decode_emulated runs the wide-grid launch (1 warp, 3 stages, wave rule, with splits)
+    and the 4-warp launch, for every warp width, and check_decode runs the planned launch."""
+    for warp in (32, 64):
+        launches = {n: [_case_launch(c[1], c[2], warp, n) for c in DECODE_CASES] for n in SMS}
+        wide = [x for x in launches[8] if x[:2] == (1, 3) and x.split_rule == "wave"]
+        assert len(wide) >= 6 and any(x.num_splits > 1 for x in wide), launches[8]
+        assert sum(x[:2] == (4, 3) and x.split_rule == "four_per_sm" for x in launches[132]) >= 6, launches[132]
+    c = DECODE_CASES[1]
+    for n, want in ((8, (1, 3, "wave")), (132, (4, 3, "four_per_sm"))):
+        got = check_decode(c[1], num_sms=n, **c[2])
+        assert (got.num_warps, got.stages, got.split_rule) == want
 
 
-def test_decode_emulated_lean_needs_pow2_block():
-    with pytest.raises(AssertionError, match="power-of-two block_size"):
-        check_decode([20], block_size=48, lean_copies=True)
+def test_smem_bytes_match_the_kernel():
+    """native.decode_smem_bytes (what the launch plan checks) is the csrc launch's own size."""
+    lib = _emulator(32)
+    for d in native.HEAD_SIZES:
+        for eb in (1, 2):
+            for gt in (1, 2, 4, 8):
+                for w, st in native.DECODE_CONFIGS + ((1, 3), (1, 4), (8, 2)):
+                    assert lib.ra_emu_decode_smem_bytes(d, eb, gt, w, st) == native.decode_smem_bytes(d, eb, gt, w, st)
+
+
+def test_wide_grid_launch_falls_back_to_what_fits():
+    """A device that cannot fit the (1 warp, 3 stages) CTA: the kernel refuses it, the plan
+    picks a config that fits (decode_launch_config's) and the four_per_sm rule."""
+    kw = dict(head_size=128, num_heads=8, num_kv_heads=2)
+    small = native.decode_smem_bytes(128, 2, 4, 1, 3) - 1
+    with pytest.raises(AssertionError, match="shared memory"):
+        check_decode([60, 30, 5], num_sms=8, num_warps=1, stages=3, max_smem=small, **kw)
+    launch = check_decode([60, 30, 5], num_sms=8, max_smem=small, **kw)
+    assert launch[:2] == native.decode_launch_config(128, 2, 4, small) == (1, 2)
+    assert launch.split_rule == "four_per_sm"
 
 
 @pytest.mark.parametrize("draw", range(4))
