@@ -114,16 +114,23 @@ def launch_plan(b: int, L: int, **kw) -> native.DecodeLaunch:
                               sm_smem=native._sm_smem(0), **plan_kw)
 
 
+def case_and_reference(b, L):
+    """A fresh decode case, its K/V made contiguous, the query as SDPA takes it, and SDPA's
+    output on them (what every timed launch is checked against first)."""
+    c = DecodeCase(b, L, seed=b * 7 + L)
+    k, v = c.dense()
+    q4 = c.query.view(b, HQ, 1, D)
+    ref = F.scaled_dot_product_attention(q4, k, v, scale=c.scale, enable_gqa=True).view(b, HQ, D)
+    return c, k, v, q4, ref
+
+
 def bench_decode(batches, ctxs, sweep):
     rows, sweeps = [], []
     print(f"{'B':>4} {'L':>6} {'splits':>6} | {'native us':>9} {'TB/s':>5} | {'cuda-core':>9} {'TB/s':>5} | "
           f"{'triton us':>9} {'TB/s':>5} | {'sdpa us':>8} {'TB/s':>5} | native/sdpa native/triton")
     for b in batches:
         for L in ctxs:
-            c = DecodeCase(b, L, seed=b * 7 + L)
-            k, v = c.dense()
-            q4 = c.query.view(b, HQ, 1, D)
-            ref = F.scaled_dot_product_attention(q4, k, v, scale=c.scale, enable_gqa=True).view(b, HQ, D)
+            c, k, v, q4, ref = case_and_reference(b, L)
             errs = {}
             cuda_core = lambda: c.native(tensor_cores=False)  # noqa: E731
             for name, fn in (("native", c.native), ("native_cuda_core", cuda_core), ("triton", c.triton)):
@@ -175,10 +182,7 @@ def bench_variants(batches, ctxs, names):
           f"{'/triton':>7} {'/sdpa':>6} | err")
     for b in batches:
         for L in ctxs:
-            c = DecodeCase(b, L, seed=b * 7 + L)
-            k, v = c.dense()
-            q4 = c.query.view(b, HQ, 1, D)
-            ref = F.scaled_dot_product_attention(q4, k, v, scale=c.scale, enable_gqa=True).view(b, HQ, D)
+            c, k, v, q4, ref = case_and_reference(b, L)
             nbytes = 2 * b * L * HKV * D * 2 + 2 * b * HQ * D * 2
             c.out.fill_(float("nan"))
             c.triton()
