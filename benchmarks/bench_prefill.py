@@ -49,7 +49,8 @@ VARIANTS = {
     "margin8_dense_tma": {**_BASE, "margin": 8.0, "dense_tma": True},
     "all": {"margin": 8.0, "longest_first": True, "dense_tma": True},
     "k_gather": {"k_rows": 0},  # the default margins
-    "k_rows_multi": {"k_rows": 2},
+    "k_rows_single": {"k_rows": 1},  # packet rows only for one-run tiles (the default before)
+    "k_rows_multi": {"k_rows": 2},  # the default
 }
 SWEEP = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3),
          (128, 32, 8, 4), (64, 64, 4, 4)]

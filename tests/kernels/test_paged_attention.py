@@ -9,6 +9,8 @@ tolerances: ``attention_checks.py``.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import random
 
 import pytest
@@ -136,6 +138,39 @@ def test_triton_k_rows_multi_run(query_lens, context_lens, kw):
     check_paged("triton", query_lens, context_lens, **{
         **kw, "decode_cfg": DecodeConfig(32, 2, 1, "rows3", k_rows=2),
         "prefill_cfg": PrefillConfig(16, 32, 4, 1, k_rows=2)})
+
+
+SPLIT_CASES = [c for c in CPU_CASES if c[3].get("num_splits", 1) > 1]
+
+
+@cpu_only
+@pytest.mark.parametrize("merge", ["last_split", "reduce_pdl"])
+@pytest.mark.parametrize(argnames="query_lens,context_lens,kw",
+                         argvalues=[c[1:] for c in SPLIT_CASES], ids=[c[0] for c in SPLIT_CASES])
+def test_triton_split_merge(query_lens, context_lens, kw, merge):
+    """The KV splits' partials merged by the last split program to finish (no second
+    kernel), and by the reduce kernel as a programmatic dependent launch (the interpreter
+    runs the plain reduce kernel), over every split case of the matrix."""
+    check_paged("triton", query_lens, context_lens, decode_changes=dict(split_merge=merge), **kw)
+
+
+@cpu_only
+def test_triton_last_split_merge_counters_reset():
+    """Each launch leaves the merge counters at 0, so back-to-back launches (graph
+    replays) merge correctly; poisoned counters make the check fail, so it can."""
+    pa_mod = importlib.import_module("inductor_rocm_attn.kernels.triton.paged_attention")
+
+    kw = dict(num_heads=8, num_kv_heads=2, num_splits=4, decode_changes=dict(split_merge="last_split"))
+    for _ in range(3):
+        check_paged("triton", [1, 1, 1], [70, 5, 130], **kw)
+        assert all(int(b.abs().sum()) == 0 for b in pa_mod._MERGE_COUNTERS.values())
+    next(iter(pa_mod._MERGE_COUNTERS.values())).fill_(1)
+    try:
+        with pytest.raises(AssertionError, match="rel err"):
+            check_paged("triton", [1, 1, 1], [70, 5, 130], **kw)
+    finally:
+        for b in pa_mod._MERGE_COUNTERS.values():
+            b.zero_()
 
 
 @cpu_only
@@ -314,6 +349,10 @@ TRITON_GPU_FEATURES = [  # Triton launch knobs: splits, decode kinds
                                          decode_cfg=DecodeConfig(64, 4, 3, "streams3"))),
     ("streams_one_loop_split_sinks", dict(sinks=True, softcap=8.0, num_splits=5,
                                           decode_cfg=DecodeConfig(32, 2, 3, "streams"))),
+    ("split_last_split_merge_sinks", dict(sinks=True, num_splits=7, sliding_window=500,
+                                          decode_changes=dict(split_merge="last_split"))),
+    ("split_pdl_merge_alibi", dict(alibi=True, num_splits=6,
+                                   decode_changes=dict(split_merge="reduce_pdl"))),
 ]
 
 
@@ -381,6 +420,26 @@ def test_paged_attention_gpu_fp8_output(provider, num_splits):
     check_paged(provider, [1, 200, 1], [900, 300, 5], num_heads=16, num_kv_heads=4,
                 head_size=128, dtype=torch.bfloat16, out_fp8=True, num_splits=num_splits,
                 device=GPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("merge", ["last_split", "reduce_pdl"])
+@pytest.mark.parametrize("case", [
+    dict(out_fp8=True, num_splits=3),
+    dict(cache_dtype=torch.float8_e4m3fn, num_splits=8, tol=2e-2),
+    dict(num_splits=64, sinks=True),
+    dict(num_splits=5, decode_cfg=DecodeConfig(32, 1, 3, "keys3")),
+], ids=["fp8_out", "fp8_cache", "64_splits_sinks", "keys3"])
+def test_triton_split_merge_gpu(merge, case):
+    """Both merges of the splits on the GPU, three launches in a row (the counters of the
+    last-split merge go back to 0 after each)."""
+    case = dict(case)
+    cfg = case.pop("decode_cfg", None)
+    kw = dict(decode_cfg=dataclasses.replace(cfg, split_merge=merge)) if cfg else dict(
+        decode_changes=dict(split_merge=merge))
+    for _ in range(3):
+        check_paged("triton", [1, 1, 1, 1], [3000, 17, 900, 1], num_heads=32, num_kv_heads=8,
+                    head_size=128, dtype=torch.bfloat16, device=GPU, **kw, **case)
 
 
 @pytest.mark.gpu

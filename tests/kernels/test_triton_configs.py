@@ -48,7 +48,7 @@ def test_prefill_config_rules():
     assert prefill_config(128, 4, 16, torch.float16, interpret=True) == PrefillConfig(16, 16, 4, 1)
     d = PrefillConfig(1, 1, 1, 1)
     assert (d.k_rows, d.context_margin, d.dense_margin, d.longest_first, d.dense_tma) == (
-        1, 8.0, 0.0, True, True)
+        2, 8.0, 0.0, True, True)
 
 
 def test_bad_configs_are_errors():

@@ -30,6 +30,12 @@ DECODE_KINDS = (
     "keys3",  # the same, masked first / unmasked middle / masked last tile
 )
 _ONE_LOOP_OF = {"rows3": "rows", "keys3": "keys"}  # what a short split runs instead
+# How the KV splits' partial (acc, max, sum) rows are merged (DecodeConfig.split_merge):
+SPLIT_MERGES = (
+    "reduce",  # a second kernel, _decode_reduce_kernel, one program per (sequence, head)
+    "reduce_pdl",  # the same kernel as a programmatic dependent launch (CUDA sm_90+; else "reduce")
+    "last_split",  # no second kernel: the last split program of each row block to finish merges
+)
 
 # --- knobs (the defaults of the config fields below) -----------------------------------------
 
@@ -39,11 +45,10 @@ _ONE_LOOP_OF = {"rows3": "rows", "keys3": "keys"}  # what a short split runs ins
 # several runs as well ([runs, HEAD/X, SUB*X]). Decode B=64 L=4096: 258 us with 1, 326 with 0.
 # Prefill's wgmma needs K in its own shared layout, so there the rows cost a register round
 # trip; still, with a 4096-token prefix level 2 ran 361 TFLOP/s against 337 (level 1) and 334
-# (0), no prefix 432 / 431 / 429 (results: s11_call4_ffma). Level 2 passed the CPU
-# interpreter matrix and the bench's check against SDPA, not yet the GPU test matrix: it
-# becomes the prefill default once that has run.
+# (0), no prefix 432 / 431 / 429 (results: s11_call4_ffma). Prefill takes level 2 (its GPU
+# test matrix and memcheck ran with it: benchmarks/results/README.md, correctness table).
 PAGED_K_ROWS = 1
-PREFILL_K_ROWS = 1
+PREFILL_K_ROWS = 2
 # Lazy softmax rescale margins (log2 units, attention_common._attn_update); 0 rescales the
 # accumulator on every tile. Decode: 8 is no faster (B=64 L=4096 328 vs 325 us; the
 # end-to-end shape 173.5 vs 172.3): the loop is not issue-bound. Prefill, B=4 x 4096 new
@@ -88,6 +93,7 @@ class DecodeConfig:
     its one-loop kind (tuned defaults set it; a config built by hand runs as given).
     ``programs_per_sm`` / ``splits_round_down`` / ``one_split_ctas_per_sm``: the KV split
     rule (``num_kv_splits``).
+    ``split_merge``: how the KV splits' partials are merged (``SPLIT_MERGES``).
     ``fp8_fp16_dot``: with an fp8 cache and a bf16 query, the dots run in fp16 (kinds "rows",
     "rows3"). Every e4m3/e5m2 value is exact in fp16, and one conversion instruction turns a
     pair of fp8 values into fp16 (sm_90), where bf16 takes three per pair (fp8 -> fp16 -> bf16).
@@ -106,10 +112,17 @@ class DecodeConfig:
     splits_round_down: bool = SPLITS_ROUND_DOWN
     fp8_fp16_dot: bool = False
     one_split_ctas_per_sm: int = 2
+    split_merge: str = "reduce"
 
     def __post_init__(self):
         if self.kind not in DECODE_KINDS:
             raise ValueError(f"paged_attention: decode kind {self.kind!r}; supported: {DECODE_KINDS}")
+        if self.split_merge not in SPLIT_MERGES:
+            raise ValueError(f"paged_attention: decode split_merge {self.split_merge!r}; "
+                             f"supported: {SPLIT_MERGES}")
+        if self.split_merge == "last_split" and self.kind.startswith("streams"):
+            raise ValueError(f"paged_attention: decode split_merge 'last_split' with kind "
+                             f"{self.kind!r}; supported with kinds 'rows', 'rows3', 'keys', 'keys3'")
         if self.fp8_fp16_dot and self.kind not in ("rows", "rows3"):
             raise ValueError(f"paged_attention: decode fp8_fp16_dot with kind {self.kind!r}; "
                              "supported with kinds 'rows', 'rows3'")

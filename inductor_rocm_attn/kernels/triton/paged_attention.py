@@ -49,6 +49,30 @@ def launch_target(device: torch.device) -> LaunchTarget:
     return _gpu_target(device.index or 0)
 
 
+_SPLIT_MERGE_CODE = {"reduce": 0, "last_split": 1, "reduce_pdl": 2}  # _paged_decode_kernel
+# The ticket counters of DecodeConfig.split_merge == "last_split", one int32 per (sequence, KV
+# head, head chunk), per device. Each launch leaves them 0 (its last split program resets
+# them), so one zeroed buffer serves every launch in stream order. A grown buffer replaces
+# the old one, which is kept: a captured graph may still address it.
+_MERGE_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED_COUNTERS: list[torch.Tensor] = []
+
+
+def _merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """At least ``n`` zeroed counters on ``device``; None when they must grow during a CUDA
+    graph capture (an allocation there belongs to the graph's pool)."""
+    buf = _MERGE_COUNTERS.get(device)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    if buf is not None:
+        _RETIRED_COUNTERS.append(buf)
+    buf = torch.zeros(max(1024, triton.next_power_of_2(n)), dtype=torch.int32, device=device)
+    _MERGE_COUNTERS[device] = buf
+    return buf
+
+
 def _pow2_part(n: int) -> int:
     return n & -n
 
@@ -169,6 +193,10 @@ def paged_attention(
     kind, num_splits = decode_plan(dcfg, num_splits, num_seqs=num_seqs, num_kv_heads=num_kv_heads,
                                    head_chunks=head_chunks, max_ctx=max_ctx,
                                    num_sms=target.num_sms)
+    merge = dcfg.split_merge
+    if merge == "reduce_pdl" and (interpret or torch.version.hip or not target.tma
+                                  or kind.startswith("streams")):
+        merge = "reduce"  # programmatic dependent launch: CUDA sm_90+ (as TMA), rows/keys kernel
     if num_splits > 1:
         part_acc = torch.empty(num_seqs, num_heads, num_splits, head_size, dtype=torch.float32,
                                device=query.device)
@@ -198,18 +226,26 @@ def paged_attention(
         # (DecodeConfig.fp8_fp16_dot); an fp16 or fp32 query computes in its own dtype anyway.
         fp16_dot = dcfg.fp8_fp16_dot and fp8_kv and compute == torch.bfloat16
         dcommon = {**common, "COMPUTE": TL_DTYPES[torch.float16]} if fp16_dot else common
+        counters = part_ml  # never read unless the last split merges
+        if num_splits > 1 and merge == "last_split":
+            counters = _merge_counters(query.device, num_seqs * num_kv_heads * head_chunks)
+            if counters is None:  # first use inside a graph capture: the reduce kernel instead
+                merge, counters = "reduce", part_ml
         _paged_decode_kernel[grid](
-            *decode_args, TILE_N=dcfg.tile_n, SUB=min(dcfg.tile_n, _pow2_part(block_size)),
+            *decode_args[:3], counters, *decode_args[3:], TILE_N=dcfg.tile_n, SUB=min(dcfg.tile_n, _pow2_part(block_size)),
             ONE_LOOP=kind in ("rows", "keys"), KEYS_MAJOR=kind.startswith("keys"),
             RESCALE_MARGIN=float(dcfg.rescale_margin), K_ROWS=dcfg.k_rows, Q_POW2_SCALE=fp16_dot,
+            SPLIT_MERGE=_SPLIT_MERGE_CODE[merge] if num_splits > 1 else 0,
             num_warps=dcfg.num_warps, num_stages=dcfg.num_stages, **shape, **dcommon)
-    if num_splits > 1:
+    if num_splits > 1 and merge != "last_split":
+        pdl = {"launch_pdl": True} if merge == "reduce_pdl" else {}
         _decode_reduce_kernel[(num_seqs, num_heads)](
             output, part_acc, part_ml, query_start_loc, v_scale, ptrs[4],
             output.stride(0), output.stride(1), *pa_strides,
             HEAD_SIZE=head_size, BLOCK_D=block_d, NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits), FP8_KV=fp8_kv,
-            USE_OUT_SCALE=use_out_scale, OUT_MAX=out_max, num_warps=4,
+            USE_OUT_SCALE=use_out_scale, OUT_MAX=out_max, GDC_WAIT=merge == "reduce_pdl",
+            num_warps=4, **pdl,
         )
 
     # --- verify: sequences with 2 <= query_len <= q_max (needs the max_query_len hint) -------

@@ -38,13 +38,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 from .attention_common import _LOG2E, _block_ids, _paged_inner, _store_rows, _tanh, _tiles, _v_packets
 
 
 @triton.jit
 def _paged_decode_kernel(
     # pointers
-    out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+    out_ptr, part_acc_ptr, part_ml_ptr, merge_count_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     k_scale_ptr, v_scale_ptr, alibi_ptr, sinks_ptr, out_scale_ptr,
     # scalars
@@ -61,13 +63,19 @@ def _paged_decode_kernel(
     USE_SOFTCAP: tl.constexpr, FP8_KV: tl.constexpr, INTERLEAVED_V: tl.constexpr,
     USE_OUT_SCALE: tl.constexpr, OUT_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ONE_LOOP: tl.constexpr, KEYS_MAJOR: tl.constexpr, RESCALE_MARGIN: tl.constexpr,
-    K_ROWS: tl.constexpr, Q_POW2_SCALE: tl.constexpr = False,
+    K_ROWS: tl.constexpr, Q_POW2_SCALE: tl.constexpr = False, SPLIT_MERGE: tl.constexpr = 0,
 ):
     """Grid ``(num_seqs, num_kv_heads * HEAD_CHUNKS, NUM_SPLITS)``; only query_len == 1.
 
     q/out ``[num_tokens, num_heads, HEAD_SIZE]``; the decode token is the sequence's last,
     at position ``seq_len - 1``, and every key (its own too) is read from the cache.
+    ``SPLIT_MERGE`` (``DecodeConfig.split_merge``, with more than one split): 0 = the
+    partials are merged by ``_decode_reduce_kernel``; 1 = by the last split program of each
+    (sequence, KV head, head chunk) to finish (``_merge_if_last_split``); 2 = by the reduce
+    kernel launched as a programmatic dependent launch (sm_90+), released here at the start.
     """
+    if SPLIT_MERGE == 2:
+        gdc_launch_dependents()  # the reduce kernel may start now; it waits for this grid
     tl.static_assert(BLOCK_H >= 16 and (BLOCK_H & (BLOCK_H - 1)) == 0, "BLOCK_H: a dot's M >= 16")
     tl.static_assert(BLOCK_D >= HEAD_SIZE and (BLOCK_D & (BLOCK_D - 1)) == 0,
                      "BLOCK_D is the head size rounded up to a power of two")
@@ -195,6 +203,55 @@ def _paged_decode_kernel(
                   seq, q_start, split, v_scale, out_scale_ptr,
                   stride_ot, stride_oh, stride_pa_s, stride_pa_h, stride_pa_k,
                   NUM_SPLITS=NUM_SPLITS, USE_OUT_SCALE=USE_OUT_SCALE, OUT_MAX=OUT_MAX)
+    if NUM_SPLITS > 1 and SPLIT_MERGE == 1:
+        _merge_if_last_split(out_ptr, part_acc_ptr, part_ml_ptr,
+                             merge_count_ptr + seq * tl.num_programs(1) + tl.program_id(1),
+                             heads, offs_d, h_ok, d_ok, seq, q_start, v_scale, out_scale_ptr,
+                             stride_ot, stride_oh, stride_pa_s, stride_pa_h, stride_pa_k,
+                             BLOCK_H=BLOCK_H, BLOCK_S=triton.next_power_of_2(NUM_SPLITS),
+                             NUM_SPLITS=NUM_SPLITS, USE_OUT_SCALE=USE_OUT_SCALE, OUT_MAX=OUT_MAX)
+
+
+@triton.jit
+def _merge_if_last_split(out_ptr, part_acc_ptr, part_ml_ptr, count_ptr, heads, offs_d, h_ok, d_ok,
+                         seq, q_start, v_scale, out_scale_ptr,
+                         stride_ot, stride_oh, stride_pa_s, stride_pa_h, stride_pa_k,
+                         BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         USE_OUT_SCALE: tl.constexpr, OUT_MAX: tl.constexpr):
+    """After this program stored its split's partial rows: take a ticket on the rows'
+    counter; the program that takes the last one merges every split (what
+    ``_decode_reduce_kernel`` computes, in the same order) and sets the counter back to 0
+    for the next launch. The counters must be 0 when the launch starts."""
+    # Every lane's partial stores come before the release of the ticket (one lane takes it).
+    tl.debug_barrier()
+    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == NUM_SPLITS - 1:
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
+        # Partials of the other splits: read from L2 (.cg), never from this SM's L1.
+        ml = (seq.to(tl.int64) * stride_pa_s // stride_pa_k + heads * NUM_SPLITS) * 2  # [BLOCK_H]
+        offs_s = tl.arange(0, BLOCK_S)
+        m_all = tl.load(part_ml_ptr + ml[:, None] + offs_s[None, :] * 2,
+                        mask=h_ok[:, None] & (offs_s < NUM_SPLITS)[None, :], other=float("-inf"),
+                        cache_modifier=".cg")
+        m_max = tl.max(m_all, 1)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        acc = tl.zeros([BLOCK_H, offs_d.shape[0]], tl.float32)
+        l_sum = tl.zeros([BLOCK_H], tl.float32)
+        mask = h_ok[:, None] & d_ok[None, :]
+        pa = (part_acc_ptr + seq.to(tl.int64) * stride_pa_s + heads[:, None] * stride_pa_h
+              + offs_d[None, :])
+        for s in tl.range(0, NUM_SPLITS, loop_unroll_factor=4):  # 4 splits' loads in flight
+            m_s = tl.load(part_ml_ptr + ml + s * 2, mask=h_ok, other=float("-inf"), cache_modifier=".cg")
+            l_s = tl.load(part_ml_ptr + ml + s * 2 + 1, mask=h_ok, other=0.0, cache_modifier=".cg")
+            w = tl.exp2(m_s - m_max)  # an empty split has m = -inf: weight 0
+            l_sum += w * l_s
+            acc += tl.load(pa + s * stride_pa_k, mask=mask, other=0.0, cache_modifier=".cg") * w[:, None]
+        out_scale = 1.0
+        if USE_OUT_SCALE:
+            out_scale = tl.load(out_scale_ptr)
+        out_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        _store_rows(out_ptrs, acc, l_sum, v_scale, out_scale, mask, USE_OUT_SCALE=USE_OUT_SCALE,
+                    OUT_MAX=OUT_MAX)
 
 
 
@@ -216,10 +273,13 @@ def _decode_reduce_kernel(
     stride_ot, stride_oh, stride_pa_s, stride_pa_h, stride_pa_k,
     HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr, FP8_KV: tl.constexpr, USE_OUT_SCALE: tl.constexpr,
-    OUT_MAX: tl.constexpr,
+    OUT_MAX: tl.constexpr, GDC_WAIT: tl.constexpr = False,
 ):
-    """Grid ``(num_seqs, num_heads)``: merge the splits' (acc, max, sum) of one decode row."""
+    """Grid ``(num_seqs, num_heads)``: merge the splits' (acc, max, sum) of one decode row.
+    ``GDC_WAIT``: launched as a programmatic dependent launch; wait for the decode grid."""
     tl.static_assert(BLOCK_S >= NUM_SPLITS, "one tile holds every split")
+    if GDC_WAIT:
+        gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq)
