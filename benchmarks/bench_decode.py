@@ -72,6 +72,7 @@ CANDIDATES = {
     "stages2": dict(num_stages=2),
     # the splits' merge (DecodeConfig.split_merge): in the last split program, no second kernel;
     # the reduce kernel as a programmatic dependent launch
+    "reduce": dict(split_merge="reduce"),
     "last_split": dict(split_merge="last_split"),
     "reduce_pdl": dict(split_merge="reduce_pdl"),
 }

@@ -329,7 +329,7 @@ def check_paged_nonfinite(provider, query_lens, context_lens, inject, *, dtype=t
     seed_ = seed()
     c = cases.make_paged_case(query_lens, context_lens, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, head_size=head_size,
-                              block_size=block_size, dtype=dtype, seed=seed_)
+                              block_size=block_size, dtype=dtype, device=device, seed=seed_)
     qsl = c.query_start_loc.tolist()
     for tensor, s, pos, head, ch, val in inject:
         ql, ctx = query_lens[s], context_lens[s]
@@ -358,8 +358,8 @@ def check_paged_nonfinite(provider, query_lens, context_lens, inject, *, dtype=t
         knobs = {}
     fn(out, c.query, c.key, c.value, c.kv_cache, c.query_start_loc, c.seq_lens, c.block_table,
        scale, c.k_scale, c.v_scale, causal, sliding_window, None, None, 0.0, False, None, **knobs)
-    want = torch.cat([sdpa_visible(c.query[qsl[s]:qsl[s + 1]].cpu(), c.k_full[s], c.v_full[s],
-                                   q_start_pos=context_lens[s], scale=scale, causal=causal,
+    want = torch.cat([sdpa_visible(c.query[qsl[s]:qsl[s + 1]].cpu(), c.k_full[s].cpu(),
+                                   c.v_full[s].cpu(), q_start_pos=context_lens[s], scale=scale, causal=causal,
                                    sliding_window=sliding_window, row_block=row_block)
                       for s in range(len(query_lens))])
     assert (~torch.isfinite(want)).any() and torch.isfinite(want).any(), "the case tests nothing"

@@ -144,14 +144,13 @@ SPLIT_CASES = [c for c in CPU_CASES if c[3].get("num_splits", 1) > 1]
 
 
 @cpu_only
-@pytest.mark.parametrize("merge", ["last_split", "reduce_pdl"])
 @pytest.mark.parametrize(argnames="query_lens,context_lens,kw",
                          argvalues=[c[1:] for c in SPLIT_CASES], ids=[c[0] for c in SPLIT_CASES])
-def test_triton_split_merge(query_lens, context_lens, kw, merge):
-    """The KV splits' partials merged by the last split program to finish (no second
-    kernel), and by the reduce kernel as a programmatic dependent launch (the interpreter
-    runs the plain reduce kernel), over every split case of the matrix."""
-    check_paged("triton", query_lens, context_lens, decode_changes=dict(split_merge=merge), **kw)
+def test_triton_split_merge_reduce_kernel(query_lens, context_lens, kw):
+    """The KV splits' partials merged by the reduce kernel, over every split case of the
+    matrix (which runs the default: up to 8 splits, the last split program merges; the
+    "reduce_pdl" merge runs as this one in the interpreter)."""
+    check_paged("triton", query_lens, context_lens, decode_changes=dict(split_merge="reduce"), **kw)
 
 
 @cpu_only
@@ -423,7 +422,7 @@ def test_paged_attention_gpu_fp8_output(provider, num_splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("merge", ["last_split", "reduce_pdl"])
+@pytest.mark.parametrize("merge", ["last_split", "reduce", "reduce_pdl"])
 @pytest.mark.parametrize("case", [
     dict(out_fp8=True, num_splits=3),
     dict(cache_dtype=torch.float8_e4m3fn, num_splits=8, tol=2e-2),
@@ -431,8 +430,8 @@ def test_paged_attention_gpu_fp8_output(provider, num_splits):
     dict(num_splits=5, decode_cfg=DecodeConfig(32, 1, 3, "keys3")),
 ], ids=["fp8_out", "fp8_cache", "64_splits_sinks", "keys3"])
 def test_triton_split_merge_gpu(merge, case):
-    """Both merges of the splits on the GPU, three launches in a row (the counters of the
-    last-split merge go back to 0 after each)."""
+    """Every merge of the splits on the GPU (64 splits: "last_split" given, not "auto"),
+    three launches in a row (the counters of the last-split merge go back to 0 after each)."""
     case = dict(case)
     cfg = case.pop("decode_cfg", None)
     kw = dict(decode_cfg=dataclasses.replace(cfg, split_merge=merge)) if cfg else dict(

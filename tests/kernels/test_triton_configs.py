@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from inductor_rocm_attn.kernels.triton.configs import (
-    DECODE_KINDS, MAX_SPLITS, MIN_SPLIT_TOKENS, ONE_LOOP_MAX_TILES, DecodeConfig, PrefillConfig,
-    decode_config, decode_plan, num_kv_splits, prefill_config, verify_config, verify_rows,
-    writer_block_t, writer_num_warps,
+    DECODE_KINDS, LAST_SPLIT_MAX_SPLITS, MAX_SPLITS, MIN_SPLIT_TOKENS, ONE_LOOP_MAX_TILES,
+    DecodeConfig, PrefillConfig, decode_config, decode_plan, num_kv_splits, prefill_config,
+    split_merge_of, verify_config, verify_rows, writer_block_t, writer_num_warps,
 )
 
 
@@ -143,3 +143,18 @@ def test_writer_tile_rules():
     assert [writer_block_t(t) for t in (1, 32, 33, 512, 513)] == [1, 1, 2, 2, 8]
     assert writer_num_warps(1, 128) == 1 and writer_num_warps(8, 128) == 4
     assert writer_num_warps(16, 256) == 8  # at most 8
+
+
+def test_split_merge_rule():
+    """"auto" merges in the last split program up to LAST_SPLIT_MAX_SPLITS splits (and never
+    for the streams kinds, which lack it), else in the reduce kernel; given merges stand."""
+    cfg = DecodeConfig(16, 1, 3, "rows3")
+    assert cfg.split_merge == "auto"
+    assert split_merge_of(cfg, LAST_SPLIT_MAX_SPLITS) == "last_split"
+    assert split_merge_of(cfg, LAST_SPLIT_MAX_SPLITS + 1) == "reduce"
+    assert split_merge_of(DecodeConfig(32, 2, 3, "streams"), 2) == "reduce"
+    assert split_merge_of(DecodeConfig(16, 1, 3, "keys3", split_merge="last_split"), 64) == "last_split"
+    with pytest.raises(ValueError, match=r"paged_attention: decode split_merge 'fused'; supported: "):
+        DecodeConfig(16, 1, 3, "rows3", split_merge="fused")
+    with pytest.raises(ValueError, match=r"split_merge 'last_split' with kind 'streams3'"):
+        DecodeConfig(64, 4, 3, "streams3", split_merge="last_split")

@@ -32,10 +32,18 @@ DECODE_KINDS = (
 _ONE_LOOP_OF = {"rows3": "rows", "keys3": "keys"}  # what a short split runs instead
 # How the KV splits' partial (acc, max, sum) rows are merged (DecodeConfig.split_merge):
 SPLIT_MERGES = (
+    "auto",  # "last_split" up to LAST_SPLIT_MAX_SPLITS splits, else "reduce" (the default)
     "reduce",  # a second kernel, _decode_reduce_kernel, one program per (sequence, head)
     "reduce_pdl",  # the same kernel as a programmatic dependent launch (CUDA sm_90+; else "reduce")
     "last_split",  # no second kernel: the last split program of each row block to finish merges
 )
+# The last split merges alone, one warp reading every split's partial rows from L2: cheaper
+# than a second kernel for few splits, far dearer for many. H200, bf16, 32/8 heads, d128,
+# us reduce / last_split (results history 2026-12-04_1235): B=16 (8 splits) L=1024 33.0 /
+# 31.7, L=4096 80.4 / 79.8, L=16384 256.7 / 256.4; fp8 B=64 L=4096 (2 splits) 141.8 / 139.4;
+# B=1 (16-64 splits) L=1024 12.1 / 14.9, L=4096 16.2 / 28.5. The PDL reduce: B=16 L=1024 36.8,
+# B=1 L=4096 15.6, otherwise within 2% of the plain reduce.
+LAST_SPLIT_MAX_SPLITS = 8
 
 # --- knobs (the defaults of the config fields below) -----------------------------------------
 
@@ -112,7 +120,7 @@ class DecodeConfig:
     splits_round_down: bool = SPLITS_ROUND_DOWN
     fp8_fp16_dot: bool = False
     one_split_ctas_per_sm: int = 2
-    split_merge: str = "reduce"
+    split_merge: str = "auto"
 
     def __post_init__(self):
         if self.kind not in DECODE_KINDS:
@@ -261,6 +269,16 @@ def decode_plan(cfg: DecodeConfig, num_splits: int | None, *, num_seqs: int, num
                 and max_ctx <= cfg.one_loop_max_tiles * cfg.tile_n * num_splits):
             kind = _ONE_LOOP_OF[kind]
     return kind, num_splits
+
+
+def split_merge_of(cfg: DecodeConfig, num_splits: int) -> str:
+    """The merge a launch of ``num_splits`` splits runs: ``cfg.split_merge`` with "auto"
+    resolved (``LAST_SPLIT_MAX_SPLITS``); "last_split" only where the kind supports it."""
+    merge = cfg.split_merge
+    if merge == "auto":
+        merge = ("last_split" if num_splits <= LAST_SPLIT_MAX_SPLITS
+                 and not cfg.kind.startswith("streams") else "reduce")
+    return merge
 
 
 def verify_rows(gqa: int, q_max: int) -> int:

@@ -27,7 +27,8 @@ from ...layout import cache_x, fp8_max, is_fp8_dtype, k_view, v_view
 from .attention_common import TL_DTYPES
 from .configs import (
     INTERPRETER_TARGET, VERIFY_MAX_QUERY_LEN, DecodeConfig, LaunchTarget, PrefillConfig,
-    decode_config, decode_plan, interpreting, prefill_config, verify_config, verify_rows,
+    decode_config, decode_plan, interpreting, prefill_config, split_merge_of, verify_config,
+    verify_rows,
 )
 from .paged_decode import _decode_reduce_kernel, _paged_decode_kernel, _paged_decode_streams_kernel
 from .paged_verify import _paged_verify_kernel, _verify_reduce_kernel
@@ -193,7 +194,7 @@ def paged_attention(
     kind, num_splits = decode_plan(dcfg, num_splits, num_seqs=num_seqs, num_kv_heads=num_kv_heads,
                                    head_chunks=head_chunks, max_ctx=max_ctx,
                                    num_sms=target.num_sms)
-    merge = dcfg.split_merge
+    merge = split_merge_of(dcfg, num_splits)
     if merge == "reduce_pdl" and (interpret or torch.version.hip or not target.tma
                                   or kind.startswith("streams")):
         merge = "reduce"  # programmatic dependent launch: CUDA sm_90+ (as TMA), rows/keys kernel
