@@ -70,11 +70,9 @@ CANDIDATES = {
     "round_up": dict(splits_round_down=False),
     "per_sm4_down": dict(programs_per_sm=4, splits_round_down=True),
     "stages2": dict(num_stages=2),
-    # the splits' merge (DecodeConfig.split_merge): in the last split program, no second kernel;
-    # the reduce kernel as a programmatic dependent launch
+    # the splits' merge (DecodeConfig.split_merge): the reduce kernel; the last split program
     "reduce": dict(split_merge="reduce"),
     "last_split": dict(split_merge="last_split"),
-    "reduce_pdl": dict(split_merge="reduce_pdl"),
 }
 
 
@@ -361,7 +359,7 @@ def bench_fp8(args, ceiling: float):
     fp8_default = decode_config(D, HQ // HKV, BS, fp8, False, INTERLEAVED_V)
     variants = [("bf16_dots", dataclasses.replace(fp8_default, fp8_fp16_dot=False), None)]
     variants += [(m, dataclasses.replace(fp8_default, split_merge=m), None)
-                 for m in ("reduce", "last_split", "reduce_pdl") if m != fp8_default.split_merge]
+                 for m in ("reduce", "last_split") if m != fp8_default.split_merge]
     variants += [(spec, *parse_cfg(spec, fp8_fp16_dot=True)) for spec in args.fp8_cfgs]
     for b in args.batch:
         for L in args.ctx:

@@ -342,8 +342,9 @@ def check_paged_nonfinite(provider, query_lens, context_lens, inject, *, dtype=t
             (c.key if tensor == "k" else c.value)[qsl[s] + pos - ctx, head, ch] = val
         else:  # in the cache: write the token again
             slot = int(c.block_table[s, pos // block_size]) * block_size + pos % block_size
-            ref.reshape_and_cache(c.k_full[s][pos:pos + 1].to(dtype), c.v_full[s][pos:pos + 1].to(dtype),
-                                  c.kv_cache, torch.tensor([slot], device=device), c.k_scale, c.v_scale,
+            row = dict(device=device, dtype=dtype)  # k_full / v_full stay on the CPU (float64)
+            ref.reshape_and_cache(c.k_full[s][pos:pos + 1].to(**row),
+                                  c.v_full[s][pos:pos + 1].to(**row), c.kv_cache, torch.tensor([slot], device=device), c.k_scale, c.v_scale,
                                   False)
     scale = 0.3 * head_size ** -0.5  # small logits: no weight underflows in fp16
     out = cases.poison(torch.empty_like(c.query))

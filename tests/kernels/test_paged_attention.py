@@ -148,8 +148,7 @@ SPLIT_CASES = [c for c in CPU_CASES if c[3].get("num_splits", 1) > 1]
                          argvalues=[c[1:] for c in SPLIT_CASES], ids=[c[0] for c in SPLIT_CASES])
 def test_triton_split_merge_reduce_kernel(query_lens, context_lens, kw):
     """The KV splits' partials merged by the reduce kernel, over every split case of the
-    matrix (which runs the default: up to 8 splits, the last split program merges; the
-    "reduce_pdl" merge runs as this one in the interpreter)."""
+    matrix (which runs the default: up to 8 splits, the last split program merges)."""
     check_paged("triton", query_lens, context_lens, decode_changes=dict(split_merge="reduce"), **kw)
 
 
@@ -350,8 +349,8 @@ TRITON_GPU_FEATURES = [  # Triton launch knobs: splits, decode kinds
                                           decode_cfg=DecodeConfig(32, 2, 3, "streams"))),
     ("split_last_split_merge_sinks", dict(sinks=True, num_splits=7, sliding_window=500,
                                           decode_changes=dict(split_merge="last_split"))),
-    ("split_pdl_merge_alibi", dict(alibi=True, num_splits=6,
-                                   decode_changes=dict(split_merge="reduce_pdl"))),
+    ("split_reduce_kernel_alibi", dict(alibi=True, num_splits=6,
+                                       decode_changes=dict(split_merge="reduce"))),
 ]
 
 
@@ -422,7 +421,7 @@ def test_paged_attention_gpu_fp8_output(provider, num_splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("merge", ["last_split", "reduce", "reduce_pdl"])
+@pytest.mark.parametrize("merge", ["last_split", "reduce"])
 @pytest.mark.parametrize("case", [
     dict(out_fp8=True, num_splits=3),
     dict(cache_dtype=torch.float8_e4m3fn, num_splits=8, tol=2e-2),

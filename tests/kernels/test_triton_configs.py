@@ -5,6 +5,9 @@ tests/triton_sm90_compile.py checks that the launcher passes these choices to it
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -154,7 +157,22 @@ def test_split_merge_rule():
     assert split_merge_of(cfg, LAST_SPLIT_MAX_SPLITS + 1) == "reduce"
     assert split_merge_of(DecodeConfig(32, 2, 3, "streams"), 2) == "reduce"
     assert split_merge_of(DecodeConfig(16, 1, 3, "keys3", split_merge="last_split"), 64) == "last_split"
-    with pytest.raises(ValueError, match=r"paged_attention: decode split_merge 'fused'; supported: "):
+    with pytest.raises(ValueError, match=r"decode split_merge 'fused' \(default from ROCM_ATTN_SPLIT"):
         DecodeConfig(16, 1, 3, "rows3", split_merge="fused")
     with pytest.raises(ValueError, match=r"split_merge 'last_split' with kind 'streams3'"):
         DecodeConfig(64, 4, 3, "streams3", split_merge="last_split")
+
+
+@pytest.mark.parametrize("value,expect", [("reduce", "reduce"), ("bogus", "ValueError")])
+def test_split_merge_env_default(value, expect):
+    """ROCM_ATTN_SPLIT_MERGE sets the merge of every default config; a bad value fails at
+    import, naming the variable."""
+    code = ("from inductor_rocm_attn.kernels.triton.configs import decode_config\n"
+            "import torch\n"
+            "print(decode_config(128, 4, 16, torch.bfloat16).split_merge)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "ROCM_ATTN_SPLIT_MERGE": value})
+    if expect == "ValueError":
+        assert r.returncode != 0 and "ROCM_ATTN_SPLIT_MERGE" in r.stderr and "'bogus'" in r.stderr
+    else:
+        assert r.returncode == 0 and r.stdout.strip() == expect, r.stderr

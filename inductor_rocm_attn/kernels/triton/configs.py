@@ -34,16 +34,19 @@ _ONE_LOOP_OF = {"rows3": "rows", "keys3": "keys"}  # what a short split runs ins
 SPLIT_MERGES = (
     "auto",  # "last_split" up to LAST_SPLIT_MAX_SPLITS splits, else "reduce" (the default)
     "reduce",  # a second kernel, _decode_reduce_kernel, one program per (sequence, head)
-    "reduce_pdl",  # the same kernel as a programmatic dependent launch (CUDA sm_90+; else "reduce")
     "last_split",  # no second kernel: the last split program of each row block to finish merges
 )
 # The last split merges alone, one warp reading every split's partial rows from L2: cheaper
 # than a second kernel for few splits, far dearer for many. H200, bf16, 32/8 heads, d128,
 # us reduce / last_split (results history 2026-12-04_1235): B=16 (8 splits) L=1024 33.0 /
 # 31.7, L=4096 80.4 / 79.8, L=16384 256.7 / 256.4; fp8 B=64 L=4096 (2 splits) 141.8 / 139.4;
-# B=1 (16-64 splits) L=1024 12.1 / 14.9, L=4096 16.2 / 28.5. The PDL reduce: B=16 L=1024 36.8,
-# B=1 L=4096 15.6, otherwise within 2% of the plain reduce.
+# B=1 (16-64 splits) L=1024 12.1 / 14.9, L=4096 16.2 / 28.5.
 LAST_SPLIT_MAX_SPLITS = 8
+# The merge's ticket counters live per device and go back to 0 at the end of every launch, so
+# decode launches on one device must run in stream order (one stream, or events between
+# streams): two launches running at once on two streams would share counters.
+# ROCM_ATTN_SPLIT_MERGE=reduce makes every default config merge in the reduce kernel instead.
+DEFAULT_SPLIT_MERGE = os.environ.get("ROCM_ATTN_SPLIT_MERGE", "auto")
 
 # --- knobs (the defaults of the config fields below) -----------------------------------------
 
@@ -120,14 +123,14 @@ class DecodeConfig:
     splits_round_down: bool = SPLITS_ROUND_DOWN
     fp8_fp16_dot: bool = False
     one_split_ctas_per_sm: int = 2
-    split_merge: str = "auto"
+    split_merge: str = DEFAULT_SPLIT_MERGE
 
     def __post_init__(self):
         if self.kind not in DECODE_KINDS:
             raise ValueError(f"paged_attention: decode kind {self.kind!r}; supported: {DECODE_KINDS}")
         if self.split_merge not in SPLIT_MERGES:
-            raise ValueError(f"paged_attention: decode split_merge {self.split_merge!r}; "
-                             f"supported: {SPLIT_MERGES}")
+            raise ValueError(f"paged_attention: decode split_merge {self.split_merge!r} (default "
+                             f"from ROCM_ATTN_SPLIT_MERGE); supported: {SPLIT_MERGES}")
         if self.split_merge == "last_split" and self.kind.startswith("streams"):
             raise ValueError(f"paged_attention: decode split_merge 'last_split' with kind "
                              f"{self.kind!r}; supported with kinds 'rows', 'rows3', 'keys', 'keys3'")

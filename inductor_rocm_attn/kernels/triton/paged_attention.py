@@ -50,7 +50,7 @@ def launch_target(device: torch.device) -> LaunchTarget:
     return _gpu_target(device.index or 0)
 
 
-_SPLIT_MERGE_CODE = {"reduce": 0, "last_split": 1, "reduce_pdl": 2}  # _paged_decode_kernel
+_SPLIT_MERGE_CODE = {"reduce": 0, "last_split": 1}  # _paged_decode_kernel's SPLIT_MERGE
 # The ticket counters of DecodeConfig.split_merge == "last_split", one int32 per (sequence, KV
 # head, head chunk), per device. Each launch leaves them 0 (its last split program resets
 # them), so one zeroed buffer serves every launch in stream order. A grown buffer replaces
@@ -195,9 +195,6 @@ def paged_attention(
                                    head_chunks=head_chunks, max_ctx=max_ctx,
                                    num_sms=target.num_sms)
     merge = split_merge_of(dcfg, num_splits)
-    if merge == "reduce_pdl" and (interpret or torch.version.hip or not target.tma
-                                  or kind.startswith("streams")):
-        merge = "reduce"  # programmatic dependent launch: CUDA sm_90+ (as TMA), rows/keys kernel
     if num_splits > 1:
         part_acc = torch.empty(num_seqs, num_heads, num_splits, head_size, dtype=torch.float32,
                                device=query.device)
@@ -239,14 +236,12 @@ def paged_attention(
             SPLIT_MERGE=_SPLIT_MERGE_CODE[merge] if num_splits > 1 else 0,
             num_warps=dcfg.num_warps, num_stages=dcfg.num_stages, **shape, **dcommon)
     if num_splits > 1 and merge != "last_split":
-        pdl = {"launch_pdl": True} if merge == "reduce_pdl" else {}
         _decode_reduce_kernel[(num_seqs, num_heads)](
             output, part_acc, part_ml, query_start_loc, v_scale, ptrs[4],
             output.stride(0), output.stride(1), *pa_strides,
             HEAD_SIZE=head_size, BLOCK_D=block_d, NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits), FP8_KV=fp8_kv,
-            USE_OUT_SCALE=use_out_scale, OUT_MAX=out_max, GDC_WAIT=merge == "reduce_pdl",
-            num_warps=4, **pdl,
+            USE_OUT_SCALE=use_out_scale, OUT_MAX=out_max, num_warps=4,
         )
 
     # --- verify: sequences with 2 <= query_len <= q_max (needs the max_query_len hint) -------

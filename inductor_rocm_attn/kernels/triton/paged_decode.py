@@ -38,8 +38,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
 from .attention_common import _LOG2E, _block_ids, _paged_inner, _store_rows, _tanh, _tiles, _v_packets
 
 
@@ -71,11 +69,8 @@ def _paged_decode_kernel(
     at position ``seq_len - 1``, and every key (its own too) is read from the cache.
     ``SPLIT_MERGE`` (``DecodeConfig.split_merge``, with more than one split): 0 = the
     partials are merged by ``_decode_reduce_kernel``; 1 = by the last split program of each
-    (sequence, KV head, head chunk) to finish (``_merge_if_last_split``); 2 = by the reduce
-    kernel launched as a programmatic dependent launch (sm_90+), released here at the start.
+    (sequence, KV head, head chunk) to finish (``_merge_if_last_split``).
     """
-    if SPLIT_MERGE == 2:
-        gdc_launch_dependents()  # the reduce kernel may start now; it waits for this grid
     tl.static_assert(BLOCK_H >= 16 and (BLOCK_H & (BLOCK_H - 1)) == 0, "BLOCK_H: a dot's M >= 16")
     tl.static_assert(BLOCK_D >= HEAD_SIZE and (BLOCK_D & (BLOCK_D - 1)) == 0,
                      "BLOCK_D is the head size rounded up to a power of two")
@@ -273,13 +268,10 @@ def _decode_reduce_kernel(
     stride_ot, stride_oh, stride_pa_s, stride_pa_h, stride_pa_k,
     HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr, FP8_KV: tl.constexpr, USE_OUT_SCALE: tl.constexpr,
-    OUT_MAX: tl.constexpr, GDC_WAIT: tl.constexpr = False,
+    OUT_MAX: tl.constexpr,
 ):
-    """Grid ``(num_seqs, num_heads)``: merge the splits' (acc, max, sum) of one decode row.
-    ``GDC_WAIT``: launched as a programmatic dependent launch; wait for the decode grid."""
+    """Grid ``(num_seqs, num_heads)``: merge the splits' (acc, max, sum) of one decode row."""
     tl.static_assert(BLOCK_S >= NUM_SPLITS, "one tile holds every split")
-    if GDC_WAIT:
-        gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq)
