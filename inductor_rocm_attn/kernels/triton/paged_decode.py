@@ -241,12 +241,20 @@ def _merge_if_last_split(out_ptr, part_acc_ptr, part_ml_ptr, count_ptr, heads, o
             w = tl.exp2(m_s - m_max)  # an empty split has m = -inf: weight 0
             l_sum += w * l_s
             acc += tl.load(pa + s * stride_pa_k, mask=mask, other=0.0, cache_modifier=".cg") * w[:, None]
-        out_scale = 1.0
-        if USE_OUT_SCALE:
-            out_scale = tl.load(out_scale_ptr)
-        out_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-        _store_rows(out_ptrs, acc, l_sum, v_scale, out_scale, mask, USE_OUT_SCALE=USE_OUT_SCALE,
-                    OUT_MAX=OUT_MAX)
+        _store_output_rows(out_ptr, acc, l_sum, heads, offs_d, mask, q_start, v_scale, out_scale_ptr,
+                           stride_ot, stride_oh, USE_OUT_SCALE=USE_OUT_SCALE, OUT_MAX=OUT_MAX)
+
+
+@triton.jit
+def _store_output_rows(out_ptr, acc, l, heads, offs_d, mask, q_start, v_scale, out_scale_ptr,
+                       stride_ot, stride_oh, USE_OUT_SCALE: tl.constexpr, OUT_MAX: tl.constexpr):
+    """Normalise and store a decode token's ``[BLOCK_H, BLOCK_D]`` output rows."""
+    out_scale = 1.0
+    if USE_OUT_SCALE:
+        out_scale = tl.load(out_scale_ptr)
+    out_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    _store_rows(out_ptrs, acc, l, v_scale, out_scale, mask, USE_OUT_SCALE=USE_OUT_SCALE,
+                OUT_MAX=OUT_MAX)
 
 
 
@@ -313,12 +321,8 @@ def _store_decode(out_ptr, part_acc_ptr, part_ml_ptr, acc, m, l, heads, offs_d, 
     store the output; else store the split's partial (acc, max, sum) for the reduce kernel."""
     mask = mask_h[:, None] & mask_d[None, :]
     if NUM_SPLITS == 1:
-        out_scale = 1.0
-        if USE_OUT_SCALE:
-            out_scale = tl.load(out_scale_ptr)
-        out_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-        _store_rows(out_ptrs, acc, l, v_scale, out_scale, mask, USE_OUT_SCALE=USE_OUT_SCALE,
-                    OUT_MAX=OUT_MAX)
+        _store_output_rows(out_ptr, acc, l, heads, offs_d, mask, q_start, v_scale, out_scale_ptr,
+                           stride_ot, stride_oh, USE_OUT_SCALE=USE_OUT_SCALE, OUT_MAX=OUT_MAX)
     else:
         pa = (part_acc_ptr + seq.to(tl.int64) * stride_pa_s + heads[:, None] * stride_pa_h
               + split * stride_pa_k + offs_d[None, :])
