@@ -155,21 +155,36 @@ def test_triton_split_merge_reduce_kernel(query_lens, context_lens, kw):
 @cpu_only
 def test_triton_last_split_merge_counters_reset():
     """Each launch leaves the merge counters at 0, so back-to-back launches (graph
-    replays) merge correctly; poisoned counters make the check fail, so it can."""
+    replays) merge correctly. Counters left far from 0 mean no program takes the last
+    ticket and the (poisoned) output stays unwritten: the check fails, so it can."""
     pa_mod = importlib.import_module("inductor_rocm_attn.kernels.triton.paged_attention")
 
     kw = dict(num_heads=8, num_kv_heads=2, num_splits=4, decode_changes=dict(split_merge="last_split"))
     for _ in range(3):
         check_paged("triton", [1, 1, 1], [70, 5, 130], **kw)
         assert all(int(b.abs().sum()) == 0 for b in pa_mod._MERGE_COUNTERS.values())
-    next(iter(pa_mod._MERGE_COUNTERS.values())).fill_(1)
+    next(iter(pa_mod._MERGE_COUNTERS.values())).fill_(1000)
     try:
-        with pytest.raises(AssertionError, match="rel err"):
+        with pytest.raises(AssertionError, match="unwritten"):
             check_paged("triton", [1, 1, 1], [70, 5, 130], **kw)
     finally:
         for b in pa_mod._MERGE_COUNTERS.values():
             b.zero_()
 
+
+@cpu_only
+def test_triton_merge_counters_grow_and_keep_old_buffers():
+    """More (sequence, KV head) rows than the counter buffer holds: it grows, zeroed, and the
+    old buffer is kept (a captured graph may still address it)."""
+    pa_mod = importlib.import_module("inductor_rocm_attn.kernels.triton.paged_attention")
+    dev = torch.device("cpu")
+    first = pa_mod._merge_counters(dev, 10)
+    assert first is not None and first.numel() >= 10 and int(first.abs().sum()) == 0
+    assert pa_mod._merge_counters(dev, first.numel()) is first
+    grown = pa_mod._merge_counters(dev, first.numel() + 1)
+    assert grown.numel() > first.numel() and int(grown.abs().sum()) == 0
+    assert any(b is first for b in pa_mod._RETIRED_COUNTERS)
+    assert pa_mod._merge_counters(dev, 10) is grown
 
 @cpu_only
 @pytest.mark.parametrize("margin", [0.0, 8.0])
