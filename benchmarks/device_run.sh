@@ -13,7 +13,8 @@
 #   printed last (and kept in $OUT/tables.md)
 #   TEST_FILES=tests/kernels/test_paged_attention.py limits the tests stage to those files
 #   TEST_SHARDS / WRITER_SHARDS: parallel pytest processes (default 6 / 2 for the AITER-op writers)
-#   MEMCHECK_FILTER="dense_paths|plain" limits the memcheck stage to test ids matching it
+#   MEMCHECK_FILTER="dense_paths|plain" limits the memcheck stage to test ids matching it;
+#   MEMCHECK_SHARDS / MEMCHECK_S: its processes and per-process limit (default TEST_SHARDS / TESTS_S)
 #   FP8_ARGS replaces decode_fp8's arguments (e.g. "--batch 64 --ctx 4096 --fp8-cfgs 16,1,4,rows3 16,1,3,rows3,2")
 #   NATIVE_ARGS passes bench_native.py arguments (e.g. "--variants all --batch 1 16 64 --ctx 4096")
 #   stage transformers: benchmarks/bench_transformers.py; TRANSFORMERS_ARGS="--model llama-3.2-1b"
@@ -47,7 +48,8 @@ shard() {  # shard <name> <ids file> <count> [env...]: parallel pytest processes
   [ -s $ids ] || return 0  # no tests of this kind selected (TEST_FILES)
   for i in $(seq 0 $((n - 1))); do
     awk -v n=$n -v i=$i 'NR % n == i' $ids > $OUT/tests/$name$i.txt
-    ( env "$@" timeout ${TESTS_S:-300} ${RUNNER:-} python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+    # SIGINT at the limit: pytest stops and still prints the failures so far (-rf, tracebacks)
+    ( env "$@" timeout -s INT -k 30 ${TESTS_S:-300} ${RUNNER:-} python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
         --durations=3 $(cat $OUT/tests/$name$i.txt) > $OUT/tests/$name$i.log 2>&1
       echo "rc=$? ($name $i)" >> $OUT/tests/$name$i.log ) &
   done
@@ -85,7 +87,8 @@ run_memcheck() {
     | grep -E "${MEMCHECK_FILTER:-.}" > $OUT/tests/memcheck.ids
   echo "memcheck over $(wc -l < $OUT/tests/memcheck.ids) GPU tests" | tee -a $LOG
   RUNNER="compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 10" \
-    shard memcheck $OUT/tests/memcheck.ids ${TEST_SHARDS:-6} PYTORCH_NO_CUDA_MEMORY_CACHING=1
+    TESTS_S=${MEMCHECK_S:-${TESTS_S:-300}} \
+    shard memcheck $OUT/tests/memcheck.ids ${MEMCHECK_SHARDS:-${TEST_SHARDS:-6}} PYTORCH_NO_CUDA_MEMORY_CACHING=1
   wait
   cat $OUT/tests/memcheck*.log >> $LOG
   grep -h "ERROR SUMMARY" $OUT/tests/memcheck*.log | sort | uniq -c | tee -a $LOG
