@@ -230,7 +230,8 @@ def paged_attention(
             if counters is None:  # first use inside a graph capture: the reduce kernel instead
                 merge, counters = "reduce", part_ml
         _paged_decode_kernel[grid](
-            *decode_args[:3], counters, *decode_args[3:], TILE_N=dcfg.tile_n, SUB=min(dcfg.tile_n, _pow2_part(block_size)),
+            *decode_args[:3], counters, *decode_args[3:],
+            TILE_N=dcfg.tile_n, SUB=min(dcfg.tile_n, _pow2_part(block_size)),
             ONE_LOOP=kind in ("rows", "keys"), KEYS_MAJOR=kind.startswith("keys"),
             RESCALE_MARGIN=float(dcfg.rescale_margin), K_ROWS=dcfg.k_rows, Q_POW2_SCALE=fp16_dot,
             SPLIT_MERGE=_SPLIT_MERGE_CODE[merge] if num_splits > 1 else 0,

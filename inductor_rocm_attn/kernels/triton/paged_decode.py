@@ -214,9 +214,10 @@ def _merge_if_last_split(out_ptr, part_acc_ptr, part_ml_ptr, count_ptr, heads, o
                          BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          USE_OUT_SCALE: tl.constexpr, OUT_MAX: tl.constexpr):
     """After this program stored its split's partial rows: take a ticket on the rows'
-    counter; the program that takes the last one merges every split (what
-    ``_decode_reduce_kernel`` computes, in the same order) and sets the counter back to 0
-    for the next launch. The counters must be 0 when the launch starts."""
+    counter; the program that takes the last one merges every split (``_decode_reduce_kernel``'s
+    formula; the sum runs split by split, so fp32 rounding may differ in the last bits) and
+    sets the counter back to 0 for the next launch. The counters must be 0 when the launch
+    starts."""
     # Every lane's partial stores come before the release of the ticket (one lane takes it).
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
@@ -236,11 +237,13 @@ def _merge_if_last_split(out_ptr, part_acc_ptr, part_ml_ptr, count_ptr, heads, o
         pa = (part_acc_ptr + seq.to(tl.int64) * stride_pa_s + heads[:, None] * stride_pa_h
               + offs_d[None, :])
         for s in tl.range(0, NUM_SPLITS, loop_unroll_factor=4):  # 4 splits' loads in flight
-            m_s = tl.load(part_ml_ptr + ml + s * 2, mask=h_ok, other=float("-inf"), cache_modifier=".cg")
+            m_s = tl.load(part_ml_ptr + ml + s * 2, mask=h_ok, other=float("-inf"),
+                          cache_modifier=".cg")
             l_s = tl.load(part_ml_ptr + ml + s * 2 + 1, mask=h_ok, other=0.0, cache_modifier=".cg")
             w = tl.exp2(m_s - m_max)  # an empty split has m = -inf: weight 0
             l_sum += w * l_s
-            acc += tl.load(pa + s * stride_pa_k, mask=mask, other=0.0, cache_modifier=".cg") * w[:, None]
+            a_s = tl.load(pa + s * stride_pa_k, mask=mask, other=0.0, cache_modifier=".cg")
+            acc += a_s * w[:, None]
         _store_output_rows(out_ptr, acc, l_sum, heads, offs_d, mask, q_start, v_scale, out_scale_ptr,
                            stride_ot, stride_oh, USE_OUT_SCALE=USE_OUT_SCALE, OUT_MAX=OUT_MAX)
 
