@@ -344,8 +344,8 @@ def check_paged_nonfinite(provider, query_lens, context_lens, inject, *, dtype=t
             slot = int(c.block_table[s, pos // block_size]) * block_size + pos % block_size
             row = dict(device=device, dtype=dtype)  # k_full / v_full stay on the CPU (float64)
             ref.reshape_and_cache(c.k_full[s][pos:pos + 1].to(**row),
-                                  c.v_full[s][pos:pos + 1].to(**row), c.kv_cache, torch.tensor([slot], device=device), c.k_scale, c.v_scale,
-                                  False)
+                                  c.v_full[s][pos:pos + 1].to(**row), c.kv_cache,
+                                  torch.tensor([slot], device=device), c.k_scale, c.v_scale, False)
     scale = 0.3 * head_size ** -0.5  # small logits: no weight underflows in fp16
     out = cases.poison(torch.empty_like(c.query))
     row_block = None
@@ -360,8 +360,8 @@ def check_paged_nonfinite(provider, query_lens, context_lens, inject, *, dtype=t
     fn(out, c.query, c.key, c.value, c.kv_cache, c.query_start_loc, c.seq_lens, c.block_table,
        scale, c.k_scale, c.v_scale, causal, sliding_window, None, None, 0.0, False, None, **knobs)
     want = torch.cat([sdpa_visible(c.query[qsl[s]:qsl[s + 1]].cpu(), c.k_full[s].cpu(),
-                                   c.v_full[s].cpu(), q_start_pos=context_lens[s], scale=scale, causal=causal,
-                                   sliding_window=sliding_window, row_block=row_block)
+                                   c.v_full[s].cpu(), q_start_pos=context_lens[s], scale=scale,
+                                   causal=causal, sliding_window=sliding_window, row_block=row_block)
                       for s in range(len(query_lens))])
     assert (~torch.isfinite(want)).any() and torch.isfinite(want).any(), "the case tests nothing"
     assert_same_nonfinite(out, want, TOL[dtype], f"{provider} seed {seed_}")

@@ -186,6 +186,7 @@ def test_triton_merge_counters_grow_and_keep_old_buffers():
     assert any(b is first for b in pa_mod._RETIRED_COUNTERS)
     assert pa_mod._merge_counters(dev, 10) is grown
 
+
 @cpu_only
 @pytest.mark.parametrize("margin", [0.0, 8.0])
 @pytest.mark.parametrize("query_lens,context_lens,kw", [

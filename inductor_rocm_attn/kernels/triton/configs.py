@@ -56,8 +56,9 @@ DEFAULT_SPLIT_MERGE = os.environ.get("ROCM_ATTN_SPLIT_MERGE", "auto")
 # several runs as well ([runs, HEAD/X, SUB*X]). Decode B=64 L=4096: 258 us with 1, 326 with 0.
 # Prefill's wgmma needs K in its own shared layout, so there the rows cost a register round
 # trip; still, with a 4096-token prefix level 2 ran 361 TFLOP/s against 337 (level 1) and 334
-# (0), no prefix 432 / 431 / 429 (results: s11_call4_ffma). Prefill takes level 2 (its GPU
-# test matrix and memcheck ran with it: benchmarks/results/README.md, correctness table).
+# (0), no prefix 432 / 431 / 429 (results: s11_call4_ffma). Prefill takes level 2: the
+# prefill tests of the GPU matrix and a memcheck of 38 of them ran with it
+# (benchmarks/results/README.md, correctness table).
 PAGED_K_ROWS = 1
 PREFILL_K_ROWS = 2
 # Lazy softmax rescale margins (log2 units, attention_common._attn_update); 0 rescales the

@@ -3,7 +3,9 @@
 A decode program owns one (sequence, KV head, KV split): all GQA query heads of the KV
 head in one ``[BLOCK_H, HEAD]`` tile, so each K/V byte is read once. With more than one
 split (flash-decoding) each program covers a slice of the context and stores partial
-(acc, max, sum) that ``_decode_reduce_kernel`` merges. The kinds (``configs.DECODE_KINDS``):
+(acc, max, sum) rows, which the last split program to finish merges (``_merge_if_last_split``,
+up to ``configs.LAST_SPLIT_MAX_SPLITS`` splits) or ``_decode_reduce_kernel`` does. The kinds
+(``configs.DECODE_KINDS``):
 
 **Rows** (``_paged_decode_kernel``, kinds "rows"/"rows3", the default): the prefill loop
 (``attention_common._paged_inner``) over ``[BLOCK_H, TILE_N]`` score tiles; one masked loop
@@ -321,7 +323,7 @@ def _store_decode(out_ptr, part_acc_ptr, part_ml_ptr, acc, m, l, heads, offs_d, 
                   stride_ot, stride_oh, stride_pa_s, stride_pa_h, stride_pa_k,
                   NUM_SPLITS: tl.constexpr, USE_OUT_SCALE: tl.constexpr, OUT_MAX: tl.constexpr):
     """Finish one program's ``[BLOCK_H, BLOCK_D]`` decode rows: with one split, normalise and
-    store the output; else store the split's partial (acc, max, sum) for the reduce kernel."""
+    store the output; else store the split's partial (acc, max, sum) for the merge."""
     mask = mask_h[:, None] & mask_d[None, :]
     if NUM_SPLITS == 1:
         _store_output_rows(out_ptr, acc, l, heads, offs_d, mask, q_start, v_scale, out_scale_ptr,
