@@ -255,7 +255,9 @@ def check_encoder(provider, seq_lens, *, num_heads=4, num_kv_heads=2, head_size=
 
 def sdpa_visible(q, k, v, *, q_start_pos, scale, causal=True, sliding_window=-1, encoder=False,
                  row_block=None):
-    """float64 ``torch`` SDPA of each query row over exactly the keys that row sees; a row that
+    """float64 attention of each query row over exactly the keys that row sees, with the
+    non-finite results of ``torch`` SDPA run on that row alone (checked against such per-row
+    SDPA calls on random non-finite cases; one batched softmax here, 30x faster); a row that
     sees none outputs 0. q ``[Lq, Hq, D]`` at positions ``q_start_pos + i``, k/v ``[Lk, Hkv, D]``.
 
     SDPA itself, given a boolean mask, adds -inf to masked scores: a NaN key it masks still
@@ -278,13 +280,19 @@ def sdpa_visible(q, k, v, *, q_start_pos, scale, causal=True, sliding_window=-1,
         vis &= (qp - kp) < sliding_window
         if encoder:
             vis &= (kp - qp) < sliding_window
-    out = torch.zeros(lq, hq, d, dtype=torch.float64)
-    for i in range(lq):
-        if vis[i].any():
-            out[i] = torch.nn.functional.scaled_dot_product_attention(
-                q[i].double()[:, None, :], kk[:, vis[i]], vv[:, vis[i]], scale=scale)[:, 0]
+    # Scores of unseen keys become -inf by selection, not by addition: a NaN there is dropped.
+    s = torch.where(vis, torch.einsum("qhd,hkd->hqk", q.double(), kk) * scale, float("-inf"))
+    # A row with no key or every seen score -inf: weights 0 (SDPA's CPU kernel gives 0, and
+    # NaN where a seen value is non-finite, from the loop below).
+    dead = (s == float("-inf")).all(-1)  # [Hq, Lq]
+    p = torch.softmax(s, -1).masked_fill(dead[..., None], 0.0)  # exactly 0 at unseen keys
+    bad = ~torch.isfinite(vv)  # [Hq, Lk, D]
+    out = torch.einsum("hqk,hkd->qhd", p, torch.where(bad, 0.0, vv))
+    # A non-finite value reaches the rows that see its key as weight * value, as in SDPA
+    # (0 * inf = NaN where a seen key's weight underflows).
+    for h, j, c in bad.nonzero().tolist():
+        out[:, h, c] += torch.where(vis[:, j], p[h, :, j] * vv[h, j, c], 0.0)
     if row_block:
-        bad = ~torch.isfinite(vv)  # [Hq, Lk, D]
         for b in range(0, lq, row_block):
             blk = vis[b: b + row_block]
             reached = blk.any(0)[None, :] & ~blk  # [rows, Lk]: the block sees the key, the row not

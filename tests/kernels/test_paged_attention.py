@@ -304,6 +304,48 @@ NONFINITE_PARAMS = dict(argnames="inject,kw", argvalues=[c[1:] for c in NONFINIT
 NONFINITE_BATCH = ([1, 7, 20], [30, 12, 5])
 
 
+@pytest.mark.parametrize("trial", range(8))
+def test_sdpa_visible_matches_per_row_sdpa(trial):
+    """The non-finite oracle (one batched softmax) against float64 SDPA called on each row and
+    head alone over the keys it sees: NaN / +-inf at the same places, the rest equal. Random
+    shapes, windows and NaN / +-inf entries in q, k and v, some rows with underflowing weights."""
+    from attention_checks import sdpa_visible
+
+    rng = random.Random(seed() + trial)
+    for _ in range(40):
+        hkv, d = rng.choice([1, 2]), rng.choice([4, 8])
+        hq, lk = hkv * rng.choice([1, 2, 4]), rng.randint(1, 40)
+        lq = rng.randint(1, min(lk, 12))
+        q, k, v = (torch.randn(n, h, d, dtype=torch.float64)
+                   for n, h in ((lq, hq), (lk, hkv), (lk, hkv)))
+        for _ in range(rng.randint(1, 3)):
+            t = rng.choice([q, k, v])
+            t[rng.randrange(t.shape[0]), rng.randrange(t.shape[1]), rng.randrange(d)] = \
+                rng.choice([INF, -INF, NAN])
+        if rng.random() < 0.2:
+            q *= 100  # some seen keys' weights underflow to 0: 0 * inf = NaN
+        start = lk - lq if rng.random() < 0.8 else rng.randint(0, 10)
+        causal, window, encoder = rng.random() < 0.7, rng.choice([-1, 3, 10]), rng.random() < 0.3
+        kw = dict(q_start_pos=start, scale=rng.choice([0.3, 1.0]), causal=causal,
+                  sliding_window=window, encoder=encoder)
+        got = sdpa_visible(q, k, v, **kw)
+        kp, want = torch.arange(lk), torch.zeros_like(got)
+        for i in range(lq):
+            qp = start + i
+            seen = (kp <= qp) if causal else torch.ones(lk, dtype=torch.bool)
+            if window > 0:
+                seen &= (qp - kp < window) & ((kp - qp < window) if encoder else True)
+            for h in range(hq):
+                if seen.any():
+                    want[i, h] = torch.nn.functional.scaled_dot_product_attention(
+                        q[i, h][None], k[seen, h // (hq // hkv)], v[seen, h // (hq // hkv)],
+                        scale=kw["scale"])[0]
+        for f in (torch.isnan, torch.isposinf, torch.isneginf):
+            assert torch.equal(f(got), f(want)), kw
+        fin = torch.isfinite(want)
+        torch.testing.assert_close(got[fin], want[fin], rtol=1e-10, atol=1e-12)
+
+
 @cpu_only
 @pytest.mark.parametrize(**NONFINITE_PARAMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
