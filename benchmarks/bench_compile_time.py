@@ -5,14 +5,17 @@ in a fresh, private Inductor cache (a cache hit would skip the work being measur
 the first call (Dynamo + AOT + Inductor + codegen + one run) and the passes' own time.
 
 ``--piecewise``: ``compile_piecewise`` (what serving uses) cold and warm, each start in its
-own process, as a restarted server pays it: for the trace cache off and on, a fresh cache
-directory, one cold start, then ``--warm-runs`` warm starts over the same caches. Reported
+own process, as a restarted server pays it: for the trace cache off and on
+(``--trace-cache-modes``) and each ``--compile-threads`` setting (the capture's parallel
+Triton compiles), a fresh cache directory, one cold start, then ``--warm-runs`` warm starts
+over the same caches. Reported
 per start: the compile (trace or stored-trace load, split, Inductor) in ``compile_s`` with
 its parts, CUDA/HIP graph capture on a GPU, and the process's wall time (imports, model
 build included). Goals (28 layers): warm < 5 s, cold < 10 s.
 
     python benchmarks/bench_compile_time.py [--device cuda] [--dtype bfloat16] [--layers 28] [--out DIR]
     python benchmarks/bench_compile_time.py --piecewise [--tiny] [--layers 28] [--warm-runs 2]
+        [--compile-threads 1 auto] [--trace-cache-modes off|on|both]
 
 Writes ``compile_time_<device>_<date>.json`` (``compile_time_piecewise_...`` with
 ``--piecewise``) to --out (default benchmarks/results).
@@ -89,13 +92,16 @@ def piecewise_child(args) -> None:
     ira.bind_kv_caches(model, 64, dtype, args.device)
     t0 = time.perf_counter()
     runner = compile_piecewise(model, capture_sizes=[1, 2, 4, 8, 16, 32, 64], max_num_seqs=64,
-                               max_model_len=2304, trace_cache=args.trace_cache or False)
+                               max_model_len=2304, trace_cache=args.trace_cache or False,
+                               compile_threads=None if args.compile_threads == ["auto"]
+                               else int(args.compile_threads[0]))
     st = runner.stats
     from torch._dynamo.utils import counters
 
     print(json.dumps(dict(
         total_s=time.perf_counter() - t0, compile_s=st.trace_s + st.compile_s, trace_s=st.trace_s,
         trace_loaded=st.trace_loaded, build_s=st.compile_s, capture_s=st.capture_s, captures=st.num_captures,
+        precompile_s=st.precompile_s, precompiled_kernels=st.precompiled_kernels,
         unique_compiles=st.num_unique_compiles, process_s=time.time() - t_process,
         cache=dict(counters["aot_autograd"]) | dict((k, v) for k, v in counters["inductor"].items()
                                                     if k.startswith("fxgraph")))))
@@ -103,30 +109,34 @@ def piecewise_child(args) -> None:
 
 def piecewise_main(args) -> None:
     rows = []
-    for trace_cache in (False, True):
-        root = tempfile.mkdtemp(prefix="compile_time_")
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(root, "inductor"),
-                   TRITON_CACHE_DIR=os.path.join(root, "triton"))
-        for start in ["cold"] + [f"warm{i + 1}" for i in range(args.warm_runs)]:
-            cmd = [sys.executable, os.path.abspath(__file__), "--piecewise-child", "--layers", str(args.layers),
-                   "--device", args.device, "--dtype", args.dtype] + (["--tiny"] if args.tiny else [])
-            if trace_cache:
-                cmd += ["--trace-cache", os.path.join(root, "traces")]
-            env["BENCH_T0"] = repr(time.time())
-            p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            try:
-                row = json.loads(p.stdout.strip().splitlines()[-1])
-            except Exception:  # keep the other rows: the error goes into the JSON
-                row = {"error": (p.stdout[-1000:] + p.stderr[-3000:])}
-            row.update(start=start, trace_cache=trace_cache)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    print(f"\n{'trace cache':>11} {'start':>6} {'compile s':>9} {'trace s':>8} {'build s':>8} "
-          f"{'capture s':>9} {'process s':>9}")
+    trace_modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.trace_cache_modes]
+    for threads in args.compile_threads:  # each setting from empty caches
+        for trace_cache in trace_modes:
+            root = tempfile.mkdtemp(prefix="compile_time_")
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(root, "inductor"),
+                       TRITON_CACHE_DIR=os.path.join(root, "triton"))
+            for start in ["cold"] + [f"warm{i + 1}" for i in range(args.warm_runs)]:
+                cmd = [sys.executable, os.path.abspath(__file__), "--piecewise-child", "--layers",
+                       str(args.layers), "--device", args.device, "--dtype", args.dtype]
+                cmd += (["--tiny"] if args.tiny else []) + ([] if threads == "auto" else ["--compile-threads", threads])
+                if trace_cache:
+                    cmd += ["--trace-cache", os.path.join(root, "traces")]
+                env["BENCH_T0"] = repr(time.time())
+                p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                try:
+                    row = json.loads(p.stdout.strip().splitlines()[-1])
+                except Exception:  # keep the other rows: the error goes into the JSON
+                    row = {"error": (p.stdout[-1000:] + p.stderr[-3000:])}
+                row.update(start=start, trace_cache=trace_cache, compile_threads=threads)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print(f"\n{'threads':>7} {'trace cache':>11} {'start':>6} {'compile s':>9} {'trace s':>8} {'build s':>8} "
+          f"{'capture s':>9} {'of it precompile':>16} {'process s':>9}")
     for r in rows:
         if "error" not in r:
-            print(f"{str(r['trace_cache']):>11} {r['start']:>6} {r['compile_s']:9.2f} {r['trace_s']:8.2f} "
-                  f"{r['build_s']:8.2f} {r['capture_s']:9.2f} {r['process_s']:9.2f}")
+            pre = f"{r['precompile_s']:.2f} ({r['precompiled_kernels']} kernels)"
+            print(f"{r['compile_threads']:>7} {str(r['trace_cache']):>11} {r['start']:>6} {r['compile_s']:9.2f} "
+                  f"{r['trace_s']:8.2f} {r['build_s']:8.2f} {r['capture_s']:9.2f} {pre:>16} {r['process_s']:9.2f}")
     from common import stamp, write_json  # the shared result JSON (benchmarks/common.py)
 
     out = os.path.join(args.out, f"compile_time_piecewise_{args.device}_{stamp()}.json")
@@ -148,6 +158,11 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="--piecewise: hidden 256 (the graph, not the sizes, "
                                                         "sets compile time)")
     ap.add_argument("--warm-runs", type=int, default=2)
+    ap.add_argument("--compile-threads", nargs="+", default=["auto"],
+                    help="--piecewise: compile_threads settings to start with, each from empty caches "
+                         "(auto: the default; 1: kernels compile at their first launch)")
+    ap.add_argument("--trace-cache-modes", choices=["off", "on", "both"], default="both",
+                    help="--piecewise: starts with the trace cache off, on, or both")
     ap.add_argument("--piecewise-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--trace-cache", help=argparse.SUPPRESS)
     args = ap.parse_args()

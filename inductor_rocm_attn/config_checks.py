@@ -63,7 +63,7 @@ def check_impl_config(op: str, num_heads, head_size, scale, num_kv_heads, alibi_
 
 
 def check_runner_config(op: str, *, capture_sizes, max_num_seqs, max_num_tokens, max_model_len,
-                        flags: dict, optional_flags: dict, trace_cache) -> list[int]:
+                        flags: dict, optional_flags: dict, trace_cache, compile_threads=None) -> list[int]:
     """The arguments of ``compile_piecewise`` / ``compile_transformers`` that shape the
     runner's buffers and graphs, checked before anything is traced or allocated. Returns the
     capture sizes as a sorted list of distinct ints."""
@@ -92,4 +92,6 @@ def check_runner_config(op: str, *, capture_sizes, max_num_seqs, max_num_tokens,
             raise TypeError(f"{op}: {name} must be True, False or None, got {value!r}")
     if not (trace_cache is None or isinstance(trace_cache, (bool, str, os.PathLike))):
         raise TypeError(f"{op}: trace_cache must be True, False, None or a directory path, got {trace_cache!r}")
+    if compile_threads is not None:
+        validation.check_positive_int(op, "compile_threads", compile_threads)
     return sorted(set(sizes))

@@ -277,6 +277,33 @@ def test_graph_replay_matches_eager_200_mixed_steps(decode_graphs):
     assert res.argmax_agreement > 0.95, res
 
 
+@pytest.mark.gpu
+def test_capture_compiles_every_triton_kernel_before_the_first_launch(monkeypatch):
+    """With ``compile_threads`` > 1 the capture first compiles, in parallel, every Triton
+    kernel its steps launch (``precompile``): no kernel compiles at a real launch during the
+    warm-ups and captures, and the graphs then replay correct steps. A geometry no other
+    test uses (6 query heads over 2 KV heads): its kernels are not compiled in the process yet."""
+    import triton
+
+    cfg = qwen3_config(num_layers=2, hidden_size=384, intermediate_size=512, num_heads=6,
+                       num_kv_heads=2, head_size=64)
+    model, ref = decoder_pair(cfg, num_blocks=256, dtype=torch.bfloat16, device="cuda")
+    at_launch, compile_only = [], []
+
+    def before_compile(*, fn, is_manual_warmup, **_):
+        (compile_only if is_manual_warmup else at_launch).append(fn.name)
+
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", before_compile)
+    runner = compile_piecewise(model, capture_sizes=[1, 2, 4, 8], max_num_seqs=8, max_model_len=512,
+                               compile_threads=4)
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", None)
+    assert runner.stats.precompiled_kernels > 0 and compile_only
+    assert at_launch == [], f"compiled at a launch after the precompile: {sorted(set(at_launch))}"
+    res = run_mixed_decode(runner, ref, steps=40, max_seqs=8, max_len=400, seed=1)
+    assert res.finite and res.graph_steps == res.steps and res.mixed_steps > 0
+    assert res.max_rel_err < 2e-2, res
+
+
 # --- compile time: piece inputs from Dynamo's fake values, the trace cache ------------------------
 
 

@@ -194,6 +194,9 @@ _RUNNER_CASES = [
     (dict(mixed_graphs="yes"), TypeError, r"mixed_graphs must be True or False, got 'yes'"),
     (dict(plugin=1), TypeError, r"plugin must be True, False or None, got 1"),
     (dict(trace_cache=123), TypeError, r"trace_cache must be True, False, None or a directory path, got 123"),
+    (dict(compile_threads=0), ValueError, r"compile_threads must be a positive int, got 0"),
+    (dict(compile_threads=2.0), ValueError, r"compile_threads must be a positive int, got 2.0"),
+    (dict(compile_threads=True), ValueError, r"compile_threads must be a positive int, got True"),
 ]
 
 

@@ -50,7 +50,9 @@ class CompileStats:
     trace_s: float = 0.0
     trace_loaded: bool = False  # the traced graph came from the trace cache (no Dynamo)
     compile_s: float = 0.0
-    capture_s: float = 0.0
+    capture_s: float = 0.0  # the precompile's time included
+    precompile_s: float = 0.0  # Triton kernels compiled in parallel before capture
+    precompiled_kernels: int = 0
     plugin_active: bool = False
     num_stand_ins: int = 0
     piece_groups: list[list[str]] = dataclasses.field(default_factory=list)

@@ -62,6 +62,7 @@ from inductor_rocm_attn.metadata import AttentionMetadata, MetadataBuffers, buil
 from inductor_rocm_attn.validation import check_token_ids, vocab_size_of
 
 from .build import compile_model
+from . import precompile
 from .graph_backends import CudaGraphBackend
 from .pieces import CompiledPiece, CompileStats, Mode, plugin_context
 from .step_graphs import DECODE, MIXED, StepShape, dummy_step, plan_step, step_shapes
@@ -277,10 +278,14 @@ class PiecewiseRunner:
     # --- capture --------------------------------------------------------------------------
 
     @torch.no_grad()
-    def capture(self, num_warmup: int = 1) -> None:
+    def capture(self, num_warmup: int = 1, compile_threads: int | None = None) -> None:
         """Capture the graphs, largest size first: with ``piecewise_graphs`` one graph per
         compiled piece per size; with ``decode_graphs`` / ``mixed_graphs`` one whole-step
-        graph per size of decode-only / of any steps (``step_graphs``)."""
+        graph per size of decode-only / of any steps (``step_graphs``).
+
+        ``compile_threads``: first compile the Triton kernels every capture launches on that
+        many threads (``precompile``; default one a core, at most 16; 1: each compiles at its
+        first launch, one after another)."""
         if not self.use_cuda_graphs or not self.capture_sizes:
             return
         t0 = time.perf_counter()
@@ -291,6 +296,9 @@ class PiecewiseRunner:
         self._mixed_graphs.clear()
         self._shapes.clear()
         self._step_md = self._step_shape = None
+        threads = precompile.default_compile_threads() if compile_threads is None else compile_threads
+        if threads > 1 and isinstance(backend, CudaGraphBackend):
+            self._precompile(threads)
         pieces = set()
         if self.piecewise_graphs:
             self._say(f"capturing {len(self.pieces)} piece graphs per size for sizes {self.capture_sizes}")
@@ -317,14 +325,39 @@ class PiecewiseRunner:
         self.stats.capture_s = time.perf_counter() - t0
         self._say(f"captured {self.stats.num_captures} graphs in {self.stats.capture_s:.1f} s")
 
+    def _precompile(self, threads: int) -> None:
+        """Run every step the captures below will run once, with Triton launches that only
+        compile, on ``threads`` threads (``precompile.parallel_compiles``)."""
+        why = precompile.available()
+        if why is not None:
+            self._say(f"Triton kernels compile at their first launch: {why}")
+            return
+        t0 = time.perf_counter()
+        self._mode = Mode.EAGER
+        steps = [(self._dummy_metadata, size) for size in self.capture_sizes] if self.piecewise_graphs else []
+        steps += [(lambda _, shape=shape: dummy_step(shape, buffers=self.buffers, max_model_len=self.max_model_len,
+                                                     block_size=self.block_size), shape.num_tokens)
+                  for shape in self._whole_step_shapes()]
+        with self._graph_backend.warmup(), precompile.parallel_compiles(threads) as done:
+            for metadata_for, size in steps:  # the metadata fills the shared buffers: one at a time
+                with set_forward_context(metadata_for(size), layers=self.layer_table):
+                    self.split_gm(*self._args(size))
+        self.stats.precompile_s = time.perf_counter() - t0
+        self.stats.precompiled_kernels = done["kernels"]
+        self._say(f"compiled {done['kernels']} Triton kernels on {threads} threads in "
+                  f"{self.stats.precompile_s:.1f} s")
+
+    def _whole_step_shapes(self) -> list[StepShape]:
+        return step_shapes(self.capture_sizes, self.buffers.max_num_seqs,
+                           decode=self.decode_graphs, mixed=self.mixed_graphs)
+
     def _capture_whole_steps(self, num_warmup: int) -> None:
         """Whole steps in one graph each: the pieces and the attention between them.
         Attention's launches depend on host values only through the metadata's shapes and
         its ``max_query_len`` / ``max_seq_len`` hints, all fixed by the step's shape
         (``step_graphs``), so one capture serves every step planned in that shape; lengths,
         block tables and slots change in the buffers."""
-        shapes = step_shapes(self.capture_sizes, self.buffers.max_num_seqs,
-                             decode=self.decode_graphs, mixed=self.mixed_graphs)
+        shapes = self._whole_step_shapes()
         if not shapes:
             return
         backend = self._graph_backend
@@ -383,6 +416,7 @@ def compile_piecewise(
     layers: Mapping[str, Any] | None = None,
     progress: Callable[[str], None] | None = None,
     trace_cache: bool | str | None = None,
+    compile_threads: int | None = None,
 ) -> PiecewiseRunner:
     """Split ``model`` at its attention ops, compile the pieces with Inductor and (on a GPU)
     capture graphs per size in ``capture_sizes``: by default one graph of each whole step
@@ -430,13 +464,16 @@ def compile_piecewise(
             code and settings, load it instead of tracing (``trace_cache``: what the key
             covers). True: in Inductor's cache directory; a path: there; None (default): the
             ``ROCM_ATTN_TRACE_CACHE`` environment variable ("1" or a path; unset: off).
+        compile_threads: threads that compile, before the capture, the Triton kernels every
+            captured step launches (``precompile``); default one a core, at most 16; 1: each
+            kernel compiles at its first launch, one after another.
     """
     sizes = check_runner_config(
         "compile_piecewise", capture_sizes=capture_sizes, max_num_seqs=max_num_seqs,
         max_num_tokens=max_num_tokens, max_model_len=max_model_len,
         flags=dict(capture=capture, decode_graphs=decode_graphs, mixed_graphs=mixed_graphs),
         optional_flags=dict(use_cuda_graphs=use_cuda_graphs, plugin=plugin, piecewise_graphs=piecewise_graphs),
-        trace_cache=trace_cache)
+        trace_cache=trace_cache, compile_threads=compile_threads)
     p = next(model.parameters())
     device = p.device
     if use_cuda_graphs is None:
@@ -455,5 +492,5 @@ def compile_piecewise(
     )
     runner._graph_backend = graph_backend
     if capture and use_cuda_graphs:
-        runner.capture()
+        runner.capture(compile_threads=compile_threads)
     return runner

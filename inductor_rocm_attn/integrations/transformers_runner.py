@@ -83,6 +83,7 @@ def compile_transformers(
     piecewise_graphs: bool | None = None,
     trace_cache: bool | str | None = None,
     progress: Callable[[str], None] | None = None,
+    compile_threads: int | None = None,
 ):
     """Compile a transformers causal LM piecewise around our attention, on its own paged cache.
 
@@ -95,8 +96,8 @@ def compile_transformers(
             captured for it); default the smaller of the model's ``max_position_embeddings``
             and what the cache holds.
         capture_sizes, max_num_seqs, max_num_tokens, plugin, use_cuda_graphs, capture,
-        graph_backend, decode_graphs, mixed_graphs, piecewise_graphs, trace_cache, progress:
-        as for ``compile_piecewise``.
+        graph_backend, decode_graphs, mixed_graphs, piecewise_graphs, trace_cache, progress,
+        compile_threads: as for ``compile_piecewise``.
 
     Returns the ``PiecewiseRunner``; ``runner.layers`` are the attention layers (their
     ``kv_cache`` tensors are the cache).
@@ -113,7 +114,7 @@ def compile_transformers(
         max_num_tokens=max_num_tokens, max_model_len=1 if max_model_len is None else max_model_len,
         flags=dict(capture=capture, decode_graphs=decode_graphs, mixed_graphs=mixed_graphs, poison=poison),
         optional_flags=dict(use_cuda_graphs=use_cuda_graphs, plugin=plugin, piecewise_graphs=piecewise_graphs),
-        trace_cache=trace_cache)
+        trace_cache=trace_cache, compile_threads=compile_threads)
     layers = paged_layers(model, num_blocks, block_size=block_size, cache_layout=cache_layout,
                           kv_cache_dtype=kv_cache_dtype, poison=poison)
     return compile_piecewise(
@@ -122,6 +123,7 @@ def compile_transformers(
         use_cuda_graphs=use_cuda_graphs, plugin=plugin, capture=capture, graph_backend=graph_backend,
         decode_graphs=decode_graphs, mixed_graphs=mixed_graphs, piecewise_graphs=piecewise_graphs,
         forward=step_forward(model), layers=layers, progress=progress, trace_cache=trace_cache,
+        compile_threads=compile_threads,
     )
 
 
