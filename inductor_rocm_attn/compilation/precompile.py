@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
@@ -47,34 +48,42 @@ def available() -> str | None:
     return None
 
 
+_compiling = threading.local()  # .active: this thread's launches only compile
+
+
 @contextlib.contextmanager
 def parallel_compiles(threads: int) -> Iterator[dict]:
-    """Within the block, a Triton launch only submits its kernel's compile to a pool of
-    ``threads`` threads, and launches nothing; leaving the block waits for every compile
-    and installs the kernels. Yields a dict whose ``"kernels"`` is, after the block, the
-    number of distinct compiles submitted.
+    """Within the block, a Triton launch made by this thread only submits its kernel's
+    compile to a pool of ``threads`` threads, and launches nothing; leaving the block waits
+    for every compile and installs the kernels. Yields a dict whose ``"kernels"`` is, after
+    the block, the number of distinct compiles submitted.
 
-    Not reentrant and not thread-safe: the launch hook is class-wide while the block runs
-    (any Triton kernel launched in it, ours or not, only compiles). A compile that fails is
-    left to fail again, with its own error, at the kernel's first real launch."""
+    Other threads launch as usual meanwhile (the flag is thread-local, and Triton's async
+    compile mode is a context variable). Not reentrant. A compile that fails is left to
+    fail again, with its own error, at the kernel's first real launch."""
     from triton.runtime._async_compile import AsyncCompileMode
     from triton.runtime.jit import JITFunction
 
+    if getattr(_compiling, "active", False):
+        raise RuntimeError("parallel_compiles: already inside a parallel_compiles block")
     run = JITFunction.run
+
+    def run_or_compile(self, *args, grid, warmup, **kwargs):
+        warmup = warmup or getattr(_compiling, "active", False)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
     result: dict = {"kernels": 0}
-
-    def compile_only(self, *args, grid, warmup, **kwargs):
-        return run(self, *args, grid=grid, warmup=True, **kwargs)
-
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="triton-compile") as pool:
         mode = AsyncCompileMode(pool, ignore_errors=True)
-        JITFunction.run = compile_only
+        JITFunction.run = run_or_compile
         try:
             with mode:
+                _compiling.active = True
                 try:
                     yield result
                 finally:
-                    JITFunction.run = run  # before the wait: nothing else is compile-only
+                    _compiling.active = False  # before the wait: nothing else is compile-only
         finally:
-            JITFunction.run = run
+            if JITFunction.run is run_or_compile:  # else another block replaced it since
+                JITFunction.run = run
             result["kernels"] = len(mode.future_kernels)
