@@ -121,14 +121,28 @@ def per_head_tensor(op: str, name: str, value, num_heads: int, *, finite: bool =
         if not isinstance(value, (list, tuple)):
             raise TypeError(f"{op}: {name} must be a tensor or a list of floats, got {type(value).__name__!r}")
         value = torch.as_tensor(value, dtype=torch.float32)
-    if tuple(value.shape) != (num_heads,):
-        raise ValueError(f"{op}: {name} must be [num_heads] = [{num_heads}], got {tuple(value.shape)}")
+    check_per_head(op, name, value, num_heads, contiguous=False)
     if value.device.type != "meta":
         if finite and not bool(torch.isfinite(value).all()):
             raise ValueError(f"{op}: {name} must be finite, got {value.tolist()}")
         if bool(torch.isnan(value).any()):
             raise ValueError(f"{op}: {name} must not hold NaN, got {value.tolist()}")
-    return value
+    return value.contiguous()  # the kernels read head h at offset h
+
+
+def check_per_head(op: str, name: str, t: torch.Tensor | None, num_heads: int, *,
+                   contiguous: bool = True) -> None:
+    """A per-head tensor (``alibi_slopes``, ``sinks``): ``[num_heads]`` floats; the kernels
+    read head h at offset h, so (``contiguous``) unit stride."""
+    if t is None:
+        return
+    if tuple(t.shape) != (num_heads,):
+        raise ValueError(f"{op}: {name} must be [num_heads] = [{num_heads}], got {tuple(t.shape)}")
+    if not t.dtype.is_floating_point or is_fp8_dtype(t.dtype):
+        raise TypeError(f"{op}: {name} must be a float tensor (float32, bfloat16, float16 or float64), got {t.dtype}")
+    if contiguous and num_heads > 1 and t.stride(0) != 1:
+        raise ValueError(f"{op}: {name} must be contiguous (the kernels read head h at offset h), got "
+                         f"stride {t.stride(0)}; pass {name}.contiguous()")
 
 
 def check_index_layout(op: str, **tensors: torch.Tensor | None) -> None:
@@ -423,9 +437,8 @@ def check_paged_attention(
     if output_scale is not None and not is_fp8_dtype(output.dtype):
         raise ValueError(f"{op}: output_scale (fused fp8 output quant) needs an fp8 output, got {output.dtype}")
     check_sequence_shapes(op, query_start_loc, seq_lens, block_table)
-    for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
-        if t is not None and t.shape != (num_heads,):
-            raise ValueError(f"{op}: {name} must be [num_heads] = [{num_heads}], got {tuple(t.shape)}")
+    check_per_head(op, "alibi_slopes", alibi_slopes, num_heads)
+    check_per_head(op, "sinks", sinks, num_heads)
     check_scales(op, k_scale=k_scale, v_scale=v_scale, output_scale=output_scale)
     for name, hint in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
         if hint is not None and (not isinstance(hint, int) or hint < 0):
@@ -516,9 +529,8 @@ def check_encoder_attention(op: str, query: torch.Tensor, key: torch.Tensor, val
         raise ValueError(f"{op}: cu_seqlens must be [num_seqs + 1], got {tuple(cu_seqlens.shape)}")
     check_index_layout(op, cu_seqlens=cu_seqlens)
     check_channel_stride(op, query=query, key=key, value=value)
-    for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
-        if t is not None and t.shape != (query.shape[1],):
-            raise ValueError(f"{op}: {name} must be [num_heads] = [{query.shape[1]}], got {tuple(t.shape)}")
+    check_per_head(op, "alibi_slopes", alibi_slopes, query.shape[1])
+    check_per_head(op, "sinks", sinks, query.shape[1])
     if _want_index_checks(cu_seqlens):
         cu = check_query_start_loc(op, cu_seqlens, query.shape[0], "cu_seqlens", exact=True)
         _check_hint(op, "max_seqlen", max_seqlen, [b - a for a, b in zip(cu, cu[1:])], "sequence")

@@ -70,6 +70,13 @@ def test_sinks_as_a_list_are_taken_as_a_tensor():
         _layer("sinks_nan", sinks=[0.5, math.nan, 0.0, 1.0])
     with pytest.raises(TypeError, match=r"RocmAttentionImpl: sinks must be a tensor or a list of floats, got 'str'"):
         _layer("sinks_str", sinks="abcd")
+    with pytest.raises(TypeError, match=r"RocmAttentionImpl: sinks must be a float tensor \(float32, bfloat16, "
+                                        r"float16 or float64\), got torch.int64"):
+        _layer("sinks_int", sinks=torch.arange(4))
+    # a strided view is taken as its values: the layer keeps a contiguous copy for the kernels
+    wide = torch.tensor([0.5, 9.0, -1.0, 9.0, 0.0, 9.0, 2.0, 9.0])
+    layer = _layer("sinks_strided", sinks=wide[::2])
+    assert layer.impl.sinks.is_contiguous() and layer.impl.sinks.tolist() == [0.5, -1.0, 0.0, 2.0]
 
 
 def test_alibi_slopes_must_be_finite():

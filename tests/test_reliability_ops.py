@@ -203,3 +203,19 @@ def test_reshape_and_cache_zero_scale():
         torch.ops.rocm_attn.reshape_and_cache(c.key, c.value, c.kv_cache, c.slot_mapping, torch.zeros(1),
                                               c.v_scale, False)
     assert unchanged(before, c.kv_cache)
+
+
+@pytest.mark.parametrize("name", ["sinks", "alibi_slopes"])
+def test_paged_attention_per_head_tensors(name):
+    """The kernels read head h of sinks / ALiBi slopes at offset h: a strided view would give
+    other heads' values (measured: the Triton path's output off by 60-150%), an integer or
+    fp8 tensor is not a logit. Rejected, naming the fix."""
+    c = _case()
+    h = c.query.shape[1]
+    _attn_rejected(c, rf"rocm_attn\.paged_attention: {name} must be contiguous \(the kernels read head h at "
+                      rf"offset h\), got stride 2; pass {name}\.contiguous\(\)", **{name: torch.rand(2 * h)[::2]})
+    _attn_rejected(c, rf"rocm_attn\.paged_attention: {name} must be a float tensor \(float32, bfloat16, float16 "
+                      rf"or float64\), got torch\.int32", exc=TypeError,
+                   **{name: torch.ones(h, dtype=torch.int32)})
+    _attn_rejected(c, rf"rocm_attn\.paged_attention: {name} must be \[num_heads\] = \[{h}\], got \({h + 1},\)",
+                   **{name: torch.rand(h + 1)})
