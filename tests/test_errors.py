@@ -164,6 +164,24 @@ def test_metadata_builder_errors():
         ira.build_attention_metadata([5, 1], [20], [[3, 4]], 16)
 
 
+def test_metadata_builder_refuses_a_written_block_used_twice():
+    """A new token's block must appear once among the step's used blocks, or the write lands
+    in another sequence's context (or the same sequence's earlier tokens). Shared prefix
+    blocks that nobody writes, padding sequences and unused -1 entries are fine."""
+    with pytest.raises(ValueError, match=r"build_attention_metadata: block 0 receives a new token of sequence 0 "
+                                         r"\(position 3\) but is used 2 times in this step \(block_tables\[0\]\[0\], "
+                                         r"block_tables\[1\]\[0\]\); a block written in a step must belong to one "
+                                         r"sequence, once \(shared prefix blocks are read-only\)"):
+        ira.build_attention_metadata([1, 1], [3, 3], [[0], [0]], 16)
+    with pytest.raises(ValueError, match=r"block 7 receives a new token of sequence 1 \(position 20\) but is used "
+                                         r"2 times in this step \(block_tables\[1\]\[0\], block_tables\[1\]\[1\]\)"):
+        ira.build_attention_metadata([1, 1], [3, 20], [[2], [7, 7]], 16)
+    md = ira.build_attention_metadata([1, 1], [20, 20], [[0, 1], [0, 2]], 16)  # shared prefix block 0
+    assert md.slot_mapping.tolist() == [20, 36]
+    md = ira.build_attention_metadata([1, 1], [3, 0], [[0, -1], [0]], 16, padding=[False, True])
+    assert md.slot_mapping.tolist() == [3, -1]
+
+
 def test_duplicate_layer_name():
     keep = ira.Attention(4, 64, layer_name="dup_name")
     with pytest.raises(ValueError, match="'dup_name' is already used by a live layer"):
