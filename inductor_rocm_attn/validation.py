@@ -209,6 +209,14 @@ def check_slot_range(op: str, slot_mapping: torch.Tensor, num_blocks: int, block
             f"{op}: slot_mapping entry {int(slot_mapping[i])} (token {i}) is outside the cache "
             f"({num_blocks} blocks x {block_size} = {num_slots} slots; entries < 0 mark padding)"
         )
+    written = slot_mapping[slot_mapping >= 0]
+    ordered = written.sort().values
+    same = ordered[1:] == ordered[:-1]
+    if bool(same.any()):  # two tokens into one slot: which one lands is undefined
+        slot = int(ordered[1:][same][0])
+        i, j = torch.nonzero(slot_mapping == slot)[:2, 0].tolist()
+        raise ValueError(f"{op}: slot_mapping[{i}] and slot_mapping[{j}] are both {slot}; each token needs "
+                         "its own cache slot (entries < 0 mark padding)")
 
 
 def check_slot_mapping(op: str, slot_mapping: torch.Tensor, kv_cache: torch.Tensor, num_tokens: int) -> None:

@@ -103,6 +103,20 @@ def test_reshape_and_cache_slot_outside_names_the_token():
     assert unchanged(before, c.kv_cache)
 
 
+def test_reshape_and_cache_two_tokens_one_slot():
+    """Which of two tokens lands in a shared slot is undefined on a GPU: refused, naming both."""
+    c = _case()
+    before = snapshot(c.kv_cache)
+    slots = c.slot_mapping.clone()
+    slots[4] = slots[1]
+    slots[3] = -1  # padding entries may repeat
+    slots[5] = -1
+    with pytest.raises(ValueError, match=rf"rocm_attn\.reshape_and_cache: slot_mapping\[1\] and slot_mapping\[4\] "
+                                         rf"are both {int(slots[1])}; each token needs its own cache slot"):
+        torch.ops.rocm_attn.reshape_and_cache(c.key, c.value, c.kv_cache, slots, c.k_scale, c.v_scale, False)
+    assert unchanged(before, c.kv_cache)
+
+
 # --- rotary positions ------------------------------------------------------------------------
 
 
