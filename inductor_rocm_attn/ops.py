@@ -232,6 +232,8 @@ def _qk_norm_rope_and_cache(qkv, q_weight, k_weight, eps, positions, cos_sin_cac
     op = "rocm_attn.qk_norm_rope_and_cache"
     validation.check_qk_norm_rope(op, qkv, q_weight, k_weight, positions, cos_sin_cache,
                                   num_heads, num_kv_heads, head_size)
+    validation.check_eps(op, eps)
+    validation.check_scales(op, k_scale=k_scale, v_scale=v_scale)
     _check_qk_outputs(op, qkv, q_out, k_out, num_heads, num_kv_heads, head_size)
     validation.check_kv_cache(op, kv_cache, num_kv_heads, head_size)
     validation.check_slot_mapping(op, slot_mapping, kv_cache, qkv.shape[0])
@@ -286,6 +288,7 @@ def _qk_norm_rope_cos_sin_and_cache(query, key, value, q_weight, k_weight, eps, 
                                     slot_mapping, k_scale, v_scale, interleaved_v=False):
     op = "rocm_attn.qk_norm_rope_cos_sin_and_cache"
     validation.check_rope_cos_sin(op, query, key, value, cos, sin, q_weight, k_weight)
+    validation.check_eps(op, eps)
     validation.check_cache_write(op, key.view(value.shape), value, kv_cache, slot_mapping, k_scale, v_scale)
     fn = _select_cos_sin_writer("qk_norm_rope_cos_sin_and_cache", query, value, kv_cache, cos, interleaved_v)
     fn(query, key, value, q_weight, k_weight, eps, cos, sin, is_neox, kv_cache, slot_mapping, k_scale, v_scale,
@@ -329,6 +332,7 @@ def _encoder_attention_fake(query, key, value, cu_seqlens, max_seqlen, scale, ca
 @_impl("rms_norm")
 def _rms_norm(input, weight, eps):
     """RMSNorm over the last dim, computed in fp32, in ``input.dtype`` (HF semantics)."""
+    validation.check_rms_norm("rocm_attn.rms_norm", input, weight, eps)
     x = input.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return (x * weight.float()).to(input.dtype)
@@ -341,6 +345,7 @@ def _rms_norm_fake(input, weight, eps):
 
 @_impl("static_scaled_fp8_quant")
 def _static_scaled_fp8_quant(input, scale, out_dtype):
+    validation.check_fp8_quant("rocm_attn.static_scaled_fp8_quant", input, scale, out_dtype)
     m = torch.finfo(out_dtype).max
     return (input.float() / scale.float()).clamp(-m, m).to(out_dtype)
 

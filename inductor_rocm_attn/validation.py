@@ -93,6 +93,36 @@ def check_same_device(op: str, **tensors: torch.Tensor | None) -> None:
         raise ValueError(f"{op}: all tensors must be on one device, got {desc}")
 
 
+def check_eps(op: str, eps) -> None:
+    """An RMSNorm epsilon: a finite number >= 0 (a negative one turns rows NaN)."""
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
+
+
+def check_float_tensor(op: str, name: str, t: torch.Tensor) -> None:
+    if not t.dtype.is_floating_point or is_fp8_dtype(t.dtype):
+        raise ValueError(f"{op}: {name} must be a float32, bfloat16, float16 or float64 tensor, got {t.dtype}")
+
+
+def check_rms_norm(op: str, x: torch.Tensor, weight: torch.Tensor, eps) -> None:
+    check_same_device(op, input=x, weight=weight)
+    check_float_tensor(op, "input", x)
+    check_float_tensor(op, "weight", weight)
+    if x.dim() == 0 or tuple(weight.shape) != (x.shape[-1],):
+        raise ValueError(f"{op}: weight must be [hidden] = [{x.shape[-1] if x.dim() else '?'}] for input "
+                         f"{tuple(x.shape)}, got {tuple(weight.shape)}")
+    check_eps(op, eps)
+
+
+def check_fp8_quant(op: str, x: torch.Tensor, scale: torch.Tensor, out_dtype) -> None:
+    check_same_device(op, input=x, scale=scale)
+    check_float_tensor(op, "input", x)
+    if not is_fp8_dtype(out_dtype):
+        raise ValueError(f"{op}: out_dtype must be an fp8 dtype (torch.float8_e4m3fn, torch.float8_e4m3fnuz, "
+                         f"torch.float8_e5m2, ...), got {out_dtype}")
+    check_scales(op, scale=scale)
+
+
 def check_dtype(op: str, name: str, t: torch.Tensor, allowed) -> None:
     if t.dtype not in allowed:
         raise ValueError(f"{op}: {name} has dtype {t.dtype}; supported: {tuple(allowed)}")

@@ -233,3 +233,43 @@ def test_paged_attention_per_head_tensors(name):
                    **{name: torch.ones(h, dtype=torch.int32)})
     _attn_rejected(c, rf"rocm_attn\.paged_attention: {name} must be \[num_heads\] = \[{h}\], got \({h + 1},\)",
                    **{name: torch.rand(h + 1)})
+
+
+_HELPER_CASES = [
+    ("rms_norm", lambda: torch.ops.rocm_attn.rms_norm(torch.randn(3, 8), torch.ones(7), 1e-6),
+     r"rocm_attn\.rms_norm: weight must be \[hidden\] = \[8\] for input \(3, 8\), got \(7,\)"),
+    ("rms_norm", lambda: torch.ops.rocm_attn.rms_norm(torch.randn(3, 8), torch.ones(8), -1.0),
+     r"rocm_attn\.rms_norm: eps must be a finite number >= 0, got -1\.0"),
+    ("rms_norm", lambda: torch.ops.rocm_attn.rms_norm(torch.ones(3, 8, dtype=torch.int32), torch.ones(8), 1e-6),
+     r"rocm_attn\.rms_norm: input must be a float32, bfloat16, float16 or float64 tensor, got torch\.int32"),
+    ("fp8_quant", lambda: torch.ops.rocm_attn.static_scaled_fp8_quant(torch.randn(3, 8), torch.ones(1), torch.bfloat16),
+     r"rocm_attn\.static_scaled_fp8_quant: out_dtype must be an fp8 dtype .* got torch\.bfloat16"),
+    ("fp8_quant", lambda: torch.ops.rocm_attn.static_scaled_fp8_quant(torch.randn(3, 8), torch.zeros(1),
+                                                                      torch.float8_e4m3fn),
+     r"rocm_attn\.static_scaled_fp8_quant: scale must be a positive finite number, got 0\.0"),
+]
+
+
+@pytest.mark.parametrize("i", range(len(_HELPER_CASES)), ids=[f"{c[0]}{i}" for i, c in enumerate(_HELPER_CASES)])
+def test_norm_and_quant_helpers_check_their_inputs(i):
+    """A NaN-producing eps, a mismatched weight, a non-fp8 target or a zero scale: refused with
+    the op's name, not a silent NaN or a torch broadcasting error."""
+    _, call, match = _HELPER_CASES[i]
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_qk_norm_writer_refuses_a_negative_eps():
+    from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache
+
+    h, hkv, t = 4, 2, 3
+    cache = allocate_kv_cache(KVCacheSpec(16, hkv, D, torch.float32, CacheLayout.LHBNC), 4, "cpu").normal_()
+    before = snapshot(cache)
+    qkv = torch.randn(t, (h + 2 * hkv) * D)
+    with pytest.raises(ValueError, match=r"rocm_attn\.qk_norm_rope_and_cache: eps must be a finite number >= 0, "
+                                         r"got -1e-06"):
+        torch.ops.rocm_attn.qk_norm_rope_and_cache(
+            qkv, torch.ones(D), torch.ones(D), -1e-6, torch.arange(t), torch.randn(16, D), True, cache,
+            torch.arange(t), torch.ones(1), torch.ones(1), False, h, hkv, D, torch.empty(t, h, D),
+            torch.empty(t, hkv, D))
+    assert unchanged(before, cache)
