@@ -375,7 +375,7 @@ class PagedCache(Cache):
         real, first, count = self._new_tokens(b, t, attention_mask)
         ctx = torch.tensor(self._lengths, dtype=torch.int64)
         expected = ctx[:, None] + torch.arange(t)[None, :] - first[:, None]
-        inject = self._check_positions(position_ids, real, expected, b, t)
+        inject = self._check_positions(position_ids, real, expected, b, t, attention_mask)
         md = self._plan(b, t, first.tolist(), count.tolist())
         self._seen += t
         self.last_metadata = md
@@ -410,7 +410,7 @@ class PagedCache(Cache):
                              f"(mask {real[row].int().tolist()}); only left or right padding is supported")
         return real, first, count
 
-    def _check_positions(self, position_ids, real, expected, b, t):
+    def _check_positions(self, position_ids, real, expected, b, t, attention_mask=None):
         if position_ids is None:
             pos = expected if real is None else torch.where(real, expected, 0)
             return pos.to(self._device, non_blocking=True)
@@ -426,9 +426,21 @@ class PagedCache(Cache):
             raise ValueError(
                 f"PagedCache: position_ids[{row}, {col}] = {int(got.expand(b, t)[row, col])} but that token is at "
                 f"position {int(expected[row, col])} of its row ({self._lengths[row]} cached); omit position_ids "
-                "to have them derived from the cache"
+                f"to have them derived from the cache{self._padding_hint(row, attention_mask)}"
             )
         return None
+
+    def _padding_hint(self, row: int, attention_mask) -> str:
+        """Why generate()'s positions may disagree: the row's earlier columns (error path only)."""
+        if attention_mask is None or self._seen == 0:
+            return ""
+        seen = attention_mask[row, :self._seen].to("cpu", torch.bool)
+        if not bool(seen.any()):
+            return f" (row {row} has no token before this step: its prompt was all padding)"
+        if not bool(seen[-1]):
+            return (f" (row {row} was right-padded: generate() does not continue a right-padded row at its "
+                    "own positions; left-pad the prompts, e.g. tokenizer padding_side='left')")
+        return ""
 
     def _plan(self, b: int, t: int, first: list[int], count: list[int]) -> AttentionMetadata:
         """Kernel sequences in token order: per row, padding before / the real run / padding after."""

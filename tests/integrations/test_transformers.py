@@ -245,6 +245,18 @@ def test_refusals_name_the_fix():
         cache.reorder_cache(torch.zeros(1, dtype=torch.long))
 
 
+def test_generate_on_right_padded_or_empty_prompts_says_why():
+    """generate() continues a right-padded row (or a row whose prompt was all padding) at
+    positions that disagree with its cache: refused at the first decode step, saying which."""
+    ours = build("llama", "rocm_attn")
+    for ids, mask, why in (
+            ([[11, 12, 0, 0], [21, 22, 23, 24]], [[1, 1, 0, 0], [1, 1, 1, 1]], "row 0 was right-padded: generate"),
+            ([[0, 0], [21, 22]], [[0, 0], [1, 1]], "row 0 has no token before this step: its prompt was all padding")):
+        with pytest.raises(ValueError, match=why):
+            ours.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=2, do_sample=False,
+                          past_key_values=PagedCache(ours, num_blocks=8))
+
+
 class _OpInputs(torch.utils._python_dispatch.TorchDispatchMode):
     """Records which op produced each storage, and the q/k/v of every rocm_attn attention call."""
 
