@@ -86,6 +86,23 @@ def rope_neox_per_token(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     return x * cos.unsqueeze(1) + rotate_half_sliced(x) * sin.unsqueeze(1)
 
 
+def rope_neox_transformers_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``rope_neox_transformers`` with a partial rotary (Phi-3, GPT-NeoX, StableLM): the first
+    ``cos.shape[-1]`` channels of each head rotate, the rest pass (``torch.cat``)."""
+    x = x.transpose(1, 2)
+    r = cos.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    out = torch.cat((x_rot * cos.unsqueeze(1) + rotate_half_sliced(x_rot) * sin.unsqueeze(1), x_pass), dim=-1)
+    return out.transpose(1, 2)
+
+
+def rope_neox_per_token_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``rope_neox_per_token`` with a partial rotary, token-major."""
+    r = cos.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    return torch.cat((x_rot * cos.unsqueeze(1) + rotate_half_sliced(x_rot) * sin.unsqueeze(1), x_pass), dim=-1)
+
+
 def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x[:, :, ::2], x[:, :, 1::2]
     return torch.stack((-x2, x1), dim=-1).flatten(-2)
@@ -130,6 +147,9 @@ ROPE_FORMS = {"hf_neox": (rope_neox_hf, True), "hf_neox_sliced": (rope_neox_hf_s
 # RoPE with the model's own per-token cos/sin: form -> (function, rank of x). NeoX only: a
 # GPT-J rotation is a different function of the same inputs and is not matched.
 COS_SIN_ROPE_FORMS = {"transformers_neox": (rope_neox_transformers, 4), "per_token_neox": (rope_neox_per_token, 3)}
+# The same with a partial rotary: cos/sin narrower than the head (their width a pattern constant).
+PARTIAL_COS_SIN_ROPE_FORMS = {"transformers_neox_partial": (rope_neox_transformers_partial, 4),
+                              "per_token_neox_partial": (rope_neox_per_token_partial, 3)}
 RMS_FORMS = {"hf": rms_norm_hf, "hf_weight_last": rms_norm_hf_weight_last}
 
 
@@ -182,13 +202,16 @@ def rope_pattern(form: str, dtype: torch.dtype, num_heads: int, head_size: int) 
 
 
 @functools.cache
-def rope_cos_sin_pattern(form: str, dtype: torch.dtype, head_size: int) -> pm.PatternExpr:
-    """Pattern of ``COS_SIN_ROPE_FORMS[form]`` on heads of ``head_size`` in ``dtype`` (sizes
-    other than the head's never appear in it: batch, tokens and heads are free)."""
-    fn, rank = COS_SIN_ROPE_FORMS[form]
+def rope_cos_sin_pattern(form: str, dtype: torch.dtype, head_size: int, rot_dim: int | None = None) -> pm.PatternExpr:
+    """Pattern of ``COS_SIN_ROPE_FORMS[form]`` (or, with ``rot_dim``, of
+    ``PARTIAL_COS_SIN_ROPE_FORMS[form]`` rotating that many channels) on heads of ``head_size``
+    in ``dtype`` (sizes other than the head's never appear in it: batch, tokens and heads are
+    free)."""
+    fn, rank = (COS_SIN_ROPE_FORMS if rot_dim is None else PARTIAL_COS_SIN_ROPE_FORMS)[form]
     lead = [2, _MAGIC_T] if rank == 4 else [_MAGIC_T]
-    args = [torch.randn(*lead, 3, head_size, dtype=dtype), torch.randn(*lead, head_size, dtype=dtype),
-            torch.randn(*lead, head_size, dtype=dtype)]
+    width = head_size if rot_dim is None else rot_dim
+    args = [torch.randn(*lead, 3, head_size, dtype=dtype), torch.randn(*lead, width, dtype=dtype),
+            torch.randn(*lead, width, dtype=dtype)]
     return _trace(fn, args, ["x", "cos", "sin"])
 
 

@@ -34,7 +34,7 @@ class RopeMatch:
     """A recognized RoPE of a layer's query and key. Gathered forms carry ``positions`` and
     ``cos_sin_cache``; per-token forms (``per_token``) the model's ``cos``/``sin``."""
 
-    form: str  # "op", a forms.ROPE_FORMS or a forms.COS_SIN_ROPE_FORMS key
+    form: str  # "op", a forms.ROPE_FORMS, COS_SIN_ROPE_FORMS or PARTIAL_COS_SIN_ROPE_FORMS key
     is_neox: bool
     q_in: torch.fx.Node  # pre-rotation query / key (what the fused op takes)
     k_in: torch.fx.Node
@@ -149,14 +149,18 @@ def _match_rope_cos_sin(k_root, q_root, kval, qval, why: list) -> tuple[RopeMatc
     why)`` for a RoPE of this kind that cannot fuse, ``(None, "")`` when the key is not one
     (the reasons appended to ``why``)."""
     rank, d = kval.dim(), int(kval.shape[-1])
-    for form, (_, form_rank) in forms.COS_SIN_ROPE_FORMS.items():
+    rot = _partial_rot_dim(k_root, d)
+    candidates = [(form, form_rank, None) for form, (_, form_rank) in forms.COS_SIN_ROPE_FORMS.items()]
+    if rot is not None:
+        candidates += [(form, form_rank, rot) for form, (_, form_rank) in forms.PARTIAL_COS_SIN_ROPE_FORMS.items()]
+    for form, form_rank, rot_dim in candidates:
         if form_rank != rank:
             continue
-        kk, kwhy = forms.match(forms.rope_cos_sin_pattern(form, kval.dtype, d), k_root)
+        kk, kwhy = forms.match(forms.rope_cos_sin_pattern(form, kval.dtype, d, rot_dim), k_root)
         if kk is None:
             why.append(f"{form}: {kwhy}")
             continue
-        qk, qwhy = forms.match(forms.rope_cos_sin_pattern(form, qval.dtype, int(qval.shape[-1])), q_root)
+        qk, qwhy = forms.match(forms.rope_cos_sin_pattern(form, qval.dtype, int(qval.shape[-1]), rot_dim), q_root)
         if qk is None:
             return None, f"key is {form} RoPE but the attention's query is not ({qwhy})"
         if qk["cos"] is not kk["cos"] or qk["sin"] is not kk["sin"]:
@@ -169,9 +173,10 @@ def _match_rope_cos_sin(k_root, q_root, kval, qval, why: list) -> tuple[RopeMatc
             return None, (f"{form} RoPE mixes dtypes (q/k {xq.dtype}/{xk.dtype}, cos/sin {cos.dtype}/{sin.dtype}, "
                           f"rotated {qval.dtype}); the fused writer rotates in the model dtype's precision")
         lead = tuple(xk.shape[:rank - 2])  # (B, T) or (T,)
-        if (cos.dim() != rank - 1 or sin.dim() != rank - 1 or not same_size(cos.shape[-1], d)
+        width = d if rot_dim is None else rot_dim
+        if (cos.dim() != rank - 1 or sin.dim() != rank - 1 or not same_size(cos.shape[-1], width)
                 or not all(same_size(a, b) for a, b in zip(cos.shape, sin.shape))):
-            return None, f"{form} cos/sin {tuple(cos.shape)} are not per-token rows of the head size {d}"
+            return None, f"{form} cos/sin {tuple(cos.shape)} are not per-token rows of {width} channels"
         if not all(same_size(a, b) for a, b in zip(xq.shape[:rank - 2], lead)):
             return None, f"{form}: query and key have different token shapes"
         batch = None
@@ -186,6 +191,35 @@ def _match_rope_cos_sin(k_root, q_root, kval, qval, why: list) -> tuple[RopeMatc
     return None, ""
 
 
+def _strip_copies(node: torch.fx.Node) -> torch.fx.Node:
+    """Views and clones back to the tensor whose values they carry: transformers' attention
+    reshapes ``[B, T, H, D]`` to ``[B*T, H, D]``, which copies (a post-grad ``clone``) when
+    the RoPE's output is not laid out token-major (a partial rotary's ``cat``)."""
+    while True:
+        node = fx_utils.strip_views(node)
+        if not (isinstance(node, torch.fx.Node) and node.op == "call_function"
+                and node.target is aten.clone.default):
+            return node
+        node = node.args[0]
+
+
+def _partial_rot_dim(k_root: torch.fx.Node, d: int) -> int | None:
+    """The rotated width of a partial-rotary key: the first input of the last-dim ``cat`` that
+    is the key (under the transpose back, for ``[B, H, T, D]`` forms), if even and < d."""
+    node = k_root
+    if node.op == "call_function" and node.target is aten.permute.default:
+        node = node.args[0]
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is aten.cat.default
+            and len(node.args[0]) == 2):
+        return None
+    out, first = fx_utils.val(node), fx_utils.val(node.args[0][0])
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if out is None or first is None or dim not in (-1, out.dim() - 1):
+        return None
+    r = first.shape[-1]
+    return int(r) if isinstance(r, int) and 0 < r < d and r % 2 == 0 else None
+
+
 def producer(node: torch.fx.Node) -> str:
     """What computes ``node``, for a miss reason (``mm``, ``output 1 of split``...)."""
     if node.op != "call_function":
@@ -197,7 +231,7 @@ def producer(node: torch.fx.Node) -> str:
 
 def match_rope(site: LayerSite) -> tuple[RopeMatch | None, str]:
     """Recognize the RoPE that produced the site's cached key and attention query."""
-    k_root, q_root = fx_utils.strip_views(site.key), fx_utils.strip_views(site.query)
+    k_root, q_root = _strip_copies(site.key), _strip_copies(site.query)
     m, why = _match_rope_op(k_root, q_root)
     if m is None and not why:
         m, why = _match_rope_hf(k_root, q_root)
@@ -231,10 +265,32 @@ class ColumnSlice:
 _SPLITS = (torch.ops.aten.split_with_sizes.default, torch.ops.aten.split.Tensor)
 
 
+def _sliced_columns(s: torch.fx.Node) -> ColumnSlice | None:
+    """``s = x[..., start:end]`` (``aten.slice`` of the last dim, step 1) where ``x`` views a
+    2-D tensor with the same last dim (``qkv[..., :q_size]`` on a ``[B, T, W]`` view of the
+    projection's ``[B*T, W]``, as Phi-3 slices its fused qkv)."""
+    args = list(s.args) + [None] * (5 - len(s.args))
+    x, dim, start, end, step = args[:5]
+    source = fx_utils.strip_views(x)
+    xv, sv = fx_utils.val(x), fx_utils.val(source)
+    if xv is None or sv is None or sv.dim() != 2 or dim not in (-1, xv.dim() - 1) or step not in (None, 1):
+        return None
+    width = sv.shape[1]
+    if not isinstance(width, int) or not same_size(xv.shape[-1], width) or not isinstance(start, int):
+        return None
+    end = width if end is None else min(end, width)
+    if not isinstance(end, int) or not 0 <= start < end:
+        return None
+    return ColumnSlice(source, start, end)
+
+
 def column_slice(node: torch.fx.Node) -> ColumnSlice | None:
-    """Where ``node`` (through reshapes) is one output of a last-dim split of a 2-D tensor
-    (e.g. q, k or v of a fused qkv projection): its columns in that tensor; else None."""
+    """Where ``node`` (through reshapes) is one output of a last-dim split of a 2-D tensor, or
+    a last-dim slice of a view of one (e.g. q, k or v of a fused qkv projection): its columns
+    in that tensor; else None."""
     s = fx_utils.strip_views(node)
+    if isinstance(s, torch.fx.Node) and s.op == "call_function" and s.target is aten.slice.Tensor:
+        return _sliced_columns(s)
     if not (fx_utils.is_getitem(s) and isinstance(s.args[0], torch.fx.Node) and s.args[0].target in _SPLITS):
         return None
     split = s.args[0]
@@ -259,7 +315,8 @@ def per_token_rows(graph: torch.fx.Graph, rope: RopeMatch, x: torch.fx.Node) -> 
     ``[B*T, H, D]``, cos/sin ``[B, T, D]`` -> ``[B*T, D]`` (expanded first when they broadcast
     over the batch); token-major tensors as they are. Inserted at the insert point."""
     v = fx_utils.val(x)
-    if rope.form not in forms.COS_SIN_ROPE_FORMS or forms.COS_SIN_ROPE_FORMS[rope.form][1] == 3:
+    per_token = forms.COS_SIN_ROPE_FORMS | forms.PARTIAL_COS_SIN_ROPE_FORMS
+    if rope.form not in per_token or per_token[rope.form][1] == 3:
         return x
     if v.dim() == 3 and rope.cos_batch is not None:  # cos/sin [1, T, D]
         x = fx_utils.call(graph, aten.expand.default, (x, [rope.cos_batch, -1, -1]))

@@ -41,7 +41,8 @@ the fused op takes cos/sin as ``[B*T, D]`` rows (views) and rotates with exactly
 RoPE is recognized by ``matchers.match_rope``: ``rocm_attn.rotary_embedding`` (under
 ``auto_functionalized_v2``), one of ``forms.ROPE_FORMS`` (HF NeoX ``rotate_half`` chunked or
 sliced, HF GPT-J ``rotate_every_two``, cos/sin gathered by position) or one of
-``forms.COS_SIN_ROPE_FORMS`` (per-token cos/sin, NeoX), for fp16/bf16/fp32. It fuses only
+``forms.COS_SIN_ROPE_FORMS`` / ``forms.PARTIAL_COS_SIN_ROPE_FORMS`` (per-token cos/sin,
+NeoX, the whole head or its first channels), for fp16/bf16/fp32. It fuses only
 when the key the cache writes *is* the rotated key, the attention reads that key and value,
 and the query is rotated by the same RoPE (same form, cos/sin or cache and positions).
 """

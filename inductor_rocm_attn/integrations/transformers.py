@@ -107,7 +107,7 @@ class LayerSpec:
         return cls(
             num_heads=num_heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_size=module.head_dim,
+            head_size=_head_dim(module),
             scale=float(module.scaling),
             sliding_window=_module_window(module),
             softcap=_module_softcap(module),
@@ -121,10 +121,15 @@ def layer_name(module) -> str:
     return f"{_NAME_PREFIX}{module.layer_idx}"
 
 
+def _head_dim(module) -> int | None:
+    """``head_dim`` (most models) or ``head_size`` (GPT-NeoX)."""
+    return getattr(module, "head_dim", None) or getattr(module, "head_size", None)
+
+
 def _attention_modules(decoder: torch.nn.Module) -> dict[int, torch.nn.Module]:
     found: dict[int, torch.nn.Module] = {}
     for path, m in decoder.named_modules():
-        if not all(hasattr(m, a) for a in ("layer_idx", "scaling", "head_dim", "config")):
+        if not all(hasattr(m, a) for a in ("layer_idx", "scaling", "config")) or not isinstance(_head_dim(m), int):
             continue
         if m.layer_idx in found:
             raise NotImplementedError(
@@ -133,7 +138,8 @@ def _attention_modules(decoder: torch.nn.Module) -> dict[int, torch.nn.Module]:
             )
         found[m.layer_idx] = m
     if not found:
-        raise ValueError(f"PagedCache: no attention modules (with layer_idx, scaling, head_dim) in {type(decoder).__name__}")
+        raise ValueError(f"PagedCache: no attention modules (with layer_idx, scaling, head_dim or head_size) in "
+                         f"{type(decoder).__name__}")
     return found
 
 

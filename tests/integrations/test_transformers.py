@@ -41,6 +41,27 @@ CONFIGS = {
                                                 query_pre_attn_scalar=24,
                                                 layer_types=["sliding_attention", "full_attention"]),
 }
+# More architectures through the same attention interface, generate against eager only:
+# fused qkv projections, partial rotary, sinks, QK-norm over the whole projection, (1 + w)
+# norms, attention multipliers. Small shapes; what each adds is in its comment.
+_SMALL = dict(_COMMON, hidden_size=128, intermediate_size=256, num_attention_heads=4)
+MORE_CONFIGS = {
+    "qwen2": lambda: transformers.Qwen2Config(**_SMALL, num_key_value_heads=2),  # q/k/v biases
+    "phi3": lambda: transformers.Phi3Config(**_SMALL, num_key_value_heads=2,
+                                            partial_rotary_factor=0.5),  # fused qkv, partial rotary
+    "olmo2": lambda: transformers.Olmo2Config(**_SMALL, num_key_value_heads=2),  # QK-norm over the projection
+    "gemma3": lambda: transformers.Gemma3TextConfig(**_SMALL, num_key_value_heads=2, head_dim=32, sliding_window=6,
+                                                    query_pre_attn_scalar=24,
+                                                    layer_types=["sliding_attention", "full_attention"]),
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(**_SMALL),  # head_size attribute, rotary_pct 0.25
+    "granite": lambda: transformers.GraniteConfig(**_SMALL, num_key_value_heads=2, attention_multiplier=0.3),
+    "cohere": lambda: transformers.CohereConfig(**_SMALL, num_key_value_heads=2),  # interleaved (GPT-J) RoPE
+    "starcoder2": lambda: transformers.Starcoder2Config(**_SMALL, num_key_value_heads=2, sliding_window=6),
+    "gpt_oss": lambda: transformers.GptOssConfig(**dict(_SMALL, intermediate_size=128), num_key_value_heads=2,
+                                                 head_dim=32, num_local_experts=4, num_experts_per_tok=2,
+                                                 sliding_window=6,
+                                                 layer_types=["sliding_attention", "full_attention"]),  # sinks
+}
 # What each config exercises, and the config change that removes it (must change the logits).
 FEATURE_OFF = {"mistral": {"sliding_window": None},
                "gemma2": {"attn_logit_softcapping": None, "sliding_window": 4096}}
@@ -243,6 +264,23 @@ def test_refusals_name_the_fix():
         ours(torch.ones(1, 65, dtype=torch.long), past_key_values=cache)
     with pytest.raises(NotImplementedError, match="reorder_cache .beam search. is not supported"):
         cache.reorder_cache(torch.zeros(1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("name", list(MORE_CONFIGS))
+def test_generate_matches_eager_more_architectures(name):
+    """Ragged left-padded prompts through PagedCache: the same greedy tokens as eager
+    transformers, logits within TOL of each step's largest."""
+    config = MORE_CONFIGS[name]()
+    torch.manual_seed(0)
+    ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="rocm_attn",
+                                                         dtype=torch.float32).eval()
+    eager = twin(ours, "eager")
+    ids, mask = ragged_prompts()
+    got = greedy(ours, ids, mask, past_key_values=PagedCache(ours, num_blocks=32, poison=True))
+    want = greedy(eager, ids, mask)
+    assert torch.equal(got.sequences, want.sequences)
+    errs = [rel(a, b) for a, b in zip(got.logits, want.logits)]
+    assert len(errs) == NEW_TOKENS and max(errs) < TOL, errs
 
 
 def test_generate_on_right_padded_or_empty_prompts_says_why():

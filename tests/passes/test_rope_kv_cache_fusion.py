@@ -375,12 +375,19 @@ def test_does_not_fuse_transformers_variants(variant, dtype, why):
     assert any(why in r for r in c.reasons(PASS)), c.reasons(PASS)
 
 
-def test_does_not_fuse_partial_rotary_of_transformers_phi():
+def test_fuses_partial_rotary_of_transformers_phi():
+    """Phi (``partial_rotary_factor`` 0.5): the first 16 of each head's 32 channels rotate,
+    the rest pass through a ``cat``; the writer takes the model's cos/sin rows of 16 and
+    rotates exactly those channels (``forms.PARTIAL_COS_SIN_ROPE_FORMS``). Generation with it
+    against eager: ``tests/integrations/test_transformers_fusion.py`` (Phi-3)."""
     sites = pytest.importorskip("transformers_sites")
     fn, args = sites.decoder_layer("phi")
     c = capture(fn, *args, dynamic=())
-    assert c.count(PASS) == 0 and c.after == c.before
-    assert any("the cached key is not a RoPE output" in r for r in c.reasons(PASS)), c.reasons(PASS)
+    assert c.count(PASS) == 1, c.reasons(PASS)
+    assert "rocm_attn.unified_rope_cos_sin_and_kv_cache_update" in c.after
+    assert "unified_kv_cache_update(" not in c.after and "aten.cat" not in c.after  # rotation and pass-through gone
+    assert re.search(r"cos=reshape(_\d+)?, sin=reshape(_\d+)?, is_neox=True", c.after)
+    assert re.search(r"reshape(_\d+)? = aten.reshape.default\(in_\d+, \[-1, 16\]\)", c.after)  # rows of 16
 
 
 def test_fuses_mrope_sections_picked_in_the_attention():

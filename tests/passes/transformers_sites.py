@@ -28,8 +28,8 @@ CONFIGS = {
     "mistral": lambda: transformers.MistralConfig(**_COMMON, sliding_window=6),
     "gemma2": lambda: transformers.Gemma2Config(**_COMMON, sliding_window=6, attn_logit_softcapping=5.0,
                                                 query_pre_attn_scalar=24, layer_types=["sliding_attention"]),
-    # negatives from transformers' own code: RoPE over half of each head (partial rotary);
-    # QK-norm over the whole projection before the view (not per head)
+    # RoPE over half of each head (partial rotary: fused with cos/sin rows of 16); a negative
+    # for the QK-norm fusion: QK-norm over the whole projection before the view (not per head)
     "phi": lambda: transformers.PhiConfig(**{k: v for k, v in _COMMON.items() if k not in ("head_dim", "rms_norm_eps")},
                                           partial_rotary_factor=0.5),
     "olmo2": lambda: transformers.Olmo2Config(**_COMMON),
