@@ -103,6 +103,16 @@ def rope_neox_per_token_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return torch.cat((x_rot * cos.unsqueeze(1) + rotate_half_sliced(x_rot) * sin.unsqueeze(1), x_pass), dim=-1)
 
 
+def rope_halves_transformers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's ``_apply_rotary_emb``: ``x [B, T, H, D]`` transposed to ``[B, H, T, D]``, its
+    halves rotated by per-token ``cos``/``sin [B, T, D/2]`` (one value per channel pair, not
+    repeated), joined by a ``cat``. The NeoX rotation with cos/sin ``cat((c, c))``."""
+    x = x.transpose(1, 2)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    first, second = torch.chunk(x, 2, dim=-1)
+    return torch.cat((first * c - second * s, second * c + first * s), dim=-1).transpose(1, 2)
+
+
 def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x[:, :, ::2], x[:, :, 1::2]
     return torch.stack((-x2, x1), dim=-1).flatten(-2)
@@ -150,6 +160,10 @@ COS_SIN_ROPE_FORMS = {"transformers_neox": (rope_neox_transformers, 4), "per_tok
 # The same with a partial rotary: cos/sin narrower than the head (their width a pattern constant).
 PARTIAL_COS_SIN_ROPE_FORMS = {"transformers_neox_partial": (rope_neox_transformers_partial, 4),
                               "per_token_neox_partial": (rope_neox_per_token_partial, 3)}
+# NeoX with cos/sin of half the head, one value per channel pair (the fused op gets them doubled).
+HALF_COS_SIN_ROPE_FORMS = {"transformers_halves": (rope_halves_transformers, 4)}
+# Every per-token form: name -> (function, rank of x).
+PER_TOKEN_ROPE_FORMS = COS_SIN_ROPE_FORMS | PARTIAL_COS_SIN_ROPE_FORMS | HALF_COS_SIN_ROPE_FORMS
 RMS_FORMS = {"hf": rms_norm_hf, "hf_weight_last": rms_norm_hf_weight_last}
 
 
@@ -203,16 +217,22 @@ def rope_pattern(form: str, dtype: torch.dtype, num_heads: int, head_size: int) 
 
 @functools.cache
 def rope_cos_sin_pattern(form: str, dtype: torch.dtype, head_size: int, rot_dim: int | None = None) -> pm.PatternExpr:
-    """Pattern of ``COS_SIN_ROPE_FORMS[form]`` (or, with ``rot_dim``, of
-    ``PARTIAL_COS_SIN_ROPE_FORMS[form]`` rotating that many channels) on heads of ``head_size``
-    in ``dtype`` (sizes other than the head's never appear in it: batch, tokens and heads are
-    free)."""
-    fn, rank = (COS_SIN_ROPE_FORMS if rot_dim is None else PARTIAL_COS_SIN_ROPE_FORMS)[form]
+    """Pattern of ``PER_TOKEN_ROPE_FORMS[form]`` on heads of ``head_size`` in ``dtype``, its
+    cos/sin ``cos_sin_width`` wide (``rot_dim``: the rotated channels of a partial form). Sizes
+    other than those never appear in it: batch, tokens and heads are free."""
+    fn, rank = PER_TOKEN_ROPE_FORMS[form]
     lead = [2, _MAGIC_T] if rank == 4 else [_MAGIC_T]
-    width = head_size if rot_dim is None else rot_dim
+    width = cos_sin_width(form, head_size, rot_dim)
     args = [torch.randn(*lead, 3, head_size, dtype=dtype), torch.randn(*lead, width, dtype=dtype),
             torch.randn(*lead, width, dtype=dtype)]
     return _trace(fn, args, ["x", "cos", "sin"])
+
+
+def cos_sin_width(form: str, head_size: int, rot_dim: int | None = None) -> int:
+    """The width of the cos/sin rows a per-token form takes."""
+    if form in PARTIAL_COS_SIN_ROPE_FORMS:
+        return rot_dim
+    return head_size // 2 if form in HALF_COS_SIN_ROPE_FORMS else head_size
 
 
 @functools.cache

@@ -34,7 +34,7 @@ class RopeMatch:
     """A recognized RoPE of a layer's query and key. Gathered forms carry ``positions`` and
     ``cos_sin_cache``; per-token forms (``per_token``) the model's ``cos``/``sin``."""
 
-    form: str  # "op", a forms.ROPE_FORMS, COS_SIN_ROPE_FORMS or PARTIAL_COS_SIN_ROPE_FORMS key
+    form: str  # "op", a forms.ROPE_FORMS or forms.PER_TOKEN_ROPE_FORMS key
     is_neox: bool
     q_in: torch.fx.Node  # pre-rotation query / key (what the fused op takes)
     k_in: torch.fx.Node
@@ -150,7 +150,8 @@ def _match_rope_cos_sin(k_root, q_root, kval, qval, why: list) -> tuple[RopeMatc
     (the reasons appended to ``why``)."""
     rank, d = kval.dim(), int(kval.shape[-1])
     rot = _partial_rot_dim(k_root, d)
-    candidates = [(form, form_rank, None) for form, (_, form_rank) in forms.COS_SIN_ROPE_FORMS.items()]
+    candidates = [(form, form_rank, None) for form, (_, form_rank) in
+                  (forms.COS_SIN_ROPE_FORMS | forms.HALF_COS_SIN_ROPE_FORMS).items()]
     if rot is not None:
         candidates += [(form, form_rank, rot) for form, (_, form_rank) in forms.PARTIAL_COS_SIN_ROPE_FORMS.items()]
     for form, form_rank, rot_dim in candidates:
@@ -173,7 +174,7 @@ def _match_rope_cos_sin(k_root, q_root, kval, qval, why: list) -> tuple[RopeMatc
             return None, (f"{form} RoPE mixes dtypes (q/k {xq.dtype}/{xk.dtype}, cos/sin {cos.dtype}/{sin.dtype}, "
                           f"rotated {qval.dtype}); the fused writer rotates in the model dtype's precision")
         lead = tuple(xk.shape[:rank - 2])  # (B, T) or (T,)
-        width = d if rot_dim is None else rot_dim
+        width = forms.cos_sin_width(form, d, rot_dim)
         if (cos.dim() != rank - 1 or sin.dim() != rank - 1 or not same_size(cos.shape[-1], width)
                 or not all(same_size(a, b) for a, b in zip(cos.shape, sin.shape))):
             return None, f"{form} cos/sin {tuple(cos.shape)} are not per-token rows of {width} channels"
@@ -315,12 +316,22 @@ def per_token_rows(graph: torch.fx.Graph, rope: RopeMatch, x: torch.fx.Node) -> 
     ``[B*T, H, D]``, cos/sin ``[B, T, D]`` -> ``[B*T, D]`` (expanded first when they broadcast
     over the batch); token-major tensors as they are. Inserted at the insert point."""
     v = fx_utils.val(x)
-    per_token = forms.COS_SIN_ROPE_FORMS | forms.PARTIAL_COS_SIN_ROPE_FORMS
+    per_token = forms.PER_TOKEN_ROPE_FORMS
     if rope.form not in per_token or per_token[rope.form][1] == 3:
         return x
     if v.dim() == 3 and rope.cos_batch is not None:  # cos/sin [1, T, D]
         x = fx_utils.call(graph, aten.expand.default, (x, [rope.cos_batch, -1, -1]))
     return fx_utils.call(graph, aten.reshape.default, (x, [-1, *[int(s) for s in v.shape[2:]]]))
+
+
+def per_token_cos_sin(graph: torch.fx.Graph, rope: RopeMatch) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """The cos/sin rows the fused writers take (``per_token_rows``), one value per rotated
+    channel: a half-width form's rows doubled (``cat((c, c))``: NeoX pairs channel i with
+    i + D/2 at the same angle)."""
+    rows = [per_token_rows(graph, rope, x) for x in (rope.cos, rope.sin)]
+    if rope.form in forms.HALF_COS_SIN_ROPE_FORMS:
+        rows = [fx_utils.call(graph, aten.cat.default, ([r, r], -1)) for r in rows]
+    return rows[0], rows[1]
 
 
 _AUTO_FUNCTIONALIZED_V2 = torch.ops.higher_order.auto_functionalized_v2

@@ -50,7 +50,8 @@ import torch
 from . import forms, fx_utils, interleaved_v, matchers
 from .base import FusionPass
 from .interleaved_v import switch_to_interleaved_v
-from .matchers import cache_updates, emit_in_place, layer_site, match_rope, per_token_rows, replace_outputs
+from .matchers import (cache_updates, emit_in_place, layer_site, match_rope, per_token_cos_sin, per_token_rows,
+                       replace_outputs)
 
 aten = torch.ops.aten
 rocm = torch.ops.rocm_attn
@@ -172,7 +173,8 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
 
     def _emit_separate(self, graph, site, m, layer: str) -> torch.fx.Node:
         rope, xq, xk, wq, wk, eps = m
-        q_in, k_in, cos, sin = (per_token_rows(graph, rope, x) for x in (xq, xk, rope.cos, rope.sin))
+        q_in, k_in = (per_token_rows(graph, rope, x) for x in (xq, xk))
+        cos, sin = per_token_cos_sin(graph, rope)
         kwargs = dict(value=site.value, q_weight=wq, k_weight=wk, eps=eps, cos=cos, sin=sin, is_neox=rope.is_neox,
                       layer_name=layer)
         return emit_in_place(graph, _SEPARATE_OP, kwargs, site, q_in, k_in, rope.q_out, rope.k_out)

@@ -41,8 +41,8 @@ the fused op takes cos/sin as ``[B*T, D]`` rows (views) and rotates with exactly
 RoPE is recognized by ``matchers.match_rope``: ``rocm_attn.rotary_embedding`` (under
 ``auto_functionalized_v2``), one of ``forms.ROPE_FORMS`` (HF NeoX ``rotate_half`` chunked or
 sliced, HF GPT-J ``rotate_every_two``, cos/sin gathered by position) or one of
-``forms.COS_SIN_ROPE_FORMS`` / ``forms.PARTIAL_COS_SIN_ROPE_FORMS`` (per-token cos/sin,
-NeoX, the whole head or its first channels), for fp16/bf16/fp32. It fuses only
+``forms.PER_TOKEN_ROPE_FORMS`` (per-token cos/sin, NeoX: the whole head, its first
+channels, or GPT-OSS's halves with half-width cos/sin), for fp16/bf16/fp32. It fuses only
 when the key the cache writes *is* the rotated key, the attention reads that key and value,
 and the query is rotated by the same RoPE (same form, cos/sin or cache and positions).
 """
@@ -53,7 +53,7 @@ import torch
 
 from . import forms, fx_utils, matchers
 from .base import FusionPass
-from .matchers import cache_updates, emit_in_place, layer_site, match_rope, per_token_rows
+from .matchers import cache_updates, emit_in_place, layer_site, match_rope, per_token_cos_sin, per_token_rows
 
 rocm = torch.ops.rocm_attn
 _FUSED_OP = rocm.unified_rope_and_kv_cache_update.default
@@ -64,7 +64,8 @@ def _emit_fused(graph: torch.fx.Graph, site, rope, layer: str) -> torch.fx.Node:
     """Insert the functionalized fused op at the insert point, point the rotated q/k at its
     results and return its dependency token."""
     if rope.per_token:
-        q_in, k_in, cos, sin = (per_token_rows(graph, rope, x) for x in (rope.q_in, rope.k_in, rope.cos, rope.sin))
+        q_in, k_in = (per_token_rows(graph, rope, x) for x in (rope.q_in, rope.k_in))
+        cos, sin = per_token_cos_sin(graph, rope)
         kwargs = dict(value=site.value, cos=cos, sin=sin, is_neox=rope.is_neox, layer_name=layer)
         return emit_in_place(graph, _COS_SIN_OP, kwargs, site, q_in, k_in, rope.q_out, rope.k_out)
     kwargs = dict(positions=rope.positions, value=site.value, cos_sin_cache=rope.cos_sin_cache,

@@ -3,7 +3,8 @@ generates what eager transformers generates (CPU, from config, random weights).
 
 One compiled model per architecture (module-scoped; ``model.get_decoder().forward =
 torch.compile(...)``, the plugin on): Llama, Qwen3, Mistral (sliding window), Gemma2 (logits
-soft cap, sliding and full layers alternating), Phi-3 (partial rotary, fused qkv) in fp32, Qwen3 in bf16. Each generates from
+soft cap, sliding and full layers alternating), Phi-3 (partial rotary, fused qkv), GPT-OSS (its
+half-width cos/sin RoPE, sinks) in fp32, Qwen3 in bf16. Each generates from
 ragged, left-padded prompts (one prefill + 8 decode steps: two compiled graphs) on a
 ``PagedCache`` and is compared with the same weights under ``attn_implementation="eager"``
 with transformers' own cache.
@@ -55,6 +56,10 @@ CONFIGS = {
                                                 layer_types=["sliding_attention", "full_attention"]),
     # partial rotary: the first half of each head rotates, the rest passes (torch.cat)
     "phi3": lambda: transformers.Phi3Config(**_COMMON, partial_rotary_factor=0.5),
+    # GPT-OSS: its own RoPE (halves rotated by half-width cos/sin), sinks, sliding + full layers, MoE
+    "gpt_oss": lambda: transformers.GptOssConfig(**dict(_COMMON, intermediate_size=128), num_local_experts=4,
+                                                 num_experts_per_tok=2, sliding_window=6,
+                                                 layer_types=["sliding_attention", "full_attention"]),
 }
 FUSED_OP = {"qwen3": ("qk_norm_rope_kv_cache_fusion", "unified_qk_norm_rope_cos_sin_and_kv_cache_update")}
 ROPE_ONLY = ("rope_kv_cache_fusion", "unified_rope_cos_sin_and_kv_cache_update")

@@ -390,6 +390,25 @@ def test_fuses_partial_rotary_of_transformers_phi():
     assert re.search(r"reshape(_\d+)? = aten.reshape.default\(in_\d+, \[-1, 16\]\)", c.after)  # rows of 16
 
 
+def test_fuses_gpt_oss_rope_with_doubled_half_width_rows():
+    """GPT-OSS rotates a head's halves with cos/sin of half the head (16 of 32): the writer
+    gets those rows doubled, ``cat((c, c))``, i.e. the NeoX rotation with the same angle for
+    channels i and i + 16. Generation with it against eager:
+    ``tests/integrations/test_transformers_fusion.py`` (GPT-OSS)."""
+    sites = pytest.importorskip("transformers_sites")
+    fn, args = sites.decoder_layer("gpt_oss")
+    c = capture(fn, *args, dynamic=())
+    assert c.count(PASS) == 1, c.reasons(PASS)
+    assert "unified_kv_cache_update(" not in c.after
+    cos_arg = re.search(r"cos=(\w+), sin=(\w+), is_neox=True", c.after)
+    for arg in cos_arg.groups():
+        line = next(ln for ln in c.after.splitlines() if ln.startswith(f"{arg} = "))
+        rows = re.match(rf"{arg} = aten\.cat\.default\(\[(\w+), (\w+)\], -1\)", line)
+        assert rows and rows.group(1) == rows.group(2), line  # the same rows twice
+        src = next(ln for ln in c.after.splitlines() if ln.startswith(f"{rows.group(1)} = "))
+        assert re.search(r"aten\.reshape\.default\(in_\d+, \[-1, 16\]\)", src), src  # half-width rows
+
+
 def test_fuses_mrope_sections_picked_in_the_attention():
     """Sections of three position sources cut from cos/sin in the attention (Qwen2-VL's older
     form) give per-token rows; the op rotates with exactly those rows (the sections' cat)."""

@@ -33,6 +33,9 @@ CONFIGS = {
     "phi": lambda: transformers.PhiConfig(**{k: v for k, v in _COMMON.items() if k not in ("head_dim", "rms_norm_eps")},
                                           partial_rotary_factor=0.5),
     "olmo2": lambda: transformers.Olmo2Config(**_COMMON),
+    # GPT-OSS's RoPE: the halves of each head rotated by half-width cos/sin, joined by a cat
+    "gpt_oss": lambda: transformers.GptOssConfig(**dict(_COMMON, intermediate_size=128), num_local_experts=4,
+                                                 num_experts_per_tok=2, layer_types=["full_attention"]),
     # mRoPE: Qwen2-VL applies its sections inside the rotary embedding; the attention rotates
     # with plain apply_rotary_pos_emb on the per-token rows
     "qwen2_vl": lambda: transformers.Qwen2VLTextConfig(
