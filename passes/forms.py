@@ -103,6 +103,21 @@ def rope_neox_per_token_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return torch.cat((x_rot * cos.unsqueeze(1) + rotate_half_sliced(x_rot) * sin.unsqueeze(1), x_pass), dim=-1)
 
 
+def rope_neox_heads_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``rope_neox_transformers`` on q/k already ``[B, H, T, D]`` (GPT-NeoX cuts them from a
+    heads-first qkv); transposed back to ``[B, T, H, D]`` by the attention function."""
+    out = x * cos.unsqueeze(1) + rotate_half_sliced(x) * sin.unsqueeze(1)
+    return out.transpose(1, 2)
+
+
+def rope_neox_heads_first_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``rope_neox_heads_first`` with a partial rotary (GPT-NeoX's ``rotary_pct``)."""
+    r = cos.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    out = torch.cat((x_rot * cos.unsqueeze(1) + rotate_half_sliced(x_rot) * sin.unsqueeze(1), x_pass), dim=-1)
+    return out.transpose(1, 2)
+
+
 def rope_halves_transformers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """GPT-OSS's ``_apply_rotary_emb``: ``x [B, T, H, D]`` transposed to ``[B, H, T, D]``, its
     halves rotated by per-token ``cos``/``sin [B, T, D/2]`` (one value per channel pair, not
@@ -156,12 +171,16 @@ ROPE_FORMS = {"hf_neox": (rope_neox_hf, True), "hf_neox_sliced": (rope_neox_hf_s
               "hf_gptj": (rope_gptj_hf, False)}
 # RoPE with the model's own per-token cos/sin: form -> (function, rank of x). NeoX only: a
 # GPT-J rotation is a different function of the same inputs and is not matched.
-COS_SIN_ROPE_FORMS = {"transformers_neox": (rope_neox_transformers, 4), "per_token_neox": (rope_neox_per_token, 3)}
+COS_SIN_ROPE_FORMS = {"transformers_neox": (rope_neox_transformers, 4), "per_token_neox": (rope_neox_per_token, 3),
+                      "heads_first_neox": (rope_neox_heads_first, 4)}
 # The same with a partial rotary: cos/sin narrower than the head (their width a pattern constant).
 PARTIAL_COS_SIN_ROPE_FORMS = {"transformers_neox_partial": (rope_neox_transformers_partial, 4),
-                              "per_token_neox_partial": (rope_neox_per_token_partial, 3)}
+                              "per_token_neox_partial": (rope_neox_per_token_partial, 3),
+                              "heads_first_neox_partial": (rope_neox_heads_first_partial, 4)}
 # NeoX with cos/sin of half the head, one value per channel pair (the fused op gets them doubled).
 HALF_COS_SIN_ROPE_FORMS = {"transformers_halves": (rope_halves_transformers, 4)}
+# Forms whose q/k input is [B, H, T, D] (the rest of rank 4: [B, T, H, D]).
+HEADS_FIRST_FORMS = frozenset({"heads_first_neox", "heads_first_neox_partial"})
 # Every per-token form: name -> (function, rank of x).
 PER_TOKEN_ROPE_FORMS = COS_SIN_ROPE_FORMS | PARTIAL_COS_SIN_ROPE_FORMS | HALF_COS_SIN_ROPE_FORMS
 RMS_FORMS = {"hf": rms_norm_hf, "hf_weight_last": rms_norm_hf_weight_last}
@@ -223,7 +242,8 @@ def rope_cos_sin_pattern(form: str, dtype: torch.dtype, head_size: int, rot_dim:
     fn, rank = PER_TOKEN_ROPE_FORMS[form]
     lead = [2, _MAGIC_T] if rank == 4 else [_MAGIC_T]
     width = cos_sin_width(form, head_size, rot_dim)
-    args = [torch.randn(*lead, 3, head_size, dtype=dtype), torch.randn(*lead, width, dtype=dtype),
+    x_shape = [2, 3, _MAGIC_T, head_size] if form in HEADS_FIRST_FORMS else [*lead, 3, head_size]
+    args = [torch.randn(*x_shape, dtype=dtype), torch.randn(*lead, width, dtype=dtype),
             torch.randn(*lead, width, dtype=dtype)]
     return _trace(fn, args, ["x", "cos", "sin"])
 

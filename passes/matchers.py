@@ -173,12 +173,14 @@ def _match_rope_cos_sin(k_root, q_root, kval, qval, why: list) -> tuple[RopeMatc
         if len(dtypes) != 1:
             return None, (f"{form} RoPE mixes dtypes (q/k {xq.dtype}/{xk.dtype}, cos/sin {cos.dtype}/{sin.dtype}, "
                           f"rotated {qval.dtype}); the fused writer rotates in the model dtype's precision")
-        lead = tuple(xk.shape[:rank - 2])  # (B, T) or (T,)
+        heads_first = form in forms.HEADS_FIRST_FORMS
+        lead = (xk.shape[0], xk.shape[2]) if heads_first else tuple(xk.shape[:rank - 2])  # (B, T) or (T,)
         width = forms.cos_sin_width(form, d, rot_dim)
         if (cos.dim() != rank - 1 or sin.dim() != rank - 1 or not same_size(cos.shape[-1], width)
                 or not all(same_size(a, b) for a, b in zip(cos.shape, sin.shape))):
             return None, f"{form} cos/sin {tuple(cos.shape)} are not per-token rows of {width} channels"
-        if not all(same_size(a, b) for a, b in zip(xq.shape[:rank - 2], lead)):
+        q_lead = (xq.shape[0], xq.shape[2]) if heads_first else tuple(xq.shape[:rank - 2])
+        if not all(same_size(a, b) for a, b in zip(q_lead, lead)):
             return None, f"{form}: query and key have different token shapes"
         batch = None
         if not all(same_size(a, b) for a, b in zip(cos.shape[:-1], lead)):
@@ -312,8 +314,8 @@ def column_slice(node: torch.fx.Node) -> ColumnSlice | None:
 
 
 def per_token_rows(graph: torch.fx.Graph, rope: RopeMatch, x: torch.fx.Node) -> torch.fx.Node:
-    """``x`` of a per-token RoPE as ``[num_tokens, ...]`` rows: q/k ``[B, T, H, D]`` ->
-    ``[B*T, H, D]``, cos/sin ``[B, T, D]`` -> ``[B*T, D]`` (expanded first when they broadcast
+    """``x`` of a per-token RoPE as ``[num_tokens, ...]`` rows: q/k ``[B, T, H, D]`` (or
+    heads-first ``[B, H, T, D]``) -> ``[B*T, H, D]``, cos/sin ``[B, T, D]`` -> ``[B*T, D]`` (expanded first when they broadcast
     over the batch); token-major tensors as they are. Inserted at the insert point."""
     v = fx_utils.val(x)
     per_token = forms.PER_TOKEN_ROPE_FORMS
@@ -321,6 +323,9 @@ def per_token_rows(graph: torch.fx.Graph, rope: RopeMatch, x: torch.fx.Node) -> 
         return x
     if v.dim() == 3 and rope.cos_batch is not None:  # cos/sin [1, T, D]
         x = fx_utils.call(graph, aten.expand.default, (x, [rope.cos_batch, -1, -1]))
+    if v.dim() == 4 and rope.form in forms.HEADS_FIRST_FORMS:  # q/k [B, H, T, D] -> [B, T, H, D]
+        x = fx_utils.call(graph, aten.permute.default, (x, [0, 2, 1, 3]))
+        return fx_utils.call(graph, aten.reshape.default, (x, [-1, int(v.shape[1]), int(v.shape[3])]))
     return fx_utils.call(graph, aten.reshape.default, (x, [-1, *[int(s) for s in v.shape[2:]]]))
 
 

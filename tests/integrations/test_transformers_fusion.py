@@ -56,11 +56,17 @@ CONFIGS = {
                                                 layer_types=["sliding_attention", "full_attention"]),
     # partial rotary: the first half of each head rotates, the rest passes (torch.cat)
     "phi3": lambda: transformers.Phi3Config(**_COMMON, partial_rotary_factor=0.5),
+    # GPT-NeoX: q/k cut from a heads-first qkv ([B, H, T, 3D] chunks), a quarter of each head rotated
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(**{k: v for k, v in _COMMON.items()
+                                                     if k not in ("head_dim", "num_key_value_heads")}),
     # GPT-OSS: its own RoPE (halves rotated by half-width cos/sin), sinks, sliding + full layers, MoE
     "gpt_oss": lambda: transformers.GptOssConfig(**dict(_COMMON, intermediate_size=128), num_local_experts=4,
                                                  num_experts_per_tok=2, sliding_window=6,
                                                  layer_types=["sliding_attention", "full_attention"]),
 }
+# Fused, but q and k are copied for the fused writer: GPT-NeoX's are per-head strided views of
+# a heads-first qkv ([B, H, T, 3D] chunks), and the in-place rewiring takes column ranges only.
+COPIES_QK = {"gpt_neox"}
 FUSED_OP = {"qwen3": ("qk_norm_rope_kv_cache_fusion", "unified_qk_norm_rope_cos_sin_and_kv_cache_update")}
 ROPE_ONLY = ("rope_kv_cache_fusion", "unified_rope_cos_sin_and_kv_cache_update")
 
@@ -182,7 +188,8 @@ def test_compiled_generate_matches_eager_every_layer_fused(runs, arch):
     errs = [_rel(a, b) for a, b in zip(run.got.logits, run.want.logits)]
     assert max(errs) < 1e-5, errs
     _check_report(run)
-    _check_in_place(run)
+    if arch not in COPIES_QK:
+        _check_in_place(run)
 
 
 def test_teacher_forced_reference_equals_generate_in_fp32(runs):
