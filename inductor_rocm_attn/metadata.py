@@ -197,7 +197,7 @@ def _check_written_blocks_unshared(host: dict, seq_lens: list[int], padding, blo
     block = int(slots[k]) // block_size
     s = int(torch.searchsorted(host["query_start_loc"][1:], torch.tensor(k), right=True))
     users = torch.nonzero((table == block) & used).tolist()
-    where = ", ".join(f"block_tables[{a}][{b}]" for a, b in users)
+    where = ", ".join(f"block_tables[{a}][{b}]" for a, b in users[:4]) + (", ..." if len(users) > 4 else "")
     raise ValueError(f"{_OP}: block {block} receives a new token of sequence {s} (position "
                      f"{int(host['positions'][k])}) but is used {len(users)} times in this step ({where}); "
                      "a block written in a step must belong to one sequence, once (shared prefix blocks "

@@ -161,7 +161,7 @@ def test_step_inputs_are_checked_before_running(compiled):
     assert runner(torch.tensor([3, 4]), md).isfinite().all()
     with pytest.raises(ValueError, match=rf"{runner.max_num_seqs + 1} sequences > max_num_seqs {runner.max_num_seqs}"):
         runner.prepare([1] * (runner.max_num_seqs + 1), [1] * (runner.max_num_seqs + 1),
-                       [[0]] * (runner.max_num_seqs + 1))
+                       [[i] for i in range(runner.max_num_seqs + 1)])
 
 
 def _capture_with(runner, **flags):
