@@ -9,6 +9,7 @@ is replaced by a recorder, so the hook's own rules are checked on any machine.""
 from __future__ import annotations
 
 import threading
+import types
 
 import pytest
 
@@ -28,8 +29,12 @@ def recorded(monkeypatch):
     return calls, run
 
 
-def _launch():
-    triton_jit.JITFunction.run(object(), grid=(1,), warmup=False)
+OURS = types.SimpleNamespace(module="inductor_rocm_attn.kernels.triton.paged_decode")
+THEIRS = types.SimpleNamespace(module="some_library.kernels")  # e.g. an autotuned kernel
+
+
+def _launch(kernel=OURS):
+    triton_jit.JITFunction.run(kernel, grid=(1,), warmup=False)
 
 
 def test_launches_of_this_thread_only_compile(recorded):
@@ -43,6 +48,16 @@ def test_launches_of_this_thread_only_compile(recorded):
     assert calls == [("MainThread", True), ("other", False), ("MainThread", False)]
     assert triton_jit.JITFunction.run is run  # put back
     assert done["kernels"] == 0  # the recorder submitted nothing
+
+
+def test_other_libraries_kernels_run(recorded):
+    """Only this package's kernels become compile-only: another library's may be autotuned,
+    and benchmarking launches that do not run would cache an arbitrary config."""
+    calls, _ = recorded
+    with precompile.parallel_compiles(2):
+        _launch(THEIRS)
+        _launch(OURS)
+    assert calls == [("MainThread", False), ("MainThread", True)]
 
 
 def test_hook_is_put_back_when_the_block_raises(recorded):

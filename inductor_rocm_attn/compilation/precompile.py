@@ -10,8 +10,9 @@ Triton compiles with the GIL released, and its async compile mode
 (``triton.runtime._async_compile.AsyncCompileMode``) hands every compile of a launch made
 with ``warmup=True`` to an executor, keyed by the compile's cache key (so the same variant
 launched by 28 layers compiles once), and installs the results in each kernel's cache when
-the mode exits. :func:`parallel_compiles` runs a block in that mode with every Triton launch
-turned into a compile-only one: the runner runs each step it will capture once inside it
+the mode exits. :func:`parallel_compiles` runs a block in that mode with every launch of
+this package's Triton kernels turned into a compile-only one (other libraries' kernels run:
+one may be autotuned, and timing launches that do not run would pick an arbitrary config): the runner runs each step it will capture once inside it
 (the kernels' outputs are not written: nothing reads them before the real warm-up), then
 warms up and captures as before, finding every variant compiled.
 
@@ -48,14 +49,16 @@ def available() -> str | None:
     return None
 
 
-_compiling = threading.local()  # .active: this thread's launches only compile
+_compiling = threading.local()  # .active: this thread's launches of our kernels only compile
+_OUR_PACKAGE = __name__.split(".")[0] + "."
 
 
 @contextlib.contextmanager
 def parallel_compiles(threads: int) -> Iterator[dict]:
-    """Within the block, a Triton launch made by this thread only submits its kernel's
-    compile to a pool of ``threads`` threads, and launches nothing; leaving the block waits
-    for every compile and installs the kernels. Yields a dict whose ``"kernels"`` is, after
+    """Within the block, a launch of one of this package's Triton kernels made by this thread
+    only submits the kernel's compile to a pool of ``threads`` threads, and launches nothing;
+    leaving the block waits for every compile and installs the kernels. Other kernels launch
+    as usual. Yields a dict whose ``"kernels"`` is, after
     the block, the number of distinct compiles submitted.
 
     Other threads launch as usual meanwhile (the flag is thread-local, and Triton's async
@@ -69,7 +72,10 @@ def parallel_compiles(threads: int) -> Iterator[dict]:
     run = JITFunction.run
 
     def run_or_compile(self, *args, grid, warmup, **kwargs):
-        warmup = warmup or getattr(_compiling, "active", False)
+        # Our kernels only: another library's kernel may be autotuned, and timing launches
+        # that do not run would cache an arbitrary config. It runs (and compiles) as usual.
+        ours = getattr(self, "module", "").startswith(_OUR_PACKAGE)
+        warmup = warmup or (ours and getattr(_compiling, "active", False))
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     result: dict = {"kernels": 0}

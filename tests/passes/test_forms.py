@@ -52,21 +52,45 @@ def test_rope_pattern_matches_its_form_only(form, dtype):
     assert _matches(mod, args, forms.rope_pattern(form, dtype, 4, 64))["kw"] is None  # other geometry
 
 
-@pytest.mark.parametrize("form", list(forms.COS_SIN_ROPE_FORMS))
+def _rot(form):
+    """The rotated width the partial forms are traced with here (of a 32-channel head)."""
+    return 16 if form in forms.PARTIAL_COS_SIN_ROPE_FORMS else None
+
+
+def _per_token_args(form, dtype, d=32):
+    _, rank = forms.PER_TOKEN_ROPE_FORMS[form]
+    lead = (2, 5) if rank == 4 else (5,)
+    x_shape = (2, 4, 5, d) if form in forms.HEADS_FIRST_FORMS else (*lead, 4, d)
+    width = forms.cos_sin_width(form, d, _rot(form))
+    return (torch.randn(*x_shape, dtype=dtype), torch.randn(*lead, width, dtype=dtype),
+            torch.randn(*lead, width, dtype=dtype))
+
+
+@pytest.mark.parametrize("form", list(forms.PER_TOKEN_ROPE_FORMS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cos_sin_rope_pattern_matches_its_form_only(form, dtype):
-    fn, rank = forms.COS_SIN_ROPE_FORMS[form]
-    lead = (2, 5) if rank == 4 else (5,)
-    args = (torch.randn(*lead, 4, 32, dtype=dtype), torch.randn(*lead, 32, dtype=dtype),
-            torch.randn(*lead, 32, dtype=dtype))
-    r = _matches(Form(fn), args, forms.rope_cos_sin_pattern(form, dtype, 32))
+    """Each per-token form's pattern matches its own function and no other form's pattern
+    does (full / partial / halves, [B, T, H, D] / heads-first / token-major)."""
+    fn, rank = forms.PER_TOKEN_ROPE_FORMS[form]
+    args = _per_token_args(form, dtype)
+    r = _matches(Form(fn), args, forms.rope_cos_sin_pattern(form, dtype, 32, _rot(form)))
     assert r["kw"] is not None, r["why"]
     tensors = {n for n in r["inputs"] if isinstance(n.meta.get("val"), torch.Tensor)}
     x, cos, sin = (r["kw"][k] for k in ("x", "cos", "sin"))
     assert x.meta["val"].dim() == rank and {cos, sin} == tensors - {x} and cos is not sin
-    other = next(f for f in forms.COS_SIN_ROPE_FORMS if f != form)
-    assert _matches(Form(fn), args, forms.rope_cos_sin_pattern(other, dtype, 32))["kw"] is None
-    assert _matches(Form(fn), args, forms.rope_cos_sin_pattern(form, dtype, 64))["kw"] is None  # other head
+    for other in forms.PER_TOKEN_ROPE_FORMS:
+        if other == form:
+            continue
+        m = _matches(Form(fn), args, forms.rope_cos_sin_pattern(other, dtype, 32, _rot(other)))["kw"]
+        if _HEADS_FIRST_OF.get(form) == other:  # the same function of x.transpose(1, 2): equivalent
+            assert m is not None and m["x"].target is torch.ops.aten.permute.default, other
+        else:
+            assert m is None, other
+    if form not in forms.PARTIAL_COS_SIN_ROPE_FORMS:  # a partial pattern holds the rotated width only
+        assert _matches(Form(fn), args, forms.rope_cos_sin_pattern(form, dtype, 64))["kw"] is None  # other head
+
+
+_HEADS_FIRST_OF = {"transformers_neox": "heads_first_neox", "transformers_neox_partial": "heads_first_neox_partial"}
 
 
 @pytest.mark.parametrize("form", list(forms.RMS_FORMS))
