@@ -12,7 +12,7 @@ from torch import nn
 
 from . import step_checks
 from .backend import RocmAttentionImpl
-from .capabilities import AttentionType, check_block_size, check_model_dtype
+from .capabilities import AttentionType, check_block_size, check_head_size, check_model_dtype
 from .forward_context import register_copy, register_layer
 from .layout import CacheLayout, allocate_kv_cache
 from .validation import check_channel_stride, check_positive_finite, check_positive_int
@@ -70,6 +70,8 @@ class Attention(nn.Module):
         if not isinstance(layer_name, str) or not layer_name:
             raise ValueError(f"Attention: layer_name must be a non-empty str, got {layer_name!r}")
         check_block_size(block_size, "Attention")
+        if scale is None:  # the default scale needs a valid head size first
+            check_head_size(head_size, "Attention")
         try:
             cache_layout = CacheLayout(cache_layout)
         except ValueError:

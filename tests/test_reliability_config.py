@@ -53,6 +53,14 @@ def test_sliding_window_must_be_a_positive_int():
             _layer(f"win{bad}", sliding_window=bad)
 
 
+@pytest.mark.parametrize("head_size", [0, -64, 64.0])
+def test_head_size_checked_before_the_default_scale(head_size):
+    """The default scale is head_size ** -0.5: a bad head size names itself, not a
+    ZeroDivisionError or a complex number."""
+    with pytest.raises(ValueError, match=rf"Attention: head_size {head_size!r} is not supported; supported: "):
+        ira.Attention(4, head_size, layer_name=f"bad_head_{head_size}")
+
+
 def test_unknown_cache_layout():
     with pytest.raises(ValueError, match=r"Attention: cache_layout 'NHD' is not supported; supported: "
                                          r"'LHBNC', 'LBHNC'"):
