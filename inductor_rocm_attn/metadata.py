@@ -179,7 +179,8 @@ def _check_written_blocks_unshared(host: dict, seq_lens: list[int], padding, blo
     """A block that receives a new token must appear once among the blocks the step's
     sequences use: else the write lands in another sequence's context (a block shared by
     two tables) or in the same sequence's earlier tokens (a block listed twice). Shared
-    read-only blocks (a common prefix) are fine. Vectorized: ~30 us for 64 sequences."""
+    read-only blocks (a common prefix) are fine. Vectorized: about 0.1 ms for 64 sequences
+    of 2048 tokens on the 2-core CPU machine."""
     table = host["block_table"]
     if n == 0 or table.numel() == 0:
         return

@@ -99,8 +99,13 @@ def check_eps(op: str, eps) -> None:
         raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
 
 
+def _is_float(t: torch.Tensor) -> bool:
+    """float64/32/16 or bfloat16 (fp8 holds scaled codes, not values)."""
+    return t.dtype.is_floating_point and not is_fp8_dtype(t.dtype)
+
+
 def check_float_tensor(op: str, name: str, t: torch.Tensor) -> None:
-    if not t.dtype.is_floating_point or is_fp8_dtype(t.dtype):
+    if not _is_float(t):
         raise ValueError(f"{op}: {name} must be a float32, bfloat16, float16 or float64 tensor, got {t.dtype}")
 
 
@@ -168,7 +173,7 @@ def check_per_head(op: str, name: str, t: torch.Tensor | None, num_heads: int, *
         return
     if tuple(t.shape) != (num_heads,):
         raise ValueError(f"{op}: {name} must be [num_heads] = [{num_heads}], got {tuple(t.shape)}")
-    if not t.dtype.is_floating_point or is_fp8_dtype(t.dtype):
+    if not _is_float(t):
         raise TypeError(f"{op}: {name} must be a float tensor (float32, bfloat16, float16 or float64), got {t.dtype}")
     if contiguous and num_heads > 1 and t.stride(0) != 1:
         raise ValueError(f"{op}: {name} must be contiguous (the kernels read head h at offset h), got "

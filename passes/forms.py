@@ -86,36 +86,27 @@ def rope_neox_per_token(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     return x * cos.unsqueeze(1) + rotate_half_sliced(x) * sin.unsqueeze(1)
 
 
-def rope_neox_transformers_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``rope_neox_transformers`` with a partial rotary (Phi-3, GPT-NeoX, StableLM): the first
-    ``cos.shape[-1]`` channels of each head rotate, the rest pass (``torch.cat``)."""
-    x = x.transpose(1, 2)
-    r = cos.shape[-1]
-    x_rot, x_pass = x[..., :r], x[..., r:]
-    out = torch.cat((x_rot * cos.unsqueeze(1) + rotate_half_sliced(x_rot) * sin.unsqueeze(1), x_pass), dim=-1)
-    return out.transpose(1, 2)
-
-
 def rope_neox_per_token_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``rope_neox_per_token`` with a partial rotary, token-major."""
+    """``rope_neox_per_token`` with a partial rotary (Phi-3, GPT-NeoX, StableLM): the first
+    ``cos.shape[-1]`` channels of each head rotate, the rest pass (``torch.cat``)."""
     r = cos.shape[-1]
-    x_rot, x_pass = x[..., :r], x[..., r:]
-    return torch.cat((x_rot * cos.unsqueeze(1) + rotate_half_sliced(x_rot) * sin.unsqueeze(1), x_pass), dim=-1)
+    return torch.cat((rope_neox_per_token(x[..., :r], cos, sin), x[..., r:]), dim=-1)
+
+
+def rope_neox_transformers_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``rope_neox_transformers`` with a partial rotary."""
+    return rope_neox_per_token_partial(x.transpose(1, 2), cos, sin).transpose(1, 2)
 
 
 def rope_neox_heads_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``rope_neox_transformers`` on q/k already ``[B, H, T, D]`` (GPT-NeoX cuts them from a
     heads-first qkv); transposed back to ``[B, T, H, D]`` by the attention function."""
-    out = x * cos.unsqueeze(1) + rotate_half_sliced(x) * sin.unsqueeze(1)
-    return out.transpose(1, 2)
+    return rope_neox_per_token(x, cos, sin).transpose(1, 2)
 
 
 def rope_neox_heads_first_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``rope_neox_heads_first`` with a partial rotary (GPT-NeoX's ``rotary_pct``)."""
-    r = cos.shape[-1]
-    x_rot, x_pass = x[..., :r], x[..., r:]
-    out = torch.cat((x_rot * cos.unsqueeze(1) + rotate_half_sliced(x_rot) * sin.unsqueeze(1), x_pass), dim=-1)
-    return out.transpose(1, 2)
+    return rope_neox_per_token_partial(x, cos, sin).transpose(1, 2)
 
 
 def rope_halves_transformers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -315,8 +315,9 @@ def column_slice(node: torch.fx.Node) -> ColumnSlice | None:
 
 def per_token_rows(graph: torch.fx.Graph, rope: RopeMatch, x: torch.fx.Node) -> torch.fx.Node:
     """``x`` of a per-token RoPE as ``[num_tokens, ...]`` rows: q/k ``[B, T, H, D]`` (or
-    heads-first ``[B, H, T, D]``) -> ``[B*T, H, D]``, cos/sin ``[B, T, D]`` -> ``[B*T, D]`` (expanded first when they broadcast
-    over the batch); token-major tensors as they are. Inserted at the insert point."""
+    heads-first ``[B, H, T, D]``) -> ``[B*T, H, D]``, cos/sin ``[B, T, D]`` -> ``[B*T, D]``
+    (expanded first when they broadcast over the batch); token-major tensors as they are.
+    Inserted at the insert point."""
     v = fx_utils.val(x)
     per_token = forms.PER_TOKEN_ROPE_FORMS
     if rope.form not in per_token or per_token[rope.form][1] == 3:

@@ -49,6 +49,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -61,8 +62,8 @@ from inductor_rocm_attn.layer import attention_layers
 from inductor_rocm_attn.metadata import AttentionMetadata, MetadataBuffers, build_attention_metadata
 from inductor_rocm_attn.validation import check_token_ids, vocab_size_of
 
-from .build import compile_model
 from . import precompile
+from .build import compile_model
 from .graph_backends import CudaGraphBackend
 from .pieces import CompiledPiece, CompileStats, Mode, plugin_context
 from .step_graphs import DECODE, MIXED, StepShape, dummy_step, plan_step, step_shapes
@@ -334,13 +335,16 @@ class PiecewiseRunner:
             return
         t0 = time.perf_counter()
         self._mode = Mode.EAGER
-        steps = [(self._dummy_metadata, size) for size in self.capture_sizes] if self.piecewise_graphs else []
-        steps += [(lambda _, shape=shape: dummy_step(shape, buffers=self.buffers, max_model_len=self.max_model_len,
-                                                     block_size=self.block_size), shape.num_tokens)
+        # (size, metadata maker): the makers fill the shared buffers, so one step at a time
+        steps = [(size, functools.partial(self._dummy_metadata, size))
+                 for size in self.capture_sizes] if self.piecewise_graphs else []
+        steps += [(shape.num_tokens, functools.partial(dummy_step, shape, buffers=self.buffers,
+                                                        max_model_len=self.max_model_len,
+                                                        block_size=self.block_size))
                   for shape in self._whole_step_shapes()]
         with self._graph_backend.warmup(), precompile.parallel_compiles(threads) as done:
-            for metadata_for, size in steps:  # the metadata fills the shared buffers: one at a time
-                with set_forward_context(metadata_for(size), layers=self.layer_table):
+            for size, metadata in steps:
+                with set_forward_context(metadata(), layers=self.layer_table):
                     self.split_gm(*self._args(size))
         self.stats.precompile_s = time.perf_counter() - t0
         self.stats.precompiled_kernels = done["kernels"]

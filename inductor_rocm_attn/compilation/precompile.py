@@ -12,9 +12,10 @@ with ``warmup=True`` to an executor, keyed by the compile's cache key (so the sa
 launched by 28 layers compiles once), and installs the results in each kernel's cache when
 the mode exits. :func:`parallel_compiles` runs a block in that mode with every launch of
 this package's Triton kernels turned into a compile-only one (other libraries' kernels run:
-one may be autotuned, and timing launches that do not run would pick an arbitrary config): the runner runs each step it will capture once inside it
-(the kernels' outputs are not written: nothing reads them before the real warm-up), then
-warms up and captures as before, finding every variant compiled.
+one may be autotuned, and timing launches that do not run would pick an arbitrary config).
+The runner runs each step it will capture once inside it (our kernels' outputs are not
+written: nothing reads them before the real warm-up), then warms up and captures as
+before, finding every variant compiled.
 
 Measured on the 2-core CPU machine (sm_90 compiles of the benchmark shapes' 14 launches):
 14.9 s serially, 8.5 s on two threads.
@@ -58,8 +59,8 @@ def parallel_compiles(threads: int) -> Iterator[dict]:
     """Within the block, a launch of one of this package's Triton kernels made by this thread
     only submits the kernel's compile to a pool of ``threads`` threads, and launches nothing;
     leaving the block waits for every compile and installs the kernels. Other kernels launch
-    as usual. Yields a dict whose ``"kernels"`` is, after
-    the block, the number of distinct compiles submitted.
+    as usual. Yields a dict whose ``"kernels"`` is, after the block, the number of distinct
+    compiles submitted.
 
     Other threads launch as usual meanwhile (the flag is thread-local, and Triton's async
     compile mode is a context variable). Not reentrant. A compile that fails is left to
