@@ -13,7 +13,7 @@ Writer: ``reshape_and_cache`` of K/V ``[T, 8, 128]`` bf16 at T = 1, 256 (random 
 decode batch) and 16384 (consecutive slots, a prefill), native vs Triton, outputs compared
 bit for bit first.
 
-    python benchmarks/bench_native.py [--batch ...] [--ctx ...] [--sweep] [--out DIR]
+    python benchmarks/bench_native.py [--batch ...] [--ctx ...] [--sweep] [--only decode|writer] [--out DIR]
     python benchmarks/bench_native.py --variants default w4s3 w4s3_wave w1s3_wave ... \
         --batch 1 16 64 --ctx 4096
 
@@ -259,6 +259,7 @@ def main():
     ap.add_argument("--ctx", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 256, 16384])
     ap.add_argument("--sweep", action="store_true", help="native launch configurations at L=4096")
+    ap.add_argument("--only", choices=("decode", "writer"), default=None, help="run one of the two tables")
     ap.add_argument("--variants", nargs="+", default=None,
                     help=f"only time these native decode variants ('all' = {', '.join(native.DECODE_VARIANTS)})")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -278,8 +279,8 @@ def main():
         decode, sweeps, writer = [], [], []
         variants = bench_variants(args.batch, args.ctx, args.variants)
     else:
-        decode, sweeps = bench_decode(args.batch, args.ctx, args.sweep)
-        writer = bench_writer(args.tokens)
+        decode, sweeps = bench_decode(args.batch, args.ctx, args.sweep) if args.only != "writer" else ([], [])
+        writer = bench_writer(args.tokens) if args.only != "decode" else []
     result = dict(
         command=" ".join([os.path.basename(sys.executable)] + sys.argv), date=t0.isoformat(timespec="seconds"),
         machine=dict(gpu=props.name, sms=props.multi_processor_count, host=platform.node(),

@@ -137,7 +137,7 @@ void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache, at
     return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && (t.stride(0) * eb) % 16 == 0 &&
            (t.stride(1) * eb) % 16 == 0;
   };
-  p.vector_loads = aligned(key) ? 1 : 0;
+  p.vector_loads = aligned(key) && aligned(value) ? 1 : 0;
   const int rc = rocm_attn_native::reshape_and_cache(p, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(rc == 0, "rocm_attn native ", rocm_attn_native::last_error());
 }

@@ -82,7 +82,7 @@ struct CacheWriteParams {
   int32_t input_dtype, cache_dtype;  // DType
   int32_t slot_mapping_is64;
   int32_t interleaved_v;
-  int32_t vector_loads;  // key/value rows are 16-byte aligned (base and strides)
+  int32_t vector_loads;  // key and value rows are 16-byte aligned (bases and strides)
 };
 
 int reshape_and_cache(const CacheWriteParams& p, void* stream);

@@ -136,15 +136,24 @@ struct DecodeCta {
   RA_DEVICE int tile_start(int k) const { return (t_begin + warp + k * num_warps) * kTile; }
 };
 
-// Position (in 16-byte packets) of K packet c of token t in a tile: rows of NCP packets,
-// XOR-swizzled so that both the copies (16 tokens of one packet column) and the reads (all
-// packets of a token) spread over the shared-memory banks.
+// Position (in 16-byte packets) of K packet c of token t in a tile, for the CUDA-core
+// kernel: rows of NCP packets, XOR-swizzled so that both the copies (16 tokens of one packet
+// column) and the reads (all packets of a token) spread over the shared-memory banks.
 template <int NCP>
 RA_DEVICE int k_slot(int t, int c) {
   constexpr int SWM = ra_min(NCP, 8);
   constexpr int SWD = ra_max(1, 8 / NCP);
   return t * NCP + (c ^ ((t / SWD) % SWM));
 }
+
+// The tensor-core kernel's K slot: columns of 16 tokens, as in the cache page. The copies of
+// 8 consecutive tokens (128 contiguous bytes of global memory) then fill one 128-byte
+// shared-memory row, and ldmatrix reads its 8 rows (8 keys of one column) from one such row.
+// Scattering those 8 tokens over 8 rows, as k_slot does, made each cp.async instruction of
+// K take 8 shared-memory wavefronts instead of 1 and request every global sector twice
+// (Nsight Compute on the H200: 24 sectors and 18 wavefronts per copy instruction, against
+// 16 and 4 in Triton's decode).
+RA_DEVICE int k_slot_col(int t, int c) { return c * kTile + t; }
 
 // Position of V packet g (tokens g*x ..) of channel d in a tile: [D][16 / x]; with VSWZ (the
 // tensor-core kernel's ldmatrix reads 8 channels of one packet column) the two packets of a
@@ -155,8 +164,9 @@ RA_DEVICE int v_slot(int d, int g) {
 }
 
 // Copy the K and V tiles of keys ts .. ts + 15 (block `blk`) into a ring slot (16-byte copies,
-// asynchronous where the hardware has them).
-template <int CK, int D, bool VSWZ>
+// asynchronous where the hardware has them). MMA: the tensor-core kernel's layout (K by
+// k_slot_col, V swizzled for ldmatrix), else the CUDA-core kernel's (k_slot, plain V).
+template <int CK, int D, bool MMA>
 RA_DEVICE void issue_tile(const DecodeParams& p, const DecodeCta& c, unsigned char* slot, int tile_bytes, int ts,
                           int64_t blk) {
   constexpr int W = RA_WARP_SIZE;
@@ -177,7 +187,8 @@ RA_DEVICE void issue_tile(const DecodeParams& p, const DecodeCta& c, unsigned ch
   for (int i = 0; i < kTile * NCP / W; ++i) {
     const int j = c.lane + W * i;
     const int t = j % kTile, cc = j / kTile;
-    ra_copy16_async(slot + k_slot<NCP>(t, cc) * 16, k_src + (static_cast<int64_t>(cc) * bs + off + t) * 16);
+    ra_copy16_async(slot + (MMA ? k_slot_col(t, cc) : k_slot<NCP>(t, cc)) * 16,
+                    k_src + (static_cast<int64_t>(cc) * bs + off + t) * 16);
   }
 #pragma unroll 1
   for (int i = 0; i < D * PPC / W; ++i) {
@@ -185,13 +196,13 @@ RA_DEVICE void issue_tile(const DecodeParams& p, const DecodeCta& c, unsigned ch
     const int d = j / PPC, g = j % PPC;
     const int tok = off + g * X;
     const int64_t e = p.interleaved_v ? (static_cast<int64_t>(tok / X) * D + d) * X : static_cast<int64_t>(d) * bs + tok;
-    ra_copy16_async(vd + v_slot<PPC, VSWZ>(d, g) * 16, v_src + e * ESZ);
+    ra_copy16_async(vd + v_slot<PPC, MMA>(d, g) * 16, v_src + e * ESZ);
   }
 }
 
 // The warp's tile loop: a ring of `stages` slots, stages - 1 tiles in flight, the block id of
 // the next tile loaded one iteration ahead. compute(slot, ts) runs once per tile.
-template <int CK, int D, bool VSWZ, typename F>
+template <int CK, int D, bool MMA, typename F>
 RA_DEVICE void tile_loop(const DecodeParams& p, const DecodeCta& c, unsigned char* ring, int tile_bytes, int stages,
                          F&& compute) {
   const int64_t bt_row = static_cast<int64_t>(c.seq) * p.block_table_stride;
@@ -199,14 +210,14 @@ RA_DEVICE void tile_loop(const DecodeParams& p, const DecodeCta& c, unsigned cha
     return ra_load_index(p.block_table, bt_row + c.tile_start(k) / p.block_size, p.block_table_is64);
   };
   for (int s = 0; s < stages - 1; ++s) {
-    if (s < c.n_my) issue_tile<CK, D, VSWZ>(p, c, ring + s * 2 * tile_bytes, tile_bytes, c.tile_start(s), block_of(s));
+    if (s < c.n_my) issue_tile<CK, D, MMA>(p, c, ring + s * 2 * tile_bytes, tile_bytes, c.tile_start(s), block_of(s));
     ra_copy_commit();
   }
   int64_t next_blk = stages - 1 < c.n_my ? block_of(stages - 1) : 0;
   for (int k = 0; k < c.n_my; ++k) {
     const int kk = k + stages - 1;
     if (kk < c.n_my)
-      issue_tile<CK, D, VSWZ>(p, c, ring + (kk % stages) * 2 * tile_bytes, tile_bytes, c.tile_start(kk), next_blk);
+      issue_tile<CK, D, MMA>(p, c, ring + (kk % stages) * 2 * tile_bytes, tile_bytes, c.tile_start(kk), next_blk);
     ra_copy_commit();
     next_blk = kk + 1 < c.n_my ? block_of(kk + 1) : 0;  // used next iteration
     ra_copy_wait(stages - 1);

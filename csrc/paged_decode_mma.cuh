@@ -35,7 +35,6 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(256) paged_decode_mma_kernel(DecodeParams p, Dec
   constexpr bool BF16 = CK == static_cast<int>(DType::kBFloat16);
   constexpr int ESZ = K::kBytes;
   constexpr int X = 16 / ESZ;
-  constexpr int NCP = D / X;
   constexpr int PPC = kTile / X;
   constexpr int KS = D / 16;  // k-steps of S
   constexpr int NT = D / 8;   // 8-channel column tiles of O
@@ -93,11 +92,11 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(256) paged_decode_mma_kernel(DecodeParams p, Dec
       uint32_t b[4];
       if constexpr (ESZ == 2) {  // matrices: keys 0-7 / 8-15 x packets 2ks, 2ks+1
         const int m = lane >> 3, r = lane & 7;
-        ra_ldmatrix_x4(b, ks_ptr + k_slot<NCP>((m >> 1) * 8 + r, 2 * ks + (m & 1)) * 16);  // b0 b1 of keys 0-7, 8-15
+        ra_ldmatrix_x4(b, ks_ptr + k_slot_col((m >> 1) * 8 + r, 2 * ks + (m & 1)) * 16);  // b0 b1 of keys 0-7, 8-15
       } else {  // fp8: packet ks holds channels ks*16 .. + 15 of a key
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
-          const unsigned char* row = ks_ptr + k_slot<NCP>(nt * 8 + g, ks) * 16;
+          const unsigned char* row = ks_ptr + k_slot_col(nt * 8 + g, ks) * 16;
           b[2 * nt] = fp8_pair_as_f16x2<CK>(row + 2 * t4);
           b[2 * nt + 1] = fp8_pair_as_f16x2<CK>(row + 8 + 2 * t4);
         }

@@ -4,17 +4,29 @@ generates what eager transformers generates (CPU, from config, random weights).
 One compiled model per architecture (module-scoped; ``model.get_decoder().forward =
 torch.compile(...)``, the plugin on): Llama, Qwen3, Mistral (sliding window), Gemma2 (logits
 soft cap, sliding and full layers alternating), Phi-3 (partial rotary, fused qkv), GPT-OSS (its
-half-width cos/sin RoPE, sinks) in fp32, Qwen3 in bf16. Each generates from
+half-width cos/sin RoPE, sinks), GPT-NeoX (heads-first qkv) in fp32; Qwen3 and GPT-OSS with
+every expert routed in bf16. Each generates from
 ragged, left-padded prompts (one prefill + 8 decode steps: two compiled graphs) on a
 ``PagedCache`` and is compared with the same weights under ``attn_implementation="eager"``
 with transformers' own cache.
 
 Tolerance: fp32 logits within 1e-5 of each step's largest |logit| (measured 2-7e-7: our CPU
 kernels accumulate in float64 and round once, eager in fp32), greedy tokens identical. bf16
-(Qwen3; Llama and Qwen3 on the GPU): within 3e-2 (measured ~1e-2: compiled bf16 matmuls and
-the fused writer's single rounding differ from eager's per-op rounding) of eager's logits on
-the compiled model's own tokens (one teacher-forced forward): a near-tie broken differently
-would otherwise compare two different continuations.
+(Qwen3 and GPT-OSS; on the GPU also Llama, Phi-3 and GPT-NeoX): within 3e-2 (measured ~1e-2:
+compiled bf16 matmuls and the fused writer's single rounding differ from eager's per-op
+rounding) of eager's logits on the compiled model's own tokens (one teacher-forced forward): a
+near-tie broken differently would otherwise compare two different continuations.
+
+GPT-OSS in bf16 routes every token to every expert (``gpt_oss_all_experts``): its top-2-of-4
+router has near-ties (where the choice flipped, the 2nd and 3rd router logits were 4e-4 to
+1.3e-3 apart; median gap 0.08) that any change of bf16 rounding flips, and one token's flipped
+expert moves its row's logits by 5-35% at that step and, through its cached K/V, 4-7% at every
+later one. Measured on CPU with the top-2 config (errors against eager bf16): plain
+``torch.compile`` of the eager model, no plugin, 0.07 (one flip in layer 0 of a prompt token),
+the compiled model with the plugin the same 0.07 (the same flip), our attention uncompiled
+0.36 (a flip at a decode step), and eager bf16 itself 0.29 from eager fp32 at one step. With
+every expert routed all of these are within 1e-2 (as for Llama) and the attention outputs of
+both layers within 0.8% of eager's.
 
 The fusion report is asserted per layer: every layer FUSED in every compiled graph (QK-norm +
 RoPE + cache for Qwen3, RoPE + cache for the others), no MISS, and Qwen3's layers switched to
@@ -63,6 +75,11 @@ CONFIGS = {
     "gpt_oss": lambda: transformers.GptOssConfig(**dict(_COMMON, intermediate_size=128), num_local_experts=4,
                                                  num_experts_per_tok=2, sliding_window=6,
                                                  layer_types=["sliding_attention", "full_attention"]),
+    # the same with top-4 of 4 experts: no expert choice for bf16 rounding to flip (module docstring)
+    "gpt_oss_all_experts": lambda: transformers.GptOssConfig(**dict(_COMMON, intermediate_size=128),
+                                                             num_local_experts=4, num_experts_per_tok=4,
+                                                             sliding_window=6,
+                                                             layer_types=["sliding_attention", "full_attention"]),
 }
 # Fused, but q and k are copied for the fused writer: GPT-NeoX's are per-head strided views of
 # a heads-first qkv ([B, H, T, 3D] chunks), and the in-place rewiring takes column ranges only.
@@ -180,7 +197,7 @@ def _check_in_place(run: Run):
             assert f"out={q_buf})" in code and f"out={k_buf})" in code  # written by extern_kernels.mm
 
 
-@pytest.mark.parametrize("arch", list(CONFIGS))
+@pytest.mark.parametrize("arch", [a for a in CONFIGS if a != "gpt_oss_all_experts"])  # fp32: no flips
 def test_compiled_generate_matches_eager_every_layer_fused(runs, arch):
     run = runs(arch)
     assert torch.equal(run.got.sequences, run.want.sequences)
@@ -200,22 +217,27 @@ def test_teacher_forced_reference_equals_generate_in_fp32(runs):
     assert max(errs) < 1e-5, errs
 
 
-def test_qwen3_bf16_every_layer_fused(runs):
-    run = runs("qwen3", torch.bfloat16)
+@pytest.mark.parametrize("arch", ["qwen3", "gpt_oss_all_experts"])
+def test_bf16_every_layer_fused(runs, arch):
+    run = runs(arch, torch.bfloat16)
     errs = [_rel(a, b) for a, b in zip(run.got.logits, run.forced)]
     assert len(errs) == NEW_TOKENS and max(errs) < 3e-2, errs
     _check_report(run)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gpt_oss_all_experts", "gpt_neox"])
 def test_compiled_generate_on_gpu_every_layer_fused(arch):
-    """The same on the GPU in bf16 (the Triton writers inside the compiled graphs)."""
+    """The same on the GPU in bf16 (the Triton writers inside the compiled graphs), for each
+    RoPE form: full rotary with and without QK-norm, partial rotary, GPT-OSS's halves (with its
+    sinks and sliding window; every expert routed, see the module docstring), and GPT-NeoX's
+    heads-first q/k."""
     run = Run(arch, torch.bfloat16, "cuda")
     errs = [_rel(a, b) for a, b in zip(run.got.logits, run.forced)]
     assert len(errs) == NEW_TOKENS and max(errs) < 3e-2, errs
     _check_report(run)
-    _check_in_place(run)
+    if arch not in COPIES_QK:
+        _check_in_place(run)
 
 
 _WARM_START = textwrap.dedent("""

@@ -410,7 +410,7 @@ def test_decode_gpu_rejects_prefill(ext):
 
 
 def _write_case(num_tokens, *, num_kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16,
-                cache=None, layout_="LHBNC", prefill=False, pad=0, strided=False, seed=0):
+                cache=None, layout_="LHBNC", prefill=False, pad=0, strided=False, unaligned_value=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     cache_dtype = {None: dtype, "e4m3": _e4m3(), "e5m2": torch.float8_e5m2}[cache]
     num_blocks = -(-num_tokens // block_size) + 4
@@ -422,6 +422,9 @@ def _write_case(num_tokens, *, num_kv_heads=8, head_size=128, block_size=16, dty
     else:
         key = torch.randn(num_tokens, num_kv_heads, head_size, generator=g).to(dtype)
         value = torch.randn(num_tokens, num_kv_heads, head_size, generator=g).to(dtype)
+    if unaligned_value:  # rows 2 bytes past a 16-byte boundary (the key's are aligned): scalar loads
+        value = torch.randn(num_tokens * num_kv_heads * head_size + 1, generator=g).to(dtype)[1:]
+        value = value.view(num_tokens, num_kv_heads, head_size)
     if prefill:
         slots = torch.arange(num_tokens) + 2 * block_size
     else:
@@ -429,6 +432,14 @@ def _write_case(num_tokens, *, num_kv_heads=8, head_size=128, block_size=16, dty
     if pad:
         slots[torch.randperm(num_tokens, generator=g)[:pad]] = -1
     return key, value, kv_cache, slots
+
+
+def _to_gpu_keeping_offset(t: torch.Tensor) -> torch.Tensor:
+    """A GPU copy of a contiguous view with the same storage offset (so the same alignment)."""
+    flat = torch.empty(t.storage_offset() + t.numel(), dtype=t.dtype, device=GPU)
+    view = flat[t.storage_offset():].view(t.shape)
+    view.copy_(t)
+    return view
 
 
 @pytest.mark.gpu
@@ -440,7 +451,10 @@ def _write_case(num_tokens, *, num_kv_heads=8, head_size=128, block_size=16, dty
     dict(num_tokens=3000, prefill=True, block_size=32, head_size=64, dtype=torch.float16),
     dict(num_tokens=16384, prefill=True, pad=100, index_dtype=torch.int32),
     dict(num_tokens=77, strided=True, block_size=32),
-], ids=["t1", "t256_pad_lbhnc", "t3000_prefill_bs32_d64_fp16", "t16384_prefill_pad_int32", "t77_strided"])
+    dict(num_tokens=700, prefill=True, head_size=256, pad=5),
+    dict(num_tokens=300, prefill=True, unaligned_value=True),
+], ids=["t1", "t256_pad_lbhnc", "t3000_prefill_bs32_d64_fp16", "t16384_prefill_pad_int32", "t77_strided",
+        "t700_prefill_d256", "t300_prefill_unaligned_value"])
 def test_reshape_and_cache_gpu(ext, kw, cache, interleaved_v):
     kw = dict(kw)
     index_dtype = kw.pop("index_dtype", torch.int64)
@@ -452,7 +466,7 @@ def test_reshape_and_cache_gpu(ext, kw, cache, interleaved_v):
     want = kv_cache.clone()
     ref.reshape_and_cache(key, value, want, slots, ks, vs, interleaved_v)
     got = kv_cache.to(GPU)
-    native.reshape_and_cache(key.to(GPU), value.to(GPU), got,
+    native.reshape_and_cache(key.to(GPU), _to_gpu_keeping_offset(value), got,
                              slots.to(index_dtype).to(GPU), ks.to(GPU), vs.to(GPU), interleaved_v)
     diff = got.cpu().view(torch.uint8) != want.view(torch.uint8)
     assert not diff.any(), f"{int(diff.sum())} cache bytes differ from the reference writer (seed {seed})"

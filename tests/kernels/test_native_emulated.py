@@ -158,7 +158,7 @@ def emulated_write(key, value, kv_cache, slot_mapping, k_scale, v_scale, interle
     kb, vb, bstride = _cache_bases(kv_cache)
     eb = key.element_size()
     aligned = all(t.data_ptr() % 16 == 0 and (t.stride(0) * eb) % 16 == 0 and (t.stride(1) * eb) % 16 == 0
-                  for t in (key,))
+                  for t in (key, value))
     p = CacheWriteParams(
         _ptr(key), _ptr(value), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kb, vb, bstride, _ptr(slot_mapping), _ptr(k_scale), _ptr(v_scale),
@@ -314,7 +314,7 @@ def test_decode_emulated_random(draw):
 
 def _write_case(num_tokens, *, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.bfloat16,
                 cache_dtype=None, layout="LHBNC", interleaved_v=False, strided=False, contiguous_slots=False,
-                pad=0, index_dtype=torch.int64, seed=0):
+                pad=0, index_dtype=torch.int64, unaligned_value=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     cache_dtype = cache_dtype or dtype
     num_blocks = math.ceil(num_tokens / block_size) + 3
@@ -327,6 +327,9 @@ def _write_case(num_tokens, *, num_kv_heads=2, head_size=64, block_size=16, dtyp
     else:
         key = torch.randn(num_tokens, num_kv_heads, head_size, generator=g).to(dtype)
         value = torch.randn(num_tokens, num_kv_heads, head_size, generator=g).to(dtype)
+    if unaligned_value:  # rows that start 2 bytes past a 16-byte boundary: scalar loads
+        flat = torch.randn(num_tokens * num_kv_heads * head_size + 1, generator=g).to(dtype)
+        value = flat[1:].view(num_tokens, num_kv_heads, head_size)
     if contiguous_slots:  # prefill: consecutive slots from a block start
         slots = torch.arange(num_tokens) + block_size
     else:
@@ -348,6 +351,14 @@ WRITE_CASES = [
     ("fp8_e4m3fnuz_bs48", dict(num_tokens=30, cache_dtype=torch.float8_e4m3fnuz, block_size=48,
                                contiguous_slots=True)),
     ("fp32_input_bf16_cache", dict(num_tokens=9, dtype=torch.float32, cache_dtype=torch.bfloat16)),
+    # head_size 256: two rounds of packets per thread
+    ("d256_prefill_interleaved_pad", dict(num_tokens=35, head_size=256, contiguous_slots=True, pad=3,
+                                          interleaved_v=True)),
+    ("fp32_input_fp8_cache_d256", dict(num_tokens=18, dtype=torch.float32, cache_dtype=torch.float8_e4m3fn,
+                                       head_size=256, contiguous_slots=True)),
+    ("one_token", dict(num_tokens=1, head_size=128)),
+    # the key's rows are 16-byte aligned, the value's are not: both take scalar loads
+    ("unaligned_value_prefill", dict(num_tokens=40, contiguous_slots=True, unaligned_value=True)),
 ]
 
 
