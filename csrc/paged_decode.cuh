@@ -181,14 +181,34 @@ RA_DEVICE void issue_tile(const DecodeParams& p, const DecodeCta& c, unsigned ch
   const unsigned char* k_src = static_cast<const unsigned char*>(p.k_cache) + page;
   const unsigned char* v_src = static_cast<const unsigned char*>(p.v_cache) + page;
   unsigned char* vd = slot + tile_bytes;
+  if constexpr (MMA) {
+    // In this layout copy i of a lane is its first copy moved by a fixed step, in global and
+    // shared memory alike: K, token lane % 16 of packet column lane / 16 + (W / 16) i (slot
+    // lane + W i); V, packet g = lane % PPC of channel lane / PPC + (W / PPC) i (slot + W i: the
+    // swizzle bit, (d >> 2) & 1, does not change for steps of 16 channels). So the loop is
+    // straight-line copies with one address add each.
+    static_assert((W / PPC) % 8 == 0, "the V step keeps the swizzle bit");
+    const int lane = c.lane;
+    const unsigned char* k_at = k_src + ((static_cast<int64_t>(lane / kTile)) * bs + off + lane % kTile) * 16;
+    const int64_t k_step = static_cast<int64_t>(W / kTile) * bs * 16;
+    const int d0 = lane / PPC, g = lane % PPC, tok = off + g * X;
+    const unsigned char* v_at =
+        v_src + (p.interleaved_v ? (static_cast<int64_t>(tok / X) * D + d0) * X : static_cast<int64_t>(d0) * bs + tok) * ESZ;
+    const int64_t v_step = static_cast<int64_t>(W / PPC) * (p.interleaved_v ? X : bs) * ESZ;
+    unsigned char* v_to = vd + v_slot<PPC, true>(d0, g) * 16;
+#pragma unroll
+    for (int i = 0; i < kTile * NCP / W; ++i) ra_copy16_async(slot + (lane + W * i) * 16, k_at + i * k_step);
+#pragma unroll
+    for (int i = 0; i < D * PPC / W; ++i) ra_copy16_async(v_to + W * i * 16, v_at + i * v_step);
+    return;
+  }
   // Not unrolled: unrolled, the compiler keeps every copy's tile-invariant offsets in
   // registers across the whole key loop.
 #pragma unroll 1
   for (int i = 0; i < kTile * NCP / W; ++i) {
     const int j = c.lane + W * i;
     const int t = j % kTile, cc = j / kTile;
-    ra_copy16_async(slot + (MMA ? k_slot_col(t, cc) : k_slot<NCP>(t, cc)) * 16,
-                    k_src + (static_cast<int64_t>(cc) * bs + off + t) * 16);
+    ra_copy16_async(slot + k_slot<NCP>(t, cc) * 16, k_src + (static_cast<int64_t>(cc) * bs + off + t) * 16);
   }
 #pragma unroll 1
   for (int i = 0; i < D * PPC / W; ++i) {
@@ -196,7 +216,7 @@ RA_DEVICE void issue_tile(const DecodeParams& p, const DecodeCta& c, unsigned ch
     const int d = j / PPC, g = j % PPC;
     const int tok = off + g * X;
     const int64_t e = p.interleaved_v ? (static_cast<int64_t>(tok / X) * D + d) * X : static_cast<int64_t>(d) * bs + tok;
-    ra_copy16_async(vd + v_slot<PPC, MMA>(d, g) * 16, v_src + e * ESZ);
+    ra_copy16_async(vd + v_slot<PPC, false>(d, g) * 16, v_src + e * ESZ);
   }
 }
 
