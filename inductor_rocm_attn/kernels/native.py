@@ -382,19 +382,23 @@ def _check_split_rule(split_rule: str) -> None:
 
 
 # The default launch by grid size (CTAs = num_seqs x num_kv_heads x head chunks, before splits).
-# H200, bf16, 32/8 heads, d128, block 16, L=4096 (bench_native.py --variants, benchmarks/results
-# history 2026-12-03_2022_native_variants_decode_fp8_h200; us, [Triton / SDPA] on the same case):
+# H200, bf16, 32/8 heads, d128, block 16 (bench_native.py --variants; us, [Triton / SDPA] on
+# the same case). On the kernel of 2026-12-03 (history 2026-12-03_2022_*), L=4096:
 #   B=1  [15.6 / 16.9]: 4 warps, 3 stages, four_per_sm (32 splits) 25.9; 1 warp, 3 stages, wave
 #                       (64 splits) 30.9; 4-warp wave 25.8
 #   B=16 [81.2 / 76.0]: 4-warp four_per_sm (5 splits) 141.4; 4-warp wave (2) 118.6;
 #                       1-warp wave (8) 112.2
 #   B=64 [254.0 / 248.5]: 4-warp (1 split) 388.6; 1-warp wave (2 splits) 354.9
+# On the K-column kernel (history 2026-12-04_1740_*), B=1, L = 1024 / 4096 / 16384:
+#   [12.7 / 11.6, 16.5 / 16.8, 32.4 / 32.1]: 4-warp four_per_sm (8, 32, 64 splits) 18.4 / 24.2 /
+#   53.1; 4-warp wave (8, 32, 33) 18.7 / 24.0 / 44.1; 1-warp wave 22.5 / 29.3 / 45.5; B=16
+#   1-warp wave 41.5 / 87.7 / 266.4, 4-warp wave 41.9 / 92.4 / 290.8.
 # So: one warp, 3 stages, the wave rule once the grid is at least half the SMs (B=16: 128 CTAs
-# >= 66 on 132 SMs: -21%; B=64: -9%); below it (B=1: 8 CTAs) decode_launch_config's 4-warp
-# config and the four_per_sm rule (the 1-warp launch is 19% slower there). Measured only with
-# the tensor-core kernel on the H200; the CUDA-core kernel (HIP) follows the same rule.
+# >= 66 on 132 SMs); below it (B=1: 8 CTAs) decode_launch_config's 4-warp config and the wave
+# rule too (no worse than four_per_sm at any measured L, -17% at B=1 L=16384). Measured only
+# with the tensor-core kernel on the H200; the CUDA-core kernel (HIP) follows the same rule.
 WIDE_GRID_LAUNCH = (1, 3, "wave")  # (num_warps, stages, split_rule)
-NARROW_GRID_SPLIT_RULE = "four_per_sm"
+NARROW_GRID_SPLIT_RULE = "wave"
 
 
 class DecodeLaunch(NamedTuple):
@@ -413,9 +417,9 @@ def plan_decode(num_seqs: int, num_kv_heads: int, gqa: int, max_ctx: int, head_s
 
     With neither ``num_warps`` nor ``stages`` given: ``WIDE_GRID_LAUNCH`` when the grid is at
     least half the SM count and its CTA fits ``max_smem``, else ``decode_launch_config`` with
-    the four_per_sm rule. Giving ``num_warps`` or ``stages`` opts out of that choice: the other
-    comes from ``decode_launch_config`` and the rule is four_per_sm. An explicit ``split_rule``
-    or ``num_splits`` replaces the planned one either way.
+    ``NARROW_GRID_SPLIT_RULE``. Giving ``num_warps`` or ``stages`` opts out of that choice: the
+    other comes from ``decode_launch_config`` and the rule is ``NARROW_GRID_SPLIT_RULE``. An
+    explicit ``split_rule`` or ``num_splits`` replaces the planned one either way.
     """
     if split_rule is not None:
         _check_split_rule(split_rule)

@@ -203,7 +203,7 @@ def _plan(num_seqs, num_kv_heads=8, gqa=4, max_ctx=4096, head_size=128, elem_byt
 
 def test_default_launch_by_grid():
     # bf16, 32/8 heads, d128, L=4096 (the H200 A/B's case): (warps, stages, splits, rule)
-    assert _plan(1) == (4, 3, 32, "four_per_sm")   # 8 CTAs < 66: the 4-warp launch
+    assert _plan(1) == (4, 3, 32, "wave")          # 8 CTAs < 66: the 4-warp launch
     assert _plan(16) == (1, 3, 8, "wave")          # 128 CTAs >= 66: one warp, one wave
     assert _plan(64) == (1, 3, 2, "wave")
     # the threshold: grid (seqs x KV heads x head chunks) >= half the SMs
@@ -223,18 +223,18 @@ def test_default_launch_by_grid():
 
 
 def test_launch_overrides():
-    # num_warps or stages given: that config with the four_per_sm rule, as before the wide-grid launch
-    assert _plan(16, num_warps=4) == (4, 3, 5, "four_per_sm")
-    assert _plan(16, num_warps=4, stages=3) == (4, 3, 5, "four_per_sm")
-    assert _plan(16, stages=2) == (4, 2, 5, "four_per_sm")
-    assert _plan(16, num_warps=1, stages=3) == (1, 3, 5, "four_per_sm")
+    # num_warps or stages given: that config with the narrow-grid rule (wave)
+    assert _plan(16, num_warps=4) == (4, 3, 2, "wave")
+    assert _plan(16, num_warps=4, stages=3) == (4, 3, 2, "wave")
+    assert _plan(16, stages=2) == (4, 2, _wave_splits(16, 4, 2), "wave")
+    assert _plan(16, num_warps=1, stages=3) == (1, 3, 8, "wave")
     assert _plan(1, num_warps=1, stages=3, split_rule="wave") == (1, 3, 64, "wave")
     # split_rule / num_splits alone keep the planned warps and stages
     assert _plan(16, split_rule="four_per_sm") == (1, 3, 5, "four_per_sm")
     assert _plan(64, split_rule="triton") == (1, 3, 1, "triton")
     assert _plan(1, split_rule="wave") == (4, 3, 32, "wave")
     assert _plan(16, num_splits=3) == (1, 3, 3, "wave")
-    assert _plan(1, num_splits=7) == (4, 3, 7, "four_per_sm")
+    assert _plan(1, num_splits=7) == (4, 3, 7, "wave")
     for kw in (dict(), dict(num_splits=2)):
         with pytest.raises(ValueError, match="split_rule 'nope'"):
             _plan(16, split_rule="nope", **kw)
@@ -247,21 +247,26 @@ def test_launch_overrides():
     assert _plan(1, **native.DECODE_VARIANTS["w1s3_wave"]) == (1, 3, 64, "wave")
 
 
+def _wave_splits(b, warps, stages, gqa=4):
+    return native.plan_splits(b, 8, gqa, 4096, 128, 2, warps, stages, split_rule="wave", num_sms=132, warp_size=32,
+                              sm_smem=228 << 10)
+
+
 def test_wide_grid_launch_falls_back_when_its_smem_does_not_fit():
     one_warp = native.decode_smem_bytes(128, 2, 4, 1, 3)
     small = one_warp - 1  # (1 warp, 3 stages) does not fit; (1, 2) does
     assert native.decode_smem_bytes(128, 2, 4, 1, 2) <= small
-    assert _plan(16, max_smem=small) == (1, 2, native.num_kv_splits(16, 8, 1, 4096, 132, 1), "four_per_sm")
+    assert _plan(16, max_smem=small) == (1, 2, _wave_splits(16, 1, 2), "wave")
     assert _plan(16, max_smem=one_warp)[:2] == (1, 3)  # exactly fits
     # 64 KB (AMD LDS): the 1-warp CTA fits, (4, 3) does not
     assert _plan(16, max_smem=64 << 10, sm_smem=64 << 10, warp_size=64)[:2] == (1, 3)
     w, s, _, rule = _plan(1, max_smem=64 << 10, sm_smem=64 << 10, warp_size=64)
-    assert (w, s) == native.decode_launch_config(128, 2, 4, 64 << 10) and rule == "four_per_sm"
+    assert (w, s) == native.decode_launch_config(128, 2, 4, 64 << 10) and rule == "wave"
     # the check is per GQA tile: 8 heads a CTA need more than 4
     limit = native.decode_smem_bytes(128, 2, 4, 1, 3)
     assert native.decode_smem_bytes(128, 2, 8, 1, 3) > limit
     assert _plan(16, gqa=4, max_smem=limit)[:2] == (1, 3)
-    assert _plan(16, gqa=8, max_smem=limit) == (1, 2, native.num_kv_splits(16, 8, 1, 4096, 132, 1), "four_per_sm")
+    assert _plan(16, gqa=8, max_smem=limit) == (1, 2, _wave_splits(16, 1, 2, gqa=8), "wave")
 
 
 def test_paged_attention_launches_the_plan(monkeypatch):
@@ -291,7 +296,7 @@ def test_paged_attention_launches_the_plan(monkeypatch):
     assert launched(1) == (32, 4, 3)
     assert launched(16) == (8, 1, 3)
     assert launched(64) == (2, 1, 3)
-    assert launched(16, num_warps=4, stages=3) == (5, 4, 3)
+    assert launched(16, num_warps=4, stages=3) == (2, 4, 3)
     assert launched(16, split_rule="four_per_sm") == (5, 1, 3)
     assert launched(64, num_splits=4) == (4, 1, 3)
 

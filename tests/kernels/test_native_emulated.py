@@ -262,9 +262,9 @@ def test_decode_cases_cover_both_default_launches():
         launches = {n: [_case_launch(c[1], c[2], warp, n) for c in DECODE_CASES] for n in SMS}
         wide = [x for x in launches[8] if x[:2] == (1, 3) and x.split_rule == "wave"]
         assert len(wide) >= 6 and any(x.num_splits > 1 for x in wide), launches[8]
-        assert sum(x[:2] == (4, 3) and x.split_rule == "four_per_sm" for x in launches[132]) >= 6, launches[132]
+        assert sum(x[:2] == (4, 3) and x.split_rule == "wave" for x in launches[132]) >= 6, launches[132]
     c = DECODE_CASES[1]
-    for n, want in ((8, (1, 3, "wave")), (132, (4, 3, "four_per_sm"))):
+    for n, want in ((8, (1, 3, "wave")), (132, (4, 3, "wave"))):
         got = check_decode(c[1], num_sms=n, **c[2])
         assert (got.num_warps, got.stages, got.split_rule) == want
 
@@ -281,14 +281,14 @@ def test_smem_bytes_match_the_kernel():
 
 def test_wide_grid_launch_falls_back_to_what_fits():
     """A device that cannot fit the (1 warp, 3 stages) CTA: the kernel refuses it, the plan
-    picks a config that fits (decode_launch_config's) and the four_per_sm rule."""
+    picks a config that fits (decode_launch_config's) and the narrow-grid rule."""
     kw = dict(head_size=128, num_heads=8, num_kv_heads=2)
     small = native.decode_smem_bytes(128, 2, 4, 1, 3) - 1
     with pytest.raises(AssertionError, match="shared memory"):
         check_decode([60, 30, 5], num_sms=8, num_warps=1, stages=3, max_smem=small, **kw)
     launch = check_decode([60, 30, 5], num_sms=8, max_smem=small, **kw)
     assert launch[:2] == native.decode_launch_config(128, 2, 4, small) == (1, 2)
-    assert launch.split_rule == "four_per_sm"
+    assert launch.split_rule == native.NARROW_GRID_SPLIT_RULE == "wave"
 
 
 @pytest.mark.parametrize("draw", range(4))
