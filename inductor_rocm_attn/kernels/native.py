@@ -539,9 +539,15 @@ def check_write_args(key, value, kv_cache, slot_mapping, k_scale, v_scale) -> No
         _check(t.dtype == torch.float32 and t.numel() >= 1, f"{op}: {name} must be a float32 tensor with one element")
 
 
-def _check_device(op: str, t: torch.Tensor) -> None:
+def _check_device(op: str, t: torch.Tensor, **others: torch.Tensor | None) -> None:
+    """``t`` on a GPU and every other given tensor on the same one (the kernel reads them all
+    through raw pointers: a tensor elsewhere would be an illegal address, or another device's
+    memory)."""
     if t.device.type != "cuda":
         raise ValueError(f"native {op}: tensors must be on a CUDA/ROCm GPU, got {t.device}")
+    for name, o in others.items():
+        if o is not None and o.device != t.device:
+            raise ValueError(f"native {op}: {name} is on {o.device}, the other tensors on {t.device}")
 
 
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -595,7 +601,9 @@ def paged_attention(
     """
     num_kv_heads = check_decode_args(output, query, kv_cache, query_start_loc, seq_lens, block_table,
                                      k_scale, v_scale, alibi_slopes, sinks, output_scale, max_query_len)
-    _check_device("paged_attention", query)
+    _check_device("paged_attention", query, output=output, kv_cache=kv_cache, query_start_loc=query_start_loc,
+                  seq_lens=seq_lens, block_table=block_table, k_scale=k_scale, v_scale=v_scale,
+                  alibi_slopes=alibi_slopes, sinks=sinks)
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or query.shape[0] == 0:
         return
@@ -628,7 +636,8 @@ def reshape_and_cache(
     token/head strides) into the paged cache; same semantics as ``reference.reshape_and_cache``
     (slot < 0 skipped, fp8: value / scale saturated)."""
     check_write_args(key, value, kv_cache, slot_mapping, k_scale, v_scale)
-    _check_device("reshape_and_cache", key)
+    _check_device("reshape_and_cache", key, value=value, kv_cache=kv_cache, slot_mapping=slot_mapping,
+                  k_scale=k_scale, v_scale=v_scale)
     if slot_mapping.shape[0] == 0:
         return
     _module().reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, bool(interleaved_v))

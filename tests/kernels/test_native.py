@@ -279,7 +279,7 @@ def test_paged_attention_launches_the_plan(monkeypatch):
             calls.append(args)
 
     monkeypatch.setattr(native, "_module", lambda: FakeExt)
-    monkeypatch.setattr(native, "_check_device", lambda op, t: None)
+    monkeypatch.setattr(native, "_check_device", lambda op, t, **others: None)
     monkeypatch.setattr(native, "_device_limits", lambda index: (132, 32, 227 << 10, True))
     monkeypatch.setattr(native, "_sm_smem", lambda index: 228 << 10)
 
@@ -491,3 +491,25 @@ def test_reshape_and_cache_gpu_strided_views(ext):
     got = kv_cache.to(GPU)
     native.reshape_and_cache(key, value, got, slots.to(GPU), ones.to(GPU), ones.to(GPU), False)
     assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), f"seed {seed}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["kv_cache", "block_table", "seq_lens", "k_scale"])
+def test_decode_refuses_a_tensor_on_another_device(ext, name):
+    """Every tensor the kernel reads by raw pointer must be on the query's GPU: one left on the
+    CPU is refused by name before the launch (it would be an illegal address)."""
+    args = {k: (v.to(GPU) if isinstance(v, torch.Tensor) and k != name else v) for k, v in _decode_args().items()}
+    with pytest.raises(ValueError, match=rf"native paged_attention: {name} is on cpu, the other tensors on cuda"):
+        native.paged_attention(**args)
+
+
+@pytest.mark.gpu
+def test_write_refuses_a_tensor_on_another_device(ext):
+    key, value, kv_cache, slots = _write_case(8)
+    ones = torch.ones(1)
+    before = kv_cache.clone()
+    with pytest.raises(ValueError, match=r"native reshape_and_cache: kv_cache is on cpu, the other tensors on cuda"):
+        native.reshape_and_cache(key.to(GPU), value.to(GPU), kv_cache, slots.to(GPU), ones.to(GPU), ones.to(GPU), False)
+    with pytest.raises(ValueError, match=r"native reshape_and_cache: slot_mapping is on cpu"):
+        native.reshape_and_cache(key.to(GPU), value.to(GPU), kv_cache.to(GPU), slots, ones.to(GPU), ones.to(GPU), False)
+    assert torch.equal(kv_cache.view(torch.uint8), before.view(torch.uint8))
