@@ -40,7 +40,9 @@ class FusionRecord:
     ``interleaved_v``: the fused writer emits interleaved V, so the layer must use it;
     ``switched_interleaved_v``: the layer was switched when the record was made (else its
     impl switches it at the first fused write); ``from_cache``: replayed for a graph served
-    from Inductor's cache (not printed: the report reads the same either way).
+    from Inductor's cache (not printed: the report reads the same either way); ``serves``: the
+    layers a slot alias (``layer_name`` of shared compiled code) stands for, filled in by the
+    piecewise build after the piece's compile (empty elsewhere).
     """
 
     pass_name: str
@@ -50,6 +52,7 @@ class FusionRecord:
     switched_interleaved_v: bool = False
     interleaved_v: bool = False
     from_cache: bool = dataclasses.field(default=False, compare=False)
+    serves: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
 
 # --- records through Inductor's counters (they survive its caches) ----------------------------

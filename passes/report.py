@@ -19,6 +19,15 @@ from .interleaved_v import switch_to_interleaved_v
 _GROUP = {"qk_norm_rope_kv_cache_fusion": "kv_cache", "rope_kv_cache_fusion": "kv_cache"}
 
 
+def _serves(r: FusionRecord) -> str:
+    """The layers a slot alias stands for, as the report prints them."""
+    if not r.serves:
+        return ""
+    if len(r.serves) == 1:
+        return f" [{r.serves[0]}]"
+    return f" [shared by {len(r.serves)} layers: {r.serves[0]} .. {r.serves[-1]}]"
+
+
 class FusionReport:
     """The records of every candidate; ``receives_replays``: also those of graphs served from
     Inductor's cache (one report of a process should: the plugin's)."""
@@ -54,7 +63,7 @@ class FusionReport:
         records = self.records
         if not records:
             return "rocm_attn fusion report: no candidates seen (is the plugin enabled and the model compiled?)"
-        fused = {(r.layer_name, _GROUP.get(r.pass_name, r.pass_name)) for r in records if r.fused}
+        fused = {(r.layer_name, r.serves, _GROUP.get(r.pass_name, r.pass_name)) for r in records if r.fused}
         lines = ["rocm_attn fusion report"]
         for r in records:
             if r.fused:
@@ -67,11 +76,13 @@ class FusionReport:
                     extra = ""
             else:
                 # a miss superseded by another pass's fusion of the same layer is informational
-                mark = "skip " if (r.layer_name, _GROUP.get(r.pass_name, r.pass_name)) in fused else "MISS "
+                mark = "skip " if (r.layer_name, r.serves, _GROUP.get(r.pass_name, r.pass_name)) in fused else "MISS "
                 extra = ""
-            lines.append(f"  {mark} {r.layer_name:<28} {r.pass_name:<30} {r.detail}{extra}")
-        n_fused = sum(r.fused for r in records)
-        lines.append(f"  {n_fused} fusion(s) over {len({r.layer_name for r in records})} layer(s)")
+            lines.append(f"  {mark} {r.layer_name:<28} {r.pass_name:<30} {r.detail}{extra}{_serves(r)}")
+        # a record of shared compiled code counts once per layer it serves
+        n_fused = sum(len(r.serves) or 1 for r in records if r.fused)
+        layers = {name for r in records for name in (r.serves or (r.layer_name,))}
+        lines.append(f"  {n_fused} fusion(s) over {len(layers)} layer(s)")
         return "\n".join(lines)
 
     __repr__ = __str__

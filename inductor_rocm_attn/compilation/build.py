@@ -25,6 +25,7 @@ from .dedup import (
     bind_alias,
     canonicalize_names,
     follow_interleaved_v,
+    SLOT_PREFIX,
     normalize_layer_names,
     slot_alias,
     structure_key,
@@ -177,6 +178,15 @@ def plan_args(runner: "PiecewiseRunner", example_inputs: list) -> list:
     return plan
 
 
+def serve_layers(records: list, member_slots: list[list]) -> None:
+    """Fill in ``serves`` of a shared piece's fusion records: slot alias ``j`` stands for
+    slot ``j``'s layer in every member piece (``member_slots``: each member's layers by slot)."""
+    for record in records:
+        if record.layer_name.startswith(SLOT_PREFIX):
+            j = int(record.layer_name[len(SLOT_PREFIX):].rstrip("_"))
+            record.serves = tuple(slots[j].layer_name for slots in member_slots if j < len(slots))
+
+
 def build(runner: "PiecewiseRunner", gm: torch.fx.GraphModule, example_inputs: list,
           plan: list | None = None) -> None:
     """Split ``gm`` at attention, dedup, compile each distinct piece (``example_inputs``: the
@@ -222,8 +232,11 @@ def build(runner: "PiecewiseRunner", gm: torch.fx.GraphModule, example_inputs: l
             t0 = time.perf_counter()
             shared = f", shared by {len(members)} pieces" if len(members) > 1 else ""
             runner._say(f"compiling piece {i} of {len(groups)} ({first}{shared})")
+            seen = len(manager.report.records) if manager is not None else 0
             compiled[key] = compile_fx(split._modules[first], sub_inputs.get(first, []),
                                        config_patches={"post_grad_custom_post_pass": post_pass})
+            if manager is not None:  # the records of this compile (run or replayed): name their layers
+                serve_layers(manager.report.records[seen:], [runner._slot_layers[m] for m in members])
             runner._say(f"compiled piece {i} of {len(groups)} in {time.perf_counter() - t0:.1f} s")
             runner.stats.num_unique_compiles += 1
     for name in compiled_names:

@@ -151,6 +151,14 @@ def test_fusion_report_covers_every_piece_with_a_cache_write(compiled):
     assert len(sites) >= 2 and all(r.detail for r in sites)  # the first piece and the shared one
     fused = any(r.fused for r in sites)
     layers = list(runner.layers.values())
+    # each alias record names the layers its code serves: layer 0 alone, then the shared piece's
+    names = [layer.layer_name for layer in layers]
+    served = {r.serves for r in sites}
+    assert served == {(names[0],), tuple(names[1:])}, served
+    summary = str(ira.fusion_report()).splitlines()[-1]
+    assert summary.endswith(f"over {LAYERS} layer(s)"), summary
+    if fused:
+        assert f"[shared by {LAYERS - 1} layers: {names[1]} .. {names[-1]}]" in str(ira.fusion_report())
     if fused:  # every layer that shares the fused piece's code follows its V layout
         assert len({layer.interleaved_v for layer in layers[1:]}) == 1
 

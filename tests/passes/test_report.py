@@ -27,6 +27,28 @@ def test_report_lines_and_queries():
     assert report.records == []
 
 
+def test_shared_code_records_count_the_layers_they_serve():
+    """Piecewise compiles report a slot alias once per distinct piece, with the layers it
+    serves: fusions and layers count per served layer, and a miss is superseded only by a
+    fusion of the same piece (the same alias in another piece is another set of layers)."""
+    alias = "__rocm_attn_slot0__"
+    shared = tuple(f"model.layers.{i}" for i in range(1, 28))
+    report = FusionReport()
+    report.add(FusionRecord("qk_norm_rope_kv_cache_fusion", alias, True, "fused qk", serves=("model.layers.0",)))
+    report.add(FusionRecord("rope_kv_cache_fusion", alias, False, "already fused", serves=("model.layers.0",)))
+    report.add(FusionRecord("qk_norm_rope_kv_cache_fusion", alias, False, "no norm", serves=shared))
+    report.add(FusionRecord("rope_kv_cache_fusion", alias, True, "fused rope", serves=shared))
+    report.add(FusionRecord("rope_kv_cache_fusion", alias, False, "no rope", serves=("model.layers.28",)))
+    lines = str(report).splitlines()
+    assert lines[1].startswith(f"  FUSED {alias}") and lines[1].endswith("fused qk [model.layers.0]")
+    assert lines[2].startswith(f"  skip  {alias}")
+    assert lines[3].startswith(f"  skip  {alias}")  # the shared piece fused the same cache update
+    assert lines[3].endswith("no norm [shared by 27 layers: model.layers.1 .. model.layers.27]")
+    assert lines[4].startswith(f"  FUSED {alias}")
+    assert lines[5].startswith(f"  MISS  {alias}") and lines[5].endswith("[model.layers.28]")
+    assert lines[6] == "  28 fusion(s) over 29 layer(s)"
+
+
 def test_records_come_back_from_inductor_counters_in_order():
     """What Inductor does on a cache hit: add the compile's counter increments again. The
     report turns increments no pass here made into records, in their order, once."""
