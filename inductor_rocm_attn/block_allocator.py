@@ -35,18 +35,17 @@ class BlockAllocator:
         """Grow ``seq_id`` by ``num_new_tokens`` tokens; returns its whole block table."""
         if not isinstance(num_new_tokens, numbers.Integral) or isinstance(num_new_tokens, bool) or num_new_tokens < 0:
             raise ValueError(f"BlockAllocator.allocate: num_new_tokens must be an int >= 0, got {num_new_tokens!r}")
-        table = self._tables.setdefault(seq_id, [])
+        table = self._tables.get(seq_id, [])
         length = self._lengths.get(seq_id, 0) + num_new_tokens
         need = self.blocks_needed(length) - len(table)
-        if need > len(self._free):
-            if not table:
-                del self._tables[seq_id]
+        if need > len(self._free):  # refused: the sequence (if any) keeps its blocks and length
             raise MemoryError(
                 f"BlockAllocator: sequence {seq_id!r} needs {need} more blocks, {len(self._free)} free "
                 f"of {self.num_blocks}"
             )
         for _ in range(need):
             table.append(self._free.pop())
+        self._tables[seq_id] = table
         self._lengths[seq_id] = length
         return table
 
@@ -58,7 +57,10 @@ class BlockAllocator:
         self._free.extend(reversed(table))
 
     def block_table(self, seq_id) -> list[int]:
-        return self._tables[seq_id]
+        table = self._tables.get(seq_id)
+        if table is None:
+            raise KeyError(f"BlockAllocator.block_table: unknown sequence {seq_id!r} (allocate it first)")
+        return table
 
     def num_tokens(self, seq_id) -> int:
         return self._lengths.get(seq_id, 0)

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
 
 import torch
 
-from .capabilities import SUPPORTED_KV_CACHE_DTYPES, check_cache_geometry
+from .capabilities import MODEL_DTYPES, SUPPORTED_KV_CACHE_DTYPES, check_cache_geometry
 
 __all__ = [
     "CacheLayout",
@@ -37,6 +38,7 @@ __all__ = [
     "cache_layout_of",
     "cache_x",
     "cache_torch_dtype",
+    "check_spec",
     "customize_spec",
     "dense_kv",
     "fp8_max",
@@ -152,8 +154,26 @@ def customize_spec(
     layout: CacheLayout | str = CacheLayout.LHBNC,
 ) -> KVCacheSpec:
     """Spec of a ROCM_ATTN layer's cache: two head groups (K, V), one page pair per block."""
-    check_cache_geometry(block_size, head_size)
-    return KVCacheSpec(block_size, num_kv_heads, head_size, dtype, CacheLayout(layout))
+    spec = KVCacheSpec(block_size, num_kv_heads, head_size, dtype, CacheLayout(layout))
+    check_spec(spec, "customize_spec")
+    return spec
+
+
+def _is_count(n) -> bool:
+    return isinstance(n, numbers.Integral) and not isinstance(n, bool) and n > 0
+
+
+def check_spec(spec: KVCacheSpec, op: str) -> None:
+    """A spec whose cache the ops can read: a supported block and head size, a positive int
+    ``num_kv_heads``, a cache dtype (fp16/bf16/fp32 or fp8) and two head slots (K and V)."""
+    check_cache_geometry(spec.block_size, spec.head_size, op)
+    if not _is_count(spec.num_kv_heads):
+        raise ValueError(f"{op}: num_kv_heads must be a positive int, got {spec.num_kv_heads!r}")
+    if not isinstance(spec.dtype, torch.dtype) or not (spec.dtype in MODEL_DTYPES or is_fp8_dtype(spec.dtype)):
+        raise ValueError(f"{op}: dtype {spec.dtype!r} is not a cache dtype; supported: {MODEL_DTYPES} or an fp8 "
+                         "dtype (see cache_torch_dtype)")
+    if spec.num_head_slots != 2:
+        raise ValueError(f"{op}: num_head_slots must be 2 (K and V), got {spec.num_head_slots!r}")
 
 
 def allocate_kv_cache(
@@ -164,6 +184,9 @@ def allocate_kv_cache(
     Returns ``[num_blocks, 2, block_size, num_kv_heads * head_size]`` of ``spec.dtype``;
     contents are uninitialised (engines never read a slot before writing it).
     """
+    if not _is_count(num_blocks):
+        raise ValueError(f"allocate_kv_cache: num_blocks must be a positive int, got {num_blocks!r}")
+    check_spec(spec, "allocate_kv_cache")
     nb, g, bs, hd = spec.logical_shape(num_blocks)
     if spec.layout == CacheLayout.LBHNC:
         return torch.empty((nb, g, bs, hd), dtype=spec.dtype, device=device)
@@ -253,8 +276,18 @@ def convert_v_layout_(kv_cache: torch.Tensor, num_kv_heads: int, to_interleaved:
 
     Used when a layer is switched to (or from) interleaved V while its cache holds data,
     so no token is ever read in the wrong layout. Works block-chunk by block-chunk to keep
-    the temporary small.
+    the temporary small. Checks the cache and ``num_kv_heads`` first: views of another
+    geometry would scramble every page.
     """
+    op = "convert_v_layout_"
+    cache_layout_of(kv_cache)  # a logical cache tensor, LHBNC or LBHNC
+    hd = kv_cache.shape[3]
+    if not _is_count(num_kv_heads) or hd % num_kv_heads:
+        raise ValueError(f"{op}: num_kv_heads {num_kv_heads!r} does not divide the cache's last dim {hd} "
+                         "(num_kv_heads * head_size)")
+    check_cache_geometry(kv_cache.shape[2], hd // num_kv_heads, op)
+    if not (kv_cache.dtype in MODEL_DTYPES or is_fp8_dtype(kv_cache.dtype)):
+        raise ValueError(f"{op}: kv_cache dtype {kv_cache.dtype} is not a cache dtype")
     nb = kv_cache.shape[0]
     src_view = v_view(kv_cache, num_kv_heads, interleaved=not to_interleaved)
     dst_view = v_view(kv_cache, num_kv_heads, interleaved=to_interleaved)

@@ -106,6 +106,7 @@ class AttentionMetadata:
 
 
 _OP = "build_attention_metadata"
+_MAX_BLOCK_ID = 2**31 - 1  # the block table is int32
 
 
 def _is_int(x) -> bool:
@@ -116,12 +117,21 @@ def _check_blocks(s: int, table: Sequence[int], used: int, num_blocks: int | Non
     """The largest of the first ``used`` block ids of sequence ``s`` (-1: none); each is a
     block id (>= 0) and, when ``num_blocks`` is given, inside the cache."""
     ids = table[:used]
-    if not ids:
+    if not len(ids):
         return -1
-    lo, hi = min(ids), max(ids)
-    if lo < 0:
+    try:
+        lo, hi = min(ids), max(ids)
+        negative, too_large = lo < 0, hi > _MAX_BLOCK_ID
+    except TypeError:  # the message names the entry; the fast path pays nothing for it
+        j = next((j for j, b in enumerate(ids) if not _is_int(b)), 0)
+        raise TypeError(f"{_OP}: block_tables[{s}][{j}] = {ids[j]!r} is not a block id (an int)") from None
+    if negative:
         j = list(ids).index(lo)
         raise IndexError(f"{_OP}: block_tables[{s}][{j}] = {lo} is not a block id (block ids are >= 0)")
+    if too_large:
+        j = list(ids).index(hi)
+        raise IndexError(f"{_OP}: block_tables[{s}][{j}] = {hi} is not a block id (block ids are < 2**31: "
+                         "the block table is int32)")
     if num_blocks is not None and hi >= num_blocks:
         j = list(ids).index(hi)
         raise IndexError(f"{_OP}: block_tables[{s}][{j}] = {hi} is outside the cache (num_blocks "
@@ -150,6 +160,9 @@ def _host_plan(query_lens: Sequence[int], context_lens: Sequence[int],
             raise ValueError(f"{_OP}: sequence {s} has query_len {ql!r}, context_len {cl!r}; both must be "
                              "ints >= 0")
         ql, cl = int(ql), int(cl)
+        if not hasattr(bt, "__len__") or isinstance(bt, (str, bytes)):
+            raise TypeError(f"{_OP}: block_tables[{s}] must be a sequence of block ids, got "
+                            f"{type(bt).__name__} {bt!r:.40}")
         sl = ql + cl
         qsl.append(qsl[-1] + ql)
         seq_lens.append(sl)

@@ -218,8 +218,16 @@ def check_softmax_scale(op: str, scale: float) -> None:
 # --- caches and slots ------------------------------------------------------------------------
 
 
+def check_kv_cache_dtype(op: str, kv_cache: torch.Tensor) -> None:
+    """A cache holds a model dtype (fp16/bf16/fp32) or fp8 codes: the kernels read nothing else."""
+    if not is_fp8_dtype(kv_cache.dtype) and kv_cache.dtype not in capabilities.MODEL_DTYPES:
+        raise ValueError(f"{op}: kv_cache dtype {kv_cache.dtype} is not a supported cache dtype; supported: "
+                         f"{tuple(capabilities.MODEL_DTYPES)} or an fp8 dtype")
+
+
 def check_kv_cache(op: str, kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> None:
     cache_layout_of(kv_cache)  # raises on a bad shape or stride pattern
+    check_kv_cache_dtype(op, kv_cache)
     _, _, block_size, hd = kv_cache.shape
     capabilities.check_block_size(block_size, op)
     capabilities.check_head_size(head_size, op)
@@ -292,8 +300,6 @@ def check_cache_write(op: str, key: torch.Tensor, value: torch.Tensor, kv_cache:
     check_dtype(op, "key", key, capabilities.MODEL_DTYPES)
     if value.dtype != key.dtype:
         raise ValueError(f"{op}: key dtype {key.dtype} != value dtype {value.dtype}")
-    if not is_fp8_dtype(kv_cache.dtype) and kv_cache.dtype not in capabilities.MODEL_DTYPES:
-        raise ValueError(f"{op}: kv_cache dtype {kv_cache.dtype} is not a supported cache dtype")
     check_kv_cache(op, kv_cache, key.shape[1], key.shape[2])
     check_scales(op, k_scale=k_scale, v_scale=v_scale)
     check_slot_mapping(op, slot_mapping, kv_cache, key.shape[0])
@@ -466,6 +472,8 @@ def check_paged_attention(
                              f"{None if value is None else tuple(value.shape)}")
         if key.dtype != query.dtype and not is_fp8_dtype(query.dtype):
             raise ValueError(f"{op}: key dtype {key.dtype} != query dtype {query.dtype}")
+        if value.dtype != key.dtype:
+            raise ValueError(f"{op}: value dtype {value.dtype} != key dtype {key.dtype}")
         num_kv_heads = key.shape[1]
     else:
         num_kv_heads = kv_cache.shape[3] // head_size
@@ -514,6 +522,7 @@ def check_rotary(op: str, positions: torch.Tensor, query: torch.Tensor, key: tor
                  head_size: int, cos_sin_cache: torch.Tensor) -> None:
     check_same_device(op, positions=positions, query=query, key=key, cos_sin_cache=cos_sin_cache)
     check_dtype(op, "query", query, capabilities.MODEL_DTYPES)
+    check_float_tensor(op, "cos_sin_cache", cos_sin_cache)
     rot = cos_sin_cache.shape[-1] if cos_sin_cache.dim() == 2 else -1
     if rot <= 0 or rot % 2 or rot > head_size:
         raise ValueError(
@@ -523,7 +532,10 @@ def check_rotary(op: str, positions: torch.Tensor, query: torch.Tensor, key: tor
     for name, t in (("query", query), ("key", key)):
         if t is None:
             continue
-        if t.dim() not in (2, 3) or t.shape[0] != positions.shape[0] or t[0].numel() % head_size:
+        # a 3-D tensor's heads are its dim 1: its last dim must be head_size (else its heads
+        # would be cut into others); a 2-D one is [T, heads * head_size]
+        if (t.dim() not in (2, 3) or t.shape[0] != positions.shape[0] or t.shape[-1] % head_size
+                or (t.dim() == 3 and t.shape[2] != head_size)):
             raise ValueError(
                 f"{op}: {name} {tuple(t.shape)} must be [num_tokens, num_heads * {head_size}] "
                 f"(or [num_tokens, num_heads, {head_size}]) with num_tokens = {positions.shape[0]}"
@@ -549,6 +561,8 @@ def check_qk_norm_rope(op: str, qkv: torch.Tensor, q_weight: torch.Tensor, k_wei
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         if w.shape != (head_size,):
             raise ValueError(f"{op}: {name} must be [head_size] = [{head_size}], got {tuple(w.shape)}")
+        check_float_tensor(op, name, w)
+    check_float_tensor(op, "cos_sin_cache", cos_sin_cache)
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] > head_size or cos_sin_cache.shape[1] % 2:
         raise ValueError(f"{op}: cos_sin_cache must be [max_position, rot_dim <= {head_size}]")
     _check_positions_tensor(op, positions, qkv.shape[0], cos_sin_cache)
@@ -564,6 +578,9 @@ def check_encoder_attention(op: str, query: torch.Tensor, key: torch.Tensor, val
             f"{tuple(key.shape)}, {tuple(value.shape)}"
         )
     check_dtype(op, "query", query, capabilities.MODEL_DTYPES)
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            raise ValueError(f"{op}: {name} dtype {t.dtype} != query dtype {query.dtype}")
     capabilities.check_head_size(query.shape[2], op)
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"{op}: num_heads {query.shape[1]} is not a multiple of num_kv_heads {key.shape[1]}")
@@ -593,8 +610,9 @@ def check_rope_cos_sin(op: str, query: torch.Tensor, key: torch.Tensor, value: t
     t, hkv, d = value.shape
     capabilities.check_head_size(d, op)
     for name, x, heads in (("query", query, None), ("key", key, hkv)):
-        ok = x.dim() in (2, 3) and x.shape[0] == t and x[0].numel() % d == 0 and (x.dim() == 2 or x.shape[2] == d)
-        if not ok or (heads is not None and x[0].numel() != heads * d):
+        row = math.prod(x.shape[1:])  # elements of one token (x[0] fails without tokens)
+        ok = x.dim() in (2, 3) and x.shape[0] == t and row % d == 0 and (x.dim() == 2 or x.shape[2] == d)
+        if not ok or (heads is not None and row != heads * d):
             raise ValueError(
                 f"{op}: {name} must be [num_tokens, heads, head_size] (or [num_tokens, heads * head_size]) "
                 f"with num_tokens {t}, head_size {d}{'' if heads is None else f', {heads} heads'} (value "
@@ -603,8 +621,9 @@ def check_rope_cos_sin(op: str, query: torch.Tensor, key: torch.Tensor, value: t
     for name, x in (("key", key), ("value", value)):
         if x.dtype != query.dtype:
             raise ValueError(f"{op}: {name} dtype {x.dtype} != query dtype {query.dtype}")
-    if (query[0].numel() // d) % hkv:
-        raise ValueError(f"{op}: num_heads {query[0].numel() // d} is not a multiple of num_kv_heads {hkv}")
+    num_heads = math.prod(query.shape[1:]) // d
+    if num_heads % hkv:
+        raise ValueError(f"{op}: num_heads {num_heads} is not a multiple of num_kv_heads {hkv}")
     for name, c in (("cos", cos), ("sin", sin)):
         check_dtype(op, name, c, capabilities.MODEL_DTYPES)
         rot = c.shape[-1] if c.dim() == 2 else -1
@@ -618,5 +637,7 @@ def check_rope_cos_sin(op: str, query: torch.Tensor, key: torch.Tensor, value: t
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         if w is not None and tuple(w.shape) != (d,):
             raise ValueError(f"{op}: {name} must be [head_size] = [{d}], got {tuple(w.shape)}")
+        if w is not None:
+            check_float_tensor(op, name, w)
     if q_weight is not None and k_weight is not None and q_weight.dtype != k_weight.dtype:
         raise ValueError(f"{op}: q_weight dtype {q_weight.dtype} != k_weight dtype {k_weight.dtype}")

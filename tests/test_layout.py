@@ -96,3 +96,47 @@ def test_bad_cache_tensor():
         cache_layout_of(torch.empty(4, 3, 16, 64))
     with pytest.raises(ValueError, match="match neither LHBNC nor LBHNC"):
         cache_layout_of(torch.empty(4, 2, 16, 64).transpose(0, 1).contiguous().transpose(0, 1)[::2])
+
+
+def test_convert_v_layout_refuses_another_geometry_before_moving_bytes():
+    """A num_kv_heads that does not divide the cache width made views of another geometry and
+    scrambled every V page in place; it is refused with the cache untouched."""
+    cache = _filled("LHBNC", dtype=torch.float32)
+    before = cache.clone()
+    for heads in (3, 0, 2.0):
+        with pytest.raises(ValueError, match=rf"convert_v_layout_: num_kv_heads {heads!r} does not divide the "
+                                             rf"cache's last dim {H * D}"):
+            convert_v_layout_(cache, heads, to_interleaved=True)
+    with pytest.raises(ValueError, match=r"convert_v_layout_: head_size 16 is not supported"):
+        convert_v_layout_(cache, 8, to_interleaved=True)  # 128 = 8 heads of 16 channels
+    with pytest.raises(ValueError, match=r"kv_cache must have logical shape"):
+        convert_v_layout_(cache[:, 0], H, to_interleaved=True)
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(num_kv_heads=0), r"customize_spec: num_kv_heads must be a positive int, got 0"),
+    (dict(num_kv_heads=2.0), r"customize_spec: num_kv_heads must be a positive int, got 2\.0"),
+    (dict(dtype=torch.int32), r"customize_spec: dtype torch\.int32 is not a cache dtype"),
+    (dict(dtype="float16"), r"customize_spec: dtype 'float16' is not a cache dtype"),
+])
+def test_customize_spec_refuses_what_no_op_reads(kw, match):
+    args = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        customize_spec(**args)
+
+
+def test_allocate_kv_cache_arguments():
+    """0 (or True) blocks gave an empty (or one-block) cache, -1 and 2.5 torch's errors; a spec
+    with an integer dtype or three head slots a cache no op reads."""
+    spec = KVCacheSpec(16, 2, 64, torch.float16)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=rf"allocate_kv_cache: num_blocks must be a positive int, got {bad!r}"):
+            allocate_kv_cache(spec, bad)
+    with pytest.raises(ValueError, match=r"allocate_kv_cache: dtype torch\.int8 is not a cache dtype"):
+        allocate_kv_cache(KVCacheSpec(16, 2, 64, torch.int8), 4)
+    with pytest.raises(ValueError, match=r"allocate_kv_cache: num_head_slots must be 2 \(K and V\), got 3"):
+        allocate_kv_cache(KVCacheSpec(16, 2, 64, torch.float16, num_head_slots=3), 4)
+    with pytest.raises(ValueError, match=r"allocate_kv_cache: head_size 48 is not supported"):
+        allocate_kv_cache(KVCacheSpec(16, 2, 48, torch.float16), 4)

@@ -291,6 +291,30 @@ def test_tiny_decoder_200_steps_through_whole_step_graphs():
         runner.prepare([1], [8], tables[:1], whole_step="decode")
 
 
+
+@pytest.mark.compile
+def test_refused_prepare_keeps_the_previous_step():
+    """A refused prepare() set the runner's whole-step shape before planning the step: the
+    previous step's metadata then named another graph (here a mixed step the decode graph of
+    its size, whose launch skips the prefill rows on a GPU) and whole_step_shape() said so."""
+    model, _ = _tiny_pair(num_layers=1, num_blocks=16)
+    runner = compile_piecewise(model, capture_sizes=[1, 2, 4], max_num_seqs=4, max_model_len=64,
+                               graph_backend=RerunGraphBackend())
+    md = runner.prepare([2, 1], [0, 0], [[0], [1]])
+    assert runner.whole_step_shape(md) == StepShape(MIXED, 4, 4, 4)
+    ids = torch.tensor([5, 6, 7])
+    want = runner(ids, md, use_graphs=False).clone()
+    for whole_step in (True, False):  # a decode step (decode graph of size 2), then piecewise
+        with pytest.raises(IndexError, match=r"block_tables\[0\]\[0\] = 99 is outside the cache"):
+            runner.prepare([1, 1], [2, 1], [[99], [1]], whole_step=whole_step)
+        assert runner.whole_step_shape(md) == StepShape(MIXED, 4, 4, 4) and runner.replays_whole_step(md)
+    assert torch.equal(runner(ids, md), want)
+    with pytest.raises(ValueError, match=r"PiecewiseRunner\.capture: num_warmup must be an int >= 0, got -1"):
+        runner.capture(num_warmup=-1)
+    with pytest.raises(ValueError, match=r"PiecewiseRunner\.capture: compile_threads must be a positive int, got 0"):
+        runner.capture(compile_threads=0)
+    assert runner.whole_step_shape(md) == StepShape(MIXED, 4, 4, 4)
+
 def test_prepare_plans_fixed_shapes():
     """The plan of a whole-step graph: the step's sequences then empty ones, its tokens then
     padding rows (slot -1), the block table at full width, the fixed hints."""

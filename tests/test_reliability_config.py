@@ -235,3 +235,110 @@ def test_trace_cache_directory_that_cannot_be_created(tmp_path):
     blocker.write_text("")
     with pytest.raises(ValueError, match=r"trace_cache: the directory .* cannot be created"):
         TraceCache(str(blocker / "traces"))
+
+
+def test_block_allocator_refusal_keeps_the_sequence():
+    """A refused allocation changes nothing: a sequence allocated with no tokens yet used to be
+    dropped by it (its table gone, free() and block_table() then raising KeyError)."""
+    alloc = ira.BlockAllocator(4, BS)
+    alloc.allocate("a", 0)
+    with pytest.raises(MemoryError, match=r"BlockAllocator: sequence 'a' needs 7 more blocks, 4 free of 4"):
+        alloc.allocate("a", 7 * BS)
+    assert alloc.block_table("a") == [] and alloc.num_tokens("a") == 0 and alloc.num_free_blocks == 4
+    assert alloc.allocate("a", BS + 1) == [0, 1]
+    with pytest.raises(MemoryError):
+        alloc.allocate("b", 3 * BS)
+    with pytest.raises(KeyError, match=r"BlockAllocator\.block_table: unknown sequence 'b' \(allocate it first\)"):
+        alloc.block_table("b")
+    alloc.free("a")
+    assert alloc.num_free_blocks == 4
+
+
+@pytest.mark.parametrize("tables, exc, match", [
+    ([[2**31, 0]], IndexError, r"block_tables\[0\]\[0\] = 2147483648 is not a block id \(block ids are < 2\*\*31: "
+                            r"the block table is int32\)"),
+    ([[2**62, 0]], IndexError, r"block_tables\[0\]\[0\] = 4611686018427387904 is not a block id"),
+    ([["3", 0]], TypeError, r"block_tables\[0\]\[0\] = '3' is not a block id \(an int\)"),
+    ([[1, None]], TypeError, r"block_tables\[0\]\[1\] = None is not a block id \(an int\)"),
+    ([3], TypeError, r"block_tables\[0\] must be a sequence of block ids, got int 3"),
+], ids=["int32_overflow", "int64_overflow", "str", "none", "flat_list"])
+def test_builder_block_ids_it_cannot_store(tables, exc, match):
+    """A block id past int32 wrapped in the int32 block table (the slots pointed elsewhere: a
+    bincount IndexError or an int64 overflow); a non-int entry or a flat list raised Python's
+    comparison or len() errors. Each names the entry now."""
+    with pytest.raises(exc, match=rf"build_attention_metadata: {match}"):
+        ira.build_attention_metadata([BS + 4], [0], tables, BS)  # two blocks
+
+
+def test_plugin_flags_are_checked_before_any_is_applied():
+    """enable(rope_kv_cache_fusion="false") turned the pass on (bool("false")); an unknown flag
+    after a valid one left the valid one applied. Every flag is checked first."""
+    import importlib
+
+    plugin = importlib.import_module("inductor_rocm_attn.compilation.plugin")
+    was = plugin.is_enabled()
+    manager = ira.enable()
+    try:
+        flags = dict(manager.flags)
+        with pytest.raises(TypeError, match=r"enable: rope_kv_cache_fusion must be True or False, got 'false'"):
+            ira.enable(rope_kv_cache_fusion="false")
+        with pytest.raises(KeyError, match=r"enable: unknown pass 'rope_fusion'"):
+            ira.enable(rope_kv_cache_fusion=False, rope_fusion=False)
+        with pytest.raises(TypeError, match=r"set_pass_flag: attn_quant_fusion must be True or False, got 0"):
+            plugin.set_pass_flag("attn_quant_fusion", 0)
+        assert manager.flags == flags
+    finally:
+        if not was:
+            ira.disable()
+
+
+class _NoStepRunner:
+    """A runner's limits and caches (8 blocks of 16 tokens); any step it is asked to plan fails
+    the test: generate() must refuse its arguments before the first step."""
+
+    block_size, max_num_tokens, max_num_seqs, max_model_len = BS, 16, 4, 96
+
+    def __init__(self):
+        layer = _layer(f"gen.{id(self)}")
+        ira.bind_kv_caches(layer, 8, torch.float32)
+        self.layers = {layer.layer_name: layer}
+
+    def prepare(self, *args, **kwargs):
+        raise AssertionError("generate() planned a step before refusing its arguments")
+
+
+_GENERATE_CASES = [
+    # 0 stood for "the runner's default" (`x or default`), 2.5 failed inside BlockAllocator
+    (dict(max_tokens_per_step=0), ValueError, r"max_tokens_per_step must be a positive int, got 0"),
+    (dict(max_seqs_per_step=0), ValueError, r"max_seqs_per_step must be a positive int, got 0"),
+    (dict(num_blocks=0), ValueError, r"num_blocks must be a positive int, got 0"),
+    (dict(max_tokens_per_step=2.5), ValueError, r"max_tokens_per_step must be a positive int, got 2\.5"),
+    # past the runner's limits: refused at the first step that reached them, after steps ran
+    (dict(max_tokens_per_step=32), ValueError, r"max_tokens_per_step 32 is above the runner's max_num_tokens \(16\)"),
+    (dict(max_seqs_per_step=5), ValueError, r"max_seqs_per_step 5 is above the runner's max_num_seqs \(4\)"),
+    (dict(num_blocks=9), ValueError, r"num_blocks 9 is above the blocks of the runner's caches \(8\)"),
+    # a prompt that can never fit: refused when its chunks or decodes reached the limit
+    (dict(prompts=[[3] * 90], max_new_tokens=8), ValueError,
+     r"prompt 0 \(90 tokens\) with max_new_tokens 8 reaches 97 cached tokens, above the runner's max_model_len 96"),
+    (dict(prompts=[[3] * 20], max_new_tokens=60, num_blocks=4), ValueError,
+     r"prompt 0 \(20 tokens\) with max_new_tokens 60 reaches 79 cached tokens, more than 4 blocks of 16 hold"),
+    # token ids that are not ints were truncated (3.7 -> 3) or failed in int()/iteration
+    (dict(prompts=[[3, 4.7]]), TypeError, r"prompt 0 holds 4\.7 \(float\); token ids are ints"),
+    (dict(prompts=[[3, True]]), TypeError, r"prompt 0 holds True \(bool\); token ids are ints"),
+    (dict(prompts=[torch.tensor([3.0, 4.0])]), TypeError,
+     r"prompt 0 must be a 1-D integer tensor of token ids, got \(2,\) torch\.float32"),
+    (dict(prompts=[torch.tensor([[3, 4]])]), TypeError, r"prompt 0 must be a 1-D integer tensor of token ids"),
+    (dict(prompts=[3, 4]), TypeError, r"prompt 0 must be a list of token ids or a 1-D integer tensor, got int 3"),
+    (dict(prompts=["ab"]), TypeError, r"prompt 0 must be a list of token ids or a 1-D integer tensor, got str 'ab'"),
+    (dict(on_step=5), TypeError, r"on_step must be callable or None, got int"),
+]
+
+
+@pytest.mark.parametrize("kw, exc, match", _GENERATE_CASES, ids=[f"{i}" for i in range(len(_GENERATE_CASES))])
+def test_generate_arguments_are_checked_before_the_first_step(kw, exc, match):
+    from inductor_rocm_attn.integrations.batching import generate
+
+    args = dict(prompts=[[3, 4, 5]], max_new_tokens=2)
+    args.update(kw)
+    with pytest.raises(exc, match=rf"generate: {match}"):
+        generate(_NoStepRunner(), args.pop("prompts"), args.pop("max_new_tokens"), **args)

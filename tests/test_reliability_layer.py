@@ -318,3 +318,27 @@ def test_builder_checks_the_tensors_it_hands_the_layers():
     buffers.slot_mapping = torch.full((32,), -1, dtype=torch.int64)[::2]
     with pytest.raises(ValueError, match=r"build_attention_metadata: slot_mapping must have unit stride"):
         ira.build_attention_metadata([2], [0], [[0]], BS, buffers=buffers)
+
+
+def test_fused_rope_layer_op_checks_query_rows_against_key_on_every_call():
+    # The fused RoPE + cache-write layer op compared the query's token count with itself: after
+    # a first call of a signature (the full check), a query with more rows than key/value
+    # reached the kernel (which reads key rows past the end).
+    s = stepped_layer()
+    t = s.num_tokens
+    cos_sin = torch.randn(64, D, generator=s.g)
+    q, k, v = (x.view(t, -1, D) for x in qkv(t, s.g))
+
+    def rope(query, positions):
+        with ira.set_forward_context(s.md):
+            torch.ops.rocm_attn.unified_rope_and_kv_cache_update(positions, query, k.clone(), v, cos_sin, True,
+                                                                 s.layer.layer_name)
+
+    rope(q.clone(), s.md.positions)  # the signature's first call: validated in full
+    big = torch.randn(t + 1, H, D, generator=s.g)
+    positions = torch.cat([s.md.positions, s.md.positions[-1:]])
+    before = snapshot(big, s.layer.kv_cache)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.rope_and_cache: query \(\({t + 1}, {H}, {D}\), .*must match "
+                                         rf"key \(\({t}, {HKV}, {D}\)"):
+        rope(big, positions)
+    assert unchanged(before, big, s.layer.kv_cache)

@@ -273,3 +273,125 @@ def test_qk_norm_writer_refuses_a_negative_eps():
             torch.arange(t), torch.ones(1), torch.ones(1), False, h, hkv, D, torch.empty(t, h, D),
             torch.empty(t, hkv, D))
     assert unchanged(before, cache)
+
+
+# --- dtypes, head sizes and empty steps (audit 2) ----------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float64])
+def test_readers_refuse_a_cache_of_an_unsupported_dtype(dtype):
+    """paged_attention and the QK-norm writer read and write the cache through its dtype: an
+    int32 cache was read as values (a wrong result), a float64 one gave NaN. Only a model
+    dtype or fp8 is a cache."""
+    c = _case()
+    cache = torch.zeros(c.kv_cache.shape, dtype=dtype).transpose(0, 1).contiguous().transpose(0, 1)
+    match = rf"kv_cache dtype {dtype} is not a supported cache dtype; supported: .* or an fp8 dtype"
+    _attn_rejected(c, rf"rocm_attn\.paged_attention: {match}", kv_cache=cache)
+    t = c.query.shape[0]
+    q_out = torch.full((t, 4, D), 3.0)
+    before = snapshot(cache, q_out)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.qk_norm_rope_and_cache: {match}"):
+        torch.ops.rocm_attn.qk_norm_rope_and_cache(
+            torch.randn(t, 8 * D), torch.ones(D), torch.ones(D), 1e-6, torch.arange(t), _cos_sin(), True, cache,
+            c.slot_mapping, c.k_scale, c.v_scale, False, 4, 2, D, q_out, torch.empty(t, 2, D))
+    assert unchanged(before, cache, q_out)
+
+
+def test_value_dtype_must_match_the_key():
+    """A value of another dtype than key/query reached the kernels (a kernel templated on the
+    key's dtype reads it wrong); the encoder op checked only the query's dtype."""
+    c = _case()
+    _attn_rejected(c, r"rocm_attn\.paged_attention: value dtype torch\.float16 != key dtype torch\.float32",
+                   value=c.value.half())
+    q, k, v = torch.randn(5, 4, D), torch.randn(5, 2, D), torch.randn(5, 2, D)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    for over, name in ((dict(key=k.half(), value=v.half()), "key"), (dict(value=v.half()), "value")):
+        args = dict(query=q, key=k, value=v)
+        args.update(over)
+        with pytest.raises(ValueError, match=rf"rocm_attn\.encoder_attention: {name} dtype torch\.float16 != "
+                                             r"query dtype torch\.float32"):
+            torch.ops.rocm_attn.encoder_attention(args["query"], args["key"], args["value"], cu, 5, 0.125)
+
+
+@pytest.mark.parametrize("op", ["rotary_embedding", "rope_and_cache"])
+def test_rope_3d_heads_must_have_head_size_channels(op):
+    """A [T, H, D'] query with D' a multiple of head_size was rotated as 2H heads of head_size:
+    the wrong channels, silently. A 3-D tensor's last dim is its head size."""
+    c = make_paged_case([2, 1], [3, 5], num_heads=2, num_kv_heads=1, head_size=128, dtype=torch.float32)
+    q, k, v = c.query.clone(), c.key.clone(), c.value.clone()  # heads of 128 channels
+    positions = torch.arange(q.shape[0])
+    before = snapshot(q, k, c.kv_cache)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.{op}: query \(3, 2, 128\) must be \[num_tokens, num_heads "
+                                         r"\* 64\] \(or \[num_tokens, num_heads, 64\]\)"):
+        if op == "rotary_embedding":
+            torch.ops.rocm_attn.rotary_embedding(positions, q, k, 64, _cos_sin(), True)
+        else:  # head_size comes from value: a value cut as 64-channel heads
+            torch.ops.rocm_attn.rope_and_cache(positions, q, k.view(3, 2, 64), v.view(3, 2, 64), c.kv_cache,
+                                               c.slot_mapping, _cos_sin(), True, c.k_scale, c.v_scale, False)
+    assert unchanged(before, q, k, c.kv_cache)
+
+
+def test_rope_tables_and_norm_weights_must_be_float():
+    """An integer cos/sin table or RMSNorm weight was read as numbers (a wrong rotation or norm)."""
+    c = _case()
+    t = c.query.shape[0]
+    q, k = c.query.clone(), c.key.clone()
+    before = snapshot(q, k, c.kv_cache)
+    with pytest.raises(ValueError, match=r"rocm_attn\.rotary_embedding: cos_sin_cache must be a float32, "
+                                         r"bfloat16, float16 or float64 tensor, got torch\.int32"):
+        torch.ops.rocm_attn.rotary_embedding(torch.arange(t), q, k, D, torch.ones(32, D, dtype=torch.int32), True)
+    qkv = torch.randn(t, 8 * D)
+    q_out = torch.full((t, 4, D), 3.0)
+    for weight, table, name in ((torch.ones(D, dtype=torch.int32), _cos_sin(), "q_weight"),
+                                (torch.ones(D), torch.ones(32, D, dtype=torch.int32), "cos_sin_cache")):
+        with pytest.raises(ValueError, match=rf"rocm_attn\.qk_norm_rope_and_cache: {name} must be a float32, "
+                                             r"bfloat16, float16 or float64 tensor, got torch\.int32"):
+            torch.ops.rocm_attn.qk_norm_rope_and_cache(
+                qkv, weight, torch.ones(D), 1e-6, torch.arange(t), table, True, c.kv_cache, c.slot_mapping,
+                c.k_scale, c.v_scale, False, 4, 2, D, q_out, torch.empty(t, 2, D))
+    w = torch.ones(D, dtype=torch.int32)
+    cos = torch.randn(t, D)
+    with pytest.raises(ValueError, match=r"rocm_attn\.qk_norm_rope_cos_sin_and_cache: q_weight must be a float32"):
+        torch.ops.rocm_attn.qk_norm_rope_cos_sin_and_cache(q, k, c.value, w, w, 1e-6, cos, cos, True, c.kv_cache,
+                                                           c.slot_mapping, c.k_scale, c.v_scale)
+    assert unchanged(before, q, k, c.kv_cache, q_out)
+
+
+def test_writers_of_a_step_without_tokens_do_nothing():
+    """T = 0: every writer and RoPE op returns without writing (their checks indexed token 0,
+    and the CPU kernels could not infer the head count of an empty tensor)."""
+    c = _case()
+    q, k, v = torch.empty(0, 4, D), torch.empty(0, 2, D), torch.empty(0, 2, D)
+    pos, slots, cos = torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), torch.empty(0, D)
+    w = torch.ones(D)
+    before = snapshot(c.kv_cache)
+    ops = torch.ops.rocm_attn
+    ops.rotary_embedding(pos, q, k, D, _cos_sin(), True)
+    ops.rotary_embedding(pos, q.view(0, 4 * D), None, D, _cos_sin(), False)
+    ops.rope_and_cache(pos, q, k, v, c.kv_cache, slots, _cos_sin(), True, c.k_scale, c.v_scale, False)
+    ops.rope_cos_sin_and_cache(q, k, v, cos, cos, True, c.kv_cache, slots, c.k_scale, c.v_scale)
+    ops.qk_norm_rope_cos_sin_and_cache(q, k, v, w, w, 1e-6, cos, cos, True, c.kv_cache, slots, c.k_scale, c.v_scale)
+    assert unchanged(before, c.kv_cache)
+
+
+def test_qk_norm_writer_checks_the_devices_of_cache_scales_and_outputs():
+    """The QK-norm writer checked qkv, weights, positions and table together, but not the
+    cache, scales and output buffers: on a GPU a host k_scale or cache reached the kernel.
+    (On this CPU machine meta stands for the other device; the implementation is called
+    directly, as the dispatcher would call it for CUDA tensors mixed with host ones.)"""
+    from inductor_rocm_attn import ops
+
+    c = _case()
+    t = c.query.shape[0]
+    q_out = torch.full((t, 4, D), 3.0)
+    before = snapshot(c.kv_cache, q_out)
+    for name in ("k_scale", "q_out"):
+        args = dict(k_scale=c.k_scale, q_out=q_out)
+        args[name] = args[name].to("meta")
+        with pytest.raises(ValueError, match=rf"rocm_attn\.qk_norm_rope_and_cache: all tensors must be on one "
+                                             rf"device, got .*{name} on meta"):
+            ops._qk_norm_rope_and_cache(
+                torch.randn(t, 8 * D), torch.ones(D), torch.ones(D), 1e-6, torch.arange(t), _cos_sin(), True,
+                c.kv_cache, c.slot_mapping, args["k_scale"], c.v_scale, False, 4, 2, D, args["q_out"],
+                torch.empty(t, 2, D))
+    assert unchanged(before, c.kv_cache, q_out)

@@ -60,7 +60,7 @@ from inductor_rocm_attn.config_checks import check_runner_config
 from inductor_rocm_attn.forward_context import set_forward_context
 from inductor_rocm_attn.layer import attention_layers
 from inductor_rocm_attn.metadata import AttentionMetadata, MetadataBuffers, build_attention_metadata
-from inductor_rocm_attn.validation import check_token_ids, vocab_size_of
+from inductor_rocm_attn.validation import check_positive_int, check_token_ids, is_int, vocab_size_of
 
 from . import precompile
 from .build import compile_model
@@ -199,19 +199,19 @@ class PiecewiseRunner:
         n = sum(query_lens)
         size = self.padded_size(n)
         shape = self._whole_step_shape(query_lens, n, size, whole_step) if whole_step else None
-        self._step_shape = shape
+        # The runner's state changes only once the step is planned: a rejected step leaves the
+        # previous one (its metadata, and the graph it replays) as it was.
         if shape is not None:
-            self._step_md = plan_step(shape, query_lens, context_lens, block_tables,
-                                      buffers=self.buffers, block_size=self.block_size,
-                                      max_model_len=self.max_model_len, device=self.device,
-                                      num_blocks=self._num_cache_blocks())
-            self._prepared = self._step_md
-            return self._step_md
-        self._step_md = None
-        self._prepared = build_attention_metadata(query_lens, context_lens, block_tables, self.block_size,
-                                                  self.device, num_padded_tokens=size,
-                                                  buffers=self.buffers, num_blocks=self._num_cache_blocks())
-        return self._prepared
+            md = plan_step(shape, query_lens, context_lens, block_tables, buffers=self.buffers,
+                           block_size=self.block_size, max_model_len=self.max_model_len, device=self.device,
+                           num_blocks=self._num_cache_blocks())
+        else:
+            md = build_attention_metadata(query_lens, context_lens, block_tables, self.block_size, self.device,
+                                          num_padded_tokens=size, buffers=self.buffers,
+                                          num_blocks=self._num_cache_blocks())
+        self._step_shape, self._step_md = shape, (md if shape is not None else None)
+        self._prepared = md
+        return md
 
     def _num_cache_blocks(self) -> int | None:
         """The fewest blocks of the bound caches: the builder rejects a block id at or past it
@@ -287,6 +287,10 @@ class PiecewiseRunner:
         ``compile_threads``: first compile the Triton kernels every capture launches on that
         many threads (``precompile``; default one a core, at most 16; 1: each compiles at its
         first launch, one after another)."""
+        if not is_int(num_warmup) or num_warmup < 0:
+            raise ValueError(f"PiecewiseRunner.capture: num_warmup must be an int >= 0, got {num_warmup!r}")
+        if compile_threads is not None:
+            check_positive_int("PiecewiseRunner.capture", "compile_threads", compile_threads)
         if not self.use_cuda_graphs or not self.capture_sizes:
             return
         t0 = time.perf_counter()

@@ -43,6 +43,19 @@ def is_enabled() -> bool:
     return _manager is not None and config.post_grad_custom_post_pass is _manager
 
 
+def _check_flags(op: str, flags: dict) -> None:
+    """Every flag names a fusion pass and is True or False, checked before any is applied (a
+    string such as "false" would otherwise turn a pass on)."""
+    from inductor_rocm_attn.passes.pass_manager import PASS_CLASSES
+
+    names = [cls.name for cls in PASS_CLASSES]
+    for name, on in flags.items():
+        if name not in names:  # KeyError, as PassManager.set_flag raises it
+            raise KeyError(f"{op}: unknown pass {name!r}; passes: {sorted(names)}")
+        if not isinstance(on, bool):
+            raise TypeError(f"{op}: {name} must be True or False, got {on!r}")
+
+
 def enable(**flags: bool):
     """Install the pass manager; ``flags``: pass name -> enabled. Returns the manager.
 
@@ -59,6 +72,7 @@ def enable(**flags: bool):
     from inductor_rocm_attn import lowering
     from inductor_rocm_attn.passes.pass_manager import PassManager
 
+    _check_flags("enable", flags)
     lowering.register()
     current = config.post_grad_custom_post_pass
     if _manager is not None and current is _manager:
@@ -92,6 +106,7 @@ def set_pass_flag(name: str, enabled: bool) -> None:
     """Turn one pass on or off (the manager's uuid changes, so the next compile recompiles)."""
     if _manager is None:
         raise RuntimeError("rocm_attn: the plugin is not enabled")
+    _check_flags("set_pass_flag", {name: enabled})
     _manager.set_flag(name, enabled)
 
 

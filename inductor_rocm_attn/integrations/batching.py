@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..block_allocator import BlockAllocator
-from ..validation import is_int, vocab_size_of
+from ..validation import check_positive_int, is_int, vocab_size_of
 
 __all__ = ["GenerateResult", "StepRecord", "generate"]
 
@@ -76,9 +76,32 @@ class _Seq:
 
 
 def _num_cache_blocks(runner) -> int:
-    layers = runner.layers
-    layer = next(iter(layers.values()))
-    return layer.kv_cache.shape[0]
+    """The fewest blocks of the runner's layers' caches (every layer shares the block ids)."""
+    return min(layer.kv_cache.shape[0] for layer in runner.layers.values())
+
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _prompt_ids(i: int, prompt) -> list[int]:
+    """Prompt ``i`` as a list of token ids: a sequence of ints or a 1-D integer tensor (a float
+    or bool id is refused, not truncated to an int)."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.dtype not in _INT_DTYPES:
+            raise TypeError(f"generate: prompt {i} must be a 1-D integer tensor of token ids, got "
+                            f"{tuple(prompt.shape)} {prompt.dtype}")
+        return prompt.tolist()
+    try:
+        ids = None if isinstance(prompt, (str, bytes)) else list(prompt)
+    except TypeError:
+        ids = None
+    if ids is None:
+        raise TypeError(f"generate: prompt {i} must be a list of token ids or a 1-D integer tensor, got "
+                        f"{type(prompt).__name__} {prompt!r:.40} (prompts: a list of prompts)")
+    for t in ids:
+        if not is_int(t):
+            raise TypeError(f"generate: prompt {i} holds {t!r} ({type(t).__name__}); token ids are ints")
+    return [int(t) for t in ids]
 
 
 @torch.no_grad()
@@ -91,25 +114,54 @@ def generate(runner, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_to
     ``max_tokens_per_step`` / ``max_seqs_per_step``: a step's budget (default the runner's
     ``max_num_tokens`` / ``max_num_seqs``). ``return_logits``: keep each generated token's
     logits (fp32, on the CPU). ``on_step``: called after every step. ``num_blocks``: blocks
-    to hand out (default every block of the layers' caches)."""
+    to hand out (default every block of the layers' caches).
+
+    Refused before the first step: limits above the runner's, token ids that are not ints or
+    not in the vocabulary, and a prompt whose tokens and ``max_new_tokens`` cannot fit the
+    runner's ``max_model_len`` or the blocks handed out."""
+    prompts = list(prompts)  # iterated twice (a generator would be empty the second time)
     if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    budget = max_tokens_per_step or runner.max_num_tokens
-    max_seqs = min(max_seqs_per_step or runner.max_num_seqs, budget)  # every sequence decodes each step
-    if budget < 1 or max_seqs < 1:
-        raise ValueError(f"generate: a step needs room for a token and a sequence, got {budget} tokens, "
-                         f"{max_seqs} sequences")
-    waiting = [_Seq(i, [int(t) for t in p], len(p)) for i, p in enumerate(prompts)]
+    # Every limit is checked against the runner's before the first step: a step the runner
+    # cannot plan would fail only when the schedule reaches it, after the steps before it ran.
+    limits = {"max_tokens_per_step": (max_tokens_per_step, runner.max_num_tokens,
+                                      "the runner's max_num_tokens"),
+              "max_seqs_per_step": (max_seqs_per_step, runner.max_num_seqs, "the runner's max_num_seqs"),
+              "num_blocks": (num_blocks, _num_cache_blocks(runner), "the blocks of the runner's caches")}
+    for name, (value, most, what) in limits.items():
+        if value is None:
+            continue
+        check_positive_int("generate", name, value)
+        if value > most:
+            raise ValueError(f"generate: {name} {value} is above {what} ({most})")
+    budget = runner.max_num_tokens if max_tokens_per_step is None else max_tokens_per_step
+    max_seqs = min(runner.max_num_seqs if max_seqs_per_step is None else max_seqs_per_step,
+                   budget)  # every sequence decodes each step
+    blocks = _num_cache_blocks(runner) if num_blocks is None else num_blocks
+    if on_step is not None and not callable(on_step):
+        raise TypeError(f"generate: on_step must be callable or None, got {type(on_step).__name__}")
+    waiting = [_Seq(i, ids, len(ids)) for i, ids in ((i, _prompt_ids(i, p)) for i, p in enumerate(prompts))]
     if any(s.prompt_len == 0 for s in waiting):
         raise ValueError("generate: empty prompt")
     vocab = vocab_size_of(getattr(runner, "model", None))
+    max_len = getattr(runner, "max_model_len", None)
     for s in waiting:  # the embedding's own error names no prompt and no vocabulary
         bad = next((t for t in s.tokens if t < 0 or (vocab is not None and t >= vocab)), None)
         if bad is not None:
             raise ValueError(f"generate: prompt {s.rid} holds token id {bad}, outside the model's "
                              f"vocabulary [0, {vocab if vocab is not None else 'vocab_size'})")
+        # the cache holds the prompt and every new token but the last
+        need = s.prompt_len + max_new_tokens - 1
+        if max_len is not None and need > max_len:
+            raise ValueError(f"generate: prompt {s.rid} ({s.prompt_len} tokens) with max_new_tokens "
+                             f"{max_new_tokens} reaches {need} cached tokens, above the runner's max_model_len "
+                             f"{max_len}")
+        if -(-need // runner.block_size) > blocks:
+            raise ValueError(f"generate: prompt {s.rid} ({s.prompt_len} tokens) with max_new_tokens "
+                             f"{max_new_tokens} reaches {need} cached tokens, more than {blocks} blocks of "
+                             f"{runner.block_size} hold")
     waiting.reverse()  # pop() admits prompts in order
-    alloc = BlockAllocator(num_blocks or _num_cache_blocks(runner), runner.block_size)
+    alloc = BlockAllocator(blocks, runner.block_size)
     out: list[list[int]] = [[] for _ in prompts]
     logits_out: list[list[torch.Tensor]] | None = [[] for _ in prompts] if return_logits else None
     running: list[_Seq] = []

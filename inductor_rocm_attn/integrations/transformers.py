@@ -372,17 +372,26 @@ class PagedCache(Cache):
         x = input_ids if input_ids is not None else inputs_embeds
         if x is None:
             raise ValueError("PagedCache.begin_step: needs input_ids or inputs_embeds")
+        if x.dim() < 2:
+            raise ValueError(f"PagedCache.begin_step: input_ids must be [batch, new tokens] (inputs_embeds "
+                             f"[batch, new tokens, hidden]), got {tuple(x.shape)}")
         b, t = x.shape[0], x.shape[1]
-        if not self._lengths:
+        new_batch = not self._lengths
+        if new_batch:
             self._lengths = [0] * b
         elif len(self._lengths) != b:
             raise ValueError(f"PagedCache: batch of {b} rows for a cache holding {len(self._lengths)} rows; "
                              "use a new PagedCache (or reset()) for a new batch")
-        real, first, count = self._new_tokens(b, t, attention_mask)
-        ctx = torch.tensor(self._lengths, dtype=torch.int64)
-        expected = ctx[:, None] + torch.arange(t)[None, :] - first[:, None]
-        inject = self._check_positions(position_ids, real, expected, b, t, attention_mask)
-        md = self._plan(b, t, first.tolist(), count.tolist())
+        try:
+            real, first, count = self._new_tokens(b, t, attention_mask)
+            ctx = torch.tensor(self._lengths, dtype=torch.int64)
+            expected = ctx[:, None] + torch.arange(t)[None, :] - first[:, None]
+            inject = self._check_positions(position_ids, real, expected, b, t, attention_mask)
+            md = self._plan(b, t, first.tolist(), count.tolist())
+        except BaseException:
+            if new_batch:  # a rejected first step: the cache holds no batch yet
+                self._lengths = []
+            raise
         self._seen += t
         self.last_metadata = md
         self._step = set_forward_context(md, layers=self._layers)
@@ -404,7 +413,12 @@ class PagedCache(Cache):
                 f"{tuple(attention_mask.shape)} (prepared 4-D masks are not supported; a PagedCache holds one "
                 "batch: reset() it or build a new one for the next)"
             )
-        real = attention_mask[:, self._seen:].to("cpu", torch.bool)
+        new = attention_mask[:, self._seen:].to("cpu")
+        if not bool(((new == 0) | (new == 1)).all()):
+            values = sorted(set(new.flatten().tolist()) - {0, 1})
+            raise ValueError(f"PagedCache: attention_mask must hold 1 (a token) and 0 (padding), got "
+                             f"{values[:4]} among its new columns")
+        real = new.to(torch.bool)
         idx = torch.arange(t)
         count = real.sum(1)
         first = torch.where(real, idx, t).amin(1)

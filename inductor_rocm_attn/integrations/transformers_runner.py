@@ -141,7 +141,8 @@ class EagerRunner:
         self.step_s = 0.0  # wall time of the last step
 
     def prepare(self, query_lens: Sequence[int], context_lens: Sequence[int],
-                block_tables: Sequence[Sequence[int]], **_) -> AttentionMetadata:
+                block_tables: Sequence[Sequence[int]], *, whole_step: bool | str = True) -> AttentionMetadata:
+        """The step's metadata (``whole_step``: taken for a ``PiecewiseRunner``'s API; no graphs here)."""
         return build_attention_metadata(query_lens, context_lens, block_tables, self.block_size, self.device)
 
     def replays_whole_step(self, metadata: AttentionMetadata) -> bool:
@@ -150,6 +151,9 @@ class EagerRunner:
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         t0 = time.perf_counter()
+        n = metadata.positions.shape[0]
+        if input_ids.dim() != 1 or input_ids.shape[0] != n:  # the model's own error names neither
+            raise ValueError(f"EagerRunner: input_ids {tuple(input_ids.shape)} for a step of {n} tokens: expected [{n}]")
         check_token_ids("EagerRunner", input_ids, self.vocab_size)
         with set_forward_context(metadata, layers=self.layers):
             out = self.forward(input_ids.to(self.device), metadata.positions)

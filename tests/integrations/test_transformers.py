@@ -8,6 +8,7 @@ window, soft cap or padding moves logits by > 1e-2 here, which each test checks)
 """
 
 import copy
+import re
 
 import pytest
 import torch
@@ -266,6 +267,37 @@ def test_refusals_name_the_fix():
         cache.reorder_cache(torch.zeros(1, dtype=torch.long))
 
 
+
+def test_rejected_first_step_leaves_the_cache_without_a_batch():
+    """The first step fixed the cache's batch size before its checks: after a refused first
+    step (a wrong mask, too few blocks) a batch of another size was refused too."""
+    ours = build("llama", "rocm_attn")
+    cache = PagedCache(ours, num_blocks=1, poison=True)
+    with pytest.raises(ValueError, match=r"attention_mask must be 2-D \[batch, seen \+ new\] = \[2, 4\]"):
+        ours(torch.ones(2, 4, dtype=torch.long), attention_mask=torch.ones(2, 5), past_key_values=cache)
+    with pytest.raises(MemoryError, match=r"this step needs 4 more blocks, 1 free of 1"):
+        ours(torch.ones(2, 17, dtype=torch.long), past_key_values=cache)
+    with pytest.raises(ValueError, match=r"PagedCache\.begin_step: input_ids must be \[batch, new tokens\]"):
+        cache.begin_step(torch.ones(3, dtype=torch.long))
+    assert cache.batch_size == -1 and cache.row_lengths() == [] and cache.get_seq_length() == 0
+    assert written_slots(cache) == [0, 0]
+    ours(torch.ones(1, 4, dtype=torch.long), past_key_values=cache)  # a batch of one is the first batch
+    assert cache.row_lengths() == [4] and written_slots(cache) == [4, 4]
+
+
+@pytest.mark.parametrize("scale, shown", [(2, r"\[2\]"), (0.5, r"\[0\.5\]")], ids=["twos", "halves"])
+def test_attention_mask_of_other_values_is_refused(scale, shown):
+    """A mask of 2s or 0.5s was read as "nonzero = token"; generate() derived positions from its
+    cumulative sum, and the step failed on positions the caller never passed. The mask is
+    named now."""
+    ours = build("llama", "rocm_attn")
+    ids, mask = ragged_prompts([3, 4])
+    cache = PagedCache(ours, num_blocks=4, poison=True)
+    with pytest.raises(ValueError, match=rf"PagedCache: attention_mask must hold 1 \(a token\) and 0 \(padding\), "
+                                         rf"got {shown}"):
+        ours.generate(ids, attention_mask=mask * scale, max_new_tokens=2, do_sample=False, past_key_values=cache)
+    assert written_slots(cache) == [0, 0] and cache.batch_size == -1
+
 @pytest.mark.parametrize("name", list(MORE_CONFIGS))
 def test_generate_matches_eager_more_architectures(name):
     """Ragged left-padded prompts through PagedCache: the same greedy tokens as eager
@@ -412,3 +444,21 @@ def test_generate_on_gpu_matches_eager(name, dtype, tol):
     t = ids.shape[1]
     errs = [rel(step.float(), want[:, t - 1 + i]) for i, step in enumerate(got.logits)]
     assert max(errs) < tol, errs
+
+
+def test_eager_runner_checks_its_step_inputs():
+    """input_ids of another length than the step failed inside the model's RoPE (a broadcast
+    error naming neither), and a misspelt prepare() keyword was swallowed."""
+    from inductor_rocm_attn.integrations.transformers_runner import eager_runner
+
+    runner = eager_runner(build("llama", "rocm_attn"), num_blocks=4, poison=True)
+    md = runner.prepare([3], [0], [[1]])
+    for ids in (torch.tensor([3, 4, 5, 6]), torch.tensor([[3, 4, 5]])):
+        with pytest.raises(ValueError, match=re.escape(f"EagerRunner: input_ids {tuple(ids.shape)} for a step of 3 "
+                                                       "tokens: expected [3]")):
+            runner(ids, md)
+    with pytest.raises(TypeError, match="whole_stp"):
+        runner.prepare([3], [0], [[1]], whole_stp=False)
+    assert runner.prepare([3], [0], [[1]], whole_step=False).num_actual_tokens == 3
+    assert all(written == 0 for written in
+               (int(layer.kv_cache.isfinite().sum()) for layer in runner.layers.values()))
