@@ -354,8 +354,8 @@ class RocmAttentionImpl:
             fn(positions, query, key, self.head_size, cos_sin_cache, is_neox)
             return
         op = "rocm_attn.rope_and_cache"
-        key, value, _ = self._checked_step(op, layer, key, value, kv_cache, attn_metadata)
-        if query.shape[0] != t or query.dtype is not key.dtype or query.device != kv_cache.device:
+        key, value, kv_t = self._checked_step(op, layer, key, value, kv_cache, attn_metadata)
+        if t != kv_t or query.dtype is not key.dtype or query.device != kv_cache.device:
             raise ValueError(f"{op}: query ({tuple(query.shape)}, {query.dtype}, {query.device}) must match key "
                              f"({tuple(key.shape)}, {key.dtype}) on the KV cache's device {kv_cache.device}")
         step_checks.check_rope_inputs(op, positions, cos_sin_cache, t, kv_cache.device, attn_metadata)
@@ -425,19 +425,20 @@ class RocmAttentionImpl:
                              kv_cache, attn_metadata, ())
 
     def do_qk_norm_rope_cos_sin_kv_cache_update(self, layer, query, key, value, q_weight, k_weight, eps, cos,
-                                                sin, is_neox, kv_cache, attn_metadata) -> None:
-        """Per-head RMSNorm (transformers' rounding), RoPE with per-token cos/sin, both on
-        ``query``/``key`` in place, and the cache write of key and value.
+                                                sin, is_neox, kv_cache, attn_metadata, gemma_norm=False) -> None:
+        """Per-head RMSNorm (transformers' rounding; ``gemma_norm``: Gemma's ``1 + weight``),
+        RoPE with per-token cos/sin, both on ``query``/``key`` in place, and the cache write of
+        key and value.
 
         The fused writer stands for a layer fused at compile time into interleaved V: a layer
         not switched yet (a graph from Inductor's cache, a cache bound after compilation) is
         switched here, its cached data converted, before the first write.
         """
         self._cos_sin_writer("qk_norm_rope_cos_sin_and_cache", layer, query, key, value, cos, sin, is_neox,
-                             kv_cache, attn_metadata, (q_weight, k_weight, eps))
+                             kv_cache, attn_metadata, (q_weight, k_weight, eps), gemma_norm)
 
     def _cos_sin_writer(self, op, layer, query, key, value, cos, sin, is_neox, kv_cache, attn_metadata,
-                        norm: tuple) -> None:
+                        norm: tuple, gemma_norm: bool = False) -> None:
         t = query.shape[0]
         write = attn_metadata is not None and self.uses_kv_cache
         name = f"rocm_attn.unified_{op.replace('_and_cache', '_and_kv_cache_update')}"
@@ -463,8 +464,12 @@ class RocmAttentionImpl:
                                              layer._buffers["_k_scale"], layer._buffers["_v_scale"])
             fn = self._resolve(sig, op, query, cache, t, ("partial_rotary",) if rot_dim < self.head_size else ())
         buffers = layer._buffers  # skips nn.Module.__getattr__
-        fn(query, key, value, *norm, cos, sin, is_neox, kv_cache, slot_mapping, buffers["_k_scale"],
-           buffers["_v_scale"], self.interleaved_v and write)
+        if gemma_norm:
+            fn(query, key, value, *norm, cos, sin, is_neox, kv_cache, slot_mapping, buffers["_k_scale"],
+               buffers["_v_scale"], self.interleaved_v and write, gemma_norm=True)
+        else:
+            fn(query, key, value, *norm, cos, sin, is_neox, kv_cache, slot_mapping, buffers["_k_scale"],
+               buffers["_v_scale"], self.interleaved_v and write)
 
     # --- attention -------------------------------------------------------------------------
 

@@ -148,6 +148,15 @@ def rms_norm_hf_weight_last(x: torch.Tensor, weight: torch.Tensor, eps: float) -
     return x.to(dtype) * weight
 
 
+def rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm (``Gemma3RMSNorm``): fp32 statistics, times ``1 + weight`` in fp32,
+    then one cast back."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (x * (1.0 + weight.to(torch.float32))).to(dtype)
+
+
 def make_fp8_quant_plain(fp8_dtype: torch.dtype) -> Callable:
     m = torch.finfo(fp8_dtype).max
 
@@ -174,7 +183,12 @@ HALF_COS_SIN_ROPE_FORMS = {"transformers_halves": (rope_halves_transformers, 4)}
 HEADS_FIRST_FORMS = frozenset({"heads_first_neox", "heads_first_neox_partial"})
 # Every per-token form: name -> (function, rank of x).
 PER_TOKEN_ROPE_FORMS = COS_SIN_ROPE_FORMS | PARTIAL_COS_SIN_ROPE_FORMS | HALF_COS_SIN_ROPE_FORMS
-RMS_FORMS = {"hf": rms_norm_hf, "hf_weight_last": rms_norm_hf_weight_last}
+# Tried in this order. "gemma" first: in fp32 (its casts no-ops) a Gemma norm would also match
+# "hf_weight_last" with the computed ``1 + weight`` as the weight (the same function, so exact
+# either way, but reported as the plain form); no other form has that ``1 +``.
+RMS_FORMS = {"gemma": rms_norm_gemma, "hf": rms_norm_hf, "hf_weight_last": rms_norm_hf_weight_last}
+# Forms whose weight enters as ``1 + weight`` (the fused op's ``gemma_norm``).
+GEMMA_RMS_FORMS = frozenset({"gemma"})
 
 
 # === tracing into patterns ==================================================================

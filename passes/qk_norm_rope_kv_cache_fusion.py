@@ -30,7 +30,8 @@ RoPE fusion's op)::
 
 Its norm is transformers' ``Qwen3RMSNorm`` exactly (the normalized value rounded to the model
 dtype before the weight), so only ``forms.RMS_FORMS`` match there, not ``rocm_attn.rms_norm``
-(which rounds once).
+(which rounds once). Gemma's ``Gemma3RMSNorm`` (``1 + weight`` in fp32, rounded once after
+it; Gemma3 normalizes the heads-first ``[B, H, T, D]`` q/k) is the op's ``gemma_norm`` form.
 
 RMSNorm is recognized as ``rocm_attn.rms_norm`` or one of ``forms.RMS_FORMS`` (HF casts),
 RoPE by ``matchers.match_rope`` as in ``rope_kv_cache_fusion``. The norm must be over the head dim of a
@@ -58,34 +59,37 @@ rocm = torch.ops.rocm_attn
 _SPLITS = (aten.split_with_sizes.default, aten.split.Tensor)
 _QKV_OP = rocm.unified_qk_norm_rope_and_kv_cache_update.default
 _SEPARATE_OP = rocm.unified_qk_norm_rope_cos_sin_and_kv_cache_update.default
+_CONVERT = torch.ops.prims.convert_element_type.default
 
 
 def _match_norm(root: torch.fx.Node, which: str, rank: int = 3, op_form: bool = True):
-    """``(x, weight, eps, "")`` when ``root`` is an RMSNorm of ``x`` over its last dim
-    (``op_form``: ``rocm_attn.rms_norm`` counts too)."""
+    """``(x, weight, eps, form, "")`` when ``root`` is an RMSNorm of ``x`` over its last dim
+    (``op_form``: ``rocm_attn.rms_norm`` counts too; ``form``: its ``forms.RMS_FORMS`` name,
+    "op" for ``rocm_attn.rms_norm``); else ``(None, None, None, None, why)``."""
     v = fx_utils.val(root)
     if v is None or v.dim() != rank:
         shape = "[T, heads, head_size]" if rank == 3 else "[B, T, heads, head_size]"
-        return None, None, None, f"{which}-norm output is not a {shape} tensor"
+        return None, None, None, None, f"{which}-norm output is not a {shape} tensor"
     if root.op == "call_function" and root.target is rocm.rms_norm.default:
         if not op_form:
-            return None, None, None, (f"the {which}-norm is rocm_attn.rms_norm, which rounds once; the "
-                                      "per-token writer implements transformers' RMSNorm")
+            return None, None, None, None, (f"the {which}-norm is rocm_attn.rms_norm, which rounds once; the "
+                                            "per-token writer implements transformers' RMSNorm")
         x, w, eps = root.args[:3]
-        return x, w, eps, ""
+        return x, w, eps, "op", ""
     if v.dtype not in forms.MODEL_DTYPES:
-        return None, None, None, f"{which}: dtype {v.dtype} is not a model dtype"
-    if not (root.op == "call_function" and root.target is aten.mul.Tensor):  # every RMS form ends in `weight *`
-        return None, None, None, (f"the rotated {which} is not a per-head RMSNorm output (it comes from "
-                                  f"{matchers.producer(root)})")
+        return None, None, None, None, f"{which}: dtype {v.dtype} is not a model dtype"
+    # every RMS form ends in `weight *`, or (Gemma's, in a 16-bit dtype) in the cast back
+    if not (root.op == "call_function" and root.target in (aten.mul.Tensor, _CONVERT)):
+        return None, None, None, None, (f"the rotated {which} is not a per-head RMSNorm output (it comes from "
+                                        f"{matchers.producer(root)})")
     why = []
     for form in forms.RMS_FORMS:
         kw, w = forms.match(forms.rms_pattern(form, v.dtype, int(v.shape[-2]), int(v.shape[-1])), root)
         if kw is not None:
-            return kw["x"], kw["weight"], kw["eps"], ""
+            return kw["x"], kw["weight"], kw["eps"], form, ""
         why.append(f"{form}: {w}")
-    return None, None, None, (f"the rotated {which} ({matchers.producer(root)}) is not a per-head RMSNorm output ("
-                              + "; ".join(why) + ")")
+    return None, None, None, None, (f"the rotated {which} ({matchers.producer(root)}) is not a per-head RMSNorm "
+                                    "output (" + "; ".join(why) + ")")
 
 
 def _split_slot(x: torch.fx.Node):
@@ -112,9 +116,12 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
         parts = {}
         for which, pre, post in (("q", rope.q_in, rope.q_out), ("k", rope.k_in, rope.k_out)):
             root = fx_utils.strip_views(pre)
-            x, w, eps, why = _match_norm(root, which)
+            x, w, eps, form, why = _match_norm(root, which)
             if x is None:
                 return None, why
+            if form in forms.GEMMA_RMS_FORMS:
+                return None, (f"the {which}-norm is Gemma's (1 + weight) RMSNorm; the qkv writer implements "
+                              "transformers' RMSNorm only")
             xv, rv = fx_utils.val(x), fx_utils.val(root)
             if xv is None or xv.dim() != 3 or int(xv.shape[-1]) != int(rv.shape[-1]):
                 return None, f"{which}-norm is not over the head dim of a [T, heads, head_size] view"
@@ -149,13 +156,13 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
 
     def match_separate(self, site, rope):
         """q and k each normalized per head before a per-token RoPE (q/k/v need not share a
-        tensor): ``((rope, x_q, x_k, w_q, w_k, eps), "")`` or ``(None, why)``."""
+        tensor): ``((rope, x_q, x_k, w_q, w_k, eps, gemma_norm), "")`` or ``(None, why)``."""
         rank = fx_utils.val(rope.k_in).dim()
         parts = {}
         for which, root in (("q", rope.q_in), ("k", rope.k_in)):
             # No looking through views: a norm over the whole projection, viewed as heads
             # afterwards, normalizes over another axis.
-            x, w, eps, why = _match_norm(root, which, rank, op_form=False)
+            x, w, eps, form, why = _match_norm(root, which, rank, op_form=False)
             if x is None:
                 return None, why
             xv, rv, wv = fx_utils.val(x), fx_utils.val(root), fx_utils.val(w)
@@ -165,18 +172,22 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
             if wv is None or tuple(wv.shape) != (rope.head_size,) or wv.dtype != xv.dtype:
                 return None, (f"{which}-norm weight {tuple(wv.shape) if wv is not None else None} is not "
                               f"[head_size] = [{rope.head_size}] in the model dtype {xv.dtype}")
-            parts[which] = (x, w, eps)
-        (xq, wq, eps_q), (xk, wk, eps_k) = parts["q"], parts["k"]
+            parts[which] = (x, w, eps, form in forms.GEMMA_RMS_FORMS)
+        (xq, wq, eps_q, gemma_q), (xk, wk, eps_k, gemma_k) = parts["q"], parts["k"]
         if eps_q != eps_k or not isinstance(eps_q, float):
             return None, f"q-norm eps {eps_q} and k-norm eps {eps_k} differ or are not constants"
-        return (rope, xq, xk, wq, wk, float(eps_q)), ""
+        if gemma_q != gemma_k:
+            return None, "q and k are normalized by different RMSNorm forms (one Gemma's, one not)"
+        return (rope, xq, xk, wq, wk, float(eps_q), gemma_q), ""
 
     def _emit_separate(self, graph, site, m, layer: str) -> torch.fx.Node:
-        rope, xq, xk, wq, wk, eps = m
+        rope, xq, xk, wq, wk, eps, gemma_norm = m
         q_in, k_in = (per_token_rows(graph, rope, x) for x in (xq, xk))
         cos, sin = per_token_cos_sin(graph, rope)
         kwargs = dict(value=site.value, q_weight=wq, k_weight=wk, eps=eps, cos=cos, sin=sin, is_neox=rope.is_neox,
                       layer_name=layer)
+        if gemma_norm:
+            kwargs["gemma_norm"] = True
         return emit_in_place(graph, _SEPARATE_OP, kwargs, site, q_in, k_in, rope.q_out, rope.k_out)
 
     def apply(self, graph: torch.fx.Graph) -> None:
@@ -191,8 +202,11 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
                 self.not_fused(layer, why)
                 continue
             rope = m[0]
+            norm = "QK-norm"
             if rope.per_token:
-                eps, op = m[-1], _SEPARATE_OP
+                eps, op = m[5], _SEPARATE_OP
+                if m[6]:
+                    norm = "Gemma QK-norm (1 + weight)"
                 with graph.inserting_before(cache):
                     token = self._emit_separate(graph, site, m, layer)
             else:
@@ -209,7 +223,7 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
             changed = True
             switched = switch_to_interleaved_v(layer)
             style = "NeoX" if rope.is_neox else "GPT-J"
-            self.fused(layer, f"QK-norm (eps={eps:g}) + RoPE ({rope.form}, {style}) + KV-cache update -> "
+            self.fused(layer, f"{norm} (eps={eps:g}) + RoPE ({rope.form}, {style}) + KV-cache update -> "
                        f"{op._opname} (interleaved V)", switched, interleaved_v=True)
         if changed:
             fx_utils.finish(graph)

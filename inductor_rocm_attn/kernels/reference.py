@@ -16,6 +16,12 @@ from ..layout import cache_x, dense_kv, fp8_max, is_fp8_dtype, k_view, v_view
 _ACC = torch.float64
 
 
+def _heads(t: torch.Tensor, head_size: int) -> torch.Tensor:
+    """``[T, H * D]`` or ``[T, H, D]`` as ``[T, H, D]`` (H from the row size: -1 is ambiguous
+    for a step without tokens)."""
+    return t.view(t.shape[0], math.prod(t.shape[1:]) // head_size, head_size)
+
+
 # --- cache writes ----------------------------------------------------------------------------
 
 
@@ -112,7 +118,7 @@ def rotary_embedding(
     for t in (query, key):
         if t is None:
             continue
-        x = t.view(t.shape[0], -1, head_size)
+        x = _heads(t, head_size)
         x.copy_(_rotate(x.to(_ACC), cos, sin, is_neox).to(t.dtype))
 
 
@@ -181,9 +187,9 @@ def rope_cos_sin_and_cache(
     """
     c, s, d = cos.to(_ACC), sin.to(_ACC), value.shape[-1]
     for t in (query, key):
-        x = t.view(t.shape[0], -1, d)
+        x = _heads(t, d)
         x.copy_(_rotate_per_token(x.to(_ACC), c, s, is_neox).to(t.dtype))
-    reshape_and_cache(key.view(key.shape[0], -1, d), value, kv_cache, slot_mapping, k_scale, v_scale, interleaved_v)
+    reshape_and_cache(_heads(key, d), value, kv_cache, slot_mapping, k_scale, v_scale, interleaved_v)
 
 
 def rms_norm_heads_rounded(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
@@ -192,6 +198,13 @@ def rms_norm_heads_rounded(x: torch.Tensor, weight: torch.Tensor, eps: float, dt
     ``weight``. Float64 out; the rounding is part of the function, not an artefact."""
     var = x.pow(2).mean(dim=-1, keepdim=True)
     return (x * torch.rsqrt(var + eps)).to(dtype).to(_ACC) * weight.to(_ACC)
+
+
+def rms_norm_heads_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """Gemma's per-head RMSNorm (``Gemma3RMSNorm``): statistics of ``x`` (float64 here), times
+    ``1 + weight``, the result rounded to ``dtype`` (its ``.type_as(x)``). Float64 out."""
+    var = x.pow(2).mean(dim=-1, keepdim=True)
+    return (x * torch.rsqrt(var + eps) * (1 + weight.to(_ACC))).to(dtype).to(_ACC)
 
 
 def qk_norm_rope_cos_sin_and_cache(
@@ -209,19 +222,22 @@ def qk_norm_rope_cos_sin_and_cache(
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
     interleaved_v: bool,
+    gemma_norm: bool = False,
 ) -> None:
-    """Per-head RMSNorm (``rms_norm_heads_rounded``) then RoPE with per-token cos/sin on
-    ``query``/``key`` in place, then the key and ``value`` into the cache.
+    """Per-head RMSNorm (``rms_norm_heads_rounded``; ``gemma_norm``: ``rms_norm_heads_gemma``)
+    then RoPE with per-token cos/sin on ``query``/``key`` in place, then the key and ``value``
+    into the cache.
 
     Shapes as ``rope_cos_sin_and_cache``; q_weight, k_weight ``[D]`` in the model dtype.
     Norm and rotation run in float64 between the one rounding the norm defines and the
     final one.
     """
     c, s, d = cos.to(_ACC), sin.to(_ACC), value.shape[-1]
+    norm = rms_norm_heads_gemma if gemma_norm else rms_norm_heads_rounded
     for t, w in ((query, q_weight), (key, k_weight)):
-        x = t.view(t.shape[0], -1, d)
-        x.copy_(_rotate_per_token(rms_norm_heads_rounded(x.to(_ACC), w, eps, t.dtype), c, s, is_neox).to(t.dtype))
-    reshape_and_cache(key.view(key.shape[0], -1, d), value, kv_cache, slot_mapping, k_scale, v_scale, interleaved_v)
+        x = _heads(t, d)
+        x.copy_(_rotate_per_token(norm(x.to(_ACC), w, eps, t.dtype), c, s, is_neox).to(t.dtype))
+    reshape_and_cache(_heads(key, d), value, kv_cache, slot_mapping, k_scale, v_scale, interleaved_v)
 
 
 def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

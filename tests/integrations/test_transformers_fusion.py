@@ -75,6 +75,9 @@ CONFIGS = {
     "gpt_oss": lambda: transformers.GptOssConfig(**dict(_COMMON, intermediate_size=128), num_local_experts=4,
                                                  num_experts_per_tok=2, sliding_window=6,
                                                  layer_types=["sliding_attention", "full_attention"]),
+    # Gemma3: its (1 + weight) QK-norm on [B, H, T, D] heads, sliding + full layers, scaled queries
+    "gemma3": lambda: transformers.Gemma3TextConfig(**_COMMON, sliding_window=6, query_pre_attn_scalar=24,
+                                                    layer_types=["sliding_attention", "full_attention"]),
     # the same with top-4 of 4 experts: no expert choice for bf16 rounding to flip (module docstring)
     "gpt_oss_all_experts": lambda: transformers.GptOssConfig(**dict(_COMMON, intermediate_size=128),
                                                              num_local_experts=4, num_experts_per_tok=4,
@@ -84,7 +87,8 @@ CONFIGS = {
 # Fused, but q and k are copied for the fused writer: GPT-NeoX's are per-head strided views of
 # a heads-first qkv ([B, H, T, 3D] chunks), and the in-place rewiring takes column ranges only.
 COPIES_QK = {"gpt_neox"}
-FUSED_OP = {"qwen3": ("qk_norm_rope_kv_cache_fusion", "unified_qk_norm_rope_cos_sin_and_kv_cache_update")}
+_QK_NORM = ("qk_norm_rope_kv_cache_fusion", "unified_qk_norm_rope_cos_sin_and_kv_cache_update")
+FUSED_OP = {"qwen3": _QK_NORM, "gemma3": _QK_NORM}
 ROPE_ONLY = ("rope_kv_cache_fusion", "unified_rope_cos_sin_and_kv_cache_update")
 
 
@@ -112,6 +116,10 @@ class Run:
         torch.manual_seed(0)
         ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="rocm_attn",
                                                              dtype=dtype).to(device).eval()
+        with torch.no_grad():  # norm weights initialize to one value (Gemma's 0, others' 1): make
+            for name, p in ours.named_parameters():  # them tell a weight bug apart
+                if name.endswith("norm.weight"):
+                    p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))).to(p))
         eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager",
                                                               dtype=dtype).to(device).eval()
         eager.load_state_dict(ours.state_dict())
@@ -177,7 +185,7 @@ def _check_report(run: Run):
     for layer in run.layers:  # every layer fused in every compiled graph
         assert sum(r.layer_name == layer for r in fused) == graphs, run.report
     interleaved = [run.cache.layers_by_name[name].interleaved_v for name in run.layers]
-    if run.arch == "qwen3":
+    if run.arch in ("qwen3", "gemma3"):
         assert all(r.interleaved_v and r.switched_interleaved_v for r in fused), run.report
         assert "layer switched to interleaved V" in run.report and all(interleaved)
     else:
@@ -217,7 +225,7 @@ def test_teacher_forced_reference_equals_generate_in_fp32(runs):
     assert max(errs) < 1e-5, errs
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gpt_oss_all_experts"])
+@pytest.mark.parametrize("arch", ["qwen3", "gpt_oss_all_experts", "gemma3"])
 def test_bf16_every_layer_fused(runs, arch):
     run = runs(arch, torch.bfloat16)
     errs = [_rel(a, b) for a, b in zip(run.got.logits, run.forced)]
@@ -226,7 +234,7 @@ def test_bf16_every_layer_fused(runs, arch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gpt_oss_all_experts", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gpt_oss_all_experts", "gpt_neox", "gemma3"])
 def test_compiled_generate_on_gpu_every_layer_fused(arch):
     """The same on the GPU in bf16 (the Triton writers inside the compiled graphs), for each
     RoPE form: full rotary with and without QK-norm, partial rotary, GPT-OSS's halves (with its

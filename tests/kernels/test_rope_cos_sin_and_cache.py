@@ -149,6 +149,50 @@ def test_writer(provider, op, block_size, head_size, rot_dim, layout, interleave
     assert_cache_equal(cache.cpu(), cache_op, dtype)
 
 
+def oracle_norm_gemma(x, w, eps, dtype):
+    """Gemma's RMSNorm: float64 statistics, times ``1 + w``, rounded to ``dtype`` once."""
+    x = x.to(torch.float64)
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + w.cpu().to(torch.float64))).to(dtype)
+
+
+GEMMA_CASES = [c for c in CASES if c[6] != torch.float32] + [CASES[2]]
+
+
+@pytest.mark.parametrize("block_size,head_size,rot_dim,layout,interleaved_v,is_neox,dtype,form", GEMMA_CASES)
+@pytest.mark.parametrize("provider", put.providers_for("qk_norm_rope_cos_sin_and_cache"))
+def test_gemma_norm_writer(provider, block_size, head_size, rot_dim, layout, interleaved_v, is_neox, dtype, form):
+    """``gemma_norm=True``: the normalized value times ``1 + weight`` rounded once (Gemma's
+    RMSNorm), then RoPE and the cache write as without it. The weights are small, as Gemma's
+    are (they are stored as offsets from 1)."""
+    op = "qk_norm_rope_cos_sin_and_cache"
+    t, hq, hkv, eps = 9, 4, 2, 1e-6
+    seed = 7 * block_size + head_size + rot_dim
+    cache, slots = make_cache(block_size, hkv, head_size, dtype, layout, t, seed)
+    fn = _kernel(provider, op, cache, dtype, head_size, rot_dim, interleaved_v)
+    cache_in = cache.cpu().clone()
+    base, q, k, v = make_qk(t, hq, hkv, head_size, dtype, seed, form)
+    w = (0.3 * torch.randn(2, head_size, generator=gen(seed + 1))).to(dtype).to(DEV)
+    cos, sin = make_rows(t, rot_dim, dtype, seed + 2)
+    slots = pad_slots(slots)[: t - 2].to(DEV)
+    ks, vs = scales(dtype)
+    want = [oracle_rope_rows(oracle_norm_gemma(x.cpu().reshape(t, -1, head_size), w[i], eps, dtype).to(torch.float64),
+                             cos, sin, is_neox).to(dtype) for i, x in enumerate((q, k))]
+    # the other form on the same inputs: the test tells the two apart
+    other = [oracle_rope_rows(oracle_norm(x.cpu().reshape(t, -1, head_size).to(torch.float64), w[i], eps, dtype),
+                              cos, sin, is_neox).to(dtype) for i, x in enumerate((q, k))]
+    fn(q, k, v, w[0], w[1], eps, cos, sin, is_neox, cache, slots, ks, vs, interleaved_v, gemma_norm=True)
+    tol = 2e-3 if dtype == torch.float16 else 1e-6
+    q, k = q.reshape(t, hq, head_size), k.reshape(t, hkv, head_size)
+    assert rel_err(q, want[0]) < tol and rel_err(k, want[1]) < tol
+    assert rel_err(q, other[0]) > 0.1  # (1 + w) against w: not a rounding difference
+    if dtype != torch.float32:
+        assert min(_exact_fraction(q, want[0]), _exact_fraction(k, want[1])) > 0.99
+    cache_op = cache_in.clone()
+    oracle_write(cache_op, k.cpu(), v.cpu().reshape(t, hkv, head_size), slots.cpu(), ks.cpu(), vs.cpu(),
+                 interleaved_v)
+    assert_cache_equal(cache.cpu(), cache_op, dtype)
+
+
 @pytest.mark.parametrize("provider,op", ALL)
 def test_empty_slot_mapping_rotates_only(provider, op):
     """A layer without a cache (or a profiling run): q/k rotated in place, the cache not read."""

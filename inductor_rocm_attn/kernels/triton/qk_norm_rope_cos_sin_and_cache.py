@@ -27,12 +27,14 @@ def qk_norm_rope_cos_sin_and_cache(
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
     interleaved_v: bool,
+    gemma_norm: bool = False,
     *,
     cfg: WriterConfig | None = None,
 ) -> None:
     """Normalize each head of ``query``/``key`` (transformers' RMSNorm: the normalized value
-    rounded to the model dtype, then times ``q_weight``/``k_weight`` ``[head_size]``), rotate
-    with ``cos``/``sin`` ``[num_tokens, rot_dim]``, both in place, and cache the key and
+    rounded to the model dtype, then times ``q_weight``/``k_weight`` ``[head_size]``; with
+    ``gemma_norm`` Gemma's: the normalized value times ``1 + weight`` in fp32, then rounded),
+    rotate with ``cos``/``sin`` ``[num_tokens, rot_dim]``, both in place, and cache the key and
     ``value``. Shapes and the other arguments as ``rope_cos_sin_and_cache``."""
     launch(query, key, value, cos, sin, is_neox, kv_cache, slot_mapping, k_scale, v_scale,
-           interleaved_v, q_weight=q_weight, k_weight=k_weight, eps=eps, cfg=cfg)
+           interleaved_v, q_weight=q_weight, k_weight=k_weight, eps=eps, gemma_norm=gemma_norm, cfg=cfg)

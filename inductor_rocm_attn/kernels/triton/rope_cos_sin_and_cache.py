@@ -11,7 +11,8 @@ grid = (token tiles, num_q_heads + num_kv_heads). A program loads one head of ``
 tokens as the two rotation halves (``rotary_embedding._half_cols``: NeoX halves or GPT-J
 pairs) plus, under partial rotary, the channels past ``rot_dim``; with ``NORM`` it first
 normalizes the head (fp32 statistics, the normalized value rounded to the model dtype as
-transformers' ``.to(input_dtype)`` does, then times the weight). It rotates with the cos/sin
+transformers' ``.to(input_dtype)`` does, then times the weight; with ``GEMMA_NORM`` as
+Gemma's RMSNorm: the normalized value times ``1 + weight`` in fp32, then rounded). It rotates with the cos/sin
 of each half's own channels (``o1 = x1 cos1 - x2 sin1``, ``o2 = x2 cos2 + x1 sin2``),
 rounds once to the model dtype and stores in place. Key programs also scatter the key and
 the value into the paged cache (layouts and interleaved V as in ``reshape_and_cache``) when
@@ -48,7 +49,7 @@ def _rope_cos_sin_and_cache_kernel(
     stride_cache_block, stride_cache_group,
     # meta
     NUM_Q_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, ROT_HALF: tl.constexpr,
-    IS_NEOX: tl.constexpr, NORM: tl.constexpr, WRITE_CACHE: tl.constexpr,
+    IS_NEOX: tl.constexpr, NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, WRITE_CACHE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, X: tl.constexpr,
     INTERLEAVED_V: tl.constexpr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -98,12 +99,20 @@ def _rope_cos_sin_and_cache_kernel(
         inv_rms = tl.rsqrt(ss / HEAD_SIZE + eps)[:, None]
         w1 = tl.load(w_ptr + d1, mask=mask_r, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + d2, mask=mask_r, other=0.0).to(tl.float32)
-        # transformers rounds the normalized value to the model dtype before the weight.
-        x1 = (x1 * inv_rms).to(model_ty).to(tl.float32) * w1[None, :]
-        x2 = (x2 * inv_rms).to(model_ty).to(tl.float32) * w2[None, :]
         if HAS_PASS:
             wp = tl.load(w_ptr + dp, mask=mask_p, other=0.0).to(tl.float32)
-            xp = (xp * inv_rms).to(model_ty).to(tl.float32) * wp[None, :]
+        if GEMMA_NORM:
+            # Gemma: (x * inv_rms) * (1 + w) in fp32, rounded to the model dtype once.
+            x1 = (x1 * inv_rms * (1.0 + w1[None, :])).to(model_ty).to(tl.float32)
+            x2 = (x2 * inv_rms * (1.0 + w2[None, :])).to(model_ty).to(tl.float32)
+            if HAS_PASS:
+                xp = (xp * inv_rms * (1.0 + wp[None, :])).to(model_ty).to(tl.float32)
+        else:
+            # transformers rounds the normalized value to the model dtype before the weight.
+            x1 = (x1 * inv_rms).to(model_ty).to(tl.float32) * w1[None, :]
+            x2 = (x2 * inv_rms).to(model_ty).to(tl.float32) * w2[None, :]
+            if HAS_PASS:
+                xp = (xp * inv_rms).to(model_ty).to(tl.float32) * wp[None, :]
     # Round once: the cache gets exactly the key stored back.
     o1 = (x1 * cos1 - x2 * sin1).to(model_ty)
     o2 = (x2 * cos2 + x1 * sin2).to(model_ty)
@@ -140,8 +149,10 @@ def _rope_cos_sin_and_cache_kernel(
 
 
 def launch(query, key, value, cos, sin, is_neox, kv_cache, slot_mapping, k_scale, v_scale,
-           interleaved_v, *, q_weight=None, k_weight=None, eps=0.0, cfg: WriterConfig | None = None) -> None:
-    """Launch the kernel: with ``q_weight``/``k_weight`` it normalizes first (``NORM``).
+           interleaved_v, *, q_weight=None, k_weight=None, eps=0.0, gemma_norm=False,
+           cfg: WriterConfig | None = None) -> None:
+    """Launch the kernel: with ``q_weight``/``k_weight`` it normalizes first (``NORM``;
+    ``gemma_norm``: Gemma's form).
     An empty ``slot_mapping`` rotates only (``kv_cache`` is then not read: it may be any
     tensor, e.g. an empty one of a layer without a cache)."""
     num_tokens = query.shape[0]
@@ -169,7 +180,7 @@ def launch(query, key, value, cos, sin, is_neox, kv_cache, slot_mapping, k_scale
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         cache.stride(0) if write_cache else 0, cache.stride(1) if write_cache else 0,
         NUM_Q_HEADS=num_q_heads, HEAD_SIZE=head_size, ROT_HALF=rot_half, IS_NEOX=bool(is_neox),
-        NORM=norm, WRITE_CACHE=write_cache, INTERLEAVED_V=bool(interleaved_v), BLOCK_T=block_t,
+        NORM=norm, GEMMA_NORM=bool(norm and gemma_norm), WRITE_CACHE=write_cache, INTERLEAVED_V=bool(interleaved_v), BLOCK_T=block_t,
         BLOCK_R=triton.next_power_of_2(rot_half),
         BLOCK_P=triton.next_power_of_2(max(1, head_size - 2 * rot_half)),
         BLOCK_D=triton.next_power_of_2(head_size),
