@@ -62,10 +62,10 @@ def test_kernel_op_slot_mapping_on_the_host():
 
 
 def test_planned_metadata_is_checked_without_a_device_read():
-    layer = _layer("plan", num_blocks=2)
-    md = ira.build_attention_metadata([3, 1], [0, 40], [[0], [1, 5, 7]], BS, DEV)
-    _rejected(layer, md, r"the step uses block id 7 but the KV cache has 2 blocks")
-    ok = ira.build_attention_metadata([3, 1], [0, 20], [[0], [1, 0]], BS, DEV)
+    layer = _layer("plan", num_blocks=3)
+    md = ira.build_attention_metadata([3, 1], [0, 40], [[0], [1, 2, 7]], BS, DEV)
+    _rejected(layer, md, r"the step uses block id 7 but the KV cache has 3 blocks")
+    ok = ira.build_attention_metadata([3, 1], [0, 20], [[0], [1, 2]], BS, DEV)
     for hint in ("max_query_len", "max_seq_len"):
         _rejected(layer, dataclasses.replace(ok, **{hint: 1}), rf"{hint} 1 is smaller than the longest")
     other = ira.build_attention_metadata([3, 1], [0, 20], [[0], [1, 0, 0]], 32, DEV)
