@@ -8,7 +8,9 @@ own decompositions, so the pattern has the shape of a post-grad graph) and turne
 ``PatternExpr`` with ``fx_to_pattern``. Two values are made wildcards while converting:
 
 - the token count: traced as ``_MAGIC_T`` and bound to one ``KeywordArg("_T")``, so it
-  matches a symbolic (dynamic) or concrete token count, the same one everywhere;
+  matches a symbolic (dynamic) or concrete token count, the same one everywhere (likewise
+  the batch and head counts, ``_B`` / ``_H``, of the GPT-J per-token form, whose interleave
+  reshapes to explicit sizes);
 - ``eps``: traced as ``_MAGIC_EPS`` and bound to ``KeywordArg("eps")`` (the pattern
   matcher's ``scalar_workaround``), so the replacement gets the model's own eps.
 
@@ -37,6 +39,7 @@ FP8_DTYPES = tuple(
 )
 
 _MAGIC_T = 97  # token count used while tracing; must not collide with a head geometry int
+_MAGIC_B, _MAGIC_H = 5, 7  # batch and head counts of the forms whose reshapes spell them out
 _MAGIC_EPS = 9.87654e-05
 _POSITIONS = 8  # rows of the traced cos_sin_cache
 
@@ -132,6 +135,24 @@ def rope_gptj_hf(x: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.
     return x * cos + rotate_every_two(x) * sin
 
 
+def rotate_pairs_interleaved(x: torch.Tensor) -> torch.Tensor:
+    """transformers' Cohere ``rotate_half``: pairs ``(2i, 2i+1)`` -> ``(-x[2i+1], x[2i])``."""
+    x1 = x[..., ::2]
+    x2 = x[..., 1::2]
+    return torch.stack([-x2, x1], dim=-1).flatten(-2)
+
+
+def rope_gptj_transformers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' Cohere attention: ``x [B, T, H, D]`` transposed to ``[B, H, T, D]``,
+    rotated in fp32 with interleaved (GPT-J) pairs by per-token ``cos``/``sin [B, T, D]`` (each
+    pair's angle repeated), cast back, transposed back by the attention function. The fused
+    writers' ``is_neox=False`` with those rows: the same fp32 formula, rounded once."""
+    dtype = x.dtype
+    x = x.transpose(1, 2).float()
+    out = x * cos.unsqueeze(1) + rotate_pairs_interleaved(x) * sin.unsqueeze(1)
+    return out.to(dtype).transpose(1, 2)
+
+
 def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF RMSNorm over the last dim: fp32 statistics, cast back, then ``weight *``."""
     dtype = x.dtype
@@ -169,8 +190,8 @@ def make_fp8_quant_plain(fp8_dtype: torch.dtype) -> Callable:
 
 ROPE_FORMS = {"hf_neox": (rope_neox_hf, True), "hf_neox_sliced": (rope_neox_hf_sliced, True),
               "hf_gptj": (rope_gptj_hf, False)}
-# RoPE with the model's own per-token cos/sin: form -> (function, rank of x). NeoX only: a
-# GPT-J rotation is a different function of the same inputs and is not matched.
+# RoPE with the model's own per-token cos/sin: form -> (function, rank of x). NeoX pairs
+# (i, i + D/2); the GPT-J forms (pairs 2i, 2i+1) are GPTJ_COS_SIN_ROPE_FORMS.
 COS_SIN_ROPE_FORMS = {"transformers_neox": (rope_neox_transformers, 4), "per_token_neox": (rope_neox_per_token, 3),
                       "heads_first_neox": (rope_neox_heads_first, 4)}
 # The same with a partial rotary: cos/sin narrower than the head (their width a pattern constant).
@@ -179,10 +200,13 @@ PARTIAL_COS_SIN_ROPE_FORMS = {"transformers_neox_partial": (rope_neox_transforme
                               "heads_first_neox_partial": (rope_neox_heads_first_partial, 4)}
 # NeoX with cos/sin of half the head, one value per channel pair (the fused op gets them doubled).
 HALF_COS_SIN_ROPE_FORMS = {"transformers_halves": (rope_halves_transformers, 4)}
+# GPT-J pairs with per-token cos/sin (Cohere), rotated in fp32: the fused writers' is_neox=False.
+GPTJ_COS_SIN_ROPE_FORMS = {"transformers_gptj": (rope_gptj_transformers, 4)}
 # Forms whose q/k input is [B, H, T, D] (the rest of rank 4: [B, T, H, D]).
 HEADS_FIRST_FORMS = frozenset({"heads_first_neox", "heads_first_neox_partial"})
 # Every per-token form: name -> (function, rank of x).
-PER_TOKEN_ROPE_FORMS = COS_SIN_ROPE_FORMS | PARTIAL_COS_SIN_ROPE_FORMS | HALF_COS_SIN_ROPE_FORMS
+PER_TOKEN_ROPE_FORMS = (COS_SIN_ROPE_FORMS | PARTIAL_COS_SIN_ROPE_FORMS | HALF_COS_SIN_ROPE_FORMS
+                        | GPTJ_COS_SIN_ROPE_FORMS)
 # Tried in this order. "gemma" first: in fp32 (its casts no-ops) a Gemma norm would also match
 # "hf_weight_last" with the computed ``1 + weight`` as the weight (the same function, so exact
 # either way, but reported as the plain form); no other form has that ``1 +``.
@@ -205,15 +229,22 @@ def _relax_users(p: Any, seen: set) -> None:
             _relax_users(a, seen)
 
 
-def _trace(fn: Callable, args: list, argnames: list[str], eps: bool = False) -> pm.PatternExpr:
+def _trace(fn: Callable, args: list, argnames: list[str], eps: bool = False,
+           sizes: dict[int, str] | None = None) -> pm.PatternExpr:
+    """``fn`` traced on ``args`` as a pattern; the token count ``_MAGIC_T`` and the traced
+    ``sizes`` (value -> name: the batch and head counts of a form whose reshapes spell them
+    out) become wildcards."""
     gm = pm.fwd_only(fn, args)
     graph = gm.graph
+    wild = {_MAGIC_T: "_T", **(sizes or {})}
     last_ph = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    placeholders = {}
     with graph.inserting_after(last_ph):
-        t_ph = graph.placeholder("_T")
+        for value, name in wild.items():
+            placeholders[value] = graph.placeholder(name)
 
     def sub(a):
-        return t_ph if type(a) is int and a == _MAGIC_T else a
+        return placeholders[a] if type(a) is int and a in placeholders else a
 
     for node in list(graph.nodes):
         if node.op == "call_function":
@@ -222,7 +253,7 @@ def _trace(fn: Callable, args: list, argnames: list[str], eps: bool = False) -> 
             node.args = torch.fx.node.map_aggregate(node.args, sub)
             node.kwargs = torch.fx.node.map_aggregate(node.kwargs, sub)
     pattern = pm.fx_to_pattern(
-        gm, argnames=[*argnames, "_T"], scalar_workaround={"eps": _MAGIC_EPS} if eps else None
+        gm, argnames=[*argnames, *wild.values()], scalar_workaround={"eps": _MAGIC_EPS} if eps else None
     )
     _relax_users(pattern, set())
     return pattern
@@ -245,12 +276,17 @@ def rope_cos_sin_pattern(form: str, dtype: torch.dtype, head_size: int, rot_dim:
     cos/sin ``cos_sin_width`` wide (``rot_dim``: the rotated channels of a partial form). Sizes
     other than those never appear in it: batch, tokens and heads are free."""
     fn, rank = PER_TOKEN_ROPE_FORMS[form]
-    lead = [2, _MAGIC_T] if rank == 4 else [_MAGIC_T]
+    # The GPT-J forms' interleave (stack + flatten) reshapes to sizes it spells out: traced
+    # with batch and head counts of their own, made wildcards.
+    batch, heads = (_MAGIC_B, _MAGIC_H) if form in GPTJ_COS_SIN_ROPE_FORMS else (2, 3)
+    assert not {_MAGIC_T, batch, heads} & {head_size, head_size // 2, rot_dim}
+    lead = [batch, _MAGIC_T] if rank == 4 else [_MAGIC_T]
     width = cos_sin_width(form, head_size, rot_dim)
-    x_shape = [2, 3, _MAGIC_T, head_size] if form in HEADS_FIRST_FORMS else [*lead, 3, head_size]
+    x_shape = [batch, heads, _MAGIC_T, head_size] if form in HEADS_FIRST_FORMS else [*lead, heads, head_size]
     args = [torch.randn(*x_shape, dtype=dtype), torch.randn(*lead, width, dtype=dtype),
             torch.randn(*lead, width, dtype=dtype)]
-    return _trace(fn, args, ["x", "cos", "sin"])
+    sizes = {_MAGIC_B: "_B", _MAGIC_H: "_H"} if form in GPTJ_COS_SIN_ROPE_FORMS else None
+    return _trace(fn, args, ["x", "cos", "sin"], sizes=sizes)
 
 
 def cos_sin_width(form: str, head_size: int, rot_dim: int | None = None) -> int:

@@ -151,7 +151,7 @@ def _match_rope_cos_sin(k_root, q_root, kval, qval, why: list) -> tuple[RopeMatc
     rank, d = kval.dim(), int(kval.shape[-1])
     rot = _partial_rot_dim(k_root, d)
     candidates = [(form, form_rank, None) for form, (_, form_rank) in
-                  (forms.COS_SIN_ROPE_FORMS | forms.HALF_COS_SIN_ROPE_FORMS).items()]
+                  (forms.COS_SIN_ROPE_FORMS | forms.HALF_COS_SIN_ROPE_FORMS | forms.GPTJ_COS_SIN_ROPE_FORMS).items()]
     if rot is not None:
         candidates += [(form, form_rank, rot) for form, (_, form_rank) in forms.PARTIAL_COS_SIN_ROPE_FORMS.items()]
     for form, form_rank, rot_dim in candidates:
@@ -189,8 +189,8 @@ def _match_rope_cos_sin(k_root, q_root, kval, qval, why: list) -> tuple[RopeMatc
                     and isinstance(lead[0], int)):
                 return None, f"{form} cos/sin {tuple(cos.shape)} do not give one row per token of {tuple(lead)}"
             batch = lead[0]  # position_ids [1, T] for a batch of B rows
-        return RopeMatch(form, True, qk["x"], kk["x"], q_root, k_root, d, cos=kk["cos"], sin=kk["sin"],
-                         cos_batch=batch), ""
+        return RopeMatch(form, form not in forms.GPTJ_COS_SIN_ROPE_FORMS, qk["x"], kk["x"], q_root, k_root, d,
+                         cos=kk["cos"], sin=kk["sin"], cos_batch=batch), ""
     return None, ""
 
 

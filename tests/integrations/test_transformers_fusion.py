@@ -78,6 +78,8 @@ CONFIGS = {
     # Gemma3: its (1 + weight) QK-norm on [B, H, T, D] heads, sliding + full layers, scaled queries
     "gemma3": lambda: transformers.Gemma3TextConfig(**_COMMON, sliding_window=6, query_pre_attn_scalar=24,
                                                     layer_types=["sliding_attention", "full_attention"]),
+    # Cohere: interleaved (GPT-J) pairs rotated in fp32 by per-token cos/sin (repeat_interleave'd angles)
+    "cohere": lambda: transformers.CohereConfig(**{k: v for k, v in _COMMON.items() if k != "rms_norm_eps"}),
     # the same with top-4 of 4 experts: no expert choice for bf16 rounding to flip (module docstring)
     "gpt_oss_all_experts": lambda: transformers.GptOssConfig(**dict(_COMMON, intermediate_size=128),
                                                              num_local_experts=4, num_experts_per_tok=4,
@@ -225,7 +227,7 @@ def test_teacher_forced_reference_equals_generate_in_fp32(runs):
     assert max(errs) < 1e-5, errs
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gpt_oss_all_experts", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen3", "gpt_oss_all_experts", "gemma3", "cohere"])
 def test_bf16_every_layer_fused(runs, arch):
     run = runs(arch, torch.bfloat16)
     errs = [_rel(a, b) for a, b in zip(run.got.logits, run.forced)]

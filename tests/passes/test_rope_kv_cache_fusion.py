@@ -357,15 +357,27 @@ def test_fuses_with_a_dynamic_token_count():
     assert "float32[2, T, 4, 32]" in c.before  # the token count is symbolic
 
 
+def test_fuses_gptj_rotation_of_per_token_rows_as_gptj():
+    """GPT-J's interleaved rotation (Cohere's ``rotate_half``) of the model's per-token rows is
+    the writer's ``is_neox=False`` form: the same formula channel for channel, for any rows
+    (NeoX-style ``cat((f, f))`` rows here), never the NeoX one. Cohere generate against eager:
+    ``tests/integrations/test_transformers_fusion.py``."""
+    sites = pytest.importorskip("transformers_sites")
+    block = sites.SiteAttention("gptj_rotation")
+    c = capture(block, *sites.site_inputs("gptj_rotation", torch.float32), dynamic=())
+    assert c.count(PASS) == 1, c.reasons(PASS)
+    assert "is_neox=False" in c.after and "is_neox=True" not in c.after, c.after
+
+
 @pytest.mark.parametrize("variant,dtype,why", [
-    ("gptj_rotation", torch.float32, "the cached key is not a RoPE output (transformers_neox"),
     ("partial_rotary", torch.float32, "the cached key is not a RoPE output (transformers_neox"),
     ("k_other_positions", torch.float32, "query and key are rotated with different cos/sin"),
     ("cos_fp32", torch.bfloat16, "RoPE mixes dtypes"),
 ])
 def test_does_not_fuse_transformers_variants(variant, dtype, why):
-    """Near-misses of transformers' attention that compute another function: GPT-J's rotation
-    on NeoX rows, partial rotary, a key at other positions, RoPE promoted to fp32."""
+    """Near-misses of transformers' attention that compute another function: partial rotary
+    (traced here without the slice's cat the partial forms expect), a key at other positions,
+    RoPE promoted to fp32."""
     sites = pytest.importorskip("transformers_sites")
     plain = sites.SiteAttention("plain").to(dtype)
     assert capture(plain, *sites.site_inputs("plain", dtype), dynamic=()).count(PASS) == 1  # the site itself fuses
