@@ -268,6 +268,12 @@ class RocmAttentionImpl:
     def _resolve(self, sig: tuple, op: str, x: torch.Tensor, kv_cache: torch.Tensor | None,
                  num_tokens: int, features=(), interleaved_v: bool | None = None):
         """Select the kernel of a new call signature (already validated) and cache it."""
+        if kv_cache is not None and is_fp8_dtype(kv_cache.dtype) != self.kv_cache_dtype.startswith("fp8"):
+            # an fp8 layer's scales would be ignored on a 16-bit cache, and an fp8 cache read
+            # with the scale of 1 an "auto" layer carries
+            raise ValueError(f"{op}: the layer is configured with kv_cache_dtype={self.kv_cache_dtype!r} but its "
+                             f"KV cache is {kv_cache.dtype}; an fp8 cache needs an fp8 kv_cache_dtype (with its "
+                             "k/v scales) and a 16-bit cache a 16-bit one ('auto', 'float16', 'bfloat16')")
         if interleaved_v is None:
             interleaved_v = self.interleaved_v
         _, fn = providers.select(op, device=x.device, head_size=self.head_size, dtype=x.dtype,

@@ -342,3 +342,20 @@ def test_fused_rope_layer_op_checks_query_rows_against_key_on_every_call():
                                          rf"key \(\({t}, {HKV}, {D}\)"):
         rope(big, positions)
     assert unchanged(before, big, s.layer.kv_cache)
+
+
+@pytest.mark.parametrize("kv_cache_dtype,cache_dtype", [("auto", torch.float8_e4m3fn), ("fp8", torch.float32)])
+def test_cache_dtype_must_agree_with_the_layers_kv_cache_dtype(kv_cache_dtype, cache_dtype):
+    """A cache assigned by hand whose fp8-ness disagrees with the layer's ``kv_cache_dtype``:
+    an fp8 layer's scales would be ignored on a 16/32-bit cache, and an fp8 cache read with an
+    "auto" layer's scale of 1. Refused at the first call, nothing written."""
+    layer = ira.Attention(H, D, num_kv_heads=HKV, layer_name=f"rel.dtype_{kv_cache_dtype}",
+                          kv_cache_dtype=kv_cache_dtype)
+    spec = ira.KVCacheSpec(BS, HKV, D, cache_dtype, ira.CacheLayout.LHBNC)
+    layer.kv_cache = ira.allocate_kv_cache(spec, NUM_BLOCKS)
+    before = snapshot(layer.kv_cache)
+    md = ira.build_attention_metadata([3], [0], [[0]], BS)
+    with pytest.raises(ValueError, match=rf"kv_cache_dtype='{kv_cache_dtype}' but its KV cache is "
+                                         rf"{str(cache_dtype)}"), ira.set_forward_context(md):
+        layer(*qkv(3, torch.Generator().manual_seed(0)))
+    assert unchanged(before, layer.kv_cache)
