@@ -273,7 +273,7 @@ class RocmAttentionImpl:
             # with the scale of 1 an "auto" layer carries
             raise ValueError(f"{op}: the layer is configured with kv_cache_dtype={self.kv_cache_dtype!r} but its "
                              f"KV cache is {kv_cache.dtype}; an fp8 cache needs an fp8 kv_cache_dtype (with its "
-                             "k/v scales) and a 16-bit cache a 16-bit one ('auto', 'float16', 'bfloat16')")
+                             "k/v scales) and any other cache a non-fp8 one ('auto', 'float16', 'bfloat16')")
         if interleaved_v is None:
             interleaved_v = self.interleaved_v
         _, fn = providers.select(op, device=x.device, head_size=self.head_size, dtype=x.dtype,
@@ -441,10 +441,12 @@ class RocmAttentionImpl:
         switched here, its cached data converted, before the first write.
         """
         self._cos_sin_writer("qk_norm_rope_cos_sin_and_cache", layer, query, key, value, cos, sin, is_neox,
-                             kv_cache, attn_metadata, (q_weight, k_weight, eps), gemma_norm)
+                             kv_cache, attn_metadata, (q_weight, k_weight, eps), (gemma_norm,))
 
     def _cos_sin_writer(self, op, layer, query, key, value, cos, sin, is_neox, kv_cache, attn_metadata,
-                        norm: tuple, gemma_norm: bool = False) -> None:
+                        norm: tuple, tail: tuple = ()) -> None:
+        """``norm``: the QK-norm writer's weights and eps (empty for the plain writer), ``tail``:
+        its arguments after ``interleaved_v``."""
         t = query.shape[0]
         write = attn_metadata is not None and self.uses_kv_cache
         name = f"rocm_attn.unified_{op.replace('_and_cache', '_and_kv_cache_update')}"
@@ -470,12 +472,8 @@ class RocmAttentionImpl:
                                              layer._buffers["_k_scale"], layer._buffers["_v_scale"])
             fn = self._resolve(sig, op, query, cache, t, ("partial_rotary",) if rot_dim < self.head_size else ())
         buffers = layer._buffers  # skips nn.Module.__getattr__
-        if gemma_norm:
-            fn(query, key, value, *norm, cos, sin, is_neox, kv_cache, slot_mapping, buffers["_k_scale"],
-               buffers["_v_scale"], self.interleaved_v and write, gemma_norm=True)
-        else:
-            fn(query, key, value, *norm, cos, sin, is_neox, kv_cache, slot_mapping, buffers["_k_scale"],
-               buffers["_v_scale"], self.interleaved_v and write)
+        fn(query, key, value, *norm, cos, sin, is_neox, kv_cache, slot_mapping, buffers["_k_scale"],
+           buffers["_v_scale"], self.interleaved_v and write, *tail)
 
     # --- attention -------------------------------------------------------------------------
 

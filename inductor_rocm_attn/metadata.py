@@ -13,12 +13,12 @@ index tensors back (``step_checks.check_step_metadata``).
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Sequence
 
 import torch
 
 from . import capabilities
+from .validation import is_int
 
 __all__ = ["AttentionMetadata", "MetadataBuffers", "PlanBounds", "build_attention_metadata"]
 
@@ -109,10 +109,6 @@ _OP = "build_attention_metadata"
 _MAX_BLOCK_ID = 2**31 - 1  # the block table is int32
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
 def _check_blocks(s: int, table: Sequence[int], used: int, num_blocks: int | None) -> int:
     """The largest of the first ``used`` block ids of sequence ``s`` (-1: none); each is a
     block id (>= 0) and, when ``num_blocks`` is given, inside the cache."""
@@ -123,7 +119,7 @@ def _check_blocks(s: int, table: Sequence[int], used: int, num_blocks: int | Non
         lo, hi = min(ids), max(ids)
         negative, too_large = lo < 0, hi > _MAX_BLOCK_ID
     except TypeError:  # the message names the entry; the fast path pays nothing for it
-        j = next((j for j, b in enumerate(ids) if not _is_int(b)), 0)
+        j = next((j for j, b in enumerate(ids) if not is_int(b)), 0)
         raise TypeError(f"{_OP}: block_tables[{s}][{j}] = {ids[j]!r} is not a block id (an int)") from None
     if negative:
         j = list(ids).index(lo)
@@ -143,7 +139,7 @@ def _host_plan(query_lens: Sequence[int], context_lens: Sequence[int],
                block_tables: Sequence[Sequence[int]], block_size: int,
                padding: Sequence[bool] | None = None, num_blocks: int | None = None):
     capabilities.check_block_size(block_size, _OP)
-    if num_blocks is not None and (not _is_int(num_blocks) or num_blocks <= 0):
+    if num_blocks is not None and (not is_int(num_blocks) or num_blocks <= 0):
         raise ValueError(f"{_OP}: num_blocks must be a positive int or None, got {num_blocks!r}")
     if not (len(query_lens) == len(context_lens) == len(block_tables)):
         raise ValueError(
@@ -156,7 +152,7 @@ def _host_plan(query_lens: Sequence[int], context_lens: Sequence[int],
     seq_lens, slots, positions = [], [], []
     max_block = -1
     for s, (ql, cl, bt) in enumerate(zip(query_lens, context_lens, block_tables)):
-        if not (_is_int(ql) and _is_int(cl)) or ql < 0 or cl < 0:
+        if not (is_int(ql) and is_int(cl)) or ql < 0 or cl < 0:
             raise ValueError(f"{_OP}: sequence {s} has query_len {ql!r}, context_len {cl!r}; both must be "
                              "ints >= 0")
         ql, cl = int(ql), int(cl)
@@ -252,7 +248,7 @@ def build_attention_metadata(
         query_lens, context_lens, block_tables, block_size, padding, num_blocks)
     n = len(slots)
     total = n if num_padded_tokens is None else num_padded_tokens
-    if not _is_int(total) or total < n:
+    if not is_int(total) or total < n:
         raise ValueError(f"{_OP}: num_padded_tokens must be an int >= the {n} real tokens, got {total!r}")
     total = int(total)
     if causal is not None and not isinstance(causal, bool):

@@ -293,7 +293,8 @@ _WRITERS_RUN1 = "benchmarks/results/history/2026-12-02_1602_writers_first_versio
 # (The aiter qk_norm_rope_and_cache row timed AITER's split+norm+rope kernel plus our cache
 # writer, a path the aiter provider no longer takes: kernels/aiter.py says why.)
 # On ROCm nothing is measured yet: REGISTRY order (aiter first when usable) stands there.
-_NATIVE_VS_TRITON = "benchmarks/results/history/2026-12-04_1734_native_straight_copies_memcheck_h200/native_20261204_173745.json"
+_NATIVE_VS_TRITON = ("benchmarks/results/history/2026-12-04_1734_native_straight_copies_memcheck_h200/"
+                     "native_20261204_173745.json")
 
 PREFERENCES: tuple[Preference, ...] = (
     # Native (csrc) against Triton on the H200 (bf16, 32/8 heads, d128, block 16): decode

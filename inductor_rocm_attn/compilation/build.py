@@ -25,7 +25,6 @@ from .dedup import (
     bind_alias,
     canonicalize_names,
     follow_interleaved_v,
-    SLOT_PREFIX,
     normalize_layer_names,
     slot_alias,
     structure_key,
@@ -181,10 +180,10 @@ def plan_args(runner: "PiecewiseRunner", example_inputs: list) -> list:
 def serve_layers(records: list, member_slots: list[list]) -> None:
     """Fill in ``serves`` of a shared piece's fusion records: slot alias ``j`` stands for
     slot ``j``'s layer in every member piece (``member_slots``: each member's layers by slot)."""
+    serves = {slot_alias(j): tuple(slots[j].layer_name for slots in member_slots)
+              for j in range(len(member_slots[0]))}
     for record in records:
-        if record.layer_name.startswith(SLOT_PREFIX):
-            j = int(record.layer_name[len(SLOT_PREFIX):].rstrip("_"))
-            record.serves = tuple(slots[j].layer_name for slots in member_slots if j < len(slots))
+        record.serves = serves.get(record.layer_name, record.serves)
 
 
 def build(runner: "PiecewiseRunner", gm: torch.fx.GraphModule, example_inputs: list,

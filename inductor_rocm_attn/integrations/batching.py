@@ -140,7 +140,10 @@ def generate(runner, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_to
     blocks = _num_cache_blocks(runner) if num_blocks is None else num_blocks
     if on_step is not None and not callable(on_step):
         raise TypeError(f"generate: on_step must be callable or None, got {type(on_step).__name__}")
-    waiting = [_Seq(i, ids, len(ids)) for i, ids in ((i, _prompt_ids(i, p)) for i, p in enumerate(prompts))]
+    waiting = []
+    for i, p in enumerate(prompts):
+        ids = _prompt_ids(i, p)
+        waiting.append(_Seq(i, ids, len(ids)))
     if any(s.prompt_len == 0 for s in waiting):
         raise ValueError("generate: empty prompt")
     vocab = vocab_size_of(getattr(runner, "model", None))

@@ -153,7 +153,8 @@ class EagerRunner:
         t0 = time.perf_counter()
         n = metadata.positions.shape[0]
         if input_ids.dim() != 1 or input_ids.shape[0] != n:  # the model's own error names neither
-            raise ValueError(f"EagerRunner: input_ids {tuple(input_ids.shape)} for a step of {n} tokens: expected [{n}]")
+            raise ValueError(f"EagerRunner: input_ids {tuple(input_ids.shape)} for a step of {n} tokens: "
+                             f"expected [{n}]")
         check_token_ids("EagerRunner", input_ids, self.vocab_size)
         with set_forward_context(metadata, layers=self.layers):
             out = self.forward(input_ids.to(self.device), metadata.positions)

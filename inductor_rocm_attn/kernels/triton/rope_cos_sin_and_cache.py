@@ -12,8 +12,8 @@ tokens as the two rotation halves (``rotary_embedding._half_cols``: NeoX halves 
 pairs) plus, under partial rotary, the channels past ``rot_dim``; with ``NORM`` it first
 normalizes the head (fp32 statistics, the normalized value rounded to the model dtype as
 transformers' ``.to(input_dtype)`` does, then times the weight; with ``GEMMA_NORM`` as
-Gemma's RMSNorm: the normalized value times ``1 + weight`` in fp32, then rounded). It rotates with the cos/sin
-of each half's own channels (``o1 = x1 cos1 - x2 sin1``, ``o2 = x2 cos2 + x1 sin2``),
+Gemma's RMSNorm: the normalized value times ``1 + weight`` in fp32, then rounded). It
+rotates with the cos/sin of each half's own channels (``o1 = x1 cos1 - x2 sin1``, ``o2 = x2 cos2 + x1 sin2``),
 rounds once to the model dtype and stores in place. Key programs also scatter the key and
 the value into the paged cache (layouts and interleaved V as in ``reshape_and_cache``) when
 ``WRITE_CACHE``.
@@ -180,7 +180,8 @@ def launch(query, key, value, cos, sin, is_neox, kv_cache, slot_mapping, k_scale
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         cache.stride(0) if write_cache else 0, cache.stride(1) if write_cache else 0,
         NUM_Q_HEADS=num_q_heads, HEAD_SIZE=head_size, ROT_HALF=rot_half, IS_NEOX=bool(is_neox),
-        NORM=norm, GEMMA_NORM=bool(norm and gemma_norm), WRITE_CACHE=write_cache, INTERLEAVED_V=bool(interleaved_v), BLOCK_T=block_t,
+        NORM=norm, GEMMA_NORM=bool(norm and gemma_norm), WRITE_CACHE=write_cache,
+        INTERLEAVED_V=bool(interleaved_v), BLOCK_T=block_t,
         BLOCK_R=triton.next_power_of_2(rot_half),
         BLOCK_P=triton.next_power_of_2(max(1, head_size - 2 * rot_half)),
         BLOCK_D=triton.next_power_of_2(head_size),
