@@ -342,3 +342,37 @@ def test_generate_arguments_are_checked_before_the_first_step(kw, exc, match):
     args.update(kw)
     with pytest.raises(exc, match=rf"generate: {match}"):
         generate(_NoStepRunner(), args.pop("prompts"), args.pop("max_new_tokens"), **args)
+
+
+class _BlockCheckingRunner(_NoStepRunner):
+    """Runs steps (logits favour token 7) and checks that no block serves two sequences."""
+
+    def prepare(self, query_lens, context_lens, block_tables):
+        used = [b for table in block_tables for b in table]
+        assert len(used) == len(set(used)), f"a block serves two sequences: {block_tables}"
+        self.peak = max(getattr(self, "peak", 0), len(used))
+        return sum(query_lens)
+
+    def replays_whole_step(self, md):
+        return False
+
+    device = torch.device("cpu")
+
+    def __call__(self, ids, num_tokens):
+        logits = torch.zeros(num_tokens, 11)
+        logits[:, 7] = 1.0
+        return logits
+
+
+def test_generate_admits_a_prompt_only_when_its_blocks_fit():
+    """5 prompts of 40 tokens with 16 new ones each hold 4 blocks of 16 at their longest; the
+    runner has 8 blocks. Every prompt was admitted at once and the third one's allocation
+    raised MemoryError mid-generation, after steps had run; now at most two run at a time and
+    the others wait for their blocks."""
+    from inductor_rocm_attn.integrations.batching import generate
+
+    runner = _BlockCheckingRunner()
+    result = generate(runner, [[3] * 40 for _ in range(5)], max_new_tokens=16)
+    assert result.tokens == [[7] * 16] * 5
+    assert runner.peak <= 8
+    assert max(step.num_seqs for step in result.steps) == 2

@@ -12,7 +12,9 @@ fills the rest of the step's token budget with prompt chunks (whole prompts, or 
 chunk of a long one on top of its cached part), so prefill and decode share steps until
 every prompt is in; then decode-only steps follow, which a runner with whole-step graphs
 replays as one graph each. Blocks come from a ``BlockAllocator`` over the layers' caches and
-are freed when a sequence has its ``max_new_tokens``.
+are freed when a sequence has its ``max_new_tokens``. A prompt is admitted only when the
+blocks it will hold at its longest fit beside those of the running sequences, so the cache
+never runs out mid-generation; prompts wait, in order, until enough blocks are freed.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class _Seq:
     tokens: list[int]  # prompt, then generated tokens
     prompt_len: int
     cached: int = 0  # tokens already in the cache
+    blocks: int = 0  # cache blocks it holds at its longest (prompt + max_new_tokens - 1 tokens)
 
     @property
     def prefilling(self) -> bool:
@@ -159,7 +162,8 @@ def generate(runner, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_to
             raise ValueError(f"generate: prompt {s.rid} ({s.prompt_len} tokens) with max_new_tokens "
                              f"{max_new_tokens} reaches {need} cached tokens, above the runner's max_model_len "
                              f"{max_len}")
-        if -(-need // runner.block_size) > blocks:
+        s.blocks = -(-need // runner.block_size)
+        if s.blocks > blocks:
             raise ValueError(f"generate: prompt {s.rid} ({s.prompt_len} tokens) with max_new_tokens "
                              f"{max_new_tokens} reaches {need} cached tokens, more than {blocks} blocks of "
                              f"{runner.block_size} hold")
@@ -168,6 +172,7 @@ def generate(runner, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_to
     out: list[list[int]] = [[] for _ in prompts]
     logits_out: list[list[torch.Tensor]] | None = [[] for _ in prompts] if return_logits else None
     running: list[_Seq] = []
+    reserved = 0  # blocks the running sequences will hold at their longest
     steps: list[StepRecord] = []
     t_start = time.perf_counter()
     while running or waiting:
@@ -179,8 +184,15 @@ def generate(runner, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_to
                 n = min(s.prompt_len - s.cached, room)
                 chunks.append((s, n))
                 room -= n
+        # Admission control: a prompt is admitted only when the blocks it will ever hold
+        # (prompt and every new token) fit beside those the running sequences will hold, so a
+        # running sequence never finds the cache full. First come, first served: a prompt
+        # that does not fit yet waits, and so do the prompts behind it.
         while waiting and room > 0 and len(chunks) < max_seqs:
+            if reserved + waiting[-1].blocks > blocks:
+                break
             s = waiting.pop()
+            reserved += s.blocks
             running.append(s)
             n = min(s.prompt_len, room)
             chunks.append((s, n))
@@ -209,6 +221,7 @@ def generate(runner, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_to
         finished = [s for _, s in done if len(out[s.rid]) >= max_new_tokens]
         for s in finished:
             alloc.free(s.rid)
+            reserved -= s.blocks
             running.remove(s)
         record = StepRecord(len(steps), len(chunks), sum(qlens), num_decodes, whole, time.perf_counter() - t0)
         steps.append(record)
