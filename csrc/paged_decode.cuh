@@ -229,11 +229,20 @@ RA_DEVICE void tile_loop(const DecodeParams& p, const DecodeCta& c, unsigned cha
   auto block_of = [&](int k) -> int64_t {
     return ra_load_index(p.block_table, bt_row + c.tile_start(k) / p.block_size, p.block_table_is64);
   };
-  for (int s = 0; s < stages - 1; ++s) {
-    if (s < c.n_my) issue_tile<CK, D, MMA>(p, c, ring + s * 2 * tile_bytes, tile_bytes, c.tile_start(s), block_of(s));
-    ra_copy_commit();
+  // The prologue's block ids are read together, before the first copy: each copy's address
+  // needs its id, and read one before each copy they cost a global round trip apiece (on a
+  // small grid a warp's whole key range is these few tiles).
+  int64_t first[4];
+#pragma unroll
+  for (int s = 0; s < 4; ++s) first[s] = s < stages && s < c.n_my ? block_of(s) : 0;
+#pragma unroll
+  for (int s = 0; s < 3; ++s) {
+    if (s < stages - 1) {
+      if (s < c.n_my) issue_tile<CK, D, MMA>(p, c, ring + s * 2 * tile_bytes, tile_bytes, c.tile_start(s), first[s]);
+      ra_copy_commit();
+    }
   }
-  int64_t next_blk = stages - 1 < c.n_my ? block_of(stages - 1) : 0;
+  int64_t next_blk = stages == 2 ? first[1] : stages == 3 ? first[2] : first[3];
   for (int k = 0; k < c.n_my; ++k) {
     const int kk = k + stages - 1;
     if (kk < c.n_my)
@@ -479,26 +488,38 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(256) paged_decode_kernel(DecodeParams p, DecodeR
   merge_and_store<D, GT>(p, c, m_acc, m_max, m_sum, K::kFp8 ? p.v_scale[0] * rt.v_factor : 1.0f);
 }
 
-// Merge the splits of one (sequence, head): grid (num_seqs, num_heads), one thread a channel.
+// Merge the splits of one (sequence, head): grid (num_seqs, num_heads), one thread a channel,
+// dynamic shared memory 2 * num_splits floats. The splits' (max, sum) rows are read once, in
+// parallel, into shared memory; then each thread sums its channel over the splits with the
+// loads unrolled, so several are in flight (a loop of one dependent L2 read per split, as
+// before, waited a round trip per split: 32-64 splits on small grids).
 RA_GLOBAL void paged_decode_reduce_kernel(DecodeParams p, float v_factor, int is_fp8) {
   const int seq = static_cast<int>(ra_bid_x());
   const int head = static_cast<int>(ra_bid_y());
   const int64_t q_row = ra_load_index(p.query_start_loc, seq, p.query_start_loc_is64);
   if (ra_load_index(p.query_start_loc, seq + 1, p.query_start_loc_is64) - q_row != 1) return;
+  RA_DYNAMIC_SMEM(smem);
+  float* s_max = reinterpret_cast<float*>(smem);  // [num_splits]
+  float* s_sum = s_max + p.num_splits;            // [num_splits]
+  const int tid = static_cast<int>(ra_tid()), nt = static_cast<int>(ra_ntid());
   const int64_t row0 = (static_cast<int64_t>(seq) * p.num_heads + head) * p.num_splits;
-  float mx = RA_NEG_INF;
-  for (int s = 0; s < p.num_splits; ++s) {
-    const float m = p.part_ml[(row0 + s) * 2];
-    mx = mx > m ? mx : m;
+  for (int s = tid; s < p.num_splits; s += nt) {
+    s_max[s] = p.part_ml[(row0 + s) * 2];
+    s_sum[s] = p.part_ml[(row0 + s) * 2 + 1];
   }
+  ra_syncthreads();
+  float mx = RA_NEG_INF;
+  for (int s = 0; s < p.num_splits; ++s) mx = mx > s_max[s] ? mx : s_max[s];
   const float v_mul = is_fp8 ? p.v_scale[0] * v_factor : 1.0f;
-  for (int d = static_cast<int>(ra_tid()); d < p.head_size; d += static_cast<int>(ra_ntid())) {
+  for (int d = tid; d < p.head_size; d += nt) {
     float a = 0.0f, l = 0.0f;
     if (mx != RA_NEG_INF) {
+      const float* acc = p.part_acc + row0 * p.head_size + d;
+#pragma unroll 8
       for (int s = 0; s < p.num_splits; ++s) {
-        const float f = ra_exp2(p.part_ml[(row0 + s) * 2] - mx);
-        a += f * p.part_acc[(row0 + s) * p.head_size + d];
-        l += f * p.part_ml[(row0 + s) * 2 + 1];
+        const float f = ra_exp2(s_max[s] - mx);  // an empty split (max -inf) weighs 0
+        a += f * acc[static_cast<int64_t>(s) * p.head_size];
+        l += f * s_sum[s];
       }
     }
     const float o = ra_finish(a, mx, l, p.sinks, head, v_mul);

@@ -236,12 +236,12 @@ def test_bf16_every_layer_fused(runs, arch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gpt_oss_all_experts", "gpt_neox", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gpt_oss_all_experts", "gpt_neox", "gemma3", "cohere"])
 def test_compiled_generate_on_gpu_every_layer_fused(arch):
     """The same on the GPU in bf16 (the Triton writers inside the compiled graphs), for each
     RoPE form: full rotary with and without QK-norm, partial rotary, GPT-OSS's halves (with its
     sinks and sliding window; every expert routed, see the module docstring), and GPT-NeoX's
-    heads-first q/k."""
+    heads-first q/k, and Cohere's interleaved GPT-J pairs."""
     run = Run(arch, torch.bfloat16, "cuda")
     errs = [_rel(a, b) for a, b in zip(run.got.logits, run.forced)]
     assert len(errs) == NEW_TOKENS and max(errs) < 3e-2, errs
