@@ -56,8 +56,8 @@ int launch_decode(const DecodeParams& p, const DecodeConfig& cfg, const DecodeRu
   if (const char* e = ra_launch_error()) return fail("paged_decode: launch failed: %s", e);
   if (p.num_splits > 1) {
     const ra_grid rgrid = {static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.num_heads), 1u};
-    ra_launch(&paged_decode_reduce_kernel, rgrid, static_cast<unsigned>(D),
-              static_cast<size_t>(2 * p.num_splits) * sizeof(float), stream, p, rt.v_factor,
+    ra_launch(&paged_decode_reduce_kernel, rgrid, static_cast<unsigned>(kReduceThreads),
+              static_cast<size_t>(reduce_smem_bytes(p.num_splits, D)), stream, p, rt.v_factor,
               static_cast<int>(K::kFp8));
     if (const char* e = ra_launch_error()) return fail("paged_decode: reduce launch failed: %s", e);
   }

@@ -100,6 +100,7 @@ RA_DEVICE float ra_finish(float acc, float m, float l, const float* sinks, int h
 // this thread's warp. `active` is false for a sequence whose query_len is not 1.
 struct DecodeCta {
   int lane, warp, num_warps, seq, kv_head, split, seq_len, q_pos, lo, hi, t_begin, t_end, nh, head_base, n_my;
+  int bs_shift;  // log2(block_size) for power-of-two block sizes (the supported 16 and 32), else -1
   int64_t q_row;
   bool active;
 
@@ -113,6 +114,7 @@ struct DecodeCta {
     kv_head = static_cast<int>(ra_bid_y()) / rt.head_chunks;
     const int chunk = static_cast<int>(ra_bid_y()) % rt.head_chunks;
     split = static_cast<int>(ra_bid_z());
+    bs_shift = (p.block_size & (p.block_size - 1)) == 0 ? ra_log2_pow2(p.block_size) : -1;
     q_row = ra_load_index(p.query_start_loc, seq, p.query_start_loc_is64);
     active = ra_load_index(p.query_start_loc, seq + 1, p.query_start_loc_is64) - q_row == 1;
     seq_len = active ? static_cast<int>(ra_load_index(p.seq_lens, seq, p.seq_lens_is64)) : 0;
@@ -134,6 +136,11 @@ struct DecodeCta {
     n_my = t_begin + warp < t_end ? (t_end - t_begin - warp + num_warps - 1) / num_warps : 0;
   }
   RA_DEVICE int tile_start(int k) const { return (t_begin + warp + k * num_warps) * kTile; }
+  // Block-table column and offset in the block of key position t: a shift and a mask for
+  // power-of-two block sizes (an integer division by a runtime value costs ~20 instructions,
+  // and the tile loop needs both on every tile).
+  RA_DEVICE int block_col(int t, int bs) const { return bs_shift >= 0 ? t >> bs_shift : t / bs; }
+  RA_DEVICE int block_off(int t, int bs) const { return bs_shift >= 0 ? t & (bs - 1) : t % bs; }
 };
 
 // Position (in 16-byte packets) of K packet c of token t in a tile, for the CUDA-core
@@ -176,7 +183,7 @@ RA_DEVICE void issue_tile(const DecodeParams& p, const DecodeCta& c, unsigned ch
   constexpr int PPC = kTile / X;  // V packets per channel of a tile
   static_assert((kTile * NCP) % W == 0 && (D * PPC) % W == 0, "tile copies");
   const int bs = p.block_size;
-  const int off = ts % bs;
+  const int off = c.block_off(ts, bs);
   const int64_t page = (blk * p.cache_block_stride + static_cast<int64_t>(c.kv_head) * D * bs) * ESZ;
   const unsigned char* k_src = static_cast<const unsigned char*>(p.k_cache) + page;
   const unsigned char* v_src = static_cast<const unsigned char*>(p.v_cache) + page;
@@ -227,7 +234,7 @@ RA_DEVICE void tile_loop(const DecodeParams& p, const DecodeCta& c, unsigned cha
                          F&& compute) {
   const int64_t bt_row = static_cast<int64_t>(c.seq) * p.block_table_stride;
   auto block_of = [&](int k) -> int64_t {
-    return ra_load_index(p.block_table, bt_row + c.tile_start(k) / p.block_size, p.block_table_is64);
+    return ra_load_index(p.block_table, bt_row + c.block_col(c.tile_start(k), p.block_size), p.block_table_is64);
   };
   // The prologue's block ids are read together, before the first copy: each copy's address
   // needs its id, and read one before each copy they cost a global round trip apiece (on a
@@ -243,16 +250,21 @@ RA_DEVICE void tile_loop(const DecodeParams& p, const DecodeCta& c, unsigned cha
     }
   }
   int64_t next_blk = stages == 2 ? first[1] : stages == 3 ? first[2] : first[3];
+  // Ring slots of tile k and of tile k + stages - 1, advanced by a compare (stages is a
+  // runtime value: k % stages would be an integer division per tile).
+  int slot_k = 0, slot_kk = stages - 1;
   for (int k = 0; k < c.n_my; ++k) {
     const int kk = k + stages - 1;
     if (kk < c.n_my)
-      issue_tile<CK, D, MMA>(p, c, ring + (kk % stages) * 2 * tile_bytes, tile_bytes, c.tile_start(kk), next_blk);
+      issue_tile<CK, D, MMA>(p, c, ring + slot_kk * 2 * tile_bytes, tile_bytes, c.tile_start(kk), next_blk);
     ra_copy_commit();
     next_blk = kk + 1 < c.n_my ? block_of(kk + 1) : 0;  // used next iteration
     ra_copy_wait(stages - 1);
     ra_syncwarp();
-    compute(ring + (k % stages) * 2 * tile_bytes, c.tile_start(k));
+    compute(ring + slot_k * 2 * tile_bytes, c.tile_start(k));
     ra_syncwarp();  // the next iteration's copies overwrite this slot
+    slot_k = slot_k + 1 == stages ? 0 : slot_k + 1;
+    slot_kk = slot_kk + 1 == stages ? 0 : slot_kk + 1;
   }
 }
 
@@ -488,41 +500,72 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(256) paged_decode_kernel(DecodeParams p, DecodeR
   merge_and_store<D, GT>(p, c, m_acc, m_max, m_sum, K::kFp8 ? p.v_scale[0] * rt.v_factor : 1.0f);
 }
 
-// Merge the splits of one (sequence, head): grid (num_seqs, num_heads), one thread a channel,
-// dynamic shared memory 2 * num_splits floats. The splits' (max, sum) rows are read once, in
-// parallel, into shared memory; then each thread sums its channel over the splits with the
-// loads unrolled, so several are in flight (a loop of one dependent L2 read per split, as
-// before, waited a round trip per split: 32-64 splits on small grids).
+// Threads of the split reduction, and its dynamic shared memory (bytes).
+constexpr int kReduceThreads = 256;
+RA_HOST_DEVICE int reduce_smem_bytes(int num_splits, int head_size) {
+  const int groups = kReduceThreads / (head_size / 4);
+  return (2 * num_splits + groups * head_size + groups + kReduceThreads / 32) * 4;
+}
+
+// Merge the splits of one (sequence, head): grid (num_seqs, num_heads), kReduceThreads
+// threads. Everything is laid out so that few global reads wait on one another (a small grid
+// has 32-64 splits, and a loop of dependent reads over them waited an L2 round trip each):
+//   1. the splits' (max, sum) rows are read in parallel, into shared memory, with a block max;
+//   2. thread (q, grp) sums channels 4q .. 4q + 3 over splits grp, grp + G, ... (G groups);
+//   3. the G partial sums of each channel are added and the output stored.
 RA_GLOBAL void paged_decode_reduce_kernel(DecodeParams p, float v_factor, int is_fp8) {
   const int seq = static_cast<int>(ra_bid_x());
   const int head = static_cast<int>(ra_bid_y());
   const int64_t q_row = ra_load_index(p.query_start_loc, seq, p.query_start_loc_is64);
   if (ra_load_index(p.query_start_loc, seq + 1, p.query_start_loc_is64) - q_row != 1) return;
-  RA_DYNAMIC_SMEM(smem);
-  float* s_max = reinterpret_cast<float*>(smem);  // [num_splits]
-  float* s_sum = s_max + p.num_splits;            // [num_splits]
+  const int D = p.head_size, S = p.num_splits;
   const int tid = static_cast<int>(ra_tid()), nt = static_cast<int>(ra_ntid());
-  const int64_t row0 = (static_cast<int64_t>(seq) * p.num_heads + head) * p.num_splits;
-  for (int s = tid; s < p.num_splits; s += nt) {
-    s_max[s] = p.part_ml[(row0 + s) * 2];
-    s_sum[s] = p.part_ml[(row0 + s) * 2 + 1];
-  }
-  ra_syncthreads();
+  const int nq = D / 4, q = tid % nq, grp = tid / nq, G = nt / nq;
+  RA_DYNAMIC_SMEM(smem);
+  float* s_max = reinterpret_cast<float*>(smem);  // [S]
+  float* s_sum = s_max + S;                       // [S]
+  float* part = s_sum + S;                        // [G][D] per-group channel sums
+  float* part_l = part + G * D;                   // [G]
+  float* warp_max = part_l + G;                   // [nt / warp]
+  const int64_t row0 = (static_cast<int64_t>(seq) * p.num_heads + head) * S;
   float mx = RA_NEG_INF;
-  for (int s = 0; s < p.num_splits; ++s) mx = mx > s_max[s] ? mx : s_max[s];
-  const float v_mul = is_fp8 ? p.v_scale[0] * v_factor : 1.0f;
-  for (int d = tid; d < p.head_size; d += nt) {
-    float a = 0.0f, l = 0.0f;
-    if (mx != RA_NEG_INF) {
-      const float* acc = p.part_acc + row0 * p.head_size + d;
-#pragma unroll 8
-      for (int s = 0; s < p.num_splits; ++s) {
-        const float f = ra_exp2(s_max[s] - mx);  // an empty split (max -inf) weighs 0
-        a += f * acc[static_cast<int64_t>(s) * p.head_size];
-        l += f * s_sum[s];
-      }
+  for (int s = tid; s < S; s += nt) {
+    const float m = p.part_ml[(row0 + s) * 2];
+    s_max[s] = m;
+    s_sum[s] = p.part_ml[(row0 + s) * 2 + 1];
+    mx = mx > m ? mx : m;
+  }
+#pragma unroll
+  for (int m = RA_WARP_SIZE / 2; m >= 1; m /= 2) {
+    const float o = ra_shfl_xor(mx, m);
+    mx = mx > o ? mx : o;
+  }
+  if (tid % RA_WARP_SIZE == 0) warp_max[tid / RA_WARP_SIZE] = mx;
+  ra_syncthreads();
+  for (int w = 0; w < nt / RA_WARP_SIZE; ++w) mx = mx > warp_max[w] ? mx : warp_max[w];
+  float a[4] = {0.0f, 0.0f, 0.0f, 0.0f}, l = 0.0f;
+  if (mx != RA_NEG_INF) {
+#pragma unroll 4
+    for (int s = grp; s < S; s += G) {
+      const float f = ra_exp2(s_max[s] - mx);  // an empty split (max -inf) weighs 0
+      const float* row = p.part_acc + (row0 + s) * D + 4 * q;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] += f * row[i];
+      l += f * s_sum[s];
     }
-    const float o = ra_finish(a, mx, l, p.sinks, head, v_mul);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) part[grp * D + 4 * q + i] = a[i];
+  if (q == 0) part_l[grp] = l;
+  ra_syncthreads();
+  const float v_mul = is_fp8 ? p.v_scale[0] * v_factor : 1.0f;
+  for (int d = tid; d < D; d += nt) {
+    float ad = 0.0f, ld = 0.0f;
+    for (int g = 0; g < G; ++g) {
+      ad += part[g * D + d];
+      ld += part_l[g];
+    }
+    const float o = ra_finish(ad, mx, ld, p.sinks, head, v_mul);
     ra_store_model(p.out, q_row * p.out_stride_t + static_cast<int64_t>(head) * p.out_stride_h + d, o,
                    p.model_dtype);
   }

@@ -148,6 +148,13 @@ RA_DEVICE float ra_exp2(float x) { return exp2f(x); }
 RA_DEVICE float ra_tanh(float x) { return tanhf(x); }
 #endif
 constexpr float RA_LOG2E = 1.4426950408889634f;
+
+// log2 of a power of two (> 0).
+#if defined(RA_EMULATE)
+RA_DEVICE int ra_log2_pow2(int x) { return __builtin_ctz(static_cast<unsigned>(x)); }
+#else
+RA_DEVICE int ra_log2_pow2(int x) { return __ffs(x) - 1; }
+#endif
 #define RA_NEG_INF (-__builtin_huge_valf())
 
 // ---- 16-bit floats -------------------------------------------------------------------------
