@@ -342,11 +342,17 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(256) paged_decode_kernel(DecodeParams p, DecodeR
   const int r = lane % NCR;
   const int sub = lane / NCR;
   float q[GT][8];
+  {
+    // Heads past nh (a partial head chunk) read head 0's row and are zeroed after.
+    const int64_t base = c.q_row * p.q_stride_t + static_cast<int64_t>(c.head_base) * p.q_stride_h + r * 8;
+    float qv[GT * 8];
+    ra_load_model_all(p.query, p.model_dtype, qv, [&](int i) {
+      return base + static_cast<int64_t>(i / 8 < c.nh ? i / 8 : 0) * p.q_stride_h + i % 8;
+    });
 #pragma unroll
-  for (int h = 0; h < GT; ++h) {
-    const int64_t base = c.q_row * p.q_stride_t + static_cast<int64_t>(c.head_base + h) * p.q_stride_h + r * 8;
+    for (int h = 0; h < GT; ++h)
 #pragma unroll
-    for (int j = 0; j < 8; ++j) q[h][j] = h < c.nh ? ra_load_model(p.query, base + j, p.model_dtype) * q_mul : 0.0f;
+      for (int j = 0; j < 8; ++j) q[h][j] = h < c.nh ? qv[h * 8 + j] * q_mul : 0.0f;
   }
 
   // Softmax-phase state: token st of the tile, heads hg + HG * jh.

@@ -52,16 +52,19 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(256) paged_decode_mma_kernel(DecodeParams p, Dec
   // Q as A fragments: row g, channels ks*16 + 2t (+1) and + 8; rows g + 8 are zero.
   const bool real = g < c.nh;
   uint32_t qa[KS][2];
+  {
+    // Value i: k-step i / 4, half (i / 2) % 2, element i % 2. Rows past nh read row 0 and
+    // are zeroed after.
+    const int64_t base = c.q_row * p.q_stride_t + static_cast<int64_t>(c.head_base + (real ? g : 0)) * p.q_stride_h +
+                         2 * t4;
+    float qv[KS * 4];
+    ra_load_model_all(p.query, p.model_dtype, qv,
+                      [&](int i) { return base + (i / 4) * 16 + ((i / 2) % 2) * 8 + i % 2; });
 #pragma unroll
-  for (int ks = 0; ks < KS; ++ks) {
+    for (int ks = 0; ks < KS; ++ks)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t i = c.q_row * p.q_stride_t + static_cast<int64_t>(c.head_base + g) * p.q_stride_h +
-                        ks * 16 + h * 8 + 2 * t4;
-      const float x0 = real ? ra_load_model(p.query, i, p.model_dtype) : 0.0f;
-      const float x1 = real ? ra_load_model(p.query, i + 1, p.model_dtype) : 0.0f;
-      qa[ks][h] = ra_pack2<BF16>(x0, x1);
-    }
+      for (int h = 0; h < 2; ++h)
+        qa[ks][h] = real ? ra_pack2<BF16>(qv[ks * 4 + h * 2], qv[ks * 4 + h * 2 + 1]) : 0u;
   }
   const bool softcap = p.logits_soft_cap > 0.0f;
   const float k_mul = K::kFp8 ? p.k_scale[0] * rt.k_factor : 1.0f;

@@ -290,6 +290,26 @@ RA_DEVICE float ra_load_model(const void* p, int64_t i, int dtype) {
   return static_cast<const float*>(p)[i];
 }
 
+// N values x[index(0)], .. x[index(N - 1)] of the model dtype as floats, with the dtype branch
+// around all the loads: a branch per load (ra_load_model) kept the compiler from issuing them
+// together, and each waited a global round trip for the one before (Nsight Compute, the
+// decode's 32 query loads a lane: about 8 round trips before the first tile).
+template <int N, typename Index>
+RA_DEVICE void ra_load_model_all(const void* x, int dtype, float (&v)[N], Index index) {
+  using rocm_attn_native::DType;
+  if (dtype == static_cast<int>(DType::kBFloat16) || dtype == static_cast<int>(DType::kFloat16)) {
+    uint16_t r[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) r[i] = static_cast<const uint16_t*>(x)[index(i)];
+    const bool bf16 = dtype == static_cast<int>(DType::kBFloat16);
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = bf16 ? ra_bf16_to_float(r[i]) : ra_fp16_to_float(r[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = static_cast<const float*>(x)[index(i)];
+  }
+}
+
 RA_DEVICE void ra_store_model(void* p, int64_t i, float v, int dtype) {
   using rocm_attn_native::DType;
   if (dtype == static_cast<int>(DType::kBFloat16)) static_cast<uint16_t*>(p)[i] = ra_float_to_bf16(v);
