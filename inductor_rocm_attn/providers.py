@@ -293,13 +293,13 @@ _WRITERS_RUN1 = "benchmarks/results/history/2026-12-02_1602_writers_first_versio
 # (The aiter qk_norm_rope_and_cache row timed AITER's split+norm+rope kernel plus our cache
 # writer, a path the aiter provider no longer takes: kernels/aiter.py says why.)
 # On ROCm nothing is measured yet: REGISTRY order (aiter first when usable) stands there.
-_NATIVE_VS_TRITON = ("benchmarks/results/history/2026-12-04_1734_native_straight_copies_memcheck_h200/"
-                     "native_20261204_173745.json")
+_NATIVE_VS_TRITON = ("benchmarks/results/history/2026-12-04_2011_native_query_loads_memcheck_h200/"
+                     "native_20261204_201443.json")
 
 PREFERENCES: tuple[Preference, ...] = (
     # Native (csrc) against Triton on the H200 (bf16, 32/8 heads, d128, block 16): decode
-    # 1.02-1.62x Triton's time at every B in {1, 16, 64, 128} x L in {1024, 4096, 16384}; the
-    # cache writer 1.24-1.44x at T = 1 / 256 / 16384. Triton first for both.
+    # 1.02-1.30x Triton's time at every B in {1, 16, 64, 128} x L in {1024, 4096, 16384}; the
+    # cache writer 1.2-1.4x at T = 1 / 256 / 16384. Triton first for both.
     Preference("cuda", "paged_attention", ("triton",), evidence=_NATIVE_VS_TRITON),
     Preference("cuda", "reshape_and_cache", ("triton",), evidence=_NATIVE_VS_TRITON),
     # Ours is faster at every measured size.
