@@ -20,7 +20,7 @@ How it joins transformers (tested with 5.17.0), through registration points only
 - Planning: a forward pre-hook on the model's decoder (installed by ``PagedCache``, a
   no-op for any other cache) reads ``input_ids``/``attention_mask``/``position_ids``,
   builds the step's metadata and enters the forward context with the cache's own layer
-  table; a forward hook leaves it. Left padding (``generate`` pads ragged prompts) becomes
+  table; a forward hook leaves it (and, when the forward raised, forgets the step's tokens). Left padding (``generate`` pads ragged prompts) becomes
   padding sequences that write nothing (slot -1) and that no real token attends to.
 
 Positions are tied to the metadata: ``position_ids`` that disagree with a row's cached
@@ -294,6 +294,7 @@ class PagedCache(Cache):
         self._step = None  # the active step's forward context
         self._step_from_hook = False
         self.last_metadata: AttentionMetadata | None = None
+        self._before_step = ([], 0, None)  # (row lengths, tokens seen, metadata) before the step
         _install_hooks(decoder)
 
     # --- what transformers asks a cache ---
@@ -376,12 +377,12 @@ class PagedCache(Cache):
             raise ValueError(f"PagedCache.begin_step: input_ids must be [batch, new tokens] (inputs_embeds "
                              f"[batch, new tokens, hidden]), got {tuple(x.shape)}")
         b, t = x.shape[0], x.shape[1]
-        new_batch = not self._lengths
-        if new_batch:
-            self._lengths = [0] * b
-        elif len(self._lengths) != b:
+        if self._lengths and len(self._lengths) != b:
             raise ValueError(f"PagedCache: batch of {b} rows for a cache holding {len(self._lengths)} rows; "
                              "use a new PagedCache (or reset()) for a new batch")
+        self._before_step = (list(self._lengths), self._seen, self.last_metadata)
+        if not self._lengths:
+            self._lengths = [0] * b
         try:
             real, first, count = self._new_tokens(b, t, attention_mask)
             ctx = torch.tensor(self._lengths, dtype=torch.int64)
@@ -389,8 +390,7 @@ class PagedCache(Cache):
             inject = self._check_positions(position_ids, real, expected, b, t, attention_mask)
             md = self._plan(b, t, first.tolist(), count.tolist())
         except BaseException:
-            if new_batch:  # a rejected first step: the cache holds no batch yet
-                self._lengths = []
+            self._undo_step()  # a rejected first step leaves the cache without a batch
             raise
         self._seen += t
         self.last_metadata = md
@@ -398,10 +398,25 @@ class PagedCache(Cache):
         self._step.__enter__()
         return inject
 
-    def end_step(self) -> None:
+    def end_step(self, *, discard: bool = False) -> None:
+        """Leave the step's forward context. ``discard=True`` (its forward raised): the step's
+        tokens are forgotten, each row keeps the length it had before the step, so a retry
+        does not attend to slots the failed forward may not have written (the forward hook
+        does this when the model's forward raises)."""
         if self._step is not None:
             step, self._step = self._step, None
             step.__exit__(None, None, None)
+            if discard:
+                self._undo_step()
+
+    def _undo_step(self) -> None:
+        """Back to the state ``begin_step`` found: row lengths, their blocks, tokens seen."""
+        lengths, seen, metadata = self._before_step
+        for row, n in enumerate(self._lengths):
+            before = lengths[row] if row < len(lengths) else 0
+            if n != before:
+                self._allocator.truncate(row, before)
+        self._lengths, self._seen, self.last_metadata = lengths, seen, metadata
 
     def _new_tokens(self, b: int, t: int, attention_mask):
         """(real [B, T] bool host mask or None, first real index [B], real count [B])."""
@@ -510,10 +525,10 @@ class PagedCache(Cache):
             kwargs["position_ids"] = inject
         return args, kwargs
 
-    def _end_from_forward(self):
+    def _end_from_forward(self, failed: bool):
         if self._step_from_hook:
             self._step_from_hook = False
-            self.end_step()
+            self.end_step(discard=failed)
 
 
 def _positional_names(cls) -> list[str]:
@@ -540,13 +555,14 @@ def _begin_step(module, args, kwargs):
 
 
 def _end_step_hook(module, args, kwargs, output):
+    # always_call: also runs when the forward raised, with output None
     if isinstance(kwargs.get("past_key_values"), PagedCache):
-        _end_step(kwargs["past_key_values"])
+        _end_step(kwargs["past_key_values"], output is None)
 
 
 @torch.compiler.disable
-def _end_step(cache):
-    cache._end_from_forward()
+def _end_step(cache, failed):
+    cache._end_from_forward(failed)
 
 
 def _install_hooks(decoder: torch.nn.Module) -> None:

@@ -285,6 +285,34 @@ def test_rejected_first_step_leaves_the_cache_without_a_batch():
     assert cache.row_lengths() == [4] and written_slots(cache) == [4, 4]
 
 
+def test_forward_that_raises_leaves_the_rows_as_they_were():
+    """A forward that raised after its step was planned (here: dropout in training mode, whose
+    message says to call model.eval()) kept the step's tokens in the row lengths without
+    writing them: the retry attended to unwritten slots at shifted positions, silently."""
+    ours = build("llama", "rocm_attn", attention_dropout=0.1)
+    eager = twin(ours, "eager")
+    ids, mask = ragged_prompts([3, 5])
+    cache = PagedCache(ours, num_blocks=8, poison=True)
+
+    def fails(*args, **kwargs):
+        ours.train()
+        with pytest.raises(ValueError, match=r"dropout=0\.1 is not supported .*call model\.eval\(\)"):
+            ours(*args, past_key_values=cache, **kwargs)
+        ours.eval()
+
+    with torch.no_grad():
+        fails(ids[:, :4], attention_mask=mask[:, :4])  # a first step: the cache holds no batch after it
+        assert cache.batch_size == -1 and cache.get_seq_length() == 0
+        assert cache._allocator.num_free_blocks == 8 and written_slots(cache) == [0, 0]
+        ours(ids[:, :4], attention_mask=mask[:, :4], past_key_values=cache)
+        fails(ids[:, 4:], attention_mask=mask)  # a later step
+        assert cache.row_lengths() == [2, 4] and cache.get_seq_length() == 4
+        assert cache._allocator.num_free_blocks == 6
+        got = ours(ids[:, 4:], attention_mask=mask, past_key_values=cache).logits[:, 0]
+        want = eager(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[:, 4]
+    assert cache.row_lengths() == [3, 5] and rel(got, want) < TOL
+
+
 @pytest.mark.parametrize("scale, shown", [(2, r"\[2\]"), (0.5, r"\[0\.5\]")], ids=["twos", "halves"])
 def test_attention_mask_of_other_values_is_refused(scale, shown):
     """A mask of 2s or 0.5s was read as "nonzero = token"; generate() derived positions from its
