@@ -139,6 +139,17 @@ def test_cli_unknown_device(capsys):
     assert "--device 'tpu' is not supported; supported: cpu, cuda" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("device", ["cpu:x", "cpu:", "cuda:x"])
+def test_cli_malformed_device(capsys, device):
+    """A malformed device string passed the CLI's check and failed inside the demo, as a
+    RuntimeError traceback (exit code 1)."""
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--eager", "--device", device])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--device {device!r} is not a device string; supported: cpu, cuda" in err and "Traceback" not in err
+
+
 def test_hand_built_metadata_states_its_block_size():
     layer = _layer("hand_built")
     ira.bind_kv_caches(layer, 4, torch.float32)
