@@ -122,6 +122,16 @@ def test_bind_kv_caches_num_blocks():
             ira.bind_kv_caches(layer, bad, torch.float32)
 
 
+def test_bind_kv_caches_needs_attention_layers():
+    """A model without Attention layers (a transformers model, a wrong sub-module) bound
+    nothing and returned {} without a word."""
+    with pytest.raises(ValueError, match=r"bind_kv_caches: Sequential holds no inductor_rocm_attn.Attention layer; "
+                                         r"for a transformers model use .*PagedCache"):
+        ira.bind_kv_caches(torch.nn.Sequential(torch.nn.Linear(4, 4)), 4, torch.float32)
+    with pytest.raises(TypeError, match=r"bind_kv_caches: model must be a torch.nn.Module, got dict"):
+        ira.bind_kv_caches({"attn": _layer("bind_dict")}, 4, torch.float32)
+
+
 def test_cli_device_cuda_without_a_gpu(capsys):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
