@@ -76,7 +76,9 @@ def register() -> None:
 def _module_window(module) -> int | None:
     if hasattr(module, "sliding_window"):  # Gemma2, Qwen2/3: per layer (None on full layers)
         return module.sliding_window
-    return getattr(module.config, "sliding_window", None)  # Mistral passes config.sliding_window
+    # Mistral passes config.sliding_window. A config's 0 means off: Qwen2-MoE stores 0 when
+    # use_sliding_window is False, and its full layers have no sliding_window attribute.
+    return getattr(module.config, "sliding_window", None) or None
 
 
 def _module_softcap(module) -> float | None:
@@ -114,6 +116,39 @@ class LayerSpec:
             causal=bool(getattr(module, "is_causal", True)),
             sinks=_module_sinks(module),
         )
+
+
+# The layer types (config.layer_types) whose attention the metadata expresses: causal (or
+# the module's is_causal) and a sliding window. Others mask differently and would run as
+# full attention, except a chunked layer (Llama 4: a token sees only its own chunk of
+# attention_chunk_size positions) while no sequence leaves its first chunk.
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _check_layer_type(module, max_seq_len: int | None) -> None:
+    """``max_seq_len``: the longest sequence the owner of the layers allows (None: it checks
+    each step against ``chunk_limit``)."""
+    types = getattr(module.config, "layer_types", None)
+    if not types or not 0 <= module.layer_idx < len(types) or types[module.layer_idx] in _LAYER_TYPES:
+        return
+    kind, chunk = types[module.layer_idx], getattr(module.config, "attention_chunk_size", None)
+    where = f"rocm_attn ({type(module).__name__} layer {module.layer_idx})"
+    if kind != "chunked_attention" or not chunk:
+        raise NotImplementedError(f"{where}: config.layer_types has {kind!r} for this layer; supported layer "
+                                  f"types: {', '.join(_LAYER_TYPES)}")
+    if max_seq_len is not None and max_seq_len > chunk:
+        raise NotImplementedError(
+            f"{where}: a chunked_attention layer (attention_chunk_size={chunk}) with sequences of up to "
+            f"{max_seq_len} tokens; chunked attention is supported only within one chunk: at most {chunk} tokens "
+            "a sequence"
+        )
+
+
+def chunk_limit(model: torch.nn.Module) -> int | None:
+    """The longest sequence ``model``'s chunked_attention layers allow (None: no such layer)."""
+    config = next(iter(_attention_modules(_decoder(model)).values())).config
+    chunked = "chunked_attention" in (getattr(config, "layer_types", None) or ())
+    return getattr(config, "attention_chunk_size", None) if chunked else None
 
 
 def layer_name(module) -> str:
@@ -160,11 +195,13 @@ def check_model(model: torch.nn.Module, who: str) -> None:
 
 def paged_layers(model: torch.nn.Module, num_blocks: int, *, block_size: int = 16,
                  cache_layout: str = "LHBNC", kv_cache_dtype: str = "auto",
-                 poison: bool = False) -> dict[str, Attention]:
+                 poison: bool = False, max_seq_len: int | None = -1) -> dict[str, Attention]:
     """One ``Attention`` (impl + KV cache of ``num_blocks`` blocks) per attention module of
     ``model``, built from what the module computes (``LayerSpec``), keyed by the name the ops
     carry (``layer_name``). Not registered globally: the owner hands them to the forward
-    context as its layer table. ``poison``: caches filled with NaN (tests)."""
+    context as its layer table. ``poison``: caches filled with NaN (tests). ``max_seq_len``:
+    the longest sequence the owner allows (-1: what the caches hold; None: the owner checks
+    every step against ``chunk_limit``)."""
     param = next(model.parameters())
     dtype, device = getattr(model, "dtype", param.dtype), getattr(model, "device", param.device)
     layers: dict[str, Attention] = {}
@@ -176,6 +213,7 @@ def paged_layers(model: torch.nn.Module, num_blocks: int, *, block_size: int = 1
             kv_cache_dtype=kv_cache_dtype, sliding_window=spec.sliding_window,
             logits_soft_cap=spec.softcap, sinks=spec.sinks, causal=spec.causal, register=False,
         ).to(device)
+        _check_layer_type(module, num_blocks * layer.block_size if max_seq_len == -1 else max_seq_len)
         cache = allocate_kv_cache(layer.kv_cache_spec(dtype, device), num_blocks, device)
         if poison:
             cache.view(torch.uint8).fill_(0xFF)
@@ -284,7 +322,8 @@ class PagedCache(Cache):
         self._device = getattr(model, "device", param.device)
         self._null_block = num_blocks  # zero keys/values: what a one-token padding row reads
         self._layers = paged_layers(model, num_blocks + 1, block_size=block_size, cache_layout=cache_layout,
-                                    kv_cache_dtype=kv_cache_dtype, poison=poison)
+                                    kv_cache_dtype=kv_cache_dtype, poison=poison, max_seq_len=None)
+        self._max_seq_len = chunk_limit(model)  # checked every step (chunked attention layers)
         for layer in self._layers.values():
             layer.kv_cache[self._null_block].zero_()
         self._allocator = BlockAllocator(num_blocks, block_size)
@@ -479,6 +518,14 @@ class PagedCache(Cache):
 
     def _plan(self, b: int, t: int, first: list[int], count: list[int]) -> AttentionMetadata:
         """Kernel sequences in token order: per row, padding before / the real run / padding after."""
+        longest = max(self._lengths[r] + count[r] for r in range(b))
+        if self._max_seq_len is not None and longest > self._max_seq_len:
+            row = next(r for r in range(b) if self._lengths[r] + count[r] == longest)
+            raise NotImplementedError(
+                f"PagedCache: row {row} would hold {longest} tokens, past the attention_chunk_size "
+                f"{self._max_seq_len} of the model's chunked_attention layers; chunked attention is supported "
+                "only within one chunk"
+            )
         blocks = self._allocator.blocks_needed
         need = sum(blocks(self._lengths[r] + count[r]) - blocks(self._lengths[r]) for r in range(b))
         if need > self._allocator.num_free_blocks:

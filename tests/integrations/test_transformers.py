@@ -58,6 +58,9 @@ MORE_CONFIGS = {
     "granite": lambda: transformers.GraniteConfig(**_SMALL, num_key_value_heads=2, attention_multiplier=0.3),
     "cohere": lambda: transformers.CohereConfig(**_SMALL, num_key_value_heads=2),  # interleaved (GPT-J) RoPE
     "starcoder2": lambda: transformers.Starcoder2Config(**_SMALL, num_key_value_heads=2, sliding_window=6),
+    # default config: sliding_window 0 (off) and no per-layer window on the modules
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**_SMALL, num_key_value_heads=2, moe_intermediate_size=64,
+                                                     shared_expert_intermediate_size=64, num_experts=4),
     "gpt_oss": lambda: transformers.GptOssConfig(**dict(_SMALL, intermediate_size=128), num_key_value_heads=2,
                                                  head_dim=32, num_local_experts=4, num_experts_per_tok=2,
                                                  sliding_window=6,
@@ -341,6 +344,43 @@ def test_generate_matches_eager_more_architectures(name):
     assert torch.equal(got.sequences, want.sequences)
     errs = [rel(a, b) for a, b in zip(got.logits, want.logits)]
     assert len(errs) == NEW_TOKENS and max(errs) < TOL, errs
+
+
+def test_chunked_attention_layers_run_only_within_one_chunk():
+    """Llama 4's chunked_attention layers (a token attends only inside its chunk of
+    attention_chunk_size positions) ran as full attention: logits 0.9 off eager past the
+    first chunk, without an error. A sequence inside one chunk is exact; a longer one is
+    refused (PagedCache: at the step that would grow it; runners: by their longest sequence)."""
+    from inductor_rocm_attn.integrations.transformers_runner import compile_transformers, eager_runner
+
+    config = transformers.Llama4TextConfig(**_SMALL, num_key_value_heads=2, head_dim=32, num_local_experts=2,
+                                           attention_chunk_size=16, no_rope_layers=[1, 1])
+    torch.manual_seed(0)
+    ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="rocm_attn",
+                                                         dtype=torch.float32).eval()
+    ids, mask = ragged_prompts([5, 11])  # 11 + 5 new tokens: the first chunk
+    cache = PagedCache(ours, num_blocks=8, poison=True)
+    got = ours.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=5, do_sample=False,
+                        eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+    want = twin(ours, "eager").generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                        eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(got.sequences, want.sequences)
+    assert max(rel(a, b) for a, b in zip(got.logits, want.logits)) < TOL
+    with pytest.raises(NotImplementedError, match=r"PagedCache: row 1 would hold 17 tokens, past the "
+                                                  r"attention_chunk_size 16 of the model's chunked_attention"):
+        ours(got.sequences[:, -2:], attention_mask=torch.cat([mask, torch.ones(2, 6, dtype=mask.dtype)], 1),
+             past_key_values=cache)
+    assert cache.row_lengths() == [9, 15]
+    match = (r"Llama4TextAttention layer 0\): a chunked_attention layer \(attention_chunk_size=16\) with "
+             r"sequences of up to {} tokens")
+    with pytest.raises(NotImplementedError, match=match.format(32)):
+        eager_runner(ours, num_blocks=2)
+    with pytest.raises(NotImplementedError, match=match.format(20)):
+        compile_transformers(ours, num_blocks=2, max_model_len=20)
+    config.layer_types = ["window_attention", "full_attention"]
+    with pytest.raises(NotImplementedError, match=r"layer 0\): config.layer_types has 'window_attention' for this "
+                                                  r"layer; supported layer types: full_attention, sliding_attention"):
+        PagedCache(ours, num_blocks=1)
 
 
 def test_generate_on_right_padded_or_empty_prompts_says_why():
