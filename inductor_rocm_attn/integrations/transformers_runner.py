@@ -130,11 +130,18 @@ def compile_transformers(
     )
 
 
+def _check_step_limits(who: str, max_num_seqs, max_num_tokens) -> None:
+    # generate() plans steps within them: 0 admitted no sequence and ran empty steps
+    check_positive_int(who, "max_num_seqs", max_num_seqs)
+    check_positive_int(who, "max_num_tokens", max_num_tokens)
+
+
 class EagerRunner:
     """The paged path without compiling: ``prepare`` / ``runner(input_ids, md)`` as for a
     ``PiecewiseRunner``, the same forward run eagerly under the runner's layer table."""
 
     def __init__(self, model: torch.nn.Module, layers: dict, *, max_num_seqs: int, max_num_tokens: int):
+        _check_step_limits("EagerRunner", max_num_seqs, max_num_tokens)
         self.model, self.layers = model, layers
         self.forward = step_forward(model)
         self.vocab_size = vocab_size_of(model)
@@ -172,6 +179,7 @@ def eager_runner(model: torch.nn.Module, *, num_blocks: int, block_size: int = 1
     ``compile_transformers``; ``max_num_seqs`` / ``max_num_tokens`` bound a step)."""
     check_model(model, "eager_runner")
     check_positive_int("eager_runner", "num_blocks", num_blocks)
+    _check_step_limits("eager_runner", max_num_seqs, max_num_tokens)  # before the caches are allocated
     layers = paged_layers(model, num_blocks, block_size=block_size, cache_layout=cache_layout,
                           kv_cache_dtype=kv_cache_dtype, poison=poison)
     return EagerRunner(model, layers, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens)

@@ -527,6 +527,13 @@ def test_eager_runner_checks_its_step_inputs():
             runner(ids, md)
     with pytest.raises(TypeError, match="whole_stp"):
         runner.prepare([3], [0], [[1]], whole_stp=False)
+    # Step limits: 0 made generate() run empty steps that failed inside the model (a reshape
+    # of 0 elements), a string failed in a comparison there.
+    for kw, shown in ((dict(max_num_seqs=0), "max_num_seqs must be a positive int, got 0"),
+                      (dict(max_num_tokens="64"), "max_num_tokens must be a positive int, got '64'"),
+                      (dict(max_num_seqs=2.5), "max_num_seqs must be a positive int, got 2.5")):
+        with pytest.raises(ValueError, match=re.escape(f"eager_runner: {shown}")):
+            eager_runner(runner.model, num_blocks=4, **kw)
     assert runner.prepare([3], [0], [[1]], whole_step=False).num_actual_tokens == 3
     assert all(written == 0 for written in
                (int(layer.kv_cache.isfinite().sum()) for layer in runner.layers.values()))
