@@ -339,6 +339,12 @@ class PagedCache(Cache):
     # --- what transformers asks a cache ---
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self._step is None:  # else the attention would say no PagedCache was passed
+            raise ValueError(
+                f"PagedCache: layer {layer_idx} got this cache outside one of its steps: the cache was built for "
+                "another model instance (its forward plans no step of this cache); build one PagedCache per "
+                "model, PagedCache(model, num_blocks=...)"
+            )
         return key_states, value_states  # the attention op writes them into the paged cache
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

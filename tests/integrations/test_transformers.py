@@ -206,6 +206,19 @@ def test_deepcopy_writes_its_own_cache():
         greedy(clone, ids, mask, past_key_values=PagedCache(ours, num_blocks=8))
 
 
+def test_cache_of_another_model_is_named():
+    """A model that never had a PagedCache of its own has no planning hook: given another
+    model's cache, its attention said "no PagedCache step is active; pass past_key_values=
+    PagedCache(...)", although one was passed."""
+    ours, other = build("llama", "rocm_attn"), build("llama", "rocm_attn")
+    ids, mask = ragged_prompts()
+    cache = PagedCache(ours, num_blocks=8, poison=True)
+    with pytest.raises(ValueError, match=r"PagedCache: layer 0 got this cache outside one of its steps: the cache "
+                                         r"was built for another model instance"):
+        greedy(other, ids, mask, past_key_values=cache)
+    assert written_slots(cache) == [0, 0] and cache.batch_size == -1
+
+
 def test_from_pretrained(tmp_path):
     ours = build("gemma2", "rocm_attn")
     ours.save_pretrained(tmp_path)
