@@ -85,12 +85,19 @@ def main(argv=None) -> int:
 def _device_problem(device: str) -> str | None:
     """Why ``--device`` cannot be used here, or None."""
     kind = device.split(":")[0]
+    supported = "supported: cpu, cuda (cuda:N; ROCm GPUs are cuda too)"
     if kind not in ("cpu", "cuda"):
-        return f"--device {device!r} is not supported; supported: cpu, cuda (cuda:N; ROCm GPUs are cuda too)"
+        return f"--device {device!r} is not supported; {supported}"
+    try:  # "cuda:x", "cpu:" would fail later, as a traceback from inside the demo
+        parsed = torch.device(device)
+    except RuntimeError:
+        return f"--device {device!r} is not a device string; {supported}"
     if kind == "cuda" and not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None and torch.version.hip is None else "a GPU build"
         return (f"--device {device}: this torch build has no usable CUDA/ROCm GPU (torch {torch.__version__}, "
                 f"{build}); use --device cpu")
+    if kind == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        return f"--device {device}: there are {torch.cuda.device_count()} GPUs here (cuda:0 ...)"
     return None
 
 

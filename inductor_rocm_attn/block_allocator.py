@@ -56,6 +56,25 @@ class BlockAllocator:
         self._lengths.pop(seq_id, None)
         self._free.extend(reversed(table))
 
+    def truncate(self, seq_id, num_tokens: int) -> None:
+        """Shrink ``seq_id`` to its first ``num_tokens`` tokens (at most its length), handing
+        back the blocks it no longer needs; 0 frees it. Undoes ``allocate`` calls exactly."""
+        length = self._lengths.get(seq_id)
+        if length is None:
+            raise KeyError(f"BlockAllocator.truncate: unknown sequence {seq_id!r}")
+        if not isinstance(num_tokens, numbers.Integral) or isinstance(num_tokens, bool) \
+                or not 0 <= num_tokens <= length:
+            raise ValueError(f"BlockAllocator.truncate: num_tokens must be an int in [0, {length}] (the length "
+                             f"of {seq_id!r}), got {num_tokens!r}")
+        if num_tokens == 0:
+            self.free(seq_id)
+            return
+        table = self._tables[seq_id]
+        keep = self.blocks_needed(num_tokens)
+        self._free.extend(reversed(table[keep:]))
+        del table[keep:]
+        self._lengths[seq_id] = num_tokens
+
     def block_table(self, seq_id) -> list[int]:
         table = self._tables.get(seq_id)
         if table is None:

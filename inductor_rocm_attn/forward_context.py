@@ -131,6 +131,9 @@ def set_forward_context(attn_metadata: "AttentionMetadata | None", *, profiling:
     elif not isinstance(attn_metadata, AttentionMetadata):
         raise TypeError(f"set_forward_context: attn_metadata must be an AttentionMetadata (from "
                         f"build_attention_metadata), got {type(attn_metadata).__name__}")
+    if layers is not None and not isinstance(layers, Mapping):  # else each op fails looking a name up
+        raise TypeError(f"set_forward_context: layers must be a mapping of layer name -> Attention (or None: "
+                        f"the registry of live layers), got {type(layers).__name__}")
     global _current
     prev = _current
     _current = ForwardContext(attn_metadata, extra, layers, bool(profiling))

@@ -179,8 +179,16 @@ def bind_kv_caches(model: nn.Module, num_blocks: int, dtype: torch.dtype,
     """
     check_positive_int("bind_kv_caches", "num_blocks", num_blocks)
     check_model_dtype(dtype, "bind_kv_caches")  # the model's dtype; the layers' kv_cache_dtype picks storage
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"bind_kv_caches: model must be a torch.nn.Module, got {type(model).__name__}")
+    layers = attention_layers(model)
+    if not layers:  # binding nothing would pass silently and the model would never use a cache
+        raise ValueError(
+            f"bind_kv_caches: {type(model).__name__} holds no inductor_rocm_attn.Attention layer; for a "
+            "transformers model use inductor_rocm_attn.integrations.transformers.PagedCache"
+        )
     caches, specs = {}, {}
-    for layer in attention_layers(model):
+    for layer in layers:
         target = layer.impl.kv_sharing_target_layer_name
         if target is None and not layer.impl.uses_kv_cache:
             continue

@@ -22,6 +22,19 @@ def _step(model, ids, alloc, cfg, seq=0):
         return model(ids, md.positions)
 
 
+def test_step_layer_table_must_be_a_mapping():
+    """A list of layers passed as the table failed in the first op, as "list indices must be
+    integers or slices, not str"."""
+    layer = ira.Attention(2, 32, layer_name="binding.list", register=False)
+    md = ira.build_attention_metadata([3], [0], [[1]], 16)
+    for ctx in (lambda: ira.set_forward_context(md, layers=[layer]), lambda: ira.profiling_run(layers=(layer,))):
+        with pytest.raises(TypeError, match=r"set_forward_context: layers must be a mapping of layer name -> "
+                                            r"Attention \(or None: the registry of live layers\), got (list|tuple)"):
+            with ctx():
+                pass
+    assert ira.get_forward_context().layers is None
+
+
 def test_deepcopy_of_a_model_writes_its_own_cache():
     cfg = llama_config(num_layers=2, vocab_size=64, hidden_size=64, head_size=32)
     torch.manual_seed(0)

@@ -60,6 +60,19 @@ def test_context_manager(clean_config):
     assert not compilation.is_enabled() and inductor_config.post_grad_custom_post_pass is None
 
 
+def test_context_manager_flags_end_with_the_block(clean_config):
+    """Inside an enabled plugin, plugin(pass=False) left the pass off after the block."""
+    mgr = ira.enable(rope_kv_cache_fusion=False)
+    before = dict(mgr.flags)
+    with ira.plugin(rope_kv_cache_fusion=True, attn_quant_fusion=False) as inner:
+        assert inner is mgr and mgr.flags["rope_kv_cache_fusion"] and not mgr.flags["attn_quant_fusion"]
+    assert compilation.is_enabled() and mgr.flags == before
+    with pytest.raises(TypeError, match="enable: attn_quant_fusion must be True or False"):
+        with ira.plugin(rope_kv_cache_fusion=True, attn_quant_fusion="off"):
+            pass
+    assert mgr.flags == before
+
+
 def test_env_var_enables_at_import():
     code = ("import torch, inductor_rocm_attn; "
             "print(type(torch._inductor.config.post_grad_custom_post_pass).__name__)")

@@ -122,6 +122,16 @@ def test_bind_kv_caches_num_blocks():
             ira.bind_kv_caches(layer, bad, torch.float32)
 
 
+def test_bind_kv_caches_needs_attention_layers():
+    """A model without Attention layers (a transformers model, a wrong sub-module) bound
+    nothing and returned {} without a word."""
+    with pytest.raises(ValueError, match=r"bind_kv_caches: Sequential holds no inductor_rocm_attn.Attention layer; "
+                                         r"for a transformers model use .*PagedCache"):
+        ira.bind_kv_caches(torch.nn.Sequential(torch.nn.Linear(4, 4)), 4, torch.float32)
+    with pytest.raises(TypeError, match=r"bind_kv_caches: model must be a torch.nn.Module, got dict"):
+        ira.bind_kv_caches({"attn": _layer("bind_dict")}, 4, torch.float32)
+
+
 def test_cli_device_cuda_without_a_gpu(capsys):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
@@ -137,6 +147,17 @@ def test_cli_unknown_device(capsys):
         main(["demo", "--eager", "--device", "tpu"])
     assert e.value.code == 2
     assert "--device 'tpu' is not supported; supported: cpu, cuda" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device", ["cpu:x", "cpu:", "cuda:x"])
+def test_cli_malformed_device(capsys, device):
+    """A malformed device string passed the CLI's check and failed inside the demo, as a
+    RuntimeError traceback (exit code 1)."""
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--eager", "--device", device])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--device {device!r} is not a device string; supported: cpu, cuda" in err and "Traceback" not in err
 
 
 def test_hand_built_metadata_states_its_block_size():

@@ -112,14 +112,18 @@ def set_pass_flag(name: str, enabled: bool) -> None:
 
 @contextlib.contextmanager
 def plugin(**flags: bool):
-    """``with plugin(): torch.compile(...)(...)``: the plugin on for the block only."""
+    """``with plugin(): torch.compile(...)(...)``: the plugin on for the block only, and
+    ``flags`` for the block only (an enabled plugin gets its own flags back after it)."""
     was = is_enabled()
+    before = {name: _manager.flags[name] for name in flags} if was else {}
     manager = enable(**flags)
     try:
         yield manager
     finally:
         if not was:
             disable()
+        for name, on in before.items():
+            manager.set_flag(name, on)
 
 
 def enable_from_env() -> bool:

@@ -20,7 +20,7 @@ How it joins transformers (tested with 5.17.0), through registration points only
 - Planning: a forward pre-hook on the model's decoder (installed by ``PagedCache``, a
   no-op for any other cache) reads ``input_ids``/``attention_mask``/``position_ids``,
   builds the step's metadata and enters the forward context with the cache's own layer
-  table; a forward hook leaves it. Left padding (``generate`` pads ragged prompts) becomes
+  table; a forward hook leaves it (and, when the forward raised, forgets the step's tokens). Left padding (``generate`` pads ragged prompts) becomes
   padding sequences that write nothing (slot -1) and that no real token attends to.
 
 Positions are tied to the metadata: ``position_ids`` that disagree with a row's cached
@@ -76,7 +76,9 @@ def register() -> None:
 def _module_window(module) -> int | None:
     if hasattr(module, "sliding_window"):  # Gemma2, Qwen2/3: per layer (None on full layers)
         return module.sliding_window
-    return getattr(module.config, "sliding_window", None)  # Mistral passes config.sliding_window
+    # Mistral passes config.sliding_window. A config's 0 means off: Qwen2-MoE stores 0 when
+    # use_sliding_window is False, and its full layers have no sliding_window attribute.
+    return getattr(module.config, "sliding_window", None) or None
 
 
 def _module_softcap(module) -> float | None:
@@ -114,6 +116,39 @@ class LayerSpec:
             causal=bool(getattr(module, "is_causal", True)),
             sinks=_module_sinks(module),
         )
+
+
+# The layer types (config.layer_types) whose attention the metadata expresses: causal (or
+# the module's is_causal) and a sliding window. Others mask differently and would run as
+# full attention, except a chunked layer (Llama 4: a token sees only its own chunk of
+# attention_chunk_size positions) while no sequence leaves its first chunk.
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _check_layer_type(module, max_seq_len: int | None) -> None:
+    """``max_seq_len``: the longest sequence the owner of the layers allows (None: it checks
+    each step against ``chunk_limit``)."""
+    types = getattr(module.config, "layer_types", None)
+    if not types or not 0 <= module.layer_idx < len(types) or types[module.layer_idx] in _LAYER_TYPES:
+        return
+    kind, chunk = types[module.layer_idx], getattr(module.config, "attention_chunk_size", None)
+    where = f"rocm_attn ({type(module).__name__} layer {module.layer_idx})"
+    if kind != "chunked_attention" or not chunk:
+        raise NotImplementedError(f"{where}: config.layer_types has {kind!r} for this layer; supported layer "
+                                  f"types: {', '.join(_LAYER_TYPES)}")
+    if max_seq_len is not None and max_seq_len > chunk:
+        raise NotImplementedError(
+            f"{where}: a chunked_attention layer (attention_chunk_size={chunk}) with sequences of up to "
+            f"{max_seq_len} tokens; chunked attention is supported only within one chunk: at most {chunk} tokens "
+            "a sequence"
+        )
+
+
+def chunk_limit(model: torch.nn.Module) -> int | None:
+    """The longest sequence ``model``'s chunked_attention layers allow (None: no such layer)."""
+    config = next(iter(_attention_modules(_decoder(model)).values())).config
+    chunked = "chunked_attention" in (getattr(config, "layer_types", None) or ())
+    return getattr(config, "attention_chunk_size", None) if chunked else None
 
 
 def layer_name(module) -> str:
@@ -160,11 +195,13 @@ def check_model(model: torch.nn.Module, who: str) -> None:
 
 def paged_layers(model: torch.nn.Module, num_blocks: int, *, block_size: int = 16,
                  cache_layout: str = "LHBNC", kv_cache_dtype: str = "auto",
-                 poison: bool = False) -> dict[str, Attention]:
+                 poison: bool = False, max_seq_len: int | None = -1) -> dict[str, Attention]:
     """One ``Attention`` (impl + KV cache of ``num_blocks`` blocks) per attention module of
     ``model``, built from what the module computes (``LayerSpec``), keyed by the name the ops
     carry (``layer_name``). Not registered globally: the owner hands them to the forward
-    context as its layer table. ``poison``: caches filled with NaN (tests)."""
+    context as its layer table. ``poison``: caches filled with NaN (tests). ``max_seq_len``:
+    the longest sequence the owner allows (-1: what the caches hold; None: the owner checks
+    every step against ``chunk_limit``)."""
     param = next(model.parameters())
     dtype, device = getattr(model, "dtype", param.dtype), getattr(model, "device", param.device)
     layers: dict[str, Attention] = {}
@@ -176,6 +213,7 @@ def paged_layers(model: torch.nn.Module, num_blocks: int, *, block_size: int = 1
             kv_cache_dtype=kv_cache_dtype, sliding_window=spec.sliding_window,
             logits_soft_cap=spec.softcap, sinks=spec.sinks, causal=spec.causal, register=False,
         ).to(device)
+        _check_layer_type(module, num_blocks * layer.block_size if max_seq_len == -1 else max_seq_len)
         cache = allocate_kv_cache(layer.kv_cache_spec(dtype, device), num_blocks, device)
         if poison:
             cache.view(torch.uint8).fill_(0xFF)
@@ -284,7 +322,8 @@ class PagedCache(Cache):
         self._device = getattr(model, "device", param.device)
         self._null_block = num_blocks  # zero keys/values: what a one-token padding row reads
         self._layers = paged_layers(model, num_blocks + 1, block_size=block_size, cache_layout=cache_layout,
-                                    kv_cache_dtype=kv_cache_dtype, poison=poison)
+                                    kv_cache_dtype=kv_cache_dtype, poison=poison, max_seq_len=None)
+        self._max_seq_len = chunk_limit(model)  # checked every step (chunked attention layers)
         for layer in self._layers.values():
             layer.kv_cache[self._null_block].zero_()
         self._allocator = BlockAllocator(num_blocks, block_size)
@@ -294,11 +333,18 @@ class PagedCache(Cache):
         self._step = None  # the active step's forward context
         self._step_from_hook = False
         self.last_metadata: AttentionMetadata | None = None
+        self._before_step = ([], 0, None)  # (row lengths, tokens seen, metadata) before the step
         _install_hooks(decoder)
 
     # --- what transformers asks a cache ---
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self._step is None:  # else the attention would say no PagedCache was passed
+            raise ValueError(
+                f"PagedCache: layer {layer_idx} got this cache outside one of its steps: the cache was built for "
+                "another model instance (its forward plans no step of this cache); build one PagedCache per "
+                "model, PagedCache(model, num_blocks=...)"
+            )
         return key_states, value_states  # the attention op writes them into the paged cache
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -376,12 +422,12 @@ class PagedCache(Cache):
             raise ValueError(f"PagedCache.begin_step: input_ids must be [batch, new tokens] (inputs_embeds "
                              f"[batch, new tokens, hidden]), got {tuple(x.shape)}")
         b, t = x.shape[0], x.shape[1]
-        new_batch = not self._lengths
-        if new_batch:
-            self._lengths = [0] * b
-        elif len(self._lengths) != b:
+        if self._lengths and len(self._lengths) != b:
             raise ValueError(f"PagedCache: batch of {b} rows for a cache holding {len(self._lengths)} rows; "
                              "use a new PagedCache (or reset()) for a new batch")
+        self._before_step = (list(self._lengths), self._seen, self.last_metadata)
+        if not self._lengths:
+            self._lengths = [0] * b
         try:
             real, first, count = self._new_tokens(b, t, attention_mask)
             ctx = torch.tensor(self._lengths, dtype=torch.int64)
@@ -389,8 +435,7 @@ class PagedCache(Cache):
             inject = self._check_positions(position_ids, real, expected, b, t, attention_mask)
             md = self._plan(b, t, first.tolist(), count.tolist())
         except BaseException:
-            if new_batch:  # a rejected first step: the cache holds no batch yet
-                self._lengths = []
+            self._undo_step()  # a rejected first step leaves the cache without a batch
             raise
         self._seen += t
         self.last_metadata = md
@@ -398,10 +443,25 @@ class PagedCache(Cache):
         self._step.__enter__()
         return inject
 
-    def end_step(self) -> None:
+    def end_step(self, *, discard: bool = False) -> None:
+        """Leave the step's forward context. ``discard=True`` (its forward raised): the step's
+        tokens are forgotten, each row keeps the length it had before the step, so a retry
+        does not attend to slots the failed forward may not have written (the forward hook
+        does this when the model's forward raises)."""
         if self._step is not None:
             step, self._step = self._step, None
             step.__exit__(None, None, None)
+            if discard:
+                self._undo_step()
+
+    def _undo_step(self) -> None:
+        """Back to the state ``begin_step`` found: row lengths, their blocks, tokens seen."""
+        lengths, seen, metadata = self._before_step
+        for row, n in enumerate(self._lengths):
+            before = lengths[row] if row < len(lengths) else 0
+            if n != before:
+                self._allocator.truncate(row, before)
+        self._lengths, self._seen, self.last_metadata = lengths, seen, metadata
 
     def _new_tokens(self, b: int, t: int, attention_mask):
         """(real [B, T] bool host mask or None, first real index [B], real count [B])."""
@@ -464,6 +524,14 @@ class PagedCache(Cache):
 
     def _plan(self, b: int, t: int, first: list[int], count: list[int]) -> AttentionMetadata:
         """Kernel sequences in token order: per row, padding before / the real run / padding after."""
+        longest = max(self._lengths[r] + count[r] for r in range(b))
+        if self._max_seq_len is not None and longest > self._max_seq_len:
+            row = next(r for r in range(b) if self._lengths[r] + count[r] == longest)
+            raise NotImplementedError(
+                f"PagedCache: row {row} would hold {longest} tokens, past the attention_chunk_size "
+                f"{self._max_seq_len} of the model's chunked_attention layers; chunked attention is supported "
+                "only within one chunk"
+            )
         blocks = self._allocator.blocks_needed
         need = sum(blocks(self._lengths[r] + count[r]) - blocks(self._lengths[r]) for r in range(b))
         if need > self._allocator.num_free_blocks:
@@ -510,10 +578,10 @@ class PagedCache(Cache):
             kwargs["position_ids"] = inject
         return args, kwargs
 
-    def _end_from_forward(self):
+    def _end_from_forward(self, failed: bool):
         if self._step_from_hook:
             self._step_from_hook = False
-            self.end_step()
+            self.end_step(discard=failed)
 
 
 def _positional_names(cls) -> list[str]:
@@ -540,13 +608,14 @@ def _begin_step(module, args, kwargs):
 
 
 def _end_step_hook(module, args, kwargs, output):
+    # always_call: also runs when the forward raised, with output None
     if isinstance(kwargs.get("past_key_values"), PagedCache):
-        _end_step(kwargs["past_key_values"])
+        _end_step(kwargs["past_key_values"], output is None)
 
 
 @torch.compiler.disable
-def _end_step(cache):
-    cache._end_from_forward()
+def _end_step(cache, failed):
+    cache._end_from_forward(failed)
 
 
 def _install_hooks(decoder: torch.nn.Module) -> None:

@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..capabilities import check_block_size
 from ..config_checks import check_runner_config
 from ..forward_context import set_forward_context
 from ..metadata import AttentionMetadata, build_attention_metadata
@@ -115,11 +116,13 @@ def compile_transformers(
         flags=dict(capture=capture, decode_graphs=decode_graphs, mixed_graphs=mixed_graphs, poison=poison),
         optional_flags=dict(use_cuda_graphs=use_cuda_graphs, plugin=plugin, piecewise_graphs=piecewise_graphs),
         trace_cache=trace_cache, compile_threads=compile_threads)
+    check_block_size(block_size, "compile_transformers")
+    max_model_len = max_model_len or _default_max_model_len(model, num_blocks, block_size)
     layers = paged_layers(model, num_blocks, block_size=block_size, cache_layout=cache_layout,
-                          kv_cache_dtype=kv_cache_dtype, poison=poison)
+                          kv_cache_dtype=kv_cache_dtype, poison=poison, max_seq_len=max_model_len)
     return compile_piecewise(
         model, capture_sizes, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
-        max_model_len=max_model_len or _default_max_model_len(model, num_blocks, block_size),
+        max_model_len=max_model_len,
         use_cuda_graphs=use_cuda_graphs, plugin=plugin, capture=capture, graph_backend=graph_backend,
         decode_graphs=decode_graphs, mixed_graphs=mixed_graphs, piecewise_graphs=piecewise_graphs,
         forward=step_forward(model), layers=layers, progress=progress, trace_cache=trace_cache,
@@ -127,11 +130,18 @@ def compile_transformers(
     )
 
 
+def _check_step_limits(who: str, max_num_seqs, max_num_tokens) -> None:
+    # generate() plans steps within them: 0 admitted no sequence and ran empty steps
+    check_positive_int(who, "max_num_seqs", max_num_seqs)
+    check_positive_int(who, "max_num_tokens", max_num_tokens)
+
+
 class EagerRunner:
     """The paged path without compiling: ``prepare`` / ``runner(input_ids, md)`` as for a
     ``PiecewiseRunner``, the same forward run eagerly under the runner's layer table."""
 
     def __init__(self, model: torch.nn.Module, layers: dict, *, max_num_seqs: int, max_num_tokens: int):
+        _check_step_limits("EagerRunner", max_num_seqs, max_num_tokens)
         self.model, self.layers = model, layers
         self.forward = step_forward(model)
         self.vocab_size = vocab_size_of(model)
@@ -169,6 +179,7 @@ def eager_runner(model: torch.nn.Module, *, num_blocks: int, block_size: int = 1
     ``compile_transformers``; ``max_num_seqs`` / ``max_num_tokens`` bound a step)."""
     check_model(model, "eager_runner")
     check_positive_int("eager_runner", "num_blocks", num_blocks)
+    _check_step_limits("eager_runner", max_num_seqs, max_num_tokens)  # before the caches are allocated
     layers = paged_layers(model, num_blocks, block_size=block_size, cache_layout=cache_layout,
                           kv_cache_dtype=kv_cache_dtype, poison=poison)
     return EagerRunner(model, layers, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens)

@@ -58,6 +58,9 @@ MORE_CONFIGS = {
     "granite": lambda: transformers.GraniteConfig(**_SMALL, num_key_value_heads=2, attention_multiplier=0.3),
     "cohere": lambda: transformers.CohereConfig(**_SMALL, num_key_value_heads=2),  # interleaved (GPT-J) RoPE
     "starcoder2": lambda: transformers.Starcoder2Config(**_SMALL, num_key_value_heads=2, sliding_window=6),
+    # default config: sliding_window 0 (off) and no per-layer window on the modules
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**_SMALL, num_key_value_heads=2, moe_intermediate_size=64,
+                                                     shared_expert_intermediate_size=64, num_experts=4),
     "gpt_oss": lambda: transformers.GptOssConfig(**dict(_SMALL, intermediate_size=128), num_key_value_heads=2,
                                                  head_dim=32, num_local_experts=4, num_experts_per_tok=2,
                                                  sliding_window=6,
@@ -203,6 +206,19 @@ def test_deepcopy_writes_its_own_cache():
         greedy(clone, ids, mask, past_key_values=PagedCache(ours, num_blocks=8))
 
 
+def test_cache_of_another_model_is_named():
+    """A model that never had a PagedCache of its own has no planning hook: given another
+    model's cache, its attention said "no PagedCache step is active; pass past_key_values=
+    PagedCache(...)", although one was passed."""
+    ours, other = build("llama", "rocm_attn"), build("llama", "rocm_attn")
+    ids, mask = ragged_prompts()
+    cache = PagedCache(ours, num_blocks=8, poison=True)
+    with pytest.raises(ValueError, match=r"PagedCache: layer 0 got this cache outside one of its steps: the cache "
+                                         r"was built for another model instance"):
+        greedy(other, ids, mask, past_key_values=cache)
+    assert written_slots(cache) == [0, 0] and cache.batch_size == -1
+
+
 def test_from_pretrained(tmp_path):
     ours = build("gemma2", "rocm_attn")
     ours.save_pretrained(tmp_path)
@@ -285,6 +301,34 @@ def test_rejected_first_step_leaves_the_cache_without_a_batch():
     assert cache.row_lengths() == [4] and written_slots(cache) == [4, 4]
 
 
+def test_forward_that_raises_leaves_the_rows_as_they_were():
+    """A forward that raised after its step was planned (here: dropout in training mode, whose
+    message says to call model.eval()) kept the step's tokens in the row lengths without
+    writing them: the retry attended to unwritten slots at shifted positions, silently."""
+    ours = build("llama", "rocm_attn", attention_dropout=0.1)
+    eager = twin(ours, "eager")
+    ids, mask = ragged_prompts([3, 5])
+    cache = PagedCache(ours, num_blocks=8, poison=True)
+
+    def fails(*args, **kwargs):
+        ours.train()
+        with pytest.raises(ValueError, match=r"dropout=0\.1 is not supported .*call model\.eval\(\)"):
+            ours(*args, past_key_values=cache, **kwargs)
+        ours.eval()
+
+    with torch.no_grad():
+        fails(ids[:, :4], attention_mask=mask[:, :4])  # a first step: the cache holds no batch after it
+        assert cache.batch_size == -1 and cache.get_seq_length() == 0
+        assert cache._allocator.num_free_blocks == 8 and written_slots(cache) == [0, 0]
+        ours(ids[:, :4], attention_mask=mask[:, :4], past_key_values=cache)
+        fails(ids[:, 4:], attention_mask=mask)  # a later step
+        assert cache.row_lengths() == [2, 4] and cache.get_seq_length() == 4
+        assert cache._allocator.num_free_blocks == 6
+        got = ours(ids[:, 4:], attention_mask=mask, past_key_values=cache).logits[:, 0]
+        want = eager(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[:, 4]
+    assert cache.row_lengths() == [3, 5] and rel(got, want) < TOL
+
+
 @pytest.mark.parametrize("scale, shown", [(2, r"\[2\]"), (0.5, r"\[0\.5\]")], ids=["twos", "halves"])
 def test_attention_mask_of_other_values_is_refused(scale, shown):
     """A mask of 2s or 0.5s was read as "nonzero = token"; generate() derived positions from its
@@ -313,6 +357,43 @@ def test_generate_matches_eager_more_architectures(name):
     assert torch.equal(got.sequences, want.sequences)
     errs = [rel(a, b) for a, b in zip(got.logits, want.logits)]
     assert len(errs) == NEW_TOKENS and max(errs) < TOL, errs
+
+
+def test_chunked_attention_layers_run_only_within_one_chunk():
+    """Llama 4's chunked_attention layers (a token attends only inside its chunk of
+    attention_chunk_size positions) ran as full attention: logits 0.9 off eager past the
+    first chunk, without an error. A sequence inside one chunk is exact; a longer one is
+    refused (PagedCache: at the step that would grow it; runners: by their longest sequence)."""
+    from inductor_rocm_attn.integrations.transformers_runner import compile_transformers, eager_runner
+
+    config = transformers.Llama4TextConfig(**_SMALL, num_key_value_heads=2, head_dim=32, num_local_experts=2,
+                                           attention_chunk_size=16, no_rope_layers=[1, 1])
+    torch.manual_seed(0)
+    ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="rocm_attn",
+                                                         dtype=torch.float32).eval()
+    ids, mask = ragged_prompts([5, 11])  # 11 + 5 new tokens: the first chunk
+    cache = PagedCache(ours, num_blocks=8, poison=True)
+    got = ours.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=5, do_sample=False,
+                        eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+    want = twin(ours, "eager").generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                        eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(got.sequences, want.sequences)
+    assert max(rel(a, b) for a, b in zip(got.logits, want.logits)) < TOL
+    with pytest.raises(NotImplementedError, match=r"PagedCache: row 1 would hold 17 tokens, past the "
+                                                  r"attention_chunk_size 16 of the model's chunked_attention"):
+        ours(got.sequences[:, -2:], attention_mask=torch.cat([mask, torch.ones(2, 6, dtype=mask.dtype)], 1),
+             past_key_values=cache)
+    assert cache.row_lengths() == [9, 15]
+    match = (r"Llama4TextAttention layer 0\): a chunked_attention layer \(attention_chunk_size=16\) with "
+             r"sequences of up to {} tokens")
+    with pytest.raises(NotImplementedError, match=match.format(32)):
+        eager_runner(ours, num_blocks=2)
+    with pytest.raises(NotImplementedError, match=match.format(20)):
+        compile_transformers(ours, num_blocks=2, max_model_len=20)
+    config.layer_types = ["window_attention", "full_attention"]
+    with pytest.raises(NotImplementedError, match=r"layer 0\): config.layer_types has 'window_attention' for this "
+                                                  r"layer; supported layer types: full_attention, sliding_attention"):
+        PagedCache(ours, num_blocks=1)
 
 
 def test_generate_on_right_padded_or_empty_prompts_says_why():
@@ -459,6 +540,13 @@ def test_eager_runner_checks_its_step_inputs():
             runner(ids, md)
     with pytest.raises(TypeError, match="whole_stp"):
         runner.prepare([3], [0], [[1]], whole_stp=False)
+    # Step limits: 0 made generate() run empty steps that failed inside the model (a reshape
+    # of 0 elements), a string failed in a comparison there.
+    for kw, shown in ((dict(max_num_seqs=0), "max_num_seqs must be a positive int, got 0"),
+                      (dict(max_num_tokens="64"), "max_num_tokens must be a positive int, got '64'"),
+                      (dict(max_num_seqs=2.5), "max_num_seqs must be a positive int, got 2.5")):
+        with pytest.raises(ValueError, match=re.escape(f"eager_runner: {shown}")):
+            eager_runner(runner.model, num_blocks=4, **kw)
     assert runner.prepare([3], [0], [[1]], whole_step=False).num_actual_tokens == 3
     assert all(written == 0 for written in
                (int(layer.kv_cache.isfinite().sum()) for layer in runner.layers.values()))
