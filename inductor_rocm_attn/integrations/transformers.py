@@ -20,8 +20,9 @@ How it joins transformers (tested with 5.17.0), through registration points only
 - Planning: a forward pre-hook on the model's decoder (installed by ``PagedCache``, a
   no-op for any other cache) reads ``input_ids``/``attention_mask``/``position_ids``,
   builds the step's metadata and enters the forward context with the cache's own layer
-  table; a forward hook leaves it (and, when the forward raised, forgets the step's tokens). Left padding (``generate`` pads ragged prompts) becomes
-  padding sequences that write nothing (slot -1) and that no real token attends to.
+  table; a forward hook leaves it (and, when the forward raised, forgets the step's
+  tokens). Left padding (``generate`` pads ragged prompts) becomes padding sequences that
+  write nothing (slot -1) and that no real token attends to.
 
 Positions are tied to the metadata: ``position_ids`` that disagree with a row's cached
 length raise; omitted ones are filled in from the metadata. Per-call arguments that change
