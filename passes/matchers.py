@@ -340,6 +340,61 @@ def per_token_cos_sin(graph: torch.fx.Graph, rope: RopeMatch) -> tuple[torch.fx.
     return rows[0], rows[1]
 
 
+# Ops whose output aliases their first input (a view): Inductor tracks those aliases itself.
+_ALIASING = frozenset({*fx_utils.VIEW_OPS, *_SPLITS, aten.slice.Tensor, operator.getitem, aten.permute.default,
+                       aten.transpose.int, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim,
+                       aten.select.int})
+
+
+def _storage_root(node: torch.fx.Node) -> torch.fx.Node:
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _ALIASING:
+        node = node.args[0]
+    return node
+
+
+def value_computed_from_rotated(graph: torch.fx.Graph, value: torch.fx.Node, q_in: torch.fx.Node,
+                                k_in: torch.fx.Node) -> bool:
+    """Whether ``value`` is *computed* (by an op that is not a view) from the storage of ``q_in``/
+    ``k_in``, which a fused writer rotates in place. Inductor may recompute such a value after the
+    writer (it did: ``v = k * 2`` read the rotated k) while its reinplacing checks only the FX
+    order, so these sites must not fuse. A view of that storage is safe (Inductor sees the alias
+    and copies), as is a computation from columns of it that the writer does not touch (the v
+    slice of a fused qkv)."""
+    mutated: dict[torch.fx.Node, list] = {}  # storage root -> rotated column ranges (None: all of it)
+    for x in (q_in, k_in):
+        cols = column_slice(x)
+        root = _storage_root(cols.source if cols is not None else x)
+        if cols is None or mutated.get(root, []) is None:
+            mutated[root] = None
+        else:
+            mutated.setdefault(root, []).append(cols)
+
+    def untouched(n):
+        cols = column_slice(n)
+        if cols is None:
+            return False
+        rotated = mutated.get(_storage_root(cols.source), [])
+        return rotated is not None and all(_disjoint(cols, c) for c in rotated)
+
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min(order[r] for r in mutated)
+    seen, stack = set(), [(value, False)]
+    while stack:
+        n, computed = stack.pop()
+        if not isinstance(n, torch.fx.Node) or order[n] < first or (n, computed) in seen:
+            continue
+        seen.add((n, computed))
+        if n in mutated:
+            if computed:
+                return True
+            continue
+        if computed and untouched(n):
+            continue
+        view = n.op == "call_function" and n.target in _ALIASING
+        stack.extend((a, computed or not view) for a in n.all_input_nodes)
+    return False
+
+
 _AUTO_FUNCTIONALIZED_V2 = torch.ops.higher_order.auto_functionalized_v2
 
 
@@ -358,9 +413,12 @@ def emit_in_place(graph: torch.fx.Graph, op, kwargs: dict, site: LayerSite, q_in
     """
     kwargs = dict(kwargs)
     q_cols, k_cols = column_slice(q_in), column_slice(k_in)
+    v_cols = column_slice(site.value)
     one_base = (q_cols is not None and k_cols is not None and q_cols.source is k_cols.source
-                and q_cols.source.op != "placeholder"
-                and (q_cols.end <= k_cols.start or k_cols.end <= q_cols.start))
+                and q_cols.source.op != "placeholder" and _disjoint(q_cols, k_cols)
+                # v read from the op's result must not be columns the op rotates (v = k)
+                and not (v_cols is not None and v_cols.source is q_cols.source
+                         and not (_disjoint(v_cols, q_cols) and _disjoint(v_cols, k_cols))))
     if one_base:
         for arg, cols in (("query", q_cols), ("key", k_cols)):
             kwargs.update({f"_{arg}_base_index": 0, f"_{arg}_slice_dim": 1,
@@ -376,7 +434,6 @@ def emit_in_place(graph: torch.fx.Graph, op, kwargs: dict, site: LayerSite, q_in
         return token
     base = fx_utils.call(graph, operator.getitem, (fused, 1))
     q_new, k_new = (fx_utils.call(graph, aten.slice.Tensor, (base, 1, c.start, c.end)) for c in (q_cols, k_cols))
-    v_cols = column_slice(site.value)
     if v_cols is not None and v_cols.source is q_cols.source:
         # The attention's v is a slice of the same tensor: read it from the op's result, so no
         # use of the tensor from before the op is left after it (one would stop the reinplacing).
@@ -385,6 +442,10 @@ def emit_in_place(graph: torch.fx.Graph, op, kwargs: dict, site: LayerSite, q_in
         site.value.replace_all_uses_with(v_new, delete_user_cb=lambda user: user is not fused)
     replace_outputs(graph, [(q_out, q_new), (k_out, k_new)])
     return token
+
+
+def _disjoint(a: ColumnSlice, b: ColumnSlice) -> bool:
+    return a.end <= b.start or b.end <= a.start
 
 
 def replace_outputs(graph: torch.fx.Graph, pairs) -> None:

@@ -52,7 +52,7 @@ from . import forms, fx_utils, interleaved_v, matchers
 from .base import FusionPass
 from .interleaved_v import switch_to_interleaved_v
 from .matchers import (cache_updates, emit_in_place, layer_site, match_rope, per_token_cos_sin, per_token_rows,
-                       replace_outputs)
+                       replace_outputs, value_computed_from_rotated)
 
 aten = torch.ops.aten
 rocm = torch.ops.rocm_attn
@@ -178,6 +178,8 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
             return None, f"q-norm eps {eps_q} and k-norm eps {eps_k} differ or are not constants"
         if gemma_q != gemma_k:
             return None, "q and k are normalized by different RMSNorm forms (one Gemma's, one not)"
+        if value_computed_from_rotated(site.cache.graph, site.value, xq, xk):
+            return None, "the cached value is computed from the query/key the fused op normalizes in place"
         return (rope, xq, xk, wq, wk, float(eps_q), gemma_q), ""
 
     def _emit_separate(self, graph, site, m, layer: str) -> torch.fx.Node:

@@ -53,7 +53,8 @@ import torch
 
 from . import forms, fx_utils, matchers
 from .base import FusionPass
-from .matchers import cache_updates, emit_in_place, layer_site, match_rope, per_token_cos_sin, per_token_rows
+from .matchers import (cache_updates, emit_in_place, layer_site, match_rope, per_token_cos_sin, per_token_rows,
+                       value_computed_from_rotated)
 
 rocm = torch.ops.rocm_attn
 _FUSED_OP = rocm.unified_rope_and_kv_cache_update.default
@@ -86,6 +87,8 @@ class RopeKVCacheFusionPass(FusionPass):
                 self.not_fused(layer, why)
                 continue
             rope, why = match_rope(site)
+            if rope is not None and value_computed_from_rotated(graph, site.value, rope.q_in, rope.k_in):
+                rope, why = None, "the cached value is computed from the query/key the fused op rotates in place"
             if rope is None:
                 self.not_fused(layer, why)
                 continue

@@ -470,3 +470,73 @@ def test_cos_sin_of_one_position_row_broadcast_over_the_batch():
     c = capture(sites.SiteAttention("plain"), hidden, cos[:1], sin[:1], dynamic=())
     assert c.count(PASS) == 1, c.reasons(PASS)
     assert re.search(r"expand = aten.expand.default\(\w+, \[2, -1, -1\]\)  float32\[2, 5, 32\]", c.after), c.after
+
+
+# --- the cached value read from the q/k the fused op rotates in place ----------------------------
+
+
+def _compiled_matches_eager(build, *inputs, hq=4, hkv=2, d=32):
+    """``build(layer_name) -> fn(*inputs)``, run eagerly and compiled (plugin on) on two layers
+    with NaN-poisoned caches: ``(max |diff| of the outputs and the written K/V, fusion records)``."""
+    import inductor_rocm_attn as ira
+    from inductor_rocm_attn import compilation
+    from inductor_rocm_attn.layout import dense_kv
+
+    tag = f"rope_value{next(_ids)}"
+    layers = [ira.Attention(hq, d, num_kv_heads=hkv, layer_name=f"{tag}_{w}.attn") for w in ("eager", "compiled")]
+    for layer in layers:
+        layer.kv_cache = ira.allocate_kv_cache(layer.kv_cache_spec(torch.float32), 4).fill_(float("nan"))
+    t = inputs[0].shape[0]
+    md = ira.build_attention_metadata([t], [0], [[2, 1]], layers[0].block_size)
+    report = compilation.fusion_report()
+    report.clear()
+    torch._dynamo.reset()
+    with torch.no_grad(), ira.set_forward_context(md):
+        want = build(layers[0].layer_name)(*inputs)
+        with compilation.plugin():
+            got = torch.compile(build(layers[1].layer_name), backend="inductor", fullgraph=True)(*inputs)
+    torch._dynamo.reset()
+    diffs = [(got - want).abs().max()]
+    for a, b in zip(*(dense_kv(l.kv_cache, hkv, l.interleaved_v) for l in layers)):
+        rows = lambda x: x.reshape(-1, hkv, d)[md.slot_mapping]  # noqa: E731
+        diffs.append((rows(a) - rows(b)).abs().max())
+    return float(max(diffs)), [r for r in report.records if r.layer_name == layers[1].layer_name]
+
+
+def _attend(q, k, v, name):
+    out = torch.empty(q.shape[0], 4, 32)
+    token = torch.ops.rocm_attn.unified_kv_cache_update(k, v, name)
+    torch.ops.rocm_attn.unified_attention_with_output(q, k, v, out, name, token)
+    return out
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("value,fuses", [
+    ("v", True),  # the v slice of the fused qkv: the one-base form
+    ("k", True),  # the unrotated k's columns (k = v): q and k as two bases, v never read rotated
+    ("q_heads", True),  # columns of the unrotated q
+    ("k * 2", False),  # computed from the unrotated k: Inductor recomputed it from the rotated k
+    ("v * 2", True),  # computed from columns the op does not touch
+])
+def test_value_from_the_unrotated_qk_matches_eager(value, fuses):
+    from inductor_rocm_attn.passes import forms
+
+    g = torch.Generator().manual_seed(0)
+    w, hidden = torch.randn(64, 256, generator=g) / 8, torch.randn(5, 64, generator=g)
+    cache = torch.cat([torch.randn(64, 16, generator=g).cos(), torch.randn(64, 16, generator=g).sin()], -1)
+
+    def build(name):
+        def fn(hidden, cache, positions):
+            qkv = hidden @ w
+            q, k, v = (x.reshape(-1, x.shape[1] // 32, 32) for x in qkv.split([128, 64, 64], -1))
+            vv = {"v": v, "k": k, "q_heads": qkv[:, :64].reshape(-1, 2, 32), "k * 2": k * 2, "v * 2": v * 2}[value]
+            return _attend(forms.rope_neox_hf(q, cache, positions), forms.rope_neox_hf(k, cache, positions), vv, name)
+        return fn
+
+    diff, records = _compiled_matches_eager(build, hidden, cache, torch.arange(5))
+    rope = [r for r in records if r.pass_name == PASS]
+    assert [r.fused for r in rope] == [fuses], [r.detail for r in rope]
+    assert diff < 1e-5
+    if not fuses:
+        assert "computed from the query/key the fused op rotates in place" in rope[0].detail
+
