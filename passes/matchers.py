@@ -134,6 +134,11 @@ def _match_rope_hf(k_root: torch.fx.Node, q_root: torch.fx.Node) -> tuple[RopeMa
             return None, f"key is {form} RoPE but the attention's query is not ({qwhy})"
         if qk["positions"] is not kk["positions"] or qk["cos_sin_cache"] is not kk["cos_sin_cache"]:
             return None, f"query and key are rotated with different positions or cos/sin caches ({form})"
+        xq, xk = fx_utils.val(qk["x"]), fx_utils.val(kk["x"])
+        if xq is None or xk is None or xq.dtype != qval.dtype or xk.dtype != kval.dtype:
+            # e.g. a bf16 q/k times an fp32 cos_sin_cache: the fused op rotates in q/k's dtype
+            return None, (f"{form} RoPE changes dtype (q/k {getattr(xq, 'dtype', None)}/{getattr(xk, 'dtype', None)}"
+                          f" rotated to {qval.dtype}); the fused op rotates in place in q/k's dtype")
         return RopeMatch(form, is_neox, qk["x"], kk["x"], q_root, k_root, int(kval.shape[2]),
                          positions=kk["positions"], cos_sin_cache=kk["cos_sin_cache"]), ""
     return None, "the cached key is not a RoPE output (" + "; ".join(why) + ")"

@@ -540,3 +540,19 @@ def test_value_from_the_unrotated_qk_matches_eager(value, fuses):
     if not fuses:
         assert "computed from the query/key the fused op rotates in place" in rope[0].detail
 
+
+def test_bf16_qk_rotated_by_an_fp32_table_does_not_fuse():
+    """q/k bf16, ``cos_sin_cache`` fp32: the rotation promotes to fp32 (q, k and the cached key in
+    fp32); the fused op would rotate in place in bf16 (and reject the bf16 key with an fp32 v)."""
+    from inductor_rocm_attn.passes import forms
+
+    name = "rope_fp32_table.attn"
+
+    def block(qkv, cache, positions):
+        q, k, v = (x.reshape(-1, x.shape[1] // 32, 32) for x in qkv.split([128, 64, 64], -1))
+        return _attend(forms.rope_neox_hf(q, cache, positions), forms.rope_neox_hf(k, cache, positions), v.float(),
+                       name)
+
+    c = capture(block, torch.randn(5, 256, dtype=torch.bfloat16), torch.randn(64, 32), torch.arange(5))
+    assert c.count(PASS) == 0 and c.after == c.before
+    assert any("RoPE changes dtype" in r for r in c.reasons(PASS)), c.reasons(PASS)
