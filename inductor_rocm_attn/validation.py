@@ -189,6 +189,16 @@ def check_index_layout(op: str, **tensors: torch.Tensor | None) -> None:
                              f"dense rows), got strides {t.stride()}; pass {name}.contiguous()")
 
 
+def check_norm_weight_layout(op: str, **weights: torch.Tensor | None) -> None:
+    """RMSNorm weights ``[head_size]``: the Triton kernels read channel d at offset d, so a
+    strided view (e.g. a column of a stacked ``[head_size, 2]`` q/k weight) would give them
+    other channels' weights."""
+    for name, w in weights.items():
+        if w is not None and w.numel() > 1 and w.stride(-1) != 1:
+            raise ValueError(f"{op}: {name} must be contiguous (the kernels read channel d at offset d), got "
+                             f"stride {w.stride(-1)}; pass {name}.contiguous()")
+
+
 def check_channel_stride(op: str, **tensors: torch.Tensor | None) -> None:
     """The attention kernels read each head's channels as one dense vector."""
     for name, t in tensors.items():
@@ -562,6 +572,7 @@ def check_qk_norm_rope(op: str, qkv: torch.Tensor, q_weight: torch.Tensor, k_wei
         if w.shape != (head_size,):
             raise ValueError(f"{op}: {name} must be [head_size] = [{head_size}], got {tuple(w.shape)}")
         check_float_tensor(op, name, w)
+    check_norm_weight_layout(op, q_weight=q_weight, k_weight=k_weight)
     check_float_tensor(op, "cos_sin_cache", cos_sin_cache)
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] > head_size or cos_sin_cache.shape[1] % 2:
         raise ValueError(f"{op}: cos_sin_cache must be [max_position, rot_dim <= {head_size}]")
@@ -639,5 +650,6 @@ def check_rope_cos_sin(op: str, query: torch.Tensor, key: torch.Tensor, value: t
             raise ValueError(f"{op}: {name} must be [head_size] = [{d}], got {tuple(w.shape)}")
         if w is not None:
             check_float_tensor(op, name, w)
+    check_norm_weight_layout(op, q_weight=q_weight, k_weight=k_weight)
     if q_weight is not None and k_weight is not None and q_weight.dtype != k_weight.dtype:
         raise ValueError(f"{op}: q_weight dtype {q_weight.dtype} != k_weight dtype {k_weight.dtype}")

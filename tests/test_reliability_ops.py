@@ -395,3 +395,31 @@ def test_qk_norm_writer_checks_the_devices_of_cache_scales_and_outputs():
                 c.kv_cache, c.slot_mapping, args["k_scale"], c.v_scale, False, 4, 2, D, args["q_out"],
                 torch.empty(t, 2, D))
     assert unchanged(before, c.kv_cache, q_out)
+
+
+# --- strides, aliasing and scale shapes (audit 4) ----------------------------------------------
+
+
+def test_qk_norm_writers_refuse_strided_norm_weights():
+    """The Triton QK-norm kernels read weight channel d at offset d: a strided q_weight /
+    k_weight (a column of a stacked [D, 2] q/k weight) gave them other channels' weights
+    (measured in the interpreter: q off by up to 17, the cached K with it) while the reference
+    honoured the strides. Refused on both writers, naming the fix."""
+    c = _case()
+    t = c.query.shape[0]
+    stacked = torch.randn(D, 2)
+    w = stacked[:, 0]  # stride 2
+    q, k = c.query.clone(), c.key.clone()
+    q_out = torch.full((t, 4, D), 3.0)
+    before = snapshot(q, k, q_out, c.kv_cache)
+    with pytest.raises(ValueError, match=r"rocm_attn\.qk_norm_rope_and_cache: q_weight must be contiguous \(the "
+                                         r"kernels read channel d at offset d\), got stride 2; pass "
+                                         r"q_weight\.contiguous\(\)"):
+        torch.ops.rocm_attn.qk_norm_rope_and_cache(
+            torch.randn(t, 8 * D), w, torch.ones(D), 1e-6, torch.arange(t), _cos_sin(), True, c.kv_cache,
+            c.slot_mapping, c.k_scale, c.v_scale, False, 4, 2, D, q_out, torch.empty(t, 2, D))
+    cos = torch.randn(t, D)
+    with pytest.raises(ValueError, match=r"rocm_attn\.qk_norm_rope_cos_sin_and_cache: k_weight must be contiguous"):
+        torch.ops.rocm_attn.qk_norm_rope_cos_sin_and_cache(q, k, c.value, torch.ones(D), w, 1e-6, cos, cos, True,
+                                                           c.kv_cache, c.slot_mapping, c.k_scale, c.v_scale)
+    assert unchanged(before, q, k, q_out, c.kv_cache)
