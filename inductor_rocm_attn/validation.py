@@ -207,6 +207,31 @@ def check_channel_stride(op: str, **tensors: torch.Tensor | None) -> None:
                              f"strides {t.stride()}")
 
 
+def check_written(op: str, written: dict, read: dict) -> None:
+    """Tensors an op writes (in place, or its output): none an expanded (stride-0) view, whose
+    rows share memory (the Triton kernels wrote every row into it, the last one won), and none
+    starting at the address of another argument (``written`` or ``read``): the same tensor
+    passed twice, whose result depends on the order the kernels' programs run in (a key
+    rotated twice, a rotated key cached as the value, output rows overwriting keys another
+    tile still reads). Metadata only; views of one buffer that start at other addresses
+    (q/k/v slices of a fused qkv) are not compared."""
+    ptrs = {}
+    for name, t in read.items():
+        if t is not None and t.numel():
+            ptrs.setdefault(t.data_ptr(), name)
+    for name, t in reversed(written.items()):  # the first written name wins in the message
+        if t is None or not t.numel():
+            continue
+        if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+            raise ValueError(f"{op}: {name} is an expanded view (strides {t.stride()}): its rows share memory and "
+                             f"each is written; pass a tensor of its own ({name}.clone())")
+        other = ptrs.get(t.data_ptr())
+        if other is not None:
+            raise ValueError(f"{op}: {name} and {other} are the same memory (the op writes {name} while it reads "
+                             f"{other}); pass separate tensors")
+        ptrs[t.data_ptr()] = name
+
+
 def check_attention_options(op: str, scale: float, sliding_window: int, logits_soft_cap: float) -> None:
     """The kernel-level attention ops' scalars: a positive finite scale, a window of -1 / 0
     (none) or a positive int, a soft cap of 0 (off) or a positive finite number."""

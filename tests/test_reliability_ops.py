@@ -423,3 +423,58 @@ def test_qk_norm_writers_refuse_strided_norm_weights():
         torch.ops.rocm_attn.qk_norm_rope_cos_sin_and_cache(q, k, c.value, torch.ones(D), w, 1e-6, cos, cos, True,
                                                            c.kv_cache, c.slot_mapping, c.k_scale, c.v_scale)
     assert unchanged(before, q, k, q_out, c.kv_cache)
+
+
+def test_written_tensors_must_not_be_expanded():
+    """An expanded (stride-0) output or in-place tensor: the Triton kernels wrote every row into
+    the one memory row (the last won, silently); the reference raised torch's internal-overlap
+    error without the op's name. Refused up front, naming the op and the tensor."""
+    c = _case()
+    t = c.query.shape[0]
+    row = torch.full((1, 4, D), 3.0)
+    before = snapshot(row, c.kv_cache)
+    _attn_rejected(c, r"rocm_attn\.paged_attention: output is an expanded view \(strides \(0, 64, 1\)\): its rows "
+                      r"share memory and each is written; pass a tensor of its own \(output\.clone\(\)\)",
+                   output=row.expand(t, 4, D))
+    with pytest.raises(ValueError, match=r"rocm_attn\.rotary_embedding: query is an expanded view"):
+        torch.ops.rocm_attn.rotary_embedding(torch.arange(t), row.expand(t, 4, D), None, D, _cos_sin(), True)
+    with pytest.raises(ValueError, match=r"rocm_attn\.qk_norm_rope_and_cache: q_out is an expanded view"):
+        torch.ops.rocm_attn.qk_norm_rope_and_cache(
+            torch.randn(t, 8 * D), torch.ones(D), torch.ones(D), 1e-6, torch.arange(t), _cos_sin(), True,
+            c.kv_cache, c.slot_mapping, c.k_scale, c.v_scale, False, 4, 2, D, row.expand(t, 4, D),
+            torch.empty(t, 2, D))
+    assert unchanged(before, row, c.kv_cache)
+
+
+def test_written_tensor_passed_twice():
+    """The same tensor as an in-place/output argument and another argument: the result depended
+    on the provider's order (rotary key=query: rotated twice, the reference and Triton off by 19
+    and 27; rope writers value=key: the reference cached the rotated key as V, Triton's
+    rope_and_cache the unrotated one; paged output=key: Triton's row tiles overwrote keys other
+    tiles still read). Refused; output=query stays allowed (each tile reads its rows first)."""
+    c = make_paged_case([1, 40, 2], [20, 5, 0], num_heads=2, num_kv_heads=2, dtype=torch.float32)
+    t = c.query.shape[0]
+    q, k = c.query.clone(), c.key.clone()
+    before = snapshot(q, k, c.kv_cache)
+    ops = torch.ops.rocm_attn
+    with pytest.raises(ValueError, match=r"rocm_attn\.rotary_embedding: query and key are the same memory \(the op "
+                                         r"writes query while it reads key\); pass separate tensors"):
+        ops.rotary_embedding(torch.arange(t), q, q, D, _cos_sin(64), True)
+    with pytest.raises(ValueError, match=r"rocm_attn\.rope_and_cache: key and value are the same memory"):
+        ops.rope_and_cache(torch.arange(t), q, k, k, c.kv_cache, c.slot_mapping, _cos_sin(64), True, c.k_scale,
+                           c.v_scale, False)
+    cos = torch.randn(t, D)
+    with pytest.raises(ValueError, match=r"rocm_attn\.rope_cos_sin_and_cache: key and value are the same memory"):
+        ops.rope_cos_sin_and_cache(q, k, k, cos, cos, True, c.kv_cache, c.slot_mapping, c.k_scale, c.v_scale)
+    q_out = torch.full((t, 2, D), 3.0)
+    with pytest.raises(ValueError, match=r"rocm_attn\.qk_norm_rope_and_cache: q_out and k_out are the same memory"):
+        ops.qk_norm_rope_and_cache(torch.randn(t, 6 * D), torch.ones(D), torch.ones(D), 1e-6, torch.arange(t),
+                                   _cos_sin(64), True, c.kv_cache, c.slot_mapping, c.k_scale, c.v_scale, False, 2, 2,
+                                   D, q_out, q_out)
+    assert unchanged(before, q, k, c.kv_cache)
+    out = c.key.clone()
+    _attn_rejected(c, r"rocm_attn\.paged_attention: output and key are the same memory", output=out, key=out)
+    want = poison(torch.empty_like(c.query))
+    ops.paged_attention(**_attn_args(c, output=want))
+    ops.paged_attention(**_attn_args(c, output=q, query=q))  # in place over the query: allowed
+    assert torch.equal(q, want)
