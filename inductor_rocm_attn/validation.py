@@ -317,8 +317,10 @@ def check_scales(op: str, **scales: torch.Tensor | None) -> None:
     for name, s in scales.items():
         if s is None:
             continue
-        if s.numel() != 1:
-            raise ValueError(f"{op}: {name} must be a per-tensor scale (1 element), got shape {tuple(s.shape)}")
+        # shape () or (1,): a [1, 1, 1] scale broadcast static_scaled_fp8_quant's output to 3-D
+        if s.numel() != 1 or s.dim() > 1:
+            raise ValueError(f"{op}: {name} must be a per-tensor scale (1 element, shape () or (1,)), got shape "
+                             f"{tuple(s.shape)}")
         if index_checks_on(s.device):
             check_positive_finite(op, name, float(s.reshape(())))
 

@@ -478,3 +478,16 @@ def test_written_tensor_passed_twice():
     ops.paged_attention(**_attn_args(c, output=want))
     ops.paged_attention(**_attn_args(c, output=q, query=q))  # in place over the query: allowed
     assert torch.equal(q, want)
+
+
+def test_per_tensor_scales_are_0d_or_1d():
+    """A one-element scale of more dims broadcast: static_scaled_fp8_quant of a [3, 8] input with
+    a [1, 1, 1] scale returned a [1, 3, 8] tensor, and the reference paged_attention raised a
+    bare torch IndexError on a [1, 1, 1, 1, 1] k_scale. Shape () or (1,) only."""
+    with pytest.raises(ValueError, match=r"rocm_attn\.static_scaled_fp8_quant: scale must be a per-tensor scale \(1 "
+                                         r"element, shape \(\) or \(1,\)\), got shape \(1, 1, 1\)"):
+        torch.ops.rocm_attn.static_scaled_fp8_quant(torch.randn(3, 8), torch.ones(1, 1, 1), torch.float8_e4m3fn)
+    assert torch.ops.rocm_attn.static_scaled_fp8_quant(torch.randn(3, 8), torch.tensor(2.0),
+                                                       torch.float8_e4m3fn).shape == (3, 8)
+    c = make_paged_case([1, 3], [20, 5], dtype=torch.float32, cache_dtype=torch.float8_e4m3fn)
+    _attn_rejected(c, r"rocm_attn\.paged_attention: k_scale must be a per-tensor scale", k_scale=torch.ones(1, 1, 1, 1, 1))
