@@ -214,22 +214,21 @@ def check_written(op: str, written: dict, read: dict) -> None:
     passed twice, whose result depends on the order the kernels' programs run in (a key
     rotated twice, a rotated key cached as the value, output rows overwriting keys another
     tile still reads). Metadata only; views of one buffer that start at other addresses
-    (q/k/v slices of a fused qkv) are not compared."""
-    ptrs = {}
-    for name, t in read.items():
-        if t is not None and t.numel():
-            ptrs.setdefault(t.data_ptr(), name)
+    (q/k/v slices of a fused qkv) are not compared. Runs on every call of the kernel-level
+    ops: the common path is one ``data_ptr`` and one ``stride`` per tensor."""
+    ptrs = {t.data_ptr(): name for name, t in read.items() if t is not None}
     for name, t in reversed(written.items()):  # the first written name wins in the message
-        if t is None or not t.numel():
+        if t is None:
             continue
-        if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+        if 0 in t.stride() and any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
             raise ValueError(f"{op}: {name} is an expanded view (strides {t.stride()}): its rows share memory and "
                              f"each is written; pass a tensor of its own ({name}.clone())")
-        other = ptrs.get(t.data_ptr())
-        if other is not None:
+        ptr = t.data_ptr()
+        other = ptrs.get(ptr)
+        if other is not None and t.numel() and (written.get(other) if other in written else read[other]).numel():
             raise ValueError(f"{op}: {name} and {other} are the same memory (the op writes {name} while it reads "
                              f"{other}); pass separate tensors")
-        ptrs[t.data_ptr()] = name
+        ptrs[ptr] = name
 
 
 def check_attention_options(op: str, scale: float, sliding_window: int, logits_soft_cap: float) -> None:
