@@ -149,6 +149,8 @@ def _paged_attention(output, query, key, value, kv_cache, query_start_loc, seq_l
         max_query_len=max_query_len, max_seq_len=max_seq_len,
     )
     validation.check_attention_options("rocm_attn.paged_attention", scale, sliding_window, logits_soft_cap)
+    # output may be the query (each tile reads its rows before writing them), not key/value
+    validation.check_written("rocm_attn.paged_attention", dict(output=output), dict(key=key, value=value))
     feats = providers.attention_features(
         causal=causal, sliding_window=sliding_window, alibi_slopes=alibi_slopes, sinks=sinks,
         logits_soft_cap=logits_soft_cap, output_scale=output_scale,
@@ -180,6 +182,7 @@ def _paged_attention_fake(output, query, key, value, kv_cache, query_start_loc, 
 def _rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
     op = "rocm_attn.rotary_embedding"
     validation.check_rotary(op, positions, query, key, head_size, cos_sin_cache)
+    validation.check_written(op, dict(query=query, key=key), dict(cos_sin_cache=cos_sin_cache))
     _, fn = providers.select("rotary_embedding", device=query.device, head_size=head_size, dtype=query.dtype,
                              num_tokens=query.shape[0])
     fn(positions, query, key, head_size, cos_sin_cache, is_neox)
@@ -198,6 +201,7 @@ def _rope_and_cache(positions, query, key, value, kv_cache, slot_mapping, cos_si
     head_size = value.shape[-1]
     validation.check_rotary(op, positions, query, key, head_size, cos_sin_cache)
     validation.check_cache_write(op, key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    validation.check_written(op, dict(query=query, key=key), dict(value=value, cos_sin_cache=cos_sin_cache))
     _, fn = providers.select(
         "rope_and_cache", device=query.device, head_size=head_size, dtype=query.dtype,
         kv_cache=kv_cache, interleaved_v=interleaved_v, features=_rope_features(cos_sin_cache, head_size),
@@ -241,6 +245,8 @@ def _qk_norm_rope_and_cache(qkv, q_weight, k_weight, eps, positions, cos_sin_cac
     _check_qk_outputs(op, qkv, q_out, k_out, num_heads, num_kv_heads, head_size)
     validation.check_kv_cache(op, kv_cache, num_kv_heads, head_size)
     validation.check_slot_mapping(op, slot_mapping, kv_cache, qkv.shape[0])
+    # q_out / k_out may be qkv's own q / k slices (each program reads its head before writing it)
+    validation.check_written(op, dict(q_out=q_out, k_out=k_out), {})
     _, fn = providers.select(
         "qk_norm_rope_and_cache", device=qkv.device, head_size=head_size, dtype=qkv.dtype,
         kv_cache=kv_cache, interleaved_v=interleaved_v, features=_rope_features(cos_sin_cache, head_size),
@@ -275,6 +281,7 @@ def _rope_cos_sin_and_cache(query, key, value, cos, sin, is_neox, kv_cache, slot
     op = "rocm_attn.rope_cos_sin_and_cache"
     validation.check_rope_cos_sin(op, query, key, value, cos, sin)
     validation.check_cache_write(op, key.view(value.shape), value, kv_cache, slot_mapping, k_scale, v_scale)
+    validation.check_written(op, dict(query=query, key=key), dict(value=value, cos=cos, sin=sin))
     fn = _select_cos_sin_writer("rope_cos_sin_and_cache", query, value, kv_cache, cos, interleaved_v)
     fn(query, key, value, cos, sin, is_neox, kv_cache, slot_mapping, k_scale, v_scale, interleaved_v)
 
@@ -294,6 +301,8 @@ def _qk_norm_rope_cos_sin_and_cache(query, key, value, q_weight, k_weight, eps, 
     validation.check_rope_cos_sin(op, query, key, value, cos, sin, q_weight, k_weight)
     validation.check_eps(op, eps)
     validation.check_cache_write(op, key.view(value.shape), value, kv_cache, slot_mapping, k_scale, v_scale)
+    validation.check_written(op, dict(query=query, key=key), dict(value=value, cos=cos, sin=sin, q_weight=q_weight,
+                                                                  k_weight=k_weight))
     fn = _select_cos_sin_writer("qk_norm_rope_cos_sin_and_cache", query, value, kv_cache, cos, interleaved_v)
     fn(query, key, value, q_weight, k_weight, eps, cos, sin, is_neox, kv_cache, slot_mapping, k_scale, v_scale,
        interleaved_v, gemma_norm=gemma_norm)

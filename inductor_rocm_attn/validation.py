@@ -189,12 +189,46 @@ def check_index_layout(op: str, **tensors: torch.Tensor | None) -> None:
                              f"dense rows), got strides {t.stride()}; pass {name}.contiguous()")
 
 
+def check_norm_weight_layout(op: str, **weights: torch.Tensor | None) -> None:
+    """RMSNorm weights ``[head_size]``: the Triton kernels read channel d at offset d, so a
+    strided view (e.g. a column of a stacked ``[head_size, 2]`` q/k weight) would give them
+    other channels' weights."""
+    for name, w in weights.items():
+        if w is not None and w.numel() > 1 and w.stride(-1) != 1:
+            raise ValueError(f"{op}: {name} must be contiguous (the kernels read channel d at offset d), got "
+                             f"stride {w.stride(-1)}; pass {name}.contiguous()")
+
+
 def check_channel_stride(op: str, **tensors: torch.Tensor | None) -> None:
     """The attention kernels read each head's channels as one dense vector."""
     for name, t in tensors.items():
         if t is not None and t.numel() > 1 and t.stride(-1) != 1:
             raise ValueError(f"{op}: {name} must have unit stride along head_size (any other strides work), got "
                              f"strides {t.stride()}")
+
+
+def check_written(op: str, written: dict, read: dict) -> None:
+    """Tensors an op writes (in place, or its output): none an expanded (stride-0) view, whose
+    rows share memory (the Triton kernels wrote every row into it, the last one won), and none
+    starting at the address of another argument (``written`` or ``read``): the same tensor
+    passed twice, whose result depends on the order the kernels' programs run in (a key
+    rotated twice, a rotated key cached as the value, output rows overwriting keys another
+    tile still reads). Metadata only; views of one buffer that start at other addresses
+    (q/k/v slices of a fused qkv) are not compared. Runs on every call of the kernel-level
+    ops: the common path is one ``data_ptr`` and one ``stride`` per tensor."""
+    ptrs = {t.data_ptr(): name for name, t in read.items() if t is not None}
+    for name, t in reversed(written.items()):  # the first written name wins in the message
+        if t is None:
+            continue
+        if 0 in t.stride() and any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+            raise ValueError(f"{op}: {name} is an expanded view (strides {t.stride()}): its rows share memory and "
+                             f"each is written; pass a tensor of its own ({name}.clone())")
+        ptr = t.data_ptr()
+        other = ptrs.get(ptr)
+        if other is not None and t.numel() and (written.get(other) if other in written else read[other]).numel():
+            raise ValueError(f"{op}: {name} and {other} are the same memory (the op writes {name} while it reads "
+                             f"{other}); pass separate tensors")
+        ptrs[ptr] = name
 
 
 def check_attention_options(op: str, scale: float, sliding_window: int, logits_soft_cap: float) -> None:
@@ -282,8 +316,10 @@ def check_scales(op: str, **scales: torch.Tensor | None) -> None:
     for name, s in scales.items():
         if s is None:
             continue
-        if s.numel() != 1:
-            raise ValueError(f"{op}: {name} must be a per-tensor scale (1 element), got shape {tuple(s.shape)}")
+        # shape () or (1,): a [1, 1, 1] scale broadcast static_scaled_fp8_quant's output to 3-D
+        if s.numel() != 1 or s.dim() > 1:
+            raise ValueError(f"{op}: {name} must be a per-tensor scale (1 element, shape () or (1,)), got shape "
+                             f"{tuple(s.shape)}")
         if index_checks_on(s.device):
             check_positive_finite(op, name, float(s.reshape(())))
 
@@ -562,6 +598,7 @@ def check_qk_norm_rope(op: str, qkv: torch.Tensor, q_weight: torch.Tensor, k_wei
         if w.shape != (head_size,):
             raise ValueError(f"{op}: {name} must be [head_size] = [{head_size}], got {tuple(w.shape)}")
         check_float_tensor(op, name, w)
+    check_norm_weight_layout(op, q_weight=q_weight, k_weight=k_weight)
     check_float_tensor(op, "cos_sin_cache", cos_sin_cache)
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] > head_size or cos_sin_cache.shape[1] % 2:
         raise ValueError(f"{op}: cos_sin_cache must be [max_position, rot_dim <= {head_size}]")
@@ -639,5 +676,6 @@ def check_rope_cos_sin(op: str, query: torch.Tensor, key: torch.Tensor, value: t
             raise ValueError(f"{op}: {name} must be [head_size] = [{d}], got {tuple(w.shape)}")
         if w is not None:
             check_float_tensor(op, name, w)
+    check_norm_weight_layout(op, q_weight=q_weight, k_weight=k_weight)
     if q_weight is not None and k_weight is not None and q_weight.dtype != k_weight.dtype:
         raise ValueError(f"{op}: q_weight dtype {q_weight.dtype} != k_weight dtype {k_weight.dtype}")

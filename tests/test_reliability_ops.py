@@ -395,3 +395,99 @@ def test_qk_norm_writer_checks_the_devices_of_cache_scales_and_outputs():
                 c.kv_cache, c.slot_mapping, args["k_scale"], c.v_scale, False, 4, 2, D, args["q_out"],
                 torch.empty(t, 2, D))
     assert unchanged(before, c.kv_cache, q_out)
+
+
+# --- strides, aliasing and scale shapes (audit 4) ----------------------------------------------
+
+
+def test_qk_norm_writers_refuse_strided_norm_weights():
+    """The Triton QK-norm kernels read weight channel d at offset d: a strided q_weight /
+    k_weight (a column of a stacked [D, 2] q/k weight) gave them other channels' weights
+    (measured in the interpreter: q off by up to 17, the cached K with it) while the reference
+    honoured the strides. Refused on both writers, naming the fix."""
+    c = _case()
+    t = c.query.shape[0]
+    stacked = torch.randn(D, 2)
+    w = stacked[:, 0]  # stride 2
+    q, k = c.query.clone(), c.key.clone()
+    q_out = torch.full((t, 4, D), 3.0)
+    before = snapshot(q, k, q_out, c.kv_cache)
+    with pytest.raises(ValueError, match=r"rocm_attn\.qk_norm_rope_and_cache: q_weight must be contiguous \(the "
+                                         r"kernels read channel d at offset d\), got stride 2; pass "
+                                         r"q_weight\.contiguous\(\)"):
+        torch.ops.rocm_attn.qk_norm_rope_and_cache(
+            torch.randn(t, 8 * D), w, torch.ones(D), 1e-6, torch.arange(t), _cos_sin(), True, c.kv_cache,
+            c.slot_mapping, c.k_scale, c.v_scale, False, 4, 2, D, q_out, torch.empty(t, 2, D))
+    cos = torch.randn(t, D)
+    with pytest.raises(ValueError, match=r"rocm_attn\.qk_norm_rope_cos_sin_and_cache: k_weight must be contiguous"):
+        torch.ops.rocm_attn.qk_norm_rope_cos_sin_and_cache(q, k, c.value, torch.ones(D), w, 1e-6, cos, cos, True,
+                                                           c.kv_cache, c.slot_mapping, c.k_scale, c.v_scale)
+    assert unchanged(before, q, k, q_out, c.kv_cache)
+
+
+def test_written_tensors_must_not_be_expanded():
+    """An expanded (stride-0) output or in-place tensor: the Triton kernels wrote every row into
+    the one memory row (the last won, silently); the reference raised torch's internal-overlap
+    error without the op's name. Refused up front, naming the op and the tensor."""
+    c = _case()
+    t = c.query.shape[0]
+    row = torch.full((1, 4, D), 3.0)
+    before = snapshot(row, c.kv_cache)
+    _attn_rejected(c, r"rocm_attn\.paged_attention: output is an expanded view \(strides \(0, 64, 1\)\): its rows "
+                      r"share memory and each is written; pass a tensor of its own \(output\.clone\(\)\)",
+                   output=row.expand(t, 4, D))
+    with pytest.raises(ValueError, match=r"rocm_attn\.rotary_embedding: query is an expanded view"):
+        torch.ops.rocm_attn.rotary_embedding(torch.arange(t), row.expand(t, 4, D), None, D, _cos_sin(), True)
+    with pytest.raises(ValueError, match=r"rocm_attn\.qk_norm_rope_and_cache: q_out is an expanded view"):
+        torch.ops.rocm_attn.qk_norm_rope_and_cache(
+            torch.randn(t, 8 * D), torch.ones(D), torch.ones(D), 1e-6, torch.arange(t), _cos_sin(), True,
+            c.kv_cache, c.slot_mapping, c.k_scale, c.v_scale, False, 4, 2, D, row.expand(t, 4, D),
+            torch.empty(t, 2, D))
+    assert unchanged(before, row, c.kv_cache)
+
+
+def test_written_tensor_passed_twice():
+    """The same tensor as an in-place/output argument and another argument: the result depended
+    on the provider's order (rotary key=query: rotated twice, the reference and Triton off by 19
+    and 27; rope writers value=key: the reference cached the rotated key as V, Triton's
+    rope_and_cache the unrotated one; paged output=key: Triton's row tiles overwrote keys other
+    tiles still read). Refused; output=query stays allowed (each tile reads its rows first)."""
+    c = make_paged_case([1, 40, 2], [20, 5, 0], num_heads=2, num_kv_heads=2, dtype=torch.float32)
+    t = c.query.shape[0]
+    q, k = c.query.clone(), c.key.clone()
+    before = snapshot(q, k, c.kv_cache)
+    ops = torch.ops.rocm_attn
+    with pytest.raises(ValueError, match=r"rocm_attn\.rotary_embedding: query and key are the same memory \(the op "
+                                         r"writes query while it reads key\); pass separate tensors"):
+        ops.rotary_embedding(torch.arange(t), q, q, D, _cos_sin(64), True)
+    with pytest.raises(ValueError, match=r"rocm_attn\.rope_and_cache: key and value are the same memory"):
+        ops.rope_and_cache(torch.arange(t), q, k, k, c.kv_cache, c.slot_mapping, _cos_sin(64), True, c.k_scale,
+                           c.v_scale, False)
+    cos = torch.randn(t, D)
+    with pytest.raises(ValueError, match=r"rocm_attn\.rope_cos_sin_and_cache: key and value are the same memory"):
+        ops.rope_cos_sin_and_cache(q, k, k, cos, cos, True, c.kv_cache, c.slot_mapping, c.k_scale, c.v_scale)
+    q_out = torch.full((t, 2, D), 3.0)
+    with pytest.raises(ValueError, match=r"rocm_attn\.qk_norm_rope_and_cache: q_out and k_out are the same memory"):
+        ops.qk_norm_rope_and_cache(torch.randn(t, 6 * D), torch.ones(D), torch.ones(D), 1e-6, torch.arange(t),
+                                   _cos_sin(64), True, c.kv_cache, c.slot_mapping, c.k_scale, c.v_scale, False, 2, 2,
+                                   D, q_out, q_out)
+    assert unchanged(before, q, k, c.kv_cache)
+    out = c.key.clone()
+    _attn_rejected(c, r"rocm_attn\.paged_attention: output and key are the same memory", output=out, key=out)
+    want = poison(torch.empty_like(c.query))
+    ops.paged_attention(**_attn_args(c, output=want))
+    ops.paged_attention(**_attn_args(c, output=q, query=q))  # in place over the query: allowed
+    assert torch.equal(q, want)
+
+
+def test_per_tensor_scales_are_0d_or_1d():
+    """A one-element scale of more dims broadcast: static_scaled_fp8_quant of a [3, 8] input with
+    a [1, 1, 1] scale returned a [1, 3, 8] tensor, and the reference paged_attention raised a
+    bare torch IndexError on a [1, 1, 1, 1, 1] k_scale. Shape () or (1,) only."""
+    with pytest.raises(ValueError, match=r"rocm_attn\.static_scaled_fp8_quant: scale must be a per-tensor scale \(1 "
+                                         r"element, shape \(\) or \(1,\)\), got shape \(1, 1, 1\)"):
+        torch.ops.rocm_attn.static_scaled_fp8_quant(torch.randn(3, 8), torch.ones(1, 1, 1), torch.float8_e4m3fn)
+    assert torch.ops.rocm_attn.static_scaled_fp8_quant(torch.randn(3, 8), torch.tensor(2.0),
+                                                       torch.float8_e4m3fn).shape == (3, 8)
+    c = make_paged_case([1, 3], [20, 5], dtype=torch.float32, cache_dtype=torch.float8_e4m3fn)
+    _attn_rejected(c, r"rocm_attn\.paged_attention: k_scale must be a per-tensor scale", k_scale=torch.ones(1, 1, 1, 1, 1))
