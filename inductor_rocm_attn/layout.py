@@ -194,17 +194,18 @@ def allocate_kv_cache(
     return torch.empty((g, nb, bs, hd), dtype=spec.dtype, device=device).transpose(0, 1)
 
 
-def cache_layout_of(kv_cache: torch.Tensor) -> CacheLayout:
-    """Which physical layout a logical-shape cache tensor has (read from its strides)."""
+def cache_layout_of(kv_cache: torch.Tensor, op: str = "rocm_attn") -> CacheLayout:
+    """Which physical layout a logical-shape cache tensor has (read from its strides); ``op``
+    names the caller in the errors."""
     if kv_cache.dim() != 4 or kv_cache.shape[1] != 2:
         raise ValueError(
-            "rocm_attn: kv_cache must have logical shape "
+            f"{op}: kv_cache must have logical shape "
             f"[num_blocks, 2, block_size, num_kv_heads*head_size], got {tuple(kv_cache.shape)}"
         )
     page = kv_cache.shape[2] * kv_cache.shape[3]
     s0, s1, s2, s3 = kv_cache.stride()
     if s3 != 1 or s2 != kv_cache.shape[3]:
-        raise ValueError(f"rocm_attn: kv_cache pages must be contiguous, got strides {kv_cache.stride()}")
+        raise ValueError(f"{op}: kv_cache pages must be contiguous, got strides {kv_cache.stride()}")
     # LBHNC: the V page follows the K page; the block stride is 2 pages, or more in a hybrid
     # attention/Mamba cache whose blocks also hold other state after the two pages.
     if s1 == page and (s0 >= 2 * page or kv_cache.shape[0] == 1):
@@ -212,7 +213,7 @@ def cache_layout_of(kv_cache: torch.Tensor) -> CacheLayout:
     if s0 == page and s1 == kv_cache.shape[0] * page:
         return CacheLayout.LHBNC
     raise ValueError(
-        f"rocm_attn: kv_cache strides {kv_cache.stride()} match neither LHBNC nor LBHNC: LHBNC "
+        f"{op}: kv_cache strides {kv_cache.stride()} match neither LHBNC nor LBHNC: LHBNC "
         f"has strides ({page}, num_blocks * {page}, ...), LBHNC (a block stride >= {2 * page}, "
         f"{page}, ...), for a page of block_size * num_kv_heads * head_size = {page} elements"
     )

@@ -260,7 +260,7 @@ def check_kv_cache_dtype(op: str, kv_cache: torch.Tensor) -> None:
 
 
 def check_kv_cache(op: str, kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> None:
-    cache_layout_of(kv_cache)  # raises on a bad shape or stride pattern
+    cache_layout_of(kv_cache, op)  # raises on a bad shape or stride pattern
     check_kv_cache_dtype(op, kv_cache)
     _, _, block_size, hd = kv_cache.shape
     capabilities.check_block_size(block_size, op)
@@ -512,6 +512,7 @@ def check_paged_attention(
             raise ValueError(f"{op}: value dtype {value.dtype} != key dtype {key.dtype}")
         num_kv_heads = key.shape[1]
     else:
+        cache_layout_of(kv_cache, op)  # its rank, before the head count is read from it
         num_kv_heads = kv_cache.shape[3] // head_size
     if num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise ValueError(f"{op}: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
@@ -600,8 +601,11 @@ def check_qk_norm_rope(op: str, qkv: torch.Tensor, q_weight: torch.Tensor, k_wei
         check_float_tensor(op, name, w)
     check_norm_weight_layout(op, q_weight=q_weight, k_weight=k_weight)
     check_float_tensor(op, "cos_sin_cache", cos_sin_cache)
-    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] > head_size or cos_sin_cache.shape[1] % 2:
-        raise ValueError(f"{op}: cos_sin_cache must be [max_position, rot_dim <= {head_size}]")
+    # rot_dim 0 would skip the rotation silently (rotary_embedding refuses it too)
+    if (cos_sin_cache.dim() != 2 or not 0 < cos_sin_cache.shape[1] <= head_size
+            or cos_sin_cache.shape[1] % 2):
+        raise ValueError(f"{op}: cos_sin_cache must be [max_position, rot_dim] with an even rot_dim in "
+                         f"(0, {head_size}], got {tuple(cos_sin_cache.shape)}")
     _check_positions_tensor(op, positions, qkv.shape[0], cos_sin_cache)
 
 

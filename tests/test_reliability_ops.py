@@ -491,3 +491,27 @@ def test_per_tensor_scales_are_0d_or_1d():
                                                        torch.float8_e4m3fn).shape == (3, 8)
     c = make_paged_case([1, 3], [20, 5], dtype=torch.float32, cache_dtype=torch.float8_e4m3fn)
     _attn_rejected(c, r"rocm_attn\.paged_attention: k_scale must be a per-tensor scale", k_scale=torch.ones(1, 1, 1, 1, 1))
+
+
+@pytest.mark.parametrize("shape", [(4, 16, 128), (4, 2, 16, 128, 1)])
+def test_paged_attention_cache_of_another_rank_names_the_op(shape):
+    """A decode call (key None) read the head count from kv_cache.shape[3] before the cache
+    was checked: a 3-D cache raised a bare IndexError; the shape error named no op."""
+    c = _case()
+    _attn_rejected(c, r"rocm_attn\.paged_attention: kv_cache must have logical shape", exc=ValueError,
+                   key=None, value=None, kv_cache=torch.zeros(shape))
+
+
+def test_qk_norm_writer_refuses_a_table_without_rotary_channels():
+    """A cos_sin_cache of width 0 skipped the rotation silently (rotary_embedding refuses it)."""
+    c = _case()
+    t = c.query.shape[0]
+    qkv = torch.randn(t, (4 + 2 * 2) * D)
+    q_out, k_out = torch.full((t, 4, D), 3.0), torch.full((t, 2, D), 3.0)
+    before = snapshot(q_out, k_out, c.kv_cache)
+    with pytest.raises(ValueError, match=r"rocm_attn\.qk_norm_rope_and_cache: cos_sin_cache must be \[max_position, "
+                                         r"rot_dim\] with an even rot_dim in \(0, 64\], got \(64, 0\)"):
+        torch.ops.rocm_attn.qk_norm_rope_and_cache(qkv, torch.ones(D), torch.ones(D), 1e-6, torch.arange(t),
+                                                   torch.zeros(64, 0), True, c.kv_cache, c.slot_mapping, c.k_scale,
+                                                   c.v_scale, True, 4, 2, D, q_out, k_out)
+    assert unchanged(before, q_out, k_out, c.kv_cache)
