@@ -54,7 +54,8 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Ten
                   at::Tensor seq_lens, at::Tensor block_table, double scale, at::Tensor k_scale, at::Tensor v_scale,
                   int64_t sliding_window, std::optional<at::Tensor> alibi_slopes, std::optional<at::Tensor> sinks,
                   double logits_soft_cap, bool interleaved_v, int64_t num_kv_heads, int64_t num_splits,
-                  int64_t num_warps, int64_t stages, int64_t warp_size, int64_t max_smem, bool tensor_cores) {
+                  int64_t num_warps, int64_t stages, int64_t warp_size, int64_t max_smem, bool tensor_cores,
+                  std::optional<at::Tensor> merge_counters) {
   const c10::cuda::CUDAGuard guard(query.device());
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "rocm_attn native: query/output channels must be contiguous");
   rocm_attn_native::DecodeParams p{};
@@ -67,6 +68,12 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Ten
     part_ml = at::empty({num_seqs, num_heads, num_splits, 2}, f);
     p.part_acc = part_acc.data_ptr<float>();
     p.part_ml = part_ml.data_ptr<float>();
+    if (merge_counters.has_value()) {
+      TORCH_CHECK(merge_counters->scalar_type() == at::kInt && merge_counters->is_contiguous() &&
+                      merge_counters->device() == query.device(),
+                  "rocm_attn native: merge_counters must be contiguous int32 on the query's device");
+      p.merge_counters = merge_counters->data_ptr<int32_t>();
+    }
   }
   p.out = out.data_ptr();
   p.out_stride_t = out.stride(0);

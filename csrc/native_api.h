@@ -41,6 +41,9 @@ struct DecodeParams {
   const float* sinks;          // [num_heads] fp32 or null (natural-log logits)
   float* part_acc;             // [num_seqs, num_heads, num_splits, head_size] when num_splits > 1
   float* part_ml;              // [num_seqs, num_heads, num_splits, 2] (max in log2 units, sum)
+  int32_t* merge_counters;     // null: a second kernel merges the splits; else one zeroed counter
+                               // per (sequence, KV head, head chunk), and the last split CTA of
+                               // each merges them and sets its counter back to 0
   float scale;
   float logits_soft_cap;       // <= 0: off
   int32_t sliding_window;      // <= 0: off; else keys with q_pos - k_pos < sliding_window

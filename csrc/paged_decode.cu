@@ -49,12 +49,16 @@ int launch_decode(const DecodeParams& p, const DecodeConfig& cfg, const DecodeRu
       return fail("paged_decode: could not raise the shared-memory limit to %d bytes", smem);
     limit = smem;
   }
+  if (p.num_splits > 1 && p.merge_counters != nullptr &&
+      static_cast<int>((4 + GT * (p.num_splits + 2)) * sizeof(float)) > smem)
+    return fail("paged_decode: merging %d splits in the last split CTA needs more shared memory than its %d bytes",
+                p.num_splits, smem);
   const ra_grid grid = {static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.num_kv_heads * rt.head_chunks),
                         static_cast<unsigned>(p.num_splits)};
   ra_launch(kernel, grid, static_cast<unsigned>(cfg.num_warps * cfg.warp_size), static_cast<size_t>(smem), stream,
             p, rt, static_cast<int>(cfg.stages));
   if (const char* e = ra_launch_error()) return fail("paged_decode: launch failed: %s", e);
-  if (p.num_splits > 1) {
+  if (p.num_splits > 1 && p.merge_counters == nullptr) {
     const ra_grid rgrid = {static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.num_heads), 1u};
     ra_launch(&paged_decode_reduce_kernel, rgrid, static_cast<unsigned>(kReduceThreads),
               static_cast<size_t>(reduce_smem_bytes(p.num_splits, D)), stream, p, rt.v_factor,

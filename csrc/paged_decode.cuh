@@ -101,6 +101,7 @@ RA_DEVICE float ra_finish(float acc, float m, float l, const float* sinks, int h
 struct DecodeCta {
   int lane, warp, num_warps, seq, kv_head, split, seq_len, q_pos, lo, hi, t_begin, t_end, nh, head_base, n_my;
   int bs_shift;  // log2(block_size) for power-of-two block sizes (the supported 16 and 32), else -1
+  int64_t row;   // (sequence, KV head, head chunk): its splits' merge counter
   int64_t q_row;
   bool active;
 
@@ -115,6 +116,7 @@ struct DecodeCta {
     const int chunk = static_cast<int>(ra_bid_y()) % rt.head_chunks;
     split = static_cast<int>(ra_bid_z());
     bs_shift = (p.block_size & (p.block_size - 1)) == 0 ? ra_log2_pow2(p.block_size) : -1;
+    row = static_cast<int64_t>(seq) * p.num_kv_heads * rt.head_chunks + static_cast<int>(ra_bid_y());
     q_row = ra_load_index(p.query_start_loc, seq, p.query_start_loc_is64);
     active = ra_load_index(p.query_start_loc, seq + 1, p.query_start_loc_is64) - q_row == 1;
     seq_len = active ? static_cast<int>(ra_load_index(p.seq_lens, seq, p.seq_lens_is64)) : 0;
@@ -268,8 +270,74 @@ RA_DEVICE void tile_loop(const DecodeParams& p, const DecodeCta& c, unsigned cha
   }
 }
 
+// With merge_counters: after every thread of the CTA stored its split's partial rows, take a
+// ticket on the CTA row's counter; the CTA with the last ticket merges every split of its heads
+// (the reduce kernel's sums) and sets the counter back to 0 for the next launch (so launches
+// on one device must run in stream order). `smem`: scratch of at least (4 + GT * (S + 2))
+// floats, free once the partials are stored.
+template <int D, int GT>
+RA_DEVICE void merge_if_last_split(const DecodeParams& p, const DecodeCta& c, unsigned char* smem, float v_mul) {
+  const int S = p.num_splits;
+  int* flag = reinterpret_cast<int*>(smem);
+  float* w = reinterpret_cast<float*>(smem) + 4;  // [GT][S] split weights exp2(m_s - max)
+  float* l_all = w + GT * S;                      // [GT] the sums' weighted total
+  float* m_all = l_all + GT;                      // [GT] the max over splits
+  ra_threadfence();  // release: this thread's partial stores before the ticket
+  ra_syncthreads();
+  if (ra_tid() == 0) {
+    int* counter = p.merge_counters + c.row;
+    const int last = ra_atomic_add(counter, 1) == S - 1;
+    if (last) *counter = 0;
+    *flag = last;
+  }
+  ra_syncthreads();
+  if (!*flag) return;
+  ra_threadfence();  // acquire: the other splits' partials, stored before their tickets
+  // 1. A warp per head: max over the splits, then each split's weight and the total sum.
+  for (int h = c.warp; h < c.nh; h += c.num_warps) {
+    const int64_t row0 = (static_cast<int64_t>(c.seq) * p.num_heads + c.head_base + h) * S;
+    float mx = RA_NEG_INF;
+    for (int s = c.lane; s < S; s += RA_WARP_SIZE) {
+      const float m = ra_load_coherent(p.part_ml + (row0 + s) * 2);
+      mx = mx > m ? mx : m;
+    }
+#pragma unroll
+    for (int m = RA_WARP_SIZE / 2; m >= 1; m /= 2) {
+      const float o = ra_shfl_xor(mx, m);
+      mx = mx > o ? mx : o;
+    }
+    const float m_safe = mx == RA_NEG_INF ? 0.0f : mx;  // every split empty: weights 0
+    float l = 0.0f;
+    for (int s = c.lane; s < S; s += RA_WARP_SIZE) {
+      const float f = ra_exp2(ra_load_coherent(p.part_ml + (row0 + s) * 2) - m_safe);
+      w[h * S + s] = f;
+      l += f * ra_load_coherent(p.part_ml + (row0 + s) * 2 + 1);
+    }
+#pragma unroll
+    for (int m = RA_WARP_SIZE / 2; m >= 1; m /= 2) l += ra_shfl_xor(l, m);
+    if (c.lane == 0) {
+      l_all[h] = l;
+      m_all[h] = mx;
+    }
+  }
+  ra_syncthreads();
+  // 2. Each output element: the weighted sum of its splits' accumulators.
+  for (int e = static_cast<int>(ra_tid()); e < c.nh * D; e += static_cast<int>(ra_ntid())) {
+    const int h = e / D, d = e % D;
+    const int head = c.head_base + h;
+    const float* acc = p.part_acc + (static_cast<int64_t>(c.seq) * p.num_heads + head) * S * D + d;
+    float a = 0.0f;
+#pragma unroll 4
+    for (int s = 0; s < S; ++s) a += w[h * S + s] * ra_load_coherent(acc + static_cast<int64_t>(s) * D);
+    const float o = ra_finish(a, m_all[h], l_all[h], p.sinks, head, v_mul);
+    ra_store_model(p.out, c.q_row * p.out_stride_t + static_cast<int64_t>(head) * p.out_stride_h + d, o,
+                   p.model_dtype);
+  }
+}
+
 // After every warp wrote its (acc [GT][D], max, sum) into the merge area and the CTA synced:
-// merge the warps and store the output (one split) or the split's partials.
+// merge the warps and store the output (one split) or the split's partials (then, with merge
+// counters, the last split CTA merges the splits).
 template <int D, int GT>
 RA_DEVICE void merge_and_store(const DecodeParams& p, const DecodeCta& c, const float* m_acc, const float* m_max,
                                const float* m_sum, float v_mul) {
@@ -298,6 +366,10 @@ RA_DEVICE void merge_and_store(const DecodeParams& p, const DecodeCta& c, const 
         p.part_ml[row * 2 + 1] = l;
       }
     }
+  }
+  if (p.num_splits > 1 && p.merge_counters != nullptr) {
+    ra_syncthreads();  // every thread is done reading the merge area: it becomes the scratch
+    merge_if_last_split<D, GT>(p, c, reinterpret_cast<unsigned char*>(const_cast<float*>(m_acc)), v_mul);
   }
 }
 

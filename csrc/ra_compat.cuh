@@ -92,6 +92,23 @@ template <typename T>
 RA_DEVICE T ra_shfl_xor(T v, int mask) { return ra_emu::shfl_xor(v, mask); }
 #endif
 
+// ---- device-wide ordering (the last split program's merge) -----------------------------------
+#if defined(RA_EMULATE)  // CTAs run one after another: program order is enough
+RA_DEVICE void ra_threadfence() {}
+RA_DEVICE int ra_atomic_add(int* p, int v) {
+  const int old = *p;
+  *p = old + v;
+  return old;
+}
+#else
+RA_DEVICE void ra_threadfence() { __threadfence(); }
+RA_DEVICE int ra_atomic_add(int* p, int v) { return atomicAdd(p, v); }
+#endif
+// A read that goes to the device-coherent level (L2), never a stale L1 line: another CTA
+// wrote the value.
+template <typename T>
+RA_DEVICE T ra_load_coherent(const T* p) { return *static_cast<const volatile T*>(p); }
+
 // ---- bit casts and 16-byte vectors --------------------------------------------------------
 #if defined(RA_EMULATE)
 RA_DEVICE float ra_bits_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }

@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 
 from ..layout import cache_layout_of
+from .merge_counters import merge_counters
 
 __all__ = [
     "paged_attention",
@@ -401,6 +402,14 @@ WIDE_GRID_LAUNCH = (1, 3, "wave")  # (num_warps, stages, split_rule)
 NARROW_GRID_SPLIT_RULE = "wave"
 
 
+# How several KV splits are merged: "reduce", a second kernel; "last_split", the last split
+# CTA of each (sequence, KV head, head chunk) to finish, through the ticket counters the Triton
+# decode uses (kernels/merge_counters.py), with no second launch. "reduce" stays the default
+# until "last_split" is measured on a GPU (bench_native.py --variants default last_split).
+SPLIT_MERGES = ("reduce", "last_split")
+DEFAULT_SPLIT_MERGE = "reduce"
+
+
 class DecodeLaunch(NamedTuple):
     num_warps: int
     stages: int
@@ -452,6 +461,7 @@ DECODE_VARIANTS: dict[str, dict] = {
     "w1s3_wave": dict(num_warps=1, stages=3, split_rule="wave"),
     "w1s3_triton": dict(num_warps=1, stages=3, split_rule="triton"),
     "w2s3_wave": dict(num_warps=2, stages=3, split_rule="wave"),
+    "last_split": dict(split_merge="last_split"),
 }
 
 
@@ -584,6 +594,7 @@ def paged_attention(
     stages: int | None = None,
     tensor_cores: bool | None = None,
     split_rule: str | None = None,
+    split_merge: str | None = None,
 ) -> None:
     """Paged decode over the cache (semantics: ``reference.paged_attention`` with query_len 1).
 
@@ -597,8 +608,12 @@ def paged_attention(
     ``num_warps``, ``stages``, ``split_rule`` (``SPLIT_RULES``) override the launch plan
     (``plan_decode``: one warp and one wave of CTAs on wide grids, 4 warps below),
     ``tensor_cores`` the kernel choice (default: the mma kernel on NVIDIA sm_80+, CUDA-core dot
-    products elsewhere).
+    products elsewhere), ``split_merge`` (``SPLIT_MERGES``) how KV splits are merged (default
+    ``DEFAULT_SPLIT_MERGE``).
     """
+    split_merge = DEFAULT_SPLIT_MERGE if split_merge is None else split_merge
+    if split_merge not in SPLIT_MERGES:
+        raise ValueError(f"native paged_attention: split_merge {split_merge!r}; supported: {SPLIT_MERGES}")
     num_kv_heads = check_decode_args(output, query, kv_cache, query_start_loc, seq_lens, block_table,
                                      k_scale, v_scale, alibi_slopes, sinks, output_scale, max_query_len)
     _check_device("paged_attention", query, output=output, kv_cache=kv_cache, query_start_loc=query_start_loc,
@@ -617,10 +632,14 @@ def paged_attention(
                          num_sms=sms, warp_size=warp, max_smem=smem, sm_smem=_sm_smem(query.device.index or 0),
                          num_warps=num_warps, stages=stages, num_splits=num_splits, split_rule=split_rule)
     window = int(sliding_window) if sliding_window is not None and sliding_window > 0 else 0
+    counters = None
+    if launch.num_splits > 1 and split_merge == "last_split":  # None while a capture would grow it
+        counters = merge_counters(query.device, num_seqs * num_kv_heads * -(-gqa // heads_per_cta(gqa)))
     _module().paged_decode(
         output, query, kv_cache, query_start_loc, seq_lens, block_table, float(scale), k_scale, v_scale,
         window, _f32(alibi_slopes), _f32(sinks), float(logits_soft_cap or 0.0), bool(interleaved_v),
-        num_kv_heads, launch.num_splits, launch.num_warps, launch.stages, warp, smem, bool(tensor_cores))
+        num_kv_heads, launch.num_splits, launch.num_warps, launch.stages, warp, smem, bool(tensor_cores),
+        counters)
 
 
 def reshape_and_cache(

@@ -398,6 +398,11 @@ FEATURES = [
     ("one_warp_two_stages", dict(num_warps=1, stages=2)),
     ("two_warps_four_stages_split3", dict(num_warps=2, stages=4, num_splits=3)),
     ("bs544", dict(block_size=544, num_splits=2)),
+    # the splits merged by the last split CTA (native.SPLIT_MERGES), not yet the default
+    ("all_features_split7_last_split", dict(sliding_window=500, alibi=True, softcap=8.0, sinks=True, num_splits=7,
+                                            split_merge="last_split")),
+    ("gqa12_chunks_split5_last_split", dict(num_heads=12, num_kv_heads=1, num_splits=5, split_merge="last_split")),
+    ("planned_splits_last_split", dict(split_merge="last_split")),
 ]
 
 

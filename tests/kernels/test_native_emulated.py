@@ -50,7 +50,7 @@ class DecodeParams(ctypes.Structure):  # native_api.h
         ("k_cache", _P), ("v_cache", _P), ("cache_block_stride", _I64),
         ("block_table", _P), ("block_table_stride", _I64), ("seq_lens", _P), ("query_start_loc", _P),
         ("k_scale", _P), ("v_scale", _P), ("alibi_slopes", _P), ("sinks", _P),
-        ("part_acc", _P), ("part_ml", _P),
+        ("part_acc", _P), ("part_ml", _P), ("merge_counters", _P),
         ("scale", _F), ("logits_soft_cap", _F), ("sliding_window", _I32),
         ("num_seqs", _I32), ("num_heads", _I32), ("num_kv_heads", _I32), ("head_size", _I32),
         ("block_size", _I32), ("num_splits", _I32), ("model_dtype", _I32), ("cache_dtype", _I32),
@@ -120,9 +120,11 @@ def _cache_bases(kv_cache):
 def emulated_decode(output, query, kv_cache, query_start_loc, seq_lens, block_table, scale, k_scale,
                     v_scale, sliding_window, alibi_slopes, sinks, logits_soft_cap, interleaved_v, *,
                     warp=32, num_splits=None, num_warps=None, stages=None, split_rule=None, max_seq_len=None,
-                    num_sms=8, max_smem=227 << 10, sm_smem=228 << 10, tensor_cores=False):
+                    num_sms=8, max_smem=227 << 10, sm_smem=228 << 10, tensor_cores=False, split_merge="reduce",
+                    counters=None):
     """native.paged_attention's planning (``native.plan_decode``) + the kernel, on the CPU;
-    returns the launch."""
+    returns the launch. ``split_merge="last_split"``: the splits merged by the last split CTA,
+    through ``counters`` (int32, zeroed; a fresh buffer when None)."""
     num_kv_heads = native.check_decode_args(output, query, kv_cache, query_start_loc, seq_lens,
                                             block_table, k_scale, v_scale, alibi_slopes, sinks, None, 1)
     num_seqs, (_, num_heads, head_size) = seq_lens.shape[0], query.shape
@@ -134,13 +136,18 @@ def emulated_decode(output, query, kv_cache, query_start_loc, seq_lens, block_ta
     num_warps, stages, num_splits = launch.num_warps, launch.stages, launch.num_splits
     part_acc = torch.full((num_seqs, num_heads, num_splits, head_size), float("nan"))
     part_ml = torch.full((num_seqs, num_heads, num_splits, 2), float("nan"))
+    if split_merge == "last_split" and num_splits > 1 and counters is None:
+        gt = native.heads_per_cta(num_heads // num_kv_heads)
+        counters = torch.zeros(num_seqs * num_kv_heads * -(-(num_heads // num_kv_heads) // gt), dtype=torch.int32)
+    elif split_merge != "last_split" or num_splits == 1:
+        counters = None
     slopes = None if alibi_slopes is None else alibi_slopes.float().contiguous()
     sink = None if sinks is None else sinks.float().contiguous()
     kb, vb, bstride = _cache_bases(kv_cache)
     p = DecodeParams(
         _ptr(output), output.stride(0), output.stride(1), _ptr(query), query.stride(0), query.stride(1),
         kb, vb, bstride, _ptr(block_table), block_table.stride(0), _ptr(seq_lens), _ptr(query_start_loc),
-        _ptr(k_scale), _ptr(v_scale), _ptr(slopes), _ptr(sink), _ptr(part_acc), _ptr(part_ml),
+        _ptr(k_scale), _ptr(v_scale), _ptr(slopes), _ptr(sink), _ptr(part_acc), _ptr(part_ml), _ptr(counters),
         scale, logits_soft_cap, sliding_window if sliding_window > 0 else 0,
         num_seqs, num_heads, num_kv_heads, head_size, kv_cache.shape[2], num_splits,
         DTYPE_CODE[query.dtype], DTYPE_CODE[kv_cache.dtype],
@@ -243,6 +250,25 @@ SMS = [8, 132]
 @pytest.mark.parametrize("context_lens,kw", [c[1:] for c in DECODE_CASES], ids=[c[0] for c in DECODE_CASES])
 def test_decode_emulated(context_lens, kw, warp, tensor_cores, num_sms):
     check_decode(context_lens, warp=warp, tensor_cores=tensor_cores, num_sms=num_sms, **kw)
+
+
+SPLIT_CASES = [c for c in DECODE_CASES if c[0] in ("gqa3_splits_all_features", "more_splits_than_tiles",
+                                                   "one_warp_three_stages_wave", "fp8_e4m3_d128",
+                                                   "gqa12_two_head_chunks_int64")]
+
+
+@pytest.mark.parametrize("warp,tensor_cores", KERNELS, ids=["warp32", "warp64", "mma"])
+@pytest.mark.parametrize("context_lens,kw", [c[1:] for c in SPLIT_CASES], ids=[c[0] for c in SPLIT_CASES])
+def test_decode_emulated_last_split_merge(context_lens, kw, warp, tensor_cores):
+    """The splits merged by the last split CTA (no second kernel): the same oracle, every
+    counter back to 0 after the launch, and a second launch over the same counters."""
+    counters = torch.zeros(64, dtype=torch.int32)
+    kw = {"num_splits": 3, **kw}  # the cases that plan one split get 3
+    for _ in range(2):
+        launch = check_decode(context_lens, warp=warp, tensor_cores=tensor_cores, num_sms=8,
+                              split_merge="last_split", counters=counters, **kw)
+        assert int(counters.abs().sum()) == 0
+    assert launch.num_splits > 1
 
 
 def _case_launch(context_lens, kw, warp, num_sms):

@@ -24,6 +24,10 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor  # host-side TMA descriptors
 
 from ...layout import cache_x, fp8_max, is_fp8_dtype, k_view, v_view
+# The last-split merge's ticket counters, shared with the native decode (the tests inspect
+# the buffers through this module).
+from ..merge_counters import _MERGE_COUNTERS, _RETIRED_COUNTERS  # noqa: F401
+from ..merge_counters import merge_counters as _merge_counters
 from .attention_common import TL_DTYPES
 from .configs import (
     INTERPRETER_TARGET, VERIFY_MAX_QUERY_LEN, DecodeConfig, LaunchTarget, PrefillConfig,
@@ -51,29 +55,6 @@ def launch_target(device: torch.device) -> LaunchTarget:
 
 
 _SPLIT_MERGE_CODE = {"reduce": 0, "last_split": 1}  # _paged_decode_kernel's SPLIT_MERGE
-# The ticket counters of DecodeConfig.split_merge == "last_split", one int32 per (sequence, KV
-# head, head chunk), per device. Each launch leaves them 0 (its last split program resets
-# them), so one zeroed buffer serves every launch in stream order. A grown buffer replaces
-# the old one, which is kept: a captured graph may still address it.
-_MERGE_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_RETIRED_COUNTERS: list[torch.Tensor] = []
-
-
-def _merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """At least ``n`` zeroed counters on ``device``; None when they must grow during a CUDA
-    graph capture (an allocation there belongs to the graph's pool)."""
-    buf = _MERGE_COUNTERS.get(device)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    if buf is not None:
-        _RETIRED_COUNTERS.append(buf)
-    buf = torch.zeros(max(1024, triton.next_power_of_2(n)), dtype=torch.int32, device=device)
-    _MERGE_COUNTERS[device] = buf
-    return buf
-
-
 def _pow2_part(n: int) -> int:
     return n & -n
 
