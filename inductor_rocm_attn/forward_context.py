@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from .layer import Attention
 
 __all__ = ["ForwardContext", "set_forward_context", "profiling_run", "get_forward_context",
-           "register_layer", "register_copy", "get_layer", "registered_layers"]
+           "register_layer", "register_copy", "latest_copy_name", "get_layer", "registered_layers"]
 
 # layer_name -> Attention, for every live layer. Weak, so dropping a model frees its names.
 _LAYERS: "weakref.WeakValueDictionary[str, Attention]" = weakref.WeakValueDictionary()
@@ -48,6 +48,9 @@ class ForwardContext:
     layers: "Mapping[str, Attention] | None" = None  # this step's layer table; None: the registry
     profiling: bool = False  # a deliberate profiling run (attn_metadata is None)
 
+
+# original name -> the name of its latest registered copy (``register_copy``)
+_LATEST_COPY: dict[str, str] = {}
 
 _current = ForwardContext()
 _SLOT_PREFIX = "__rocm_attn_slot"  # compilation.dedup.SLOT_PREFIX (not imported: no cycle)
@@ -75,8 +78,15 @@ def register_copy(name: str, layer: "Attention") -> str:
         candidate = f"{name}#copy{n}"
         if candidate not in _LAYERS:
             _LAYERS[candidate] = layer
+            _LATEST_COPY[name] = candidate
             return candidate
     raise AssertionError("unreachable")
+
+
+def latest_copy_name(name: str) -> str:
+    """The name of the latest live copy of the layer named ``name`` (``name`` if none)."""
+    copy_name = _LATEST_COPY.get(name)
+    return copy_name if copy_name is not None and copy_name in _LAYERS else name
 
 
 def get_layer(name: str) -> "Attention":

@@ -13,7 +13,7 @@ from torch import nn
 from . import step_checks
 from .backend import RocmAttentionImpl
 from .capabilities import AttentionType, check_block_size, check_head_size, check_model_dtype
-from .forward_context import register_copy, register_layer
+from .forward_context import latest_copy_name, register_copy, register_layer
 from .layout import CacheLayout, allocate_kv_cache
 from .validation import check_channel_stride, check_positive_finite, check_positive_int
 
@@ -40,7 +40,8 @@ class Attention(nn.Module):
     ``[T, H, D]`` inputs (any strides, unit channel stride) are taken as they are.
 
     A registered layer's copy (``copy.deepcopy``, unpickling) registers itself under its
-    name, or ``name#copyN`` while the original is alive, with its own copy of the cache.
+    name, or ``name#copyN`` while the original is alive, with its own copy of the cache (a
+    sharing layer's copy reads the copy of its target, made with it).
     """
 
     def __init__(
@@ -102,7 +103,13 @@ class Attention(nn.Module):
     def __setstate__(self, state):
         super().__setstate__(state)
         if self.__dict__.get("registered", False):
-            self.layer_name = register_copy(self.layer_name, self)
+            name = self.layer_name
+            self.layer_name = register_copy(name, self)
+            target = self.impl.kv_sharing_target_layer_name
+            if target is not None and self.layer_name != name:
+                # A copy of a sharing layer (renamed: the original is alive) reads the copy of
+                # its target, an earlier layer copied just before it, not the original's cache.
+                self.impl.kv_sharing_target_layer_name = latest_copy_name(target)
 
     # --- cache ----------------------------------------------------------------------------
 

@@ -11,6 +11,8 @@ passes see no write of it to fuse.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -103,6 +105,23 @@ def test_sharing_layer_emits_no_cache_update():
     assert ops[target].count(rocm.unified_kv_cache_update.default) == 1
     assert rocm.unified_kv_cache_update.default not in ops[sharer]
     assert ops[sharer].count(rocm.unified_attention_with_output.default) == 1
+
+
+def test_deepcopy_of_a_sharing_model_reads_its_own_target():
+    """The copy's sharing layer read the original model's target cache (its target name was
+    not renamed with the copy): NaN here, another conversation's keys in real use."""
+    model = _sharing_model("share_copy")
+    ira.bind_kv_caches(model, 8, torch.float32, poison=True)
+    clone = copy.deepcopy(model)
+    target, sharer = (layer.attn for layer in clone.layers)
+    assert sharer.impl.kv_sharing_target_layer_name == target.layer_name == "share_copy.layers.0.attn#copy1"
+    model.layers[0].attn.kv_cache.fill_(float("nan"))  # the original's cache: never read by the copy
+    ids = torch.randint(0, 64, (5,), generator=torch.Generator().manual_seed(2))
+    md = ira.build_attention_metadata([5], [0], [[1]], BLOCK)
+    with ira.set_forward_context(md), torch.no_grad():
+        got = clone(ids, md.positions)
+    torch.testing.assert_close(got, _dense_logits(clone, ids), atol=1e-5, rtol=1e-5)
+    assert ira.bind_kv_caches(clone, 8, torch.float32).keys() == {target.layer_name}
 
 
 @pytest.mark.compile
