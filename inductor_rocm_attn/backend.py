@@ -27,7 +27,16 @@ from .layout import (
     is_fp8_dtype,
 )
 
-__all__ = ["RocmAttentionBackend", "RocmAttentionImpl"]
+__all__ = ["RocmAttentionBackend", "RocmAttentionImpl", "layout_epoch"]
+
+# Counts the V-layout switches of every layer in the process. A captured graph keeps the layout
+# its launches were captured with, so a graph runner compares this once per replay and looks
+# at its own layers only when it moved (``PiecewiseRunner``).
+_layout_epoch = 0
+
+
+def layout_epoch() -> int:
+    return _layout_epoch
 
 _SIZED_OPS = providers.SIZED_OPS
 _NO_SLOTS: dict = {}  # device -> an empty slot_mapping: a writer call that caches nothing
@@ -257,6 +266,8 @@ class RocmAttentionImpl:
         if kv_cache is not None and kv_cache.numel():
             convert_v_layout_(kv_cache, self.num_kv_heads, to_interleaved=enabled)
         self.interleaved_v = enabled
+        global _layout_epoch
+        _layout_epoch += 1
         return True
 
     def _signature(self, op: str, x: torch.Tensor, kv_cache: torch.Tensor, num_tokens: int, *extra) -> tuple:

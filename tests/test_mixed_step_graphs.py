@@ -315,6 +315,39 @@ def test_refused_prepare_keeps_the_previous_step():
         runner.capture(compile_threads=0)
     assert runner.whole_step_shape(md) == StepShape(MIXED, 4, 4, 4)
 
+@pytest.mark.compile
+def test_graphs_refuse_a_v_layout_switched_after_their_capture():
+    """A captured graph keeps the V layout its launches were captured with: a later compile of
+    the same layers that switched them (a second runner with the fusions) left the first
+    runner's graphs writing and reading the old layout, silently. Now a replay refuses until
+    capture() runs again; a switch of another model's layer, or a switch back, is no change."""
+    model, _ = _tiny_pair(num_layers=1, num_blocks=16)
+    runner = compile_piecewise(model, capture_sizes=[1, 2, 4], max_num_seqs=4, max_model_len=64,
+                               graph_backend=RerunGraphBackend())
+    other, _ = _tiny_pair(num_layers=1, num_blocks=16)
+    ids = torch.tensor([5, 6, 7])
+    md = runner.prepare([2, 1], [0, 0], [[0], [1]])
+    want = runner(ids, md).clone()
+    name, layer = next(iter(runner.layers.items()))
+    was = layer.impl.interleaved_v
+    for o in other.modules():
+        if isinstance(o, ira.Attention):
+            o.impl.set_interleaved_v_cache(not o.impl.interleaved_v, o.kv_cache)
+    assert torch.equal(runner(ids, runner.prepare([2, 1], [0, 0], [[0], [1]])), want)
+    layer.impl.set_interleaved_v_cache(not was, layer.kv_cache)
+    md = runner.prepare([2, 1], [0, 0], [[0], [1]])
+    with pytest.raises(RuntimeError, match=rf"the V cache layout of layer '{name}' changed after this runner "
+                                           rf"captured its graphs \(interleaved_v {was} -> {not was}"):
+        runner(ids, md)
+    assert torch.equal(runner(ids, md, use_graphs=False), want)  # no graph: the layers' layout at run time
+    runner.capture()  # (its warm-up's fused write switches the layer back: the writer's run-time guard)
+    assert torch.equal(runner(ids, runner.prepare([2, 1], [0, 0], [[0], [1]])), want)
+    now = layer.impl.interleaved_v
+    layer.impl.set_interleaved_v_cache(not now, layer.kv_cache)
+    with pytest.raises(RuntimeError, match="call runner.capture\\(\\) again"):
+        runner(ids, runner.prepare([2, 1], [0, 0], [[0], [1]]))
+
+
 def test_prepare_plans_fixed_shapes():
     """The plan of a whole-step graph: the step's sequences then empty ones, its tokens then
     padding rows (slot -1), the block table at full width, the fixed hints."""

@@ -56,6 +56,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from inductor_rocm_attn.backend import layout_epoch
 from inductor_rocm_attn.config_checks import check_runner_config
 from inductor_rocm_attn.forward_context import set_forward_context
 from inductor_rocm_attn.layer import attention_layers
@@ -139,6 +140,8 @@ class PiecewiseRunner:
         self._shapes: dict[tuple[str, int], StepShape] = {}
         self._step_md: AttentionMetadata | None = None
         self._step_shape: StepShape | None = None
+        self._layouts: dict[str, bool] | None = None  # the layers' V layouts the graphs were captured with
+        self._layouts_epoch = -1
         compile_model(self)
 
     @property
@@ -259,6 +262,8 @@ class PiecewiseRunner:
             raise ValueError(f"PiecewiseRunner: input_ids {tuple(input_ids.shape)} for a step of {n} tokens: "
                              f"expected [{n}]" + (f" (or [{size}], padded)" if size != n else ""))
         check_token_ids("PiecewiseRunner", input_ids, self.vocab_size)
+        if use_graphs and self._layouts is not None and layout_epoch() != self._layouts_epoch:
+            self._check_layouts()
         self.input_ids[: input_ids.shape[0]].copy_(input_ids, non_blocking=True)
         if use_graphs and metadata is self._step_md:  # a step planned for a whole-step graph
             shape = self._step_shape
@@ -327,8 +332,26 @@ class PiecewiseRunner:
         backend.synchronize()
         self._piece_sizes = frozenset(pieces)
         self._captured = frozenset(pieces | {size for _, size in self._shapes})
+        self._layouts, self._layouts_epoch = self._v_layouts(), layout_epoch()
         self.stats.capture_s = time.perf_counter() - t0
         self._say(f"captured {self.stats.num_captures} graphs in {self.stats.capture_s:.1f} s")
+
+    def _v_layouts(self) -> dict[str, bool]:
+        return {name: layer.impl.interleaved_v for name, layer in self._layers.items()}
+
+    def _check_layouts(self) -> None:
+        """A layer's V layout moved since the capture (another compile of the same layers
+        switched it): the captured launches would write and read the old layout, silently."""
+        now = self._v_layouts()
+        changed = [name for name, v in now.items() if self._layouts.get(name) != v]
+        if changed:
+            name = changed[0]
+            raise RuntimeError(
+                f"PiecewiseRunner: the V cache layout of layer {name!r} changed after this runner captured its "
+                f"graphs (interleaved_v {self._layouts.get(name)} -> {now[name]}, e.g. another compile of the same "
+                f"layers fused it); the graphs would keep the old layout: call runner.capture() again"
+            )
+        self._layouts_epoch = layout_epoch()  # other models' layers moved: nothing to do
 
     def _precompile(self, threads: int) -> None:
         """Run every step the captures below will run once, with Triton launches that only
