@@ -460,3 +460,29 @@ def test_capture_sizes_above_max_model_len():
     with torch.no_grad(), ira.set_forward_context(ref_md):
         expect = ref(ids, ref_md.positions)
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
+
+
+def test_trace_key_covers_plain_object_attributes():
+    """A module attribute that is neither a dataclass nor a transformers config (a
+    ``SimpleNamespace`` of options, an options class): Dynamo bakes the values its forward
+    reads into the trace, so a changed value must key differently; a stored trace of
+    ``scale=1`` served to a model of ``scale=100`` computed with 1, silently."""
+    import types
+
+    from inductor_rocm_attn.compilation import trace_cache as tc
+
+    class Options:  # a plain class, e.g. a model's hand-written config
+        def __init__(self, scale):
+            self.scale = scale
+
+    def key(opts):
+        m = torch.nn.Linear(4, 4)
+        m.opts = opts
+        return tc.trace_key(m, [], None, {})[0]
+
+    ns = types.SimpleNamespace
+    assert key(ns(scale=1.0)) == key(ns(scale=1.0))
+    assert key(ns(scale=1.0)) != key(ns(scale=100.0))
+    assert key(Options(1.0)) == key(Options(1.0))
+    assert key(Options(1.0)) != key(Options(100.0))
+    assert key(Options(1.0)) != key(ns(scale=1.0))  # the class is part of the description
