@@ -486,3 +486,39 @@ def test_trace_key_covers_plain_object_attributes():
     assert key(Options(1.0)) == key(Options(1.0))
     assert key(Options(1.0)) != key(Options(100.0))
     assert key(Options(1.0)) != key(ns(scale=1.0))  # the class is part of the description
+
+
+def test_a_parameter_replaced_or_moved_after_the_compile_is_refused():
+    """The pieces (and graphs) take the compile's parameters at their addresses: a parameter
+    replaced afterwards (load_state_dict(assign=True), a new Parameter) was silently not
+    read, and model.to(dtype) had the compiled code read the new memory as the old dtype.
+    A step checks the first and last parameter; check_parameters() and generate() all."""
+    from inductor_rocm_attn.integrations.batching import generate
+
+    model, _ = decoder_pair(qwen3_config(num_layers=1), num_blocks=8)
+    runner = compile_piecewise(model, capture_sizes=[1, 2], max_model_len=64)
+
+    def step():
+        md = runner.prepare([2], [0], [[0]])
+        return runner(torch.tensor([3, 4]), md).clone()
+
+    before = step()
+    head = model.lm_head.weight
+    model.load_state_dict({"lm_head.weight": torch.zeros_like(head)}, strict=False, assign=True)
+    with pytest.raises(ValueError, match=r"model's lm_head.weight is not the tensor the runner was compiled "
+                                         r"with \(replaced: load_state_dict\(..., assign=True\)"):
+        step()
+    model.lm_head.weight = head
+    torch.testing.assert_close(step(), before, rtol=0, atol=0)
+    qkv = model.layers[0].qkv_proj.weight  # not one a step checks: check_parameters and generate do
+    model.layers[0].qkv_proj.weight = torch.nn.Parameter(qkv.detach().clone())
+    with pytest.raises(ValueError, match=r"model's layers.0.qkv_proj.weight is not the tensor"):
+        runner.check_parameters()
+    with pytest.raises(ValueError, match=r"model's layers.0.qkv_proj.weight is not the tensor"):
+        generate(runner, [[1, 2, 3]], max_new_tokens=2)
+    model.layers[0].qkv_proj.weight = qkv
+    runner.check_parameters()
+    model.to(torch.float64)
+    with pytest.raises(ValueError, match=r"model's embed.weight moved to new memory since the compile \(now "
+                                         r"torch.float64 on cpu, compiled for torch.float32 on cpu"):
+        step()
