@@ -158,7 +158,15 @@ def test_step_inputs_are_checked_before_running(compiled):
         runner(torch.tensor([3, vocab]), md)
     with pytest.raises(ValueError, match=r"input_ids \(3,\) for a step of 2 tokens: expected \[2\]"):
         runner(torch.tensor([3, 4, 5]), md)
-    assert runner(torch.tensor([3, 4]), md).isfinite().all()
+    # a list of ids failed as an AttributeError ('list' object has no attribute 'dim'); a
+    # query_len that is not an int as a TypeError of sum(), naming neither the call nor the entry
+    with pytest.raises(TypeError, match=r"PiecewiseRunner: input_ids must be a 1-D tensor of token ids, got list"):
+        runner([3, 4], md)
+    with pytest.raises(ValueError, match=r"sequence 1 has query_len None, context_len 0; both must be ints >= 0"):
+        runner.prepare([1, None], [0, 0], [[0], [1]])
+    with pytest.raises(TypeError, match=r"PiecewiseRunner.prepare: query_lens must be a sequence of ints"):
+        runner.prepare((q for q in [1, 1]), [0, 0], [[0], [1]])
+    assert runner(torch.tensor([3, 4]), md).isfinite().all()  # the refused calls left the step
     with pytest.raises(ValueError, match=rf"{runner.max_num_seqs + 1} sequences > max_num_seqs {runner.max_num_seqs}"):
         runner.prepare([1] * (runner.max_num_seqs + 1), [1] * (runner.max_num_seqs + 1),
                        [[i] for i in range(runner.max_num_seqs + 1)])

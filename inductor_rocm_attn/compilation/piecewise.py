@@ -209,7 +209,14 @@ class PiecewiseRunner:
         a decode graph, for the mixed graph (``mixed_graphs=True``). ``whole_step``: False
         plans for the piecewise graphs instead; ``"mixed"`` takes the mixed graph also for a
         decode-only step (a check, and a benchmark of what the decode graph saves)."""
-        n = sum(query_lens)
+        if not hasattr(query_lens, "__len__"):  # sum() below would consume a generator
+            raise TypeError(f"PiecewiseRunner.prepare: query_lens must be a sequence of ints (one per sequence), "
+                            f"got {type(query_lens).__name__}")
+        try:
+            n = sum(query_lens)
+        except TypeError:  # an entry that is not an int: the builder's error names it
+            build_attention_metadata(query_lens, context_lens, block_tables, self.block_size)
+            raise
         size = self.padded_size(n)
         shape = self._whole_step_shape(query_lens, n, size, whole_step) if whole_step else None
         # The runner's state changes only once the step is planned: a rejected step leaves the
@@ -262,6 +269,9 @@ class PiecewiseRunner:
         graphs at the same padded size (a check of the graphs: results are bitwise equal)."""
         n = metadata.num_actual_tokens
         size = metadata.slot_mapping.shape[0]
+        if not isinstance(input_ids, torch.Tensor):  # a list failed deep inside as an AttributeError
+            raise TypeError(f"PiecewiseRunner: input_ids must be a 1-D tensor of token ids, got "
+                            f"{type(input_ids).__name__}")
         if metadata is not self._prepared:
             # The buffers hold the latest prepare()'s step: an older metadata would run on it.
             raise ValueError("PiecewiseRunner: the metadata is not the latest runner.prepare(...)'s; prepare "
