@@ -158,7 +158,15 @@ def test_step_inputs_are_checked_before_running(compiled):
         runner(torch.tensor([3, vocab]), md)
     with pytest.raises(ValueError, match=r"input_ids \(3,\) for a step of 2 tokens: expected \[2\]"):
         runner(torch.tensor([3, 4, 5]), md)
-    assert runner(torch.tensor([3, 4]), md).isfinite().all()
+    # a list of ids failed as an AttributeError ('list' object has no attribute 'dim'); a
+    # query_len that is not an int as a TypeError of sum(), naming neither the call nor the entry
+    with pytest.raises(TypeError, match=r"PiecewiseRunner: input_ids must be a 1-D tensor of token ids, got list"):
+        runner([3, 4], md)
+    with pytest.raises(ValueError, match=r"sequence 1 has query_len None, context_len 0; both must be ints >= 0"):
+        runner.prepare([1, None], [0, 0], [[0], [1]])
+    with pytest.raises(TypeError, match=r"PiecewiseRunner.prepare: query_lens must be a sequence of ints"):
+        runner.prepare((q for q in [1, 1]), [0, 0], [[0], [1]])
+    assert runner(torch.tensor([3, 4]), md).isfinite().all()  # the refused calls left the step
     with pytest.raises(ValueError, match=rf"{runner.max_num_seqs + 1} sequences > max_num_seqs {runner.max_num_seqs}"):
         runner.prepare([1] * (runner.max_num_seqs + 1), [1] * (runner.max_num_seqs + 1),
                        [[i] for i in range(runner.max_num_seqs + 1)])
@@ -460,3 +468,65 @@ def test_capture_sizes_above_max_model_len():
     with torch.no_grad(), ira.set_forward_context(ref_md):
         expect = ref(ids, ref_md.positions)
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
+
+
+def test_trace_key_covers_plain_object_attributes():
+    """A module attribute that is neither a dataclass nor a transformers config (a
+    ``SimpleNamespace`` of options, an options class): Dynamo bakes the values its forward
+    reads into the trace, so a changed value must key differently; a stored trace of
+    ``scale=1`` served to a model of ``scale=100`` computed with 1, silently."""
+    import types
+
+    from inductor_rocm_attn.compilation import trace_cache as tc
+
+    class Options:  # a plain class, e.g. a model's hand-written config
+        def __init__(self, scale):
+            self.scale = scale
+
+    def key(opts):
+        m = torch.nn.Linear(4, 4)
+        m.opts = opts
+        return tc.trace_key(m, [], None, {})[0]
+
+    ns = types.SimpleNamespace
+    assert key(ns(scale=1.0)) == key(ns(scale=1.0))
+    assert key(ns(scale=1.0)) != key(ns(scale=100.0))
+    assert key(Options(1.0)) == key(Options(1.0))
+    assert key(Options(1.0)) != key(Options(100.0))
+    assert key(Options(1.0)) != key(ns(scale=1.0))  # the class is part of the description
+
+
+def test_a_parameter_replaced_or_moved_after_the_compile_is_refused():
+    """The pieces (and graphs) take the compile's parameters at their addresses: a parameter
+    replaced afterwards (load_state_dict(assign=True), a new Parameter) was silently not
+    read, and model.to(dtype) had the compiled code read the new memory as the old dtype.
+    A step checks the first and last parameter; check_parameters() and generate() all."""
+    from inductor_rocm_attn.integrations.batching import generate
+
+    model, _ = decoder_pair(qwen3_config(num_layers=1), num_blocks=8)
+    runner = compile_piecewise(model, capture_sizes=[1, 2], max_model_len=64)
+
+    def step():
+        md = runner.prepare([2], [0], [[0]])
+        return runner(torch.tensor([3, 4]), md).clone()
+
+    before = step()
+    head = model.lm_head.weight
+    model.load_state_dict({"lm_head.weight": torch.zeros_like(head)}, strict=False, assign=True)
+    with pytest.raises(ValueError, match=r"model's lm_head.weight is not the tensor the runner was compiled "
+                                         r"with \(replaced: load_state_dict\(..., assign=True\)"):
+        step()
+    model.lm_head.weight = head
+    torch.testing.assert_close(step(), before, rtol=0, atol=0)
+    qkv = model.layers[0].qkv_proj.weight  # not one a step checks: check_parameters and generate do
+    model.layers[0].qkv_proj.weight = torch.nn.Parameter(qkv.detach().clone())
+    with pytest.raises(ValueError, match=r"model's layers.0.qkv_proj.weight is not the tensor"):
+        runner.check_parameters()
+    with pytest.raises(ValueError, match=r"model's layers.0.qkv_proj.weight is not the tensor"):
+        generate(runner, [[1, 2, 3]], max_new_tokens=2)
+    model.layers[0].qkv_proj.weight = qkv
+    runner.check_parameters()
+    model.to(torch.float64)
+    with pytest.raises(ValueError, match=r"model's embed.weight moved to new memory since the compile \(now "
+                                         r"torch.float64 on cpu, compiled for torch.float32 on cpu"):
+        step()

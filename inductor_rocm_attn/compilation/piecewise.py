@@ -143,6 +143,11 @@ class PiecewiseRunner:
         self._layouts: dict[str, bool] | None = None  # the layers' V layouts the graphs were captured with
         self._layouts_epoch = -1
         compile_model(self)
+        # The pieces (and graphs) read the parameters and buffers of the compile, at their
+        # addresses: a step checks the first and last of them (two pointer reads: the model
+        # moved or reloaded as a whole), check_parameters() every one.
+        self._tensor_refs = _tensor_refs(model, self._arg_plan)
+        self._sentinels = self._tensor_refs[:1] + self._tensor_refs[1:][-1:]
 
     @property
     def layers(self) -> dict[str, Any]:
@@ -152,6 +157,14 @@ class PiecewiseRunner:
     @property
     def max_num_seqs(self) -> int:
         return self.buffers.max_num_seqs
+
+    def check_parameters(self) -> None:
+        """Raise if a parameter or buffer the compiled pieces take was replaced or moved since
+        the compile (``model.to(...)``, ``load_state_dict(..., assign=True)``, a new
+        ``Parameter``): the pieces and graphs would read the old tensors, or the new memory as
+        the old dtype. Each step checks the first and last of them; ``capture()`` and
+        ``generate`` all of them."""
+        _check_tensors(self._tensor_refs)
 
     # --- compile --------------------------------------------------------------------------
 
@@ -199,7 +212,14 @@ class PiecewiseRunner:
         a decode graph, for the mixed graph (``mixed_graphs=True``). ``whole_step``: False
         plans for the piecewise graphs instead; ``"mixed"`` takes the mixed graph also for a
         decode-only step (a check, and a benchmark of what the decode graph saves)."""
-        n = sum(query_lens)
+        if not hasattr(query_lens, "__len__"):  # sum() below would consume a generator
+            raise TypeError(f"PiecewiseRunner.prepare: query_lens must be a sequence of ints (one per sequence), "
+                            f"got {type(query_lens).__name__}")
+        try:
+            n = sum(query_lens)
+        except TypeError:  # an entry that is not an int: the builder's error names it
+            build_attention_metadata(query_lens, context_lens, block_tables, self.block_size)
+            raise
         size = self.padded_size(n)
         shape = self._whole_step_shape(query_lens, n, size, whole_step) if whole_step else None
         # The runner's state changes only once the step is planned: a rejected step leaves the
@@ -252,6 +272,9 @@ class PiecewiseRunner:
         graphs at the same padded size (a check of the graphs: results are bitwise equal)."""
         n = metadata.num_actual_tokens
         size = metadata.slot_mapping.shape[0]
+        if not isinstance(input_ids, torch.Tensor):  # a list failed deep inside as an AttributeError
+            raise TypeError(f"PiecewiseRunner: input_ids must be a 1-D tensor of token ids, got "
+                            f"{type(input_ids).__name__}")
         if metadata is not self._prepared:
             # The buffers hold the latest prepare()'s step: an older metadata would run on it.
             raise ValueError("PiecewiseRunner: the metadata is not the latest runner.prepare(...)'s; prepare "
@@ -262,6 +285,7 @@ class PiecewiseRunner:
             raise ValueError(f"PiecewiseRunner: input_ids {tuple(input_ids.shape)} for a step of {n} tokens: "
                              f"expected [{n}]" + (f" (or [{size}], padded)" if size != n else ""))
         check_token_ids("PiecewiseRunner", input_ids, self.vocab_size)
+        _check_tensors(self._sentinels)
         if use_graphs and self._layouts is not None and layout_epoch() != self._layouts_epoch:
             self._check_layouts()
         self.input_ids[: input_ids.shape[0]].copy_(input_ids, non_blocking=True)
@@ -296,6 +320,7 @@ class PiecewiseRunner:
             raise ValueError(f"PiecewiseRunner.capture: num_warmup must be an int >= 0, got {num_warmup!r}")
         if compile_threads is not None:
             check_positive_int("PiecewiseRunner.capture", "compile_threads", compile_threads)
+        self.check_parameters()
         if not self.use_cuda_graphs or not self.capture_sizes:
             return
         t0 = time.perf_counter()
@@ -427,6 +452,35 @@ class PiecewiseRunner:
         if shape is None:
             return None
         return (self._step_graphs if shape.kind == DECODE else self._mixed_graphs)[shape.num_tokens][0]
+
+
+def _tensor_refs(model: nn.Module, plan: list) -> list[tuple]:
+    """Per parameter/buffer the split graph takes: (the dict of the module holding it, its key
+    there, its qualified name, the tensor, its data pointer, dtype and device)."""
+    owners: dict[int, tuple] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for held in (module._parameters, module._buffers):
+            for key, t in held.items():
+                if t is not None:
+                    owners.setdefault(id(t), (held, key, f"{prefix}.{key}" if prefix else key))
+    return [(*owners[id(p[1])], p[1], p[1].data_ptr(), p[1].dtype, p[1].device)
+            for p in plan if p[0] == "param"]
+
+
+def _check_tensors(refs: list[tuple]) -> None:
+    for held, key, name, t, ptr, dtype, device in refs:
+        if held.get(key) is not t:
+            raise ValueError(
+                f"PiecewiseRunner: the model's {name} is not the tensor the runner was compiled with (replaced: "
+                "load_state_dict(..., assign=True) or a new Parameter); the compiled pieces and graphs read the "
+                "compile's tensors: load new weights in place (load_state_dict without assign, or .copy_()) or "
+                "compile the model again")
+        if t.data_ptr() != ptr:
+            raise ValueError(
+                f"PiecewiseRunner: the model's {name} moved to new memory since the compile (now {t.dtype} on "
+                f"{t.device}, compiled for {dtype} on {device}: model.to(...), .half() or .data set); the compiled "
+                "pieces and graphs read the old address as the compile's dtype: compile the model again after "
+                "moving it")
 
 
 def compile_piecewise(

@@ -12,7 +12,8 @@ FX-graph cache as before.
 - the source files Dynamo traced through (``TracingContext.traced_code``, checked by content
   hash at load) and the files defining every module class of the model;
 - the model's structure: each module's class and its plain attributes (numbers, strings,
-  flags, dtypes, enums, dataclass and config objects by value, hook functions by name),
+  flags, dtypes, enums, dataclass and config objects by value, hook functions by name, any
+  other object by its class and public attributes),
   every parameter and buffer's name, shape, stride, dtype, device and ``requires_grad``;
 - the attention layers the ops name (their plain attributes, KV-cache shape and dtype);
 - the traced ``forward`` (its code) and how the runner traces (token count, dynamic dim);
@@ -164,7 +165,16 @@ def _plain(v: Any, depth: int = 0) -> Any:
         return json.dumps(v.to_dict(), sort_keys=True, default=repr)
     if callable(v):
         return f"fn:{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', type(v).__qualname__)}"
-    return None  # other objects: described through their own modules / layers
+    # Any other object (a SimpleNamespace, a hand-written options class): by its class and
+    # public attributes. Dynamo bakes the values forward reads from it into the trace, so
+    # leaving it out served a trace of other values (a needless miss only re-traces).
+    # Private ones are left out: they hold per-process values (transformers'
+    # GenerationConfig keeps its object hash) that would make every start miss.
+    cls = f"{type(v).__module__}.{type(v).__qualname__}"
+    attrs = getattr(v, "__dict__", None)
+    if not isinstance(attrs, dict):
+        return cls
+    return [cls, _plain({k: a for k, a in attrs.items() if not k.startswith("_")}, depth + 1)]
 
 
 def _attributes(obj: Any) -> dict[str, Any]:

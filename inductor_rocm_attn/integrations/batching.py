@@ -122,7 +122,14 @@ def generate(runner, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_to
     Refused before the first step: limits above the runner's, token ids that are not ints or
     not in the vocabulary, and a prompt whose tokens and ``max_new_tokens`` cannot fit the
     runner's ``max_model_len`` or the blocks handed out."""
-    prompts = list(prompts)  # iterated twice (a generator would be empty the second time)
+    try:
+        prompts = list(prompts)  # iterated twice (a generator would be empty the second time)
+    except TypeError:
+        raise TypeError(f"generate: prompts must be a list of prompts (token id lists or 1-D integer tensors), "
+                        f"got {type(prompts).__name__} {prompts!r:.40}") from None
+    check_parameters = getattr(runner, "check_parameters", None)
+    if check_parameters is not None:  # every compiled tensor, once (each step checks two)
+        check_parameters()
     if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     # Every limit is checked against the runner's before the first step: a step the runner

@@ -162,6 +162,8 @@ class EagerRunner:
     def __call__(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         t0 = time.perf_counter()
         n = metadata.positions.shape[0]
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"EagerRunner: input_ids must be a 1-D tensor of token ids, got {type(input_ids).__name__}")
         if input_ids.dim() != 1 or input_ids.shape[0] != n:  # the model's own error names neither
             raise ValueError(f"EagerRunner: input_ids {tuple(input_ids.shape)} for a step of {n} tokens: "
                              f"expected [{n}]")
