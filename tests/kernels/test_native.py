@@ -291,14 +291,21 @@ def test_paged_attention_launches_the_plan(monkeypatch):
                                c.seq_lens, c.block_table, 0.1, c.k_scale, c.v_scale, True, -1, None, None, 0.0,
                                False, None, 1, 4096, **kw)
         (args,) = calls
-        return args[-6], args[-5], args[-4]  # num_splits, num_warps, stages
+        launched.counters = args[-1]  # the last-split merge's counters (None: the reduce kernel)
+        return args[-7], args[-6], args[-5]  # num_splits, num_warps, stages
 
-    assert launched(1) == (32, 4, 3)
+    assert launched(1) == (32, 4, 3) and launched.counters is None
     assert launched(16) == (8, 1, 3)
     assert launched(64) == (2, 1, 3)
     assert launched(16, num_warps=4, stages=3) == (2, 4, 3)
     assert launched(16, split_rule="four_per_sm") == (5, 1, 3)
     assert launched(64, num_splits=4) == (4, 1, 3)
+    assert launched(16, split_merge="last_split") == (8, 1, 3)
+    assert launched.counters.dtype == torch.int32 and launched.counters.numel() >= 16 * 8
+    assert int(launched.counters.abs().sum()) == 0
+    assert launched(64, num_splits=1, split_merge="last_split") == (1, 1, 3) and launched.counters is None
+    with pytest.raises(ValueError, match=r"split_merge 'both'; supported: \('reduce', 'last_split'\)"):
+        launched(16, split_merge="both")
 
 
 # --- GPU ----------------------------------------------------------------------------------
