@@ -29,14 +29,21 @@ from .layout import (
 
 __all__ = ["RocmAttentionBackend", "RocmAttentionImpl", "layout_epoch"]
 
-# Counts the V-layout switches of every layer in the process. A captured graph keeps the layout
-# its launches were captured with, so a graph runner compares this once per replay and looks
-# at its own layers only when it moved (``PiecewiseRunner``).
+# Counts the V-layout switches and KV-cache (re)bindings of every layer in the process. A
+# captured graph keeps the layout and the cache its launches were captured with, so a graph
+# runner compares this once per replay and looks at its own layers only when it moved
+# (``PiecewiseRunner``).
 _layout_epoch = 0
 
 
 def layout_epoch() -> int:
     return _layout_epoch
+
+
+def note_cache_change() -> None:
+    """A layer's V layout or bound KV cache changed."""
+    global _layout_epoch
+    _layout_epoch += 1
 
 _SIZED_OPS = providers.SIZED_OPS
 _NO_SLOTS: dict = {}  # device -> an empty slot_mapping: a writer call that caches nothing
@@ -266,8 +273,7 @@ class RocmAttentionImpl:
         if kv_cache is not None and kv_cache.numel():
             convert_v_layout_(kv_cache, self.num_kv_heads, to_interleaved=enabled)
         self.interleaved_v = enabled
-        global _layout_epoch
-        _layout_epoch += 1
+        note_cache_change()
         return True
 
     def _signature(self, op: str, x: torch.Tensor, kv_cache: torch.Tensor, num_tokens: int, *extra) -> tuple:

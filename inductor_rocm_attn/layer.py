@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from . import step_checks
-from .backend import RocmAttentionImpl
+from .backend import RocmAttentionImpl, note_cache_change
 from .capabilities import AttentionType, check_block_size, check_head_size, check_model_dtype
 from .forward_context import latest_copy_name, register_copy, register_layer
 from .layout import CacheLayout, allocate_kv_cache
@@ -99,6 +99,11 @@ class Attention(nn.Module):
         self.registered = register
         if register:
             register_layer(layer_name, self)
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name == "kv_cache":  # a captured graph keeps the cache it was captured with
+            note_cache_change()
 
     def __setstate__(self, state):
         super().__setstate__(state)

@@ -317,10 +317,11 @@ def test_refused_prepare_keeps_the_previous_step():
 
 @pytest.mark.compile
 def test_graphs_refuse_a_v_layout_switched_after_their_capture():
-    """A captured graph keeps the V layout its launches were captured with: a later compile of
-    the same layers that switched them (a second runner with the fusions) left the first
-    runner's graphs writing and reading the old layout, silently. Now a replay refuses until
-    capture() runs again; a switch of another model's layer, or a switch back, is no change."""
+    """A captured graph keeps the V layout and the cache its launches were captured with: a
+    later compile of the same layers that switched them (a second runner with the fusions) left
+    the first runner's graphs writing and reading the old layout, silently, and so did a cache
+    bound after the capture. Now a replay refuses until capture() runs again; a switch of
+    another model's layer, or a switch back, is no change."""
     model, _ = _tiny_pair(num_layers=1, num_blocks=16)
     runner = compile_piecewise(model, capture_sizes=[1, 2, 4], max_num_seqs=4, max_model_len=64,
                                graph_backend=RerunGraphBackend())
@@ -345,6 +346,13 @@ def test_graphs_refuse_a_v_layout_switched_after_their_capture():
     now = layer.impl.interleaved_v
     layer.impl.set_interleaved_v_cache(not now, layer.kv_cache)
     with pytest.raises(RuntimeError, match="call runner.capture\\(\\) again"):
+        runner(ids, runner.prepare([2, 1], [0, 0], [[0], [1]]))
+    layer.impl.set_interleaved_v_cache(now, layer.kv_cache)
+    # a cache bound after the capture (the graphs keep the old one; on a GPU a new, larger
+    # cache's block ids would reach past it)
+    layer.kv_cache = layer.kv_cache.clone()
+    with pytest.raises(RuntimeError, match=rf"layer '{name}' is bound to another KV cache than when this runner "
+                                           r"captured its graphs; the graphs would keep the old one"):
         runner(ids, runner.prepare([2, 1], [0, 0], [[0], [1]]))
 
 

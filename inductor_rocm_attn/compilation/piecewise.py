@@ -140,7 +140,7 @@ class PiecewiseRunner:
         self._shapes: dict[tuple[str, int], StepShape] = {}
         self._step_md: AttentionMetadata | None = None
         self._step_shape: StepShape | None = None
-        self._layouts: dict[str, bool] | None = None  # the layers' V layouts the graphs were captured with
+        self._layouts: dict[str, tuple[bool, int]] | None = None  # V layouts and caches at the capture
         self._layouts_epoch = -1
         compile_model(self)
         # The pieces (and graphs) read the parameters and buffers of the compile, at their
@@ -361,22 +361,26 @@ class PiecewiseRunner:
         self.stats.capture_s = time.perf_counter() - t0
         self._say(f"captured {self.stats.num_captures} graphs in {self.stats.capture_s:.1f} s")
 
-    def _v_layouts(self) -> dict[str, bool]:
-        return {name: layer.impl.interleaved_v for name, layer in self._layers.items()}
+    def _v_layouts(self) -> dict[str, tuple[bool, int]]:
+        return {name: (layer.impl.interleaved_v, layer.kv_cache.data_ptr()) for name, layer in self._layers.items()}
 
     def _check_layouts(self) -> None:
-        """A layer's V layout moved since the capture (another compile of the same layers
-        switched it): the captured launches would write and read the old layout, silently."""
+        """A layer's V layout or bound cache changed since the capture (another compile of the
+        same layers switched the layout; bind_kv_caches or an assignment rebound the cache):
+        the captured launches would keep the old layout or the old cache, silently (a new
+        cache's block ids could reach past the old one)."""
         now = self._v_layouts()
         changed = [name for name, v in now.items() if self._layouts.get(name) != v]
         if changed:
             name = changed[0]
-            raise RuntimeError(
-                f"PiecewiseRunner: the V cache layout of layer {name!r} changed after this runner captured its "
-                f"graphs (interleaved_v {self._layouts.get(name)} -> {now[name]}, e.g. another compile of the same "
-                f"layers fused it); the graphs would keep the old layout: call runner.capture() again"
-            )
-        self._layouts_epoch = layout_epoch()  # other models' layers moved: nothing to do
+            (was_v, was_ptr), (now_v, now_ptr) = self._layouts.get(name, (None, None)), now[name]
+            what = (f"the V cache layout of layer {name!r} changed after this runner captured its graphs "
+                    f"(interleaved_v {was_v} -> {now_v}, e.g. another compile of the same layers fused it)"
+                    if was_v != now_v else
+                    f"layer {name!r} is bound to another KV cache than when this runner captured its graphs")
+            raise RuntimeError(f"PiecewiseRunner: {what}; the graphs would keep the old one: call runner.capture() "
+                               "again")
+        self._layouts_epoch = layout_epoch()  # other models' layers changed: nothing to do
 
     def _precompile(self, threads: int) -> None:
         """Run every step the captures below will run once, with Triton launches that only
