@@ -107,12 +107,18 @@ class AttnQuantFusionPass(FusionPass):
             if not (base.op == "call_function" and base.target is aten.empty.memory_format and len(base.users) == 1):
                 self.not_fused(layer, "the attention output buffer is not a fresh empty tensor")
                 continue
-            if sv is None or sv.numel() != 1 or not sv.dtype.is_floating_point:
-                self.not_fused(layer, "the quant scale is not a one-element float tensor")
+            # The kernels take an fp32 scale of shape () or (1,). A [1, 1] scale would make the fused
+            # op raise; a bf16/fp16 scale widened in the graph lets Inductor skip its rounding.
+            if sv is None or sv.numel() != 1 or sv.dim() > 1 or sv.dtype != torch.float32:
+                self.not_fused(layer, "the quant scale is not an fp32 tensor of shape () or (1,)")
+                continue
+            rv = fx_utils.val(root)
+            # reshape_like rebuilds the quant's shape from its static trailing dims (a symbolic one
+            # would be specialized, breaking the dynamic token count).
+            if rv is None or rv.dim() < 1 or not all(isinstance(d, int) for d in rv.shape[1:]):
+                self.not_fused(layer, "the quantized view's trailing dims are not static")
                 continue
             with graph.inserting_before(attn):
-                if sv.dtype != torch.float32:  # exact widening; the kernels read an fp32 scale
-                    scale = fx_utils.call(graph, torch.ops.prims.convert_element_type.default, (scale, torch.float32))
                 new_base = fx_utils.call(graph, base.target, base.args, {**base.kwargs, "dtype": fp8})
                 bases = list(kw["_all_bases"])
                 bases[kw.get("_output_base_index", 0)] = new_base
