@@ -300,17 +300,11 @@ RA_DEVICE void ra_load8(const unsigned char* p, float out[8]) {
 
 // Model-dtype scalars (query, output, writer input), chosen at run time: they are touched
 // once per row, not per cache element.
-RA_DEVICE float ra_load_model(const void* p, int64_t i, int dtype) {
-  using rocm_attn_native::DType;
-  if (dtype == static_cast<int>(DType::kBFloat16)) return ra_bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-  if (dtype == static_cast<int>(DType::kFloat16)) return ra_fp16_to_float(static_cast<const uint16_t*>(p)[i]);
-  return static_cast<const float*>(p)[i];
-}
-
-// N values x[index(0)], .. x[index(N - 1)] of the model dtype as floats, with the dtype branch
-// around all the loads: a branch per load (ra_load_model) kept the compiler from issuing them
-// together, and each waited a global round trip for the one before (Nsight Compute, the
-// decode's 32 query loads a lane: about 8 round trips before the first tile).
+//
+// ra_load_model_all: N values x[index(0)], .. x[index(N - 1)] of the model dtype as floats, with the dtype branch
+// around all the loads: with a branch per load the compiler did not issue them together, and
+// each waited a global round trip for the one before (Nsight Compute, the decode's 32 query
+// loads a lane: about 8 round trips before the first tile).
 template <int N, typename Index>
 RA_DEVICE void ra_load_model_all(const void* x, int dtype, float (&v)[N], Index index) {
   using rocm_attn_native::DType;

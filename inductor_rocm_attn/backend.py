@@ -27,23 +27,23 @@ from .layout import (
     is_fp8_dtype,
 )
 
-__all__ = ["RocmAttentionBackend", "RocmAttentionImpl", "layout_epoch"]
+__all__ = ["RocmAttentionBackend", "RocmAttentionImpl", "cache_epoch"]
 
 # Counts the V-layout switches and KV-cache (re)bindings of every layer in the process. A
 # captured graph keeps the layout and the cache its launches were captured with, so a graph
 # runner compares this once per replay and looks at its own layers only when it moved
 # (``PiecewiseRunner``).
-_layout_epoch = 0
+_cache_epoch = 0
 
 
-def layout_epoch() -> int:
-    return _layout_epoch
+def cache_epoch() -> int:
+    return _cache_epoch
 
 
 def note_cache_change() -> None:
     """A layer's V layout or bound KV cache changed."""
-    global _layout_epoch
-    _layout_epoch += 1
+    global _cache_epoch
+    _cache_epoch += 1
 
 _SIZED_OPS = providers.SIZED_OPS
 _NO_SLOTS: dict = {}  # device -> an empty slot_mapping: a writer call that caches nothing

@@ -512,7 +512,8 @@ def check_paged_attention(
             raise ValueError(f"{op}: value dtype {value.dtype} != key dtype {key.dtype}")
         num_kv_heads = key.shape[1]
     else:
-        cache_layout_of(kv_cache, op)  # its rank, before the head count is read from it
+        if kv_cache.dim() != 4:  # its shape error, before the head count is read from it
+            cache_layout_of(kv_cache, op)
         num_kv_heads = kv_cache.shape[3] // head_size
     if num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise ValueError(f"{op}: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")

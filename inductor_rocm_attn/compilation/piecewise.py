@@ -56,7 +56,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from inductor_rocm_attn.backend import layout_epoch
+from inductor_rocm_attn.backend import cache_epoch
 from inductor_rocm_attn.config_checks import check_runner_config
 from inductor_rocm_attn.forward_context import set_forward_context
 from inductor_rocm_attn.layer import attention_layers
@@ -140,8 +140,8 @@ class PiecewiseRunner:
         self._shapes: dict[tuple[str, int], StepShape] = {}
         self._step_md: AttentionMetadata | None = None
         self._step_shape: StepShape | None = None
-        self._layouts: dict[str, tuple[bool, int]] | None = None  # V layouts and caches at the capture
-        self._layouts_epoch = -1
+        self._captured_caches: dict[str, tuple[bool, int]] | None = None  # _cache_states() at the capture
+        self._captured_epoch = -1
         compile_model(self)
         # The pieces (and graphs) read the parameters and buffers of the compile, at their
         # addresses: a step checks the first and last of them (two pointer reads: the model
@@ -286,8 +286,8 @@ class PiecewiseRunner:
                              f"expected [{n}]" + (f" (or [{size}], padded)" if size != n else ""))
         check_token_ids("PiecewiseRunner", input_ids, self.vocab_size)
         _check_tensors(self._sentinels)
-        if use_graphs and self._layouts is not None and layout_epoch() != self._layouts_epoch:
-            self._check_layouts()
+        if use_graphs and self._captured_caches is not None and cache_epoch() != self._captured_epoch:
+            self._check_cache_states()
         self.input_ids[: input_ids.shape[0]].copy_(input_ids, non_blocking=True)
         if use_graphs and metadata is self._step_md:  # a step planned for a whole-step graph
             shape = self._step_shape
@@ -357,30 +357,31 @@ class PiecewiseRunner:
         backend.synchronize()
         self._piece_sizes = frozenset(pieces)
         self._captured = frozenset(pieces | {size for _, size in self._shapes})
-        self._layouts, self._layouts_epoch = self._v_layouts(), layout_epoch()
+        self._captured_caches, self._captured_epoch = self._cache_states(), cache_epoch()
         self.stats.capture_s = time.perf_counter() - t0
         self._say(f"captured {self.stats.num_captures} graphs in {self.stats.capture_s:.1f} s")
 
-    def _v_layouts(self) -> dict[str, tuple[bool, int]]:
+    def _cache_states(self) -> dict[str, tuple[bool, int]]:
+        """Per layer: its V layout and the address of its bound cache."""
         return {name: (layer.impl.interleaved_v, layer.kv_cache.data_ptr()) for name, layer in self._layers.items()}
 
-    def _check_layouts(self) -> None:
+    def _check_cache_states(self) -> None:
         """A layer's V layout or bound cache changed since the capture (another compile of the
         same layers switched the layout; bind_kv_caches or an assignment rebound the cache):
         the captured launches would keep the old layout or the old cache, silently (a new
         cache's block ids could reach past the old one)."""
-        now = self._v_layouts()
-        changed = [name for name, v in now.items() if self._layouts.get(name) != v]
+        now = self._cache_states()
+        changed = [name for name, state in now.items() if self._captured_caches[name] != state]
         if changed:
             name = changed[0]
-            (was_v, was_ptr), (now_v, now_ptr) = self._layouts.get(name, (None, None)), now[name]
+            was_v, now_v = self._captured_caches[name][0], now[name][0]
             what = (f"the V cache layout of layer {name!r} changed after this runner captured its graphs "
                     f"(interleaved_v {was_v} -> {now_v}, e.g. another compile of the same layers fused it)"
                     if was_v != now_v else
                     f"layer {name!r} is bound to another KV cache than when this runner captured its graphs")
             raise RuntimeError(f"PiecewiseRunner: {what}; the graphs would keep the old one: call runner.capture() "
                                "again")
-        self._layouts_epoch = layout_epoch()  # other models' layers changed: nothing to do
+        self._captured_epoch = cache_epoch()  # other models' layers changed: nothing to do
 
     def _precompile(self, threads: int) -> None:
         """Run every step the captures below will run once, with Triton launches that only

@@ -324,7 +324,7 @@ class PagedCache(Cache):
         self._null_block = num_blocks  # zero keys/values: what a one-token padding row reads
         self._layers = paged_layers(model, num_blocks + 1, block_size=block_size, cache_layout=cache_layout,
                                     kv_cache_dtype=kv_cache_dtype, poison=poison, max_seq_len=None)
-        self._max_seq_len = chunk_limit(model)  # checked every step (chunked attention layers)
+        self._chunk_limit = chunk_limit(model)  # checked every step (chunked attention layers)
         for layer in self._layers.values():
             layer.kv_cache[self._null_block].zero_()
         self._allocator = BlockAllocator(num_blocks, block_size)
@@ -526,11 +526,11 @@ class PagedCache(Cache):
     def _plan(self, b: int, t: int, first: list[int], count: list[int]) -> AttentionMetadata:
         """Kernel sequences in token order: per row, padding before / the real run / padding after."""
         longest = max(self._lengths[r] + count[r] for r in range(b))
-        if self._max_seq_len is not None and longest > self._max_seq_len:
+        if self._chunk_limit is not None and longest > self._chunk_limit:
             row = next(r for r in range(b) if self._lengths[r] + count[r] == longest)
             raise NotImplementedError(
                 f"PagedCache: row {row} would hold {longest} tokens, past the attention_chunk_size "
-                f"{self._max_seq_len} of the model's chunked_attention layers; chunked attention is supported "
+                f"{self._chunk_limit} of the model's chunked_attention layers; chunked attention is supported "
                 "only within one chunk"
             )
         blocks = self._allocator.blocks_needed
