@@ -75,6 +75,9 @@ def register() -> None:
 
 
 def _module_window(module) -> int | None:
+    types = getattr(module.config, "layer_types", None)
+    if types and 0 <= module.layer_idx < len(types) and types[module.layer_idx] == "full_attention":
+        return None  # EXAONE 4: sliding_window on every module, passed only on its sliding layers
     if hasattr(module, "sliding_window"):  # Gemma2, Qwen2/3: per layer (None on full layers)
         return module.sliding_window
     # Mistral passes config.sliding_window. A config's 0 means off: Qwen2-MoE stores 0 when
@@ -126,23 +129,27 @@ class LayerSpec:
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def _check_layer_type(module, max_seq_len: int | None) -> None:
-    """``max_seq_len``: the longest sequence the owner of the layers allows (None: it checks
+def _check_layer_types(model: torch.nn.Module, modules: dict[int, torch.nn.Module], max_seq_len: int | None) -> None:
+    """Every entry of ``config.layer_types``, also those of layers without an attention module
+    (hybrid models: mamba, conv, linear-attention layers keep state no paged cache holds).
+    ``max_seq_len``: the longest sequence the owner of the layers allows (None: it checks
     each step against ``chunk_limit``)."""
-    types = getattr(module.config, "layer_types", None)
-    if not types or not 0 <= module.layer_idx < len(types) or types[module.layer_idx] in _LAYER_TYPES:
-        return
-    kind, chunk = types[module.layer_idx], getattr(module.config, "attention_chunk_size", None)
-    where = f"rocm_attn ({type(module).__name__} layer {module.layer_idx})"
-    if kind != "chunked_attention" or not chunk:
-        raise NotImplementedError(f"{where}: config.layer_types has {kind!r} for this layer; supported layer "
-                                  f"types: {', '.join(_LAYER_TYPES)}")
-    if max_seq_len is not None and max_seq_len > chunk:
-        raise NotImplementedError(
-            f"{where}: a chunked_attention layer (attention_chunk_size={chunk}) with sequences of up to "
-            f"{max_seq_len} tokens; chunked attention is supported only within one chunk: at most {chunk} tokens "
-            "a sequence"
-        )
+    config = next(iter(modules.values())).config
+    types = getattr(config, "layer_types", None) or ()
+    for idx, kind in enumerate(types):
+        if kind in _LAYER_TYPES:
+            continue
+        chunk = getattr(config, "attention_chunk_size", None)
+        where = f"rocm_attn ({type(modules[idx] if idx in modules else model).__name__} layer {idx})"
+        if kind != "chunked_attention" or not chunk:
+            raise NotImplementedError(f"{where}: config.layer_types has {kind!r} for this layer; supported layer "
+                                      f"types: {', '.join(_LAYER_TYPES)}")
+        if max_seq_len is not None and max_seq_len > chunk:
+            raise NotImplementedError(
+                f"{where}: a chunked_attention layer (attention_chunk_size={chunk}) with sequences of up to "
+                f"{max_seq_len} tokens; chunked attention is supported only within one chunk: at most {chunk} "
+                "tokens a sequence"
+            )
 
 
 def chunk_limit(model: torch.nn.Module) -> int | None:
@@ -194,6 +201,22 @@ def check_model(model: torch.nn.Module, who: str) -> None:
                          "AttentionInterface (_supports_attention_backend is False)")
 
 
+def check_every_layer_attends(model: torch.nn.Module, who: str) -> None:
+    """Refuse a model with decoder layers that have no attention module (RecurrentGemma's
+    recurrent blocks and other hybrids without ``config.layer_types``): a runner's step mixes
+    sequences in one row, so state such a layer keeps between steps (or none, under
+    ``use_cache=False``) is not per sequence. ``PagedCache`` (one batch, the model's own
+    forward) does not need this."""
+    found = _attention_modules(_decoder(model))
+    total = getattr(model.config, "num_hidden_layers", None)
+    missing = [i for i in range(total or 0) if i not in found]
+    if missing:
+        raise NotImplementedError(
+            f"{who}: decoder layers {missing} of {type(model).__name__} have no attention module (recurrent, "
+            "convolution or linear-attention layers); the runners serve models whose every layer is attention"
+        )
+
+
 def paged_layers(model: torch.nn.Module, num_blocks: int, *, block_size: int = 16,
                  cache_layout: str = "LHBNC", kv_cache_dtype: str = "auto",
                  poison: bool = False, max_seq_len: int | None = -1) -> dict[str, Attention]:
@@ -206,7 +229,8 @@ def paged_layers(model: torch.nn.Module, num_blocks: int, *, block_size: int = 1
     param = next(model.parameters())
     dtype, device = getattr(model, "dtype", param.dtype), getattr(model, "device", param.device)
     layers: dict[str, Attention] = {}
-    for idx, module in sorted(_attention_modules(_decoder(model)).items()):
+    modules = _attention_modules(_decoder(model))
+    for idx, module in sorted(modules.items()):
         spec = LayerSpec.of(module)
         layer = Attention(
             spec.num_heads, spec.head_size, layer_name=layer_name(module), num_kv_heads=spec.num_kv_heads,
@@ -214,7 +238,8 @@ def paged_layers(model: torch.nn.Module, num_blocks: int, *, block_size: int = 1
             kv_cache_dtype=kv_cache_dtype, sliding_window=spec.sliding_window,
             logits_soft_cap=spec.softcap, sinks=spec.sinks, causal=spec.causal, register=False,
         ).to(device)
-        _check_layer_type(module, num_blocks * layer.block_size if max_seq_len == -1 else max_seq_len)
+        if idx == min(modules):
+            _check_layer_types(model, modules, num_blocks * layer.block_size if max_seq_len == -1 else max_seq_len)
         cache = allocate_kv_cache(layer.kv_cache_spec(dtype, device), num_blocks, device)
         if poison:
             cache.view(torch.uint8).fill_(0xFF)

@@ -42,7 +42,7 @@ from ..config_checks import check_runner_config
 from ..forward_context import set_forward_context
 from ..metadata import AttentionMetadata, build_attention_metadata
 from ..validation import check_positive_int, check_token_ids, vocab_size_of
-from .transformers import check_model, paged_layers
+from .transformers import check_every_layer_attends, check_model, paged_layers
 
 __all__ = ["EagerRunner", "compile_transformers", "eager_runner", "step_forward"]
 
@@ -106,6 +106,7 @@ def compile_transformers(
     from ..compilation.piecewise import compile_piecewise
 
     check_model(model, "compile_transformers")
+    check_every_layer_attends(model, "compile_transformers")
     if model.training:
         raise ValueError("compile_transformers: the model is in training mode; call model.eval() first")
     check_positive_int("compile_transformers", "num_blocks", num_blocks)
@@ -180,6 +181,7 @@ def eager_runner(model: torch.nn.Module, *, num_blocks: int, block_size: int = 1
     """An ``EagerRunner`` of ``model`` on its own paged cache (arguments as for
     ``compile_transformers``; ``max_num_seqs`` / ``max_num_tokens`` bound a step)."""
     check_model(model, "eager_runner")
+    check_every_layer_attends(model, "eager_runner")
     check_positive_int("eager_runner", "num_blocks", num_blocks)
     _check_step_limits("eager_runner", max_num_seqs, max_num_tokens)  # before the caches are allocated
     layers = paged_layers(model, num_blocks, block_size=block_size, cache_layout=cache_layout,

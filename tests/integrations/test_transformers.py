@@ -65,6 +65,9 @@ MORE_CONFIGS = {
                                                  head_dim=32, num_local_experts=4, num_experts_per_tok=2,
                                                  sliding_window=6,
                                                  layer_types=["sliding_attention", "full_attention"]),  # sinks
+    # sliding_window on every module, passed only on its sliding layers; NoPE full layers
+    "exaone4": lambda: transformers.Exaone4Config(**_SMALL, num_key_value_heads=2, head_dim=32, sliding_window=6,
+                                                  sliding_window_pattern=2),
 }
 # What each config exercises, and the config change that removes it (must change the logits).
 FEATURE_OFF = {"mistral": {"sliding_window": None},
@@ -394,6 +397,45 @@ def test_chunked_attention_layers_run_only_within_one_chunk():
     with pytest.raises(NotImplementedError, match=r"layer 0\): config.layer_types has 'window_attention' for this "
                                                   r"layer; supported layer types: full_attention, sliding_attention"):
         PagedCache(ours, num_blocks=1)
+
+
+_HYBRIDS = {  # decoder layers without an attention module: their state is no paged cache's
+    "lfm2": lambda: transformers.Lfm2Config(**_SMALL, num_key_value_heads=2, layer_types=["conv", "full_attention"]),
+    "minimax": lambda: transformers.MiniMaxConfig(**_SMALL, num_key_value_heads=2, head_dim=32, num_local_experts=2,
+                                                  layer_types=["linear_attention", "full_attention"]),
+    "recurrent_gemma": lambda: transformers.RecurrentGemmaConfig(**_SMALL, num_key_value_heads=2,
+                                                                 block_types=["recurrent", "attention"]),
+}
+
+
+@pytest.mark.parametrize("name", list(_HYBRIDS))
+def test_hybrid_models_are_refused(name):
+    """Layers that are not attention (LFM2's conv, MiniMax's linear attention, RecurrentGemma's
+    recurrent blocks) were served as if absent: the runners' steps ran them on the step's tokens
+    only (MiniMax's logits 2.2 off eager, silently), PagedCache crashed in LFM2's own cache code.
+    A config.layer_types entry that is not attention is refused by both; a decoder layer without
+    an attention module by the runners (RecurrentGemma keeps its state in its modules, which
+    serves one PagedCache batch: generate matches eager there)."""
+    from inductor_rocm_attn.integrations.transformers_runner import compile_transformers, eager_runner
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_HYBRIDS[name](), attn_implementation="rocm_attn",
+                                                          dtype=torch.float32).eval()
+    cls = type(model).__name__
+    for make in (eager_runner, compile_transformers):
+        with pytest.raises(NotImplementedError, match=rf"{make.__name__}: decoder layers \[0\] of {cls} have no "
+                                                      r"attention module"):
+            make(model, num_blocks=4)
+    if name == "recurrent_gemma":
+        ids, mask = ragged_prompts([5, 11])
+        got = greedy(model, ids, mask, past_key_values=PagedCache(model, num_blocks=8, poison=True))
+        want = greedy(twin(model, "eager"), ids, mask)
+        assert torch.equal(got.sequences, want.sequences)
+        assert max(rel(a, b) for a, b in zip(got.logits, want.logits)) < TOL
+    else:
+        kind = model.config.layer_types[0]
+        with pytest.raises(NotImplementedError, match=rf"\({cls} layer 0\): config.layer_types has '{kind}'"):
+            PagedCache(model, num_blocks=4)
 
 
 def test_generate_on_right_padded_or_empty_prompts_says_why():
