@@ -401,10 +401,16 @@ def choose(
 # --- per-call selection (cached) ------------------------------------------------------------
 
 
-def kv_cache_dtype_of(cache: torch.Tensor) -> str:
-    """The kv_cache_dtype string that describes an allocated cache."""
+def kv_cache_dtype_of(cache: torch.Tensor, model_dtype: torch.dtype | None = None) -> str:
+    """The kv_cache_dtype string that describes an allocated cache for a ``model_dtype`` model.
+
+    A 16-bit cache of another dtype than the model is named by its dtype ("float16",
+    "bfloat16"), not "auto": a provider may take only some of them (aiter writes no fp16 cache).
+    """
     if is_fp8_dtype(cache.dtype):
         return "fp8_e5m2" if "e5m2" in str(cache.dtype) else "fp8_e4m3"
+    if model_dtype is not None and cache.dtype != model_dtype:
+        return {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(cache.dtype, "auto")
     return "auto"
 
 
@@ -442,7 +448,7 @@ def select(
     if kv_cache is not None:
         block_size = kv_cache.shape[2]
         layout = cache_layout_of(kv_cache)
-        kv_dtype = kv_cache_dtype_of(kv_cache)
+        kv_dtype = kv_cache_dtype_of(kv_cache, dtype)
     if num_tokens is not None:
         bounds = _TOKEN_BOUNDS.get((device.type, op), ())
         i = bisect.bisect_right(bounds, num_tokens)

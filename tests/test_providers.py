@@ -125,6 +125,33 @@ def test_no_provider_error_names_every_provider_and_why():
     assert "reference: chosen only on ('cpu',), not cuda" in msg
 
 
+def test_select_names_a_16_bit_cache_of_another_dtype_by_its_dtype(monkeypatch):
+    # A float16 cache under a bf16 model is kv_cache_dtype "float16", not "auto": aiter
+    # (bf16 or fp8 e4m3 caches only) must not be chosen for it.
+    seen = {}
+
+    def choose(op, **query):
+        seen.update(query)
+        return "reference"
+
+    monkeypatch.setattr(providers, "choose", choose)
+    providers._select.cache_clear()
+    try:
+        for model, cache_dtype, want in ((torch.bfloat16, torch.float16, "float16"),
+                                         (torch.float16, torch.bfloat16, "bfloat16"),
+                                         (torch.float32, torch.float16, "float16"),
+                                         (torch.float16, torch.float16, "auto")):
+            cache = ira.allocate_kv_cache(ira.KVCacheSpec(16, 1, 128, cache_dtype), 2)
+            providers.select("rope_and_cache", device=torch.device("cpu"), head_size=128, dtype=model,
+                             kv_cache=cache)
+            assert seen["kv_cache_dtype"] == want, (model, cache_dtype)
+    finally:
+        providers._select.cache_clear()
+    assert "not float16" in providers.REGISTRY["aiter"].supports(
+        "rope_and_cache", device="cuda", head_size=128, dtype=torch.bfloat16, block_size=16,
+        layout=CacheLayout.LHBNC, kv_cache_dtype="float16")
+
+
 def test_unavailable_provider_is_passed_over_with_its_reason():
     q = dict(device="cuda", head_size=64, dtype=torch.float16, block_size=16, layout=CacheLayout.LHBNC)
     usable = {"native": None, "triton": None}
