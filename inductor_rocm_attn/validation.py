@@ -385,10 +385,11 @@ def _check_hint(op: str, name: str, hint: int | None, lengths: list[int], what: 
         return
     longest = max(lengths)
     if hint < longest:
+        why = ("the GPU launcher skips the prefill or verify launch those rows need" if what == "query"
+               else "the launch plans its KV splits for it")
         raise ValueError(
             f"{op}: {name} {hint} is smaller than the longest {what} ({longest} tokens, sequence "
-            f"{lengths.index(longest)}); the hint must be >= every {what} length (a GPU kernel skips the "
-            "rows past it)"
+            f"{lengths.index(longest)}); the hint must be >= every {what} length ({why})"
         )
 
 
@@ -512,6 +513,9 @@ def check_paged_attention(
             raise ValueError(f"{op}: value dtype {value.dtype} != key dtype {key.dtype}")
         num_kv_heads = key.shape[1]
     else:
+        if value is not None:  # a value without its key would be ignored: every key is read from the cache
+            raise ValueError(f"{op}: value is given but key is None; pass both (the step's new tokens) or "
+                             "neither (every key and value read from the cache)")
         if kv_cache.dim() != 4:  # its shape error, before the head count is read from it
             cache_layout_of(kv_cache, op)
         num_kv_heads = kv_cache.shape[3] // head_size

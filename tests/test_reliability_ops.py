@@ -502,6 +502,19 @@ def test_paged_attention_cache_of_another_rank_names_the_op(shape):
                    key=None, value=None, kv_cache=torch.zeros(shape))
 
 
+def test_paged_attention_refuses_a_value_without_its_key():
+    """key None means every key and value comes from the cache: a value passed with it was
+    ignored silently."""
+    c = _case()
+    _attn_rejected(c, r"rocm_attn\.paged_attention: value is given but key is None", key=None)
+
+
+def test_sequence_hint_error_says_what_the_hint_plans():
+    c = make_paged_case([1, 3], [20, 5], dtype=torch.float32)
+    _attn_rejected(c, r"max_seq_len 4 is smaller than the longest sequence .*the launch plans its KV splits",
+                   max_seq_len=4)
+
+
 def test_qk_norm_writer_refuses_a_table_without_rotary_channels():
     """A cos_sin_cache of width 0 skipped the rotation silently (rotary_embedding refuses it)."""
     c = _case()
