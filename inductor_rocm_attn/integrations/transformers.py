@@ -181,6 +181,10 @@ def _attention_modules(decoder: torch.nn.Module) -> dict[int, torch.nn.Module]:
             )
         found[m.layer_idx] = m
     if not found:
+        mla = next((m for m in decoder.modules() if hasattr(m, "kv_lora_rank") and hasattr(m, "layer_idx")), None)
+        if mla is not None:  # DeepSeek V2/V3, Kimi: K/V come from a latent the paged cache does not hold
+            raise NotImplementedError(f"PagedCache: {type(mla).__name__} is multi-head latent attention (MLA, "
+                                      "kv_lora_rank); only standard multi-head / grouped-query attention is supported")
         raise ValueError(f"PagedCache: no attention modules (with layer_idx, scaling, head_dim or head_size) in "
                          f"{type(decoder).__name__}")
     return found

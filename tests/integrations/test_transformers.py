@@ -438,6 +438,19 @@ def test_hybrid_models_are_refused(name):
             PagedCache(model, num_blocks=4)
 
 
+def test_multi_head_latent_attention_is_refused_by_name():
+    """DeepSeek V3's MLA modules carry no head_dim: the refusal said only that no attention
+    modules were found."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16,
+        q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, n_group=1,
+        topk_group=1)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="rocm_attn").eval()
+    with pytest.raises(NotImplementedError, match=r"DeepseekV3Attention is multi-head latent attention \(MLA"):
+        PagedCache(model, num_blocks=4)
+
+
 def test_generate_on_right_padded_or_empty_prompts_says_why():
     """generate() continues a right-padded row (or a row whose prompt was all padding) at
     positions that disagree with its cache: refused at the first decode step, saying which."""
