@@ -337,8 +337,11 @@ def token_rows(op: str, name: str, x: torch.Tensor, heads: int, head_size: int) 
     """``x`` as ``[T, heads, head_size]`` (a view of ``[T, heads * head_size]``)."""
     if x.dim() == 3:
         return x
-    try:
-        return x.view(-1, heads, head_size)
-    except RuntimeError:
-        raise ValueError(f"{op}: {name} must be [num_tokens, {heads} * {head_size}] or [num_tokens, "
-                         f"{heads}, {head_size}], got {tuple(x.shape)}") from None
+    shape = x.shape
+    if len(shape) == 2 and shape[1] == heads * head_size:  # else a view would regroup other rows
+        try:
+            return x.view(shape[0], heads, head_size)
+        except RuntimeError:
+            pass
+    raise ValueError(f"{op}: {name} must be [num_tokens, {heads} * {head_size}] (unit stride along the last "
+                     f"dim) or [num_tokens, {heads}, {head_size}], got {tuple(shape)} with strides {x.stride()}")

@@ -148,6 +148,33 @@ def test_query_width_mismatch_is_clear():
         s.layer(q[:, :200], k, v)
 
 
+@pytest.mark.parametrize("shape", ["transposed", "heads_as_rows", "flat"])
+def test_key_value_with_the_right_numel_but_other_rows_are_rejected(shape):
+    """A key/value whose element count matches [T, Hkv * D] but whose rows are not the tokens
+    ([Hkv * D, T], [T * Hkv, D], 1-D) was viewed as [T, Hkv, D] and cached as garbage."""
+    s = stepped_layer()
+    t = s.num_tokens
+    q, k, v = qkv(t, s.g)
+    bad = {"transposed": lambda x: x.T.contiguous(), "heads_as_rows": lambda x: x.reshape(t * HKV, D),
+           "flat": lambda x: x.reshape(-1)}[shape]
+    before = snapshot(s.layer.kv_cache)
+    with pytest.raises(ValueError, match=rf"Attention 'rel\.\d+': key and value must be \[{t} \(the query's "
+                                         rf"tokens\), {HKV} \* {D}\]"), ira.set_forward_context(s.md):
+        s.layer(q, bad(k), bad(v))
+    assert unchanged(before, s.layer.kv_cache)
+    # The layer-level ops, called directly, refuse them too.
+    out = torch.full((t, H, D), 7.0)
+    before = snapshot(out, s.layer.kv_cache)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.unified_kv_cache_update: key must be \[num_tokens, {HKV} "
+                                         rf"\* {D}\]"), ira.set_forward_context(s.md):
+        torch.ops.rocm_attn.unified_kv_cache_update(bad(k), bad(v), s.layer.layer_name)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.unified_attention_with_output: query must be "
+                                         rf"\[num_tokens, {H} \* {D}\]"), ira.set_forward_context(s.md):
+        torch.ops.rocm_attn.unified_attention_with_output(q.T.contiguous(), k.view(t, HKV, D), v.view(t, HKV, D),
+                                                          out.view(t, H * D), s.layer.layer_name, None)
+    assert unchanged(before, out, s.layer.kv_cache)
+
+
 def test_layer_without_a_bound_cache():
     layer = ira.Attention(H, D, num_kv_heads=HKV, layer_name="rel.unbound")
     md = ira.build_attention_metadata([3], [0], [[0]], BS)
