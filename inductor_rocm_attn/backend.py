@@ -422,16 +422,24 @@ class RocmAttentionImpl:
         else:
             step_checks.check_step_metadata(op, attn_metadata, t, kv_cache.device, shape[0], shape[2])
             slot_mapping = attn_metadata.slot_mapping
-        if not self.interleaved_v:
+
+        def check_all():
+            validation.check_qk_norm_rope(op, qkv, q_weight, k_weight, positions, cos_sin_cache,
+                                          self.num_heads, self.num_kv_heads, self.head_size)
+            validation.check_eps(op, eps)
+            validation.check_kv_cache(op, kv_cache, self.num_kv_heads, self.head_size)
+            validation.check_slot_mapping(op, slot_mapping, kv_cache, t)
+
+        if not step_checks.norm_weights_ok(q_weight, k_weight, eps, self.head_size, kv_cache.device):
+            check_all()
+        if not self.interleaved_v:  # converts the cached data: every check first
+            check_all()
             self.set_interleaved_v_cache(True, kv_cache)
         buffers = layer._buffers  # skips nn.Module.__getattr__
         sig = self._signature("qk_norm_rope_and_cache", qkv, kv_cache, t, cos_sin_cache.shape[-1])
         fn = self._kernels.get(sig)
         if fn is None:
-            validation.check_qk_norm_rope(op, qkv, q_weight, k_weight, positions, cos_sin_cache,
-                                          self.num_heads, self.num_kv_heads, self.head_size)
-            validation.check_kv_cache(op, kv_cache, self.num_kv_heads, self.head_size)
-            validation.check_slot_mapping(op, slot_mapping, kv_cache, t)
+            check_all()
             fn = self._resolve(sig, "qk_norm_rope_and_cache", qkv, kv_cache, t,
                                self._rope_features(cos_sin_cache))
         q, k, _ = fn(qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, kv_cache,
@@ -471,22 +479,32 @@ class RocmAttentionImpl:
             rows = step_checks.token_rows(name, "key", key, self.num_kv_heads, self.head_size)
             step_checks.check_cache_update(name, layer, rows, value, kv_cache, attn_metadata, self.num_kv_heads,
                                            self.head_size)
-        step_checks.check_cos_sin_call(name, query, key, value, cos, sin, kv_cache.device if write else value.device)
-        if norm and write and not self.interleaved_v:  # the fused QK-norm writer emits interleaved V
-            self.set_interleaved_v_cache(True, kv_cache)
+        device = kv_cache.device if write else value.device
+        step_checks.check_cos_sin_call(name, query, key, value, cos, sin, device)
         slot_mapping = attn_metadata.slot_mapping if write else _NO_SLOTS.get(query.device)
         if slot_mapping is None:
             slot_mapping = _NO_SLOTS[query.device] = torch.empty(0, dtype=torch.int64, device=query.device)
+
+        def check_all():
+            validation.check_rope_cos_sin(name, query, key, value, cos, sin, *norm[:2])
+            if norm:
+                validation.check_eps(name, norm[2])
+            if write:
+                validation.check_cache_write(name, key.view(value.shape), value, kv_cache, slot_mapping,
+                                             layer._buffers["_k_scale"], layer._buffers["_v_scale"])
+
+        if norm and not step_checks.norm_weights_ok(*norm, self.head_size, device):
+            check_all()
+        if norm and write and not self.interleaved_v:  # the fused QK-norm writer emits interleaved V
+            check_all()  # the switch converts the cached data: every check first
+            self.set_interleaved_v_cache(True, kv_cache)
         cache = kv_cache if write else None
         rot_dim = cos.shape[-1]  # partial rotary changes which providers apply
         sig = (self._signature(op, query, kv_cache, t, rot_dim) if write
                else (op, query.device, query.dtype, rot_dim, "no cache"))
         fn = self._kernels.get(sig)
         if fn is None:
-            validation.check_rope_cos_sin(name, query, key, value, cos, sin, *norm[:2])
-            if write:
-                validation.check_cache_write(name, key.view(value.shape), value, kv_cache, slot_mapping,
-                                             layer._buffers["_k_scale"], layer._buffers["_v_scale"])
+            check_all()
             fn = self._resolve(sig, op, query, cache, t, ("partial_rotary",) if rot_dim < self.head_size else ())
         buffers = layer._buffers  # skips nn.Module.__getattr__
         fn(query, key, value, *norm, cos, sin, is_neox, kv_cache, slot_mapping, buffers["_k_scale"],

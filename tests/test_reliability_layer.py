@@ -371,6 +371,97 @@ def test_fused_rope_layer_op_checks_query_rows_against_key_on_every_call():
     assert unchanged(before, big, s.layer.kv_cache)
 
 
+_ROPE_TABLE_CASES = {
+    "positions float": (lambda p, cs: (p.float(), cs), r"positions has dtype torch\.float32"),
+    "positions 2-D": (lambda p, cs: (p[:, None], cs), r"positions must be \[num_tokens\]"),
+    "cos_sin_cache int": (lambda p, cs: (p, cs.int()), r"cos_sin_cache must be a float32, .* got torch\.int32"),
+    "cos_sin_cache strided": (lambda p, cs: (p, torch.cat([cs, cs], 1)[:, ::2]),
+                              r"cos_sin_cache must have unit stride along its last dim"),
+}
+
+
+@pytest.mark.parametrize("case", list(_ROPE_TABLE_CASES))
+def test_fused_rope_layer_op_checks_positions_and_table_on_every_call(case):
+    # positions' and cos_sin_cache's dtype and layout were checked on a signature's first call
+    # only: a later call read float positions or int table entries as they were.
+    s = stepped_layer()
+    t = s.num_tokens
+    cos_sin = torch.randn(64, D, generator=s.g)
+    q, k, v = (x.view(t, -1, D) for x in qkv(t, s.g))
+
+    def rope(positions, table):
+        with ira.set_forward_context(s.md):
+            torch.ops.rocm_attn.unified_rope_and_kv_cache_update(positions, q, k, v, table, True,
+                                                                 s.layer.layer_name)
+
+    rope(s.md.positions, cos_sin)  # the signature's first call: validated in full
+    bad, match = _ROPE_TABLE_CASES[case]
+    before = snapshot(q, k, s.layer.kv_cache)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.rope_and_cache: {match}"):
+        rope(*bad(s.md.positions, cos_sin))
+    assert unchanged(before, q, k, s.layer.kv_cache)
+
+
+_NORM_CASES = {
+    "q_weight [1]": (dict(q_weight=torch.ones(1)), r"q_weight must be \[head_size\] = \[64\], got \(1,\)"),
+    "k_weight [2D]": (dict(k_weight=torch.ones(2 * D)), r"k_weight must be \[head_size\] = \[64\], got \(128,\)"),
+    "q_weight int": (dict(q_weight=torch.ones(D, dtype=torch.int64)), r"q_weight must be a float32"),
+    "k_weight strided": (dict(k_weight=torch.ones(2 * D)[::2]), r"k_weight must be contiguous"),
+    "eps negative": (dict(eps=-1e-6), r"eps must be a finite number >= 0, got -1e-06"),
+    "eps nan": (dict(eps=float("nan")), r"eps must be a finite number >= 0, got nan"),
+}
+
+
+def _qk_norm_call(variant, s, args):
+    t, name = s.num_tokens, s.layer.layer_name
+    with ira.set_forward_context(s.md):
+        if variant == "qkv":
+            torch.ops.rocm_attn.unified_qk_norm_rope_and_kv_cache_update(
+                args["qkv"], args["q_weight"], args["k_weight"], args["eps"], s.md.positions, args["cos_sin"], True,
+                H, HKV, D, name)
+        else:
+            torch.ops.rocm_attn.unified_qk_norm_rope_cos_sin_and_kv_cache_update(
+                args["q"], args["k"], args["v"], args["q_weight"], args["k_weight"], args["eps"], args["cos"][:t],
+                args["sin"][:t], True, name)
+
+
+@pytest.mark.parametrize("variant", ["qkv", "cos_sin"])
+@pytest.mark.parametrize("case", list(_NORM_CASES))
+@pytest.mark.parametrize("first", [True, False], ids=["first_call", "later_call"])
+def test_fused_qk_norm_layer_ops_check_weights_and_eps_on_every_call(variant, case, first):
+    # The QK-norm weights were checked on a signature's first call only (a [1] weight then
+    # broadcast silently, an int one was used as it was), eps never (a negative one turns rows
+    # NaN); and the first call switched the layer to interleaved V, converting its cache,
+    # before any of these checks.
+    s = stepped_layer()
+    t = s.num_tokens
+    q, k, v = (x.view(t, -1, D) for x in qkv(t, s.g))
+    args = dict(qkv=torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], 1), q=q, k=k, v=v,
+                q_weight=torch.ones(D), k_weight=torch.ones(D), eps=1e-6, cos_sin=torch.randn(64, D, generator=s.g),
+                cos=torch.randn(t, D, generator=s.g), sin=torch.randn(t, D, generator=s.g))
+    if not first:
+        _qk_norm_call(variant, s, args)  # the signature's first call: validated in full, the layer switched
+    bad, match = _NORM_CASES[case]
+    was_interleaved = s.layer.interleaved_v
+    before = snapshot(q, k, s.layer.kv_cache)
+    with pytest.raises(ValueError, match=match):
+        _qk_norm_call(variant, s, {**args, **bad})
+    assert unchanged(before, q, k, s.layer.kv_cache) and s.layer.interleaved_v == was_interleaved
+
+
+def test_qk_norm_layer_op_head_counts_must_be_the_layers():
+    # The fake kernel shapes q/k from these arguments, the real op from the layer's own.
+    s = stepped_layer()
+    t = s.num_tokens
+    before = snapshot(s.layer.kv_cache)
+    with pytest.raises(ValueError, match=rf"num_heads, num_kv_heads, head_size = {2 * H}, {HKV}, {D} but layer "
+                                         rf"'rel\.\d+' has {H}, {HKV}, {D}"), ira.set_forward_context(s.md):
+        torch.ops.rocm_attn.unified_qk_norm_rope_and_kv_cache_update(
+            torch.randn(t, (H + 2 * HKV) * D), torch.ones(D), torch.ones(D), 1e-6, s.md.positions,
+            torch.randn(64, D), True, 2 * H, HKV, D, s.layer.layer_name)
+    assert unchanged(before, s.layer.kv_cache) and not s.layer.interleaved_v
+
+
 @pytest.mark.parametrize("kv_cache_dtype,cache_dtype", [("auto", torch.float8_e4m3fn), ("fp8", torch.float32)])
 def test_cache_dtype_must_agree_with_the_layers_kv_cache_dtype(kv_cache_dtype, cache_dtype):
     """A cache assigned by hand whose fp8-ness disagrees with the layer's ``kv_cache_dtype``:
