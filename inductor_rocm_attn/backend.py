@@ -550,8 +550,14 @@ class RocmAttentionImpl:
         interleaved_v, buffers = self.interleaved_v, layer._buffers  # _buffers: skips nn.Module.__getattr__
         if self.kv_sharing_target_layer_name is not None:
             layer = get_layer(self.kv_sharing_target_layer_name)
+            target = layer.impl
+            if target.num_kv_heads != hkv or target.head_size != d:  # its cache holds other heads
+                raise ValueError(
+                    f"{op}: this layer ({hkv} KV heads of {d}) shares the KV cache of "
+                    f"{self.kv_sharing_target_layer_name!r}, which holds {target.num_kv_heads} KV heads of "
+                    f"{target.head_size}; a layer can only read a cache of its own geometry")
             kv_cache, key, value = layer.kv_cache, None, None
-            interleaved_v, buffers = layer.impl.interleaved_v, layer._buffers
+            interleaved_v, buffers = target.interleaved_v, layer._buffers
         if (written is not None and written[0] is md and written[1] is key and written[2] is value
                 and written[3] is kv_cache):
             # The cache update of this call checked key/value and the step against this cache.
@@ -584,6 +590,8 @@ class RocmAttentionImpl:
         fn = self._kernels.get(sig)
         if fn is None:
             self._check_query_scale(query, op)
+            if key is None:  # the kernel reads the head count from the cache: it must be this layer's
+                validation.check_kv_cache(op, kv_cache, hkv, d)
             # Per-head tensors follow the query's device, checked once per signature.
             args = args[:13] + (self._alibi(query), self._sinks(query)) + args[15:]
             validation.check_paged_attention(

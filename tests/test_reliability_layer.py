@@ -477,3 +477,26 @@ def test_cache_dtype_must_agree_with_the_layers_kv_cache_dtype(kv_cache_dtype, c
                                          rf"{str(cache_dtype)}"), ira.set_forward_context(md):
         layer(*qkv(3, torch.Generator().manual_seed(0)))
     assert unchanged(before, layer.kv_cache)
+
+
+@pytest.mark.parametrize("target_kv_heads,target_head_size", [(1, D), (1, 2 * D)])
+def test_kv_sharing_layer_refuses_a_target_of_another_geometry(target_kv_heads, target_head_size):
+    """Layers built and given caches by hand (bind_kv_caches checks this): the sharing layer read
+    its target's cache with the head count the cache's width implies, so fewer KV heads ran as
+    another GQA ratio and a wider head size as twice the heads, silently."""
+    target = ira.Attention(H, target_head_size, num_kv_heads=target_kv_heads,
+                           layer_name=f"rel.geo_target{target_head_size}")
+    target.kv_cache = ira.allocate_kv_cache(target.kv_cache_spec(torch.float32), NUM_BLOCKS)
+    sharer = ira.Attention(H, D, num_kv_heads=HKV, layer_name=f"rel.geo_sharer{target_head_size}",
+                           kv_sharing_target_layer_name=target.layer_name)
+    g = torch.Generator().manual_seed(0)
+    md = ira.build_attention_metadata([3], [0], [[0]], BS)
+    with ira.set_forward_context(md):
+        target(torch.randn(3, H * target_head_size, generator=g),
+               *(torch.randn(3, target_kv_heads * target_head_size, generator=g) for _ in range(2)))
+    before = snapshot(target.kv_cache)
+    with pytest.raises(ValueError, match=rf"shares the KV cache of 'rel\.geo_target{target_head_size}', which holds "
+                                         rf"{target_kv_heads} KV heads of {target_head_size}"), \
+            ira.set_forward_context(md):
+        sharer(*qkv(3, g))
+    assert unchanged(before, target.kv_cache)
