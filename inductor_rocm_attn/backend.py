@@ -585,6 +585,10 @@ class RocmAttentionImpl:
                 md.block_table, self.scale, buffers["_k_scale"], buffers["_v_scale"], causal,
                 self.sliding_window, self.alibi_slopes, self.sinks, self.logits_soft_cap,
                 interleaved_v, output_scale, md.max_query_len, md.max_seq_len)
+        if output_scale is not None:  # a per-call tensor: shape and device every call, the value where readable
+            if output_scale.device != query.device:
+                raise ValueError(f"{op}: output_scale is on {output_scale.device} but the query is on {query.device}")
+            validation.check_scales(op, output_scale=output_scale)
         sig = self._signature("paged_attention", query, kv_cache, n, output.dtype, output_scale is None,
                               causal, interleaved_v)
         fn = self._kernels.get(sig)

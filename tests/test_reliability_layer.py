@@ -500,3 +500,29 @@ def test_kv_sharing_layer_refuses_a_target_of_another_geometry(target_kv_heads, 
             ira.set_forward_context(md):
         sharer(*qkv(3, g))
     assert unchanged(before, target.kv_cache)
+
+
+@pytest.mark.parametrize("scale, match", [
+    (torch.tensor([0.0]), r"output_scale must be a positive finite number, got 0\.0"),
+    (torch.tensor([float("nan")]), r"output_scale must be a positive finite number, got nan"),
+    (torch.tensor([0.5, 0.5]), r"output_scale must be a per-tensor scale \(1 element, shape \(\) or \(1,\)\), got "
+                               r"shape \(2,\)"),
+])
+def test_attention_op_checks_output_scale_on_every_call(scale, match):
+    # The layer-level attention checked output_scale on a signature's first call only: a later
+    # zero scale saturated every output to fp8_max, a NaN one gave NaN, two elements a bare
+    # broadcast error from the kernel.
+    s = stepped_layer()
+    t = s.num_tokens
+    q, k, v = (x.view(t, -1, D) for x in qkv(t, s.g))
+
+    def attend(output_scale, out):
+        with ira.set_forward_context(s.md):
+            torch.ops.rocm_attn.unified_attention_with_output(q, k, v, out, s.layer.layer_name, None, output_scale)
+
+    attend(torch.tensor([0.5]), torch.zeros(t, H, D, dtype=torch.float8_e4m3fn))  # the signature's first call
+    out = torch.full((t, H, D), 3.0).to(torch.float8_e4m3fn)
+    before = snapshot(out, s.layer.kv_cache)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.unified_attention_with_output: {match}"):
+        attend(scale, out)
+    assert unchanged(before, out, s.layer.kv_cache)
