@@ -170,6 +170,14 @@ class RocmAttentionBackend:
         return (num_blocks, 2, block_size, num_kv_heads * head_size)
 
 
+def _check_output(op: str, output: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None) -> None:
+    """The attention's output: not an expanded view (its rows would share memory) nor the memory
+    of the key/value it reads; the common case in a stride and two pointer compares."""
+    ptr = output.data_ptr()
+    if 0 in output.stride() or (key is not None and (ptr == key.data_ptr() or ptr == value.data_ptr())):
+        validation.check_written(op, dict(output=output), dict(key=key, value=value))
+
+
 class RocmAttentionImpl:
     """One attention layer's configuration and per-step paths.
 
@@ -541,6 +549,7 @@ class RocmAttentionImpl:
             step_checks.check_layer_query(op, query, output, query.device, h, d)
             step_checks.check_layer_kv(op, key, value, query.device, query.shape[0], hkv, d)
             step_checks.check_step_metadata(op, md, query.shape[0], query.device)
+            _check_output(op, output, key, value)
             n = md.num_actual_tokens
             return self._encoder_forward(query[:n], key[:n], value[:n], md, output, output_scale)
         # The cache this layer reads: its own, or (KV sharing) the target's, with the target's
@@ -573,6 +582,8 @@ class RocmAttentionImpl:
             if key is not None and (key.dim() != 3 or value.dim() != 3):
                 key, value = self._kv_rows(op, key, value)
             t = step_checks.check_attention_call(op, layer, query, key, value, output, kv_cache, md, h, hkv, d)
+        if made is None or made[1] is not output:  # an output of the caller's (Attention.forward makes its own)
+            _check_output(op, output, key, value)
         n = md.num_actual_tokens
         if n != t:  # padded step: rows past n are not ours to touch
             out_n, query = output[:n], query[:n]

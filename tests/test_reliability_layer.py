@@ -526,3 +526,24 @@ def test_attention_op_checks_output_scale_on_every_call(scale, match):
     with pytest.raises(ValueError, match=rf"rocm_attn\.unified_attention_with_output: {match}"):
         attend(scale, out)
     assert unchanged(before, out, s.layer.kv_cache)
+
+
+@pytest.mark.parametrize("case", ["expanded", "key's memory"])
+def test_attention_op_refuses_an_output_it_cannot_write_alone(case):
+    # The layer-level attention never compared its output with what it reads (the kernel-level
+    # paged_attention does): a key slice of the output's buffer was overwritten while a prefill
+    # read it, and an expanded output made its rows share memory (a bare torch error on CPU, the
+    # last row's write winning on a GPU).
+    s = stepped_layer()
+    t = s.num_tokens
+    q, k, v = (x.view(t, -1, D) for x in qkv(t, s.g))
+    if case == "expanded":
+        out, key, match = torch.zeros(1, H, D).expand(t, H, D), k, r"output is an expanded view"
+    else:
+        out = torch.randn(t, H + HKV, D, generator=s.g)[:, :H]
+        key, match = out[:, :HKV], r"output and key are the same memory"
+    before = snapshot(out, key, s.layer.kv_cache)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.unified_attention_with_output: {match}"), \
+            ira.set_forward_context(s.md):
+        torch.ops.rocm_attn.unified_attention_with_output(q, key, v, out, s.layer.layer_name, None)
+    assert unchanged(before, out, key, s.layer.kv_cache)
