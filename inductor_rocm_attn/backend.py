@@ -376,6 +376,7 @@ class RocmAttentionImpl:
             op = "rotary_embedding"
             step_checks.check_rope_inputs("rocm_attn.rotary_embedding", positions, cos_sin_cache, t, query.device,
                                   attn_metadata)
+            step_checks.check_rotated("rocm_attn.rotary_embedding", query, key, None)
             sig = (op, query.device, query.dtype, rot_dim, providers.token_bucket(op, query.device, t))
             fn = self._kernels.get(sig)
             if fn is None:
@@ -390,6 +391,7 @@ class RocmAttentionImpl:
             raise ValueError(f"{op}: query ({tuple(query.shape)}, {query.dtype}, {query.device}) must match key "
                              f"({tuple(key.shape)}, {key.dtype}) on the KV cache's device {kv_cache.device}")
         step_checks.check_rope_inputs(op, positions, cos_sin_cache, t, kv_cache.device, attn_metadata)
+        step_checks.check_rotated(op, query, key, value)
         buffers = layer._buffers  # skips nn.Module.__getattr__
         k_scale, v_scale = buffers["_k_scale"], buffers["_v_scale"]
         slot_mapping = attn_metadata.slot_mapping
@@ -489,6 +491,7 @@ class RocmAttentionImpl:
                                            self.head_size)
         device = kv_cache.device if write else value.device
         step_checks.check_cos_sin_call(name, query, key, value, cos, sin, device)
+        step_checks.check_rotated(name, query, key, value if write else None)
         slot_mapping = attn_metadata.slot_mapping if write else _NO_SLOTS.get(query.device)
         if slot_mapping is None:
             slot_mapping = _NO_SLOTS[query.device] = torch.empty(0, dtype=torch.int64, device=query.device)

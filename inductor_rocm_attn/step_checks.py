@@ -209,6 +209,16 @@ def check_cos_sin_call(op: str, query: torch.Tensor, key: torch.Tensor, value: t
         )
 
 
+def check_rotated(op: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None) -> None:
+    """Every call of a fused RoPE layer op, which rotates ``query`` and ``key`` in place (and
+    caches ``value``, None: not written): neither expanded nor the memory of another of them;
+    the common case in three pointer and two stride compares."""
+    qp, kp = query.data_ptr(), key.data_ptr()
+    if (qp == kp or 0 in query.stride() or 0 in key.stride()
+            or (value is not None and value.data_ptr() in (qp, kp))):
+        validation.check_written(op, dict(query=query, key=key), {} if value is None else dict(value=value))
+
+
 def norm_weights_ok(q_weight: torch.Tensor, k_weight: torch.Tensor, eps, head_size: int,
                     device: torch.device) -> bool:
     """Every call of a QK-norm writer, the common case in one expression: q/k weights ``[head_size]``

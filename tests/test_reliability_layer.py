@@ -547,3 +547,28 @@ def test_attention_op_refuses_an_output_it_cannot_write_alone(case):
             ira.set_forward_context(s.md):
         torch.ops.rocm_attn.unified_attention_with_output(q, key, v, out, s.layer.layer_name, None)
     assert unchanged(before, out, key, s.layer.kv_cache)
+
+
+@pytest.mark.parametrize("op", ["cos_sin_cache", "cos_sin"])
+@pytest.mark.parametrize("case", ["key is query", "value is key", "expanded query"])
+def test_fused_rope_layer_ops_refuse_aliased_or_expanded_rotated_tensors(op, case):
+    # The fused RoPE layer ops never compared the q/k they rotate in place with each other or with
+    # the value they cache (their kernel-level ops do): key = query was rotated twice, value = key
+    # cached the rotated key as the value.
+    layer = ira.Attention(HKV, D, num_kv_heads=HKV, layer_name=f"rel.mha_{op}_{case.replace(' ', '_')}")
+    ira.bind_kv_caches(layer, NUM_BLOCKS, torch.float32, poison=True)
+    md = ira.build_attention_metadata([3], [0], [[0]], BS)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, HKV, D, generator=g) for _ in range(3))
+    q, k, v, match = {"key is query": (q, q, v, "query and key are the same memory"),
+                      "value is key": (q, k, k, "key and value are the same memory"),
+                      "expanded query": (q[:1].expand(3, HKV, D), k, v, "query is an expanded view")}[case]
+    before = snapshot(q, k, v, layer.kv_cache)
+    with pytest.raises(ValueError, match=match), ira.set_forward_context(md):
+        if op == "cos_sin_cache":
+            torch.ops.rocm_attn.unified_rope_and_kv_cache_update(md.positions, q, k, v, torch.randn(8, D, generator=g),
+                                                                 True, layer.layer_name)
+        else:
+            torch.ops.rocm_attn.unified_rope_cos_sin_and_kv_cache_update(
+                q, k, v, torch.randn(3, D, generator=g), torch.randn(3, D, generator=g), True, layer.layer_name)
+    assert unchanged(before, q, k, v, layer.kv_cache)
