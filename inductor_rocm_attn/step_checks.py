@@ -226,7 +226,7 @@ def norm_weights_ok(q_weight: torch.Tensor, k_weight: torch.Tensor, eps, head_si
     runs its full checks, which name what is wrong."""
     return (q_weight.shape == (head_size,) and k_weight.shape == (head_size,)
             and q_weight.dtype in _FLOAT_DTYPES and k_weight.dtype in _FLOAT_DTYPES
-            and q_weight.stride()[0] == 1 and k_weight.stride()[0] == 1
+            and q_weight.is_contiguous() and k_weight.is_contiguous()
             and q_weight.device == device and k_weight.device == device
             and type(eps) is float and 0.0 <= eps < math.inf)
 
