@@ -170,6 +170,14 @@ class RocmAttentionBackend:
         return (num_blocks, 2, block_size, num_kv_heads * head_size)
 
 
+def _check_output(op: str, output: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None) -> None:
+    """The attention's output: not an expanded view (its rows would share memory) nor the memory
+    of the key/value it reads; the common case in a stride and two pointer compares."""
+    ptr = output.data_ptr()
+    if 0 in output.stride() or (key is not None and (ptr == key.data_ptr() or ptr == value.data_ptr())):
+        validation.check_written(op, dict(output=output), dict(key=key, value=value))
+
+
 class RocmAttentionImpl:
     """One attention layer's configuration and per-step paths.
 
@@ -368,6 +376,7 @@ class RocmAttentionImpl:
             op = "rotary_embedding"
             step_checks.check_rope_inputs("rocm_attn.rotary_embedding", positions, cos_sin_cache, t, query.device,
                                   attn_metadata)
+            step_checks.check_rotated("rocm_attn.rotary_embedding", query, key, None)
             sig = (op, query.device, query.dtype, rot_dim, providers.token_bucket(op, query.device, t))
             fn = self._kernels.get(sig)
             if fn is None:
@@ -382,6 +391,7 @@ class RocmAttentionImpl:
             raise ValueError(f"{op}: query ({tuple(query.shape)}, {query.dtype}, {query.device}) must match key "
                              f"({tuple(key.shape)}, {key.dtype}) on the KV cache's device {kv_cache.device}")
         step_checks.check_rope_inputs(op, positions, cos_sin_cache, t, kv_cache.device, attn_metadata)
+        step_checks.check_rotated(op, query, key, value)
         buffers = layer._buffers  # skips nn.Module.__getattr__
         k_scale, v_scale = buffers["_k_scale"], buffers["_v_scale"]
         slot_mapping = attn_metadata.slot_mapping
@@ -422,16 +432,24 @@ class RocmAttentionImpl:
         else:
             step_checks.check_step_metadata(op, attn_metadata, t, kv_cache.device, shape[0], shape[2])
             slot_mapping = attn_metadata.slot_mapping
-        if not self.interleaved_v:
+
+        def check_all():
+            validation.check_qk_norm_rope(op, qkv, q_weight, k_weight, positions, cos_sin_cache,
+                                          self.num_heads, self.num_kv_heads, self.head_size)
+            validation.check_eps(op, eps)
+            validation.check_kv_cache(op, kv_cache, self.num_kv_heads, self.head_size)
+            validation.check_slot_mapping(op, slot_mapping, kv_cache, t)
+
+        if not step_checks.norm_weights_ok(q_weight, k_weight, eps, self.head_size, kv_cache.device):
+            check_all()
+        if not self.interleaved_v:  # converts the cached data: every check first
+            check_all()
             self.set_interleaved_v_cache(True, kv_cache)
         buffers = layer._buffers  # skips nn.Module.__getattr__
         sig = self._signature("qk_norm_rope_and_cache", qkv, kv_cache, t, cos_sin_cache.shape[-1])
         fn = self._kernels.get(sig)
         if fn is None:
-            validation.check_qk_norm_rope(op, qkv, q_weight, k_weight, positions, cos_sin_cache,
-                                          self.num_heads, self.num_kv_heads, self.head_size)
-            validation.check_kv_cache(op, kv_cache, self.num_kv_heads, self.head_size)
-            validation.check_slot_mapping(op, slot_mapping, kv_cache, t)
+            check_all()
             fn = self._resolve(sig, "qk_norm_rope_and_cache", qkv, kv_cache, t,
                                self._rope_features(cos_sin_cache))
         q, k, _ = fn(qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, kv_cache,
@@ -471,22 +489,33 @@ class RocmAttentionImpl:
             rows = step_checks.token_rows(name, "key", key, self.num_kv_heads, self.head_size)
             step_checks.check_cache_update(name, layer, rows, value, kv_cache, attn_metadata, self.num_kv_heads,
                                            self.head_size)
-        step_checks.check_cos_sin_call(name, query, key, value, cos, sin, kv_cache.device if write else value.device)
-        if norm and write and not self.interleaved_v:  # the fused QK-norm writer emits interleaved V
-            self.set_interleaved_v_cache(True, kv_cache)
+        device = kv_cache.device if write else value.device
+        step_checks.check_cos_sin_call(name, query, key, value, cos, sin, device)
+        step_checks.check_rotated(name, query, key, value if write else None)
         slot_mapping = attn_metadata.slot_mapping if write else _NO_SLOTS.get(query.device)
         if slot_mapping is None:
             slot_mapping = _NO_SLOTS[query.device] = torch.empty(0, dtype=torch.int64, device=query.device)
+
+        def check_all():
+            validation.check_rope_cos_sin(name, query, key, value, cos, sin, *norm[:2])
+            if norm:
+                validation.check_eps(name, norm[2])
+            if write:
+                validation.check_cache_write(name, key.view(value.shape), value, kv_cache, slot_mapping,
+                                             layer._buffers["_k_scale"], layer._buffers["_v_scale"])
+
+        if norm and not step_checks.norm_weights_ok(*norm, self.head_size, device):
+            check_all()
+        if norm and write and not self.interleaved_v:  # the fused QK-norm writer emits interleaved V
+            check_all()  # the switch converts the cached data: every check first
+            self.set_interleaved_v_cache(True, kv_cache)
         cache = kv_cache if write else None
         rot_dim = cos.shape[-1]  # partial rotary changes which providers apply
         sig = (self._signature(op, query, kv_cache, t, rot_dim) if write
                else (op, query.device, query.dtype, rot_dim, "no cache"))
         fn = self._kernels.get(sig)
         if fn is None:
-            validation.check_rope_cos_sin(name, query, key, value, cos, sin, *norm[:2])
-            if write:
-                validation.check_cache_write(name, key.view(value.shape), value, kv_cache, slot_mapping,
-                                             layer._buffers["_k_scale"], layer._buffers["_v_scale"])
+            check_all()
             fn = self._resolve(sig, op, query, cache, t, ("partial_rotary",) if rot_dim < self.head_size else ())
         buffers = layer._buffers  # skips nn.Module.__getattr__
         fn(query, key, value, *norm, cos, sin, is_neox, kv_cache, slot_mapping, buffers["_k_scale"],
@@ -523,6 +552,7 @@ class RocmAttentionImpl:
             step_checks.check_layer_query(op, query, output, query.device, h, d)
             step_checks.check_layer_kv(op, key, value, query.device, query.shape[0], hkv, d)
             step_checks.check_step_metadata(op, md, query.shape[0], query.device)
+            _check_output(op, output, key, value)
             n = md.num_actual_tokens
             return self._encoder_forward(query[:n], key[:n], value[:n], md, output, output_scale)
         # The cache this layer reads: its own, or (KV sharing) the target's, with the target's
@@ -532,8 +562,14 @@ class RocmAttentionImpl:
         interleaved_v, buffers = self.interleaved_v, layer._buffers  # _buffers: skips nn.Module.__getattr__
         if self.kv_sharing_target_layer_name is not None:
             layer = get_layer(self.kv_sharing_target_layer_name)
+            target = layer.impl
+            if target.num_kv_heads != hkv or target.head_size != d:  # its cache holds other heads
+                raise ValueError(
+                    f"{op}: this layer ({hkv} KV heads of {d}) shares the KV cache of "
+                    f"{self.kv_sharing_target_layer_name!r}, which holds {target.num_kv_heads} KV heads of "
+                    f"{target.head_size}; a layer can only read a cache of its own geometry")
             kv_cache, key, value = layer.kv_cache, None, None
-            interleaved_v, buffers = layer.impl.interleaved_v, layer._buffers
+            interleaved_v, buffers = target.interleaved_v, layer._buffers
         if (written is not None and written[0] is md and written[1] is key and written[2] is value
                 and written[3] is kv_cache):
             # The cache update of this call checked key/value and the step against this cache.
@@ -549,6 +585,8 @@ class RocmAttentionImpl:
             if key is not None and (key.dim() != 3 or value.dim() != 3):
                 key, value = self._kv_rows(op, key, value)
             t = step_checks.check_attention_call(op, layer, query, key, value, output, kv_cache, md, h, hkv, d)
+        if made is None or made[1] is not output:  # an output of the caller's (Attention.forward makes its own)
+            _check_output(op, output, key, value)
         n = md.num_actual_tokens
         if n != t:  # padded step: rows past n are not ours to touch
             out_n, query = output[:n], query[:n]
@@ -561,11 +599,17 @@ class RocmAttentionImpl:
                 md.block_table, self.scale, buffers["_k_scale"], buffers["_v_scale"], causal,
                 self.sliding_window, self.alibi_slopes, self.sinks, self.logits_soft_cap,
                 interleaved_v, output_scale, md.max_query_len, md.max_seq_len)
+        if output_scale is not None:  # a per-call tensor: shape and device every call, the value where readable
+            if output_scale.device != query.device:
+                raise ValueError(f"{op}: output_scale is on {output_scale.device} but the query is on {query.device}")
+            validation.check_scales(op, output_scale=output_scale)
         sig = self._signature("paged_attention", query, kv_cache, n, output.dtype, output_scale is None,
                               causal, interleaved_v)
         fn = self._kernels.get(sig)
         if fn is None:
             self._check_query_scale(query, op)
+            if key is None:  # the kernel reads the head count from the cache: it must be this layer's
+                validation.check_kv_cache(op, kv_cache, hkv, d)
             # Per-head tensors follow the query's device, checked once per signature.
             args = args[:13] + (self._alibi(query), self._sinks(query)) + args[15:]
             validation.check_paged_attention(

@@ -149,13 +149,14 @@ class Attention(nn.Module):
             except RuntimeError:
                 raise self._shape_error("query", query, h) from None
             output = torch.empty_like(query)  # the query's strides if dense: still a unit channel stride
-        if key.dim() != 3:
+        ks, vs = key.shape, value.shape
+        if ks[:1] != qs[:1] or vs[:1] != qs[:1]:  # one row per token (a view would regroup other rows)
+            raise self._shape_error("key and value", key, hkv, t, value)
+        if len(ks) != 3:
             try:
                 key, value = key.view(t, hkv, d), value.view(t, hkv, d)
             except RuntimeError:
                 raise self._shape_error("key and value", key, hkv, t, value) from None
-        elif key.shape[0] != t or value.shape[0] != t:
-            raise self._shape_error("key and value", key, hkv, t, value)
         token = None
         impl = self.impl
         if impl.uses_kv_cache:

@@ -106,7 +106,8 @@ class AttentionMetadata:
 
 
 _OP = "build_attention_metadata"
-_MAX_BLOCK_ID = 2**31 - 1  # the block table is int32
+_MAX_INT32 = 2**31 - 1
+_MAX_BLOCK_ID = _MAX_INT32  # the block table is int32
 
 
 def _check_blocks(s: int, table: Sequence[int], used: int, num_blocks: int | None) -> int:
@@ -161,6 +162,9 @@ def _host_plan(query_lens: Sequence[int], context_lens: Sequence[int],
                             f"{type(bt).__name__} {bt!r:.40}")
         sl = ql + cl
         qsl.append(qsl[-1] + ql)
+        if sl > _MAX_INT32 or qsl[-1] > _MAX_INT32:
+            raise ValueError(f"{_OP}: sequence {s} has {sl} tokens, the step {qsl[-1]} up to it; at most 2**31 - 1 "
+                             "each (seq_lens and query_start_loc are int32)")
         seq_lens.append(sl)
         need = -(-sl // block_size)
         if padding is not None and padding[s]:

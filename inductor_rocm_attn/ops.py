@@ -437,7 +437,13 @@ def _unified_rope_and_kv_cache_update_fake(positions, query, key, value, cos_sin
 def _unified_qk_norm_rope_and_kv_cache_update(qkv, q_weight, k_weight, eps, positions, cos_sin_cache,
                                               is_neox, num_heads, num_kv_heads, head_size, layer_name):
     layer, metadata = _step("rocm_attn.unified_qk_norm_rope_and_kv_cache_update", layer_name)
-    q, k = layer.impl.do_qk_norm_rope_kvcache_update(
+    impl = layer.impl
+    if num_heads != impl.num_heads or num_kv_heads != impl.num_kv_heads or head_size != impl.head_size:
+        # the fake kernel shapes q and k from these; the layer's own give the real ones
+        raise ValueError(f"rocm_attn.unified_qk_norm_rope_and_kv_cache_update: num_heads, num_kv_heads, head_size "
+                         f"= {num_heads}, {num_kv_heads}, {head_size} but layer {layer_name!r} has "
+                         f"{impl.num_heads}, {impl.num_kv_heads}, {impl.head_size}")
+    q, k = impl.do_qk_norm_rope_kvcache_update(
         layer, qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, layer.kv_cache, metadata
     )
     return q, k, _token(k)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from . import capabilities
+import math
+
+from . import capabilities, validation
 from .layout import is_fp8_dtype
 from .metadata import plan_tensor_ptrs
 from .validation import (
@@ -163,13 +165,25 @@ def check_step_positions(op: str, md, positions: torch.Tensor, rows: int) -> Non
                          f"(valid: 0..{rows - 1})")
 
 
+_INDEX_DTYPES = frozenset(_INDEX_TYPES)
+_FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+
+
 def check_rope_inputs(op: str, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_tokens: int,
                       device: torch.device, md) -> None:
-    """Every call of a layer's RoPE: one position per token, on ``device``, inside the cos/sin
-    table (``md``: the step's metadata, None in a profiling run)."""
-    if positions.shape[0] != num_tokens or positions.device != device or cos_sin_cache.device != device:
+    """Every call of a layer's RoPE: one position per token (an index dtype, dense), on
+    ``device``, inside the cos/sin table, a 2-D float table with unit channel stride (``md``:
+    the step's metadata, None in a profiling run)."""
+    if positions.shape[:1] != (num_tokens,) or positions.device != device or cos_sin_cache.device != device:
         raise ValueError(f"{op}: positions ({tuple(positions.shape)} on {positions.device}) and cos_sin_cache "
                          f"(on {cos_sin_cache.device}) must have one entry per token ({num_tokens}) on {device}")
+    if not (positions.dim() == 1 and positions.dtype in _INDEX_DTYPES
+            and (num_tokens <= 1 or positions.stride()[0] == 1) and cos_sin_cache.dim() == 2
+            and cos_sin_cache.dtype in _FLOAT_DTYPES and cos_sin_cache.stride()[1] == 1):
+        validation.check_float_tensor(op, "cos_sin_cache", cos_sin_cache)
+        if cos_sin_cache.dim() != 2:
+            raise ValueError(f"{op}: cos_sin_cache must be [max_position, rot_dim], got {tuple(cos_sin_cache.shape)}")
+        validation.check_positions_tensor(op, positions, num_tokens, cos_sin_cache)
     if md is not None:
         check_step_positions(op, md, positions, cos_sin_cache.shape[0])
     elif index_checks_on(positions.device):
@@ -179,20 +193,44 @@ def check_rope_inputs(op: str, positions: torch.Tensor, cos_sin_cache: torch.Ten
 def check_cos_sin_call(op: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        cos: torch.Tensor, sin: torch.Tensor, device: torch.device) -> None:
     """Every call of a per-token cos/sin writer: query/key/value of one dtype with the value's
-    T rows, and cos/sin ``[T, rot_dim]`` (one row per token, as the kernels read them), all on
-    ``device``."""
+    T rows, and cos/sin ``[T, rot_dim]`` of model dtypes (one row per token, as the kernels read
+    them), all on ``device``."""
     t = value.shape[0]
     cs = cos.shape
     if not (query.shape[0] == t and key.shape[0] == t and query.dtype is key.dtype is value.dtype
+            and cos.dtype in _MODEL_DTYPES and sin.dtype in _MODEL_DTYPES
             and len(cs) == 2 and cs[0] == t and sin.shape == cs and query.device == device
             and key.device == device and value.device == device and cos.device == device
             and sin.device == device):
         raise ValueError(
             f"{op}: query {tuple(query.shape)} {query.dtype} on {query.device}, key {tuple(key.shape)} "
             f"{key.dtype} on {key.device}, value {tuple(value.shape)} {value.dtype} on {value.device}, cos "
-            f"{tuple(cos.shape)} on {cos.device}, sin {tuple(sin.shape)} on {sin.device}: expected one dtype, "
-            f"{t} rows each (cos/sin [{t}, rot_dim]), all on {device}"
+            f"{tuple(cos.shape)} {cos.dtype} on {cos.device}, sin {tuple(sin.shape)} {sin.dtype} on {sin.device}: "
+            f"expected query/key/value of one dtype, {t} rows each (cos/sin [{t}, rot_dim] of "
+            f"{capabilities.MODEL_DTYPES}), all on {device}"
         )
+
+
+def check_rotated(op: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None) -> None:
+    """Every call of a fused RoPE layer op, which rotates ``query`` and ``key`` in place (and
+    caches ``value``, None: not written): neither expanded nor the memory of another of them;
+    the common case in three pointer and two stride compares."""
+    qp, kp = query.data_ptr(), key.data_ptr()
+    if (qp == kp or 0 in query.stride() or 0 in key.stride()
+            or (value is not None and value.data_ptr() in (qp, kp))):
+        validation.check_written(op, dict(query=query, key=key), {} if value is None else dict(value=value))
+
+
+def norm_weights_ok(q_weight: torch.Tensor, k_weight: torch.Tensor, eps, head_size: int,
+                    device: torch.device) -> bool:
+    """Every call of a QK-norm writer, the common case in one expression: q/k weights ``[head_size]``
+    of float dtypes, contiguous, on ``device``, and a finite ``eps >= 0``. False: the caller
+    runs its full checks, which name what is wrong."""
+    return (q_weight.shape == (head_size,) and k_weight.shape == (head_size,)
+            and q_weight.dtype in _FLOAT_DTYPES and k_weight.dtype in _FLOAT_DTYPES
+            and q_weight.is_contiguous() and k_weight.is_contiguous()
+            and q_weight.device == device and k_weight.device == device
+            and type(eps) is float and 0.0 <= eps < math.inf)
 
 
 # Per-call checks: one boolean expression on the fast path (host attributes only); the
@@ -339,8 +377,11 @@ def token_rows(op: str, name: str, x: torch.Tensor, heads: int, head_size: int) 
     """``x`` as ``[T, heads, head_size]`` (a view of ``[T, heads * head_size]``)."""
     if x.dim() == 3:
         return x
-    try:
-        return x.view(-1, heads, head_size)
-    except RuntimeError:
-        raise ValueError(f"{op}: {name} must be [num_tokens, {heads} * {head_size}] or [num_tokens, "
-                         f"{heads}, {head_size}], got {tuple(x.shape)}") from None
+    shape = x.shape
+    if len(shape) == 2 and shape[1] == heads * head_size:  # else a view would regroup other rows
+        try:
+            return x.view(shape[0], heads, head_size)
+        except RuntimeError:
+            pass
+    raise ValueError(f"{op}: {name} must be [num_tokens, {heads} * {head_size}] (unit stride along the last "
+                     f"dim) or [num_tokens, {heads}, {head_size}], got {tuple(shape)} with strides {x.stride()}")

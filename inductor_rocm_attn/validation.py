@@ -551,7 +551,7 @@ def check_positions(op: str, positions: torch.Tensor, rows: int) -> None:
                          f"(valid: 0..{rows - 1})")
 
 
-def _check_positions_tensor(op: str, positions: torch.Tensor, num_tokens: int, cos_sin_cache: torch.Tensor) -> None:
+def check_positions_tensor(op: str, positions: torch.Tensor, num_tokens: int, cos_sin_cache: torch.Tensor) -> None:
     check_dtype(op, "positions", positions, _INDEX_TYPES)
     if positions.dim() != 1 or positions.shape[0] != num_tokens:
         raise ValueError(f"{op}: positions must be [num_tokens] = [{num_tokens}], got {tuple(positions.shape)}")
@@ -584,7 +584,7 @@ def check_rotary(op: str, positions: torch.Tensor, query: torch.Tensor, key: tor
             )
         if t.dtype != query.dtype:
             raise ValueError(f"{op}: {name} dtype {t.dtype} != query dtype {query.dtype}")
-    _check_positions_tensor(op, positions, query.shape[0], cos_sin_cache)
+    check_positions_tensor(op, positions, query.shape[0], cos_sin_cache)
 
 
 def check_qk_norm_rope(op: str, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
@@ -611,7 +611,7 @@ def check_qk_norm_rope(op: str, qkv: torch.Tensor, q_weight: torch.Tensor, k_wei
             or cos_sin_cache.shape[1] % 2):
         raise ValueError(f"{op}: cos_sin_cache must be [max_position, rot_dim] with an even rot_dim in "
                          f"(0, {head_size}], got {tuple(cos_sin_cache.shape)}")
-    _check_positions_tensor(op, positions, qkv.shape[0], cos_sin_cache)
+    check_positions_tensor(op, positions, qkv.shape[0], cos_sin_cache)
 
 
 def check_encoder_attention(op: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

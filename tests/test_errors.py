@@ -182,6 +182,14 @@ def test_metadata_builder_refuses_a_written_block_used_twice():
     assert md.slot_mapping.tolist() == [3, -1]
 
 
+def test_metadata_builder_refuses_lengths_past_int32():
+    # seq_lens and query_start_loc are int32: torch's overflow error named no op or sequence.
+    big = 2**27  # a block size that keeps the block table short
+    with pytest.raises(ValueError, match=r"build_attention_metadata: sequence 0 has 2147483649 tokens.*at most "
+                                         r"2\*\*31 - 1 each \(seq_lens and query_start_loc are int32\)"):
+        ira.build_attention_metadata([1], [2**31], [list(range(17))], big)
+
+
 def test_duplicate_layer_name():
     keep = ira.Attention(4, 64, layer_name="dup_name")
     with pytest.raises(ValueError, match="'dup_name' is already used by a live layer"):

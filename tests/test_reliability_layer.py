@@ -148,6 +148,33 @@ def test_query_width_mismatch_is_clear():
         s.layer(q[:, :200], k, v)
 
 
+@pytest.mark.parametrize("shape", ["transposed", "heads_as_rows", "flat"])
+def test_key_value_with_the_right_numel_but_other_rows_are_rejected(shape):
+    """A key/value whose element count matches [T, Hkv * D] but whose rows are not the tokens
+    ([Hkv * D, T], [T * Hkv, D], 1-D) was viewed as [T, Hkv, D] and cached as garbage."""
+    s = stepped_layer()
+    t = s.num_tokens
+    q, k, v = qkv(t, s.g)
+    bad = {"transposed": lambda x: x.T.contiguous(), "heads_as_rows": lambda x: x.reshape(t * HKV, D),
+           "flat": lambda x: x.reshape(-1)}[shape]
+    before = snapshot(s.layer.kv_cache)
+    with pytest.raises(ValueError, match=rf"Attention 'rel\.\d+': key and value must be \[{t} \(the query's "
+                                         rf"tokens\), {HKV} \* {D}\]"), ira.set_forward_context(s.md):
+        s.layer(q, bad(k), bad(v))
+    assert unchanged(before, s.layer.kv_cache)
+    # The layer-level ops, called directly, refuse them too.
+    out = torch.full((t, H, D), 7.0)
+    before = snapshot(out, s.layer.kv_cache)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.unified_kv_cache_update: key must be \[num_tokens, {HKV} "
+                                         rf"\* {D}\]"), ira.set_forward_context(s.md):
+        torch.ops.rocm_attn.unified_kv_cache_update(bad(k), bad(v), s.layer.layer_name)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.unified_attention_with_output: query must be "
+                                         rf"\[num_tokens, {H} \* {D}\]"), ira.set_forward_context(s.md):
+        torch.ops.rocm_attn.unified_attention_with_output(q.T.contiguous(), k.view(t, HKV, D), v.view(t, HKV, D),
+                                                          out.view(t, H * D), s.layer.layer_name, None)
+    assert unchanged(before, out, s.layer.kv_cache)
+
+
 def test_layer_without_a_bound_cache():
     layer = ira.Attention(H, D, num_kv_heads=HKV, layer_name="rel.unbound")
     md = ira.build_attention_metadata([3], [0], [[0]], BS)
@@ -344,6 +371,97 @@ def test_fused_rope_layer_op_checks_query_rows_against_key_on_every_call():
     assert unchanged(before, big, s.layer.kv_cache)
 
 
+_ROPE_TABLE_CASES = {
+    "positions float": (lambda p, cs: (p.float(), cs), r"positions has dtype torch\.float32"),
+    "positions 2-D": (lambda p, cs: (p[:, None], cs), r"positions must be \[num_tokens\]"),
+    "cos_sin_cache int": (lambda p, cs: (p, cs.int()), r"cos_sin_cache must be a float32, .* got torch\.int32"),
+    "cos_sin_cache strided": (lambda p, cs: (p, torch.cat([cs, cs], 1)[:, ::2]),
+                              r"cos_sin_cache must have unit stride along its last dim"),
+}
+
+
+@pytest.mark.parametrize("case", list(_ROPE_TABLE_CASES))
+def test_fused_rope_layer_op_checks_positions_and_table_on_every_call(case):
+    # positions' and cos_sin_cache's dtype and layout were checked on a signature's first call
+    # only: a later call read float positions or int table entries as they were.
+    s = stepped_layer()
+    t = s.num_tokens
+    cos_sin = torch.randn(64, D, generator=s.g)
+    q, k, v = (x.view(t, -1, D) for x in qkv(t, s.g))
+
+    def rope(positions, table):
+        with ira.set_forward_context(s.md):
+            torch.ops.rocm_attn.unified_rope_and_kv_cache_update(positions, q, k, v, table, True,
+                                                                 s.layer.layer_name)
+
+    rope(s.md.positions, cos_sin)  # the signature's first call: validated in full
+    bad, match = _ROPE_TABLE_CASES[case]
+    before = snapshot(q, k, s.layer.kv_cache)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.rope_and_cache: {match}"):
+        rope(*bad(s.md.positions, cos_sin))
+    assert unchanged(before, q, k, s.layer.kv_cache)
+
+
+_NORM_CASES = {
+    "q_weight [1]": (dict(q_weight=torch.ones(1)), r"q_weight must be \[head_size\] = \[64\], got \(1,\)"),
+    "k_weight [2D]": (dict(k_weight=torch.ones(2 * D)), r"k_weight must be \[head_size\] = \[64\], got \(128,\)"),
+    "q_weight int": (dict(q_weight=torch.ones(D, dtype=torch.int64)), r"q_weight must be a float32"),
+    "k_weight strided": (dict(k_weight=torch.ones(2 * D)[::2]), r"k_weight must be contiguous"),
+    "eps negative": (dict(eps=-1e-6), r"eps must be a finite number >= 0, got -1e-06"),
+    "eps nan": (dict(eps=float("nan")), r"eps must be a finite number >= 0, got nan"),
+}
+
+
+def _qk_norm_call(variant, s, args):
+    t, name = s.num_tokens, s.layer.layer_name
+    with ira.set_forward_context(s.md):
+        if variant == "qkv":
+            torch.ops.rocm_attn.unified_qk_norm_rope_and_kv_cache_update(
+                args["qkv"], args["q_weight"], args["k_weight"], args["eps"], s.md.positions, args["cos_sin"], True,
+                H, HKV, D, name)
+        else:
+            torch.ops.rocm_attn.unified_qk_norm_rope_cos_sin_and_kv_cache_update(
+                args["q"], args["k"], args["v"], args["q_weight"], args["k_weight"], args["eps"], args["cos"][:t],
+                args["sin"][:t], True, name)
+
+
+@pytest.mark.parametrize("variant", ["qkv", "cos_sin"])
+@pytest.mark.parametrize("case", list(_NORM_CASES))
+@pytest.mark.parametrize("first", [True, False], ids=["first_call", "later_call"])
+def test_fused_qk_norm_layer_ops_check_weights_and_eps_on_every_call(variant, case, first):
+    # The QK-norm weights were checked on a signature's first call only (a [1] weight then
+    # broadcast silently, an int one was used as it was), eps never (a negative one turns rows
+    # NaN); and the first call switched the layer to interleaved V, converting its cache,
+    # before any of these checks.
+    s = stepped_layer()
+    t = s.num_tokens
+    q, k, v = (x.view(t, -1, D) for x in qkv(t, s.g))
+    args = dict(qkv=torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], 1), q=q, k=k, v=v,
+                q_weight=torch.ones(D), k_weight=torch.ones(D), eps=1e-6, cos_sin=torch.randn(64, D, generator=s.g),
+                cos=torch.randn(t, D, generator=s.g), sin=torch.randn(t, D, generator=s.g))
+    if not first:
+        _qk_norm_call(variant, s, args)  # the signature's first call: validated in full, the layer switched
+    bad, match = _NORM_CASES[case]
+    was_interleaved = s.layer.interleaved_v
+    before = snapshot(q, k, s.layer.kv_cache)
+    with pytest.raises(ValueError, match=match):
+        _qk_norm_call(variant, s, {**args, **bad})
+    assert unchanged(before, q, k, s.layer.kv_cache) and s.layer.interleaved_v == was_interleaved
+
+
+def test_qk_norm_layer_op_head_counts_must_be_the_layers():
+    # The fake kernel shapes q/k from these arguments, the real op from the layer's own.
+    s = stepped_layer()
+    t = s.num_tokens
+    before = snapshot(s.layer.kv_cache)
+    with pytest.raises(ValueError, match=rf"num_heads, num_kv_heads, head_size = {2 * H}, {HKV}, {D} but layer "
+                                         rf"'rel\.\d+' has {H}, {HKV}, {D}"), ira.set_forward_context(s.md):
+        torch.ops.rocm_attn.unified_qk_norm_rope_and_kv_cache_update(
+            torch.randn(t, (H + 2 * HKV) * D), torch.ones(D), torch.ones(D), 1e-6, s.md.positions,
+            torch.randn(64, D), True, 2 * H, HKV, D, s.layer.layer_name)
+    assert unchanged(before, s.layer.kv_cache) and not s.layer.interleaved_v
+
+
 @pytest.mark.parametrize("kv_cache_dtype,cache_dtype", [("auto", torch.float8_e4m3fn), ("fp8", torch.float32)])
 def test_cache_dtype_must_agree_with_the_layers_kv_cache_dtype(kv_cache_dtype, cache_dtype):
     """A cache assigned by hand whose fp8-ness disagrees with the layer's ``kv_cache_dtype``:
@@ -359,3 +477,98 @@ def test_cache_dtype_must_agree_with_the_layers_kv_cache_dtype(kv_cache_dtype, c
                                          rf"{str(cache_dtype)}"), ira.set_forward_context(md):
         layer(*qkv(3, torch.Generator().manual_seed(0)))
     assert unchanged(before, layer.kv_cache)
+
+
+@pytest.mark.parametrize("target_kv_heads,target_head_size", [(1, D), (1, 2 * D)])
+def test_kv_sharing_layer_refuses_a_target_of_another_geometry(target_kv_heads, target_head_size):
+    """Layers built and given caches by hand (bind_kv_caches checks this): the sharing layer read
+    its target's cache with the head count the cache's width implies, so fewer KV heads ran as
+    another GQA ratio and a wider head size as twice the heads, silently."""
+    target = ira.Attention(H, target_head_size, num_kv_heads=target_kv_heads,
+                           layer_name=f"rel.geo_target{target_head_size}")
+    target.kv_cache = ira.allocate_kv_cache(target.kv_cache_spec(torch.float32), NUM_BLOCKS)
+    sharer = ira.Attention(H, D, num_kv_heads=HKV, layer_name=f"rel.geo_sharer{target_head_size}",
+                           kv_sharing_target_layer_name=target.layer_name)
+    g = torch.Generator().manual_seed(0)
+    md = ira.build_attention_metadata([3], [0], [[0]], BS)
+    with ira.set_forward_context(md):
+        target(torch.randn(3, H * target_head_size, generator=g),
+               *(torch.randn(3, target_kv_heads * target_head_size, generator=g) for _ in range(2)))
+    before = snapshot(target.kv_cache)
+    with pytest.raises(ValueError, match=rf"shares the KV cache of 'rel\.geo_target{target_head_size}', which holds "
+                                         rf"{target_kv_heads} KV heads of {target_head_size}"), \
+            ira.set_forward_context(md):
+        sharer(*qkv(3, g))
+    assert unchanged(before, target.kv_cache)
+
+
+@pytest.mark.parametrize("scale, match", [
+    (torch.tensor([0.0]), r"output_scale must be a positive finite number, got 0\.0"),
+    (torch.tensor([float("nan")]), r"output_scale must be a positive finite number, got nan"),
+    (torch.tensor([0.5, 0.5]), r"output_scale must be a per-tensor scale \(1 element, shape \(\) or \(1,\)\), got "
+                               r"shape \(2,\)"),
+])
+def test_attention_op_checks_output_scale_on_every_call(scale, match):
+    # The layer-level attention checked output_scale on a signature's first call only: a later
+    # zero scale saturated every output to fp8_max, a NaN one gave NaN, two elements a bare
+    # broadcast error from the kernel.
+    s = stepped_layer()
+    t = s.num_tokens
+    q, k, v = (x.view(t, -1, D) for x in qkv(t, s.g))
+
+    def attend(output_scale, out):
+        with ira.set_forward_context(s.md):
+            torch.ops.rocm_attn.unified_attention_with_output(q, k, v, out, s.layer.layer_name, None, output_scale)
+
+    attend(torch.tensor([0.5]), torch.zeros(t, H, D, dtype=torch.float8_e4m3fn))  # the signature's first call
+    out = torch.full((t, H, D), 3.0).to(torch.float8_e4m3fn)
+    before = snapshot(out, s.layer.kv_cache)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.unified_attention_with_output: {match}"):
+        attend(scale, out)
+    assert unchanged(before, out, s.layer.kv_cache)
+
+
+@pytest.mark.parametrize("case", ["expanded", "key's memory"])
+def test_attention_op_refuses_an_output_it_cannot_write_alone(case):
+    # The layer-level attention never compared its output with what it reads (the kernel-level
+    # paged_attention does): a key slice of the output's buffer was overwritten while a prefill
+    # read it, and an expanded output made its rows share memory (a bare torch error on CPU, the
+    # last row's write winning on a GPU).
+    s = stepped_layer()
+    t = s.num_tokens
+    q, k, v = (x.view(t, -1, D) for x in qkv(t, s.g))
+    if case == "expanded":
+        out, key, match = torch.zeros(1, H, D).expand(t, H, D), k, r"output is an expanded view"
+    else:
+        out = torch.randn(t, H + HKV, D, generator=s.g)[:, :H]
+        key, match = out[:, :HKV], r"output and key are the same memory"
+    before = snapshot(out, key, s.layer.kv_cache)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.unified_attention_with_output: {match}"), \
+            ira.set_forward_context(s.md):
+        torch.ops.rocm_attn.unified_attention_with_output(q, key, v, out, s.layer.layer_name, None)
+    assert unchanged(before, out, key, s.layer.kv_cache)
+
+
+@pytest.mark.parametrize("op", ["cos_sin_cache", "cos_sin"])
+@pytest.mark.parametrize("case", ["key is query", "value is key", "expanded query"])
+def test_fused_rope_layer_ops_refuse_aliased_or_expanded_rotated_tensors(op, case):
+    # The fused RoPE layer ops never compared the q/k they rotate in place with each other or with
+    # the value they cache (their kernel-level ops do): key = query was rotated twice, value = key
+    # cached the rotated key as the value.
+    layer = ira.Attention(HKV, D, num_kv_heads=HKV, layer_name=f"rel.mha_{op}_{case.replace(' ', '_')}")
+    ira.bind_kv_caches(layer, NUM_BLOCKS, torch.float32, poison=True)
+    md = ira.build_attention_metadata([3], [0], [[0]], BS)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, HKV, D, generator=g) for _ in range(3))
+    q, k, v, match = {"key is query": (q, q, v, "query and key are the same memory"),
+                      "value is key": (q, k, k, "key and value are the same memory"),
+                      "expanded query": (q[:1].expand(3, HKV, D), k, v, "query is an expanded view")}[case]
+    before = snapshot(q, k, v, layer.kv_cache)
+    with pytest.raises(ValueError, match=match), ira.set_forward_context(md):
+        if op == "cos_sin_cache":
+            torch.ops.rocm_attn.unified_rope_and_kv_cache_update(md.positions, q, k, v, torch.randn(8, D, generator=g),
+                                                                 True, layer.layer_name)
+        else:
+            torch.ops.rocm_attn.unified_rope_cos_sin_and_kv_cache_update(
+                q, k, v, torch.randn(3, D, generator=g), torch.randn(3, D, generator=g), True, layer.layer_name)
+    assert unchanged(before, q, k, v, layer.kv_cache)

@@ -503,11 +503,20 @@ class PagedCache(Cache):
                 f"{tuple(attention_mask.shape)} (prepared 4-D masks are not supported; a PagedCache holds one "
                 "batch: reset() it or build a new one for the next)"
             )
-        new = attention_mask[:, self._seen:].to("cpu")
+        mask = attention_mask.to("cpu")
+        new = mask[:, self._seen:]
         if not bool(((new == 0) | (new == 1)).all()):
             values = sorted(set(new.flatten().tolist()) - {0, 1})
             raise ValueError(f"PagedCache: attention_mask must hold 1 (a token) and 0 (padding), got "
                              f"{values[:4]} among its new columns")
+        if self._seen:  # every cached token is attended to: the earlier columns must mark exactly those
+            held = (mask[:, :self._seen] != 0).sum(1).tolist()
+            if held != self._lengths:
+                row = next(r for r in range(b) if held[r] != self._lengths[r])
+                raise ValueError(
+                    f"PagedCache: attention_mask[{row}, :{self._seen}] marks {held[row]} earlier tokens but the cache "
+                    f"holds {self._lengths[row]} of row {row}; its earlier columns must be the masks of the earlier "
+                    "steps (cached tokens cannot be masked out)")
         real = new.to(torch.bool)
         idx = torch.arange(t)
         count = real.sum(1)

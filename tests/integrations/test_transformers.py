@@ -332,6 +332,27 @@ def test_forward_that_raises_leaves_the_rows_as_they_were():
     assert cache.row_lengths() == [3, 5] and rel(got, want) < TOL
 
 
+def test_attention_mask_masking_out_cached_tokens_is_refused():
+    """The mask's earlier columns were not read: a later step whose mask zeroed a cached token
+    (or marked a cached padding column as a token) attended to every cached token anyway."""
+    ours = build("llama", "rocm_attn")
+    ids, mask = ragged_prompts([3, 5])
+    cache = PagedCache(ours, num_blocks=8, poison=True)
+    with torch.no_grad():
+        ours(ids[:, :4], attention_mask=mask[:, :4], past_key_values=cache)
+        slots = written_slots(cache)
+        for row, col, value in ((1, 2, 0), (0, 0, 1)):
+            bad = mask.clone()
+            bad[row, col] = value
+            with pytest.raises(ValueError, match=rf"PagedCache: attention_mask\[{row}, :4\] marks "
+                                                 rf"{int(mask[row, :4].sum()) + (1 if value else -1)} earlier tokens "
+                                                 rf"but the cache holds {int(mask[row, :4].sum())} of row {row}"):
+                ours(ids[:, 4:], attention_mask=bad, past_key_values=cache)
+            assert cache.row_lengths() == [2, 4] and written_slots(cache) == slots
+        ours(ids[:, 4:], attention_mask=mask, past_key_values=cache)  # the right mask still runs
+    assert cache.row_lengths() == [3, 5]
+
+
 @pytest.mark.parametrize("scale, shown", [(2, r"\[2\]"), (0.5, r"\[0\.5\]")], ids=["twos", "halves"])
 def test_attention_mask_of_other_values_is_refused(scale, shown):
     """A mask of 2s or 0.5s was read as "nonzero = token"; generate() derived positions from its
