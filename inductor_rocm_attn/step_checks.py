@@ -14,9 +14,9 @@ builder recorded (``AttentionMetadata.plan``), without reading a tensor back.
 
 from __future__ import annotations
 
-import torch
-
 import math
+
+import torch
 
 from . import capabilities, validation
 from .layout import is_fp8_dtype
