@@ -56,6 +56,9 @@ def check_impl_config(op: str, num_heads, head_size, scale, num_kv_heads, alibi_
         raise ValueError(f"{op}: causal must be True, False or None, got {causal!r}")
     if sinks is not None:
         sinks = validation.per_head_tensor(op, "sinks", sinks, num_heads)
+        if sinks.device.type != "meta" and bool((sinks == float("inf")).any()):  # -inf: no sink for that head
+            raise ValueError(f"{op}: sinks must not be +inf (the sink would take all the weight and every row "
+                             f"turn NaN); -inf means no sink for a head, got {sinks.tolist()}")
     if alibi_slopes is not None:
         alibi_slopes = validation.per_head_tensor(op, "alibi_slopes", alibi_slopes, num_heads,
                                                   finite=True).to(torch.float32)

@@ -105,6 +105,18 @@ class Attention(nn.Module):
         if name == "kv_cache":  # a captured graph keeps the cache it was captured with
             note_cache_change()
 
+    def _apply(self, fn, recurse=True):
+        # model.half() / .to(bfloat16) converts every float buffer; the scales stay fp32 (the
+        # contract's dtype; in fp16 a small scale rounds, or flushes to 0): only their device
+        # follows, taken from the unconverted values.
+        scales = {n: self._buffers[n] for n in ("_k_scale", "_v_scale")}
+        out = super()._apply(fn, recurse)
+        for n, before in scales.items():
+            after = self._buffers[n]
+            if after is not None and after.dtype != torch.float32:
+                self._buffers[n] = before.to(device=after.device)
+        return out
+
     def __setstate__(self, state):
         super().__setstate__(state)
         if self.__dict__.get("registered", False):

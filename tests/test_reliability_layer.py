@@ -572,3 +572,31 @@ def test_fused_rope_layer_ops_refuse_aliased_or_expanded_rotated_tensors(op, cas
             torch.ops.rocm_attn.unified_rope_cos_sin_and_kv_cache_update(
                 q, k, v, torch.randn(3, D, generator=g), torch.randn(3, D, generator=g), True, layer.layer_name)
     assert unchanged(before, q, k, v, layer.kv_cache)
+
+
+def test_model_dtype_conversion_keeps_the_fp8_scales_fp32():
+    """model.half() / .to(bfloat16) converted the layer's k/v scale buffers too: a 1e-8 scale
+    flushed to 0 in fp16 (every cached value then inf), others rounded."""
+    import inductor_rocm_attn as ira
+
+    layer = ira.Attention(4, 64, num_kv_heads=2, layer_name="scales.0", block_size=16, kv_cache_dtype="fp8",
+                          k_scale=1e-8, v_scale=0.0123, register=False)
+    model = torch.nn.Sequential(layer)
+    for convert in (lambda m: m.half(), lambda m: m.to(torch.bfloat16), lambda m: m.to("meta")):
+        convert(model)
+        for name, want in (("_k_scale", 1e-8), ("_v_scale", 0.0123)):
+            got = getattr(layer, name)
+            assert got.dtype == torch.float32, (name, got.dtype)
+            if got.device.type != "meta":
+                assert got.item() == torch.tensor(want, dtype=torch.float32).item()
+
+
+def test_a_positive_infinite_sink_is_refused():
+    """sinks=+inf was accepted, and every output row of that head was NaN (inf - inf)."""
+    import inductor_rocm_attn as ira
+
+    with pytest.raises(ValueError, match=r"sinks must not be \+inf"):
+        ira.Attention(2, 64, num_kv_heads=1, layer_name="sinks.0", block_size=16, register=False,
+                      sinks=[0.5, float("inf")])
+    ira.Attention(2, 64, num_kv_heads=1, layer_name="sinks.1", block_size=16, register=False,
+                  sinks=[0.5, float("-inf")])
