@@ -170,6 +170,17 @@ class RocmAttentionBackend:
         return (num_blocks, 2, block_size, num_kv_heads * head_size)
 
 
+# The cache dtypes each named kv_cache_dtype allows (fp8: either encoding of its format, FN or
+# the FNUZ of some ROCm GPUs).
+_CACHE_DTYPES_OF = {
+    "float16": (torch.float16,),
+    "bfloat16": (torch.bfloat16,),
+    "fp8": (torch.float8_e4m3fn, torch.float8_e4m3fnuz),
+    "fp8_e4m3": (torch.float8_e4m3fn, torch.float8_e4m3fnuz),
+    "fp8_e5m2": (torch.float8_e5m2, torch.float8_e5m2fnuz),
+}
+
+
 def _check_output(op: str, output: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None) -> None:
     """The attention's output: not an expanded view (its rows would share memory) nor the memory
     of the key/value it reads; the common case in a stride and two pointer compares."""
@@ -299,6 +310,12 @@ class RocmAttentionImpl:
             raise ValueError(f"{op}: the layer is configured with kv_cache_dtype={self.kv_cache_dtype!r} but its "
                              f"KV cache is {kv_cache.dtype}; an fp8 cache needs an fp8 kv_cache_dtype (with its "
                              "k/v scales) and any other cache a non-fp8 one ('auto', 'float16', 'bfloat16')")
+        if kv_cache is not None and kv_cache.dtype not in _CACHE_DTYPES_OF.get(self.kv_cache_dtype, (kv_cache.dtype,)):
+            # a named cache dtype is what the layer was configured for ("auto": the model's, or
+            # another float dtype a caller allocated, e.g. under autocast)
+            raise ValueError(f"{op}: the layer is configured with kv_cache_dtype={self.kv_cache_dtype!r} but its "
+                             f"KV cache is {kv_cache.dtype}; allocate the cache with the layer's kv_cache_spec() "
+                             "(bind_kv_caches does) or configure the layer with the cache's dtype")
         if interleaved_v is None:
             interleaved_v = self.interleaved_v
         _, fn = providers.select(op, device=x.device, head_size=self.head_size, dtype=x.dtype,

@@ -75,9 +75,9 @@ def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
-def _fp8_e4m3_dtype(device: torch.device | None) -> torch.dtype:
+def _fp8_e4m3_dtype(device: torch.device | str | None) -> torch.dtype:
     # MI300 (gfx94x) hardware uses the "fnuz" e4m3 variant; everything else the OCP one.
-    if device is not None and device.type == "cuda" and torch.version.hip is not None:
+    if device is not None and torch.device(device).type == "cuda" and torch.version.hip is not None:
         arch = torch.cuda.get_device_properties(device).gcnArchName
         if "gfx94" in arch:
             return torch.float8_e4m3fnuz

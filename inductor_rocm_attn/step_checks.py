@@ -211,10 +211,14 @@ def check_cos_sin_call(op: str, query: torch.Tensor, key: torch.Tensor, value: t
         )
 
 
-def check_rotated(op: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None) -> None:
-    """Every call of a fused RoPE layer op, which rotates ``query`` and ``key`` in place (and
-    caches ``value``, None: not written): neither expanded nor the memory of another of them;
-    the common case in three pointer and two stride compares."""
+def check_rotated(op: str, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None) -> None:
+    """Every call of a fused RoPE layer op, which rotates ``query`` and ``key`` (None: only the
+    query) in place (and caches ``value``, None: not written): neither expanded nor the memory
+    of another of them; the common case in three pointer and two stride compares."""
+    if key is None:
+        if 0 in query.stride():
+            validation.check_written(op, dict(query=query), {})
+        return
     qp, kp = query.data_ptr(), key.data_ptr()
     if (qp == kp or 0 in query.stride() or 0 in key.stride()
             or (value is not None and value.data_ptr() in (qp, kp))):

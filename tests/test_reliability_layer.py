@@ -600,3 +600,29 @@ def test_a_positive_infinite_sink_is_refused():
                       sinks=[0.5, float("inf")])
     ira.Attention(2, 64, num_kv_heads=1, layer_name="sinks.1", block_size=16, register=False,
                   sinks=[0.5, float("-inf")])
+
+
+@pytest.mark.parametrize("configured, cache_dtype", [("float16", torch.bfloat16), ("bfloat16", torch.float16),
+                                                     ("fp8_e4m3", torch.float8_e5m2)])
+def test_a_cache_of_another_dtype_than_the_layer_names_is_refused(configured, cache_dtype):
+    """A layer configured for one cache dtype ran on a hand-assigned cache of another: the
+    kernels read the cache's own dtype, so the configured precision was silently not used.
+    (An fp8 layer's kv_cache_spec with a device string also raised a bare AttributeError.)"""
+    import dataclasses
+
+    import inductor_rocm_attn as ira
+    from inductor_rocm_attn.layout import allocate_kv_cache
+
+    layer = ira.Attention(2, 64, num_kv_heads=1, layer_name=f"cachedtype.{configured}", block_size=16,
+                          kv_cache_dtype=configured, register=False)
+    spec = dataclasses.replace(layer.kv_cache_spec(torch.float32, "cpu"), dtype=cache_dtype)
+    cache = allocate_kv_cache(spec, 4, "cpu")
+    cache.view(torch.uint8).copy_(torch.randint(0, 100, cache.view(torch.uint8).shape, dtype=torch.uint8))
+    layer.kv_cache = cache
+    md = ira.build_attention_metadata([3], [0], [[0]], 16, "cpu")
+    q, k, v = torch.randn(3, 128), torch.randn(3, 64), torch.randn(3, 64)
+    before = cache.clone()
+    with pytest.raises(ValueError, match=rf"kv_cache_dtype='{configured}' but its KV cache is {cache_dtype}"):
+        with ira.set_forward_context(md, layers={layer.layer_name: layer}):
+            layer(q, k, v)
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
