@@ -149,6 +149,11 @@ def _host_plan(query_lens: Sequence[int], context_lens: Sequence[int],
         )
     if padding is not None and len(padding) != len(query_lens):
         raise ValueError(f"{_OP}: padding has {len(padding)} entries for {len(query_lens)} sequences")
+    if padding is not None:  # a truthy string or number would mark a real sequence as padding
+        bad = next((s for s, p in enumerate(padding) if not _is_bool(p)), None)
+        if bad is not None:
+            raise TypeError(f"{_OP}: padding[{bad}] must be a bool, got {type(padding[bad]).__name__} "
+                            f"{padding[bad]!r:.40}")
     qsl = [0]
     seq_lens, slots, positions = [], [], []
     max_block = -1
@@ -185,6 +190,13 @@ def _host_plan(query_lens: Sequence[int], context_lens: Sequence[int],
             positions.append(p)
             slots.append(bt[p // block_size] * block_size + p % block_size)
     return qsl, seq_lens, slots, positions, max_block
+
+
+def _is_bool(p) -> bool:
+    """A Python bool, a numpy bool or a one-element bool tensor."""
+    if isinstance(p, torch.Tensor):
+        return p.dtype == torch.bool and p.numel() == 1
+    return isinstance(p, bool) or type(p).__name__ == "bool_"
 
 
 def _check_written_blocks_unshared(host: dict, seq_lens: list[int], padding, block_size: int,
@@ -260,7 +272,11 @@ def build_attention_metadata(
     slots += [-1] * (total - n)
     positions += [0] * (total - n)
     width = max([len(bt) for bt in block_tables] + [1])
-    table = torch.tensor([list(bt) + [0] * (width - len(bt)) for bt in block_tables])
+    try:
+        table = torch.tensor([list(bt) + [0] * (width - len(bt)) for bt in block_tables])
+    except (TypeError, RuntimeError, ValueError) as e:  # None, strings, ragged nesting
+        raise TypeError(f"{_OP}: block_tables must hold integer block ids (unused entries too; -1 marks none), "
+                        f"got {block_tables!r:.80}: {e}") from None
     if table.numel() and (table.is_floating_point() or table.is_complex() or table.dtype == torch.bool):
         raise ValueError(f"{_OP}: block_tables must hold integer block ids, got {table.dtype} values")
     host = dict(

@@ -215,3 +215,13 @@ def test_partial_rotary_never_dispatches_to_aiter():
     assert "partial_rotary" in providers.get("aiter").supports("rope_and_cache",
                                                                features=("partial_rotary",), **q)
     assert providers.get("triton").supports("rope_and_cache", features=("partial_rotary",), **q) is None
+
+
+def test_metadata_builder_refuses_non_bool_padding_and_non_int_block_ids():
+    """padding=["no"] marked a real sequence as padding (a truthy string); None in an unused
+    block-table entry raised torch's "Could not infer dtype of NoneType" naming no op."""
+    with pytest.raises(TypeError, match=r"build_attention_metadata: padding\[0\] must be a bool, got str 'no'"):
+        ira.build_attention_metadata([1], [0], [[0]], 16, padding=["no"])
+    with pytest.raises(TypeError, match=r"build_attention_metadata: block_tables must hold integer block ids"):
+        ira.build_attention_metadata([1], [0], [[0, None]], 16)
+    ira.build_attention_metadata([1, 1], [0, 0], [[0], [1]], 16, padding=[False, torch.tensor(True)])
