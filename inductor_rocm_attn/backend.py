@@ -569,6 +569,7 @@ class RocmAttentionImpl:
             step_checks.check_layer_query(op, query, output, query.device, h, d)
             step_checks.check_layer_kv(op, key, value, query.device, query.shape[0], hkv, d)
             step_checks.check_step_metadata(op, md, query.shape[0], query.device)
+            step_checks.check_encoder_step(op, md)
             _check_output(op, output, key, value)
             n = md.num_actual_tokens
             return self._encoder_forward(query[:n], key[:n], value[:n], md, output, output_scale)

@@ -32,7 +32,8 @@ class PlanBounds:
     at 0 and never decreases, ``seq_lens >= query_lens``, every block a sequence uses is in
     ``[0, max_block_id]``, every slot follows the block table (or is -1), positions are in
     ``[0, max_position]``, and the step has ``num_tokens`` real tokens whose longest query
-    and sequence are ``max_query_len`` / ``max_seq_len``. -1: none.
+    and sequence are ``max_query_len`` / ``max_seq_len``. -1: none. ``context_tokens``: the
+    cached tokens its sequences attend to besides the new ones (an encoder layer has none).
 
     ``tensors``: the index tensor objects it built, whose types, dtypes, shapes and layout
     it checked on ``device``; the layers skip those checks for metadata holding exactly
@@ -47,6 +48,7 @@ class PlanBounds:
     max_position: int
     tensor_ptrs: tuple[int, ...]
     device: torch.device | None = None
+    context_tokens: int = 0  # cached tokens the step's sequences attend to besides their new ones
     tensors: tuple = dataclasses.field(default=(), compare=False, repr=False)
 
 
@@ -297,7 +299,7 @@ def build_attention_metadata(
     plan = PlanBounds(
         block_size=block_size, num_tokens=n, max_query_len=max_query_len, max_seq_len=max_seq_len,
         max_block_id=max_block, max_position=max(positions, default=-1),
-        tensor_ptrs=plan_tensor_ptrs(tensors), device=device,
+        tensor_ptrs=plan_tensor_ptrs(tensors), device=device, context_tokens=sum(seq_lens) - qsl[-1],
         tensors=tuple(tensors[name] for name in _INDEX_NAMES),
     )
     md = AttentionMetadata(

@@ -41,6 +41,27 @@ def check_step_metadata(op: str, md, num_tokens: int, device: torch.device,
         checked[key] = None
 
 
+def check_encoder_step(op: str, md) -> None:
+    """An encoder layer attends within the step's tokens and has no cache: a step whose
+    sequences have cached context (``seq_lens`` past their query lengths) is refused, not
+    computed without that context. From the builder's plan, else read from the tensors where
+    index checks are on. Memoized on ``md``."""
+    checked = md._checked
+    if "encoder" in checked:
+        return
+    if _plan_holds(md):
+        context = md.plan.context_tokens
+    elif index_checks_on(md.seq_lens.device):
+        context = int(md.seq_lens.sum()) - int(md.query_start_loc[-1])
+    else:
+        context = 0
+    if context > 0:
+        raise ValueError(f"{op}: an encoder layer's step has {context} cached context tokens (seq_lens past the "
+                         "query lengths); encoder attention has no KV cache and attends within the step's tokens: "
+                         "build its metadata with context_lens 0")
+    checked["encoder"] = None
+
+
 def _plan_holds(md) -> bool:
     plan = md.plan
     return (plan is not None and plan.block_size == md.block_size

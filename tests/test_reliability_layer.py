@@ -626,3 +626,22 @@ def test_a_cache_of_another_dtype_than_the_layer_names_is_refused(configured, ca
         with ira.set_forward_context(md, layers={layer.layer_name: layer}):
             layer(q, k, v)
     assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+
+
+def test_an_encoder_step_with_cached_context_is_refused():
+    """An encoder layer has no cache and attends within the step's tokens: metadata with
+    context tokens was computed without that context, silently."""
+    import dataclasses
+
+    import inductor_rocm_attn as ira
+
+    layer = ira.Attention(4, 64, num_kv_heads=2, layer_name="enc_ctx.0", attn_type="encoder_only", register=False)
+    q, k, v = torch.randn(3, 256), torch.randn(3, 128), torch.randn(3, 128)
+    md = ira.build_attention_metadata([1, 2], [4, 0], [[0], [1]], 16)
+    for step in (md, dataclasses.replace(md, plan=None)):  # from the plan, and read from the tensors
+        with pytest.raises(ValueError, match=r"encoder layer's step has 4 cached context tokens"):
+            with ira.set_forward_context(step, layers={layer.layer_name: layer}):
+                layer(q, k, v)
+    with ira.set_forward_context(ira.build_attention_metadata([1, 2], [0, 0], [[0], [1]], 16),
+                                 layers={layer.layer_name: layer}):
+        layer(q, k, v)

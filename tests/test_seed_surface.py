@@ -138,5 +138,6 @@ def test_fp8_query_with_q_scale_rejected_when_it_arrives():
     assert out.isnan().all()  # rejected before anything was written
     enc = ira.Attention(4, 64, num_kv_heads=2, layer_name="seed_checks.qscale_enc", attn_type="encoder",
                         q_scale=0.5)
+    enc_md = ira.build_attention_metadata([3, 1], [0, 0], [[0], [1]], 16)  # an encoder step: no context
     with pytest.raises(NotImplementedError, match="a q_scale of 0.5 with an fp8 query"):
-        enc.impl.forward(enc, q8, c.key, c.value, enc.kv_cache, md, out)
+        enc.impl.forward(enc, q8, c.key, c.value, enc.kv_cache, enc_md, out)
