@@ -153,6 +153,48 @@ def rope_gptj_transformers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return out.to(dtype).transpose(1, 2)
 
 
+def repeat_pairs(c: torch.Tensor) -> torch.Tensor:
+    """The first half of the rows, each value repeated for a channel pair
+    (``c[..., : c.shape[-1] // 2].repeat_interleave(2, dim=-1)``): GPT-J rows from the
+    model's NeoX rows ``cat((f, f))``."""
+    return c[..., : c.shape[-1] // 2].repeat_interleave(2, dim=-1)
+
+
+def rope_gptj_pair_rows_transformers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' GLM-style ``apply_rotary_pos_emb`` (Helium): ``x [B, T, H, D]`` transposed
+    to ``[B, H, T, D]``, the model's per-token rows ``cos``/``sin [B, T, D]`` unsqueezed and cut
+    to GPT-J rows by ``repeat_pairs``, interleaved pairs rotated in the model dtype, transposed
+    back. The fused writers' ``is_neox=False`` with the rows ``repeat_pairs(cos)``: the second
+    half of the model's rows is not read, here as there."""
+    x = x.transpose(1, 2)
+    cos, sin = repeat_pairs(cos.unsqueeze(1)), repeat_pairs(sin.unsqueeze(1))
+    out = x * cos + rotate_pairs_interleaved(x) * sin
+    return out.transpose(1, 2)
+
+
+def rope_gptj_pair_rows_transformers_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``rope_gptj_pair_rows_transformers`` with a partial rotary (GLM, GLM4): the first
+    ``cos.shape[-1]`` channels of each head rotate, the rest pass (``torch.cat``)."""
+    x = x.transpose(1, 2)
+    cos, sin = repeat_pairs(cos.unsqueeze(1)), repeat_pairs(sin.unsqueeze(1))
+    r = cos.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    out = x_rot * cos + rotate_pairs_interleaved(x_rot) * sin
+    return torch.cat([out, x_pass], dim=-1).transpose(1, 2)
+
+
+def rope_gptj_pair_rows_transformers_fp32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``rope_gptj_pair_rows_transformers`` rotated in fp32 (Ernie 4.5): ``x`` and its rotation
+    (a sign change and a permutation, exact in any dtype) each converted to fp32, times the
+    rows as they come (fp32 or the model dtype), rounded once to the model dtype. The fused
+    writers' formula: rows widened to fp32 exactly, fp32 arithmetic, one rounding."""
+    dtype = x.dtype
+    x = x.transpose(1, 2)
+    cos, sin = repeat_pairs(cos.unsqueeze(1)), repeat_pairs(sin.unsqueeze(1))
+    out = x.float() * cos + rotate_pairs_interleaved(x).float() * sin
+    return out.to(dtype).transpose(1, 2)
+
+
 def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF RMSNorm over the last dim: fp32 statistics, cast back, then ``weight *``."""
     dtype = x.dtype
@@ -200,8 +242,22 @@ PARTIAL_COS_SIN_ROPE_FORMS = {"transformers_neox_partial": (rope_neox_transforme
                               "heads_first_neox_partial": (rope_neox_heads_first_partial, 4)}
 # NeoX with cos/sin of half the head, one value per channel pair (the fused op gets them doubled).
 HALF_COS_SIN_ROPE_FORMS = {"transformers_halves": (rope_halves_transformers, 4)}
-# GPT-J pairs with per-token cos/sin (Cohere), rotated in fp32: the fused writers' is_neox=False.
-GPTJ_COS_SIN_ROPE_FORMS = {"transformers_gptj": (rope_gptj_transformers, 4)}
+# GPT-J pairs with per-token cos/sin, the fused writers' is_neox=False: Cohere's (its rows
+# already GPT-J, rotated in fp32), and the GLM-style forms that cut GPT-J rows from the model's
+# NeoX rows (``repeat_pairs``) in the model dtype or in fp32.
+GPTJ_COS_SIN_ROPE_FORMS = {"transformers_gptj": (rope_gptj_transformers, 4),
+                           "transformers_gptj_pair_rows": (rope_gptj_pair_rows_transformers, 4),
+                           "transformers_gptj_pair_rows_fp32": (rope_gptj_pair_rows_transformers_fp32, 4)}
+PARTIAL_COS_SIN_ROPE_FORMS["transformers_gptj_pair_rows_partial"] = (rope_gptj_pair_rows_transformers_partial, 4)
+# Every interleaved-pairs (GPT-J) per-token form.
+GPTJ_FORMS = frozenset({*GPTJ_COS_SIN_ROPE_FORMS, "transformers_gptj_pair_rows_partial"})
+# Forms whose writer rows are ``repeat_pairs`` of the model's rows (the emitted rows repeat them).
+PAIR_ROWS_FORMS = frozenset({"transformers_gptj_pair_rows", "transformers_gptj_pair_rows_fp32",
+                             "transformers_gptj_pair_rows_partial"})
+# Forms that widen q/k to fp32 before any product, so rows in fp32 or in the model dtype
+# give the writer's arithmetic exactly (it widens the rows too). In an fp32 model their
+# conversions vanish and the model-dtype form matches instead.
+FP32_ROTATION_FORMS = frozenset({"transformers_gptj_pair_rows_fp32"})
 # Forms whose q/k input is [B, H, T, D] (the rest of rank 4: [B, T, H, D]).
 HEADS_FIRST_FORMS = frozenset({"heads_first_neox", "heads_first_neox_partial"})
 # Every per-token form: name -> (function, rank of x).
@@ -270,22 +326,35 @@ def rope_pattern(form: str, dtype: torch.dtype, num_heads: int, head_size: int) 
     return _trace(fn, args, ["x", "cos_sin_cache", "positions"])
 
 
+# (batch, heads) traced for the forms that spell them out, the first pair that no size of
+# the form's own equals (a wildcard must stand for nothing else)
+_MAGIC_BH = ((_MAGIC_B, _MAGIC_H), (11, 13), (17, 19), (23, 29))
+
+
 @functools.cache
-def rope_cos_sin_pattern(form: str, dtype: torch.dtype, head_size: int, rot_dim: int | None = None) -> pm.PatternExpr:
+def rope_cos_sin_pattern(form: str, dtype: torch.dtype, head_size: int, rot_dim: int | None = None,
+                         cos_dtype: torch.dtype | None = None) -> pm.PatternExpr | None:
     """Pattern of ``PER_TOKEN_ROPE_FORMS[form]`` on heads of ``head_size`` in ``dtype``, its
-    cos/sin ``cos_sin_width`` wide (``rot_dim``: the rotated channels of a partial form). Sizes
-    other than those never appear in it: batch, tokens and heads are free."""
+    cos/sin ``cos_sin_width`` wide in ``cos_dtype`` (default ``dtype``; ``rot_dim``: the rotated
+    channels of a partial form). Sizes other than those never appear in it: batch, tokens and
+    heads are free. None where the traced token count would equal one of the form's sizes."""
     fn, rank = PER_TOKEN_ROPE_FORMS[form]
+    width = cos_sin_width(form, head_size, rot_dim)
+    own = {head_size, head_size // 2, rot_dim, width, width // 2, 2}
+    if _MAGIC_T in own:
+        return None
     # The GPT-J forms' interleave (stack + flatten) reshapes to sizes it spells out: traced
     # with batch and head counts of their own, made wildcards.
-    batch, heads = (_MAGIC_B, _MAGIC_H) if form in GPTJ_COS_SIN_ROPE_FORMS else (2, 3)
-    assert not {_MAGIC_T, batch, heads} & {head_size, head_size // 2, rot_dim}
+    spelled = form in GPTJ_FORMS
+    batch, heads = next(((b, h) for b, h in _MAGIC_BH if not {b, h} & own), (None, None)) if spelled else (2, 3)
+    if batch is None:
+        return None
     lead = [batch, _MAGIC_T] if rank == 4 else [_MAGIC_T]
-    width = cos_sin_width(form, head_size, rot_dim)
     x_shape = [batch, heads, _MAGIC_T, head_size] if form in HEADS_FIRST_FORMS else [*lead, heads, head_size]
-    args = [torch.randn(*x_shape, dtype=dtype), torch.randn(*lead, width, dtype=dtype),
-            torch.randn(*lead, width, dtype=dtype)]
-    sizes = {_MAGIC_B: "_B", _MAGIC_H: "_H"} if form in GPTJ_COS_SIN_ROPE_FORMS else None
+    cos_dtype = cos_dtype or dtype
+    args = [torch.randn(*x_shape, dtype=dtype), torch.randn(*lead, width, dtype=cos_dtype),
+            torch.randn(*lead, width, dtype=cos_dtype)]
+    sizes = {batch: "_B", heads: "_H"} if spelled else None
     return _trace(fn, args, ["x", "cos", "sin"], sizes=sizes)
 
 

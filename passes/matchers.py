@@ -162,11 +162,24 @@ def _match_rope_cos_sin(k_root, q_root, kval, qval, why: list) -> tuple[RopeMatc
     for form, form_rank, rot_dim in candidates:
         if form_rank != rank:
             continue
-        kk, kwhy = forms.match(forms.rope_cos_sin_pattern(form, kval.dtype, d, rot_dim), k_root)
+        fp32_rotation = form in forms.FP32_ROTATION_FORMS
+        if fp32_rotation and kval.dtype == torch.float32:
+            continue  # its conversions vanish in fp32: the model-dtype form is the same graph
+        # rows in the model dtype, or (a form rotating in fp32) fp32 rows as well
+        kk = kwhy = None
+        for cos_dtype in (kval.dtype, torch.float32) if fp32_rotation else (kval.dtype,):
+            pattern = forms.rope_cos_sin_pattern(form, kval.dtype, d, rot_dim, cos_dtype)
+            if pattern is None:
+                kwhy = "a size of the form equals a traced wildcard size"
+                continue
+            kk, kwhy = forms.match(pattern, k_root)
+            if kk is not None:
+                break
         if kk is None:
             why.append(f"{form}: {kwhy}")
             continue
-        qk, qwhy = forms.match(forms.rope_cos_sin_pattern(form, qval.dtype, int(qval.shape[-1]), rot_dim), q_root)
+        q_pattern = forms.rope_cos_sin_pattern(form, qval.dtype, int(qval.shape[-1]), rot_dim, cos_dtype)
+        qk, qwhy = forms.match(q_pattern, q_root) if q_pattern is not None else (None, "no pattern")
         if qk is None:
             return None, f"key is {form} RoPE but the attention's query is not ({qwhy})"
         if qk["cos"] is not kk["cos"] or qk["sin"] is not kk["sin"]:
@@ -175,12 +188,15 @@ def _match_rope_cos_sin(k_root, q_root, kval, qval, why: list) -> tuple[RopeMatc
         cos, sin = fx_utils.val(kk["cos"]), fx_utils.val(kk["sin"])
         xk, xq = fx_utils.val(kk["x"]), fx_utils.val(qk["x"])
         dtypes = {t.dtype for t in (cos, sin, xk, xq, kval, qval)}
+        if fp32_rotation and cos.dtype == sin.dtype == torch.float32:
+            # q/k widened to fp32 before the products: fp32 rows are what the writer computes with
+            dtypes = {t.dtype for t in (xk, xq, kval, qval)}
         if len(dtypes) != 1:
             return None, (f"{form} RoPE mixes dtypes (q/k {xq.dtype}/{xk.dtype}, cos/sin {cos.dtype}/{sin.dtype}, "
                           f"rotated {qval.dtype}); the fused writer rotates in the model dtype's precision")
         heads_first = form in forms.HEADS_FIRST_FORMS
         lead = (xk.shape[0], xk.shape[2]) if heads_first else tuple(xk.shape[:rank - 2])  # (B, T) or (T,)
-        width = forms.cos_sin_width(form, d, rot_dim)
+        width = forms.cos_sin_width(form, d, rot_dim)  # of the model's rows (repeat_pairs keeps it, even)
         if (cos.dim() != rank - 1 or sin.dim() != rank - 1 or not same_size(cos.shape[-1], width)
                 or not all(same_size(a, b) for a, b in zip(cos.shape, sin.shape))):
             return None, f"{form} cos/sin {tuple(cos.shape)} are not per-token rows of {width} channels"
@@ -194,7 +210,7 @@ def _match_rope_cos_sin(k_root, q_root, kval, qval, why: list) -> tuple[RopeMatc
                     and isinstance(lead[0], int)):
                 return None, f"{form} cos/sin {tuple(cos.shape)} do not give one row per token of {tuple(lead)}"
             batch = lead[0]  # position_ids [1, T] for a batch of B rows
-        return RopeMatch(form, form not in forms.GPTJ_COS_SIN_ROPE_FORMS, qk["x"], kk["x"], q_root, k_root, d,
+        return RopeMatch(form, form not in forms.GPTJ_FORMS, qk["x"], kk["x"], q_root, k_root, d,
                          cos=kk["cos"], sin=kk["sin"], cos_batch=batch), ""
     return None, ""
 
@@ -237,12 +253,94 @@ def producer(node: torch.fx.Node) -> str:
     return str(getattr(node.target, "__name__", node.target))
 
 
+# Ops that only view their input, each a function of its arguments alone: two such nodes
+# with the same target and arguments are the same tensor.
+_PURE_VIEWS = frozenset({*fx_utils.VIEW_OPS, aten.slice.Tensor, aten.permute.default, aten.transpose.int,
+                         aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.select.int})
+_MERGE_DEPTH = 16  # how far above a rotated q/k duplicate views are looked for (a RoPE is ~10 ops)
+
+
+def merge_duplicate_views(roots: list[torch.fx.Node]) -> list[tuple[torch.fx.Node, torch.fx.Node, list]]:
+    """Merge the duplicate views among the nodes up to ``_MERGE_DEPTH`` above ``roots``: a view
+    node with the same target and arguments (after merging) as an earlier one has its uses
+    moved to that one. Functionalization leaves such duplicates where a model mutates its
+    projection in place before viewing it (OLMo's ``clamp_``: every use of the viewed q/k
+    re-derives its views from the mutated base), and a form whose input is used twice binds
+    it only when both uses are one node. Values are unchanged (the same view of the same
+    tensor). Returns ``(duplicate, kept, moved users)`` for ``unmerge_views``."""
+    cone, frontier = set(), list(roots)
+    for _ in range(_MERGE_DEPTH):
+        frontier = [a for n in frontier for a in n.all_input_nodes if a not in cone]
+        cone.update(frontier)
+    graph = roots[0].graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    written = _written_storages(graph)
+    kept: dict = {}
+    merged = []
+    for n in sorted(cone, key=order.__getitem__):
+        # a view of storage the graph writes in place may be read before or after the write
+        # (and a reshape may copy): those are left alone
+        if not (n.op == "call_function" and n.target in _PURE_VIEWS) or _storage_root(n) in written:
+            continue
+        try:
+            key = (n.target, _freeze(n.args), _freeze(n.kwargs))
+            hash(key)
+        except TypeError:
+            continue
+        first = kept.setdefault(key, n)
+        if first is not n:
+            merged.append((n, first, n.replace_all_uses_with(first)))
+    return merged
+
+
+def _written_storages(graph: torch.fx.Graph) -> set:
+    """The storage roots of every tensor an op of the graph writes in place."""
+    out = set()
+    for n in graph.nodes:
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if schema is None or not schema.is_mutable:
+            continue
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                a = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
+                for x in torch.fx.node.map_aggregate(a, lambda x: x) if isinstance(a, (list, tuple)) else [a]:
+                    if isinstance(x, torch.fx.Node):
+                        out.add(_storage_root(x))
+    return out
+
+
+def _freeze(a):
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__, *(_freeze(x) for x in a))
+    if isinstance(a, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in a.items()))
+    return a if isinstance(a, torch.fx.Node) else (type(a).__name__, a)
+
+
+def unmerge_views(merged) -> None:
+    """Undo ``merge_duplicate_views``: each moved user reads its own view again."""
+    for dup, first, users in reversed(merged):
+        for user in users:
+            user.replace_input_with(first, dup)
+
+
 def match_rope(site: LayerSite) -> tuple[RopeMatch | None, str]:
-    """Recognize the RoPE that produced the site's cached key and attention query."""
+    """Recognize the RoPE that produced the site's cached key and attention query. Where a
+    form's repeated input is bound to different nodes, the duplicate views above q/k are
+    merged (``merge_duplicate_views``) and the match tried again; they stay merged only on a
+    match."""
     k_root, q_root = _strip_copies(site.key), _strip_copies(site.query)
     m, why = _match_rope_op(k_root, q_root)
     if m is None and not why:
         m, why = _match_rope_hf(k_root, q_root)
+        if m is None and "repeated pattern differs" in why:
+            merged = merge_duplicate_views([k_root, q_root])
+            if merged:
+                m, why2 = _match_rope_hf(k_root, q_root)
+                if m is None:
+                    unmerge_views(merged)
+                else:
+                    why = why2
     if m is None:
         return None, why
     vv = fx_utils.val(site.value)
@@ -338,11 +436,23 @@ def per_token_rows(graph: torch.fx.Graph, rope: RopeMatch, x: torch.fx.Node) -> 
 def per_token_cos_sin(graph: torch.fx.Graph, rope: RopeMatch) -> tuple[torch.fx.Node, torch.fx.Node]:
     """The cos/sin rows the fused writers take (``per_token_rows``), one value per rotated
     channel: a half-width form's rows doubled (``cat((c, c))``: NeoX pairs channel i with
-    i + D/2 at the same angle)."""
+    i + D/2 at the same angle); a ``forms.PAIR_ROWS_FORMS`` form's first half of the rows,
+    each value repeated for its pair (``forms.repeat_pairs``: ``[c0, c0, c1, c1, ...]``)."""
     rows = [per_token_rows(graph, rope, x) for x in (rope.cos, rope.sin)]
     if rope.form in forms.HALF_COS_SIN_ROPE_FORMS:
         rows = [fx_utils.call(graph, aten.cat.default, ([r, r], -1)) for r in rows]
+    if rope.form in forms.PAIR_ROWS_FORMS:
+        rows = [_repeat_pairs(graph, r) for r in rows]
     return rows[0], rows[1]
+
+
+def _repeat_pairs(graph: torch.fx.Graph, rows: torch.fx.Node) -> torch.fx.Node:
+    """``rows [N, W]`` (W even) -> ``[N, W]``: ``rows[:, :W/2]``, each column twice in a row."""
+    w = int(fx_utils.val(rows).shape[-1])
+    half = fx_utils.call(graph, aten.slice.Tensor, (rows, 1, 0, w // 2))
+    col = fx_utils.call(graph, aten.unsqueeze.default, (half, 2))
+    pairs = fx_utils.call(graph, aten.cat.default, ([col, col], 2))
+    return fx_utils.call(graph, aten.reshape.default, (pairs, [-1, w]))
 
 
 # Ops whose output aliases their first input (a view): Inductor tracks those aliases itself.

@@ -4,7 +4,9 @@ generates what eager transformers generates (CPU, from config, random weights).
 One compiled model per architecture (module-scoped; ``model.get_decoder().forward =
 torch.compile(...)``, the plugin on): Llama, Qwen3, Mistral (sliding window), Gemma2 (logits
 soft cap, sliding and full layers alternating), Phi-3 (partial rotary, fused qkv), GPT-OSS (its
-half-width cos/sin RoPE, sinks), GPT-NeoX (heads-first qkv) in fp32; Qwen3 and GPT-OSS with
+half-width cos/sin RoPE, sinks), GPT-NeoX (heads-first qkv), GLM / GLM4 / Helium / Ernie 4.5
+(GPT-J pairs with rows cut from the NeoX rows; partial for GLM, fp32 for Ernie) and OLMo (its
+clamped projections) in fp32, Ernie 4.5 also in bf16; Qwen3 and GPT-OSS with
 every expert routed in bf16. Each generates from
 ragged, left-padded prompts (one prefill + 8 decode steps: two compiled graphs) on a
 ``PagedCache`` and is compared with the same weights under ``attn_implementation="eager"``
@@ -80,6 +82,17 @@ CONFIGS = {
                                                     layer_types=["sliding_attention", "full_attention"]),
     # Cohere: interleaved (GPT-J) pairs rotated in fp32 by per-token cos/sin (repeat_interleave'd angles)
     "cohere": lambda: transformers.CohereConfig(**{k: v for k, v in _COMMON.items() if k != "rms_norm_eps"}),
+    # GLM, GLM4: GPT-J pairs over the first half of each head, their rows cut from the model's
+    # NeoX rows (cos[..., :W/2].repeat_interleave(2)); Helium: the same over the whole head
+    "glm": lambda: transformers.GlmConfig(**_COMMON),
+    "glm4": lambda: transformers.Glm4Config(**_COMMON),
+    "helium": lambda: transformers.HeliumConfig(**_COMMON),
+    # Ernie 4.5: Helium's rotation in fp32 with fp32 rows, rounded once
+    "ernie4_5": lambda: transformers.Ernie4_5Config(**_COMMON),
+    # OLMo: q/k/v clamped in place (clip_qkv); OLMoE's attention is the same (not run here: its
+    # MoE doubles the compile time)
+    "olmo": lambda: transformers.OlmoConfig(**{k: v for k, v in _COMMON.items() if k != "rms_norm_eps"},
+                                            clip_qkv=0.5),
     # the same with top-4 of 4 experts: no expert choice for bf16 rounding to flip (module docstring)
     "gpt_oss_all_experts": lambda: transformers.GptOssConfig(**dict(_COMMON, intermediate_size=128),
                                                              num_local_experts=4, num_experts_per_tok=4,
@@ -89,6 +102,8 @@ CONFIGS = {
 # Fused, but q and k are copied for the fused writer: GPT-NeoX's are per-head strided views of
 # a heads-first qkv ([B, H, T, 3D] chunks), and the in-place rewiring takes column ranges only.
 COPIES_QK = {"gpt_neox"}
+# Fused in place, on the buffers of the clamp after the projections (not the projections' own)
+CLAMPED_QK = {"olmo"}
 _QK_NORM = ("qk_norm_rope_kv_cache_fusion", "unified_qk_norm_rope_cos_sin_and_kv_cache_update")
 FUSED_OP = {"qwen3": _QK_NORM, "gemma3": _QK_NORM}
 ROPE_ONLY = ("rope_kv_cache_fusion", "unified_rope_cos_sin_and_kv_cache_update")
@@ -194,17 +209,25 @@ def _check_report(run: Run):
         assert not any(interleaved)
 
 
-def _check_in_place(run: Run):
+def _check_in_place(run: Run, produced_by: str = "mm"):
     """In every compiled graph, the fused op's q and k are the q/k projections' own output
-    buffers (viewed as heads): no copy of q or k is made for it."""
+    buffers (viewed as heads; ``produced_by=""``: buffers of one kernel that also clamps the
+    three projections, each read once): no copy of q or k is made for it."""
     op = FUSED_OP.get(run.arch, ROPE_ONLY)[1]
     assert len(run.code) >= 2
     for code in run.code:
-        calls = re.findall(rf"rocm_attn\.{op}\.default\(reinterpret_tensor\((buf\d+), .*?reinterpret_tensor\((buf\d+)",
-                           code)
+        if produced_by == "mm":
+            calls = re.findall(rf"rocm_attn\.{op}\.default\(reinterpret_tensor\((buf\d+), .*?reinterpret_tensor\("
+                               r"(buf\d+)", code)
+        else:
+            calls = re.findall(rf"rocm_attn\.{op}\.default\((buf\d+), (buf\d+),", code)
         assert len(calls) == len(run.layers), code
         for q_buf, k_buf in calls:
-            assert f"out={q_buf})" in code and f"out={k_buf})" in code  # written by extern_kernels.mm
+            if produced_by == "mm":
+                assert f"out={q_buf})" in code and f"out={k_buf})" in code  # written by extern_kernels.mm
+            else:  # written by the kernel that clamps the projections
+                for buf in (q_buf, k_buf):
+                    assert re.search(rf"cpp_fused_\w*clamp\w*\(.*\b{buf}\b", code), code
 
 
 @pytest.mark.parametrize("arch", [a for a in CONFIGS if a != "gpt_oss_all_experts"])  # fp32: no flips
@@ -216,7 +239,7 @@ def test_compiled_generate_matches_eager_every_layer_fused(runs, arch):
     assert max(errs) < 1e-5, errs
     _check_report(run)
     if arch not in COPIES_QK:
-        _check_in_place(run)
+        _check_in_place(run, produced_by="" if arch in CLAMPED_QK else "mm")
 
 
 def test_teacher_forced_reference_equals_generate_in_fp32(runs):
@@ -227,7 +250,7 @@ def test_teacher_forced_reference_equals_generate_in_fp32(runs):
     assert max(errs) < 1e-5, errs
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gpt_oss_all_experts", "gemma3", "cohere"])
+@pytest.mark.parametrize("arch", ["qwen3", "gpt_oss_all_experts", "gemma3", "cohere", "ernie4_5"])
 def test_bf16_every_layer_fused(runs, arch):
     run = runs(arch, torch.bfloat16)
     errs = [_rel(a, b) for a, b in zip(run.got.logits, run.forced)]

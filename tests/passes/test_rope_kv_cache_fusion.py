@@ -556,3 +556,83 @@ def test_bf16_qk_rotated_by_an_fp32_table_does_not_fuse():
     c = capture(block, torch.randn(5, 256, dtype=torch.bfloat16), torch.randn(64, 32), torch.arange(5))
     assert c.count(PASS) == 0 and c.after == c.before
     assert any("RoPE changes dtype" in r for r in c.reasons(PASS)), c.reasons(PASS)
+
+
+# --- GPT-J pairs cut from NeoX rows (GLM, Helium, Ernie 4.5) and clamped q/k (OLMo) -----------
+
+PAIR_ROWS_SITES = [("gptj_pair_rows", torch.float32, "transformers_gptj_pair_rows", 32),
+                   ("gptj_pair_rows", torch.bfloat16, "transformers_gptj_pair_rows", 32),
+                   ("gptj_pair_rows_partial", torch.float32, "transformers_gptj_pair_rows_partial", 16),
+                   ("gptj_pair_rows_fp32", torch.bfloat16, "transformers_gptj_pair_rows_fp32", 32),
+                   ("gptj_pair_rows_fp32", torch.float32, "transformers_gptj_pair_rows", 32)]
+
+
+@pytest.mark.parametrize("variant,dtype,form,width", PAIR_ROWS_SITES)
+def test_fuses_gptj_pair_rows_as_gptj_with_the_repeated_rows(variant, dtype, form, width):
+    """GLM's ``apply_rotary_pos_emb`` cuts GPT-J rows from the model's NeoX rows
+    (``cos[..., :W/2].repeat_interleave(2)``) and rotates interleaved pairs (the first W
+    channels, the rest passed through a ``cat`` for GLM's partial rotary: W = 16 of 32; with
+    W = 32 the empty pass-through is gone from the graph and it is the full form; in fp32 with fp32
+    rows for Ernie 4.5, whose conversions vanish in an fp32 model). The writer's
+    ``is_neox=False`` with those rows, built in the graph from the model's."""
+    sites = pytest.importorskip("transformers_sites")
+    block = sites.SiteAttention(variant).to(dtype)
+    args = sites.site_inputs(variant, dtype, d=width)  # rows of `width` channels, heads of 32
+    c = capture(block, *args, dynamic=())
+    assert c.count(PASS) == 1, c.reasons(PASS)
+    fused = c.manager.get_pass(PASS).records[0].detail
+    assert f"({form}, GPT-J)" in fused, fused
+    assert "is_neox=False" in c.after and "unified_kv_cache_update(" not in c.after
+    assert re.search(rf"= aten.reshape.default\(cat(_\d+)?, \[-1, {width}\]\)", c.after), c.after
+
+
+@pytest.mark.parametrize("variant,dtype,why", [
+    ("pair_rows_second_half", torch.float32, "the cached key is not a RoPE output"),
+    ("pair_rows_fp32_rounded_products", torch.bfloat16, "the cached key is not a RoPE output"),
+    ("clip_qk_cos_term_unclamped", torch.float32, "repeated pattern differs"),
+])
+def test_does_not_fuse_pair_rows_and_clamp_near_misses(variant, dtype, why):
+    """Near-misses of the new forms: GPT-J rows cut from the second half of the model's rows
+    (another angle per pair unless the rows are ``cat((f, f))``), fp32 products each rounded to
+    the model dtype before the sum (two roundings; the writer rounds once), and a clamped q
+    whose ``x * cos`` term reads the projection from before the clamp (the views of the two
+    are not merged: they view different tensors)."""
+    sites = pytest.importorskip("transformers_sites")
+    block = sites.SiteAttention(variant).to(dtype)
+    c = capture(block, *sites.site_inputs(variant, dtype), dynamic=())
+    assert c.count(PASS) == 0 and c.after == c.before, c.reasons(PASS)
+    assert any(why in r for r in c.reasons(PASS)), c.reasons(PASS)
+
+
+def test_fuses_clamped_qk_through_duplicate_views():
+    """OLMo clamps its projections in place (``clip_qkv``); functionalization then re-derives
+    the [B, T, H, D] views of q/k for each of their uses, so the RoPE's input is three equal
+    view chains. They are merged (same view of the same tensor) and the site fuses with the
+    clamped projections as the rotated bases."""
+    sites = pytest.importorskip("transformers_sites")
+    block = sites.SiteAttention("clip_qk")
+    c = capture(block, *sites.site_inputs("clip_qk", torch.float32), dynamic=())
+    assert c.count(PASS) == 1, c.reasons(PASS)
+    assert "is_neox=True" in c.after and "clamp_max" in c.after
+
+
+class TestPairRowsSnapshots(TestCase):
+    def test_glm_partial_pair_rows_after(self):
+        # the writer's rows: the model's rows of 16, their first 8 columns each twice
+        sites = pytest.importorskip("transformers_sites")
+        block = sites.SiteAttention("gptj_pair_rows_partial")
+        c = capture(block, *sites.site_inputs("gptj_pair_rows_partial", torch.float32, d=16), dynamic=())
+        self.assertEqual(c.count(PASS), 1)
+        rows = [ln for ln in c.after.splitlines() if "in_1" in ln.split("=", 1)[-1] or "slice" in ln
+                or "rope_cos_sin" in ln or ln.startswith(("cat", "unsqueeze"))]
+        text = re.sub(r"layer_name='[^']*'", "layer_name=L", "\n".join(rows))  # the layer count varies
+        self.assertExpectedInline(text, """\
+in_1: float32[128, 128]
+permute = aten.permute.default(in_1, [1, 0])  float32[128, 128]
+slice = aten.slice.Tensor(reshape_12, 1, 0, 8)  float32[10, 8]
+unsqueeze = aten.unsqueeze.default(slice, 2)  float32[10, 8, 1]
+cat = aten.cat.default([unsqueeze, unsqueeze], 2)  float32[10, 8, 2]
+slice_1 = aten.slice.Tensor(reshape_13, 1, 0, 8)  float32[10, 8]
+unsqueeze_1 = aten.unsqueeze.default(slice_1, 2)  float32[10, 8, 1]
+cat_1 = aten.cat.default([unsqueeze_1, unsqueeze_1], 2)  float32[10, 8, 2]
+auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_rope_cos_sin_and_kv_cache_update.default, value=reshape_9, cos=reshape_14, sin=reshape_15, is_neox=False, layer_name=L, _query_base_index=0, _key_base_index=1, _all_bases=[reshape_10, reshape_11])""")

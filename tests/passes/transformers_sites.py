@@ -106,6 +106,13 @@ VARIANTS = {
     "partial_rotary": "RoPE over the first half of each head, the rest passed through",
     "k_other_positions": "the key rotated with cos/sin of other positions than the query",
     "cos_fp32": "cos/sin kept in fp32 for a half-precision q/k (the products promote)",
+    "gptj_pair_rows": "GLM-style RoPE (Helium): GPT-J pairs, rows cut from the NeoX rows by repeat_interleave",
+    "gptj_pair_rows_partial": "the same over the first half of each head (GLM, GLM4)",
+    "gptj_pair_rows_fp32": "the same rotated in fp32 with fp32 rows, rounded once (Ernie 4.5)",
+    "clip_qk": "q/k/v projections clamped in place before the view (OLMo's clip_qkv)",
+    "pair_rows_second_half": "GLM-style RoPE with rows cut from the second half of the NeoX rows",
+    "pair_rows_fp32_rounded_products": "Ernie-style RoPE rounding each product to the model dtype before the sum",
+    "clip_qk_cos_term_unclamped": "clip_qk, the x * cos term reading the projection from before the clamp",
     "norm_over_heads": "QK-norm over the heads axis, not the head dim",
     "k_norm_eps_differs": "k-norm with another eps than q-norm",
 }
@@ -136,8 +143,23 @@ class SiteAttention(nn.Module):
         self.is_causal = True
         self.config = types.SimpleNamespace(sliding_window=None)
 
-    def _rope(self, x, cos, sin):
+    def _rope(self, x, cos, sin, x_cos_term=None):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        if "pair_rows" in self.variant:  # GLM's apply_rotary_pos_emb
+            start = cos.shape[-1] // 2 if self.variant == "pair_rows_second_half" else 0
+            cos = cos[..., start: start + cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+            sin = sin[..., start: start + sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+            if self.variant == "gptj_pair_rows_partial":
+                rot = cos.shape[-1]
+                x_rot, x_pass = x[..., :rot], x[..., rot:]
+                return torch.cat([x_rot * cos + rotate_every_two(x_rot) * sin, x_pass], dim=-1)
+            if self.variant == "gptj_pair_rows_fp32":
+                return (x.float() * cos + rotate_every_two(x).float() * sin).to(x.dtype)
+            if self.variant == "pair_rows_fp32_rounded_products":
+                return (x.float() * cos).to(x.dtype) + (rotate_every_two(x).float() * sin).to(x.dtype)
+            return x * cos + rotate_every_two(x) * sin
+        if x_cos_term is not None:
+            return x_cos_term * cos + rotate_half(x) * sin
         if self.variant == "partial_rotary":
             rot = x.shape[-1] // 2
             x_rot, x_pass = x[..., :rot], x[..., rot:]
@@ -148,6 +170,17 @@ class SiteAttention(nn.Module):
 
     def forward(self, hidden, cos, sin, cos_k=None, sin_k=None):
         shape = (*hidden.shape[:-1], -1, self.head_dim)
+        if self.variant.startswith("clip_qk"):  # OLMo: q/k/v clamped in place, then viewed
+            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+            q_unclamped = q.clone().view(shape).transpose(1, 2)
+            for t in (q, k, v):
+                t.clamp_(min=-0.5, max=0.5)
+            q, k, v = q.view(shape), k.view(shape), v.view(shape).transpose(1, 2)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            x_cos = q_unclamped if self.variant == "clip_qk_cos_term_unclamped" else None
+            q, k = self._rope(q, cos, sin, x_cos), self._rope(k, cos, sin)
+            out, _ = attention_forward(self, q, k, v, None, scaling=self.scaling)
+            return self.o_proj(out.reshape(*hidden.shape[:-1], -1))
         q = self.q_proj(hidden).view(shape)
         k = self.k_proj(hidden).view(shape)
         v = self.v_proj(hidden).view(shape).transpose(1, 2)
@@ -184,6 +217,15 @@ def site_inputs(variant: str, dtype=torch.float32, d: int = 32, seed: int = 1):
     if variant == "mrope_sections":
         pos = torch.stack([pos, pos + 1, 2 * pos])
     cos, sin = rows(pos)
+    if variant in ("gptj_pair_rows_fp32", "pair_rows_fp32_rounded_products"):  # Ernie's rows stay fp32
+        cos, sin = _fp32_rows(pos, d)
     if variant == "k_other_positions":
         return (hidden, cos, sin, *rows(pos + 3))
     return hidden, cos, sin
+
+
+def _fp32_rows(positions, d):
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    f = positions[..., None].float() * inv
+    emb = torch.cat((f, f), dim=-1)
+    return emb.cos(), emb.sin()
