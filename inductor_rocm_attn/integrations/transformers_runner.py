@@ -42,7 +42,7 @@ from ..config_checks import check_runner_config
 from ..forward_context import set_forward_context
 from ..metadata import AttentionMetadata, build_attention_metadata
 from ..validation import check_positive_int, check_token_ids, vocab_size_of
-from .transformers import check_every_layer_attends, check_model, paged_layers
+from .transformers import check_dynamic_rope, check_every_layer_attends, check_model, paged_layers
 
 __all__ = ["EagerRunner", "compile_transformers", "eager_runner", "step_forward"]
 
@@ -107,6 +107,7 @@ def compile_transformers(
 
     check_model(model, "compile_transformers")
     check_every_layer_attends(model, "compile_transformers")
+    check_dynamic_rope(model, "compile_transformers", None)
     if model.training:
         raise ValueError("compile_transformers: the model is in training mode; call model.eval() first")
     check_positive_int("compile_transformers", "num_blocks", num_blocks)
@@ -184,6 +185,7 @@ def eager_runner(model: torch.nn.Module, *, num_blocks: int, block_size: int = 1
     check_every_layer_attends(model, "eager_runner")
     check_positive_int("eager_runner", "num_blocks", num_blocks)
     _check_step_limits("eager_runner", max_num_seqs, max_num_tokens)  # before the caches are allocated
+    check_dynamic_rope(model, "eager_runner", num_blocks * block_size)  # the longest sequence the cache holds
     layers = paged_layers(model, num_blocks, block_size=block_size, cache_layout=cache_layout,
                           kv_cache_dtype=kv_cache_dtype, poison=poison)
     return EagerRunner(model, layers, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens)
