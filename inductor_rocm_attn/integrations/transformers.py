@@ -197,6 +197,16 @@ def check_dynamic_rope(model: torch.nn.Module, who: str, max_seq_len: int | None
                 f"supported (fewer cache blocks)")
 
 
+def learned_position_limit(model: torch.nn.Module) -> int | None:
+    """The positions a learned position embedding holds (GPT-2's ``wpe``: an embedding other
+    than the token embedding), ``config.max_position_embeddings``; None without one (RoPE
+    computes any position)."""
+    token = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not any(isinstance(m, torch.nn.Embedding) and m is not token for m in model.modules()):
+        return None
+    return getattr(model.config, "max_position_embeddings", None)
+
+
 def chunk_limit(model: torch.nn.Module) -> int | None:
     """The longest sequence ``model``'s chunked_attention layers allow (None: no such layer)."""
     config = next(iter(_attention_modules(_decoder(model)).values())).config

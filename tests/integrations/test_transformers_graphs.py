@@ -227,6 +227,27 @@ def test_heads_first_models_compile_with_a_dynamic_token_dim(name):
     assert len({s.num_tokens for s in got.steps}) >= 3 and all(s.whole_step_graph for s in got.steps)
 
 
+def test_learned_positions_bound_the_sequence_length():
+    """GPT-2's learned position embedding holds n_positions rows: a runner that allowed longer
+    sequences (compile_transformers' max_model_len above it; eager_runner's cache) crashed in
+    the compiled embedding's bounds check ("index out of bounds") mid-generation (on a GPU:
+    a device-side assert). Refused up front; up to n_positions the steps match eager."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_HEADS_FIRST["gpt2"](), attn_implementation="rocm_attn",
+                                                          dtype=torch.float32).eval()
+    with pytest.raises(ValueError, match=r"compile_transformers: max_model_len 256 is above the 128 positions of "
+                                         r"GPT2LMHeadModel's learned position embedding"):
+        compile_transformers(model, num_blocks=32, max_model_len=256)
+    runner = eager_runner(model, num_blocks=32, max_num_tokens=STEP_TOKENS, poison=True)
+    with pytest.raises(ValueError, match=r"prompt 0 \(125 tokens\) with max_new_tokens 5 reaches 129 cached "
+                                         r"tokens, above the runner's max_model_len 128"):
+        generate(runner, prompts([125]), 5)
+    want_tokens, want_logits = eager_reference(twin(model, "eager"), prompts([124, 6]), 5)
+    got = generate(runner, prompts([124, 6]), 5, return_logits=True)
+    assert got.tokens == want_tokens
+    assert max(rel(a, b) for g, w in zip(got.logits, want_logits) for a, b in zip(g, w)) < TOL
+
+
 def test_trace_passes_through_the_paged_cache_hooks():
     """A model that has a PagedCache (its planning hooks on the decoder) still traces in one
     graph: the hooks are no-ops Dynamo can see through when no PagedCache is passed."""
