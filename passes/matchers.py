@@ -124,6 +124,10 @@ def _match_rope_hf(k_root: torch.fx.Node, q_root: torch.fx.Node) -> tuple[RopeMa
         return m, w
     if kval.dim() != 3:
         return None, f"the cached key is not a RoPE output ({'; '.join(why)})"
+    if not all(isinstance(s, int) for s in (*kval.shape[1:], *qval.shape[1:])):
+        # heads first ([H, T, D]: the token count symbolic in a dynamic trace); int() of it
+        # would guard the token dim to the trace's size
+        return None, f"the cached key is not a RoPE output of [T, heads, head_size] ({'; '.join(why)})"
     for form, (_, is_neox) in forms.ROPE_FORMS.items():
         kk, kwhy = forms.match(forms.rope_pattern(form, kval.dtype, int(kval.shape[1]), int(kval.shape[2])), k_root)
         if kk is None:

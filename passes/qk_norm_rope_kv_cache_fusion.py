@@ -82,9 +82,14 @@ def _match_norm(root: torch.fx.Node, which: str, rank: int = 3, op_form: bool = 
     if not (root.op == "call_function" and root.target in (aten.mul.Tensor, _CONVERT)):
         return None, None, None, None, (f"the rotated {which} is not a per-head RMSNorm output (it comes from "
                                         f"{matchers.producer(root)})")
+    # The pattern is traced on [T, heads, head_size]; heads-first [B, H, T, D] has the token
+    # count at -2, symbolic in a dynamic trace, and int() of it would guard the token dim to
+    # the trace's size (the RMS pattern has no reshape: any head count traces the same).
+    heads = v.shape[-2] if isinstance(v.shape[-2], int) else next(
+        (s for s in v.shape[:-2] if isinstance(s, int) and s not in (1, forms._MAGIC_T)), 2)
     why = []
     for form in forms.RMS_FORMS:
-        kw, w = forms.match(forms.rms_pattern(form, v.dtype, int(v.shape[-2]), int(v.shape[-1])), root)
+        kw, w = forms.match(forms.rms_pattern(form, v.dtype, heads, int(v.shape[-1])), root)
         if kw is not None:
             return kw["x"], kw["weight"], kw["eps"], form, ""
         why.append(f"{form}: {w}")

@@ -152,6 +152,61 @@ def _check_layer_types(model: torch.nn.Module, modules: dict[int, torch.nn.Modul
             )
 
 
+def _dynamic_ropes(model: torch.nn.Module) -> list[tuple[str, str, int]]:
+    """``(rotary module class, rope type, limit)`` for each RoPE whose frequencies transformers
+    recomputes from a batch's longest position (``dynamic_rope_update``): "dynamic" (NTK)
+    rescales past ``max_position_embeddings``, "longrope" switches to its long factors past
+    ``original_max_position_embeddings``. Up to ``limit`` positions the frequencies stay the
+    model's original ones."""
+    found = []
+    for m in model.modules():
+        types = getattr(m, "rope_type", None)
+        if not isinstance(types, (str, dict)) or not hasattr(m, "config"):
+            continue
+        for layer_type, kind in (types.items() if isinstance(types, dict) else [(None, types)]):
+            if not isinstance(kind, str) or not ("dynamic" in kind or kind == "longrope"):
+                continue
+            if kind == "longrope":
+                params = m.config.rope_parameters
+                params = params[layer_type] if layer_type is not None else params
+                limit = params["original_max_position_embeddings"]
+            else:
+                limit = m.original_max_seq_len
+            found.append((type(m).__name__, kind, int(limit)))
+    return found
+
+
+def check_dynamic_rope(model: torch.nn.Module, who: str, max_seq_len: int | None) -> None:
+    """Refuse a RoPE whose frequencies follow the batch's longest position (``_dynamic_ropes``)
+    where it would leave its original frequencies: a runner's step holds the tokens of several
+    sequences (and chunks of long prompts), so they would follow the other sequences of the
+    step, not each sequence's own length as in eager transformers. ``max_seq_len``: the longest
+    sequence the runner allows; None (a compiled trace): refused at any length, since the
+    switch is a data-dependent branch Dynamo cannot trace in one graph."""
+    for cls, kind, limit in _dynamic_ropes(model):
+        if max_seq_len is None:
+            raise NotImplementedError(
+                f"{who}: {cls} uses transformers' {kind!r} RoPE, whose frequencies depend on the longest position "
+                f"of each forward (a data-dependent branch, not traceable in one graph); serve it with eager_runner "
+                f"(sequences of at most {limit} tokens) or PagedCache")
+        if max_seq_len > limit:
+            raise NotImplementedError(
+                f"{who}: {cls} uses transformers' {kind!r} RoPE, whose frequencies change once a forward's "
+                f"longest position passes {limit}; a step mixes sequences and prompt chunks, so they would follow "
+                f"the step, not each sequence: sequences of up to {max_seq_len} tokens here, at most {limit} "
+                f"supported (fewer cache blocks)")
+
+
+def learned_position_limit(model: torch.nn.Module) -> int | None:
+    """The positions a learned position embedding holds (GPT-2's ``wpe``: an embedding other
+    than the token embedding), ``config.max_position_embeddings``; None without one (RoPE
+    computes any position)."""
+    token = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not any(isinstance(m, torch.nn.Embedding) and m is not token for m in model.modules()):
+        return None
+    return getattr(model.config, "max_position_embeddings", None)
+
+
 def chunk_limit(model: torch.nn.Module) -> int | None:
     """The longest sequence ``model``'s chunked_attention layers allow (None: no such layer)."""
     config = next(iter(_attention_modules(_decoder(model)).values())).config

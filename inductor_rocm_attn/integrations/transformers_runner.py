@@ -42,7 +42,8 @@ from ..config_checks import check_runner_config
 from ..forward_context import set_forward_context
 from ..metadata import AttentionMetadata, build_attention_metadata
 from ..validation import check_positive_int, check_token_ids, vocab_size_of
-from .transformers import check_every_layer_attends, check_model, paged_layers
+from .transformers import (check_dynamic_rope, check_every_layer_attends, check_model,
+                           learned_position_limit, paged_layers)
 
 __all__ = ["EagerRunner", "compile_transformers", "eager_runner", "step_forward"]
 
@@ -107,6 +108,7 @@ def compile_transformers(
 
     check_model(model, "compile_transformers")
     check_every_layer_attends(model, "compile_transformers")
+    check_dynamic_rope(model, "compile_transformers", None)
     if model.training:
         raise ValueError("compile_transformers: the model is in training mode; call model.eval() first")
     check_positive_int("compile_transformers", "num_blocks", num_blocks)
@@ -119,6 +121,10 @@ def compile_transformers(
         trace_cache=trace_cache, compile_threads=compile_threads)
     check_block_size(block_size, "compile_transformers")
     max_model_len = max_model_len or _default_max_model_len(model, num_blocks, block_size)
+    positions = learned_position_limit(model)
+    if positions is not None and max_model_len > positions:  # the embedding's index would run past it
+        raise ValueError(f"compile_transformers: max_model_len {max_model_len} is above the {positions} positions of "
+                         f"{type(model).__name__}'s learned position embedding (max_position_embeddings)")
     layers = paged_layers(model, num_blocks, block_size=block_size, cache_layout=cache_layout,
                           kv_cache_dtype=kv_cache_dtype, poison=poison, max_seq_len=max_model_len)
     return compile_piecewise(
@@ -149,6 +155,8 @@ class EagerRunner:
         self.block_size = next(iter(layers.values())).block_size
         self.device = next(model.parameters()).device
         self.max_num_seqs, self.max_num_tokens = max_num_seqs, max_num_tokens
+        # generate() refuses longer sequences: positions a learned position embedding lacks
+        self.max_model_len = learned_position_limit(model)
         self.step_s = 0.0  # wall time of the last step
 
     def prepare(self, query_lens: Sequence[int], context_lens: Sequence[int],
@@ -184,6 +192,7 @@ def eager_runner(model: torch.nn.Module, *, num_blocks: int, block_size: int = 1
     check_every_layer_attends(model, "eager_runner")
     check_positive_int("eager_runner", "num_blocks", num_blocks)
     _check_step_limits("eager_runner", max_num_seqs, max_num_tokens)  # before the caches are allocated
+    check_dynamic_rope(model, "eager_runner", num_blocks * block_size)  # the longest sequence the cache holds
     layers = paged_layers(model, num_blocks, block_size=block_size, cache_layout=cache_layout,
                           kv_cache_dtype=kv_cache_dtype, poison=poison)
     return EagerRunner(model, layers, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens)

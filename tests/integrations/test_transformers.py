@@ -459,6 +459,50 @@ def test_hybrid_models_are_refused(name):
             PagedCache(model, num_blocks=4)
 
 
+_DYNAMIC_ROPES = {  # transformers recomputes the frequencies from a forward's longest position
+    "longrope": lambda: transformers.Phi3Config(
+        **_SMALL, num_key_value_heads=2, original_max_position_embeddings=32,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 16,
+                             long_factor=[1.0 + i for i in range(16)], original_max_position_embeddings=32)),
+    "dynamic": lambda: transformers.LlamaConfig(**dict(_SMALL, max_position_embeddings=32), num_key_value_heads=2,
+                                                rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0,
+                                                                     factor=4.0)),
+}
+
+
+@pytest.mark.parametrize("kind", list(_DYNAMIC_ROPES))
+def test_dynamic_rope_served_only_below_its_switch(kind):
+    """Longrope (Phi-3.5) and dynamic NTK RoPE switch frequencies once a forward's longest
+    position passes original_max_position_embeddings / max_position_embeddings: in a
+    runner's step that is the longest of every sequence in it, so a short prompt sharing a
+    step with a long one (or a long prompt's first chunk) was rotated with the wrong
+    frequencies, silently (longrope: logits 2.2 off eager, tokens differ). eager_runner serves
+    sequences up to the switch (exact) and refuses a cache that holds longer ones;
+    compile_transformers refuses (the switch is a data-dependent branch Dynamo cannot trace)."""
+    from inductor_rocm_attn.integrations.batching import generate
+    from inductor_rocm_attn.integrations.transformers_runner import compile_transformers, eager_runner
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_DYNAMIC_ROPES[kind](), attn_implementation="rocm_attn",
+                                                          dtype=torch.float32).eval()
+    cls = type(model.model.rotary_emb).__name__
+    with pytest.raises(NotImplementedError, match=rf"eager_runner: {cls} uses transformers' '{kind}' RoPE, .* "
+                                                  r"sequences of up to 64 tokens here, at most 32 supported"):
+        eager_runner(model, num_blocks=4)
+    with pytest.raises(NotImplementedError, match=rf"compile_transformers: {cls} uses transformers' '{kind}' RoPE"):
+        compile_transformers(model, num_blocks=2)
+    eager = twin(model, "eager")
+    runner = eager_runner(model, num_blocks=2, max_num_seqs=4, max_num_tokens=8, poison=True)
+    prompts = [ids[mask.bool()].tolist() for ids, mask in zip(*ragged_prompts([5, 24]))]
+    got = generate(runner, prompts, 8, return_logits=True)
+    for p, toks, logits in zip(prompts, got.tokens, got.logits):
+        ids = torch.tensor([p])
+        want = eager.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                              eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+        assert toks == want.sequences[0, len(p):].tolist()
+        assert max(rel(a, b[0]) for a, b in zip(logits, want.logits)) < TOL
+
+
 def test_multi_head_latent_attention_is_refused_by_name():
     """DeepSeek V3's MLA modules carry no head_dim: the refusal said only that no attention
     modules were found."""

@@ -195,6 +195,59 @@ def test_eager_runner_matches_eager_transformers(name):
     assert max(rel(a, b) for g, w in zip(got.logits, want_logits) for a, b in zip(g, w)) < TOL
 
 
+_HEADS_FIRST = {  # the cached key and query are [B, H, T, D]: the token count at dim -2
+    # Gemma3: (1 + weight) QK-norm on heads-first q/k, then RoPE (fused)
+    "gemma3": lambda: transformers.Gemma3TextConfig(**_COMMON, num_hidden_layers=2, hidden_size=64,
+                                                    intermediate_size=128, num_attention_heads=2,
+                                                    num_key_value_heads=1, head_dim=32, sliding_window=6,
+                                                    query_pre_attn_scalar=24,
+                                                    layer_types=["sliding_attention", "full_attention"]),
+    # GPT-2: no RoPE (learned positions)
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=256, n_layer=2, n_embd=64, n_head=2, n_positions=128,
+                                            bos_token_id=1, eos_token_id=2, pad_token_id=0),
+}
+
+
+@pytest.mark.parametrize("name", list(_HEADS_FIRST))
+def test_heads_first_models_compile_with_a_dynamic_token_dim(name):
+    """The fusion passes read a head count from the query/key at dim -2, the token count of a
+    heads-first [B, H, T, D] tensor: int() of it guarded the dynamic token dim to the trace's
+    size, and compile_transformers crashed in Dynamo (ConstraintViolationError) for Gemma3
+    (QK-norm matcher) and GPT-2 (RoPE matcher)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_HEADS_FIRST[name](), attn_implementation="rocm_attn",
+                                                          dtype=torch.float32).eval()
+    want_tokens, want_logits = eager_reference(twin(model, "eager"), prompts())
+    with torch._inductor.config.patch(force_disable_caches=True):
+        runner = compile_transformers(model, num_blocks=32, capture_sizes=[1, 2, 8, 16], max_num_seqs=8,
+                                      max_num_tokens=STEP_TOKENS, poison=True, graph_backend=RerunGraphBackend())
+    got = generate(runner, prompts(), NEW_TOKENS, return_logits=True)
+    assert got.tokens == want_tokens
+    assert max(rel(a, b) for g, w in zip(got.logits, want_logits) for a, b in zip(g, w)) < TOL
+    assert len({s.num_tokens for s in got.steps}) >= 3 and all(s.whole_step_graph for s in got.steps)
+
+
+def test_learned_positions_bound_the_sequence_length():
+    """GPT-2's learned position embedding holds n_positions rows: a runner that allowed longer
+    sequences (compile_transformers' max_model_len above it; eager_runner's cache) crashed in
+    the compiled embedding's bounds check ("index out of bounds") mid-generation (on a GPU:
+    a device-side assert). Refused up front; up to n_positions the steps match eager."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_HEADS_FIRST["gpt2"](), attn_implementation="rocm_attn",
+                                                          dtype=torch.float32).eval()
+    with pytest.raises(ValueError, match=r"compile_transformers: max_model_len 256 is above the 128 positions of "
+                                         r"GPT2LMHeadModel's learned position embedding"):
+        compile_transformers(model, num_blocks=32, max_model_len=256)
+    runner = eager_runner(model, num_blocks=32, max_num_tokens=STEP_TOKENS, poison=True)
+    with pytest.raises(ValueError, match=r"prompt 0 \(125 tokens\) with max_new_tokens 5 reaches 129 cached "
+                                         r"tokens, above the runner's max_model_len 128"):
+        generate(runner, prompts([125]), 5)
+    want_tokens, want_logits = eager_reference(twin(model, "eager"), prompts([124, 6]), 5)
+    got = generate(runner, prompts([124, 6]), 5, return_logits=True)
+    assert got.tokens == want_tokens
+    assert max(rel(a, b) for g, w in zip(got.logits, want_logits) for a, b in zip(g, w)) < TOL
+
+
 def test_trace_passes_through_the_paged_cache_hooks():
     """A model that has a PagedCache (its planning hooks on the decoder) still traces in one
     graph: the hooks are no-ops Dynamo can see through when no PagedCache is passed."""
