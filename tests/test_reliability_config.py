@@ -400,3 +400,42 @@ def test_generate_admits_a_prompt_only_when_its_blocks_fit():
     assert result.tokens == [[7] * 16] * 5
     assert runner.peak <= 8
     assert max(step.num_seqs for step in result.steps) == 2
+
+
+@pytest.mark.parametrize("value", ["ture", "2", "enabled"])
+def test_env_switches_refuse_values_they_do_not_know(monkeypatch, value):
+    """ROCM_ATTN_CHECK_INDICES read any value but "1" as off (a GPU then skipped the index
+    checks the user asked for), ROCM_ATTN_PLUGIN any value but an on spelling."""
+    from inductor_rocm_attn import validation
+    from inductor_rocm_attn.compilation.plugin import enable_from_env
+
+    monkeypatch.setenv("ROCM_ATTN_CHECK_INDICES", value)
+    with pytest.raises(ValueError, match=rf"environment variable ROCM_ATTN_CHECK_INDICES={value!r}: expected one of"):
+        validation.index_checks_on(torch.device("cuda"))
+    assert validation.index_checks_on(torch.device("cpu"))  # always on there
+    monkeypatch.setenv("ROCM_ATTN_PLUGIN", value)
+    with pytest.raises(ValueError, match=rf"environment variable ROCM_ATTN_PLUGIN={value!r}: expected one of"):
+        enable_from_env()
+    for on, off in (("1", "0"), ("TRUE", "false"), ("on", "off"), ("yes", "")):
+        monkeypatch.setenv("ROCM_ATTN_CHECK_INDICES", off)
+        assert not validation.index_checks_on(torch.device("cuda"))
+        monkeypatch.setenv("ROCM_ATTN_CHECK_INDICES", on)
+        assert validation._check_indices_on_device()
+
+
+@pytest.mark.parametrize("value, on", [("false", False), ("off", False), ("No", False), ("0", False),
+                                       ("true", True), ("yes", True), ("1", True)])
+def test_trace_cache_env_spellings(monkeypatch, value, on):
+    """ROCM_ATTN_TRACE_CACHE=false (or off, no) named a directory "false" in the working
+    directory, so the cache was on; true/yes another such directory instead of the default."""
+    import os
+
+    from inductor_rocm_attn.compilation.trace_cache import resolve_trace_cache
+
+    monkeypatch.setenv("ROCM_ATTN_TRACE_CACHE", value)
+    got = resolve_trace_cache(None)
+    assert (got is None) == (not on)
+    if on:
+        assert got == resolve_trace_cache(True) and os.path.isabs(got)
+    monkeypatch.setenv("ROCM_ATTN_TRACE_CACHE", "some/dir")
+    assert resolve_trace_cache(None) == "some/dir"

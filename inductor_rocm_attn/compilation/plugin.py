@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +126,11 @@ def plugin(**flags: bool):
 
 
 def enable_from_env() -> bool:
-    if os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on"):
+    """``ROCM_ATTN_PLUGIN`` on: enable the plugin (any value other than an on/off spelling
+    raises, ``validation.env_switch``)."""
+    from inductor_rocm_attn.validation import env_switch
+
+    if env_switch(ENV_VAR):
         enable()
         return True
     return False

@@ -284,13 +284,18 @@ def trace_key(model: torch.nn.Module, layers: Iterable[Any], forward: Callable |
 
 def resolve_trace_cache(trace_cache: bool | str | os.PathLike | None) -> str | None:
     """The directory of the trace cache, or None when off: ``None`` reads ``ROCM_ATTN_TRACE_CACHE``
-    (unset, "" or "0": off; "1": the default directory; else a directory); ``True``: the default
-    directory (``rocm_attn_traces`` in Inductor's cache directory); a path: that directory."""
+    (unset or an off spelling, ``validation.ENV_OFF``: off; an on spelling, ``ENV_ON``: the
+    default directory; else a directory: "false" named no directory "false"); ``True``: the
+    default directory (``rocm_attn_traces`` in Inductor's cache directory); a path: that
+    directory."""
+    from inductor_rocm_attn.validation import ENV_OFF, ENV_ON
+
     if trace_cache is None:
         trace_cache = os.environ.get(ENV, "")
-        if trace_cache in ("", "0"):
+        word = trace_cache.strip().lower()
+        if word in ENV_OFF:
             return None
-        if trace_cache == "1":
+        if word in ENV_ON:
             trace_cache = True
     if trace_cache is False:
         return None
