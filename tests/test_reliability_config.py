@@ -439,3 +439,33 @@ def test_trace_cache_env_spellings(monkeypatch, value, on):
         assert got == resolve_trace_cache(True) and os.path.isabs(got)
     monkeypatch.setenv("ROCM_ATTN_TRACE_CACHE", "some/dir")
     assert resolve_trace_cache(None) == "some/dir"
+
+
+def test_trace_cache_unreadable_entries_are_misses(tmp_path):
+    """A truncated or corrupted entry file raised from unpickling (UnicodeDecodeError,
+    ValueError, OverflowError, MemoryError ...) and failed the compile, and an entry whose
+    stored graph bytes were corrupt was served; each is a miss now (traced and stored again)."""
+    import pickle
+    import random
+
+    from inductor_rocm_attn.compilation import trace_cache as tc
+
+    cache = tc.TraceCache(str(tmp_path))
+    rows = [("placeholder", "x", "x", (), {}, None), ("output", "output", "output", (tc._NodeRef(0),), {}, None)]
+    good = tc.TraceEntry(pickle.dumps(rows), [], {})
+    cache.store("k", good)
+    assert cache.load("k") is not None
+    data = (tmp_path / "k.trace").read_bytes()
+    rng = random.Random(0)
+    for i in range(200):
+        bad = bytearray(data[:rng.randrange(len(data))] if i % 3 == 0 else data)
+        if i % 3:
+            for _ in range(3):
+                bad[rng.randrange(len(bad))] = rng.randrange(256)
+        (tmp_path / "k.trace").write_bytes(bytes(bad))
+        entry = cache.load("k")  # never raises
+        assert entry is None or isinstance(entry, tc.TraceEntry)
+    for entry in (tc.TraceEntry(b"garbage", [], {}), tc.TraceEntry(good.graph, [], None),
+                  tc.TraceEntry(pickle.dumps("not rows"), [], {}), ["not", "an", "entry"]):
+        (tmp_path / "k.trace").write_bytes(pickle.dumps(entry))
+        assert cache.load("k") is None

@@ -330,15 +330,21 @@ class TraceCache:
         return os.path.join(self.directory, f"{key}.trace")
 
     def load(self, key: str) -> TraceEntry | None:
-        """The entry of ``key`` whose recorded source files are unchanged, else None."""
+        """The entry of ``key`` whose recorded source files are unchanged, else None (also for a
+        file that is not a readable entry: truncated, corrupted, of another format; the
+        trace is then made again and stored over it)."""
         try:
             with open(self._path(key), "rb") as fh:
                 entry = pickle.load(fh)
-        except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
-            return None
-        if not isinstance(entry, TraceEntry):
-            return None
-        if any(file_digest(f) != digest for f, digest in entry.files.items()):
+            if not (isinstance(entry, TraceEntry) and isinstance(entry.graph, bytes)
+                    and isinstance(entry.plan, list) and isinstance(entry.files, dict)):
+                return None
+            if any(file_digest(f) != digest for f, digest in entry.files.items()):
+                return None
+            rows = pickle.loads(entry.graph)  # the stored graph's nodes read back
+            if not (isinstance(rows, list) and all(isinstance(r, tuple) and len(r) == 6 for r in rows)):
+                return None
+        except Exception:  # unpickling garbage raises almost anything (UnicodeDecodeError, ValueError, ...)
             return None
         return entry
 
