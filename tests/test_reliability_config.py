@@ -469,3 +469,34 @@ def test_trace_cache_unreadable_entries_are_misses(tmp_path):
                   tc.TraceEntry(pickle.dumps("not rows"), [], {}), ["not", "an", "entry"]):
         (tmp_path / "k.trace").write_bytes(pickle.dumps(entry))
         assert cache.load("k") is None
+
+
+def test_trace_key_covers_values_dynamo_bakes_in():
+    """Dynamo bakes into the trace the values forward reads from a dict keyed by ints, a set, a
+    functools.partial's arguments and a function's closure and defaults; the key described
+    such a dict as nothing and the others by name only, so a stored trace of other values
+    was served (a model computing with the old ones, silently)."""
+    import functools
+
+    from inductor_rocm_attn.compilation import trace_cache as tc
+
+    def key(value):
+        m = torch.nn.Linear(4, 4)
+        m.opts = value
+        return tc.trace_key(m, [], None, {})[0]
+
+    def scaled(s):
+        return lambda x: x * s
+
+    def with_default(x, s=2.0):
+        return x * s
+
+    def with_default3(x, s=3.0):
+        return x * s
+    with_default3.__qualname__ = with_default.__qualname__
+
+    for a, b in (({0: 1.0}, {0: 2.0}), ({1.0}, {2.0}), (functools.partial(torch.mul, other=2.0),
+                 functools.partial(torch.mul, other=3.0)), (scaled(2.0), scaled(3.0)),
+                 (with_default, with_default3)):
+        assert key(a) == key(a) and key(a) != key(b), (a, b)
+    assert key(scaled(2.0)) == key(scaled(2.0))
