@@ -500,3 +500,22 @@ def test_trace_key_covers_values_dynamo_bakes_in():
                  (with_default, with_default3)):
         assert key(a) == key(a) and key(a) != key(b), (a, b)
     assert key(scaled(2.0)) == key(scaled(2.0))
+
+
+def test_generate_refuses_a_second_generate_on_the_same_caches():
+    """A generate() started from on_step (or another thread) on the same runner handed out the
+    same block ids as the running one and overwrote its cached tokens, silently."""
+    from inductor_rocm_attn.integrations.batching import generate
+
+    runner = _BlockCheckingRunner()
+    nested = []
+
+    def on_step(record):
+        if not nested:
+            nested.append(record)
+            generate(runner, [[3] * 20], max_new_tokens=2)
+
+    with pytest.raises(RuntimeError, match=r"generate: another generate\(\) is running on this runner's KV caches"):
+        generate(runner, [[3] * 20], max_new_tokens=4, on_step=on_step)
+    # a refused or finished generate holds nothing: the next one runs
+    assert generate(runner, [[3] * 20], max_new_tokens=2).tokens == [[7, 7]]
