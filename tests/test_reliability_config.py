@@ -519,3 +519,18 @@ def test_generate_refuses_a_second_generate_on_the_same_caches():
         generate(runner, [[3] * 20], max_new_tokens=4, on_step=on_step)
     # a refused or finished generate holds nothing: the next one runs
     assert generate(runner, [[3] * 20], max_new_tokens=2).tokens == [[7, 7]]
+
+
+def test_block_allocator_hands_out_copies_of_its_tables():
+    """allocate() and block_table() returned the allocator's own list: a caller that appended
+    to it (or kept it across a truncate) changed the allocator's record, so a block it listed
+    was handed out to another sequence too."""
+    alloc = ira.BlockAllocator(4, BS)
+    table = alloc.allocate("a", BS)
+    table.append(1)  # the caller's list: the allocator still holds block 0 only for "a"
+    alloc.block_table("a").append(2)
+    assert alloc.block_table("a") == [0] and alloc.num_free_blocks == 3
+    assert alloc.allocate("b", 2 * BS) == [1, 2]
+    kept = alloc.allocate("a", BS)
+    alloc.truncate("a", 1)
+    assert kept == [0, 3] and alloc.block_table("a") == [0]
