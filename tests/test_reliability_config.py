@@ -307,6 +307,13 @@ def test_plugin_flags_are_checked_before_any_is_applied():
             ira.enable(rope_kv_cache_fusion=False, rope_fusion=False)
         with pytest.raises(TypeError, match=r"set_pass_flag: attn_quant_fusion must be True or False, got 0"):
             plugin.set_pass_flag("attn_quant_fusion", 0)
+        # plugin() on an enabled plugin read the flags' values back first: a bare KeyError('rope_fusion')
+        with pytest.raises(KeyError, match=r"plugin: unknown pass 'rope_fusion'"):
+            with ira.plugin(rope_fusion=False):
+                pass
+        with pytest.raises(TypeError, match=r"plugin: rope_kv_cache_fusion must be True or False, got 'no'"):
+            with ira.plugin(rope_kv_cache_fusion="no"):
+                pass
         assert manager.flags == flags
     finally:
         if not was:

@@ -113,6 +113,7 @@ def set_pass_flag(name: str, enabled: bool) -> None:
 def plugin(**flags: bool):
     """``with plugin(): torch.compile(...)(...)``: the plugin on for the block only, and
     ``flags`` for the block only (an enabled plugin gets its own flags back after it)."""
+    _check_flags("plugin", flags)  # before the flags are read back (an unknown one: a bare KeyError)
     was = is_enabled()
     before = {name: _manager.flags[name] for name in flags} if was else {}
     manager = enable(**flags)
