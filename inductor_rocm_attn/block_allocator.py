@@ -32,7 +32,8 @@ class BlockAllocator:
         return -(-num_tokens // self.block_size)
 
     def allocate(self, seq_id, num_new_tokens: int) -> list[int]:
-        """Grow ``seq_id`` by ``num_new_tokens`` tokens; returns its whole block table."""
+        """Grow ``seq_id`` by ``num_new_tokens`` tokens; returns its whole block table (a copy:
+        a caller that edits it changes nothing here)."""
         if not isinstance(num_new_tokens, numbers.Integral) or isinstance(num_new_tokens, bool) or num_new_tokens < 0:
             raise ValueError(f"BlockAllocator.allocate: num_new_tokens must be an int >= 0, got {num_new_tokens!r}")
         table = self._tables.get(seq_id, [])
@@ -47,7 +48,7 @@ class BlockAllocator:
             table.append(self._free.pop())
         self._tables[seq_id] = table
         self._lengths[seq_id] = length
-        return table
+        return list(table)
 
     def free(self, seq_id) -> None:
         table = self._tables.pop(seq_id, None)
@@ -76,10 +77,11 @@ class BlockAllocator:
         self._lengths[seq_id] = num_tokens
 
     def block_table(self, seq_id) -> list[int]:
+        """``seq_id``'s block table (a copy, as ``allocate`` returns)."""
         table = self._tables.get(seq_id)
         if table is None:
             raise KeyError(f"BlockAllocator.block_table: unknown sequence {seq_id!r} (allocate it first)")
-        return table
+        return list(table)
 
     def num_tokens(self, seq_id) -> int:
         return self._lengths.get(seq_id, 0)

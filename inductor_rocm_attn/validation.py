@@ -33,8 +33,27 @@ _INDEX_TYPES = (torch.int32, torch.int64)
 _SHOW = 16  # entries of an index tensor quoted in an error
 
 
+ENV_ON = ("1", "true", "yes", "on")
+ENV_OFF = ("", "0", "false", "no", "off")
+_ENV_SWITCHES: dict[tuple[str, str], bool] = {}  # (name, raw value) -> parsed
+
+
+def env_switch(name: str) -> bool:
+    """An on/off environment variable: unset or one of ``ENV_OFF`` is off, one of ``ENV_ON``
+    on (either in any case); any other value is refused (a misspelled "ture" was off, silently)."""
+    raw = os.environ.get(name, "")
+    parsed = _ENV_SWITCHES.get((name, raw))
+    if parsed is None:
+        word = raw.strip().lower()
+        if word not in ENV_ON + ENV_OFF:
+            raise ValueError(f"inductor_rocm_attn: environment variable {name}={raw!r}: expected one of {ENV_ON} (on) or "
+                             f"{ENV_OFF[1:]} (off), or unset")
+        parsed = _ENV_SWITCHES[(name, raw)] = word in ENV_ON
+    return parsed
+
+
 def _check_indices_on_device() -> bool:
-    return os.environ.get("ROCM_ATTN_CHECK_INDICES", "0") == "1"
+    return env_switch("ROCM_ATTN_CHECK_INDICES")
 
 
 def index_checks_on(device: torch.device) -> bool:

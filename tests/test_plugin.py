@@ -67,7 +67,7 @@ def test_context_manager_flags_end_with_the_block(clean_config):
     with ira.plugin(rope_kv_cache_fusion=True, attn_quant_fusion=False) as inner:
         assert inner is mgr and mgr.flags["rope_kv_cache_fusion"] and not mgr.flags["attn_quant_fusion"]
     assert compilation.is_enabled() and mgr.flags == before
-    with pytest.raises(TypeError, match="enable: attn_quant_fusion must be True or False"):
+    with pytest.raises(TypeError, match="plugin: attn_quant_fusion must be True or False"):
         with ira.plugin(rope_kv_cache_fusion=True, attn_quant_fusion="off"):
             pass
     assert mgr.flags == before

@@ -307,6 +307,13 @@ def test_plugin_flags_are_checked_before_any_is_applied():
             ira.enable(rope_kv_cache_fusion=False, rope_fusion=False)
         with pytest.raises(TypeError, match=r"set_pass_flag: attn_quant_fusion must be True or False, got 0"):
             plugin.set_pass_flag("attn_quant_fusion", 0)
+        # plugin() on an enabled plugin read the flags' values back first: a bare KeyError('rope_fusion')
+        with pytest.raises(KeyError, match=r"plugin: unknown pass 'rope_fusion'"):
+            with ira.plugin(rope_fusion=False):
+                pass
+        with pytest.raises(TypeError, match=r"plugin: rope_kv_cache_fusion must be True or False, got 'no'"):
+            with ira.plugin(rope_kv_cache_fusion="no"):
+                pass
         assert manager.flags == flags
     finally:
         if not was:
@@ -400,3 +407,137 @@ def test_generate_admits_a_prompt_only_when_its_blocks_fit():
     assert result.tokens == [[7] * 16] * 5
     assert runner.peak <= 8
     assert max(step.num_seqs for step in result.steps) == 2
+
+
+@pytest.mark.parametrize("value", ["ture", "2", "enabled"])
+def test_env_switches_refuse_values_they_do_not_know(monkeypatch, value):
+    """ROCM_ATTN_CHECK_INDICES read any value but "1" as off (a GPU then skipped the index
+    checks the user asked for), ROCM_ATTN_PLUGIN any value but an on spelling."""
+    from inductor_rocm_attn import validation
+    from inductor_rocm_attn.compilation.plugin import enable_from_env
+
+    monkeypatch.setenv("ROCM_ATTN_CHECK_INDICES", value)
+    with pytest.raises(ValueError, match=rf"environment variable ROCM_ATTN_CHECK_INDICES={value!r}: expected one of"):
+        validation.index_checks_on(torch.device("cuda"))
+    assert validation.index_checks_on(torch.device("cpu"))  # always on there
+    monkeypatch.setenv("ROCM_ATTN_PLUGIN", value)
+    with pytest.raises(ValueError, match=rf"environment variable ROCM_ATTN_PLUGIN={value!r}: expected one of"):
+        enable_from_env()
+    for on, off in (("1", "0"), ("TRUE", "false"), ("on", "off"), ("yes", "")):
+        monkeypatch.setenv("ROCM_ATTN_CHECK_INDICES", off)
+        assert not validation.index_checks_on(torch.device("cuda"))
+        monkeypatch.setenv("ROCM_ATTN_CHECK_INDICES", on)
+        assert validation._check_indices_on_device()
+
+
+@pytest.mark.parametrize("value, on", [("false", False), ("off", False), ("No", False), ("0", False),
+                                       ("true", True), ("yes", True), ("1", True)])
+def test_trace_cache_env_spellings(monkeypatch, value, on):
+    """ROCM_ATTN_TRACE_CACHE=false (or off, no) named a directory "false" in the working
+    directory, so the cache was on; true/yes another such directory instead of the default."""
+    import os
+
+    from inductor_rocm_attn.compilation.trace_cache import resolve_trace_cache
+
+    monkeypatch.setenv("ROCM_ATTN_TRACE_CACHE", value)
+    got = resolve_trace_cache(None)
+    assert (got is None) == (not on)
+    if on:
+        assert got == resolve_trace_cache(True) and os.path.isabs(got)
+    monkeypatch.setenv("ROCM_ATTN_TRACE_CACHE", "some/dir")
+    assert resolve_trace_cache(None) == "some/dir"
+
+
+def test_trace_cache_unreadable_entries_are_misses(tmp_path):
+    """A truncated or corrupted entry file raised from unpickling (UnicodeDecodeError,
+    ValueError, OverflowError, MemoryError ...) and failed the compile, and an entry whose
+    stored graph bytes were corrupt was served; each is a miss now (traced and stored again)."""
+    import pickle
+    import random
+
+    from inductor_rocm_attn.compilation import trace_cache as tc
+
+    cache = tc.TraceCache(str(tmp_path))
+    rows = [("placeholder", "x", "x", (), {}, None), ("output", "output", "output", (tc._NodeRef(0),), {}, None)]
+    good = tc.TraceEntry(pickle.dumps(rows), [], {})
+    cache.store("k", good)
+    assert cache.load("k") is not None
+    data = (tmp_path / "k.trace").read_bytes()
+    rng = random.Random(0)
+    for i in range(200):
+        bad = bytearray(data[:rng.randrange(len(data))] if i % 3 == 0 else data)
+        if i % 3:
+            for _ in range(3):
+                bad[rng.randrange(len(bad))] = rng.randrange(256)
+        (tmp_path / "k.trace").write_bytes(bytes(bad))
+        entry = cache.load("k")  # never raises
+        assert entry is None or isinstance(entry, tc.TraceEntry)
+    for entry in (tc.TraceEntry(b"garbage", [], {}), tc.TraceEntry(good.graph, [], None),
+                  tc.TraceEntry(pickle.dumps("not rows"), [], {}), ["not", "an", "entry"]):
+        (tmp_path / "k.trace").write_bytes(pickle.dumps(entry))
+        assert cache.load("k") is None
+
+
+def test_trace_key_covers_values_dynamo_bakes_in():
+    """Dynamo bakes into the trace the values forward reads from a dict keyed by ints, a set, a
+    functools.partial's arguments and a function's closure and defaults; the key described
+    such a dict as nothing and the others by name only, so a stored trace of other values
+    was served (a model computing with the old ones, silently)."""
+    import functools
+
+    from inductor_rocm_attn.compilation import trace_cache as tc
+
+    def key(value):
+        m = torch.nn.Linear(4, 4)
+        m.opts = value
+        return tc.trace_key(m, [], None, {})[0]
+
+    def scaled(s):
+        return lambda x: x * s
+
+    def with_default(x, s=2.0):
+        return x * s
+
+    def with_default3(x, s=3.0):
+        return x * s
+    with_default3.__qualname__ = with_default.__qualname__
+
+    for a, b in (({0: 1.0}, {0: 2.0}), ({1.0}, {2.0}), (functools.partial(torch.mul, other=2.0),
+                 functools.partial(torch.mul, other=3.0)), (scaled(2.0), scaled(3.0)),
+                 (with_default, with_default3)):
+        assert key(a) == key(a) and key(a) != key(b), (a, b)
+    assert key(scaled(2.0)) == key(scaled(2.0))
+
+
+def test_generate_refuses_a_second_generate_on_the_same_caches():
+    """A generate() started from on_step (or another thread) on the same runner handed out the
+    same block ids as the running one and overwrote its cached tokens, silently."""
+    from inductor_rocm_attn.integrations.batching import generate
+
+    runner = _BlockCheckingRunner()
+    nested = []
+
+    def on_step(record):
+        if not nested:
+            nested.append(record)
+            generate(runner, [[3] * 20], max_new_tokens=2)
+
+    with pytest.raises(RuntimeError, match=r"generate: another generate\(\) is running on this runner's KV caches"):
+        generate(runner, [[3] * 20], max_new_tokens=4, on_step=on_step)
+    # a refused or finished generate holds nothing: the next one runs
+    assert generate(runner, [[3] * 20], max_new_tokens=2).tokens == [[7, 7]]
+
+
+def test_block_allocator_hands_out_copies_of_its_tables():
+    """allocate() and block_table() returned the allocator's own list: a caller that appended
+    to it (or kept it across a truncate) changed the allocator's record, so a block it listed
+    was handed out to another sequence too."""
+    alloc = ira.BlockAllocator(4, BS)
+    table = alloc.allocate("a", BS)
+    table.append(1)  # the caller's list: the allocator still holds block 0 only for "a"
+    alloc.block_table("a").append(2)
+    assert alloc.block_table("a") == [0] and alloc.num_free_blocks == 3
+    assert alloc.allocate("b", 2 * BS) == [1, 2]
+    kept = alloc.allocate("a", BS)
+    alloc.truncate("a", 1)
+    assert kept == [0, 3] and alloc.block_table("a") == [0]

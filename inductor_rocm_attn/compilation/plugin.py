@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +113,7 @@ def set_pass_flag(name: str, enabled: bool) -> None:
 def plugin(**flags: bool):
     """``with plugin(): torch.compile(...)(...)``: the plugin on for the block only, and
     ``flags`` for the block only (an enabled plugin gets its own flags back after it)."""
+    _check_flags("plugin", flags)  # before the flags are read back (an unknown one: a bare KeyError)
     was = is_enabled()
     before = {name: _manager.flags[name] for name in flags} if was else {}
     manager = enable(**flags)
@@ -127,7 +127,11 @@ def plugin(**flags: bool):
 
 
 def enable_from_env() -> bool:
-    if os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on"):
+    """``ROCM_ATTN_PLUGIN`` on: enable the plugin (any value other than an on/off spelling
+    raises, ``validation.env_switch``)."""
+    from inductor_rocm_attn.validation import env_switch
+
+    if env_switch(ENV_VAR):
         enable()
         return True
     return False

@@ -41,6 +41,7 @@ import json
 import os
 import pickle
 import sys
+import types
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -155,16 +156,34 @@ def _plain(v: Any, depth: int = 0) -> Any:
         return type(v).__qualname__
     if isinstance(v, (tuple, list)):
         return [_plain(a, depth + 1) for a in v]
-    if isinstance(v, dict):  # by value; a dict keyed otherwise (a kernel cache) is left out
+    if isinstance(v, (set, frozenset)):  # Dynamo bakes a set's members
+        return sorted((_plain(a, depth + 1) for a in v), key=repr)
+    if isinstance(v, dict):  # by value (keys: strings, numbers, enums); any other keys (a kernel cache) left out
         if not all(isinstance(k, str) for k in v):
-            return None
+            if not all(isinstance(k, _PLAIN + (enum.Enum,)) for k in v):
+                return None
+            return sorted(([_plain(k), _plain(a, depth + 1)] for k, a in v.items()), key=repr)
         return {k: _plain(a, depth + 1) for k, a in sorted(v.items())}
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         return {f.name: _plain(getattr(v, f.name), depth + 1) for f in dataclasses.fields(v)}
     if hasattr(v, "to_dict") and hasattr(v, "model_type"):  # a transformers config
         return json.dumps(v.to_dict(), sort_keys=True, default=repr)
+    if isinstance(v, functools.partial):  # Dynamo bakes the bound arguments
+        return ["partial", _plain(v.func, depth + 1), _plain(list(v.args), depth + 1),
+                _plain(dict(v.keywords), depth + 1)]
     if callable(v):
-        return f"fn:{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', type(v).__qualname__)}"
+        name = f"fn:{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', type(v).__qualname__)}"
+        if not isinstance(v, types.FunctionType):
+            return name
+        # A function's source is keyed by its file; the values it closes over and its
+        # defaults are baked into the trace as well (one factory's closures share a source).
+        cells = []
+        for cell in v.__closure__ or ():
+            try:
+                cells.append(_plain(cell.cell_contents, depth + 1))
+            except ValueError:  # an empty cell
+                cells.append(None)
+        return [name, cells, _plain(list(v.__defaults__ or ()), depth + 1), _plain(v.__kwdefaults__ or {}, depth + 1)]
     # Any other object (a SimpleNamespace, a hand-written options class): by its class and
     # public attributes. Dynamo bakes the values forward reads from it into the trace, so
     # leaving it out served a trace of other values (a needless miss only re-traces).
@@ -284,13 +303,18 @@ def trace_key(model: torch.nn.Module, layers: Iterable[Any], forward: Callable |
 
 def resolve_trace_cache(trace_cache: bool | str | os.PathLike | None) -> str | None:
     """The directory of the trace cache, or None when off: ``None`` reads ``ROCM_ATTN_TRACE_CACHE``
-    (unset, "" or "0": off; "1": the default directory; else a directory); ``True``: the default
-    directory (``rocm_attn_traces`` in Inductor's cache directory); a path: that directory."""
+    (unset or an off spelling, ``validation.ENV_OFF``: off; an on spelling, ``ENV_ON``: the
+    default directory; else a directory: "false" named no directory "false"); ``True``: the
+    default directory (``rocm_attn_traces`` in Inductor's cache directory); a path: that
+    directory."""
+    from inductor_rocm_attn.validation import ENV_OFF, ENV_ON
+
     if trace_cache is None:
         trace_cache = os.environ.get(ENV, "")
-        if trace_cache in ("", "0"):
+        word = trace_cache.strip().lower()
+        if word in ENV_OFF:
             return None
-        if trace_cache == "1":
+        if word in ENV_ON:
             trace_cache = True
     if trace_cache is False:
         return None
@@ -325,15 +349,21 @@ class TraceCache:
         return os.path.join(self.directory, f"{key}.trace")
 
     def load(self, key: str) -> TraceEntry | None:
-        """The entry of ``key`` whose recorded source files are unchanged, else None."""
+        """The entry of ``key`` whose recorded source files are unchanged, else None (also for a
+        file that is not a readable entry: truncated, corrupted, of another format; the
+        trace is then made again and stored over it)."""
         try:
             with open(self._path(key), "rb") as fh:
                 entry = pickle.load(fh)
-        except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
-            return None
-        if not isinstance(entry, TraceEntry):
-            return None
-        if any(file_digest(f) != digest for f, digest in entry.files.items()):
+            if not (isinstance(entry, TraceEntry) and isinstance(entry.graph, bytes)
+                    and isinstance(entry.plan, list) and isinstance(entry.files, dict)):
+                return None
+            if any(file_digest(f) != digest for f, digest in entry.files.items()):
+                return None
+            rows = pickle.loads(entry.graph)  # the stored graph's nodes read back
+            if not (isinstance(rows, list) and all(isinstance(r, tuple) and len(r) == 6 for r in rows)):
+                return None
+        except Exception:  # unpickling garbage raises almost anything (UnicodeDecodeError, ValueError, ...)
             return None
         return entry
 

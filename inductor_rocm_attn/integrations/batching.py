@@ -19,7 +19,9 @@ never runs out mid-generation; prompts wait, in order, until enough blocks are f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -107,6 +109,29 @@ def _prompt_ids(i: int, prompt) -> list[int]:
     return [int(t) for t in ids]
 
 
+# Data pointers of the KV caches a running generate() fills: a second generate on any of them
+# (from on_step, another thread, a second runner over the same caches) would hand out the
+# same block ids and overwrite the first one's cached tokens.
+_ACTIVE_CACHES: set[int] = set()
+_ACTIVE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _owning_caches(runner):
+    ptrs = {layer.kv_cache.data_ptr() for layer in runner.layers.values()} - {0}
+    with _ACTIVE_LOCK:
+        if ptrs & _ACTIVE_CACHES:
+            raise RuntimeError("generate: another generate() is running on this runner's KV caches (called from "
+                               "on_step, another thread, or a runner over the same caches); both would write the "
+                               "same cache blocks: run them one after the other")
+        _ACTIVE_CACHES.update(ptrs)
+    try:
+        yield
+    finally:
+        with _ACTIVE_LOCK:
+            _ACTIVE_CACHES.difference_update(ptrs)
+
+
 @torch.no_grad()
 def generate(runner, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int, *,
              max_tokens_per_step: int | None = None, max_seqs_per_step: int | None = None,
@@ -120,8 +145,18 @@ def generate(runner, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_to
     to hand out (default every block of the layers' caches).
 
     Refused before the first step: limits above the runner's, token ids that are not ints or
-    not in the vocabulary, and a prompt whose tokens and ``max_new_tokens`` cannot fit the
-    runner's ``max_model_len`` or the blocks handed out."""
+    not in the vocabulary, a prompt whose tokens and ``max_new_tokens`` cannot fit the
+    runner's ``max_model_len`` or the blocks handed out, and a generate while another one
+    runs on the same caches."""
+    with _owning_caches(runner):
+        return _generate(runner, prompts, max_new_tokens, max_tokens_per_step=max_tokens_per_step,
+                         max_seqs_per_step=max_seqs_per_step, return_logits=return_logits, on_step=on_step,
+                         num_blocks=num_blocks)
+
+
+def _generate(runner, prompts, max_new_tokens, *, max_tokens_per_step, max_seqs_per_step, return_logits,
+              on_step, num_blocks) -> GenerateResult:
+    """``generate`` while it holds the runner's caches."""
     try:
         prompts = list(prompts)  # iterated twice (a generator would be empty the second time)
     except TypeError:
