@@ -114,12 +114,17 @@ class LayerSpec:
             num_heads=num_heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
             head_size=_head_dim(module),
-            scale=float(module.scaling),
+            scale=float(_CALL_SCALING.get(type(module).__name__, module.scaling)),
             sliding_window=_module_window(module),
             softcap=_module_softcap(module),
             causal=bool(getattr(module, "is_causal", True)),
             sinks=_module_sinks(module),
         )
+
+
+# Attention modules whose forward multiplies q by ``module.scaling`` itself and passes this
+# scaling to the attention function (OPT keeps its reference implementation's rounding order).
+_CALL_SCALING = {"OPTAttention": 1.0}
 
 
 # The layer types (config.layer_types) whose attention the metadata expresses: causal (or
@@ -317,7 +322,7 @@ def _check_call(module, attention_mask, scaling, dropout, sliding_window, softca
     checks = (
         ("sliding_window", sliding_window, _module_window(module), True),
         ("softcap", softcap, _module_softcap(module), True),
-        ("scaling", scaling, module.scaling, False),
+        ("scaling", scaling, _CALL_SCALING.get(type(module).__name__, module.scaling), False),
         ("is_causal", is_causal, getattr(module, "is_causal", True), False),
     )
     bad = [(n, got, built) for n, got, built, none_is_value in checks

@@ -68,6 +68,10 @@ MORE_CONFIGS = {
     # sliding_window on every module, passed only on its sliding layers; NoPE full layers
     "exaone4": lambda: transformers.Exaone4Config(**_SMALL, num_key_value_heads=2, head_dim=32, sliding_window=6,
                                                   sliding_window_pattern=2),
+    # q multiplied by module.scaling in the module, scaling=1.0 passed; learned positions
+    "opt": lambda: transformers.OPTConfig(vocab_size=256, hidden_size=128, ffn_dim=256, num_hidden_layers=2,
+                                          num_attention_heads=4, max_position_embeddings=128, word_embed_proj_dim=128,
+                                          pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
 # What each config exercises, and the config change that removes it (must change the logits).
 FEATURE_OFF = {"mistral": {"sliding_window": None},
