@@ -181,12 +181,15 @@ _CACHE_DTYPES_OF = {
 }
 
 
-def _check_output(op: str, output: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None) -> None:
-    """The attention's output: not an expanded view (its rows would share memory) nor the memory
-    of the key/value it reads; the common case in a stride and two pointer compares."""
-    ptr = output.data_ptr()
-    if 0 in output.stride() or (key is not None and (ptr == key.data_ptr() or ptr == value.data_ptr())):
-        validation.check_written(op, dict(output=output), dict(key=key, value=value))
+def _check_output(op: str, output: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+                  reads_kv: bool) -> None:
+    """The attention's output: not an expanded view (its rows would share memory) nor, when the
+    kernels read them (``reads_kv``: a query longer than one token), the memory of the key/value;
+    the common case (a contiguous output of a decode step) in one flag read."""
+    if output.is_contiguous() and not (reads_kv and key is not None and output.data_ptr() in
+                                       (key.data_ptr(), value.data_ptr())):
+        return  # a contiguous tensor has no expanded (stride-0) dim of size > 1
+    validation.check_written(op, dict(output=output), dict(key=key, value=value) if reads_kv else {})
 
 
 class RocmAttentionImpl:
@@ -570,7 +573,7 @@ class RocmAttentionImpl:
             step_checks.check_layer_kv(op, key, value, query.device, query.shape[0], hkv, d)
             step_checks.check_step_metadata(op, md, query.shape[0], query.device)
             step_checks.check_encoder_step(op, md)
-            _check_output(op, output, key, value)
+            _check_output(op, output, key, value, True)
             n = md.num_actual_tokens
             return self._encoder_forward(query[:n], key[:n], value[:n], md, output, output_scale)
         # The cache this layer reads: its own, or (KV sharing) the target's, with the target's
@@ -604,7 +607,7 @@ class RocmAttentionImpl:
                 key, value = self._kv_rows(op, key, value)
             t = step_checks.check_attention_call(op, layer, query, key, value, output, kv_cache, md, h, hkv, d)
         if made is None or made[1] is not output:  # an output of the caller's (Attention.forward makes its own)
-            _check_output(op, output, key, value)
+            _check_output(op, output, key, value, md.max_query_len > 1)
         n = md.num_actual_tokens
         if n != t:  # padded step: rows past n are not ours to touch
             out_n, query = output[:n], query[:n]
