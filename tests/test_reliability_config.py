@@ -2,6 +2,7 @@
 value and what is supported (issue 14, items 3 and 6)."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -541,3 +542,18 @@ def test_block_allocator_hands_out_copies_of_its_tables():
     kept = alloc.allocate("a", BS)
     alloc.truncate("a", 1)
     assert kept == [0, 3] and alloc.block_table("a") == [0]
+
+
+def test_split_merge_env_is_checked_at_import():
+    """ROCM_ATTN_SPLIT_MERGE was read at import and checked only when a GPU decode config was
+    built: on a CPU a misspelled value was never refused."""
+    import subprocess
+    import sys
+
+    code = "import inductor_rocm_attn.kernels.triton.configs as c; print(c.DEFAULT_SPLIT_MERGE)"
+    bad = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, ROCM_ATTN_SPLIT_MERGE="reduced"),
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "ROCM_ATTN_SPLIT_MERGE='reduced': expected one of" in bad.stderr
+    good = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, ROCM_ATTN_SPLIT_MERGE="reduce"),
+                          capture_output=True, text=True)
+    assert good.returncode == 0 and good.stdout.strip() == "reduce"

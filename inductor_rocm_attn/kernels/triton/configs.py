@@ -47,6 +47,9 @@ LAST_SPLIT_MAX_SPLITS = 8
 # streams): two launches running at once on two streams would share counters.
 # ROCM_ATTN_SPLIT_MERGE=reduce makes every default config merge in the reduce kernel instead.
 DEFAULT_SPLIT_MERGE = os.environ.get("ROCM_ATTN_SPLIT_MERGE", "auto")
+if DEFAULT_SPLIT_MERGE not in SPLIT_MERGES:  # at import: on a CPU no decode config is ever built
+    raise ValueError(f"inductor_rocm_attn: environment variable ROCM_ATTN_SPLIT_MERGE={DEFAULT_SPLIT_MERGE!r}: "
+                     f"expected one of {SPLIT_MERGES}, or unset")
 
 # --- knobs (the defaults of the config fields below) -----------------------------------------
 
