@@ -247,13 +247,15 @@ class RocmAttentionImpl:
         # (op, call signature) -> kernel: the first call of a signature is validated in full
         # and resolved through the provider registry; later steps go straight to the kernel.
         self._kernels: dict[tuple, object] = {}
-        # The attention's features for a causal and a non-causal step (the step may override).
-        self._features_by_causal = {
-            c: providers.attention_features(
+        # The attention's features for a causal and a non-causal step (the step may override),
+        # decode-only (max_query_len 1: no "prefill") or not.
+        self._features_of_step = {
+            (c, prefill): providers.attention_features(
                 causal=c, sliding_window=self.sliding_window, alibi_slopes=alibi_slopes,
                 sinks=sinks, logits_soft_cap=self.logits_soft_cap, output_scale=None,
+                max_query_len=2 if prefill else 1,
             )
-            for c in (True, False)
+            for c in (True, False) for prefill in (True, False)
         }
 
     # --- cache ----------------------------------------------------------------------------
@@ -624,8 +626,9 @@ class RocmAttentionImpl:
             if output_scale.device != query.device:
                 raise ValueError(f"{op}: output_scale is on {output_scale.device} but the query is on {query.device}")
             validation.check_scales(op, output_scale=output_scale)
+        prefill = md.max_query_len > 1  # a decode-only step may go to a provider without prefill
         sig = self._signature("paged_attention", query, kv_cache, n, output.dtype, output_scale is None,
-                              causal, interleaved_v)
+                              causal, interleaved_v, prefill)
         fn = self._kernels.get(sig)
         if fn is None:
             self._check_query_scale(query, op)
@@ -638,7 +641,7 @@ class RocmAttentionImpl:
                 md.block_table, args[13], args[14], output_scale, k_scale=args[9], v_scale=args[10],
                 max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
             )
-            feats = self._features_by_causal[causal] + (("output_scale",) if output_scale is not None else ())
+            feats = self._features_of_step[causal, prefill] + (("output_scale",) if output_scale is not None else ())
             fn = self._resolve(sig, "paged_attention", query, kv_cache, n, feats, interleaved_v)
         fn(*args)
         return output

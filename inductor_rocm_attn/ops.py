@@ -153,7 +153,7 @@ def _paged_attention(output, query, key, value, kv_cache, query_start_loc, seq_l
     validation.check_written("rocm_attn.paged_attention", dict(output=output), dict(key=key, value=value))
     feats = providers.attention_features(
         causal=causal, sliding_window=sliding_window, alibi_slopes=alibi_slopes, sinks=sinks,
-        logits_soft_cap=logits_soft_cap, output_scale=output_scale,
+        logits_soft_cap=logits_soft_cap, output_scale=output_scale, max_query_len=max_query_len,
     )
     _, fn = providers.select(
         "paged_attention", device=query.device, head_size=query.shape[2], dtype=query.dtype

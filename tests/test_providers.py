@@ -319,3 +319,37 @@ def test_impl_resolves_again_in_another_token_range(monkeypatch):
         layer.impl.do_qk_norm_rope_kvcache_update(layer, qkv, qw, kw, 1e-6, positions, cos_sin, True,
                                                   layer.kv_cache, md)
     assert len(selects) == 2  # one per token range: [0, 8) and [8, inf)
+
+
+def test_decode_only_steps_dispatch_without_the_prefill_feature(monkeypatch):
+    """No caller passed max_query_len to attention_features: every paged_attention call, a
+    decode-only one too, asked for "prefill", so a decode-only provider (native) was never
+    chosen. The layer op and the kernel-level op now ask for it only when a query is longer
+    than one token."""
+    from cases import make_paged_case
+
+    seen = []
+    real_select = providers.select
+
+    def select(op, **query):
+        if op == "paged_attention":
+            seen.append("prefill" in query["features"])
+        return real_select(op, **query)
+
+    monkeypatch.setattr(providers, "select", select)
+    decode = make_paged_case([1, 1], [20, 5], dtype=torch.float32)
+    mixed = make_paged_case([1, 3], [20, 5], dtype=torch.float32)
+    for case, want in ((decode, False), (mixed, True)):
+        torch.ops.rocm_attn.paged_attention(
+            torch.empty_like(case.query), case.query, case.key, case.value, case.kv_cache, case.query_start_loc,
+            case.seq_lens, case.block_table, case.max_query_len, case.max_seq_len, 0.125, case.k_scale,
+            case.v_scale)
+        assert seen[-1] is want
+    layer = ira.Attention(4, 64, num_kv_heads=2, layer_name="dispatch.decode", block_size=16, register=False)
+    layer.kv_cache = ira.allocate_kv_cache(layer.kv_cache_spec(torch.float32), 8)
+    for qlens, ctx, want in (([1, 1], [3, 0], False), ([2, 1], [3, 0], True)):
+        md = ira.build_attention_metadata(qlens, ctx, [[0], [1]], 16)
+        t = sum(qlens)
+        with ira.set_forward_context(md, layers={layer.layer_name: layer}):
+            layer(torch.randn(t, 256), torch.randn(t, 128), torch.randn(t, 128))
+        assert seen[-1] is want
