@@ -114,7 +114,7 @@ def rank_main(args) -> None:
     import torch.distributed as dist
 
     import inductor_rocm_attn as ira
-    from inductor_rocm_attn.graph_capture import compile_piecewise
+    from inductor_rocm_attn.compilation import compile_piecewise
     from inductor_rocm_attn.models import TinyDecoder
     from inductor_rocm_attn.parallel import TensorParallel
 

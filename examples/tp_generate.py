@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import inductor_rocm_attn as ira
-from inductor_rocm_attn.graph_capture import compile_piecewise
+from inductor_rocm_attn.compilation import compile_piecewise
 from inductor_rocm_attn.models import TinyDecoder, qwen3_config
 from inductor_rocm_attn.parallel import TensorParallel, shard_model
 
