@@ -530,3 +530,25 @@ def test_a_parameter_replaced_or_moved_after_the_compile_is_refused():
     with pytest.raises(ValueError, match=r"model's embed.weight moved to new memory since the compile \(now "
                                          r"torch.float64 on cpu, compiled for torch.float32 on cpu"):
         step()
+
+
+def test_a_model_that_cannot_take_ids_and_positions_is_refused_before_tracing():
+    """README's "Using it" model (forward(x)) given to compile_piecewise failed deep in Dynamo
+    ("Too many positional arguments"), naming neither the expected signature nor forward=."""
+    import inductor_rocm_attn as ira
+
+    class HiddenStates(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(256, 256)
+            self.attn = ira.Attention(4, 64, num_kv_heads=4, layer_name="sig.0", register=False)
+
+        def forward(self, x):
+            q = self.proj(x)
+            return self.attn(q, q, q)
+
+    with pytest.raises(TypeError, match=r"compile_piecewise: HiddenStates.forward is called as \(input_ids \[T\], "
+                                        r"positions \[T\]\) -> logits, but its signature \(x\)"):
+        compile_piecewise(HiddenStates(), capture_sizes=[1, 2])
+    with pytest.raises(TypeError, match=r"compile_piecewise: forward= is called as"):
+        compile_piecewise(HiddenStates(), capture_sizes=[1, 2], forward=lambda ids: ids)

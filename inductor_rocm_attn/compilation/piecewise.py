@@ -50,6 +50,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -488,6 +489,23 @@ def _check_tensors(refs: list[tuple]) -> None:
                 "moving it")
 
 
+def _check_traced_signature(model: torch.nn.Module, forward: Callable | None) -> None:
+    """What is traced is called as ``f(input_ids, positions)``: one that cannot take two
+    positional arguments (a module whose forward takes hidden states) failed deep in Dynamo."""
+    fn, what = (forward, "forward=") if forward is not None else (model.forward, f"{type(model).__name__}.forward")
+    if not callable(fn):
+        raise TypeError(f"compile_piecewise: forward must be callable, got {type(fn).__name__}")
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError as e:
+        raise TypeError(
+            f"compile_piecewise: {what} is called as (input_ids [T], positions [T]) -> logits, but its signature "
+            f"{inspect.signature(fn)} does not take those two arguments ({e}); pass forward=lambda input_ids, "
+            "positions: ... to call the model another way") from None
+    except ValueError:  # no signature to read (a builtin): left to the trace
+        pass
+
+
 def compile_piecewise(
     model: nn.Module,
     capture_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
@@ -564,6 +582,7 @@ def compile_piecewise(
         flags=dict(capture=capture, decode_graphs=decode_graphs, mixed_graphs=mixed_graphs),
         optional_flags=dict(use_cuda_graphs=use_cuda_graphs, plugin=plugin, piecewise_graphs=piecewise_graphs),
         trace_cache=trace_cache, compile_threads=compile_threads)
+    _check_traced_signature(model, forward)
     p = next(model.parameters())
     device = p.device
     if use_cuda_graphs is None:
