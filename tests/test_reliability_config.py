@@ -557,3 +557,24 @@ def test_split_merge_env_is_checked_at_import():
     good = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, ROCM_ATTN_SPLIT_MERGE="reduce"),
                           capture_output=True, text=True)
     assert good.returncode == 0 and good.stdout.strip() == "reduce"
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(rope_impl="ops"), r"rope_impl 'ops' is not supported; supported: \('torch', 'op'\)"),
+    (dict(norm_impl="Op"), r"norm_impl 'Op' is not supported; supported: \('torch', 'op'\)"),
+    (dict(rotary_dim=0), r"rotary_dim must be None \(the whole head\) or an even int in \[2, head_size 64\], got 0"),
+    (dict(rotary_dim=33, rope_impl="op"), r"rotary_dim must be .*, got 33"),
+    (dict(rotary_dim=128, rope_impl="op"), r"rotary_dim must be .*, got 128"),
+    (dict(rotary_dim=32.0, rope_impl="op"), r"rotary_dim must be .*, got 32\.0"),
+    (dict(rms_eps=-1e-6), r"rms_eps must be a finite number >= 0, got -1e-06"),
+])
+def test_tiny_decoder_config(kw, match):
+    """An unknown rope_impl / norm_impl ran the plain-PyTorch form, rotary_dim 0 rotated the
+    whole head and an odd rotary_dim (op form) a table one channel wider, all silently."""
+    from inductor_rocm_attn.models import DecoderConfig, TinyDecoder
+    with pytest.raises(ValueError, match=rf"DecoderConfig: {match}"):
+        TinyDecoder(DecoderConfig(num_layers=1, **kw))
+    with pytest.raises(ValueError, match=rf"DecoderConfig: {match}"):
+        TinyDecoder(DecoderConfig(num_layers=0, **kw))
+    TinyDecoder(DecoderConfig(num_layers=1, rotary_dim=32, rope_impl="op"))  # partial rotary: the op form
+
