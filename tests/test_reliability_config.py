@@ -578,3 +578,20 @@ def test_tiny_decoder_config(kw, match):
         TinyDecoder(DecoderConfig(num_layers=0, **kw))
     TinyDecoder(DecoderConfig(num_layers=1, rotary_dim=32, rope_impl="op"))  # partial rotary: the op form
 
+
+def test_bind_kv_caches_refused_keeps_every_layer_s_cache():
+    """A refused bind (a sharing layer of another geometry after a layer with a cache) had
+    already replaced the earlier layers' caches: their cached tokens were gone."""
+    target = _layer("bind_keep.t")
+    model = torch.nn.ModuleList([target])
+    old = ira.bind_kv_caches(model, 4, torch.float32)[target.layer_name]
+    old.fill_(1.0)
+    model.append(ira.Attention(H, D, num_kv_heads=HKV, block_size=2 * BS, layer_name="cfg.bind_keep.s",
+                               kv_sharing_target_layer_name=target.layer_name))
+    with pytest.raises(ValueError, match=r"bind_kv_caches: layer 'cfg\.bind_keep\.s' .* cannot read the cache of "
+                                         r"'cfg\.bind_keep\.t' .*: the geometry differs"):
+        ira.bind_kv_caches(model, 8, torch.float32)
+    assert target.kv_cache is old and bool((old == 1.0).all())
+    with pytest.raises(ValueError, match=r"bind_kv_caches: device 'gpu' is not a torch device"):
+        ira.bind_kv_caches(model[:1], 8, torch.float32, "gpu")
+    assert target.kv_cache is old
