@@ -212,12 +212,19 @@ def bind_kv_caches(model: nn.Module, num_blocks: int, dtype: torch.dtype,
             f"bind_kv_caches: {type(model).__name__} holds no inductor_rocm_attn.Attention layer; for a "
             "transformers model use inductor_rocm_attn.integrations.transformers.PagedCache"
         )
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"bind_kv_caches: device {device!r} is not a torch device (e.g. 'cpu', 'cuda', "
+                         "'cuda:1')") from None
+    # every cache is allocated (and every sharing layer checked) before the first is attached:
+    # a refused call leaves each layer with the cache it had
     caches, specs = {}, {}
     for layer in layers:
         target = layer.impl.kv_sharing_target_layer_name
         if target is None and not layer.impl.uses_kv_cache:
             continue
-        spec = layer.kv_cache_spec(dtype, torch.device(device))
+        spec = layer.kv_cache_spec(dtype, device)
         if target is not None:
             if target not in caches:
                 raise ValueError(
@@ -231,6 +238,8 @@ def bind_kv_caches(model: nn.Module, num_blocks: int, dtype: torch.dtype,
         cache = allocate_kv_cache(spec, num_blocks, device)
         if poison:
             cache.view(torch.uint8).fill_(0xFF)  # all-ones bytes: NaN in every cache dtype
-        layer.kv_cache = cache
         caches[layer.layer_name], specs[layer.layer_name] = cache, spec
+    for layer in layers:
+        if layer.layer_name in caches:
+            layer.kv_cache = caches[layer.layer_name]
     return caches

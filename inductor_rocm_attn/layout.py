@@ -165,7 +165,10 @@ def _is_count(n) -> bool:
 
 def check_spec(spec: KVCacheSpec, op: str) -> None:
     """A spec whose cache the ops can read: a supported block and head size, a positive int
-    ``num_kv_heads``, a cache dtype (fp16/bf16/fp32 or fp8) and two head slots (K and V)."""
+    ``num_kv_heads``, a cache dtype (fp16/bf16/fp32 or fp8), a known layout and two head slots
+    (K and V)."""
+    if not isinstance(spec, KVCacheSpec):
+        raise TypeError(f"{op}: spec must be a KVCacheSpec (see customize_spec), got {type(spec).__name__}")
     check_cache_geometry(spec.block_size, spec.head_size, op)
     if not _is_count(spec.num_kv_heads):
         raise ValueError(f"{op}: num_kv_heads must be a positive int, got {spec.num_kv_heads!r}")
@@ -174,6 +177,18 @@ def check_spec(spec: KVCacheSpec, op: str) -> None:
                          "dtype (see cache_torch_dtype)")
     if spec.num_head_slots != 2:
         raise ValueError(f"{op}: num_head_slots must be 2 (K and V), got {spec.num_head_slots!r}")
+    # a KVCacheSpec built directly keeps its layout as given: any value but LBHNC was allocated
+    # as LHBNC
+    if spec.layout not in tuple(CacheLayout):
+        raise ValueError(f"{op}: layout {spec.layout!r} is not supported; supported: "
+                         f"{', '.join(repr(m.value) for m in CacheLayout)}")
+
+
+def _device(device, op: str) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{op}: device {device!r} is not a torch device (e.g. 'cpu', 'cuda', 'cuda:1')") from None
 
 
 def allocate_kv_cache(
@@ -187,6 +202,7 @@ def allocate_kv_cache(
     if not _is_count(num_blocks):
         raise ValueError(f"allocate_kv_cache: num_blocks must be a positive int, got {num_blocks!r}")
     check_spec(spec, "allocate_kv_cache")
+    device = _device(device, "allocate_kv_cache")
     nb, g, bs, hd = spec.logical_shape(num_blocks)
     if spec.layout == CacheLayout.LBHNC:
         return torch.empty((nb, g, bs, hd), dtype=spec.dtype, device=device)
@@ -254,13 +270,30 @@ def v_view(kv_cache: torch.Tensor, num_kv_heads: int, interleaved: bool) -> torc
     )
 
 
+def _check_cache_heads(kv_cache: torch.Tensor, num_kv_heads: int, op: str) -> None:
+    """A logical cache tensor (LHBNC or LBHNC) of a cache dtype whose last dim is
+    ``num_kv_heads`` heads of a supported head size, in pages of a supported block size."""
+    if not isinstance(kv_cache, torch.Tensor):
+        raise TypeError(f"{op}: kv_cache must be a tensor, got {type(kv_cache).__name__}")
+    cache_layout_of(kv_cache, op)
+    hd = kv_cache.shape[3]
+    if not _is_count(num_kv_heads) or hd % num_kv_heads:
+        raise ValueError(f"{op}: num_kv_heads {num_kv_heads!r} does not divide the cache's last dim {hd} "
+                         "(num_kv_heads * head_size)")
+    check_cache_geometry(kv_cache.shape[2], hd // num_kv_heads, op)
+    if not (kv_cache.dtype in MODEL_DTYPES or is_fp8_dtype(kv_cache.dtype)):
+        raise ValueError(f"{op}: kv_cache dtype {kv_cache.dtype} is not a cache dtype")
+
+
 def dense_kv(
     kv_cache: torch.Tensor, num_kv_heads: int, interleaved_v: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Copy the cache out as two dense ``[num_blocks, block_size, num_kv_heads, head_size]`` tensors.
 
-    For the reference path and tests; kernels index the interiors directly.
+    For the reference path and tests; kernels index the interiors directly. Checks the cache
+    and ``num_kv_heads`` first: views of another geometry would read other channels.
     """
+    _check_cache_heads(kv_cache, num_kv_heads, "dense_kv")
     nb, _, bs, hd = kv_cache.shape
     d = hd // num_kv_heads
     k = k_view(kv_cache, num_kv_heads).permute(0, 3, 1, 2, 4).reshape(nb, bs, num_kv_heads, d)
@@ -281,14 +314,7 @@ def convert_v_layout_(kv_cache: torch.Tensor, num_kv_heads: int, to_interleaved:
     geometry would scramble every page.
     """
     op = "convert_v_layout_"
-    cache_layout_of(kv_cache)  # a logical cache tensor, LHBNC or LBHNC
-    hd = kv_cache.shape[3]
-    if not _is_count(num_kv_heads) or hd % num_kv_heads:
-        raise ValueError(f"{op}: num_kv_heads {num_kv_heads!r} does not divide the cache's last dim {hd} "
-                         "(num_kv_heads * head_size)")
-    check_cache_geometry(kv_cache.shape[2], hd // num_kv_heads, op)
-    if not (kv_cache.dtype in MODEL_DTYPES or is_fp8_dtype(kv_cache.dtype)):
-        raise ValueError(f"{op}: kv_cache dtype {kv_cache.dtype} is not a cache dtype")
+    _check_cache_heads(kv_cache, num_kv_heads, op)
     nb = kv_cache.shape[0]
     src_view = v_view(kv_cache, num_kv_heads, interleaved=not to_interleaved)
     dst_view = v_view(kv_cache, num_kv_heads, interleaved=to_interleaved)

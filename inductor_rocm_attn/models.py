@@ -125,9 +125,31 @@ def _linear(in_features: int, out_features: int) -> nn.Linear:
     return nn.Linear(in_features, out_features, bias=False)
 
 
+_IMPLS = ("torch", "op")
+
+
+def check_config(cfg: DecoderConfig, op: str = "DecoderConfig") -> None:
+    """What the attention layer does not check itself: the RoPE / RMSNorm forms and the
+    rotary width (an unknown impl string ran the "torch" form; rotary_dim 0 rotated the whole
+    head, an odd one a table one channel wider)."""
+    for name in ("rope_impl", "norm_impl"):
+        value = getattr(cfg, name)
+        if value not in _IMPLS:
+            raise ValueError(f"{op}: {name} {value!r} is not supported; supported: {_IMPLS}")
+    rot = cfg.rotary_dim
+    if rot is not None and (not isinstance(rot, int) or isinstance(rot, bool) or rot <= 0 or rot % 2
+                            or not isinstance(cfg.head_size, int) or rot > cfg.head_size):
+        raise ValueError(f"{op}: rotary_dim must be None (the whole head) or an even int in "
+                         f"[2, head_size {cfg.head_size}], got {rot!r}")
+    if (not isinstance(cfg.rms_eps, (int, float)) or isinstance(cfg.rms_eps, bool)
+            or not math.isfinite(cfg.rms_eps) or cfg.rms_eps < 0):
+        raise ValueError(f"{op}: rms_eps must be a finite number >= 0, got {cfg.rms_eps!r}")
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer_name: str, tp: "TensorParallel | None" = None):
         super().__init__()
+        check_config(cfg)
         self.cfg = cfg
         d, hq, hkv, inter = cfg.head_size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
         if tp is not None:  # this rank's heads and MLP slice; o_proj and down_proj all-reduce
@@ -175,6 +197,7 @@ class TinyDecoder(nn.Module):
 
     def __init__(self, cfg: DecoderConfig, name: str | None = None, tp: "TensorParallel | None" = None):
         super().__init__()
+        check_config(cfg)
         self.cfg = cfg
         name = name or f"model{next(_NAME_COUNTER)}"
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)

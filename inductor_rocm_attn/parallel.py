@@ -37,6 +37,7 @@ Example (one process per rank, e.g. under ``torchrun``)::
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
@@ -69,11 +70,25 @@ class HeadShard:
     kv_replicas: int
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_rank(size, rank) -> None:
+    """A size of >= 1 ranks and a rank in [0, size), both ints (float ones gave float head
+    counts and starts)."""
+    if not _is_int(size) or not _is_int(rank) or size < 1 or not 0 <= rank < size:
+        raise ValueError(f"tensor parallel: rank {rank!r} of size {size!r} is not a valid rank; supported: "
+                         "int size >= 1 and int rank in [0, size)")
+
+
 def shard_heads(num_heads: int, num_kv_heads: int, size: int, rank: int) -> HeadShard:
     """Rank ``rank`` of ``size``'s heads; raises ``ValueError`` for a split it cannot make."""
-    if size < 1 or not 0 <= rank < size:
-        raise ValueError(f"tensor parallel: rank {rank} of size {size} is not a valid rank")
-    if num_kv_heads < 1 or num_heads % num_kv_heads:
+    _check_rank(size, rank)
+    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"tensor parallel: {name} must be a positive int, got {value!r}")
+    if num_heads % num_kv_heads:
         raise ValueError(f"tensor parallel: num_heads={num_heads} is not a multiple of "
                          f"num_kv_heads={num_kv_heads}")
     if num_heads % size:
@@ -118,6 +133,12 @@ class TensorParallel:
     size: int
     rank: int
     group_name: str
+
+    def __post_init__(self):
+        _check_rank(self.size, self.rank)
+        if not isinstance(self.group_name, str) or not self.group_name:
+            raise ValueError(f"tensor parallel: group_name must be a process group's name (a non-empty str), "
+                             f"got {self.group_name!r}")
 
     @classmethod
     def from_group(cls, group: Any = None) -> "TensorParallel":

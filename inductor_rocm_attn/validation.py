@@ -637,9 +637,10 @@ def check_encoder_attention(op: str, query: torch.Tensor, key: torch.Tensor, val
                             cu_seqlens: torch.Tensor, alibi_slopes, sinks, max_seqlen: int | None = None) -> None:
     check_same_device(op, query=query, key=key, value=value, cu_seqlens=cu_seqlens,
                       alibi_slopes=alibi_slopes, sinks=sinks)
-    if query.dim() != 3 or key.dim() != 3 or key.shape != value.shape or key.shape[0] != query.shape[0]:
+    if (query.dim() != 3 or key.dim() != 3 or key.shape != value.shape or key.shape[0] != query.shape[0]
+            or key.shape[2] != query.shape[2]):
         raise ValueError(
-            f"{op}: query [T, Hq, D] and key/value [T, Hkv, D] expected, got {tuple(query.shape)}, "
+            f"{op}: query [T, Hq, D] and key/value [T, Hkv, D] (one T, one D) expected, got {tuple(query.shape)}, "
             f"{tuple(key.shape)}, {tuple(value.shape)}"
         )
     check_dtype(op, "query", query, capabilities.MODEL_DTYPES)

@@ -140,3 +140,35 @@ def test_allocate_kv_cache_arguments():
         allocate_kv_cache(KVCacheSpec(16, 2, 64, torch.float16, num_head_slots=3), 4)
     with pytest.raises(ValueError, match=r"allocate_kv_cache: head_size 48 is not supported"):
         allocate_kv_cache(KVCacheSpec(16, 2, 48, torch.float16), 4)
+
+
+def test_allocate_kv_cache_refuses_an_unknown_layout_and_device():
+    """A KVCacheSpec built directly with a layout other than the two (a typo, a lower-case
+    name) was allocated as LHBNC; a bad device string was torch's error naming no function."""
+    for layout in ("LBHCN", "lbhnc", 3):
+        with pytest.raises(ValueError, match=rf"allocate_kv_cache: layout {layout!r} is not supported; supported: "
+                                             r"'LHBNC', 'LBHNC'"):
+            allocate_kv_cache(KVCacheSpec(16, 2, 64, torch.float16, layout), 4)
+    assert cache_layout_of(allocate_kv_cache(KVCacheSpec(16, 2, 64, torch.float16, "LBHNC"), 4)) == CacheLayout.LBHNC
+    with pytest.raises(TypeError, match=r"allocate_kv_cache: spec must be a KVCacheSpec \(see customize_spec\), "
+                                        r"got tuple"):
+        allocate_kv_cache((16, 2, 64, torch.float16), 4)
+    with pytest.raises(ValueError, match=r"allocate_kv_cache: device 'gpu' is not a torch device"):
+        allocate_kv_cache(KVCacheSpec(16, 2, 64, torch.float16), 4, "gpu")
+
+
+def test_dense_kv_checks_the_cache_and_its_heads():
+    """dense_kv read any 4-D tensor through the cache views: a tensor of other strides (not a
+    cache) came back as other elements, a non-dividing head count or a 3-D slice failed with
+    torch's errors naming no function."""
+    cache = _filled("LHBNC", dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"dense_kv: kv_cache pages must be contiguous"):
+        dense_kv(torch.randn(NB, 2, H * D, BS).transpose(2, 3), H, False)
+    with pytest.raises(ValueError, match=r"dense_kv: kv_cache strides .* match neither LHBNC nor LBHNC"):
+        dense_kv(torch.randn(2, NB, BS, H * D).transpose(0, 1)[::2], H, False)
+    with pytest.raises(ValueError, match=rf"dense_kv: num_kv_heads 3 does not divide the cache's last dim {H * D}"):
+        dense_kv(cache, 3, False)
+    with pytest.raises(ValueError, match=r"dense_kv: kv_cache must have logical shape"):
+        dense_kv(cache[:, 0], H, False)
+    k, v = dense_kv(cache, H, False)
+    assert k.shape == v.shape == (NB, BS, H, D)

@@ -557,3 +557,41 @@ def test_split_merge_env_is_checked_at_import():
     good = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, ROCM_ATTN_SPLIT_MERGE="reduce"),
                           capture_output=True, text=True)
     assert good.returncode == 0 and good.stdout.strip() == "reduce"
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(rope_impl="ops"), r"rope_impl 'ops' is not supported; supported: \('torch', 'op'\)"),
+    (dict(norm_impl="Op"), r"norm_impl 'Op' is not supported; supported: \('torch', 'op'\)"),
+    (dict(rotary_dim=0), r"rotary_dim must be None \(the whole head\) or an even int in \[2, head_size 64\], got 0"),
+    (dict(rotary_dim=33, rope_impl="op"), r"rotary_dim must be .*, got 33"),
+    (dict(rotary_dim=128, rope_impl="op"), r"rotary_dim must be .*, got 128"),
+    (dict(rotary_dim=32.0, rope_impl="op"), r"rotary_dim must be .*, got 32\.0"),
+    (dict(rms_eps=-1e-6), r"rms_eps must be a finite number >= 0, got -1e-06"),
+])
+def test_tiny_decoder_config(kw, match):
+    """An unknown rope_impl / norm_impl ran the plain-PyTorch form, rotary_dim 0 rotated the
+    whole head and an odd rotary_dim (op form) a table one channel wider, all silently."""
+    from inductor_rocm_attn.models import DecoderConfig, TinyDecoder
+    with pytest.raises(ValueError, match=rf"DecoderConfig: {match}"):
+        TinyDecoder(DecoderConfig(num_layers=1, **kw))
+    with pytest.raises(ValueError, match=rf"DecoderConfig: {match}"):
+        TinyDecoder(DecoderConfig(num_layers=0, **kw))
+    TinyDecoder(DecoderConfig(num_layers=1, rotary_dim=32, rope_impl="op"))  # partial rotary: the op form
+
+
+def test_bind_kv_caches_refused_keeps_every_layer_s_cache():
+    """A refused bind (a sharing layer of another geometry after a layer with a cache) had
+    already replaced the earlier layers' caches: their cached tokens were gone."""
+    target = _layer("bind_keep.t")
+    model = torch.nn.ModuleList([target])
+    old = ira.bind_kv_caches(model, 4, torch.float32)[target.layer_name]
+    old.fill_(1.0)
+    model.append(ira.Attention(H, D, num_kv_heads=HKV, block_size=2 * BS, layer_name="cfg.bind_keep.s",
+                               kv_sharing_target_layer_name=target.layer_name))
+    with pytest.raises(ValueError, match=r"bind_kv_caches: layer 'cfg\.bind_keep\.s' .* cannot read the cache of "
+                                         r"'cfg\.bind_keep\.t' .*: the geometry differs"):
+        ira.bind_kv_caches(model, 8, torch.float32)
+    assert target.kv_cache is old and bool((old == 1.0).all())
+    with pytest.raises(ValueError, match=r"bind_kv_caches: device 'gpu' is not a torch device"):
+        ira.bind_kv_caches(model[:1], 8, torch.float32, "gpu")
+    assert target.kv_cache is old

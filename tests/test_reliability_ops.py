@@ -185,6 +185,16 @@ def test_encoder_max_seqlen_hint():
         torch.ops.rocm_attn.encoder_attention(q, k, v, torch.tensor([0, 2, 5], dtype=torch.int32), 2, 0.125)
 
 
+
+def test_encoder_key_head_size_must_be_the_query_s():
+    """A key/value of another head size than the query: the reference failed in its einsum
+    (a bare RuntimeError naming no op), the Triton kernel reads D channels of each key row."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(5, 4, D, generator=g), torch.randn(5, 2, 32, generator=g), torch.randn(5, 2, 32, generator=g)
+    with pytest.raises(ValueError, match=r"rocm_attn\.encoder_attention: query \[T, Hq, D\] and key/value "
+                                         r"\[T, Hkv, D\] \(one T, one D\) expected, got \(5, 4, 64\), \(5, 2, 32\)"):
+        torch.ops.rocm_attn.encoder_attention(q, k, v, torch.tensor([0, 5], dtype=torch.int32), 5, 0.125)
+
 def test_strided_index_tensors_and_channels():
     c = _case()
     every_other = torch.stack([c.slot_mapping, c.slot_mapping], 1)[:, 0]  # stride 2

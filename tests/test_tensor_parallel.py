@@ -500,3 +500,22 @@ if __name__ == "__main__":
     p.add_argument("--eager-only", action="store_true")
     a = p.parse_args()
     _worker(a.out, a.device, a.dtype, a.eager_only)
+
+
+@pytest.mark.parametrize("size,rank", [(0, 0), (2, 2), (2, -1), (2.0, 0), (2, 0.5), (True, 0)])
+def test_tensor_parallel_rank_checked(size, rank):
+    """TensorParallel took any size and rank: size 0 failed in intermediate() with a bare
+    ZeroDivisionError, rank 3 of 2 sliced the MLP past its end, and float sizes or ranks gave
+    shard_heads float head counts and starts (rank 0.5: q_start 1.0, kv_start 0.5)."""
+    with pytest.raises(ValueError, match=rf"tensor parallel: rank {rank!r} of size {size!r} is not a valid rank"):
+        TensorParallel(size, rank, "g")
+    with pytest.raises(ValueError, match=rf"tensor parallel: rank {rank!r} of size {size!r} is not a valid rank"):
+        shard_heads(4, 2, size, rank)
+
+
+def test_shard_heads_head_counts_checked():
+    for hq, hkv, name, bad in ((0, 1, "num_heads", 0), (4.0, 2, "num_heads", 4.0), (4, 2.0, "num_kv_heads", 2.0)):
+        with pytest.raises(ValueError, match=rf"tensor parallel: {name} must be a positive int, got {bad!r}"):
+            shard_heads(hq, hkv, 2, 0)
+    with pytest.raises(ValueError, match=r"tensor parallel: group_name must be .*, got ''"):
+        TensorParallel(2, 0, "")
