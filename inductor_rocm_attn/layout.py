@@ -270,12 +270,19 @@ def v_view(kv_cache: torch.Tensor, num_kv_heads: int, interleaved: bool) -> torc
     )
 
 
-def _check_cache_heads(kv_cache: torch.Tensor, num_kv_heads: int, op: str) -> None:
-    """A logical cache tensor (LHBNC or LBHNC) of a cache dtype whose last dim is
+def _check_cache_heads(kv_cache: torch.Tensor, num_kv_heads: int, op: str, whole: bool = True) -> None:
+    """A logical cache tensor (LHBNC or LBHNC; ``whole`` False: also a slice of blocks of one,
+    whose K/V views read each block at the block stride) of a cache dtype whose last dim is
     ``num_kv_heads`` heads of a supported head size, in pages of a supported block size."""
     if not isinstance(kv_cache, torch.Tensor):
         raise TypeError(f"{op}: kv_cache must be a tensor, got {type(kv_cache).__name__}")
-    cache_layout_of(kv_cache, op)
+    if whole:
+        cache_layout_of(kv_cache, op)
+    elif (kv_cache.dim() != 4 or kv_cache.shape[1] != 2 or kv_cache.stride(3) != 1
+          or kv_cache.stride(2) != kv_cache.shape[3]):
+        raise ValueError(f"{op}: kv_cache must be a cache (or a slice of its blocks) of logical shape [num_blocks, 2, "
+                         f"block_size, num_kv_heads*head_size] with contiguous pages, got shape "
+                         f"{tuple(kv_cache.shape)}, strides {kv_cache.stride()}")
     hd = kv_cache.shape[3]
     if not _is_count(num_kv_heads) or hd % num_kv_heads:
         raise ValueError(f"{op}: num_kv_heads {num_kv_heads!r} does not divide the cache's last dim {hd} "
@@ -293,7 +300,7 @@ def dense_kv(
     For the reference path and tests; kernels index the interiors directly. Checks the cache
     and ``num_kv_heads`` first: views of another geometry would read other channels.
     """
-    _check_cache_heads(kv_cache, num_kv_heads, "dense_kv")
+    _check_cache_heads(kv_cache, num_kv_heads, "dense_kv", whole=False)
     nb, _, bs, hd = kv_cache.shape
     d = hd // num_kv_heads
     k = k_view(kv_cache, num_kv_heads).permute(0, 3, 1, 2, 4).reshape(nb, bs, num_kv_heads, d)

@@ -162,13 +162,16 @@ def test_dense_kv_checks_the_cache_and_its_heads():
     cache) came back as other elements, a non-dividing head count or a 3-D slice failed with
     torch's errors naming no function."""
     cache = _filled("LHBNC", dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"dense_kv: kv_cache pages must be contiguous"):
+    with pytest.raises(ValueError, match=r"dense_kv: kv_cache must be a cache \(or a slice of its blocks\) .* with "
+                                         r"contiguous pages"):
         dense_kv(torch.randn(NB, 2, H * D, BS).transpose(2, 3), H, False)
-    with pytest.raises(ValueError, match=r"dense_kv: kv_cache strides .* match neither LHBNC nor LBHNC"):
-        dense_kv(torch.randn(2, NB, BS, H * D).transpose(0, 1)[::2], H, False)
+    # a slice of a cache's blocks (a prefix, every other block) reads those blocks
+    for sl in (slice(0, 2), slice(None, None, 2)):
+        for a, b in zip(dense_kv(cache[sl], H, False), dense_kv(cache, H, False)):
+            assert torch.equal(a, b[sl])
     with pytest.raises(ValueError, match=rf"dense_kv: num_kv_heads 3 does not divide the cache's last dim {H * D}"):
         dense_kv(cache, 3, False)
-    with pytest.raises(ValueError, match=r"dense_kv: kv_cache must have logical shape"):
+    with pytest.raises(ValueError, match=r"dense_kv: kv_cache must be a cache .* of logical shape"):
         dense_kv(cache[:, 0], H, False)
     k, v = dense_kv(cache, H, False)
     assert k.shape == v.shape == (NB, BS, H, D)
