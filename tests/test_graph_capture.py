@@ -552,3 +552,28 @@ def test_a_model_that_cannot_take_ids_and_positions_is_refused_before_tracing():
         compile_piecewise(HiddenStates(), capture_sizes=[1, 2])
     with pytest.raises(TypeError, match=r"compile_piecewise: forward= is called as"):
         compile_piecewise(HiddenStates(), capture_sizes=[1, 2], forward=lambda ids: ids)
+
+
+def test_a_trace_cache_that_cannot_be_written_warns_and_builds_from_the_trace(tmp_path, monkeypatch):
+    """A read-only (or full) cache directory failed the compile after the trace with a bare OS
+    error; a pre-filled read-only cache is a valid setup, so a miss there now builds from the
+    trace with a warning, and leaves no temporary file."""
+    from inductor_rocm_attn.compilation import trace_cache as tc
+
+    import builtins
+
+    def refuse(path, mode="r", *a, **k):  # the cache module's writes into tmp_path
+        if "w" in mode and str(path).startswith(str(tmp_path)):
+            raise PermissionError(13, "Permission denied", str(path))
+        return builtins.open(path, mode, *a, **k)
+
+    monkeypatch.setattr(tc, "open", refuse, raising=False)
+    torch.manual_seed(0)
+    model = TinyDecoder(qwen3_config(num_layers=2), name="trace_cache_readonly").eval()
+    ira.bind_kv_caches(model, 16, torch.float32, "cpu")
+    with pytest.warns(UserWarning, match=r"trace cache: could not store the trace .*Permission denied.*building "
+                                         r"from the trace"):
+        runner = compile_piecewise(model, capture_sizes=[1, 2], max_num_seqs=2, max_model_len=64,
+                                   trace_cache=str(tmp_path))
+    assert not runner.stats.trace_loaded and runner.stats.num_unique_compiles > 0
+    assert list(tmp_path.iterdir()) == []

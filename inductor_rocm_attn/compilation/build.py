@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 import types
+import warnings
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -127,7 +128,14 @@ def _store_trace(runner: "PiecewiseRunner", gm: torch.fx.GraphModule, example_in
     files = dict(runner._trace_files)
     files.update({f: file_digest(f) for f in traced_files()})
     entry = TraceEntry(graph=data, plan=plan, files=files)
-    cache.store(key, entry)
+    try:
+        cache.store(key, entry)
+    except OSError as e:  # a read-only or full cache directory: this start goes on without storing
+        msg = (f"compile_piecewise: trace cache: could not store the trace in {cache.directory} ({e}); "
+               "building from the trace")
+        runner._say(msg)
+        warnings.warn(msg, stacklevel=2)
+        return None
     return entry
 
 

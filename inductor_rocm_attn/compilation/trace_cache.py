@@ -32,6 +32,7 @@ same in both.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -370,9 +371,14 @@ class TraceCache:
     def store(self, key: str, entry: TraceEntry) -> None:
         os.makedirs(self.directory, exist_ok=True)
         tmp = f"{self._path(key)}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as fh:
-            pickle.dump(entry, fh, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, self._path(key))  # atomic: readers see the old file or the new one
+        try:
+            with open(tmp, "wb") as fh:
+                pickle.dump(entry, fh, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(tmp, self._path(key))  # atomic: readers see the old file or the new one
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
 
 
 def traced_files() -> set[str]:
