@@ -161,8 +161,17 @@ class EagerRunner:
 
     def prepare(self, query_lens: Sequence[int], context_lens: Sequence[int],
                 block_tables: Sequence[Sequence[int]], *, whole_step: bool | str = True) -> AttentionMetadata:
-        """The step's metadata (``whole_step``: taken for a ``PiecewiseRunner``'s API; no graphs here)."""
-        return build_attention_metadata(query_lens, context_lens, block_tables, self.block_size, self.device)
+        """The step's metadata (``whole_step``: taken for a ``PiecewiseRunner``'s API; no graphs
+        here), within the runner's step limits and, for a model with learned positions, its
+        ``max_model_len`` (an index past the embedding is a device-side assert on a GPU)."""
+        md = build_attention_metadata(query_lens, context_lens, block_tables, self.block_size, self.device)
+        for name, got, limit in (("sequences", len(query_lens), self.max_num_seqs),
+                                 ("tokens", md.num_actual_tokens, self.max_num_tokens),
+                                 ("tokens in its longest sequence", md.max_seq_len, self.max_model_len)):
+            if limit is not None and got > limit:
+                what = {"sequences": "max_num_seqs", "tokens": "max_num_tokens"}.get(name, "max_model_len")
+                raise ValueError(f"EagerRunner.prepare: the step has {got} {name}, more than {what}={limit}")
+        return md
 
     def replays_whole_step(self, metadata: AttentionMetadata) -> bool:
         return False

@@ -242,6 +242,11 @@ def test_learned_positions_bound_the_sequence_length():
     with pytest.raises(ValueError, match=r"prompt 0 \(125 tokens\) with max_new_tokens 5 reaches 129 cached "
                                          r"tokens, above the runner's max_model_len 128"):
         generate(runner, prompts([125]), 5)
+    with pytest.raises(ValueError, match=r"EagerRunner.prepare: the step has 129 tokens in its longest sequence, "
+                                         r"more than max_model_len=128"):  # a step planned by hand
+        runner.prepare([1], [128], [list(range(9))])
+    with pytest.raises(ValueError, match=r"EagerRunner.prepare: the step has \d+ tokens, more than max_num_tokens"):
+        runner.prepare([STEP_TOKENS + 1], [0], [list(range(9))])
     want_tokens, want_logits = eager_reference(twin(model, "eager"), prompts([124, 6]), 5)
     got = generate(runner, prompts([124, 6]), 5, return_logits=True)
     assert got.tokens == want_tokens
