@@ -14,7 +14,7 @@ from . import step_checks
 from .backend import RocmAttentionImpl, note_cache_change
 from .capabilities import AttentionType, check_block_size, check_head_size, check_model_dtype
 from .forward_context import latest_copy_name, register_copy, register_layer
-from .layout import CacheLayout, allocate_kv_cache
+from .layout import CacheLayout, allocate_kv_cache, as_device
 from .validation import check_channel_stride, check_positive_finite, check_positive_int
 
 __all__ = ["Attention", "attention_layers", "bind_kv_caches"]
@@ -212,11 +212,7 @@ def bind_kv_caches(model: nn.Module, num_blocks: int, dtype: torch.dtype,
             f"bind_kv_caches: {type(model).__name__} holds no inductor_rocm_attn.Attention layer; for a "
             "transformers model use inductor_rocm_attn.integrations.transformers.PagedCache"
         )
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"bind_kv_caches: device {device!r} is not a torch device (e.g. 'cpu', 'cuda', "
-                         "'cuda:1')") from None
+    device = as_device(device, "bind_kv_caches")
     # every cache is allocated (and every sharing layer checked) before the first is attached:
     # a refused call leaves each layer with the cache it had
     caches, specs = {}, {}

@@ -184,7 +184,8 @@ def check_spec(spec: KVCacheSpec, op: str) -> None:
                          f"{', '.join(repr(m.value) for m in CacheLayout)}")
 
 
-def _device(device, op: str) -> torch.device:
+def as_device(device, op: str) -> torch.device:
+    """``device`` as a ``torch.device``; a ValueError naming ``op`` when it is not one."""
     try:
         return torch.device(device)
     except (RuntimeError, TypeError):
@@ -202,7 +203,7 @@ def allocate_kv_cache(
     if not _is_count(num_blocks):
         raise ValueError(f"allocate_kv_cache: num_blocks must be a positive int, got {num_blocks!r}")
     check_spec(spec, "allocate_kv_cache")
-    device = _device(device, "allocate_kv_cache")
+    device = as_device(device, "allocate_kv_cache")
     nb, g, bs, hd = spec.logical_shape(num_blocks)
     if spec.layout == CacheLayout.LBHNC:
         return torch.empty((nb, g, bs, hd), dtype=spec.dtype, device=device)

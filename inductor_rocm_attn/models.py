@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .layer import Attention
+from .validation import is_int
 
 if TYPE_CHECKING:
     from .parallel import TensorParallel
@@ -137,8 +138,8 @@ def check_config(cfg: DecoderConfig, op: str = "DecoderConfig") -> None:
         if value not in _IMPLS:
             raise ValueError(f"{op}: {name} {value!r} is not supported; supported: {_IMPLS}")
     rot = cfg.rotary_dim
-    if rot is not None and (not isinstance(rot, int) or isinstance(rot, bool) or rot <= 0 or rot % 2
-                            or not isinstance(cfg.head_size, int) or rot > cfg.head_size):
+    if rot is not None and (not is_int(rot) or rot <= 0 or rot % 2 or not is_int(cfg.head_size)
+                            or rot > cfg.head_size):
         raise ValueError(f"{op}: rotary_dim must be None (the whole head) or an even int in "
                          f"[2, head_size {cfg.head_size}], got {rot!r}")
     if (not isinstance(cfg.rms_eps, (int, float)) or isinstance(cfg.rms_eps, bool)

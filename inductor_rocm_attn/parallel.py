@@ -37,12 +37,13 @@ Example (one process per rank, e.g. under ``torchrun``)::
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .validation import is_int
 
 if TYPE_CHECKING:
     from .models import DecoderConfig, TinyDecoder
@@ -70,14 +71,10 @@ class HeadShard:
     kv_replicas: int
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
 def _check_rank(size, rank) -> None:
     """A size of >= 1 ranks and a rank in [0, size), both ints (float ones gave float head
     counts and starts)."""
-    if not _is_int(size) or not _is_int(rank) or size < 1 or not 0 <= rank < size:
+    if not is_int(size) or not is_int(rank) or size < 1 or not 0 <= rank < size:
         raise ValueError(f"tensor parallel: rank {rank!r} of size {size!r} is not a valid rank; supported: "
                          "int size >= 1 and int rank in [0, size)")
 
@@ -86,7 +83,7 @@ def shard_heads(num_heads: int, num_kv_heads: int, size: int, rank: int) -> Head
     """Rank ``rank`` of ``size``'s heads; raises ``ValueError`` for a split it cannot make."""
     _check_rank(size, rank)
     for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"tensor parallel: {name} must be a positive int, got {value!r}")
     if num_heads % num_kv_heads:
         raise ValueError(f"tensor parallel: num_heads={num_heads} is not a multiple of "

@@ -162,10 +162,8 @@ def _check_plan(op: str, md, num_tokens: int, num_blocks: int | None) -> None:
     for name, hint, longest, what in (("max_query_len", md.max_query_len, plan.max_query_len, "query"),
                                       ("max_seq_len", md.max_seq_len, plan.max_seq_len, "sequence")):
         if hint < longest:
-            why = ("the GPU launcher skips the prefill or verify launch those rows need" if what == "query"
-                   else "the launch plans its KV splits for it")
             raise ValueError(f"{op}: {name} {hint} is smaller than the longest {what} ({longest} tokens); the "
-                             f"hint must be >= every {what} length ({why})")
+                             f"hint must be >= every {what} length ({validation.HINT_USES[what]})")
     if num_blocks is not None and plan.max_block_id >= num_blocks:
         raise IndexError(
             f"{op}: the step uses block id {plan.max_block_id} but the KV cache has {num_blocks} blocks "

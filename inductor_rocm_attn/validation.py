@@ -399,16 +399,20 @@ def check_query_start_loc(op: str, query_start_loc: torch.Tensor, num_tokens: in
     return qsl
 
 
+# What the launch does with each hint (max_query_len: "query", max_seq_len: "sequence"), for
+# the errors of a hint below the step's longest.
+HINT_USES = {"query": "the GPU launcher skips the prefill or verify launch those rows need",
+             "sequence": "the launch plans its KV splits for it"}
+
+
 def _check_hint(op: str, name: str, hint: int | None, lengths: list[int], what: str) -> None:
     if hint is None or not lengths:
         return
     longest = max(lengths)
     if hint < longest:
-        why = ("the GPU launcher skips the prefill or verify launch those rows need" if what == "query"
-               else "the launch plans its KV splits for it")
         raise ValueError(
             f"{op}: {name} {hint} is smaller than the longest {what} ({longest} tokens, sequence "
-            f"{lengths.index(longest)}); the hint must be >= every {what} length ({why})"
+            f"{lengths.index(longest)}); the hint must be >= every {what} length ({HINT_USES[what]})"
         )
 
 

@@ -114,7 +114,7 @@ class LayerSpec:
             num_heads=num_heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
             head_size=_head_dim(module),
-            scale=float(_CALL_SCALING.get(type(module).__name__, module.scaling)),
+            scale=float(_call_scaling(module)),
             sliding_window=_module_window(module),
             softcap=_module_softcap(module),
             causal=bool(getattr(module, "is_causal", True)),
@@ -125,6 +125,11 @@ class LayerSpec:
 # Attention modules whose forward multiplies q by ``module.scaling`` itself and passes this
 # scaling to the attention function (OPT keeps its reference implementation's rounding order).
 _CALL_SCALING = {"OPTAttention": 1.0}
+
+
+def _call_scaling(module) -> float:
+    """The scaling ``module``'s forward passes to the attention function."""
+    return _CALL_SCALING.get(type(module).__name__, module.scaling)
 
 
 # The layer types (config.layer_types) whose attention the metadata expresses: causal (or
@@ -322,7 +327,7 @@ def _check_call(module, attention_mask, scaling, dropout, sliding_window, softca
     checks = (
         ("sliding_window", sliding_window, _module_window(module), True),
         ("softcap", softcap, _module_softcap(module), True),
-        ("scaling", scaling, _CALL_SCALING.get(type(module).__name__, module.scaling), False),
+        ("scaling", scaling, _call_scaling(module), False),
         ("is_causal", is_causal, getattr(module, "is_causal", True), False),
     )
     bad = [(n, got, built) for n, got, built, none_is_value in checks

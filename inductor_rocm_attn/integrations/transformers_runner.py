@@ -165,12 +165,12 @@ class EagerRunner:
         here), within the runner's step limits and, for a model with learned positions, its
         ``max_model_len`` (an index past the embedding is a device-side assert on a GPU)."""
         md = build_attention_metadata(query_lens, context_lens, block_tables, self.block_size, self.device)
-        for name, got, limit in (("sequences", len(query_lens), self.max_num_seqs),
-                                 ("tokens", md.num_actual_tokens, self.max_num_tokens),
-                                 ("tokens in its longest sequence", md.max_seq_len, self.max_model_len)):
+        for got, what, limit_name in ((len(query_lens), "sequences", "max_num_seqs"),
+                                      (md.num_actual_tokens, "tokens", "max_num_tokens"),
+                                      (md.max_seq_len, "tokens in its longest sequence", "max_model_len")):
+            limit = getattr(self, limit_name)
             if limit is not None and got > limit:
-                what = {"sequences": "max_num_seqs", "tokens": "max_num_tokens"}.get(name, "max_model_len")
-                raise ValueError(f"EagerRunner.prepare: the step has {got} {name}, more than {what}={limit}")
+                raise ValueError(f"EagerRunner.prepare: the step has {got} {what}, more than {limit_name}={limit}")
         return md
 
     def replays_whole_step(self, metadata: AttentionMetadata) -> bool:
