@@ -19,20 +19,18 @@ wrong row among many right ones fails. What is drawn:
   prefix boundary, causal and not, ALiBi, soft cap, sinks, fp8 caches, key=None;
 - the cache writers (reference, Triton, native emulation) against the independent oracles
   of writer_checks.py: RoPE neox and GPT-J, partial rotary, per-token cos/sin rows, QK-norm
-  (transformers' and Gemma's), strided q/k/v, slots -1 and a shorter slot_mapping;
-- the Attention layer under a forward context, metadata from the builder, on random
-  multi-step schedules (prefill, decode, verify, chunked prefill, padded token counts,
-  per-step causality), fp8 caches, against the oracle over each sequence's whole K/V
-  history as the cache holds it.
+  (transformers' and Gemma's), strided q/k/v, slots -1 and a shorter slot_mapping.
+
+The ``Attention`` layer's sweep is test_oracle_sweep_layer.py.
 
 Tolerances per row, from the unit roundoff u of the dtype the kernels round to (fp16
 2^-11, bf16 2^-8): the output is rounded once and P once for the PV product, each moving
 a row by at most u: fp16 3u (1.5e-3), bf16 2u (7.8e-3); fp32 1e-5 (fp32 arithmetic). A
-cache of the other 16-bit dtype: the native kernels compute in the cache's dtype (the
-query rounded to bf16, csrc/paged_decode_mma.cuh), so bf16's bound, grown with the logit
-scale (a logit moves by ~scale |q| |k| u). The reference (the layer path on CPU) rounds once
-from float64: u. Measured worst rows over the audit's sweeps (1400 native, 250 Triton
-draws, 300 layer schedules): bf16 2.8e-3, fp16 5.0e-4, fp32 1.1e-6; reference bf16 2.8e-3.
+cache of the other 16-bit dtype: the native tensor-core kernel computes in the cache's
+dtype (an fp16 query rounded to bf16, csrc/paged_decode_mma.cuh), so bf16's bound, grown
+with the logit scale (a logit moves by ~scale |q| |k| u). Measured worst rows over the
+sweeps this file was cut from (1400 native, 460 Triton draws): bf16 2.8e-3, fp16 5.1e-4,
+fp32 2.3e-6.
 """
 
 from __future__ import annotations
@@ -44,7 +42,6 @@ import pytest
 import torch
 
 import cases
-import inductor_rocm_attn as ira
 from inductor_rocm_attn.kernels import native
 from inductor_rocm_attn.kernels import reference as ref
 from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache, cache_x, is_fp8_dtype
@@ -52,7 +49,6 @@ from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cach
 E4M3, E5M2, E4M3NUZ = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz
 U = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 3 * U[torch.float16], torch.bfloat16: 2 * U[torch.bfloat16]}
-REFERENCE_TOL = {torch.float32: 1e-6, **U}
 ON_GPU = torch.cuda.is_available()
 
 
@@ -178,7 +174,10 @@ def _draw_native(r: random.Random) -> dict:
 def _native_tol(dw):
     dtype, cache = dw["dtype"], dw["cache_dtype"]
     if cache in (torch.float16, torch.bfloat16) and cache != dtype:
-        return KERNEL_TOL[torch.bfloat16] * max(1.0, dw["scale_mult"] / 2)
+        # the tensor-core kernel rounds an fp16 query to bf16: each logit moves by up to
+        # ~u |scale q . k|, an error that grows with the logit scale (measured on the mma kernel,
+        # 40 draws each: scale x0.1 1.7e-3, x1 4.5e-3, x4 1.3e-2; the CUDA-core kernel 2.5e-4)
+        return KERNEL_TOL[torch.bfloat16] * (1 + dw["scale_mult"])
     return KERNEL_TOL[dtype]
 
 
