@@ -11,6 +11,9 @@ with the layer's scale), a prefill's new tokens as given. A new seed every run, 
 the failure message: replay with ``_run_schedule(seed)``. On CPU the attention runs the
 reference, which rounds once from float64: each row within the unit roundoff u of the model
 dtype (fp16 2^-11, bf16 2^-8; fp32 1e-6). Measured worst row over 300 schedules: bf16 2.8e-3.
+
+A second sweep runs a layer and one that shares its cache, the target's V interior switched
+(its cached tokens converted in place) between steps.
 """
 
 from __future__ import annotations
@@ -137,3 +140,81 @@ def test_attention_layer_schedules(draw):
         _run_schedule(seed)
     except Exception as e:
         raise AssertionError(f"schedule seed {seed} (replay: _run_schedule({seed})): {type(e).__name__}: {e}") from e
+
+
+def _run_sharing_schedule(seed: int) -> float:
+    """A layer and one that shares its cache (``kv_sharing_target_layer_name``, with its own
+    window / sinks), the target's V interior switched with tokens in the cache at random
+    steps: the sharing layer reads every key from the cache (a prefill's new tokens too, as
+    the cache holds them), never its own k/v."""
+    r = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    dtype = r.choice([torch.float32, torch.float16, torch.bfloat16])
+    block_size, num_blocks = r.choice([16, 32]), 40
+    hkv, d = r.choice([1, 2]), r.choice([32, 64])
+    hq = hkv * r.choice([1, 2, 4])
+    cache = r.choice(["auto", "fp8_e4m3", "fp8_e5m2"])
+    common = dict(num_kv_heads=hkv, block_size=block_size, cache_layout=r.choice(["LHBNC", "LBHNC"]),
+                  kv_cache_dtype=cache)
+    if cache != "auto":
+        common.update(k_scale=_f32(r.uniform(0.05, 1)), v_scale=_f32(r.uniform(0.05, 1)))
+    target_kw = dict(common, layer_name=f"oracle_sweep_{seed}_target")
+    sharing_kw = dict(common, layer_name=f"oracle_sweep_{seed}_sharing",
+                      kv_sharing_target_layer_name=target_kw["layer_name"])
+    if r.random() < 0.5:
+        sharing_kw["sliding_window"] = r.choice([1, 3, 20])
+    if r.random() < 0.5:
+        sharing_kw["sinks"] = torch.randn(hq, generator=g)
+    target, sharing = ira.Attention(hq, d, **target_kw), ira.Attention(hq, d, **sharing_kw)
+    ira.bind_kv_caches(torch.nn.ModuleList([target, sharing]), num_blocks, dtype, "cpu", poison=True)
+    alloc = ira.BlockAllocator(num_blocks, block_size, shuffle_seed=seed % 1000)
+    history: dict = {}
+    worst = 0.0
+    for step in range(r.randint(2, 5)):
+        if step and r.random() < 0.5:  # converts the cached tokens in place
+            target.set_interleaved_v_cache(not target.interleaved_v)
+        plan = {s: r.choice([1, 1, 3, 9]) if alloc.num_tokens(s) else r.randint(1, 20)
+                for s in ("a", "b", "c")[:r.randint(1, 3)]}
+        query_lens, context_lens, tables = [], [], []
+        for s, n in plan.items():
+            context_lens.append(alloc.num_tokens(s))
+            alloc.allocate(s, n)
+            query_lens.append(n)
+            tables.append(alloc.block_table(s))
+        md = ira.build_attention_metadata(query_lens, context_lens, tables, block_size, "cpu")
+        t = sum(query_lens)
+        k, v = (torch.randn(t, hkv * d, generator=g).to(dtype) for _ in range(2))
+        q_target, q_sharing = (torch.randn(t, hq * d, generator=g).to(dtype) for _ in range(2))
+        with torch.no_grad(), ira.set_forward_context(md):
+            out_target = target(q_target, k, v)
+            out_sharing = sharing(q_sharing, torch.randn_like(k), torch.randn_like(v))
+        row = 0
+        for s, n, ctx in zip(plan, query_lens, context_lens):
+            k_new = k[row:row + n].view(n, hkv, d).double()
+            v_new = v[row:row + n].view(n, hkv, d).double()
+            k_cached, v_cached = _as_cached(k_new, target_kw, "k_scale"), _as_cached(v_new, target_kw, "v_scale")
+            ks, vs = history.setdefault(s, ([], []))
+            for name, out, q, kw, from_cache in (("target", out_target, q_target, target_kw, n == 1),
+                                                 ("sharing", out_sharing, q_sharing, sharing_kw, True)):
+                want = cases.oracle_attention(
+                    q[row:row + n].view(n, hq, d), torch.cat(ks + [k_cached if from_cache else k_new]),
+                    torch.cat(vs + [v_cached if from_cache else v_new]), q_start_pos=ctx, scale=d ** -0.5,
+                    causal=True, sliding_window=kw.get("sliding_window", -1), sinks=kw.get("sinks"))
+                err = cases.row_rel_err(out[row:row + n].view(n, hq, d), want).max().item()
+                assert err < TOL[dtype], (f"step {step} {name} layer, seq {s} (query {n}, context {ctx}, {cache}, "
+                                          f"interleaved V {target.interleaved_v}): row rel err {err:.2e}")
+                worst = max(worst, err)
+            ks.append(k_cached)
+            vs.append(v_cached)
+            row += n
+    return worst
+
+
+@pytest.mark.parametrize("draw", range(12))
+def test_kv_sharing_and_v_switch_schedules(draw):
+    seed = random.randrange(1 << 30)
+    try:
+        _run_sharing_schedule(seed)
+    except Exception as e:
+        raise AssertionError(f"schedule seed {seed} (replay: _run_sharing_schedule({seed})): "
+                             f"{type(e).__name__}: {e}") from e
