@@ -13,7 +13,8 @@ reference, which rounds once from float64: each row within the unit roundoff u o
 dtype (fp16 2^-11, bf16 2^-8; fp32 1e-6). Measured worst row over 300 schedules: bf16 2.8e-3.
 
 A second sweep runs a layer and one that shares its cache, the target's V interior switched
-(its cached tokens converted in place) between steps.
+(its cached tokens converted in place) between steps; a third draws, per step, the unfused
+cache update or one of the four fused layer-level writers (eager), then the attention op.
 """
 
 from __future__ import annotations
@@ -217,4 +218,109 @@ def test_kv_sharing_and_v_switch_schedules(draw):
         _run_sharing_schedule(seed)
     except Exception as e:
         raise AssertionError(f"schedule seed {seed} (replay: _run_sharing_schedule({seed})): "
+                             f"{type(e).__name__}: {e}") from e
+
+
+def _run_fused_ops_schedule(seed: int) -> None:
+    """The layer-level cache updates in eager, one drawn per step: the unfused update and the
+    four fused ones (RoPE, QK-norm + RoPE, per-token cos/sin with and without QK-norm; the
+    QK-norm ones switch the layer to interleaved V at their first call, converting the
+    tokens cached by the others), then the attention op. The rotated q / k within the model
+    dtype's rounding of the float64 chain (writer_checks' oracles; the writers' own sweep
+    bounds them per element), and each output row against the oracle over the k the op
+    returned and cached (as the cache holds it)."""
+    from test_rope_cos_sin_and_cache import oracle_rope_rows
+    from writer_checks import make_cos_sin, oracle_rms_norm, oracle_rope
+
+    from inductor_rocm_attn.kernels import reference as ref
+
+    ops = torch.ops.rocm_attn
+    r = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    dtype = r.choice([torch.float32, torch.float16, torch.bfloat16])
+    block_size, num_blocks = r.choice([16, 32]), 40
+    hkv, d = r.choice([1, 2]), r.choice([32, 64])
+    hq = hkv * r.choice([1, 2])
+    cache = r.choice(["auto", "auto", "fp8_e4m3"])
+    kw = dict(num_kv_heads=hkv, layer_name=f"oracle_sweep_{seed}_fused", block_size=block_size,
+              cache_layout=r.choice(["LHBNC", "LBHNC"]), kv_cache_dtype=cache)
+    if cache != "auto":
+        kw.update(k_scale=_f32(r.uniform(0.05, 1)), v_scale=_f32(r.uniform(0.05, 1)))
+    layer = ira.Attention(hq, d, **kw)
+    name = layer.layer_name
+    ira.bind_kv_caches(torch.nn.ModuleList([layer]), num_blocks, dtype, "cpu", poison=True)
+    alloc = ira.BlockAllocator(num_blocks, block_size, shuffle_seed=seed % 1000)
+    cos_sin = make_cos_sin(512, d, dtype)
+    neox = r.random() < 0.5
+    u = {torch.float32: 2.0 ** -24, **{k: v for k, v in TOL.items() if k != torch.float32}}[dtype]
+    history: dict = {}
+    for step in range(r.randint(2, 5)):
+        plan = {s: r.choice([1, 1, 3, 9]) if alloc.num_tokens(s) else r.randint(1, 20)
+                for s in ("a", "b")[:r.randint(1, 2)]}
+        query_lens, context_lens, tables = [], [], []
+        for s, n in plan.items():
+            context_lens.append(alloc.num_tokens(s))
+            alloc.allocate(s, n)
+            query_lens.append(n)
+            tables.append(alloc.block_table(s))
+        md = ira.build_attention_metadata(query_lens, context_lens, tables, block_size, "cpu")
+        t, pos = sum(query_lens), md.positions
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+        q, k, v = (x.reshape(t, -1, d).clone() for x in qkv.split([hq * d, hkv * d, hkv * d], -1))
+        q_w, k_w = ((1 + 0.2 * torch.randn(d, generator=g)).to(dtype) for _ in range(2))
+        cos, sin = (torch.randn(t, d, generator=g).to(dtype) for _ in range(2))
+        out = cases.poison(torch.empty(t, hq, d, dtype=dtype))
+        op = r.choice(["unfused", "rope", "qk_norm", "rope_cos_sin", "qk_norm_cos_sin"])
+        qa, ka = q.clone(), k.clone()
+        with torch.no_grad(), ira.set_forward_context(md):
+            if op == "unfused":
+                token = ops.unified_kv_cache_update(ka, v, name)
+                want_q, want_k = q.double(), k.double()
+            elif op == "rope":
+                token = ops.unified_rope_and_kv_cache_update(pos, qa, ka, v, cos_sin, neox, name)
+                want_q, want_k = oracle_rope(q, pos, cos_sin, neox), oracle_rope(k, pos, cos_sin, neox)
+            elif op == "qk_norm":
+                qa, ka, token = ops.unified_qk_norm_rope_and_kv_cache_update(qkv, q_w, k_w, 1e-6, pos, cos_sin, neox,
+                                                                             hq, hkv, d, name)
+                want_q = oracle_rope(oracle_rms_norm(q, q_w, 1e-6), pos, cos_sin, neox)
+                want_k = oracle_rope(oracle_rms_norm(k, k_w, 1e-6), pos, cos_sin, neox)
+            elif op == "rope_cos_sin":
+                token = ops.unified_rope_cos_sin_and_kv_cache_update(qa, ka, v, cos, sin, neox, name)
+                want_q, want_k = oracle_rope_rows(q, cos, sin, neox), oracle_rope_rows(k, cos, sin, neox)
+            else:
+                token = ops.unified_qk_norm_rope_cos_sin_and_kv_cache_update(qa, ka, v, q_w, k_w, 1e-6, cos, sin,
+                                                                             neox, name)
+                want_q = oracle_rope_rows(ref.rms_norm_heads_rounded(q.double(), q_w, 1e-6, dtype), cos, sin, neox)
+                want_k = oracle_rope_rows(ref.rms_norm_heads_rounded(k.double(), k_w, 1e-6, dtype), cos, sin, neox)
+            ops.unified_attention_with_output(qa, ka, v, out, name, token)
+        # max |diff| within a few roundings of the largest term: the result's one rounding, the
+        # norm's one (per-token rows: carried by |cos| + |sin|), fp32 arithmetic
+        gain = 2.0 if op in ("rope", "qk_norm") else float(cos.abs().max() + sin.abs().max())
+        for what, got, want in (("q", qa, want_q), ("k", ka, want_k)):
+            bound = 4 * (u + 2.0 ** -23) * gain * want.abs().max().item()
+            diff = (got.double() - want).abs().max().item()
+            assert diff <= bound, f"step {step} {op}: {what} max |diff| {diff:.3e} > {bound:.3e}"
+        row = 0
+        for s, n, ctx in zip(plan, query_lens, context_lens):
+            k_new, v_new = ka[row:row + n].double(), v[row:row + n].double()
+            k_cached, v_cached = _as_cached(k_new, kw, "k_scale"), _as_cached(v_new, kw, "v_scale")
+            ks, vs = history.setdefault(s, ([], []))
+            want = cases.oracle_attention(qa[row:row + n], torch.cat(ks + [k_cached if n == 1 else k_new]),
+                                          torch.cat(vs + [v_cached if n == 1 else v_new]), q_start_pos=ctx,
+                                          scale=d ** -0.5, causal=True)
+            err = cases.row_rel_err(out[row:row + n], want).max().item()
+            assert err < TOL[dtype], (f"step {step} {op}, seq {s} (query {n}, context {ctx}, {cache}, interleaved V "
+                                      f"{layer.interleaved_v}): row rel err {err:.2e}")
+            ks.append(k_cached)
+            vs.append(v_cached)
+            row += n
+
+
+@pytest.mark.parametrize("draw", range(12))
+def test_fused_cache_updates_in_eager_schedules(draw):
+    seed = random.randrange(1 << 30)
+    try:
+        _run_fused_ops_schedule(seed)
+    except Exception as e:
+        raise AssertionError(f"schedule seed {seed} (replay: _run_fused_ops_schedule({seed})): "
                              f"{type(e).__name__}: {e}") from e
