@@ -125,10 +125,13 @@ def make_paged_case(
         if ql == 1:  # decode: the step's token was written before attention runs
             ref.reshape_and_cache(kf[cl:], vf[cl:], kv_cache, slot[cl:], ks, vs, interleaved_v)
         kd, vd = kf.to(torch.float64), vf.to(torch.float64)
-        if is_fp8_dtype(cache_dtype):  # what the cache holds is the rounded value
-            m = torch.finfo(cache_dtype).max
-            rk = (kd / k_scale).clamp(-m, m).to(cache_dtype).to(torch.float64) * k_scale
-            rv = (vd / v_scale).clamp(-m, m).to(cache_dtype).to(torch.float64) * v_scale
+        if cache_dtype != dtype:  # what the cache holds is the value rounded to its dtype
+            if is_fp8_dtype(cache_dtype):
+                m = torch.finfo(cache_dtype).max
+                rk = (kd / k_scale).clamp(-m, m).to(cache_dtype).to(torch.float64) * k_scale
+                rv = (vd / v_scale).clamp(-m, m).to(cache_dtype).to(torch.float64) * v_scale
+            else:  # a 16-bit cache of the other 16-bit dtype (scales unused)
+                rk, rv = kf.to(cache_dtype).to(torch.float64), vf.to(cache_dtype).to(torch.float64)
             if ql > 1:  # prefill reads its new tokens unquantized
                 rk[cl:], rv[cl:] = kd[cl:], vd[cl:]
             kd, vd = rk, rv
@@ -209,3 +212,13 @@ def dense_oracle(case: PagedCase, **kw) -> torch.Tensor:
 def rel_err(out: torch.Tensor, ref_: torch.Tensor) -> float:
     out, ref_ = out.detach().cpu().to(torch.float64), ref_.detach().cpu().to(torch.float64)
     return float((out - ref_).norm() / ref_.norm().clamp_min(1e-30))
+
+
+def row_rel_err(out: torch.Tensor, ref_: torch.Tensor) -> torch.Tensor:
+    """Relative error of each ``[T, H, D]`` row (one token, one head), ``[T, H]``: a wrong row
+    shows even in a batch of many right ones (``rel_err`` of the whole output would hide it).
+    A row far smaller than the typical one (e.g. mostly cancelled) is measured against a
+    tenth of the median row norm instead of its own."""
+    out, ref_ = out.detach().cpu().to(torch.float64), ref_.detach().cpu().to(torch.float64)
+    den = ref_.norm(dim=-1)
+    return (out - ref_).norm(dim=-1) / torch.maximum(den, 0.1 * den.median()).clamp_min(1e-30)

@@ -16,6 +16,9 @@ if not _HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/cases.py
+# the kernel tests' helpers (writer_checks, attention_checks, the native emulation), for the
+# sweeps in tests/ that reuse them
+sys.path.insert(1, os.path.join(os.path.dirname(__file__), "kernels"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -25,7 +25,7 @@ import math
 import torch
 
 from cases import Guarded, poison
-from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache
+from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache, is_fp8_dtype
 
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
@@ -90,9 +90,10 @@ def cache_query(cache, model_dtype, interleaved_v):
 
 
 def _to_cache(x, cache_dtype, scale):
-    """Model-dtype values -> cache storage: fp8 divides by the scale and saturates."""
+    """Model-dtype values -> cache storage: fp8 (any of the four kinds, the ROCm fnuz ones
+    too) divides by the scale and saturates."""
     x = x.to(torch.float64)
-    if cache_dtype in FP8:
+    if is_fp8_dtype(cache_dtype):
         m = torch.finfo(cache_dtype).max
         return (x / float(scale)).clamp(-m, m).to(cache_dtype)
     return x.to(cache_dtype)
