@@ -31,6 +31,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from inductor_rocm_attn import lowering
+from inductor_rocm_attn.validation import check_bool
 
 from .attn_quant_fusion import AttnQuantFusionPass
 from .base import begin_graph, hash_sources
@@ -85,7 +86,8 @@ class PassManager(CustomGraphPass):
     def set_flag(self, name: str, enabled: bool) -> None:
         if name not in self.flags:
             raise KeyError(f"rocm_attn: unknown pass {name!r}; passes: {sorted(self.flags)}")
-        self.flags[name] = bool(enabled)
+        check_bool("PassManager.set_flag", name, enabled)
+        self.flags[name] = enabled
 
     def get_pass(self, name: str):
         return next(p for p in (*self.passes, *self.last_passes) if p.name == name)
