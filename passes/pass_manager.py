@@ -6,9 +6,10 @@ Order, and why:
    so a Qwen3-style layer fuses into the larger op; attention + quant last);
 2. the custom post pass the user had installed before the plugin;
 3. ``LAST_PASSES``: passes every compile of their kind needs, not switchable by flags:
-   the check that each KV-sharing read is ordered after its target's write (whole graphs;
-   after the fusions and the user's pass, which may rewrite the writes), then the removal of the stand-in attentions of a piecewise piece (it must see
-   the graph after every pass that could still use the stand-ins).
+   the ordering of each KV-sharing read after its target's write (whole graphs; after the
+   fusions, which match a token with one consumer, and the user's pass, which may rewrite
+   the writes), then the removal of the stand-in attentions of a piecewise piece (it must
+   see the graph after every pass that could still use the stand-ins).
 
 A manager compiles whole graphs; ``for_pieces()`` gives the same manager for the pieces of a
 piecewise-split model. Every pass is asked whether it applies there (``GraphPass.applies``).

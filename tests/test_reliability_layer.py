@@ -651,7 +651,8 @@ def test_an_encoder_step_with_cached_context_is_refused():
 
 
 @pytest.mark.parametrize("value, match", [
-    (torch.tensor([2], dtype=torch.int32), r"k_scale must be a float32 tensor \(a per-tensor scale\), got torch\.int32"),
+    (torch.tensor([2], dtype=torch.int32), r"k_scale must be a float32 tensor \(a per-tensor scale\), got "
+                                           r"torch\.int32"),
     (torch.tensor([2.0], dtype=torch.bfloat16), r"k_scale must be a float32 tensor \(a per-tensor scale\), got "
                                                 r"torch\.bfloat16"),
     (torch.tensor([0.0]), r"k_scale must be a positive finite number, got 0\.0"),

@@ -336,7 +336,7 @@ def _fp8_writer_calls(scale_name, scale):
     sc = {"k_scale": torch.ones(1), "v_scale": torch.ones(1), scale_name: scale}
     ks, vs = sc["k_scale"], sc["v_scale"]
     pos, slots, cos_sin = torch.arange(t), torch.arange(t), torch.randn(16, D, generator=g)
-    q, k, v = torch.randn(t, h, D, generator=g), torch.randn(t, hkv, D, generator=g), torch.randn(t, hkv, D, generator=g)
+    q, k, v = (torch.randn(t, n, D, generator=g) for n in (h, hkv, hkv))
     cos, sin = torch.randn(t, D, generator=g), torch.randn(t, D, generator=g)
     qkv = torch.randn(t, (h + 2 * hkv) * D, generator=g)
     q_out, k_out, w = torch.zeros(t, h, D), torch.zeros(t, hkv, D), torch.ones(D)

@@ -112,7 +112,8 @@ def test_shard_state_dict_refuses_another_models_weights(other):
     shard model without an error (only the other rank's ``narrow`` ran past o_proj). Every
     weight that carries the head geometry is compared with the config first."""
     cfg = dataclasses.replace(_qwen3_cfg(), num_heads=4, num_kv_heads=4, head_size=32)
-    sd = TinyDecoder(dataclasses.replace(cfg, **other), name="tp_other_" + "_".join(map(str, other.values()))).state_dict()
+    name = "tp_other_" + "_".join(map(str, other.values()))
+    sd = TinyDecoder(dataclasses.replace(cfg, **other), name=name).state_dict()
     with pytest.raises(ValueError, match=r"shard_state_dict: layers\.0\.\w+\.weight has shape \(.*\) but the model of "
                                          r"cfg \(num_heads=4, num_kv_heads=4, head_size=32, .*\) has \(.*\): the state "
                                          r"dict is not of this config's model"):
