@@ -291,7 +291,7 @@ class RocmAttentionImpl:
         ``self.interleaved_v`` at run time, so they all follow the switch (layers that share
         this layer's cache too).
         """
-        enabled = bool(enabled)
+        validation.check_bool("set_interleaved_v_cache", "enabled", enabled)
         if enabled == self.interleaved_v:
             return False
         if kv_cache is not None and kv_cache.numel():

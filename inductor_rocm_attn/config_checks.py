@@ -88,11 +88,9 @@ def check_runner_config(op: str, *, capture_sizes, max_num_seqs, max_num_tokens,
         raise ValueError(f"{op}: max_num_tokens {max_num_tokens} is below the largest capture size {top}; "
                          "raise it or drop the larger sizes")
     for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{op}: {name} must be True or False, got {value!r}")
+        validation.check_bool(op, name, value)
     for name, value in optional_flags.items():
-        if value is not None and not isinstance(value, bool):
-            raise TypeError(f"{op}: {name} must be True, False or None, got {value!r}")
+        validation.check_bool(op, name, value, optional=True)
     if not (trace_cache is None or isinstance(trace_cache, (bool, str, os.PathLike))):
         raise TypeError(f"{op}: trace_cache must be True, False, None or a directory path, got {trace_cache!r}")
     if compile_threads is not None:

@@ -23,6 +23,7 @@ import torch
 
 from . import BlockAllocator, bind_kv_caches, build_attention_metadata, set_forward_context
 from .models import TinyDecoder, qwen3_config
+from .validation import check_bool
 
 
 def _step(model, alloc, seqs, plan, device):
@@ -41,6 +42,7 @@ def _step(model, alloc, seqs, plan, device):
 
 def run_demo(*, compile: bool = True, device: str | None = None, dtype=torch.float32, seed: int = 0,
              out=print) -> dict:
+    check_bool("run_demo", "compile", compile)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(seed)
     cfg = qwen3_config(num_layers=2, block_size=16)
@@ -129,6 +131,7 @@ def run_transformers_demo(arch: str, *, compile: bool = True, device: str | None
                           dtype=torch.float32, seed: int = 0, new_tokens: int = 8, out=print) -> dict:
     """Serve ``len(PROMPT_LENS)`` ragged prompts through a transformers ``arch`` model on the
     paged path and compare every generated token's logits with eager transformers."""
+    check_bool("run_transformers_demo", "compile", compile)
     import transformers
 
     from .compilation import fusion_report

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .metadata import AttentionMetadata
+from .validation import check_bool
 
 if TYPE_CHECKING:
     from .layer import Attention
@@ -127,6 +128,7 @@ def set_forward_context(attn_metadata: "AttentionMetadata | None", *, profiling:
     attention output), as ``profiling_run()``. ``layers`` (name -> layer): the table layer
     names resolve through during the step, instead of the registry of live layers.
     """
+    check_bool("set_forward_context", "profiling", profiling)  # "no" would make this step a profiling run
     if attn_metadata is None:
         if not profiling:
             raise ValueError(
@@ -146,7 +148,7 @@ def set_forward_context(attn_metadata: "AttentionMetadata | None", *, profiling:
                         f"the registry of live layers), got {type(layers).__name__}")
     global _current
     prev = _current
-    _current = ForwardContext(attn_metadata, extra, layers, bool(profiling))
+    _current = ForwardContext(attn_metadata, extra, layers, profiling)
     try:
         yield _current
     finally:

@@ -15,9 +15,11 @@ from .backend import RocmAttentionImpl, note_cache_change
 from .capabilities import AttentionType, check_block_size, check_head_size, check_model_dtype
 from .forward_context import latest_copy_name, register_copy, register_layer
 from .layout import CacheLayout, allocate_kv_cache, as_device
-from .validation import check_channel_stride, check_positive_finite, check_positive_int
+from .validation import check_bool, check_channel_stride, check_positive_finite, check_positive_int, check_scales
 
 __all__ = ["Attention", "attention_layers", "bind_kv_caches"]
+
+_SCALE_BUFFERS = ("_k_scale", "_v_scale")  # the per-tensor fp8 cache scales (float32 [1])
 
 
 class Attention(nn.Module):
@@ -70,6 +72,7 @@ class Attention(nn.Module):
         super().__init__()
         if not isinstance(layer_name, str) or not layer_name:
             raise ValueError(f"Attention: layer_name must be a non-empty str, got {layer_name!r}")
+        check_bool("Attention", "register", register)
         check_block_size(block_size, "Attention")
         if scale is None:  # the default scale needs a valid head size first
             check_head_size(head_size, "Attention")
@@ -101,6 +104,9 @@ class Attention(nn.Module):
             register_layer(layer_name, self)
 
     def __setattr__(self, name, value):
+        if name in _SCALE_BUFFERS and isinstance(value, torch.Tensor):
+            # every path reads these buffers as they are, checked here rather than on each call
+            check_scales(f"Attention {self.__dict__.get('layer_name', '')!r}", **{name[1:]: value})
         super().__setattr__(name, value)
         if name == "kv_cache":  # a captured graph keeps the cache it was captured with
             note_cache_change()
@@ -109,7 +115,7 @@ class Attention(nn.Module):
         # model.half() / .to(bfloat16) converts every float buffer; the scales stay fp32 (the
         # contract's dtype; in fp16 a small scale rounds, or flushes to 0): only their device
         # follows, taken from the unconverted values.
-        scales = {n: self._buffers[n] for n in ("_k_scale", "_v_scale")}
+        scales = {n: self._buffers[n] for n in _SCALE_BUFFERS}
         out = super()._apply(fn, recurse)
         for n, before in scales.items():
             after = self._buffers[n]
@@ -203,6 +209,7 @@ def bind_kv_caches(model: nn.Module, num_blocks: int, dtype: torch.dtype,
     with NaN (or fp8 max) so a read of an unwritten slot shows up in tests.
     """
     check_positive_int("bind_kv_caches", "num_blocks", num_blocks)
+    check_bool("bind_kv_caches", "poison", poison)
     check_model_dtype(dtype, "bind_kv_caches")  # the model's dtype; the layers' kv_cache_dtype picks storage
     if not isinstance(model, nn.Module):
         raise TypeError(f"bind_kv_caches: model must be a torch.nn.Module, got {type(model).__name__}")

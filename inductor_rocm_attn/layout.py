@@ -321,7 +321,10 @@ def convert_v_layout_(kv_cache: torch.Tensor, num_kv_heads: int, to_interleaved:
     the temporary small. Checks the cache and ``num_kv_heads`` first: views of another
     geometry would scramble every page.
     """
+    from .validation import check_bool  # validation imports this module
+
     op = "convert_v_layout_"
+    check_bool(op, "to_interleaved", to_interleaved)
     _check_cache_heads(kv_cache, num_kv_heads, op)
     nb = kv_cache.shape[0]
     src_view = v_view(kv_cache, num_kv_heads, interleaved=not to_interleaved)

@@ -181,12 +181,37 @@ def _slices(cfg: "DecoderConfig", tp: TensorParallel) -> dict[str, tuple[int, li
     }
 
 
+def _full_shapes(cfg: "DecoderConfig") -> dict[str, tuple[int, ...]]:
+    """Per decoder-layer weight that carries the head geometry: its shape in the full model."""
+    d, hq, hkv, hidden, inter = cfg.head_size, cfg.num_heads, cfg.num_kv_heads, cfg.hidden_size, cfg.intermediate_size
+    shapes = {"qkv_proj.weight": ((hq + 2 * hkv) * d, hidden), "o_proj.weight": (hidden, hq * d),
+              "gate_up_proj.weight": (2 * inter, hidden), "down_proj.weight": (hidden, inter)}
+    if cfg.qk_norm:
+        shapes.update({"q_norm.weight": (d,), "k_norm.weight": (d,)})
+    return shapes
+
+
 def shard_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: "DecoderConfig",
                      tp: TensorParallel) -> dict[str, torch.Tensor]:
     """This rank's shard of a full ``TinyDecoder`` state dict (to load into
     ``TinyDecoder(cfg, tp=tp)``). Sharded weights are copies (contiguous); replicated
-    tensors are passed through."""
+    tensors are passed through.
+
+    Every weight that carries the head geometry must have its full shape under ``cfg``: a
+    state dict of another model whose fused qkv is as wide (8 + 2 * 2 query/KV heads against
+    4 + 2 * 4) differs in ``o_proj``, and is refused. Two models whose every weight has the
+    same shape (Llama-style, no QK-norm: 8 + 2 * 2 heads of 64 against 4 + 2 * 1 of 128) hold
+    nothing that tells them apart; the head split follows ``cfg``."""
     slices = _slices(cfg, tp)
+    shapes = _full_shapes(cfg)
+    for key, value in state_dict.items():  # all checked before any weight is cut
+        want = next((shape for suffix, shape in shapes.items() if key.endswith("." + suffix)), None)
+        if want is not None and tuple(value.shape) != want:
+            raise ValueError(
+                f"shard_state_dict: {key} has shape {tuple(value.shape)} but the model of cfg (num_heads="
+                f"{cfg.num_heads}, num_kv_heads={cfg.num_kv_heads}, head_size={cfg.head_size}, hidden_size="
+                f"{cfg.hidden_size}, intermediate_size={cfg.intermediate_size}) has {want}: the state dict is not "
+                "of this config's model")
     out = {}
     for key, value in state_dict.items():
         rule = next((r for suffix, r in slices.items() if key.endswith("." + suffix)), None)

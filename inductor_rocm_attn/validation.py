@@ -157,6 +157,15 @@ def is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def check_bool(op: str, name: str, value, *, optional: bool = False) -> None:
+    """A flag: True or False (``optional``: or None). Any other value is refused: a string
+    such as "no" or "false" is truthy and would turn the flag on."""
+    if value is True or value is False or (optional and value is None):
+        return
+    allowed = "True, False or None" if optional else "True or False"
+    raise TypeError(f"{op}: {name} must be {allowed}, got {value!r:.60}")
+
+
 def check_positive_int(op: str, name: str, value) -> None:
     if not is_int(value) or value <= 0:
         raise ValueError(f"{op}: {name} must be a positive int, got {value!r}")
@@ -166,6 +175,16 @@ def check_positive_finite(op: str, name: str, value) -> None:
     if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
             and value > 0):
         raise ValueError(f"{op}: {name} must be a positive finite number, got {value!r}")
+
+
+def check_gqa(op: str, num_heads, num_kv_heads) -> None:
+    """Query heads in groups over the KV heads: both positive ints, ``num_heads`` a multiple of
+    ``num_kv_heads`` (query head h reads KV head ``h // (num_heads // num_kv_heads)``)."""
+    if not (is_int(num_heads) and is_int(num_kv_heads)) or num_heads < 1 or num_kv_heads < 1:
+        raise ValueError(f"{op}: num_heads and num_kv_heads must be positive ints, got {num_heads!r} and "
+                         f"{num_kv_heads!r}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{op}: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
 
 
 def per_head_tensor(op: str, name: str, value, num_heads: int, *, finite: bool = False) -> torch.Tensor:
@@ -330,8 +349,8 @@ def check_slot_mapping(op: str, slot_mapping: torch.Tensor, kv_cache: torch.Tens
 
 
 def check_scales(op: str, **scales: torch.Tensor | None) -> None:
-    """Per-tensor scales: one element, positive and finite (the value is read where index
-    tensors are: on CPU, or with ``ROCM_ATTN_CHECK_INDICES=1``)."""
+    """Per-tensor scales: one float32 element, positive and finite (the value is read where
+    index tensors are: on CPU, or with ``ROCM_ATTN_CHECK_INDICES=1``)."""
     for name, s in scales.items():
         if s is None:
             continue
@@ -339,6 +358,10 @@ def check_scales(op: str, **scales: torch.Tensor | None) -> None:
         if s.numel() != 1 or s.dim() > 1:
             raise ValueError(f"{op}: {name} must be a per-tensor scale (1 element, shape () or (1,)), got shape "
                              f"{tuple(s.shape)}")
+        # the kernels read a float32 (the native ones through a float pointer); an int or fp8
+        # tensor would be taken for its value, a 16-bit one rounds small scales
+        if s.dtype != torch.float32:
+            raise ValueError(f"{op}: {name} must be a float32 tensor (a per-tensor scale), got {s.dtype}")
         if index_checks_on(s.device):
             check_positive_finite(op, name, float(s.reshape(())))
 
@@ -542,8 +565,7 @@ def check_paged_attention(
         if kv_cache.dim() != 4:  # its shape error, before the head count is read from it
             cache_layout_of(kv_cache, op)
         num_kv_heads = kv_cache.shape[3] // head_size
-    if num_kv_heads <= 0 or num_heads % num_kv_heads:
-        raise ValueError(f"{op}: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    check_gqa(op, num_heads, num_kv_heads)
     check_kv_cache(op, kv_cache, num_kv_heads, head_size)
     if output.shape != query.shape:
         raise ValueError(f"{op}: output shape {tuple(output.shape)} does not match query {tuple(query.shape)}")
@@ -617,6 +639,7 @@ def check_qk_norm_rope(op: str, qkv: torch.Tensor, q_weight: torch.Tensor, k_wei
                       cos_sin_cache=cos_sin_cache)
     check_dtype(op, "qkv", qkv, capabilities.MODEL_DTYPES)
     capabilities.check_head_size(head_size, op)
+    check_gqa(op, num_heads, num_kv_heads)
     width = (num_heads + 2 * num_kv_heads) * head_size
     if qkv.dim() != 2 or qkv.shape[1] != width:
         raise ValueError(
@@ -652,8 +675,7 @@ def check_encoder_attention(op: str, query: torch.Tensor, key: torch.Tensor, val
         if t.dtype != query.dtype:
             raise ValueError(f"{op}: {name} dtype {t.dtype} != query dtype {query.dtype}")
     capabilities.check_head_size(query.shape[2], op)
-    if query.shape[1] % key.shape[1]:
-        raise ValueError(f"{op}: num_heads {query.shape[1]} is not a multiple of num_kv_heads {key.shape[1]}")
+    check_gqa(op, query.shape[1], key.shape[1])
     check_dtype(op, "cu_seqlens", cu_seqlens, _INDEX_TYPES)
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
         raise ValueError(f"{op}: cu_seqlens must be [num_seqs + 1], got {tuple(cu_seqlens.shape)}")
@@ -691,9 +713,7 @@ def check_rope_cos_sin(op: str, query: torch.Tensor, key: torch.Tensor, value: t
     for name, x in (("key", key), ("value", value)):
         if x.dtype != query.dtype:
             raise ValueError(f"{op}: {name} dtype {x.dtype} != query dtype {query.dtype}")
-    num_heads = math.prod(query.shape[1:]) // d
-    if num_heads % hkv:
-        raise ValueError(f"{op}: num_heads {num_heads} is not a multiple of num_kv_heads {hkv}")
+    check_gqa(op, math.prod(query.shape[1:]) // d, hkv)
     for name, c in (("cos", cos), ("sin", sin)):
         check_dtype(op, name, c, capabilities.MODEL_DTYPES)
         rot = c.shape[-1] if c.dim() == 2 else -1

@@ -5,9 +5,11 @@ Order, and why:
 1. the enabled fusion passes of ``PASS_CLASSES``, in that order (QK-norm before plain RoPE,
    so a Qwen3-style layer fuses into the larger op; attention + quant last);
 2. the custom post pass the user had installed before the plugin;
-3. ``LAST_PASSES``: passes every compile of their kind needs, not switchable by flags
-   (the removal of the stand-in attentions of a piecewise piece: it must see the graph
-   after every pass that could still use the stand-ins).
+3. ``LAST_PASSES``: passes every compile of their kind needs, not switchable by flags:
+   the ordering of each KV-sharing read after its target's write (whole graphs; after the
+   fusions, which match a token with one consumer, and the user's pass, which may rewrite
+   the writes), then the removal of the stand-in attentions of a piecewise piece (it must
+   see the graph after every pass that could still use the stand-ins).
 
 A manager compiles whole graphs; ``for_pieces()`` gives the same manager for the pieces of a
 piecewise-split model. Every pass is asked whether it applies there (``GraphPass.applies``).
@@ -30,9 +32,11 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from inductor_rocm_attn import lowering
+from inductor_rocm_attn.validation import check_bool
 
 from .attn_quant_fusion import AttnQuantFusionPass
 from .base import begin_graph, hash_sources
+from .kv_sharing_order import KVSharingOrderPass
 from .qk_norm_rope_kv_cache_fusion import QKNormRopeKVCacheFusionPass
 from .remove_stand_ins import RemoveStandInsPass
 from .report import FusionReport
@@ -45,7 +49,7 @@ PASS_CLASSES = (
     AttnQuantFusionPass,
 )
 #: passes that run after the user's post pass, wherever they apply (no flag)
-LAST_PASSES = (RemoveStandInsPass,)
+LAST_PASSES = (KVSharingOrderPass, RemoveStandInsPass)
 
 
 def _lowering_modules() -> list:
@@ -83,7 +87,8 @@ class PassManager(CustomGraphPass):
     def set_flag(self, name: str, enabled: bool) -> None:
         if name not in self.flags:
             raise KeyError(f"rocm_attn: unknown pass {name!r}; passes: {sorted(self.flags)}")
-        self.flags[name] = bool(enabled)
+        check_bool("PassManager.set_flag", name, enabled)
+        self.flags[name] = enabled
 
     def get_pass(self, name: str):
         return next(p for p in (*self.passes, *self.last_passes) if p.name == name)

@@ -289,6 +289,9 @@ def test_tiny_decoder_200_steps_through_whole_step_graphs():
     assert runner.prepare([1, 1, 1], [8, 29, 16], tables, whole_step=False) is not None
     with pytest.raises(ValueError, match="whole_step='decode'"):
         runner.prepare([1], [8], tables[:1], whole_step="decode")
+    for falsy in (0, None, ""):  # taken for False (piecewise graphs) before
+        with pytest.raises(ValueError, match=rf"whole_step={falsy!r}; expected True, False or 'mixed'"):
+            runner.prepare([1], [8], tables[:1], whole_step=falsy)
 
 
 

@@ -2,6 +2,7 @@
 value and what is supported (issue 14, items 3 and 6)."""
 
 import math
+import re
 import os
 
 import pytest
@@ -595,3 +596,53 @@ def test_bind_kv_caches_refused_keeps_every_layer_s_cache():
     with pytest.raises(ValueError, match=r"bind_kv_caches: device 'gpu' is not a torch device"):
         ira.bind_kv_caches(model[:1], 8, torch.float32, "gpu")
     assert target.kv_cache is old
+
+
+def _flag_calls(value):
+    """(what, call, check that the refused call changed nothing) for each flag of the public
+    API that a value of the wrong type reaches."""
+    from inductor_rocm_attn.integrations.batching import generate
+    from inductor_rocm_attn.kernels import native
+    from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache, convert_v_layout_
+    from inductor_rocm_attn.passes.pass_manager import PassManager
+
+    bound = _layer("flag_bound")
+    ira.bind_kv_caches(bound, 4, torch.float32)
+    unbound = _layer("flag_unbound")
+    cache = allocate_kv_cache(KVCacheSpec(BS, HKV, D, torch.float32, CacheLayout.LHBNC), 4, "cpu").normal_()
+    before = cache.clone()
+    mgr = PassManager()
+    return [
+        ("Attention: register", lambda: _layer("flag_register", register=value),
+         lambda: "cfg.flag_register" not in ira.forward_context.registered_layers()),
+        ("bind_kv_caches: poison", lambda: ira.bind_kv_caches(unbound, 4, torch.float32, poison=value),
+         lambda: unbound.kv_cache.numel() == 0),
+        ("set_interleaved_v_cache: enabled", lambda: bound.set_interleaved_v_cache(value),
+         lambda: not bound.interleaved_v),
+        ("convert_v_layout_: to_interleaved", lambda: convert_v_layout_(cache, HKV, to_interleaved=value),
+         lambda: torch.equal(cache, before)),
+        ("set_forward_context: profiling", lambda: ira.set_forward_context(None, profiling=value).__enter__(),
+         lambda: ira.get_forward_context().attn_metadata is None and not ira.get_forward_context().profiling),
+        ("generate: return_logits", lambda: generate(None, [[1]], 1, return_logits=value), lambda: True),
+        ("native.build: force", lambda: native.build(force=value), lambda: True),
+        ("PassManager.set_flag: rope_kv_cache_fusion", lambda: mgr.set_flag("rope_kv_cache_fusion", value),
+         lambda: mgr.flags["rope_kv_cache_fusion"] is True),
+        ("paged_layers: poison", lambda: ira.integrations.transformers.paged_layers(None, 4, poison=value),
+         lambda: True),
+        ("run_demo: compile", lambda: ira.demo.run_demo(compile=value), lambda: True),
+    ]
+
+
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_flags_refuse_what_is_not_a_bool(value):
+    """Flags took any truthy value: poison="no" poisoned the caches, profiling="no" made a
+    step a profiling run (no cache write, zero output), to_interleaved="no" converted the
+    cache, register="no" registered the layer. Each refuses a non-bool, changing nothing."""
+    import inductor_rocm_attn.demo  # noqa: F401
+    import inductor_rocm_attn.integrations.transformers  # noqa: F401
+
+    for what, call, untouched in _flag_calls(value):
+        fn, name = what.split(": ")
+        with pytest.raises(TypeError, match=rf"{re.escape(fn)}: {name} must be True or False, got {value!r}"):
+            call()
+        assert untouched(), what

@@ -6,6 +6,7 @@ KV cache byte-identical to before the call.
 """
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -505,6 +506,8 @@ def test_kv_sharing_layer_refuses_a_target_of_another_geometry(target_kv_heads, 
 @pytest.mark.parametrize("scale, match", [
     (torch.tensor([0.0]), r"output_scale must be a positive finite number, got 0\.0"),
     (torch.tensor([float("nan")]), r"output_scale must be a positive finite number, got nan"),
+    (torch.tensor([0.5], dtype=torch.bfloat16), r"output_scale must be a float32 tensor \(a per-tensor scale\), got "
+                                                r"torch\.bfloat16"),
     (torch.tensor([0.5, 0.5]), r"output_scale must be a per-tensor scale \(1 element, shape \(\) or \(1,\)\), got "
                                r"shape \(2,\)"),
 ])
@@ -645,3 +648,23 @@ def test_an_encoder_step_with_cached_context_is_refused():
     with ira.set_forward_context(ira.build_attention_metadata([1, 2], [0, 0], [[0], [1]], 16),
                                  layers={layer.layer_name: layer}):
         layer(q, k, v)
+
+
+@pytest.mark.parametrize("value, match", [
+    (torch.tensor([2], dtype=torch.int32), r"k_scale must be a float32 tensor \(a per-tensor scale\), got "
+                                           r"torch\.int32"),
+    (torch.tensor([2.0], dtype=torch.bfloat16), r"k_scale must be a float32 tensor \(a per-tensor scale\), got "
+                                                r"torch\.bfloat16"),
+    (torch.tensor([0.0]), r"k_scale must be a positive finite number, got 0\.0"),
+])
+def test_layer_scale_buffers_stay_float32_per_tensor_scales(value, match):
+    """Every layer path reads ``_k_scale`` / ``_v_scale`` as they are, checked once per call
+    signature: a buffer replaced after the first call (an int32 tensor) was read by value. A
+    replacement is checked when it is assigned; the layer keeps the scale it had."""
+    s = stepped_layer(kv_cache_dtype="fp8")
+    layer = s.layer
+    with pytest.raises(ValueError, match=rf"Attention '{re.escape(layer.layer_name)}': {match}"):
+        layer._k_scale = value
+    assert layer._k_scale.dtype == torch.float32 and float(layer._k_scale) == 1.0
+    layer._v_scale = torch.tensor([0.5])  # a float32 one-element scale is taken
+    assert float(layer._v_scale) == 0.5

@@ -285,6 +285,105 @@ def test_qk_norm_writer_refuses_a_negative_eps():
     assert unchanged(before, cache)
 
 
+def _gqa_writer_call(op, h, hkv, t=3):
+    """``op`` (rope_and_cache or qk_norm_rope_and_cache) over ``h`` query heads and ``hkv`` KV
+    heads, with the tensors it would write, so a test can check they stay untouched."""
+    from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache
+
+    g = torch.Generator().manual_seed(0)
+    cache = allocate_kv_cache(KVCacheSpec(16, 2, D, torch.float32, CacheLayout.LHBNC), 4, "cpu").normal_(generator=g)
+    cos_sin, one, pos, slots = torch.randn(16, D, generator=g), torch.ones(1), torch.arange(t), torch.arange(t)
+    if op == "rope_and_cache":
+        q, k, v = (torch.randn(t, n * D, generator=g) for n in (h, hkv, hkv))
+        k, v = k.view(t, hkv, D), v.view(t, hkv, D)
+        return (lambda: torch.ops.rocm_attn.rope_and_cache(pos, q, k, v, cache, slots, cos_sin, True, one, one,
+                                                           False)), (q, k, cache)
+    qkv = torch.randn(t, (max(h, 0) + 2 * hkv) * D, generator=g)
+    q_out, k_out = torch.zeros(t, max(h, 0), D), torch.zeros(t, hkv, D)
+    return (lambda: torch.ops.rocm_attn.qk_norm_rope_and_cache(
+        qkv, torch.ones(D), torch.ones(D), 1e-6, pos, cos_sin, True, cache, slots, one, one, False, h, hkv, D,
+        q_out, k_out)), (q_out, k_out, cache)
+
+
+@pytest.mark.parametrize("op", ["rope_and_cache", "qk_norm_rope_and_cache"])
+@pytest.mark.parametrize("h, hkv, match", [
+    (3, 2, "num_heads 3 is not a multiple of num_kv_heads 2"),
+    (0, 2, "num_heads and num_kv_heads must be positive ints, got 0 and 2"),
+])
+def test_writers_refuse_query_heads_not_grouped_over_the_kv_heads(op, h, hkv, match):
+    """The q/k writers took any number of query heads: 3 over 2 KV heads rotated q and wrote
+    the cache (a layer of that geometry cannot exist), 0 query heads went through. Refused
+    before anything is written, as paged_attention refuses them."""
+    call, written = _gqa_writer_call(op, h, hkv)
+    before = snapshot(*written)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.{op}: {match}"):
+        call()
+    assert unchanged(before, *written)
+
+
+_BAD_SCALE_DTYPES = [torch.int32, torch.float8_e4m3fn, torch.bfloat16]
+
+
+def _fp8_writer_calls(scale_name, scale):
+    """Each kernel-level writer over an fp8 cache (where the scales are read), with ``scale_name``
+    ('k_scale' or 'v_scale') replaced by ``scale``: (op name, call, the tensors it would write)."""
+    from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache
+
+    h, hkv, t = 4, 2, 3
+    g = torch.Generator().manual_seed(0)
+    cache = allocate_kv_cache(KVCacheSpec(16, hkv, D, torch.float8_e4m3fn, CacheLayout.LHBNC), 4, "cpu")
+    cache.view(torch.uint8).fill_(0x7F)
+    sc = {"k_scale": torch.ones(1), "v_scale": torch.ones(1), scale_name: scale}
+    ks, vs = sc["k_scale"], sc["v_scale"]
+    pos, slots, cos_sin = torch.arange(t), torch.arange(t), torch.randn(16, D, generator=g)
+    q, k, v = (torch.randn(t, n, D, generator=g) for n in (h, hkv, hkv))
+    cos, sin = torch.randn(t, D, generator=g), torch.randn(t, D, generator=g)
+    qkv = torch.randn(t, (h + 2 * hkv) * D, generator=g)
+    q_out, k_out, w = torch.zeros(t, h, D), torch.zeros(t, hkv, D), torch.ones(D)
+    ops = torch.ops.rocm_attn
+    return [
+        ("reshape_and_cache", lambda: ops.reshape_and_cache(k, v, cache, slots, ks, vs, False), (cache,)),
+        ("rope_and_cache", lambda: ops.rope_and_cache(pos, q, k, v, cache, slots, cos_sin, True, ks, vs, False),
+         (q, k, cache)),
+        ("qk_norm_rope_and_cache", lambda: ops.qk_norm_rope_and_cache(
+            qkv, w, w, 1e-6, pos, cos_sin, True, cache, slots, ks, vs, False, h, hkv, D, q_out, k_out),
+         (q_out, k_out, cache)),
+        ("rope_cos_sin_and_cache", lambda: ops.rope_cos_sin_and_cache(q, k, v, cos, sin, True, cache, slots, ks, vs,
+                                                                      False), (q, k, cache)),
+        ("qk_norm_rope_cos_sin_and_cache", lambda: ops.qk_norm_rope_cos_sin_and_cache(
+            q, k, v, w, w, 1e-6, cos, sin, True, cache, slots, ks, vs, False), (q, k, cache)),
+    ]
+
+
+@pytest.mark.parametrize("dtype", _BAD_SCALE_DTYPES)
+@pytest.mark.parametrize("scale_name", ["k_scale", "v_scale"])
+def test_writers_refuse_a_scale_that_is_not_float32(scale_name, dtype):
+    """A per-tensor scale is a float32 tensor: an int32 or fp8 scale was read by value (the
+    native kernels read it through a float pointer), a bf16 one rounded. Refused by every
+    writer, before anything is written."""
+    for op, call, written in _fp8_writer_calls(scale_name, torch.full((1,), 2.0).to(dtype)):
+        before = snapshot(*written)
+        with pytest.raises(ValueError, match=rf"rocm_attn\.{op}: {scale_name} must be a float32 tensor \(a "
+                                             rf"per-tensor scale\), got {dtype}"):
+            call()
+        assert unchanged(before, *written), op
+
+
+@pytest.mark.parametrize("dtype", _BAD_SCALE_DTYPES)
+def test_attention_and_quant_refuse_a_scale_that_is_not_float32(dtype):
+    c = make_paged_case([1, 3], [20, 5], dtype=torch.float32, cache_dtype=torch.float8_e4m3fn)
+    bad = torch.full((1,), 2.0).to(dtype)
+    for name in ("k_scale", "v_scale"):
+        _attn_rejected(c, rf"rocm_attn\.paged_attention: {name} must be a float32 tensor \(a per-tensor scale\), "
+                          rf"got {dtype}", **{name: bad})
+    out8 = torch.zeros(c.query.shape, dtype=torch.float8_e4m3fn)
+    _attn_rejected(c, rf"rocm_attn\.paged_attention: output_scale must be a float32 tensor", output=out8,
+                   output_scale=bad)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.static_scaled_fp8_quant: scale must be a float32 tensor \(a "
+                                         rf"per-tensor scale\), got {dtype}"):
+        torch.ops.rocm_attn.static_scaled_fp8_quant(torch.randn(3, 8), bad, torch.float8_e4m3fn)
+
+
 # --- dtypes, head sizes and empty steps (audit 2) ----------------------------------------------
 
 

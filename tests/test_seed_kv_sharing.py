@@ -175,3 +175,92 @@ def test_compiled_sharing_model_matches_the_explicit_model():
     assert sharer.kv_cache.numel() == 0
     target.set_interleaved_v_cache(False)  # a later switch of the target: the sharer follows
     step({"a": 1, "b": 1, "c": 1}, model)
+
+
+class _Unordered(torch.nn.Module):
+    """A target layer and a layer sharing its cache whose input does not depend on the
+    target's output. The sharing layer's input is computed first and the target's side holds a
+    wide activation, so Inductor's peak-memory reordering runs the sharing layer's attention
+    (freeing its input) before the target's side, cache write included. ``rope``: the target's
+    q/k are rotated by our op, so the RoPE fusion replaces its cache write by a fused writer.
+    ``sharer_first``: the forward calls the sharing layer before its target."""
+
+    H, HKV, D = 4, 2, 32
+
+    def __init__(self, tag, rope=False, sharer_first=False, wide=100_000):
+        super().__init__()
+        h, hkv, d = self.H, self.HKV, self.D
+        self.rope, self.sharer_first = rope, sharer_first
+        self.up = torch.nn.Linear(64, wide, bias=False)
+        self.qkv = torch.nn.Linear(64, (h + 2 * hkv) * d, bias=False)
+        self.target = ira.Attention(h, d, num_kv_heads=hkv, layer_name=f"{tag}.target", block_size=BLOCK)
+        self.sharer = ira.Attention(h, d, num_kv_heads=hkv, layer_name=f"{tag}.sharer", block_size=BLOCK,
+                                    kv_sharing_target_layer_name=f"{tag}.target")
+        f = torch.outer(torch.arange(64.0), 1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+        self.register_buffer("cos_sin", torch.cat((f.cos(), f.sin()), -1), persistent=False)
+
+    def forward(self, x, positions, q2, k2, v2):
+        h, hkv, d = self.H, self.HKV, self.D
+        qs, ks, vs = q2.exp(), k2.exp(), v2.exp()  # the sharing layer's input, computed first
+        if self.sharer_first:
+            o2 = self.sharer(qs, ks, vs)
+        wide = self.up(x)
+        q, k, v = self.qkv(wide[:, :64].relu() + wide[:, 64:128]).split([h * d, hkv * d, hkv * d], -1)
+        if self.rope:
+            q, k = q.clone(), k.clone()
+            torch.ops.rocm_attn.rotary_embedding(positions, q, k, d, self.cos_sin, True)
+        o1 = self.target(q, k, v)
+        if not self.sharer_first:
+            o2 = self.sharer(qs, ks, vs)
+        return o1 + wide.sum(), o2
+
+
+def _unordered_inputs(t=5):
+    g = torch.Generator().manual_seed(3)
+    m = _Unordered
+    return (torch.randn(t, 64, generator=g), torch.arange(t), torch.randn(t, m.H * m.D, generator=g),
+            torch.randn(t, m.HKV * m.D, generator=g), torch.randn(t, m.HKV * m.D, generator=g))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("rope", [False, True], ids=["cache_update", "fused_writer"])
+def test_compiled_sharing_layer_reads_after_the_write_without_data_flow(rope):
+    """Nothing in the graph ordered the target's cache write before the sharing layer's read:
+    Inductor ran the read first, on the poisoned cache (NaN). With the plugin the sharing
+    layer's attention takes the token of the target's write (``passes/kv_sharing_order.py``)."""
+    from torch._inductor import config as inductor_config
+
+    torch.manual_seed(0)
+    model = _Unordered(f"share_unordered_{int(rope)}", rope=rope).eval()
+    args = _unordered_inputs()
+    md = ira.build_attention_metadata([5], [0], [[1]], BLOCK)
+    ira.bind_kv_caches(model, 4, torch.float32, poison=True)
+    with ira.set_forward_context(md), torch.no_grad():
+        want = model(*args)[1]
+    ira.bind_kv_caches(model, 4, torch.float32, poison=True)
+    report = compilation.fusion_report()
+    report.clear()
+    torch._dynamo.reset()
+    with ira.plugin(), inductor_config.patch(fx_graph_cache=False), ira.set_forward_context(md), torch.no_grad():
+        got = torch.compile(model, backend="inductor")(*args)[1]
+    torch._dynamo.reset()
+    fused = [r.pass_name for r in report.records if r.layer_name == model.target.layer_name and r.fused]
+    assert fused == (["rope_kv_cache_fusion"] if rope else [])
+    assert not got.isnan().any(), "the sharing layer read the cache before its target wrote it"
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.compile
+def test_compile_refuses_a_sharing_layer_called_before_its_target():
+    from torch._inductor import config as inductor_config
+
+    model = _Unordered("share_first", sharer_first=True, wide=256).eval()
+    ira.bind_kv_caches(model, 4, torch.float32, poison=True)
+    md = ira.build_attention_metadata([5], [0], [[1]], BLOCK)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"layer 'share_first\.sharer' reads the KV cache of layer "
+                                        r"'share_first\.target' \(kv_sharing_target_layer_name\), but the target "
+                                        r"writes it only later in this graph; call 'share_first\.target' before"), \
+            ira.plugin(), inductor_config.patch(fx_graph_cache=False), ira.set_forward_context(md), torch.no_grad():
+        torch.compile(model, backend="inductor")(*_unordered_inputs())
+    torch._dynamo.reset()

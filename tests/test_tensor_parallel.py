@@ -103,6 +103,23 @@ def test_intermediate_must_divide():
         TinyDecoder(dataclasses.replace(cfg, num_heads=6, num_kv_heads=3), tp=TensorParallel(3, 0, "unused"))
 
 
+@pytest.mark.parametrize("other", [dict(num_heads=8, num_kv_heads=2, head_size=32),  # 8 + 2 * 2 heads of 32
+                                   dict(num_heads=2, num_kv_heads=2, head_size=64),  # QK-norm weights of 64
+                                   dict(intermediate_size=128)])
+def test_shard_state_dict_refuses_another_models_weights(other):
+    """A state dict of another model whose fused qkv is as wide (4 + 2 * 4 heads against the
+    config's 8 + 2 * 2) was cut along the config's heads: rank 0's shard loaded into the
+    shard model without an error (only the other rank's ``narrow`` ran past o_proj). Every
+    weight that carries the head geometry is compared with the config first."""
+    cfg = dataclasses.replace(_qwen3_cfg(), num_heads=4, num_kv_heads=4, head_size=32)
+    name = "tp_other_" + "_".join(map(str, other.values()))
+    sd = TinyDecoder(dataclasses.replace(cfg, **other), name=name).state_dict()
+    with pytest.raises(ValueError, match=r"shard_state_dict: layers\.0\.\w+\.weight has shape \(.*\) but the model of "
+                                         r"cfg \(num_heads=4, num_kv_heads=4, head_size=32, .*\) has \(.*\): the state "
+                                         r"dict is not of this config's model"):
+        shard_state_dict(sd, cfg, TensorParallel(2, 0, "unused"))
+
+
 @pytest.mark.parametrize("make", [_qwen3_cfg, _llama_cfg], ids=["kv_split", "kv_replicated"])
 def test_shards_reassemble_the_full_weights(make):
     """Rank shards load into ``TinyDecoder(cfg, tp=...)`` and, put back together in head

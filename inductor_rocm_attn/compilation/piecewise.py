@@ -222,7 +222,7 @@ class PiecewiseRunner:
             build_attention_metadata(query_lens, context_lens, block_tables, self.block_size)
             raise
         size = self.padded_size(n)
-        shape = self._whole_step_shape(query_lens, n, size, whole_step) if whole_step else None
+        shape = self._whole_step_shape(query_lens, n, size, whole_step) if whole_step is not False else None
         # The runner's state changes only once the step is planned: a rejected step leaves the
         # previous one (its metadata, and the graph it replays) as it was.
         if shape is not None:
@@ -246,7 +246,7 @@ class PiecewiseRunner:
     def _whole_step_shape(self, query_lens: Sequence[int], n: int, size: int,
                           whole_step: bool | str) -> StepShape | None:
         if whole_step is not True and whole_step != MIXED:
-            raise ValueError(f"PiecewiseRunner.prepare: whole_step={whole_step!r}; expected True, "
+            raise ValueError(f"PiecewiseRunner.prepare: whole_step={whole_step!r:.60}; expected True, "
                              f"False or {MIXED!r}")
         b = len(query_lens)
         if whole_step is True and n == b and b and max(query_lens) == 1:  # all 1: decode-only

@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import logging
 
+from inductor_rocm_attn.validation import check_bool
+
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "ROCM_ATTN_PLUGIN"
@@ -51,8 +53,7 @@ def _check_flags(op: str, flags: dict) -> None:
     for name, on in flags.items():
         if name not in names:  # KeyError, as PassManager.set_flag raises it
             raise KeyError(f"{op}: unknown pass {name!r}; passes: {sorted(names)}")
-        if not isinstance(on, bool):
-            raise TypeError(f"{op}: {name} must be True or False, got {on!r}")
+        check_bool(op, name, on)
 
 
 def enable(**flags: bool):

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..block_allocator import BlockAllocator
-from ..validation import check_positive_int, is_int, vocab_size_of
+from ..validation import check_bool, check_positive_int, is_int, vocab_size_of
 
 __all__ = ["GenerateResult", "StepRecord", "generate"]
 
@@ -148,6 +148,7 @@ def generate(runner, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_to
     not in the vocabulary, a prompt whose tokens and ``max_new_tokens`` cannot fit the
     runner's ``max_model_len`` or the blocks handed out, and a generate while another one
     runs on the same caches."""
+    check_bool("generate", "return_logits", return_logits)
     with _owning_caches(runner):
         return _generate(runner, prompts, max_new_tokens, max_tokens_per_step=max_tokens_per_step,
                          max_seqs_per_step=max_seqs_per_step, return_logits=return_logits, on_step=on_step,

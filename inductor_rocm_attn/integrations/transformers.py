@@ -46,7 +46,7 @@ from ..forward_context import get_forward_context, set_forward_context
 from ..layer import Attention
 from ..layout import allocate_kv_cache
 from ..metadata import AttentionMetadata, build_attention_metadata
-from ..validation import check_positive_int
+from ..validation import check_bool, check_positive_int
 
 __all__ = ["ATTN_IMPLEMENTATION", "PagedCache", "attention_forward", "register", "stats"]
 
@@ -295,6 +295,7 @@ def paged_layers(model: torch.nn.Module, num_blocks: int, *, block_size: int = 1
     context as its layer table. ``poison``: caches filled with NaN (tests). ``max_seq_len``:
     the longest sequence the owner allows (-1: what the caches hold; None: the owner checks
     every step against ``chunk_limit``)."""
+    check_bool("paged_layers", "poison", poison)
     param = next(model.parameters())
     dtype, device = getattr(model, "dtype", param.dtype), getattr(model, "device", param.device)
     layers: dict[str, Attention] = {}
@@ -411,6 +412,7 @@ class PagedCache(Cache):
         super().__init__(layers=[])
         check_model(model, "PagedCache")
         check_positive_int("PagedCache", "num_blocks", num_blocks)
+        check_bool("PagedCache", "poison", poison)
         decoder = _decoder(model)
         param = next(model.parameters())
         self.block_size, self.num_blocks = block_size, num_blocks

@@ -41,7 +41,8 @@ from ..capabilities import check_block_size
 from ..config_checks import check_runner_config
 from ..forward_context import set_forward_context
 from ..metadata import AttentionMetadata, build_attention_metadata
-from ..validation import check_positive_int, check_token_ids, vocab_size_of
+from ..compilation.step_graphs import MIXED
+from ..validation import check_bool, check_positive_int, check_token_ids, vocab_size_of
 from .transformers import (check_dynamic_rope, check_every_layer_attends, check_model,
                            learned_position_limit, paged_layers)
 
@@ -164,6 +165,8 @@ class EagerRunner:
         """The step's metadata (``whole_step``: taken for a ``PiecewiseRunner``'s API; no graphs
         here), within the runner's step limits and, for a model with learned positions, its
         ``max_model_len`` (an index past the embedding is a device-side assert on a GPU)."""
+        if whole_step != MIXED:  # what PiecewiseRunner.prepare takes, so a call valid here is valid there
+            check_bool("EagerRunner.prepare", "whole_step", whole_step)
         md = build_attention_metadata(query_lens, context_lens, block_tables, self.block_size, self.device)
         for got, what, limit_name in ((len(query_lens), "sequences", "max_num_seqs"),
                                       (md.num_actual_tokens, "tokens", "max_num_tokens"),
@@ -200,6 +203,7 @@ def eager_runner(model: torch.nn.Module, *, num_blocks: int, block_size: int = 1
     check_model(model, "eager_runner")
     check_every_layer_attends(model, "eager_runner")
     check_positive_int("eager_runner", "num_blocks", num_blocks)
+    check_bool("eager_runner", "poison", poison)
     _check_step_limits("eager_runner", max_num_seqs, max_num_tokens)  # before the caches are allocated
     check_dynamic_rope(model, "eager_runner", num_blocks * block_size)  # the longest sequence the cache holds
     layers = paged_layers(model, num_blocks, block_size=block_size, cache_layout=cache_layout,

@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 
 from ..layout import cache_layout_of
+from ..validation import check_bool
 from .merge_counters import merge_counters
 
 __all__ = [
@@ -196,6 +197,8 @@ def build(*, verbose: bool = False, force: bool = False):
     the first one's library. A failed build leaves ``build_failed.txt`` (first line: the
     first compiler error) so later processes report it without retrying; ``force`` retries.
     """
+    check_bool("native.build", "verbose", verbose)
+    check_bool("native.build", "force", force)
     why = _toolchain_reason() if not _library_path(_build_name()).exists() or force else None
     if why is not None:
         raise RuntimeError(f"rocm_attn native: {why}")

@@ -118,6 +118,8 @@ def test_the_real_passes_declare_where_they_apply():
     in_pieces = [p.name for p in (*mgr.passes, *mgr.last_passes) if p.applies(in_piece=True)]
     in_whole = [p.name for p in (*mgr.passes, *mgr.last_passes) if p.applies(in_piece=False)]
     assert in_pieces == ["qk_norm_rope_kv_cache_fusion", "rope_kv_cache_fusion", "remove_stand_ins"]
-    assert in_whole == ["qk_norm_rope_kv_cache_fusion", "rope_kv_cache_fusion", "attn_quant_fusion"]
-    assert [cls.name for cls in LAST_PASSES] == ["remove_stand_ins"]
-    assert "remove_stand_ins" not in mgr.flags  # not switchable: piece compiles need it
+    assert in_whole == ["qk_norm_rope_kv_cache_fusion", "rope_kv_cache_fusion", "attn_quant_fusion",
+                        "kv_sharing_order"]
+    assert [cls.name for cls in LAST_PASSES] == ["kv_sharing_order", "remove_stand_ins"]
+    # not switchable: piece compiles need the one, KV-sharing models the other
+    assert "remove_stand_ins" not in mgr.flags and "kv_sharing_order" not in mgr.flags
