@@ -83,6 +83,16 @@ class KVSharingOrderPass(GraphPass):
         super().__init__(report)
         self.ordered_count = 0
 
+    def uuid(self) -> str:
+        # The edges this pass adds depend on which registered layers share a cache, which the
+        # graph's text does not show: Inductor's cache key must change with them.
+        from inductor_rocm_attn.forward_context import registered_layers
+
+        pairs = sorted((name, layer.impl.kv_sharing_target_layer_name)
+                       for name, layer in registered_layers().items()
+                       if layer.impl.kv_sharing_target_layer_name is not None)
+        return f"{self.source_hash()}:{pairs!r}"
+
     def __call__(self, graph: torch.fx.Graph) -> int:
         tokens: dict[str, torch.fx.Node] = {}  # writing layer -> token of its latest write so far
         waiting: list[tuple[str, str]] = []  # (sharing layer, target) read before any write of the target

@@ -264,3 +264,17 @@ def test_compile_refuses_a_sharing_layer_called_before_its_target():
             ira.plugin(), inductor_config.patch(fx_graph_cache=False), ira.set_forward_context(md), torch.no_grad():
         torch.compile(model, backend="inductor")(*_unordered_inputs())
     torch._dynamo.reset()
+
+
+def test_ordering_pass_cache_key_follows_the_sharing_layers():
+    """The edges ``kv_sharing_order`` adds depend on which layers share a cache, which the
+    graph's text does not show, so Inductor's cache key (the pass's uuid) must change with them."""
+    from inductor_rocm_attn.passes.kv_sharing_order import KVSharingOrderPass
+
+    before = KVSharingOrderPass().uuid()
+    target = ira.Attention(4, 32, num_kv_heads=2, layer_name="share_key.target", block_size=BLOCK)
+    assert KVSharingOrderPass().uuid() == before  # a layer that owns its cache changes nothing
+    sharer = ira.Attention(4, 32, num_kv_heads=2, layer_name="share_key.sharer", block_size=BLOCK,
+                           kv_sharing_target_layer_name="share_key.target")
+    assert KVSharingOrderPass().uuid() != before
+    del sharer, target
