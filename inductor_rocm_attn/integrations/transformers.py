@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 import weakref
 
 import torch
@@ -259,15 +260,32 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_decoder() if hasattr(model, "get_decoder") else model
 
 
+def _attention_class_table(model: torch.nn.Module) -> tuple[str, list[str]] | None:
+    """The per-model table of attention classes in ``model``'s modeling module (Falcon's
+    ``FALCON_ATTENTION_CLASSES``, GPT-J's, GPT-Neo's) and its keys: such a model picks its
+    attention module by implementation name and computes attention inside it."""
+    for name, value in vars(sys.modules.get(type(model).__module__, object)).items():
+        if name.endswith("_ATTENTION_CLASSES") and isinstance(value, dict):
+            return name, list(value)
+    return None
+
+
 def check_model(model: torch.nn.Module, who: str) -> None:
-    """Refuse a model whose attention does not dispatch to ``attention_forward``."""
+    """Refuse a model whose attention does not dispatch to ``attention_forward``: first one
+    whose architecture never does (whatever it was loaded with), then one loaded with
+    another implementation."""
+    if hasattr(model, "is_backend_compatible") and not model.is_backend_compatible():
+        table = _attention_class_table(model)
+        how = (f"; it builds its attention modules from transformers' {table[0]} (keys {', '.join(table[1])}), so "
+               f'loading it with attn_implementation="{ATTN_IMPLEMENTATION}" raises KeyError in transformers'
+               if table else "")
+        raise ValueError(f"{who}: {type(model).__name__} does not route attention through transformers' "
+                         f"AttentionInterface (_supports_attention_backend is False){how}; supported: models "
+                         "whose attention modules call ALL_ATTENTION_FUNCTIONS (README, 'With transformers')")
     impl = getattr(model.config, "_attn_implementation", None)
     if impl != ATTN_IMPLEMENTATION:
         raise ValueError(f"{who}: the model uses attn_implementation={impl!r}; load it with "
                          f'attn_implementation="{ATTN_IMPLEMENTATION}"')
-    if hasattr(model, "is_backend_compatible") and not model.is_backend_compatible():
-        raise ValueError(f"{who}: {type(model).__name__} does not route attention through transformers' "
-                         "AttentionInterface (_supports_attention_backend is False)")
 
 
 def check_every_layer_attends(model: torch.nn.Module, who: str) -> None:

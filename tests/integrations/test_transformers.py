@@ -520,6 +520,46 @@ def test_multi_head_latent_attention_is_refused_by_name():
         PagedCache(model, num_blocks=4)
 
 
+_OWN_ATTENTION = {  # attention computed inside the module, never through ALL_ATTENTION_FUNCTIONS
+    # picked from a per-model table keyed eager / sdpa / flash_attention_2: "rocm_attn" is a KeyError there
+    "falcon": lambda: transformers.FalconConfig(vocab_size=256, hidden_size=64, num_attention_heads=4,
+                                                num_hidden_layers=2),
+    "gptj": lambda: transformers.GPTJConfig(vocab_size=256, n_embd=64, n_head=4, n_layer=2, rotary_dim=8,
+                                            bos_token_id=1, eos_token_id=2),
+    "gpt_neo": lambda: transformers.GPTNeoConfig(vocab_size=256, hidden_size=64, num_heads=4, num_layers=2,
+                                                 attention_types=[[["global", "local"], 1]], bos_token_id=1,
+                                                 eos_token_id=2),
+    # built under any name, the name ignored
+    "stablelm": lambda: transformers.StableLmConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                    num_attention_heads=4, num_hidden_layers=2),
+}
+_TABLES = {"falcon": "FALCON_ATTENTION_CLASSES", "gptj": "GPTJ_ATTENTION_CLASSES",
+           "gpt_neo": "GPT_NEO_ATTENTION_CLASSES"}
+
+
+@pytest.mark.parametrize("name", list(_OWN_ATTENTION))
+def test_models_computing_their_own_attention_are_refused_by_name(name):
+    """Falcon, GPT-J and GPT-Neo pick their attention module from a per-model table (eager,
+    sdpa, flash_attention_2), so transformers raises KeyError('rocm_attn') building them with
+    our name; loaded otherwise, our entry points told the user to load them with
+    attn_implementation="rocm_attn", which cannot work. Each entry point refuses them by their
+    class before building anything, saying why and what is supported."""
+    from inductor_rocm_attn.integrations.transformers_runner import compile_transformers, eager_runner
+
+    if name in _TABLES:
+        with pytest.raises(KeyError, match="rocm_attn"):
+            transformers.AutoModelForCausalLM.from_config(_OWN_ATTENTION[name](), attn_implementation="rocm_attn")
+    model = transformers.AutoModelForCausalLM.from_config(_OWN_ATTENTION[name](), attn_implementation="eager").eval()
+    why = (rf"{type(model).__name__} does not route attention through transformers' AttentionInterface .*"
+           + (rf"{_TABLES[name]} .*raises KeyError in transformers.*" if name in _TABLES else "")
+           + r"supported: models whose attention modules call ALL_ATTENTION_FUNCTIONS")
+    with pytest.raises(ValueError, match=rf"PagedCache: {why}"):
+        PagedCache(model, num_blocks=4)
+    for make in (eager_runner, compile_transformers):
+        with pytest.raises(ValueError, match=rf"{make.__name__}: {why}"):
+            make(model, num_blocks=4)
+
+
 def test_generate_on_right_padded_or_empty_prompts_says_why():
     """generate() continues a right-padded row (or a row whose prompt was all padding) at
     positions that disagree with its cache: refused at the first decode step, saying which."""
