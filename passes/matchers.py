@@ -328,12 +328,19 @@ def unmerge_views(merged) -> None:
             user.replace_input_with(first, dup)
 
 
-def match_rope(site: LayerSite) -> tuple[RopeMatch | None, str]:
-    """Recognize the RoPE that produced the site's cached key and attention query. Where a
-    form's repeated input is bound to different nodes, the duplicate views above q/k are
-    merged (``merge_duplicate_views``) and the match tried again; they stay merged only on a
-    match."""
-    k_root, q_root = _strip_copies(site.key), _strip_copies(site.query)
+def strip_copies(node: torch.fx.Node) -> torch.fx.Node:
+    """What the attention's query / key carries values of (``_strip_copies``)."""
+    return _strip_copies(node)
+
+
+def match_rope(site: LayerSite, roots: tuple[torch.fx.Node, torch.fx.Node] | None = None
+               ) -> tuple[RopeMatch | None, str]:
+    """Recognize the RoPE that produced the site's cached key and attention query (``roots``:
+    ``(key, query)`` the rotation produced instead, when an op between it and the attention
+    is fused with it: Hunyuan's norm after RoPE). Where a form's repeated input is bound to
+    different nodes, the duplicate views above q/k are merged (``merge_duplicate_views``) and
+    the match tried again; they stay merged only on a match."""
+    k_root, q_root = roots if roots is not None else (_strip_copies(site.key), _strip_copies(site.query))
     m, why = _match_rope_op(k_root, q_root)
     if m is None and not why:
         m, why = _match_rope_hf(k_root, q_root)

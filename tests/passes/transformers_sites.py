@@ -36,6 +36,8 @@ CONFIGS = {
     # GPT-OSS's RoPE: the halves of each head rotated by half-width cos/sin, joined by a cat
     "gpt_oss": lambda: transformers.GptOssConfig(**dict(_COMMON, intermediate_size=128), num_local_experts=4,
                                                  num_experts_per_tok=2, layer_types=["full_attention"]),
+    # Hunyuan: QK-norm after RoPE, per head on the heads-first [B, H, T, D] rotated q/k
+    "hunyuan": lambda: transformers.HunYuanDenseV1Config(**_COMMON),
     # mRoPE: Qwen2-VL applies its sections inside the rotary embedding; the attention rotates
     # with plain apply_rotary_pos_emb on the per-token rows
     "qwen2_vl": lambda: transformers.Qwen2VLTextConfig(
