@@ -45,7 +45,7 @@ class RopeMatch:
     cos_sin_cache: torch.fx.Node | None = None
     cos: torch.fx.Node | None = None  # [B, T, D] (q/k [B, T, H, D]) or [T, D] (q/k [T, H, D])
     sin: torch.fx.Node | None = None
-    cos_batch: int | None = None  # cos/sin [1, T, D] broadcast over this many batch rows
+    cos_batch: int | torch.SymInt | None = None  # cos/sin [1, T, D] broadcast over this many batch rows
 
     @property
     def per_token(self) -> bool:
@@ -210,10 +210,9 @@ def _match_rope_cos_sin(k_root, q_root, kval, qval, why: list) -> tuple[RopeMatc
         batch = None
         if not all(same_size(a, b) for a, b in zip(cos.shape[:-1], lead)):
             c0 = cos.shape[0]
-            if not (rank == 4 and isinstance(c0, int) and c0 == 1 and same_size(cos.shape[1], lead[1])
-                    and isinstance(lead[0], int)):
+            if not (rank == 4 and isinstance(c0, int) and c0 == 1 and same_size(cos.shape[1], lead[1])):
                 return None, f"{form} cos/sin {tuple(cos.shape)} do not give one row per token of {tuple(lead)}"
-            batch = lead[0]  # position_ids [1, T] for a batch of B rows
+            batch = lead[0]  # position_ids [1, T] for a batch of B rows (symbolic under dynamic=True)
         return RopeMatch(form, form not in forms.GPTJ_FORMS, qk["x"], kk["x"], q_root, k_root, d,
                          cos=kk["cos"], sin=kk["sin"], cos_batch=batch), ""
     return None, ""
@@ -437,7 +436,10 @@ def per_token_rows(graph: torch.fx.Graph, rope: RopeMatch, x: torch.fx.Node) -> 
     if rope.form not in per_token or per_token[rope.form][1] == 3:
         return x
     if v.dim() == 3 and rope.cos_batch is not None:  # cos/sin [1, T, D]
-        x = fx_utils.call(graph, aten.expand.default, (x, [rope.cos_batch, -1, -1]))
+        batch = rope.cos_batch
+        if not isinstance(batch, int):  # a symbolic batch: read from the key, without a guard on it
+            batch = fx_utils.call(graph, aten.sym_size.int, (rope.k_in, 0))
+        x = fx_utils.call(graph, aten.expand.default, (x, [batch, -1, -1]))
     if v.dim() == 4 and rope.form in forms.HEADS_FIRST_FORMS:  # q/k [B, H, T, D] -> [B, T, H, D]
         x = fx_utils.call(graph, aten.permute.default, (x, [0, 2, 1, 3]))
         return fx_utils.call(graph, aten.reshape.default, (x, [-1, int(v.shape[1]), int(v.shape[3])]))

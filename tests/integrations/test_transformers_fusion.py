@@ -263,6 +263,42 @@ def test_bf16_every_layer_fused(runs, arch):
     _check_report(run)
 
 
+def test_dynamic_batch_with_shared_positions_fuses_and_matches_eager():
+    """``torch.compile(dynamic=True)``: the batch is symbolic too, and position_ids ``[1, T]``
+    shared by every row give cos/sin ``[1, T, D]`` broadcast over it: the RoPE fusion missed
+    there (the layers ran unfused). Every layer fuses in both graphs (prefill, decode) and
+    the logits match eager."""
+    config = CONFIGS["llama"]()
+    torch.manual_seed(0)
+    ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="rocm_attn").eval()
+    eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+    eager.load_state_dict(ours.state_dict())
+    ids = torch.randint(3, 256, (3, 7), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    was_enabled = ira.compilation.is_enabled()
+    ira.enable()
+    report = ira.fusion_report()
+    report.clear()
+    decoder = ours.get_decoder()
+    decoder.forward = torch.compile(decoder.forward, dynamic=True)
+    try:
+        cache = PagedCache(ours, num_blocks=8, poison=True)
+        with torch.no_grad():
+            prefill = ours(ids, position_ids=torch.arange(7)[None], past_key_values=cache).logits
+            step = prefill[:, -1:].argmax(-1)
+            decode = ours(step, position_ids=torch.tensor([[7]]), past_key_values=cache).logits
+        records = list(report.records)
+    finally:
+        if not was_enabled:
+            ira.disable()
+        torch._dynamo.reset()
+    with torch.no_grad():
+        want = eager(torch.cat([ids, step], 1)).logits
+    assert _rel(prefill, want[:, :7]) < 1e-5 and _rel(decode, want[:, 7:]) < 1e-5
+    fused = [r for r in records if r.fused and r.pass_name == "rope_kv_cache_fusion"]
+    assert len(fused) == 2 * config.num_hidden_layers and not any("MISS" in str(r) for r in records), records
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gpt_oss_all_experts", "gpt_neox", "gemma3", "cohere"])
 def test_compiled_generate_on_gpu_every_layer_fused(arch):
