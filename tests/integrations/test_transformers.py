@@ -509,15 +509,21 @@ def test_dynamic_rope_served_only_below_its_switch(kind):
 
 def test_multi_head_latent_attention_is_refused_by_name():
     """DeepSeek V3's MLA modules carry no head_dim: the refusal said only that no attention
-    modules were found."""
+    modules were found. Each entry point refuses it in its own name."""
     config = transformers.DeepseekV3Config(
         vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16,
         q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, n_group=1,
         topk_group=1)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="rocm_attn").eval()
-    with pytest.raises(NotImplementedError, match=r"DeepseekV3Attention is multi-head latent attention \(MLA"):
-        PagedCache(model, num_blocks=4)
+    from inductor_rocm_attn.integrations.transformers_runner import compile_transformers, eager_runner
+
+    # each entry point names itself (the runners' refusal was worded as PagedCache's)
+    for who, make in (("PagedCache", PagedCache), ("eager_runner", eager_runner),
+                      ("compile_transformers", compile_transformers)):
+        with pytest.raises(NotImplementedError, match=rf"^{who}: DeepseekV3Attention is multi-head latent attention "
+                                                      r"\(MLA"):
+            make(model, num_blocks=4)
 
 
 _OWN_ATTENTION = {  # attention computed inside the module, never through ALL_ATTENTION_FUNCTIONS
