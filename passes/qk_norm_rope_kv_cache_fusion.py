@@ -259,7 +259,8 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
             return match_rope(site, roots=tuple(stand_ins))
         finally:
             for n in stand_ins:
-                graph.erase_node(n)
+                if not n.users:  # a merge of duplicate views may have made one the kept view
+                    graph.erase_node(n)
 
     def _emit_separate(self, graph, site, m, layer: str) -> torch.fx.Node:
         rope, xq, xk, wq, wk, eps, gemma_norm, norm_after_rope = m
