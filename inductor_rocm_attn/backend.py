@@ -488,17 +488,18 @@ class RocmAttentionImpl:
                              kv_cache, attn_metadata, ())
 
     def do_qk_norm_rope_cos_sin_kv_cache_update(self, layer, query, key, value, q_weight, k_weight, eps, cos,
-                                                sin, is_neox, kv_cache, attn_metadata, gemma_norm=False) -> None:
+                                                sin, is_neox, kv_cache, attn_metadata, gemma_norm=False,
+                                                norm_after_rope=False) -> None:
         """Per-head RMSNorm (transformers' rounding; ``gemma_norm``: Gemma's ``1 + weight``),
-        RoPE with per-token cos/sin, both on ``query``/``key`` in place, and the cache write of
-        key and value.
+        RoPE with per-token cos/sin (``norm_after_rope``: RoPE first, then the norm, as
+        Hunyuan), both on ``query``/``key`` in place, and the cache write of key and value.
 
         The fused writer stands for a layer fused at compile time into interleaved V: a layer
         not switched yet (a graph from Inductor's cache, a cache bound after compilation) is
         switched here, its cached data converted, before the first write.
         """
         self._cos_sin_writer("qk_norm_rope_cos_sin_and_cache", layer, query, key, value, cos, sin, is_neox,
-                             kv_cache, attn_metadata, (q_weight, k_weight, eps), (gemma_norm,))
+                             kv_cache, attn_metadata, (q_weight, k_weight, eps), (gemma_norm, norm_after_rope))
 
     def _cos_sin_writer(self, op, layer, query, key, value, cos, sin, is_neox, kv_cache, attn_metadata,
                         norm: tuple, tail: tuple = ()) -> None:

@@ -57,7 +57,7 @@ _SCHEMAS = {
         "qk_norm_rope_cos_sin_and_cache(Tensor(a!) query, Tensor(b!) key, Tensor value, Tensor q_weight, "
         "Tensor k_weight, float eps, Tensor cos, Tensor sin, bool is_neox, Tensor(c!) kv_cache, "
         "Tensor slot_mapping, Tensor k_scale, Tensor v_scale, bool interleaved_v=False, "
-        "bool gemma_norm=False) -> ()"
+        "bool gemma_norm=False, bool norm_after_rope=False) -> ()"
     ),
     "encoder_attention": (
         "encoder_attention(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens, "
@@ -90,7 +90,7 @@ _SCHEMAS = {
     "unified_qk_norm_rope_cos_sin_and_kv_cache_update": (
         "unified_qk_norm_rope_cos_sin_and_kv_cache_update(Tensor(a!) query, Tensor(b!) key, Tensor value, "
         "Tensor q_weight, Tensor k_weight, float eps, Tensor cos, Tensor sin, bool is_neox, "
-        "str layer_name, bool gemma_norm=False) -> Tensor"
+        "str layer_name, bool gemma_norm=False, bool norm_after_rope=False) -> Tensor"
     ),
 }
 
@@ -298,7 +298,8 @@ def _rope_cos_sin_and_cache_fake(query, key, value, cos, sin, is_neox, kv_cache,
 
 @_impl("qk_norm_rope_cos_sin_and_cache")
 def _qk_norm_rope_cos_sin_and_cache(query, key, value, q_weight, k_weight, eps, cos, sin, is_neox, kv_cache,
-                                    slot_mapping, k_scale, v_scale, interleaved_v=False, gemma_norm=False):
+                                    slot_mapping, k_scale, v_scale, interleaved_v=False, gemma_norm=False,
+                                    norm_after_rope=False):
     op = "rocm_attn.qk_norm_rope_cos_sin_and_cache"
     validation.check_rope_cos_sin(op, query, key, value, cos, sin, q_weight, k_weight)
     validation.check_eps(op, eps)
@@ -307,13 +308,13 @@ def _qk_norm_rope_cos_sin_and_cache(query, key, value, q_weight, k_weight, eps, 
                                                                   k_weight=k_weight))
     fn = _select_cos_sin_writer("qk_norm_rope_cos_sin_and_cache", query, value, kv_cache, cos, interleaved_v)
     fn(query, key, value, q_weight, k_weight, eps, cos, sin, is_neox, kv_cache, slot_mapping, k_scale, v_scale,
-       interleaved_v, gemma_norm=gemma_norm)
+       interleaved_v, gemma_norm=gemma_norm, norm_after_rope=norm_after_rope)
 
 
 @_fake("qk_norm_rope_cos_sin_and_cache")
 def _qk_norm_rope_cos_sin_and_cache_fake(query, key, value, q_weight, k_weight, eps, cos, sin, is_neox,
                                          kv_cache, slot_mapping, k_scale, v_scale, interleaved_v=False,
-                                         gemma_norm=False):
+                                         gemma_norm=False, norm_after_rope=False):
     validation.check_same_device("rocm_attn.qk_norm_rope_cos_sin_and_cache", query=query, key=key, value=value,
                                  q_weight=q_weight, k_weight=k_weight, cos=cos, sin=sin, kv_cache=kv_cache,
                                  slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale)
@@ -476,17 +477,20 @@ def _unified_rope_cos_sin_and_kv_cache_update_fake(query, key, value, cos, sin, 
 
 @_impl("unified_qk_norm_rope_cos_sin_and_kv_cache_update")
 def _unified_qk_norm_rope_cos_sin_and_kv_cache_update(query, key, value, q_weight, k_weight, eps, cos, sin,
-                                                      is_neox, layer_name, gemma_norm=False):
-    """Normalizes and rotates ``query``/``key`` in place and writes the cache (interleaved V)."""
+                                                      is_neox, layer_name, gemma_norm=False, norm_after_rope=False):
+    """Normalizes and rotates ``query``/``key`` in place (``norm_after_rope``: rotates, then
+    normalizes) and writes the cache (interleaved V)."""
     layer, metadata = _step("rocm_attn.unified_qk_norm_rope_cos_sin_and_kv_cache_update", layer_name)
     layer.impl.do_qk_norm_rope_cos_sin_kv_cache_update(layer, query, key, value, q_weight, k_weight, eps, cos,
-                                                       sin, is_neox, layer.kv_cache, metadata, gemma_norm)
+                                                       sin, is_neox, layer.kv_cache, metadata, gemma_norm,
+                                                       norm_after_rope)
     return _token(key)
 
 
 @_fake("unified_qk_norm_rope_cos_sin_and_kv_cache_update")
 def _unified_qk_norm_rope_cos_sin_and_kv_cache_update_fake(query, key, value, q_weight, k_weight, eps, cos,
-                                                           sin, is_neox, layer_name, gemma_norm=False):
+                                                           sin, is_neox, layer_name, gemma_norm=False,
+                                                           norm_after_rope=False):
     return _token(key)
 
 

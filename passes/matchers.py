@@ -45,7 +45,7 @@ class RopeMatch:
     cos_sin_cache: torch.fx.Node | None = None
     cos: torch.fx.Node | None = None  # [B, T, D] (q/k [B, T, H, D]) or [T, D] (q/k [T, H, D])
     sin: torch.fx.Node | None = None
-    cos_batch: int | None = None  # cos/sin [1, T, D] broadcast over this many batch rows
+    cos_batch: int | torch.SymInt | None = None  # cos/sin [1, T, D] broadcast over this many batch rows
 
     @property
     def per_token(self) -> bool:
@@ -210,10 +210,9 @@ def _match_rope_cos_sin(k_root, q_root, kval, qval, why: list) -> tuple[RopeMatc
         batch = None
         if not all(same_size(a, b) for a, b in zip(cos.shape[:-1], lead)):
             c0 = cos.shape[0]
-            if not (rank == 4 and isinstance(c0, int) and c0 == 1 and same_size(cos.shape[1], lead[1])
-                    and isinstance(lead[0], int)):
+            if not (rank == 4 and isinstance(c0, int) and c0 == 1 and same_size(cos.shape[1], lead[1])):
                 return None, f"{form} cos/sin {tuple(cos.shape)} do not give one row per token of {tuple(lead)}"
-            batch = lead[0]  # position_ids [1, T] for a batch of B rows
+            batch = lead[0]  # position_ids [1, T] for a batch of B rows (symbolic under dynamic=True)
         return RopeMatch(form, form not in forms.GPTJ_FORMS, qk["x"], kk["x"], q_root, k_root, d,
                          cos=kk["cos"], sin=kk["sin"], cos_batch=batch), ""
     return None, ""
@@ -328,12 +327,19 @@ def unmerge_views(merged) -> None:
             user.replace_input_with(first, dup)
 
 
-def match_rope(site: LayerSite) -> tuple[RopeMatch | None, str]:
-    """Recognize the RoPE that produced the site's cached key and attention query. Where a
-    form's repeated input is bound to different nodes, the duplicate views above q/k are
-    merged (``merge_duplicate_views``) and the match tried again; they stay merged only on a
-    match."""
-    k_root, q_root = _strip_copies(site.key), _strip_copies(site.query)
+def strip_copies(node: torch.fx.Node) -> torch.fx.Node:
+    """What the attention's query / key carries values of (``_strip_copies``)."""
+    return _strip_copies(node)
+
+
+def match_rope(site: LayerSite, roots: tuple[torch.fx.Node, torch.fx.Node] | None = None
+               ) -> tuple[RopeMatch | None, str]:
+    """Recognize the RoPE that produced the site's cached key and attention query (``roots``:
+    ``(key, query)`` the rotation produced instead, when an op between it and the attention
+    is fused with it: Hunyuan's norm after RoPE). Where a form's repeated input is bound to
+    different nodes, the duplicate views above q/k are merged (``merge_duplicate_views``) and
+    the match tried again; they stay merged only on a match."""
+    k_root, q_root = roots if roots is not None else (_strip_copies(site.key), _strip_copies(site.query))
     m, why = _match_rope_op(k_root, q_root)
     if m is None and not why:
         m, why = _match_rope_hf(k_root, q_root)
@@ -430,7 +436,10 @@ def per_token_rows(graph: torch.fx.Graph, rope: RopeMatch, x: torch.fx.Node) -> 
     if rope.form not in per_token or per_token[rope.form][1] == 3:
         return x
     if v.dim() == 3 and rope.cos_batch is not None:  # cos/sin [1, T, D]
-        x = fx_utils.call(graph, aten.expand.default, (x, [rope.cos_batch, -1, -1]))
+        batch = rope.cos_batch
+        if not isinstance(batch, int):  # a symbolic batch: read from the key, without a guard on it
+            batch = fx_utils.call(graph, aten.sym_size.int, (rope.k_in, 0))
+        x = fx_utils.call(graph, aten.expand.default, (x, [batch, -1, -1]))
     if v.dim() == 4 and rope.form in forms.HEADS_FIRST_FORMS:  # q/k [B, H, T, D] -> [B, T, H, D]
         x = fx_utils.call(graph, aten.permute.default, (x, [0, 2, 1, 3]))
         return fx_utils.call(graph, aten.reshape.default, (x, [-1, int(v.shape[1]), int(v.shape[3])]))

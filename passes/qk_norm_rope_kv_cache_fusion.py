@@ -32,6 +32,9 @@ Its norm is transformers' ``Qwen3RMSNorm`` exactly (the normalized value rounded
 dtype before the weight), so only ``forms.RMS_FORMS`` match there, not ``rocm_attn.rms_norm``
 (which rounds once). Gemma's ``Gemma3RMSNorm`` (``1 + weight`` in fp32, rounded once after
 it; Gemma3 normalizes the heads-first ``[B, H, T, D]`` q/k) is the op's ``gemma_norm`` form.
+Hunyuan's order, RoPE first and then the per-head norm of the rotated heads-first q/k (the
+weight does not commute with the rotation), is the op's ``norm_after_rope`` form: matched
+from the attention's q/k back through the norms to the RoPE under them.
 
 RMSNorm is recognized as ``rocm_attn.rms_norm`` or one of ``forms.RMS_FORMS`` (HF casts),
 RoPE by ``matchers.match_rope`` as in ``rope_kv_cache_fusion``. The norm must be over the head dim of a
@@ -97,6 +100,19 @@ def _match_norm(root: torch.fx.Node, which: str, rank: int = 3, op_form: bool = 
                                     "output (" + "; ".join(why) + ")")
 
 
+def _norm_output(node: torch.fx.Node) -> tuple[torch.fx.Node, list | None]:
+    """What the attention's query / key carries the values of, through views and copies, and
+    the permutation in between (None: none): transformers' attention transposes heads-first
+    ``[B, H, T, D]`` heads back to ``[B, T, H, D]``; a permutation that keeps the head dim last
+    commutes with a per-head norm."""
+    node = matchers.strip_copies(node)
+    if node.op == "call_function" and node.target is aten.permute.default:
+        perm = list(node.args[1])
+        if perm[-1] in (-1, len(perm) - 1):
+            return matchers.strip_copies(node.args[0]), perm
+    return node, None
+
+
 def _split_slot(x: torch.fx.Node):
     """``(split node, index)`` when ``x`` views a slice of a last-dim split, else (None, None)."""
     s = fx_utils.strip_views(x)
@@ -115,7 +131,8 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
     def match(self, site):
         rope, why = match_rope(site)
         if rope is None:
-            return None, why
+            after, why_after = self.match_norm_after_rope(site)
+            return (after, "") if after is not None else (None, why_after or why)
         if rope.per_token:
             return self.match_separate(site, rope)
         parts = {}
@@ -185,16 +202,76 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
             return None, "q and k are normalized by different RMSNorm forms (one Gemma's, one not)"
         if value_computed_from_rotated(site.cache.graph, site.value, xq, xk):
             return None, "the cached value is computed from the query/key the fused op normalizes in place"
-        return (rope, xq, xk, wq, wk, float(eps_q), gemma_q), ""
+        return (rope, xq, xk, wq, wk, float(eps_q), gemma_q, False), ""
+
+    def match_norm_after_rope(self, site):
+        """q and k each rotated by a per-token RoPE, then normalized per head (Hunyuan): the
+        op's ``norm_after_rope`` form. ``(m, "")`` as ``match_separate``; ``(None, "")`` when
+        the attention's q / k are not RMSNorm outputs at all (the caller's reason stands)."""
+        parts = {}
+        for which, node in (("q", site.query), ("k", site.key)):
+            root, perm = _norm_output(node)
+            v = fx_utils.val(root)
+            if v is None or v.dim() not in (3, 4):
+                return None, ""
+            x, w, eps, form, why = _match_norm(root, which, v.dim(), op_form=False)
+            if x is None:
+                return None, ""
+            xv, wv = fx_utils.val(x), fx_utils.val(w)
+            if (xv is None or xv.dim() != v.dim() or xv.dtype != v.dtype
+                    or not all(matchers.same_size(a, b) for a, b in zip(xv.shape, v.shape))):
+                return None, f"{which}-norm after RoPE is not over the head dim of the {tuple(v.shape)} heads"
+            if wv is None or tuple(wv.shape) != (int(v.shape[-1]),) or wv.dtype != xv.dtype:
+                return None, (f"{which}-norm after RoPE: weight {tuple(wv.shape) if wv is not None else None} is "
+                              f"not [head_size] = [{int(v.shape[-1])}] in the model dtype {xv.dtype}")
+            parts[which] = (x, w, eps, form in forms.GEMMA_RMS_FORMS, perm)
+        (xq, wq, eps_q, gemma_q, perm_q), (xk, wk, eps_k, gemma_k, perm_k) = parts["q"], parts["k"]
+        if perm_q != perm_k:
+            return None, "the normalized q and k reach the attention through different permutations"
+        rope, why = self._rope_under_norm(site, xk, xq, perm_k)
+        if rope is None:
+            return None, f"q and k are normalized after an op that is not a recognized RoPE: {why}"
+        if not rope.per_token:
+            return None, "the norm follows a RoPE with a cos/sin cache; the norm-after-RoPE writer takes per-token rows"
+        if eps_q != eps_k or not isinstance(eps_q, float):
+            return None, f"q-norm eps {eps_q} and k-norm eps {eps_k} differ or are not constants"
+        if gemma_q != gemma_k:
+            return None, "q and k are normalized by different RMSNorm forms (one Gemma's, one not)"
+        if fx_utils.val(rope.q_in).dtype != fx_utils.val(xq).dtype:
+            return None, "the RoPE changes dtype before the norm; the fused op keeps it"
+        if value_computed_from_rotated(site.cache.graph, site.value, rope.q_in, rope.k_in):
+            return None, "the cached value is computed from the query/key the fused op rotates in place"
+        return (rope, rope.q_in, rope.k_in, wq, wk, float(eps_q), gemma_q, True), ""
+
+    @staticmethod
+    def _rope_under_norm(site, xk, xq, perm):
+        """``match_rope`` on the norms' inputs, seen through the attention's permutation (the
+        RoPE forms end in it): stand-in permutes are inserted for the match and removed
+        again (the fused op replaces what the attention reads, not them)."""
+        if perm is None:
+            return match_rope(site, roots=(xk, xq))
+        graph = site.cache.graph
+        stand_ins = []
+        for x in (xk, xq):
+            with graph.inserting_after(x):
+                stand_ins.append(fx_utils.call(graph, aten.permute.default, (x, perm)))
+        try:
+            return match_rope(site, roots=tuple(stand_ins))
+        finally:
+            for n in stand_ins:
+                if not n.users:  # a merge of duplicate views may have made one the kept view
+                    graph.erase_node(n)
 
     def _emit_separate(self, graph, site, m, layer: str) -> torch.fx.Node:
-        rope, xq, xk, wq, wk, eps, gemma_norm = m
+        rope, xq, xk, wq, wk, eps, gemma_norm, norm_after_rope = m
         q_in, k_in = (per_token_rows(graph, rope, x) for x in (xq, xk))
         cos, sin = per_token_cos_sin(graph, rope)
         kwargs = dict(value=site.value, q_weight=wq, k_weight=wk, eps=eps, cos=cos, sin=sin, is_neox=rope.is_neox,
                       layer_name=layer)
         if gemma_norm:
             kwargs["gemma_norm"] = True
+        if norm_after_rope:
+            kwargs["norm_after_rope"] = True
         return emit_in_place(graph, _SEPARATE_OP, kwargs, site, q_in, k_in, rope.q_out, rope.k_out)
 
     def apply(self, graph: torch.fx.Graph) -> None:
@@ -210,10 +287,12 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
                 continue
             rope = m[0]
             norm = "QK-norm"
+            after = False
             if rope.per_token:
                 eps, op = m[5], _SEPARATE_OP
                 if m[6]:
                     norm = "Gemma QK-norm (1 + weight)"
+                after = m[7]
                 with graph.inserting_before(cache):
                     token = self._emit_separate(graph, site, m, layer)
             else:
@@ -230,8 +309,10 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
             changed = True
             switched = switch_to_interleaved_v(layer)
             style = "NeoX" if rope.is_neox else "GPT-J"
-            self.fused(layer, f"{norm} (eps={eps:g}) + RoPE ({rope.form}, {style}) + KV-cache update -> "
-                       f"{op._opname} (interleaved V)", switched, interleaved_v=True)
+            steps = (f"RoPE ({rope.form}, {style}) + {norm} (eps={eps:g}) after it" if after
+                     else f"{norm} (eps={eps:g}) + RoPE ({rope.form}, {style})")
+            self.fused(layer, f"{steps} + KV-cache update -> {op._opname} (interleaved V)", switched,
+                       interleaved_v=True)
         if changed:
             fx_utils.finish(graph)
 

@@ -627,7 +627,8 @@ def _flag_calls(value):
         ("native.build: force", lambda: native.build(force=value), lambda: True),
         ("PassManager.set_flag: rope_kv_cache_fusion", lambda: mgr.set_flag("rope_kv_cache_fusion", value),
          lambda: mgr.flags["rope_kv_cache_fusion"] is True),
-        ("paged_layers: poison", lambda: ira.integrations.transformers.paged_layers(None, 4, poison=value),
+        ("PagedCache: poison", lambda: ira.integrations.transformers.paged_layers(None, 4, poison=value,
+                                                                                   who="PagedCache"),
          lambda: True),
         ("run_demo: compile", lambda: ira.demo.run_demo(compile=value), lambda: True),
     ]

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 import weakref
 
 import torch
@@ -217,9 +218,9 @@ def learned_position_limit(model: torch.nn.Module) -> int | None:
     return getattr(model.config, "max_position_embeddings", None)
 
 
-def chunk_limit(model: torch.nn.Module) -> int | None:
+def chunk_limit(model: torch.nn.Module, who: str) -> int | None:
     """The longest sequence ``model``'s chunked_attention layers allow (None: no such layer)."""
-    config = next(iter(_attention_modules(_decoder(model)).values())).config
+    config = next(iter(_attention_modules(_decoder(model), who).values())).config
     chunked = "chunked_attention" in (getattr(config, "layer_types", None) or ())
     return getattr(config, "attention_chunk_size", None) if chunked else None
 
@@ -234,23 +235,24 @@ def _head_dim(module) -> int | None:
     return getattr(module, "head_dim", None) or getattr(module, "head_size", None)
 
 
-def _attention_modules(decoder: torch.nn.Module) -> dict[int, torch.nn.Module]:
+def _attention_modules(decoder: torch.nn.Module, who: str) -> dict[int, torch.nn.Module]:
+    """``layer_idx`` -> attention module of ``decoder``; ``who``: the entry point refusals name."""
     found: dict[int, torch.nn.Module] = {}
     for path, m in decoder.named_modules():
         if not all(hasattr(m, a) for a in ("layer_idx", "scaling", "config")) or not isinstance(_head_dim(m), int):
             continue
         if m.layer_idx in found:
             raise NotImplementedError(
-                f"PagedCache: two attention modules share layer_idx {m.layer_idx} ({path}); models "
+                f"{who}: two attention modules share layer_idx {m.layer_idx} ({path}); models "
                 "with several attention stacks (encoder-decoder, cross-attention) are not supported"
             )
         found[m.layer_idx] = m
     if not found:
         mla = next((m for m in decoder.modules() if hasattr(m, "kv_lora_rank") and hasattr(m, "layer_idx")), None)
         if mla is not None:  # DeepSeek V2/V3, Kimi: K/V come from a latent the paged cache does not hold
-            raise NotImplementedError(f"PagedCache: {type(mla).__name__} is multi-head latent attention (MLA, "
+            raise NotImplementedError(f"{who}: {type(mla).__name__} is multi-head latent attention (MLA, "
                                       "kv_lora_rank); only standard multi-head / grouped-query attention is supported")
-        raise ValueError(f"PagedCache: no attention modules (with layer_idx, scaling, head_dim or head_size) in "
+        raise ValueError(f"{who}: no attention modules (with layer_idx, scaling, head_dim or head_size) in "
                          f"{type(decoder).__name__}")
     return found
 
@@ -259,15 +261,32 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_decoder() if hasattr(model, "get_decoder") else model
 
 
+def _attention_class_table(model: torch.nn.Module) -> tuple[str, list[str]] | None:
+    """The per-model table of attention classes in ``model``'s modeling module (Falcon's
+    ``FALCON_ATTENTION_CLASSES``, GPT-J's, GPT-Neo's) and its keys: such a model picks its
+    attention module by implementation name and computes attention inside it."""
+    for name, value in vars(sys.modules.get(type(model).__module__, object)).items():
+        if name.endswith("_ATTENTION_CLASSES") and isinstance(value, dict):
+            return name, list(value)
+    return None
+
+
 def check_model(model: torch.nn.Module, who: str) -> None:
-    """Refuse a model whose attention does not dispatch to ``attention_forward``."""
+    """Refuse a model whose attention does not dispatch to ``attention_forward``: first one
+    whose architecture never does (whatever it was loaded with), then one loaded with
+    another implementation."""
+    if hasattr(model, "is_backend_compatible") and not model.is_backend_compatible():
+        table = _attention_class_table(model)
+        how = (f"; it builds its attention modules from transformers' {table[0]} (keys {', '.join(table[1])}), so "
+               f'loading it with attn_implementation="{ATTN_IMPLEMENTATION}" raises KeyError in transformers'
+               if table else "")
+        raise ValueError(f"{who}: {type(model).__name__} does not route attention through transformers' "
+                         f"AttentionInterface (_supports_attention_backend is False){how}; supported: models "
+                         "whose attention modules call ALL_ATTENTION_FUNCTIONS (README, 'With transformers')")
     impl = getattr(model.config, "_attn_implementation", None)
     if impl != ATTN_IMPLEMENTATION:
         raise ValueError(f"{who}: the model uses attn_implementation={impl!r}; load it with "
                          f'attn_implementation="{ATTN_IMPLEMENTATION}"')
-    if hasattr(model, "is_backend_compatible") and not model.is_backend_compatible():
-        raise ValueError(f"{who}: {type(model).__name__} does not route attention through transformers' "
-                         "AttentionInterface (_supports_attention_backend is False)")
 
 
 def check_every_layer_attends(model: torch.nn.Module, who: str) -> None:
@@ -276,7 +295,7 @@ def check_every_layer_attends(model: torch.nn.Module, who: str) -> None:
     sequences in one row, so state such a layer keeps between steps (or none, under
     ``use_cache=False``) is not per sequence. ``PagedCache`` (one batch, the model's own
     forward) does not need this."""
-    found = _attention_modules(_decoder(model))
+    found = _attention_modules(_decoder(model), who)
     total = getattr(model.config, "num_hidden_layers", None)
     missing = [i for i in range(total or 0) if i not in found]
     if missing:
@@ -288,18 +307,18 @@ def check_every_layer_attends(model: torch.nn.Module, who: str) -> None:
 
 def paged_layers(model: torch.nn.Module, num_blocks: int, *, block_size: int = 16,
                  cache_layout: str = "LHBNC", kv_cache_dtype: str = "auto",
-                 poison: bool = False, max_seq_len: int | None = -1) -> dict[str, Attention]:
+                 poison: bool = False, max_seq_len: int | None = -1, who: str) -> dict[str, Attention]:
     """One ``Attention`` (impl + KV cache of ``num_blocks`` blocks) per attention module of
     ``model``, built from what the module computes (``LayerSpec``), keyed by the name the ops
     carry (``layer_name``). Not registered globally: the owner hands them to the forward
     context as its layer table. ``poison``: caches filled with NaN (tests). ``max_seq_len``:
     the longest sequence the owner allows (-1: what the caches hold; None: the owner checks
-    every step against ``chunk_limit``)."""
-    check_bool("paged_layers", "poison", poison)
+    every step against ``chunk_limit``). ``who``: the entry point its refusals name."""
+    check_bool(who, "poison", poison)
     param = next(model.parameters())
     dtype, device = getattr(model, "dtype", param.dtype), getattr(model, "device", param.device)
     layers: dict[str, Attention] = {}
-    modules = _attention_modules(_decoder(model))
+    modules = _attention_modules(_decoder(model), who)
     for idx, module in sorted(modules.items()):
         spec = LayerSpec.of(module)
         layer = Attention(
@@ -419,8 +438,8 @@ class PagedCache(Cache):
         self._device = getattr(model, "device", param.device)
         self._null_block = num_blocks  # zero keys/values: what a one-token padding row reads
         self._layers = paged_layers(model, num_blocks + 1, block_size=block_size, cache_layout=cache_layout,
-                                    kv_cache_dtype=kv_cache_dtype, poison=poison, max_seq_len=None)
-        self._chunk_limit = chunk_limit(model)  # checked every step (chunked attention layers)
+                                    kv_cache_dtype=kv_cache_dtype, poison=poison, max_seq_len=None, who="PagedCache")
+        self._chunk_limit = chunk_limit(model, "PagedCache")  # checked every step (chunked attention layers)
         for layer in self._layers.values():
             layer.kv_cache[self._null_block].zero_()
         self._allocator = BlockAllocator(num_blocks, block_size)

@@ -127,7 +127,8 @@ def compile_transformers(
         raise ValueError(f"compile_transformers: max_model_len {max_model_len} is above the {positions} positions of "
                          f"{type(model).__name__}'s learned position embedding (max_position_embeddings)")
     layers = paged_layers(model, num_blocks, block_size=block_size, cache_layout=cache_layout,
-                          kv_cache_dtype=kv_cache_dtype, poison=poison, max_seq_len=max_model_len)
+                          kv_cache_dtype=kv_cache_dtype, poison=poison, max_seq_len=max_model_len,
+                          who="compile_transformers")
     return compile_piecewise(
         model, capture_sizes, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
         max_model_len=max_model_len,
@@ -207,5 +208,5 @@ def eager_runner(model: torch.nn.Module, *, num_blocks: int, block_size: int = 1
     _check_step_limits("eager_runner", max_num_seqs, max_num_tokens)  # before the caches are allocated
     check_dynamic_rope(model, "eager_runner", num_blocks * block_size)  # the longest sequence the cache holds
     layers = paged_layers(model, num_blocks, block_size=block_size, cache_layout=cache_layout,
-                          kv_cache_dtype=kv_cache_dtype, poison=poison)
+                          kv_cache_dtype=kv_cache_dtype, poison=poison, who="eager_runner")
     return EagerRunner(model, layers, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens)

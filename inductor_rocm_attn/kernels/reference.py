@@ -223,20 +223,25 @@ def qk_norm_rope_cos_sin_and_cache(
     v_scale: torch.Tensor,
     interleaved_v: bool,
     gemma_norm: bool = False,
+    norm_after_rope: bool = False,
 ) -> None:
     """Per-head RMSNorm (``rms_norm_heads_rounded``; ``gemma_norm``: ``rms_norm_heads_gemma``)
     then RoPE with per-token cos/sin on ``query``/``key`` in place, then the key and ``value``
-    into the cache.
+    into the cache. ``norm_after_rope`` (Hunyuan): RoPE first, rounded to the model dtype,
+    then the norm of the rotated heads, rounded.
 
     Shapes as ``rope_cos_sin_and_cache``; q_weight, k_weight ``[D]`` in the model dtype.
-    Norm and rotation run in float64 between the one rounding the norm defines and the
-    final one.
+    Norm and rotation run in float64 between the roundings the model's order defines.
     """
     c, s, d = cos.to(_ACC), sin.to(_ACC), value.shape[-1]
     norm = rms_norm_heads_gemma if gemma_norm else rms_norm_heads_rounded
     for t, w in ((query, q_weight), (key, k_weight)):
         x = _heads(t, d)
-        x.copy_(_rotate_per_token(norm(x.to(_ACC), w, eps, t.dtype), c, s, is_neox).to(t.dtype))
+        if norm_after_rope:
+            rotated = _rotate_per_token(x.to(_ACC), c, s, is_neox).to(t.dtype).to(_ACC)
+            x.copy_(norm(rotated, w, eps, t.dtype).to(t.dtype))
+        else:
+            x.copy_(_rotate_per_token(norm(x.to(_ACC), w, eps, t.dtype), c, s, is_neox).to(t.dtype))
     reshape_and_cache(_heads(key, d), value, kv_cache, slot_mapping, k_scale, v_scale, interleaved_v)
 
 

@@ -509,15 +509,61 @@ def test_dynamic_rope_served_only_below_its_switch(kind):
 
 def test_multi_head_latent_attention_is_refused_by_name():
     """DeepSeek V3's MLA modules carry no head_dim: the refusal said only that no attention
-    modules were found."""
+    modules were found. Each entry point refuses it in its own name."""
     config = transformers.DeepseekV3Config(
         vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16,
         q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, n_group=1,
         topk_group=1)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="rocm_attn").eval()
-    with pytest.raises(NotImplementedError, match=r"DeepseekV3Attention is multi-head latent attention \(MLA"):
+    from inductor_rocm_attn.integrations.transformers_runner import compile_transformers, eager_runner
+
+    # each entry point names itself (the runners' refusal was worded as PagedCache's)
+    for who, make in (("PagedCache", PagedCache), ("eager_runner", eager_runner),
+                      ("compile_transformers", compile_transformers)):
+        with pytest.raises(NotImplementedError, match=rf"^{who}: DeepseekV3Attention is multi-head latent attention "
+                                                      r"\(MLA"):
+            make(model, num_blocks=4)
+
+
+_OWN_ATTENTION = {  # attention computed inside the module, never through ALL_ATTENTION_FUNCTIONS
+    # picked from a per-model table keyed eager / sdpa / flash_attention_2: "rocm_attn" is a KeyError there
+    "falcon": lambda: transformers.FalconConfig(vocab_size=256, hidden_size=64, num_attention_heads=4,
+                                                num_hidden_layers=2),
+    "gptj": lambda: transformers.GPTJConfig(vocab_size=256, n_embd=64, n_head=4, n_layer=2, rotary_dim=8,
+                                            bos_token_id=1, eos_token_id=2),
+    "gpt_neo": lambda: transformers.GPTNeoConfig(vocab_size=256, hidden_size=64, num_heads=4, num_layers=2,
+                                                 attention_types=[[["global", "local"], 1]], bos_token_id=1,
+                                                 eos_token_id=2),
+    # built under any name, the name ignored
+    "stablelm": lambda: transformers.StableLmConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                    num_attention_heads=4, num_hidden_layers=2),
+}
+_TABLES = {"falcon": "FALCON_ATTENTION_CLASSES", "gptj": "GPTJ_ATTENTION_CLASSES",
+           "gpt_neo": "GPT_NEO_ATTENTION_CLASSES"}
+
+
+@pytest.mark.parametrize("name", list(_OWN_ATTENTION))
+def test_models_computing_their_own_attention_are_refused_by_name(name):
+    """Falcon, GPT-J and GPT-Neo pick their attention module from a per-model table (eager,
+    sdpa, flash_attention_2), so transformers raises KeyError('rocm_attn') building them with
+    our name; loaded otherwise, our entry points told the user to load them with
+    attn_implementation="rocm_attn", which cannot work. Each entry point refuses them by their
+    class before building anything, saying why and what is supported."""
+    from inductor_rocm_attn.integrations.transformers_runner import compile_transformers, eager_runner
+
+    if name in _TABLES:
+        with pytest.raises(KeyError, match="rocm_attn"):
+            transformers.AutoModelForCausalLM.from_config(_OWN_ATTENTION[name](), attn_implementation="rocm_attn")
+    model = transformers.AutoModelForCausalLM.from_config(_OWN_ATTENTION[name](), attn_implementation="eager").eval()
+    why = (rf"{type(model).__name__} does not route attention through transformers' AttentionInterface .*"
+           + (rf"{_TABLES[name]} .*raises KeyError in transformers.*" if name in _TABLES else "")
+           + r"supported: models whose attention modules call ALL_ATTENTION_FUNCTIONS")
+    with pytest.raises(ValueError, match=rf"PagedCache: {why}"):
         PagedCache(model, num_blocks=4)
+    for make in (eager_runner, compile_transformers):
+        with pytest.raises(ValueError, match=rf"{make.__name__}: {why}"):
+            make(model, num_blocks=4)
 
 
 def test_generate_on_right_padded_or_empty_prompts_says_why():

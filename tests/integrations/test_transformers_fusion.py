@@ -5,9 +5,9 @@ One compiled model per architecture (module-scoped; ``model.get_decoder().forwar
 torch.compile(...)``, the plugin on): Llama, Qwen3, Mistral (sliding window), Gemma2 (logits
 soft cap, sliding and full layers alternating), Phi-3 (partial rotary, fused qkv), GPT-OSS (its
 half-width cos/sin RoPE, sinks), GPT-NeoX (heads-first qkv), GLM / GLM4 / Helium / Ernie 4.5
-(GPT-J pairs with rows cut from the NeoX rows; partial for GLM, fp32 for Ernie) and OLMo (its
-clamped projections) in fp32, Ernie 4.5 also in bf16; Qwen3 and GPT-OSS with
-every expert routed in bf16. Each generates from
+(GPT-J pairs with rows cut from the NeoX rows; partial for GLM, fp32 for Ernie), OLMo (its
+clamped projections) and Hunyuan (QK-norm after RoPE) in fp32, Ernie 4.5 and Hunyuan also in
+bf16; Qwen3 and GPT-OSS with every expert routed in bf16. Each generates from
 ragged, left-padded prompts (one prefill + 8 decode steps: two compiled graphs) on a
 ``PagedCache`` and is compared with the same weights under ``attn_implementation="eager"``
 with transformers' own cache.
@@ -31,9 +31,10 @@ every expert routed all of these are within 1e-2 (as for Llama) and the attentio
 both layers within 0.8% of eager's.
 
 The fusion report is asserted per layer: every layer FUSED in every compiled graph (QK-norm +
-RoPE + cache for Qwen3, RoPE + cache for the others), no MISS, and Qwen3's layers switched to
-interleaved V. A last test compiles in two fresh processes sharing one Inductor cache: the
-second is served from the cache, runs no pass, and prints the same report.
+RoPE + cache for Qwen3 and Gemma3, RoPE + QK-norm + cache for Hunyuan, RoPE + cache for the
+others), no MISS, and the QK-norm models' layers switched to interleaved V. A last test
+compiles in two fresh processes sharing one Inductor cache: the second is served from the
+cache, runs no pass, and prints the same report.
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ CONFIGS = {
     # MoE doubles the compile time)
     "olmo": lambda: transformers.OlmoConfig(**{k: v for k, v in _COMMON.items() if k != "rms_norm_eps"},
                                             clip_qkv=0.5),
+    # Hunyuan: RoPE, then the per-head RMSNorm of the rotated heads-first q/k (norm_after_rope)
+    "hunyuan": lambda: transformers.HunYuanDenseV1Config(**_COMMON),
     # the same with top-4 of 4 experts: no expert choice for bf16 rounding to flip (module docstring)
     "gpt_oss_all_experts": lambda: transformers.GptOssConfig(**dict(_COMMON, intermediate_size=128),
                                                              num_local_experts=4, num_experts_per_tok=4,
@@ -105,7 +108,7 @@ COPIES_QK = {"gpt_neox"}
 # Fused in place, on the buffers of the clamp after the projections (not the projections' own)
 CLAMPED_QK = {"olmo"}
 _QK_NORM = ("qk_norm_rope_kv_cache_fusion", "unified_qk_norm_rope_cos_sin_and_kv_cache_update")
-FUSED_OP = {"qwen3": _QK_NORM, "gemma3": _QK_NORM}
+FUSED_OP = {"qwen3": _QK_NORM, "gemma3": _QK_NORM, "hunyuan": _QK_NORM}
 ROPE_ONLY = ("rope_kv_cache_fusion", "unified_rope_cos_sin_and_kv_cache_update")
 
 
@@ -197,12 +200,14 @@ def _check_report(run: Run):
     assert "MISS" not in run.report, run.report
     fused = [r for r in run.records if r.fused]
     assert all(r.pass_name == pass_name and op in r.detail for r in fused), run.report
+    # Hunyuan normalizes after RoPE (the op's norm_after_rope form), the others before it
+    assert all(("QK-norm (eps=1e-06) after it" in r.detail) == (run.arch == "hunyuan") for r in fused), run.report
     graphs = len(fused) // len(run.layers)
     assert graphs >= 2, run.report  # the prefill graph and the decode graph
     for layer in run.layers:  # every layer fused in every compiled graph
         assert sum(r.layer_name == layer for r in fused) == graphs, run.report
     interleaved = [run.cache.layers_by_name[name].interleaved_v for name in run.layers]
-    if run.arch in ("qwen3", "gemma3"):
+    if run.arch in FUSED_OP:
         assert all(r.interleaved_v and r.switched_interleaved_v for r in fused), run.report
         assert "layer switched to interleaved V" in run.report and all(interleaved)
     else:
@@ -250,12 +255,48 @@ def test_teacher_forced_reference_equals_generate_in_fp32(runs):
     assert max(errs) < 1e-5, errs
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gpt_oss_all_experts", "gemma3", "cohere", "ernie4_5"])
+@pytest.mark.parametrize("arch", ["qwen3", "gpt_oss_all_experts", "gemma3", "cohere", "ernie4_5", "hunyuan"])
 def test_bf16_every_layer_fused(runs, arch):
     run = runs(arch, torch.bfloat16)
     errs = [_rel(a, b) for a, b in zip(run.got.logits, run.forced)]
     assert len(errs) == NEW_TOKENS and max(errs) < 3e-2, errs
     _check_report(run)
+
+
+def test_dynamic_batch_with_shared_positions_fuses_and_matches_eager():
+    """``torch.compile(dynamic=True)``: the batch is symbolic too, and position_ids ``[1, T]``
+    shared by every row give cos/sin ``[1, T, D]`` broadcast over it: the RoPE fusion missed
+    there (the layers ran unfused). Every layer fuses in both graphs (prefill, decode) and
+    the logits match eager."""
+    config = CONFIGS["llama"]()
+    torch.manual_seed(0)
+    ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="rocm_attn").eval()
+    eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+    eager.load_state_dict(ours.state_dict())
+    ids = torch.randint(3, 256, (3, 7), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    was_enabled = ira.compilation.is_enabled()
+    ira.enable()
+    report = ira.fusion_report()
+    report.clear()
+    decoder = ours.get_decoder()
+    decoder.forward = torch.compile(decoder.forward, dynamic=True)
+    try:
+        cache = PagedCache(ours, num_blocks=8, poison=True)
+        with torch.no_grad():
+            prefill = ours(ids, position_ids=torch.arange(7)[None], past_key_values=cache).logits
+            step = prefill[:, -1:].argmax(-1)
+            decode = ours(step, position_ids=torch.tensor([[7]]), past_key_values=cache).logits
+        records = list(report.records)
+    finally:
+        if not was_enabled:
+            ira.disable()
+        torch._dynamo.reset()
+    with torch.no_grad():
+        want = eager(torch.cat([ids, step], 1)).logits
+    assert _rel(prefill, want[:, :7]) < 1e-5 and _rel(decode, want[:, 7:]) < 1e-5
+    fused = [r for r in records if r.fused and r.pass_name == "rope_kv_cache_fusion"]
+    assert len(fused) == 2 * config.num_hidden_layers and not any("MISS" in str(r) for r in records), records
 
 
 @pytest.mark.gpu

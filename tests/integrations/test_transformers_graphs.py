@@ -227,6 +227,38 @@ def test_heads_first_models_compile_with_a_dynamic_token_dim(name):
     assert len({s.num_tokens for s in got.steps}) >= 3 and all(s.whole_step_graph for s in got.steps)
 
 
+def test_hunyuan_fuses_every_layer_and_matches_eager():
+    """Hunyuan normalizes q/k after RoPE (heads-first [B, H, T, D]): every layer's QK-norm,
+    RoPE and cache write fuse into the writer's norm_after_rope form in the compiled pieces,
+    and the served prompts match eager transformers, as they do through eager_runner."""
+    torch.manual_seed(0)
+    config = transformers.HunYuanDenseV1Config(**_COMMON, num_hidden_layers=LAYERS, hidden_size=64,
+                                               intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                               head_dim=32)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="rocm_attn",
+                                                          dtype=torch.float32).eval()
+    with torch.no_grad():  # norm weights start at 1, where the two orders agree: make them differ
+        for name, p in model.named_parameters():
+            if "layernorm" in name and "self_attn" in name:
+                p.add_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    want_tokens, want_logits = eager_reference(twin(model, "eager"), prompts())
+    runner = eager_runner(model, num_blocks=32, max_num_seqs=8, max_num_tokens=STEP_TOKENS, poison=True)
+    got = generate(runner, prompts(), NEW_TOKENS, return_logits=True)
+    assert got.tokens == want_tokens
+    assert max(rel(a, b) for g, w in zip(got.logits, want_logits) for a, b in zip(g, w)) < TOL
+    ira.fusion_report().clear()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        runner = compile_transformers(model, num_blocks=32, capture_sizes=[1, 2, 8, 16], max_num_seqs=8,
+                                      max_num_tokens=STEP_TOKENS, poison=True, graph_backend=RerunGraphBackend())
+    records = [r for r in ira.fusion_report().records if r.pass_name == "qk_norm_rope_kv_cache_fusion"]
+    assert records and all(r.fused and "QK-norm (eps=1e-06) after it" in r.detail for r in records), records
+    assert {name for r in records for name in r.serves} == set(runner.layers)  # every layer
+    assert all(layer.interleaved_v for layer in runner.layers.values())
+    got = generate(runner, prompts(), NEW_TOKENS, return_logits=True)
+    assert got.tokens == want_tokens
+    assert max(rel(a, b) for g, w in zip(got.logits, want_logits) for a, b in zip(g, w)) < TOL
+
+
 def test_learned_positions_bound_the_sequence_length():
     """GPT-2's learned position embedding holds n_positions rows: a runner that allowed longer
     sequences (compile_transformers' max_model_len above it; eager_runner's cache) crashed in

@@ -193,6 +193,55 @@ def test_gemma_norm_writer(provider, block_size, head_size, rot_dim, layout, int
     assert_cache_equal(cache.cpu(), cache_op, dtype)
 
 
+def oracle_norm_after_rope(x, w, eps, cos, sin, is_neox, dtype, gemma):
+    """Hunyuan's order: the rotation rounded to ``dtype``, then the RMSNorm of the rotated
+    head (``oracle_norm`` or, ``gemma``, ``oracle_norm_gemma``), rounded to ``dtype``."""
+    rotated = oracle_rope_rows(x.to(torch.float64), cos, sin, is_neox).to(dtype)
+    norm = oracle_norm_gemma if gemma else oracle_norm
+    return norm(rotated, w, eps, dtype).to(dtype)
+
+
+AFTER_CASES = [c + (False,) for c in CASES] + [c + (True,) for c in GEMMA_CASES[:1]]
+
+
+@pytest.mark.parametrize("block_size,head_size,rot_dim,layout,interleaved_v,is_neox,dtype,form,gemma", AFTER_CASES)
+@pytest.mark.parametrize("provider", put.providers_for("qk_norm_rope_cos_sin_and_cache"))
+def test_norm_after_rope_writer(provider, block_size, head_size, rot_dim, layout, interleaved_v, is_neox, dtype,
+                                form, gemma):
+    """``norm_after_rope=True`` (Hunyuan): RoPE first, then the per-head RMSNorm of the rotated
+    head, each rounded where the model rounds; the cache gets the key stored back. The weights
+    are far from 1, so the norm-first order (``w`` before the rotation: it does not commute
+    with it) is told apart."""
+    op = "qk_norm_rope_cos_sin_and_cache"
+    t, hq, hkv, eps = 9, 4, 2, 1e-6
+    seed = 3 * block_size + head_size + rot_dim
+    cache, slots = make_cache(block_size, hkv, head_size, dtype, layout, t, seed)
+    fn = _kernel(provider, op, cache, dtype, head_size, rot_dim, interleaved_v)
+    cache_in = cache.cpu().clone()
+    base, q, k, v = make_qk(t, hq, hkv, head_size, dtype, seed, form)
+    w = (1 + 0.5 * torch.randn(2, head_size, generator=gen(seed + 1))).to(dtype).to(DEV)
+    cos, sin = make_rows(t, rot_dim, dtype, seed + 2)
+    slots = pad_slots(slots)[: t - 2].to(DEV)
+    ks, vs = scales(dtype)
+    heads = [x.cpu().reshape(t, -1, head_size) for x in (q, k)]
+    want = [oracle_norm_after_rope(x, w[i].cpu(), eps, cos, sin, is_neox, dtype, gemma) for i, x in enumerate(heads)]
+    first = oracle_norm_gemma if gemma else oracle_norm
+    other = [oracle_rope_rows(first(x, w[i], eps, dtype).to(torch.float64), cos, sin, is_neox).to(dtype)
+             for i, x in enumerate(heads)]
+    fn(q, k, v, w[0], w[1], eps, cos, sin, is_neox, cache, slots, ks, vs, interleaved_v, gemma_norm=gemma,
+       norm_after_rope=True)
+    tol = 2e-3 if dtype == torch.float16 else 1e-6
+    q, k = q.reshape(t, hq, head_size), k.reshape(t, hkv, head_size)
+    assert rel_err(q, want[0]) < tol and rel_err(k, want[1]) < tol
+    assert rel_err(q, other[0]) > 0.05  # the norm-first order on the same inputs: not a rounding difference
+    if dtype != torch.float32:
+        assert min(_exact_fraction(q, want[0]), _exact_fraction(k, want[1])) > 0.99
+    cache_op = cache_in.clone()
+    oracle_write(cache_op, k.cpu(), v.cpu().reshape(t, hkv, head_size), slots.cpu(), ks.cpu(), vs.cpu(),
+                 interleaved_v)
+    assert_cache_equal(cache.cpu(), cache_op, dtype)
+
+
 @pytest.mark.parametrize("provider,op", ALL)
 def test_empty_slot_mapping_rotates_only(provider, op):
     """A layer without a cache (or a profiling run): q/k rotated in place, the cache not read."""

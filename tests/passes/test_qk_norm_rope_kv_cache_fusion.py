@@ -101,6 +101,21 @@ def _report_of(record):
     return report
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fuses_transformers_hunyuan_norm_after_rope(dtype):
+    """Hunyuan rotates q/k, then normalizes each rotated head (the weight does not commute
+    with the rotation): the op's norm_after_rope form, on the projections' outputs in place."""
+    sites = pytest.importorskip("transformers_sites")
+    fn, args = sites.decoder_layer("hunyuan", dtype)
+    c = capture(fn, *args, dynamic=())
+    assert c.count(PASS) == 1, c.reasons(PASS)
+    assert c.count("rope_kv_cache_fusion") == 0
+    assert "norm_after_rope=True" in c.after and "gemma_norm" not in c.after
+    assert c.after.count("aten.rsqrt") == c.before.count("aten.rsqrt") - 2
+    assert "_query_base_index=0, _key_base_index=1" in c.after
+    assert "after it + KV-cache update" in c.manager.get_pass(PASS).records[0].detail
+
+
 def test_fuses_transformers_qwen3_with_a_dynamic_token_count():
     sites = pytest.importorskip("transformers_sites")
     fn, args = sites.decoder_layer("qwen3", torch.bfloat16)

@@ -57,6 +57,30 @@ def test_disabled_flag_leaves_graph():
 
 
 class TestSnapshots(TestCase):
+    def test_transformers_llama_layer_with_a_dynamic_batch_and_shared_positions(self):
+        """``torch.compile(dynamic=True)`` of a layer whose cos/sin ``[1, T, D]`` (position_ids
+        ``[1, T]``) broadcast over a symbolic batch: the rows are expanded to the batch read
+        from the key at run time (``sym_size``), not int() of the symbol (which would guard
+        the batch); the fusion missed there. Batch and token count both print as T."""
+        sites = pytest.importorskip("transformers_sites")
+        fn, args = sites.decoder_layer("llama", shared_positions=True)
+        hidden, cos, sin = args
+        for a, dims in ((hidden, (0, 1)), (cos, (1,)), (sin, (1,))):
+            for d in dims:
+                torch._dynamo.mark_dynamic(a, d)
+        c = capture(fn, *args, dynamic=())
+        self.assertEqual(c.count(PASS), 1, c.reasons(PASS))
+        after = "\n".join(line for line in c.after.splitlines() if "rope" in line or "sym_size" in line
+                          or "expand" in line or "cos" in line)
+        self.assertExpectedInline(after, """\
+sym_size = aten.sym_size.int(reshape_5, 0)  T
+expand = aten.expand.default(in_8, [sym_size, -1, -1])  float32[T, T, 32]
+reshape_12 = aten.reshape.default(expand, [-1, 32])  float32[T*T, 32]
+sym_size_1 = aten.sym_size.int(reshape_5, 0)  T
+expand_1 = aten.expand.default(in_9, [sym_size_1, -1, -1])  float32[T, T, 32]
+reshape_13 = aten.reshape.default(expand_1, [-1, 32])  float32[T*T, 32]
+auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_rope_cos_sin_and_kv_cache_update.default, value=reshape_9, cos=reshape_12, sin=reshape_13, is_neox=True, layer_name='transformers.layers.0', _query_base_index=0, _key_base_index=1, _all_bases=[reshape_10, reshape_11])""")
+
     def test_llama_op_form(self):
         cfg, block = _block(rope_impl="op", name="llama_op")
         c = capture(block, *block_inputs(cfg))

@@ -36,6 +36,8 @@ CONFIGS = {
     # GPT-OSS's RoPE: the halves of each head rotated by half-width cos/sin, joined by a cat
     "gpt_oss": lambda: transformers.GptOssConfig(**dict(_COMMON, intermediate_size=128), num_local_experts=4,
                                                  num_experts_per_tok=2, layer_types=["full_attention"]),
+    # Hunyuan: QK-norm after RoPE, per head on the heads-first [B, H, T, D] rotated q/k
+    "hunyuan": lambda: transformers.HunYuanDenseV1Config(**_COMMON),
     # mRoPE: Qwen2-VL applies its sections inside the rotary embedding; the attention rotates
     # with plain apply_rotary_pos_emb on the per-token rows
     "qwen2_vl": lambda: transformers.Qwen2VLTextConfig(
@@ -44,8 +46,10 @@ CONFIGS = {
 B, T = 2, 5
 
 
-def decoder_layer(arch: str, dtype=torch.float32, seed: int = 0):
-    """``(fn, (hidden [B, T, 128], cos, sin))``: layer 0 of ``arch`` with the model's cos/sin."""
+def decoder_layer(arch: str, dtype=torch.float32, seed: int = 0, shared_positions: bool = False):
+    """``(fn, (hidden [B, T, 128], cos, sin))``: layer 0 of ``arch`` with the model's cos/sin
+    (``shared_positions``: from ``position_ids [1, T]``, cos/sin ``[1, T, D]`` broadcast over
+    the batch)."""
     config = CONFIGS[arch]()
     torch.manual_seed(seed)
     if arch == "qwen2_vl":
@@ -56,7 +60,7 @@ def decoder_layer(arch: str, dtype=torch.float32, seed: int = 0):
     model.eval()
     layer = model.layers[0]
     hidden = torch.randn(B, T, config.hidden_size, dtype=dtype)
-    positions = torch.arange(T)[None].expand(B, T)
+    positions = torch.arange(T)[None] if shared_positions else torch.arange(T)[None].expand(B, T)
     if arch == "qwen2_vl":  # (temporal, height, width) positions
         positions = torch.stack([positions, positions + 1, positions * 2])
     cos, sin = model.rotary_emb(hidden, positions)

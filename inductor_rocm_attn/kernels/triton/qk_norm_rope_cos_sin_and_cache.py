@@ -28,6 +28,7 @@ def qk_norm_rope_cos_sin_and_cache(
     v_scale: torch.Tensor,
     interleaved_v: bool,
     gemma_norm: bool = False,
+    norm_after_rope: bool = False,
     *,
     cfg: WriterConfig | None = None,
 ) -> None:
@@ -35,6 +36,9 @@ def qk_norm_rope_cos_sin_and_cache(
     rounded to the model dtype, then times ``q_weight``/``k_weight`` ``[head_size]``; with
     ``gemma_norm`` Gemma's: the normalized value times ``1 + weight`` in fp32, then rounded),
     rotate with ``cos``/``sin`` ``[num_tokens, rot_dim]``, both in place, and cache the key and
-    ``value``. Shapes and the other arguments as ``rope_cos_sin_and_cache``."""
+    ``value``; ``norm_after_rope``: rotate first (rounded to the model dtype), then normalize
+    the rotated heads, the result rounded (Hunyuan). Shapes and the other arguments as
+    ``rope_cos_sin_and_cache``."""
     launch(query, key, value, cos, sin, is_neox, kv_cache, slot_mapping, k_scale, v_scale,
-           interleaved_v, q_weight=q_weight, k_weight=k_weight, eps=eps, gemma_norm=gemma_norm, cfg=cfg)
+           interleaved_v, q_weight=q_weight, k_weight=k_weight, eps=eps, gemma_norm=gemma_norm,
+           norm_after_rope=norm_after_rope, cfg=cfg)
