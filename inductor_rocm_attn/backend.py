@@ -291,7 +291,8 @@ class RocmAttentionImpl:
         ``self.interleaved_v`` at run time, so they all follow the switch (layers that share
         this layer's cache too).
         """
-        enabled = bool(enabled)
+        if not isinstance(enabled, bool):  # a truthy string ("False") would convert the cached data
+            raise TypeError(f"set_interleaved_v_cache: enabled must be True or False, got {enabled!r}")
         if enabled == self.interleaved_v:
             return False
         if kv_cache is not None and kv_cache.numel():
@@ -300,11 +301,15 @@ class RocmAttentionImpl:
         note_cache_change()
         return True
 
-    def _signature(self, op: str, x: torch.Tensor, kv_cache: torch.Tensor, num_tokens: int, *extra) -> tuple:
+    def _signature(self, op: str, x: torch.Tensor, kv_cache: torch.Tensor, num_tokens: int, *extra,
+                   interleaved_v: bool | None = None) -> tuple:
+        """``interleaved_v``: the V interior the call will have (None: the layer's now)."""
         device = x.device
         # The token range picks among providers where a measured preference says so.
         bucket = providers.token_bucket(op, device, num_tokens) if op in _SIZED_OPS else 0
-        return (op, device, x.dtype, kv_cache.data_ptr(), kv_cache.dtype, self.interleaved_v, bucket, *extra)
+        if interleaved_v is None:
+            interleaved_v = self.interleaved_v
+        return (op, device, x.dtype, kv_cache.data_ptr(), kv_cache.dtype, interleaved_v, bucket, *extra)
 
     def _resolve(self, sig: tuple, op: str, x: torch.Tensor, kv_cache: torch.Tensor | None,
                  num_tokens: int, features=(), interleaved_v: bool | None = None):
@@ -338,6 +343,15 @@ class RocmAttentionImpl:
                 f"{op}: a q_scale of {self.q_scale} with an fp8 query ({query.dtype}) is not "
                 "supported (as in the seed); an fp8 query needs q_scale 1.0"
             )
+
+    def check_fp8_query(self, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        """What this layer's attention refuses of an fp8 ``query`` whatever the step (its
+        ``q_scale``, a provider for the query's dtype), refused by ``Attention.forward`` before
+        the cache update writes."""
+        self._check_query_scale(query, _ATTN_OP)
+        if self.uses_kv_cache and kv_cache.dim() == 4:  # unbound: the cache update says so
+            providers.select("paged_attention", device=query.device, head_size=self.head_size, dtype=query.dtype,
+                             kv_cache=kv_cache, interleaved_v=self.interleaved_v, num_tokens=query.shape[0])
 
     # --- per-call checks (every call, before anything is written) ---------------------------
 
@@ -464,8 +478,11 @@ class RocmAttentionImpl:
 
         if not step_checks.norm_weights_ok(q_weight, k_weight, eps, self.head_size, kv_cache.device):
             check_all()
-        if not self.interleaved_v:  # converts the cached data: every check first
+        if not self.interleaved_v:  # converts the cached data: every check, and the kernel's choice, first
             check_all()
+            self._resolve(self._signature("qk_norm_rope_and_cache", qkv, kv_cache, t, cos_sin_cache.shape[-1],
+                                          interleaved_v=True),
+                          "qk_norm_rope_and_cache", qkv, kv_cache, t, self._rope_features(cos_sin_cache), True)
             self.set_interleaved_v_cache(True, kv_cache)
         buffers = layer._buffers  # skips nn.Module.__getattr__
         sig = self._signature("qk_norm_rope_and_cache", qkv, kv_cache, t, cos_sin_cache.shape[-1])
@@ -528,17 +545,20 @@ class RocmAttentionImpl:
 
         if norm and not step_checks.norm_weights_ok(*norm, self.head_size, device):
             check_all()
-        if norm and write and not self.interleaved_v:  # the fused QK-norm writer emits interleaved V
-            check_all()  # the switch converts the cached data: every check first
-            self.set_interleaved_v_cache(True, kv_cache)
         cache = kv_cache if write else None
         rot_dim = cos.shape[-1]  # partial rotary changes which providers apply
+        features = ("partial_rotary",) if rot_dim < self.head_size else ()
+        if norm and write and not self.interleaved_v:  # the fused QK-norm writer emits interleaved V
+            check_all()  # the switch converts the cached data: every check, and the kernel's choice, first
+            self._resolve(self._signature(op, query, kv_cache, t, rot_dim, interleaved_v=True), op, query, cache, t,
+                          features, True)
+            self.set_interleaved_v_cache(True, kv_cache)
         sig = (self._signature(op, query, kv_cache, t, rot_dim) if write
                else (op, query.device, query.dtype, rot_dim, "no cache"))
         fn = self._kernels.get(sig)
         if fn is None:
             check_all()
-            fn = self._resolve(sig, op, query, cache, t, ("partial_rotary",) if rot_dim < self.head_size else ())
+            fn = self._resolve(sig, op, query, cache, t, features)
         buffers = layer._buffers  # skips nn.Module.__getattr__
         fn(query, key, value, *norm, cos, sin, is_neox, kv_cache, slot_mapping, buffers["_k_scale"],
            buffers["_v_scale"], self.interleaved_v and write, *tail)

@@ -53,7 +53,7 @@ class ForwardContext:
 _LATEST_COPY: dict[str, str] = {}
 
 _current = ForwardContext()
-_SLOT_PREFIX = "__rocm_attn_slot"  # compilation.dedup.SLOT_PREFIX (not imported: no cycle)
+SLOT_PREFIX = "__rocm_attn_slot"  # the slot aliases of shared compiled code (compilation.dedup)
 
 
 def register_layer(name: str, layer: "Attention") -> None:
@@ -99,7 +99,7 @@ def get_layer(name: str) -> "Attention":
                 f"rocm_attn: no attention layer named {name!r} in this step's layer table "
                 f"(known: {sorted(table)[:8]}...)"
             ) from None
-    if name.startswith(_SLOT_PREFIX):
+    if name.startswith(SLOT_PREFIX):
         raise KeyError(f"rocm_attn: {name!r} is a slot alias of shared compiled code; it resolves only "
                        "inside a step of the piecewise runner that compiled it (runner(input_ids, metadata))")
     try:
@@ -127,6 +127,8 @@ def set_forward_context(attn_metadata: "AttentionMetadata | None", *, profiling:
     attention output), as ``profiling_run()``. ``layers`` (name -> layer): the table layer
     names resolve through during the step, instead of the registry of live layers.
     """
+    if not isinstance(profiling, bool):  # a truthy string ("False") would make this step a profiling run
+        raise TypeError(f"set_forward_context: profiling must be True or False, got {profiling!r}")
     if attn_metadata is None:
         if not profiling:
             raise ValueError(
@@ -146,7 +148,7 @@ def set_forward_context(attn_metadata: "AttentionMetadata | None", *, profiling:
                         f"the registry of live layers), got {type(layers).__name__}")
     global _current
     prev = _current
-    _current = ForwardContext(attn_metadata, extra, layers, bool(profiling))
+    _current = ForwardContext(attn_metadata, extra, layers, profiling)
     try:
         yield _current
     finally:

@@ -382,6 +382,8 @@ def check_qkv(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                              "query, key and value must be on one device (the KV cache's)")
         if x.dtype is not key.dtype and not (name == "query" and is_fp8_dtype(x.dtype)):  # fp8 query: its own dtype
             raise ValueError(f"Attention {layer.layer_name!r}: {name} dtype {x.dtype} != key dtype {key.dtype}")
+    if is_fp8_dtype(query.dtype):  # what the attention refuses of it, refused before the cache update writes
+        layer.impl.check_fp8_query(query, layer.kv_cache)
 
 
 def cache_shape(op: str, layer, kv_cache: torch.Tensor) -> torch.Size:

@@ -1,0 +1,194 @@
+"""A rejected call changes nothing, and nothing wrong is accepted silently.
+
+Each test makes a bad call to a function that writes state (a cache, the allocator's free
+lists, a layer's attributes, the forward context, the builder's buffers) and asserts a clear
+error naming the function, the bad value and what is supported, with the state as before.
+"""
+
+import pytest
+import torch
+
+import inductor_rocm_attn as ira
+from inductor_rocm_attn.forward_context import get_forward_context, registered_layers
+
+from reliability_steps import BS, D, H, HKV, qkv, snapshot, stepped_layer, unchanged
+
+
+def _allocator_state(alloc):
+    return list(alloc._free), {k: list(v) for k, v in alloc._tables.items()}, dict(alloc._lengths)
+
+
+# --- flags given as strings: a truthy "False" must not turn a feature on ----------------------------
+
+
+def test_profiling_flag_must_be_a_bool():
+    before = get_forward_context()
+    with pytest.raises(TypeError, match=r"set_forward_context: profiling must be True or False, got 'False'"):
+        with ira.set_forward_context(None, profiling="False"):
+            pass
+    assert get_forward_context() is before
+
+
+def test_register_flag_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"Attention 'state\.register': register must be True or False, got 'no'"):
+        ira.Attention(H, D, num_kv_heads=HKV, layer_name="state.register", register="no")
+    assert "state.register" not in registered_layers()
+
+
+def test_interleaved_v_switch_must_be_a_bool():
+    s = stepped_layer("state_switch")
+    before = snapshot(s.layer.kv_cache)
+    with pytest.raises(TypeError, match=r"set_interleaved_v_cache: enabled must be True or False, got 'False'"):
+        s.layer.set_interleaved_v_cache("False")
+    assert not s.layer.interleaved_v and unchanged(before, s.layer.kv_cache), "a rejected switch converted the cache"
+
+
+def test_layer_name_of_a_slot_alias_is_refused():
+    # such a layer registers, but its name resolves only to a piecewise runner's slot: every
+    # call of it failed in the forward context's lookup
+    with pytest.raises(ValueError, match=r"Attention: layer_name '__rocm_attn_slot0__' starts with "
+                                         r"'__rocm_attn_slot', reserved for the slot aliases"):
+        ira.Attention(H, D, num_kv_heads=HKV, layer_name="__rocm_attn_slot0__")
+    assert "__rocm_attn_slot0__" not in registered_layers()
+
+
+# --- an fp8 query the attention refuses: refused before the cache update writes ---------------------
+
+
+@pytest.mark.parametrize("q_scale, match", [
+    (0.5, r"unified_attention_with_output: a q_scale of 0\.5 with an fp8 query"),
+    (1.0, r"rocm_attn\.paged_attention: no provider supports this call.*reference supports dtypes .*not "
+          r"torch\.float8_e4m3fn"),
+])
+def test_fp8_query_refused_before_the_cache_update_writes(q_scale, match):
+    s = stepped_layer("state_fp8q", q_scale=q_scale)
+    before = snapshot(s.layer.kv_cache)
+    q, k, v = qkv(s.num_tokens, s.g)
+    with pytest.raises(NotImplementedError, match=match), ira.set_forward_context(s.md):
+        s.layer(q.to(torch.float8_e4m3fn), k, v)
+    assert unchanged(before, s.layer.kv_cache), "the cache update wrote before the attention refused the query"
+
+
+# --- the builder -----------------------------------------------------------------------------------
+
+
+def test_builder_device_must_be_the_buffers():
+    buffers = ira.MetadataBuffers(4, 16, 4, "cpu")
+    first = ira.build_attention_metadata([2], [0], [[1]], BS, buffers=buffers)
+    before = snapshot(buffers.query_start_loc, buffers.seq_lens, buffers.block_table, buffers.slot_mapping,
+                      buffers.positions)
+    # the device was ignored: the metadata landed on the buffers' device
+    with pytest.raises(ValueError, match=r"build_attention_metadata: device meta but the buffers are on cpu"):
+        ira.build_attention_metadata([3], [0], [[2]], BS, "meta", buffers=buffers)
+    assert unchanged(before, buffers.query_start_loc, buffers.seq_lens, buffers.block_table, buffers.slot_mapping,
+                     buffers.positions), "a refused step overwrote the previous step's buffers"
+    assert first.seq_lens.tolist() == [2]
+    md = ira.build_attention_metadata([3], [0], [[2]], BS, "cpu", buffers=buffers)  # the buffers' device: fine
+    assert md.seq_lens.tolist() == [3]
+
+
+def test_builder_device_string_names_the_builder():
+    with pytest.raises(ValueError, match=r"build_attention_metadata: device 'bogus' is not a torch device"):
+        ira.build_attention_metadata([2], [0], [[0]], BS, "bogus")
+
+
+@pytest.mark.parametrize("field", ["query_lens", "context_lens", "block_tables"])
+@pytest.mark.parametrize("kind", ["dict", "set", "generator"])
+def test_builder_per_sequence_arguments_must_be_sequences(field, kind):
+    # a dict was taken by its keys: query_lens {0: 2} planned a sequence of 0 tokens
+    good = dict(query_lens=[2], context_lens=[0], block_tables=[[0]])
+    value = good[field]
+    bad = {"dict": {0: value[0]} if field != "block_tables" else {0: [0]},
+           "set": {0} if field != "block_tables" else {(0,)},
+           "generator": (x for x in value)}[kind]
+    with pytest.raises(TypeError, match=rf"build_attention_metadata: {field} must be a sequence with one entry per "
+                                        rf"sequence \(a list\), got "):
+        ira.build_attention_metadata(**{**good, field: bad}, block_size=BS)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((0, 8, 2), r"MetadataBuffers: max_num_seqs must be a positive int, got 0"),
+    ((4, -1, 2), r"MetadataBuffers: max_num_tokens must be a positive int, got -1"),
+    ((4, 8, "2"), r"MetadataBuffers: max_blocks_per_seq must be a positive int, got '2'"),
+])
+def test_metadata_buffers_sizes(args, match):
+    with pytest.raises(ValueError, match=match):
+        ira.MetadataBuffers(*args, "cpu")
+
+
+def test_metadata_buffers_device_string():
+    with pytest.raises(ValueError, match=r"MetadataBuffers: device 'gpu0' is not a torch device"):
+        ira.MetadataBuffers(4, 8, 2, "gpu0")
+
+
+# --- the block allocator ---------------------------------------------------------------------------
+
+
+def test_block_allocator_block_size_must_be_the_caches():
+    # a block size no cache has: every plan of it was refused later, by the builder
+    with pytest.raises(ValueError, match=r"BlockAllocator: block_size 10 is not supported; it must be a positive "
+                                         r"multiple of 16"):
+        ira.BlockAllocator(8, 10)
+
+
+@pytest.mark.parametrize("seed", ["x", 1.5, True])
+def test_block_allocator_shuffle_seed_must_be_an_int(seed):
+    with pytest.raises(TypeError, match=rf"BlockAllocator: shuffle_seed must be an int or None, got {seed!r}"):
+        ira.BlockAllocator(8, BS, shuffle_seed=seed)
+
+
+@pytest.mark.parametrize("n", [-5, 2.5, "3"])
+def test_block_allocator_blocks_needed(n):
+    alloc = ira.BlockAllocator(8, BS)
+    alloc.allocate("a", 20)
+    before = _allocator_state(alloc)
+    with pytest.raises(ValueError, match=rf"BlockAllocator\.blocks_needed: num_tokens must be an int >= 0, got "
+                                         rf"{n!r}"):
+        alloc.blocks_needed(n)  # -5 needed 0 blocks
+    assert _allocator_state(alloc) == before
+
+
+# --- the piecewise compile -------------------------------------------------------------------------
+
+
+def test_graph_backend_with_graphs_off_is_refused():
+    # the backend captured anyway: the explicit use_cuda_graphs=False was ignored
+    from inductor_rocm_attn.compilation import compile_piecewise
+    from inductor_rocm_attn.compilation.graph_backends import RerunGraphBackend
+
+    with pytest.raises(ValueError, match=r"compile_piecewise: graph_backend given with use_cuda_graphs=False"):
+        compile_piecewise(torch.nn.Linear(2, 2), [1], use_cuda_graphs=False, graph_backend=RerunGraphBackend())
+
+
+# --- the fused QK-norm writers switch a layer to interleaved V: only once nothing can refuse the call --
+
+
+def _layer_with_cache(name, kv_cache_dtype, cache_dtype):
+    layer = ira.Attention(H, D, num_kv_heads=HKV, layer_name=name, kv_cache_dtype=kv_cache_dtype)
+    cache = ira.allocate_kv_cache(ira.KVCacheSpec(BS, HKV, D, cache_dtype, ira.CacheLayout.LHBNC), 8)
+    g = torch.Generator().manual_seed(0)
+    cache.view(torch.uint8).copy_(torch.randint(0, 60, cache.view(torch.uint8).shape, dtype=torch.uint8, generator=g))
+    layer.kv_cache = cache  # assigned by hand: not the dtype the layer names
+    return layer
+
+
+@pytest.mark.parametrize("op", ["qkv", "cos_sin"])
+@pytest.mark.parametrize("kv_cache_dtype, cache_dtype", [("float16", torch.float32), ("auto", torch.float8_e4m3fn)])
+def test_qk_norm_writer_refused_for_the_cache_dtype_leaves_the_v_layout(op, kv_cache_dtype, cache_dtype):
+    # the switch to interleaved V (flag and cached data) ran before the kernel's choice refused the cache
+    layer = _layer_with_cache(f"state.qkn.{op}.{kv_cache_dtype}", kv_cache_dtype, cache_dtype)
+    md = ira.build_attention_metadata([3], [0], [[1]], BS)
+    w, t = torch.ones(D), 3
+    q, k, v = torch.randn(t, H, D), torch.randn(t, HKV, D), torch.randn(t, HKV, D)
+    before = snapshot(layer.kv_cache, q, k)
+    with pytest.raises(ValueError, match=rf"the layer is configured with kv_cache_dtype='{kv_cache_dtype}' but its KV "
+                                         rf"cache is {cache_dtype}"), ira.set_forward_context(md):
+        if op == "qkv":
+            torch.ops.rocm_attn.unified_qk_norm_rope_and_kv_cache_update(
+                torch.randn(t, (H + 2 * HKV) * D), w, w, 1e-6, md.positions, torch.randn(64, D), True, H, HKV, D,
+                layer.layer_name)
+        else:
+            torch.ops.rocm_attn.unified_qk_norm_rope_cos_sin_and_kv_cache_update(
+                q, k, v, w, w, 1e-6, torch.randn(t, D), torch.randn(t, D), True, layer.layer_name)
+    assert not layer.interleaved_v, "a refused call switched the layer to interleaved V"
+    assert unchanged(before, layer.kv_cache, q, k), "a refused call converted the cache or rotated q/k"
