@@ -192,3 +192,35 @@ def test_qk_norm_writer_refused_for_the_cache_dtype_leaves_the_v_layout(op, kv_c
                 q, k, v, w, w, 1e-6, torch.randn(t, D), torch.randn(t, D), True, layer.layer_name)
     assert not layer.interleaved_v, "a refused call switched the layer to interleaved V"
     assert unchanged(before, layer.kv_cache, q, k), "a refused call converted the cache or rotated q/k"
+
+
+# --- kernel-level ops: the per-head values a layer refuses at construction ---------------------------
+
+
+@pytest.mark.parametrize("name, bad, match", [
+    ("sinks", float("nan"), r"sinks must not hold NaN or \+inf"),
+    ("sinks", float("inf"), r"sinks must not hold NaN or \+inf"),
+    ("alibi_slopes", float("inf"), r"alibi_slopes must be finite"),
+    ("alibi_slopes", float("nan"), r"alibi_slopes must be finite"),
+])
+@pytest.mark.parametrize("op", ["paged_attention", "encoder_attention"])
+def test_kernel_ops_refuse_per_head_values_a_layer_refuses(op, name, bad, match):
+    # accepted, they turned every row of the output NaN
+    from cases import make_paged_case, poison
+
+    c = make_paged_case([1, 3, 2], [20, 5, 0], dtype=torch.float32)
+    per_head = torch.zeros(c.query.shape[1])
+    per_head[1] = bad
+    out = poison(torch.empty_like(c.query))
+    before = snapshot(out, c.kv_cache)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.{op}: {match}"):
+        if op == "paged_attention":
+            torch.ops.rocm_attn.paged_attention(out, c.query, c.key, c.value, c.kv_cache, c.query_start_loc, c.seq_lens,
+                                                c.block_table, c.max_query_len, c.max_seq_len, 0.125, c.k_scale,
+                                                c.v_scale, **{name: per_head})
+        else:
+            t = c.query.shape[0]
+            torch.ops.rocm_attn.encoder_attention(c.query, c.key, c.value, torch.tensor([0, t], dtype=torch.int32),
+                                                  t, 0.125, **{name: per_head})
+    assert unchanged(before, out, c.kv_cache)
+
