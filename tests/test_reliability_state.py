@@ -224,3 +224,26 @@ def test_kernel_ops_refuse_per_head_values_a_layer_refuses(op, name, bad, match)
                                                   t, 0.125, **{name: per_head})
     assert unchanged(before, out, c.kv_cache)
 
+
+
+# --- the piecewise runner: capture() overwrites the metadata buffers -------------------------------
+
+
+def test_a_step_prepared_before_capture_is_refused_after_it():
+    # capture() fills the buffers with its dummy steps (slots -1): the step prepared before it
+    # ran on them, writing no cache and attending over the dummy sequences, silently
+    from inductor_rocm_attn.compilation import RerunGraphBackend, compile_piecewise
+    from inductor_rocm_attn.models import TinyDecoder, qwen3_config
+
+    cfg = qwen3_config(num_layers=1)
+    model = TinyDecoder(cfg, name="state.capture").eval()
+    ira.bind_kv_caches(model, 16, torch.float32, poison=True)
+    runner = compile_piecewise(model, [4], max_model_len=64, plugin=False, capture=False,
+                               graph_backend=RerunGraphBackend())
+    md = runner.prepare([3], [0], [[2]])
+    ids = torch.tensor([1, 2, 3])
+    runner.capture()
+    with pytest.raises(ValueError, match=r"PiecewiseRunner: the metadata is not the latest runner\.prepare"):
+        runner(ids, md)
+    md = runner.prepare([3], [0], [[2]])  # prepared again: runs
+    assert torch.isfinite(runner(ids, md)).all()

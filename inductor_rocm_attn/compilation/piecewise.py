@@ -331,7 +331,9 @@ class PiecewiseRunner:
         self._step_graphs.clear()
         self._mixed_graphs.clear()
         self._shapes.clear()
-        self._step_md = self._step_shape = None
+        # the capture's dummy steps overwrite the metadata buffers: a step prepared before it
+        # would run on them (no cache write, attention over the dummy sequences)
+        self._step_md = self._step_shape = self._prepared = None
         threads = precompile.default_compile_threads() if compile_threads is None else compile_threads
         if threads > 1 and isinstance(backend, CudaGraphBackend):
             self._precompile(threads)
