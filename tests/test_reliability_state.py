@@ -247,3 +247,46 @@ def test_a_step_prepared_before_capture_is_refused_after_it():
         runner(ids, md)
     md = runner.prepare([3], [0], [[2]])  # prepared again: runs
     assert torch.isfinite(runner(ids, md)).all()
+
+
+# --- generate and the transformers helpers: flags given as strings --------------------------------
+
+
+class _NoStepRunner:
+    """A runner's limits and one cache; generate() must refuse its arguments before a step."""
+
+    block_size, max_num_tokens, max_num_seqs, max_model_len = BS, 16, 4, 96
+
+    def __init__(self):
+        layer = ira.Attention(H, D, num_kv_heads=HKV, layer_name=f"state.gen.{id(self)}")
+        ira.bind_kv_caches(layer, 8, torch.float32)
+        self.layers = {layer.layer_name: layer}
+
+    def prepare(self, *args, **kwargs):
+        raise AssertionError("generate() planned a step before refusing its arguments")
+
+
+def test_generate_return_logits_must_be_a_bool():
+    from inductor_rocm_attn.integrations.batching import generate
+
+    with pytest.raises(TypeError, match=r"generate: return_logits must be True or False, got 'no'"):
+        generate(_NoStepRunner(), [[1, 2]], 2, return_logits="no")
+
+
+def _tiny_transformers_model():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="rocm_attn").eval()
+
+
+@pytest.mark.parametrize("who", ["PagedCache", "eager_runner"])
+def test_transformers_poison_flag_must_be_a_bool(who):
+    from inductor_rocm_attn.integrations.transformers import PagedCache
+    from inductor_rocm_attn.integrations.transformers_runner import eager_runner
+
+    model = _tiny_transformers_model()
+    hooks = dict(model.model._forward_pre_hooks)
+    with pytest.raises(TypeError, match=rf"{who}: poison must be True or False, got 'False'"):
+        (PagedCache if who == "PagedCache" else eager_runner)(model, num_blocks=4, poison="False")
+    assert dict(model.model._forward_pre_hooks) == hooks

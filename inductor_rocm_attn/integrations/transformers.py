@@ -286,6 +286,11 @@ def check_every_layer_attends(model: torch.nn.Module, who: str) -> None:
         )
 
 
+def check_poison(who: str, poison) -> None:
+    if not isinstance(poison, bool):  # a truthy string ("False") filled the caches with NaN
+        raise TypeError(f"{who}: poison must be True or False, got {poison!r}")
+
+
 def paged_layers(model: torch.nn.Module, num_blocks: int, *, block_size: int = 16,
                  cache_layout: str = "LHBNC", kv_cache_dtype: str = "auto",
                  poison: bool = False, max_seq_len: int | None = -1) -> dict[str, Attention]:
@@ -411,6 +416,7 @@ class PagedCache(Cache):
         super().__init__(layers=[])
         check_model(model, "PagedCache")
         check_positive_int("PagedCache", "num_blocks", num_blocks)
+        check_poison("PagedCache", poison)
         decoder = _decoder(model)
         param = next(model.parameters())
         self.block_size, self.num_blocks = block_size, num_blocks

@@ -42,7 +42,7 @@ from ..config_checks import check_runner_config
 from ..forward_context import set_forward_context
 from ..metadata import AttentionMetadata, build_attention_metadata
 from ..validation import check_positive_int, check_token_ids, vocab_size_of
-from .transformers import (check_dynamic_rope, check_every_layer_attends, check_model,
+from .transformers import (check_dynamic_rope, check_every_layer_attends, check_model, check_poison,
                            learned_position_limit, paged_layers)
 
 __all__ = ["EagerRunner", "compile_transformers", "eager_runner", "step_forward"]
@@ -200,6 +200,7 @@ def eager_runner(model: torch.nn.Module, *, num_blocks: int, block_size: int = 1
     check_model(model, "eager_runner")
     check_every_layer_attends(model, "eager_runner")
     check_positive_int("eager_runner", "num_blocks", num_blocks)
+    check_poison("eager_runner", poison)
     _check_step_limits("eager_runner", max_num_seqs, max_num_tokens)  # before the caches are allocated
     check_dynamic_rope(model, "eager_runner", num_blocks * block_size)  # the longest sequence the cache holds
     layers = paged_layers(model, num_blocks, block_size=block_size, cache_layout=cache_layout,
