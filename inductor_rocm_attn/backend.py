@@ -412,6 +412,9 @@ class RocmAttentionImpl:
             op = "rotary_embedding"
             step_checks.check_rope_inputs("rocm_attn.rotary_embedding", positions, cos_sin_cache, t, query.device,
                                   attn_metadata)
+            step_checks.check_heads("rocm_attn.rotary_embedding", "query", query, self.num_heads, self.head_size, t)
+            if key is not None:
+                step_checks.check_heads("rocm_attn.rotary_embedding", "key", key, self.num_kv_heads, self.head_size, t)
             step_checks.check_rotated("rocm_attn.rotary_embedding", query, key, None)
             sig = (op, query.device, query.dtype, rot_dim, providers.token_bucket(op, query.device, t))
             fn = self._kernels.get(sig)
@@ -426,6 +429,7 @@ class RocmAttentionImpl:
         if t != kv_t or query.dtype is not key.dtype or query.device != kv_cache.device:
             raise ValueError(f"{op}: query ({tuple(query.shape)}, {query.dtype}, {query.device}) must match key "
                              f"({tuple(key.shape)}, {key.dtype}) on the KV cache's device {kv_cache.device}")
+        step_checks.check_heads(op, "query", query, self.num_heads, self.head_size, t)
         step_checks.check_rope_inputs(op, positions, cos_sin_cache, t, kv_cache.device, attn_metadata)
         step_checks.check_rotated(op, query, key, value)
         buffers = layer._buffers  # skips nn.Module.__getattr__
@@ -530,6 +534,9 @@ class RocmAttentionImpl:
                                            self.head_size)
         device = kv_cache.device if write else value.device
         step_checks.check_cos_sin_call(name, query, key, value, cos, sin, device)
+        step_checks.check_heads(name, "query", query, self.num_heads, self.head_size, t)
+        if not write:  # else the cache update's check took key's rows
+            step_checks.check_heads(name, "key", key, self.num_kv_heads, self.head_size, t)
         step_checks.check_rotated(name, query, key, value if write else None)
         slot_mapping = attn_metadata.slot_mapping if write else _NO_SLOTS.get(query.device)
         if slot_mapping is None:

@@ -230,6 +230,17 @@ def check_cos_sin_call(op: str, query: torch.Tensor, key: torch.Tensor, value: t
         )
 
 
+def check_heads(op: str, name: str, x: torch.Tensor, num_heads: int, head_size: int, num_tokens: int) -> None:
+    """Every call of a fused RoPE layer op, which rotates ``x`` in place: the layer's heads,
+    ``[num_tokens, num_heads, head_size]`` or ``[num_tokens, num_heads * head_size]`` (the kernels
+    rotate whatever heads they are given, and another head size pairs other channels)."""
+    xs = x.shape
+    if not ((len(xs) == 3 and xs[0] == num_tokens and xs[1] == num_heads and xs[2] == head_size)
+            or (len(xs) == 2 and xs[0] == num_tokens and xs[1] == num_heads * head_size)):
+        raise ValueError(f"{op}: {name} must be the layer's heads, [{num_tokens}, {num_heads}, {head_size}] or "
+                         f"[{num_tokens}, {num_heads} * {head_size}], got {tuple(xs)}")
+
+
 def check_rotated(op: str, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None) -> None:
     """Every call of a fused RoPE layer op, which rotates ``query`` and ``key`` (None: only the
     query) in place (and caches ``value``, None: not written): neither expanded nor the memory

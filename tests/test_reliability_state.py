@@ -290,3 +290,61 @@ def test_transformers_poison_flag_must_be_a_bool(who):
     with pytest.raises(TypeError, match=rf"{who}: poison must be True or False, got 'False'"):
         (PagedCache if who == "PagedCache" else eager_runner)(model, num_blocks=4, poison="False")
     assert dict(model.model._forward_pre_hooks) == hooks
+
+
+# --- fused RoPE layer ops: the query must be the layer's heads, on every call -----------------------
+
+
+def _fused_rope_call(op, layer, md, q, k, v):
+    t = q.shape[0]
+    g = torch.Generator().manual_seed(1)
+    with ira.set_forward_context(md):
+        if op == "rope":
+            torch.ops.rocm_attn.unified_rope_and_kv_cache_update(md.positions, q, k, v, torch.randn(64, D, generator=g),
+                                                                 True, layer.layer_name)
+        elif op == "rope_cos_sin":
+            torch.ops.rocm_attn.unified_rope_cos_sin_and_kv_cache_update(
+                q, k, v, torch.randn(t, D, generator=g), torch.randn(t, D, generator=g), True, layer.layer_name)
+        else:
+            w = torch.ones(D)
+            torch.ops.rocm_attn.unified_qk_norm_rope_cos_sin_and_kv_cache_update(
+                q, k, v, w, w, 1e-6, torch.randn(t, D, generator=g), torch.randn(t, D, generator=g), True,
+                layer.layer_name)
+
+
+@pytest.mark.parametrize("op", ["rope", "rope_cos_sin", "qk_norm_rope_cos_sin"])
+@pytest.mark.parametrize("shape", [(H + 1, D), (H // 2, D), (H, D // 2)])
+@pytest.mark.parametrize("first", [True, False])
+def test_fused_rope_layer_ops_refuse_a_query_of_other_heads(op, shape, first):
+    # the kernels rotated whatever heads they were given and wrote the cache (the attention
+    # refused the query afterwards); a query of another head size was rotated in other pairs
+    s = stepped_layer(f"state_heads_{op}")
+    t = s.num_tokens
+    if not first:  # a good call of the same signature first: the check is not a first-call one
+        _fused_rope_call(op, s.layer, s.md, torch.randn(t, H, D), torch.randn(t, HKV, D), torch.randn(t, HKV, D))
+    q, k, v = torch.randn(t, *shape), torch.randn(t, HKV, D), torch.randn(t, HKV, D)
+    before = snapshot(s.layer.kv_cache, q, k)
+    with pytest.raises(ValueError, match=rf"query must be the layer's heads, \[{t}, {H}, {D}\] or \[{t}, {H} \* {D}\], "
+                                         rf"got \({t}, {shape[0]}, {shape[1]}\)"):
+        _fused_rope_call(op, s.layer, s.md, q, k, v)
+    assert unchanged(before, s.layer.kv_cache, q, k), "a refused call rotated q/k or wrote the cache"
+
+
+def test_rotary_only_layer_op_refuses_a_key_of_other_heads():
+    # a profiling run (no cache write): the rotation of key in place checked its heads on the
+    # first call of a signature only
+    layer = ira.Attention(H, D, num_kv_heads=HKV, layer_name="state.rotary_only")
+    t = 3
+    cs = torch.randn(64, D)
+    pos = torch.arange(t)
+    with ira.profiling_run():
+        torch.ops.rocm_attn.unified_rope_and_kv_cache_update(pos, torch.randn(t, H, D), torch.randn(t, HKV, D),
+                                                             torch.randn(t, HKV, D), cs, True, layer.layer_name)
+        q, k = torch.randn(t, H, D), torch.randn(t, HKV, D // 2)
+        before = snapshot(q, k)
+        with pytest.raises(ValueError, match=rf"rocm_attn\.rotary_embedding: key must be the layer's heads, "
+                                             rf"\[{t}, {HKV}, {D}\] or \[{t}, {HKV} \* {D}\], got \({t}, {HKV}, "
+                                             rf"{D // 2}\)"):
+            torch.ops.rocm_attn.unified_rope_and_kv_cache_update(pos, q, k, torch.randn(t, HKV, D), cs, True,
+                                                                 layer.layer_name)
+        assert unchanged(before, q, k)
