@@ -22,6 +22,7 @@ from .layout import (
     KVCacheSpec,
     SUPPORTED_KV_CACHE_DTYPES,
     cache_torch_dtype,
+    check_spec,
     convert_v_layout_,
     customize_spec,
     is_fp8_dtype,
@@ -135,9 +136,12 @@ class RocmAttentionBackend:
         """The spec with K and V as two head slots (``num_head_slots = 2``), so a block is a
         K page and a V page; its ``state_content_bytes`` is the seed's: the bytes one token
         takes in one head slot. Raises for a block or head size the backend does not support."""
-        capabilities.check_cache_geometry(spec.block_size, spec.head_size, "RocmAttentionBackend.customize_spec")
+        op = "RocmAttentionBackend.customize_spec"
+        capabilities.check_cache_geometry(spec.block_size, spec.head_size, op)
         if spec.num_head_slots != 2:
             spec = dataclasses.replace(spec, num_head_slots=2)
+        if isinstance(spec, KVCacheSpec):  # its head count, dtype and layout too (an engine's own spec: duck-typed)
+            check_spec(spec, op)
         return spec
 
     @classmethod

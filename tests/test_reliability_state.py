@@ -348,3 +348,17 @@ def test_rotary_only_layer_op_refuses_a_key_of_other_heads():
             torch.ops.rocm_attn.unified_rope_and_kv_cache_update(pos, q, k, torch.randn(t, HKV, D), cs, True,
                                                                  layer.layer_name)
         assert unchanged(before, q, k)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("num_kv_heads", 0, r"num_kv_heads must be a positive int, got 0"),
+    ("dtype", torch.int32, r"dtype torch\.int32 is not a cache dtype"),
+    ("layout", "lbhnc", r"layout 'lbhnc' is not supported"),
+])
+def test_backend_customize_spec_refuses_what_no_cache_can_be(field, value, match):
+    # answered as a valid spec: the allocation refused it later
+    import dataclasses
+
+    spec = dataclasses.replace(ira.KVCacheSpec(BS, HKV, D, torch.float32), **{field: value})
+    with pytest.raises(ValueError, match=rf"RocmAttentionBackend\.customize_spec: {match}"):
+        ira.RocmAttentionBackend.customize_spec(spec)
