@@ -362,3 +362,22 @@ def test_backend_customize_spec_refuses_what_no_cache_can_be(field, value, match
     spec = dataclasses.replace(ira.KVCacheSpec(BS, HKV, D, torch.float32), **{field: value})
     with pytest.raises(ValueError, match=rf"RocmAttentionBackend\.customize_spec: {match}"):
         ira.RocmAttentionBackend.customize_spec(spec)
+
+
+def test_rotary_only_layer_op_refuses_a_key_of_other_rows():
+    # a key with more rows than positions: the kernel read positions past their end
+    layer = ira.Attention(H, D, num_kv_heads=HKV, layer_name="state.rotary_only_rows")
+    t = 3
+    cs = torch.randn(64, D)
+    pos = torch.arange(t)
+    with ira.profiling_run():
+        torch.ops.rocm_attn.unified_rope_and_kv_cache_update(pos, torch.randn(t, H, D), torch.randn(t, HKV, D),
+                                                             torch.randn(t, HKV, D), cs, True, layer.layer_name)
+        q, k = torch.randn(t, H, D), torch.randn(t + 2, HKV, D)
+        before = snapshot(q, k)
+        with pytest.raises(ValueError, match=rf"rocm_attn\.rotary_embedding: key must be the layer's heads, "
+                                             rf"\[{t}, {HKV}, {D}\] or \[{t}, {HKV} \* {D}\], got \({t + 2}, {HKV}, "
+                                             rf"{D}\)"):
+            torch.ops.rocm_attn.unified_rope_and_kv_cache_update(pos, q, k, torch.randn(t, HKV, D), cs, True,
+                                                                 layer.layer_name)
+        assert unchanged(before, q, k)
