@@ -381,3 +381,26 @@ def test_rotary_only_layer_op_refuses_a_key_of_other_rows():
             torch.ops.rocm_attn.unified_rope_and_kv_cache_update(pos, q, k, torch.randn(t, HKV, D), cs, True,
                                                                  layer.layer_name)
         assert unchanged(before, q, k)
+
+
+def test_prepare_refuses_a_sequence_past_max_model_len():
+    # planned within the block table's width (max_model_len rounded up to whole blocks): a
+    # model with learned positions indexed its embedding past them (a device assert on a GPU),
+    # and a whole-step plan's max_seq_len hint was below the sequence
+    from inductor_rocm_attn.compilation import RerunGraphBackend, compile_piecewise
+    from inductor_rocm_attn.models import TinyDecoder, qwen3_config
+
+    model = TinyDecoder(qwen3_config(num_layers=1), name="state.max_model_len").eval()
+    ira.bind_kv_caches(model, 16, torch.float32, poison=True)
+    runner = compile_piecewise(model, [4], max_model_len=60, plugin=False, graph_backend=RerunGraphBackend())
+    md = runner.prepare([2], [0], [[3]])
+    buffers = runner.buffers
+    before = snapshot(buffers.query_start_loc, buffers.seq_lens, buffers.block_table, buffers.slot_mapping,
+                      buffers.positions)
+    for whole_step in (True, False):
+        with pytest.raises(ValueError, match=r"PiecewiseRunner\.prepare: the step has a sequence of 62 tokens, more "
+                                             r"than max_model_len=60"):
+            runner.prepare([1], [61], [[0, 1, 2, 4]], whole_step=whole_step)
+    assert unchanged(before, buffers.query_start_loc, buffers.seq_lens, buffers.block_table, buffers.slot_mapping,
+                     buffers.positions)
+    assert torch.isfinite(runner(torch.tensor([1, 2]), md)).all()  # the step prepared before still runs

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -218,9 +219,13 @@ class PiecewiseRunner:
                             f"got {type(query_lens).__name__}")
         try:
             n = sum(query_lens)
+            longest = max(map(operator.add, query_lens, context_lens), default=0)
         except TypeError:  # an entry that is not an int: the builder's error names it
             build_attention_metadata(query_lens, context_lens, block_tables, self.block_size)
             raise
+        if longest > self.max_model_len:  # learned positions past it index outside the embedding
+            raise ValueError(f"PiecewiseRunner.prepare: the step has a sequence of {longest} tokens, more than "
+                             f"max_model_len={self.max_model_len}")
         size = self.padded_size(n)
         shape = self._whole_step_shape(query_lens, n, size, whole_step) if whole_step else None
         # The runner's state changes only once the step is planned: a rejected step leaves the
