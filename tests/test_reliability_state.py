@@ -383,16 +383,22 @@ def test_rotary_only_layer_op_refuses_a_key_of_other_rows():
         assert unchanged(before, q, k)
 
 
-def test_prepare_refuses_a_sequence_past_max_model_len():
-    # planned within the block table's width (max_model_len rounded up to whole blocks): a
-    # model with learned positions indexed its embedding past them (a device assert on a GPU),
-    # and a whole-step plan's max_seq_len hint was below the sequence
+@pytest.fixture(scope="module")
+def small_runner():
+    """A one-layer decoder compiled piecewise, graphs emulated (max_model_len 60)."""
     from inductor_rocm_attn.compilation import RerunGraphBackend, compile_piecewise
     from inductor_rocm_attn.models import TinyDecoder, qwen3_config
 
-    model = TinyDecoder(qwen3_config(num_layers=1), name="state.max_model_len").eval()
+    model = TinyDecoder(qwen3_config(num_layers=1), name="state.small_runner").eval()
     ira.bind_kv_caches(model, 16, torch.float32, poison=True)
-    runner = compile_piecewise(model, [4], max_model_len=60, plugin=False, graph_backend=RerunGraphBackend())
+    return compile_piecewise(model, [4], max_model_len=60, plugin=False, graph_backend=RerunGraphBackend())
+
+
+def test_prepare_refuses_a_sequence_past_max_model_len(small_runner):
+    # planned within the block table's width (max_model_len rounded up to whole blocks): a
+    # model with learned positions indexed its embedding past them (a device assert on a GPU),
+    # and a whole-step plan's max_seq_len hint was below the sequence
+    runner = small_runner
     md = runner.prepare([2], [0], [[3]])
     buffers = runner.buffers
     before = snapshot(buffers.query_start_loc, buffers.seq_lens, buffers.block_table, buffers.slot_mapping,
@@ -404,3 +410,18 @@ def test_prepare_refuses_a_sequence_past_max_model_len():
     assert unchanged(before, buffers.query_start_loc, buffers.seq_lens, buffers.block_table, buffers.slot_mapping,
                      buffers.positions)
     assert torch.isfinite(runner(torch.tensor([1, 2]), md)).all()  # the step prepared before still runs
+
+
+def test_runner_use_graphs_must_be_a_bool(small_runner):
+    md = small_runner.prepare([2], [0], [[3]])
+    with pytest.raises(TypeError, match=r"PiecewiseRunner: use_graphs must be True or False, got 'no'"):
+        small_runner(torch.tensor([1, 2]), md, use_graphs="no")  # the graphs replayed
+
+
+def test_eager_runner_whole_step_is_checked_as_the_piecewise_runner_s():
+    from inductor_rocm_attn.integrations.transformers_runner import eager_runner
+
+    runner = eager_runner(_tiny_transformers_model(), num_blocks=4)
+    with pytest.raises(ValueError, match=r"EagerRunner\.prepare: whole_step='bogus'; expected True, False or 'mixed'"):
+        runner.prepare([2], [0], [[1]], whole_step="bogus")
+    runner.prepare([2], [0], [[1]], whole_step="mixed")  # the runners' API: taken, no graphs here

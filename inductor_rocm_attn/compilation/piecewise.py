@@ -276,6 +276,8 @@ class PiecewiseRunner:
         """Logits ``[num_actual_tokens, vocab]`` of one step. ``input_ids``: ``[num_actual_tokens]``
         (or already padded) int64. ``use_graphs=False`` runs the compiled pieces without
         graphs at the same padded size (a check of the graphs: results are bitwise equal)."""
+        if use_graphs is not True and use_graphs is not False:  # a truthy string ("no") replayed the graphs
+            raise TypeError(f"PiecewiseRunner: use_graphs must be True or False, got {use_graphs!r}")
         n = metadata.num_actual_tokens
         size = metadata.slot_mapping.shape[0]
         if not isinstance(input_ids, torch.Tensor):  # a list failed deep inside as an AttributeError

@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..capabilities import check_block_size
+from ..compilation.step_graphs import MIXED
 from ..config_checks import check_runner_config
 from ..forward_context import set_forward_context
 from ..metadata import AttentionMetadata, build_attention_metadata
@@ -164,6 +165,8 @@ class EagerRunner:
         """The step's metadata (``whole_step``: taken for a ``PiecewiseRunner``'s API; no graphs
         here), within the runner's step limits and, for a model with learned positions, its
         ``max_model_len`` (an index past the embedding is a device-side assert on a GPU)."""
+        if whole_step is not True and whole_step is not False and whole_step != MIXED:  # as PiecewiseRunner's
+            raise ValueError(f"EagerRunner.prepare: whole_step={whole_step!r}; expected True, False or {MIXED!r}")
         md = build_attention_metadata(query_lens, context_lens, block_tables, self.block_size, self.device)
         for got, what, limit_name in ((len(query_lens), "sequences", "max_num_seqs"),
                                       (md.num_actual_tokens, "tokens", "max_num_tokens"),
