@@ -23,7 +23,8 @@ from .layout import is_fp8_dtype
 from .metadata import plan_tensor_ptrs
 from .validation import (
     _INDEX_TYPES, check_channel_stride, check_dtype, check_index_layout, check_positions,
-    check_sequence_shapes, check_sequences, check_slot_range, check_slots_follow_table, index_checks_on, is_int,
+    check_sequence_shapes, check_sequences, check_slot_range, check_slots_follow_table, check_written_blocks_once,
+    index_checks_on, is_int,
 )
 
 _METADATA_TENSORS = ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "positions")
@@ -116,6 +117,8 @@ def _check_step(op: str, md, num_tokens: int, device: torch.device, num_blocks: 
         if has_cache:
             check_slot_range(op, slots, num_blocks, block_size)
             check_slots_follow_table(op, slots, qsl, lens, md.block_table, block_size)
+            if not (planned or _plan_holds(md)):  # the builder checked its own steps so
+                check_written_blocks_once(op, slots, qsl, lens, md.block_table, block_size)
     elif planned or _plan_holds(md):
         _check_plan(op, md, num_tokens, num_blocks)
 

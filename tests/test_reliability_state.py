@@ -425,3 +425,25 @@ def test_eager_runner_whole_step_is_checked_as_the_piecewise_runner_s():
     with pytest.raises(ValueError, match=r"EagerRunner\.prepare: whole_step='bogus'; expected True, False or 'mixed'"):
         runner.prepare([2], [0], [[1]], whole_step="bogus")
     runner.prepare([2], [0], [[1]], whole_step="mixed")  # the runners' API: taken, no graphs here
+
+
+# --- hand-built metadata: a written block must not be another sequence's context -------------------
+
+
+def test_hand_built_step_writing_a_block_another_sequence_reads_is_refused():
+    # the builder refuses it; hand-built metadata whose slots follow each table passed, and
+    # the write overwrote sequence 0's cached tokens 0..1
+    import dataclasses
+
+    s = stepped_layer("state_shared_block")
+    fields = {f.name: getattr(s.md, f.name) for f in dataclasses.fields(s.md) if f.init}
+    table = s.md.block_table.clone()
+    table[0, 0] = s.tables[2][0]  # sequence 0's first context block is the block sequence 2 writes
+    md = ira.AttentionMetadata(**{**fields, "block_table": table, "plan": None})
+    before = snapshot(s.layer.kv_cache)
+    q, k, v = qkv(s.num_tokens, s.g)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.unified_kv_cache_update: block {s.tables[2][0]} receives token 4 "
+                                         rf"\(sequence 2\) but is used 2 times in this step \(block_table\[0, 0\], "
+                                         rf"block_table\[2, 0\]\)"), ira.set_forward_context(md):
+        s.layer(q, k, v)
+    assert unchanged(before, s.layer.kv_cache)
