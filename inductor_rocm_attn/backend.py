@@ -22,6 +22,7 @@ from .layout import (
     KVCacheSpec,
     SUPPORTED_KV_CACHE_DTYPES,
     cache_torch_dtype,
+    check_spec,
     convert_v_layout_,
     customize_spec,
     is_fp8_dtype,
@@ -135,9 +136,12 @@ class RocmAttentionBackend:
         """The spec with K and V as two head slots (``num_head_slots = 2``), so a block is a
         K page and a V page; its ``state_content_bytes`` is the seed's: the bytes one token
         takes in one head slot. Raises for a block or head size the backend does not support."""
-        capabilities.check_cache_geometry(spec.block_size, spec.head_size, "RocmAttentionBackend.customize_spec")
+        op = "RocmAttentionBackend.customize_spec"
+        capabilities.check_cache_geometry(spec.block_size, spec.head_size, op)
         if spec.num_head_slots != 2:
             spec = dataclasses.replace(spec, num_head_slots=2)
+        if isinstance(spec, KVCacheSpec):  # its head count, dtype and layout too (an engine's own spec: duck-typed)
+            check_spec(spec, op)
         return spec
 
     @classmethod
@@ -300,11 +304,15 @@ class RocmAttentionImpl:
         note_cache_change()
         return True
 
-    def _signature(self, op: str, x: torch.Tensor, kv_cache: torch.Tensor, num_tokens: int, *extra) -> tuple:
+    def _signature(self, op: str, x: torch.Tensor, kv_cache: torch.Tensor, num_tokens: int, *extra,
+                   interleaved_v: bool | None = None) -> tuple:
+        """``interleaved_v``: the V interior the call will have (None: the layer's now)."""
         device = x.device
         # The token range picks among providers where a measured preference says so.
         bucket = providers.token_bucket(op, device, num_tokens) if op in _SIZED_OPS else 0
-        return (op, device, x.dtype, kv_cache.data_ptr(), kv_cache.dtype, self.interleaved_v, bucket, *extra)
+        if interleaved_v is None:
+            interleaved_v = self.interleaved_v
+        return (op, device, x.dtype, kv_cache.data_ptr(), kv_cache.dtype, interleaved_v, bucket, *extra)
 
     def _resolve(self, sig: tuple, op: str, x: torch.Tensor, kv_cache: torch.Tensor | None,
                  num_tokens: int, features=(), interleaved_v: bool | None = None):
@@ -338,6 +346,15 @@ class RocmAttentionImpl:
                 f"{op}: a q_scale of {self.q_scale} with an fp8 query ({query.dtype}) is not "
                 "supported (as in the seed); an fp8 query needs q_scale 1.0"
             )
+
+    def check_fp8_query(self, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        """What this layer's attention refuses of an fp8 ``query`` whatever the step (its
+        ``q_scale``, a provider for the query's dtype), refused by ``Attention.forward`` before
+        the cache update writes."""
+        self._check_query_scale(query, _ATTN_OP)
+        if self.uses_kv_cache and kv_cache.dim() == 4:  # unbound: the cache update says so
+            providers.select("paged_attention", device=query.device, head_size=self.head_size, dtype=query.dtype,
+                             kv_cache=kv_cache, interleaved_v=self.interleaved_v, num_tokens=query.shape[0])
 
     # --- per-call checks (every call, before anything is written) ---------------------------
 
@@ -392,12 +409,23 @@ class RocmAttentionImpl:
     def do_rope_and_kv_cache_update(self, layer, positions, query, key, value, cos_sin_cache,
                                     is_neox, kv_cache, attn_metadata) -> None:
         """Rotate ``query``/``key`` in place and write the rotated key and value to the cache."""
-        t = query.shape[0]
+        qs = query.shape
+        t = qs[0]
+        # the layer's heads, [T, Hq, D] or [T, Hq * D]: the kernel rotates whatever heads it is given
+        heads_ok = ((len(qs) == 3 and qs[1] == self.num_heads and qs[2] == self.head_size)
+                    or (len(qs) == 2 and qs[1] == self.num_heads * self.head_size))
         rot_dim = cos_sin_cache.shape[-1]  # partial rotary changes which providers apply
         if attn_metadata is None or not self.uses_kv_cache:  # profiling run / no cache
             op = "rotary_embedding"
             step_checks.check_rope_inputs("rocm_attn.rotary_embedding", positions, cos_sin_cache, t, query.device,
                                   attn_metadata)
+            if not heads_ok:
+                step_checks.check_heads("rocm_attn.rotary_embedding", "query", query, self.num_heads, self.head_size, t)
+            ks = key.shape if key is not None else None
+            if ks is not None and not (ks[0] == t and (
+                    (len(ks) == 3 and ks[1] == self.num_kv_heads and ks[2] == self.head_size)
+                    or (len(ks) == 2 and ks[1] == self.num_kv_heads * self.head_size))):
+                step_checks.check_heads("rocm_attn.rotary_embedding", "key", key, self.num_kv_heads, self.head_size, t)
             step_checks.check_rotated("rocm_attn.rotary_embedding", query, key, None)
             sig = (op, query.device, query.dtype, rot_dim, providers.token_bucket(op, query.device, t))
             fn = self._kernels.get(sig)
@@ -412,6 +440,8 @@ class RocmAttentionImpl:
         if t != kv_t or query.dtype is not key.dtype or query.device != kv_cache.device:
             raise ValueError(f"{op}: query ({tuple(query.shape)}, {query.dtype}, {query.device}) must match key "
                              f"({tuple(key.shape)}, {key.dtype}) on the KV cache's device {kv_cache.device}")
+        if not heads_ok:
+            step_checks.check_heads(op, "query", query, self.num_heads, self.head_size, t)
         step_checks.check_rope_inputs(op, positions, cos_sin_cache, t, kv_cache.device, attn_metadata)
         step_checks.check_rotated(op, query, key, value)
         buffers = layer._buffers  # skips nn.Module.__getattr__
@@ -464,8 +494,11 @@ class RocmAttentionImpl:
 
         if not step_checks.norm_weights_ok(q_weight, k_weight, eps, self.head_size, kv_cache.device):
             check_all()
-        if not self.interleaved_v:  # converts the cached data: every check first
+        if not self.interleaved_v:  # converts the cached data: every check, and the kernel's choice, first
             check_all()
+            self._resolve(self._signature("qk_norm_rope_and_cache", qkv, kv_cache, t, cos_sin_cache.shape[-1],
+                                          interleaved_v=True),
+                          "qk_norm_rope_and_cache", qkv, kv_cache, t, self._rope_features(cos_sin_cache), True)
             self.set_interleaved_v_cache(True, kv_cache)
         buffers = layer._buffers  # skips nn.Module.__getattr__
         sig = self._signature("qk_norm_rope_and_cache", qkv, kv_cache, t, cos_sin_cache.shape[-1])
@@ -505,7 +538,8 @@ class RocmAttentionImpl:
                         norm: tuple, tail: tuple = ()) -> None:
         """``norm``: the QK-norm writer's weights and eps (empty for the plain writer), ``tail``:
         its arguments after ``interleaved_v``."""
-        t = query.shape[0]
+        qs = query.shape
+        t = qs[0]
         write = attn_metadata is not None and self.uses_kv_cache
         name = f"rocm_attn.unified_{op.replace('_and_cache', '_and_kv_cache_update')}"
         if write:  # every call, before anything is written or converted
@@ -514,6 +548,12 @@ class RocmAttentionImpl:
                                            self.head_size)
         device = kv_cache.device if write else value.device
         step_checks.check_cos_sin_call(name, query, key, value, cos, sin, device)
+        # the layer's heads, [T, Hq, D] or [T, Hq * D]: the kernel rotates whatever heads it is given
+        if not ((len(qs) == 3 and qs[1] == self.num_heads and qs[2] == self.head_size)
+                or (len(qs) == 2 and qs[1] == self.num_heads * self.head_size)):
+            step_checks.check_heads(name, "query", query, self.num_heads, self.head_size, t)
+        if not write:  # else the cache update's check took key's rows
+            step_checks.check_heads(name, "key", key, self.num_kv_heads, self.head_size, t)
         step_checks.check_rotated(name, query, key, value if write else None)
         slot_mapping = attn_metadata.slot_mapping if write else _NO_SLOTS.get(query.device)
         if slot_mapping is None:
@@ -529,17 +569,20 @@ class RocmAttentionImpl:
 
         if norm and not step_checks.norm_weights_ok(*norm, self.head_size, device):
             check_all()
-        if norm and write and not self.interleaved_v:  # the fused QK-norm writer emits interleaved V
-            check_all()  # the switch converts the cached data: every check first
-            self.set_interleaved_v_cache(True, kv_cache)
         cache = kv_cache if write else None
         rot_dim = cos.shape[-1]  # partial rotary changes which providers apply
+        features = ("partial_rotary",) if rot_dim < self.head_size else ()
+        if norm and write and not self.interleaved_v:  # the fused QK-norm writer emits interleaved V
+            check_all()  # the switch converts the cached data: every check, and the kernel's choice, first
+            self._resolve(self._signature(op, query, kv_cache, t, rot_dim, interleaved_v=True), op, query, cache, t,
+                          features, True)
+            self.set_interleaved_v_cache(True, kv_cache)
         sig = (self._signature(op, query, kv_cache, t, rot_dim) if write
                else (op, query.device, query.dtype, rot_dim, "no cache"))
         fn = self._kernels.get(sig)
         if fn is None:
             check_all()
-            fn = self._resolve(sig, op, query, cache, t, ("partial_rotary",) if rot_dim < self.head_size else ())
+            fn = self._resolve(sig, op, query, cache, t, features)
         buffers = layer._buffers  # skips nn.Module.__getattr__
         fn(query, key, value, *norm, cos, sin, is_neox, kv_cache, slot_mapping, buffers["_k_scale"],
            buffers["_v_scale"], self.interleaved_v and write, *tail)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-import numbers
 import random
+
+from .capabilities import check_block_size
+from .validation import is_int as _is_int
 
 
 class BlockAllocator:
@@ -13,9 +15,11 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, shuffle_seed: int | None = None):
-        for name, v in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"BlockAllocator: {name} must be a positive int, got {v!r}")
+        if not _is_int(num_blocks) or num_blocks <= 0:
+            raise ValueError(f"BlockAllocator: num_blocks must be a positive int, got {num_blocks!r}")
+        check_block_size(block_size, "BlockAllocator")  # the caches' block size: no other can be planned
+        if shuffle_seed is not None and not _is_int(shuffle_seed):  # random.Random takes any hashable
+            raise TypeError(f"BlockAllocator: shuffle_seed must be an int or None, got {shuffle_seed!r}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self._free = list(range(num_blocks))
         if shuffle_seed is not None:
@@ -29,12 +33,14 @@ class BlockAllocator:
         return len(self._free)
 
     def blocks_needed(self, num_tokens: int) -> int:
+        if not _is_int(num_tokens) or num_tokens < 0:  # a negative count needed 0 blocks
+            raise ValueError(f"BlockAllocator.blocks_needed: num_tokens must be an int >= 0, got {num_tokens!r}")
         return -(-num_tokens // self.block_size)
 
     def allocate(self, seq_id, num_new_tokens: int) -> list[int]:
         """Grow ``seq_id`` by ``num_new_tokens`` tokens; returns its whole block table (a copy:
         a caller that edits it changes nothing here)."""
-        if not isinstance(num_new_tokens, numbers.Integral) or isinstance(num_new_tokens, bool) or num_new_tokens < 0:
+        if not _is_int(num_new_tokens) or num_new_tokens < 0:
             raise ValueError(f"BlockAllocator.allocate: num_new_tokens must be an int >= 0, got {num_new_tokens!r}")
         table = self._tables.get(seq_id, [])
         length = self._lengths.get(seq_id, 0) + num_new_tokens
@@ -63,8 +69,7 @@ class BlockAllocator:
         length = self._lengths.get(seq_id)
         if length is None:
             raise KeyError(f"BlockAllocator.truncate: unknown sequence {seq_id!r}")
-        if not isinstance(num_tokens, numbers.Integral) or isinstance(num_tokens, bool) \
-                or not 0 <= num_tokens <= length:
+        if not _is_int(num_tokens) or not 0 <= num_tokens <= length:
             raise ValueError(f"BlockAllocator.truncate: num_tokens must be an int in [0, {length}] (the length "
                              f"of {seq_id!r}), got {num_tokens!r}")
         if num_tokens == 0:

@@ -66,7 +66,8 @@ def check_impl_config(op: str, num_heads, head_size, scale, num_kv_heads, alibi_
 
 
 def check_runner_config(op: str, *, capture_sizes, max_num_seqs, max_num_tokens, max_model_len,
-                        flags: dict, optional_flags: dict, trace_cache, compile_threads=None) -> list[int]:
+                        flags: dict, optional_flags: dict, trace_cache, compile_threads=None,
+                        graph_backend=None) -> list[int]:
     """The arguments of ``compile_piecewise`` / ``compile_transformers`` that shape the
     runner's buffers and graphs, checked before anything is traced or allocated. Returns the
     capture sizes as a sorted list of distinct ints."""
@@ -95,4 +96,8 @@ def check_runner_config(op: str, *, capture_sizes, max_num_seqs, max_num_tokens,
         raise TypeError(f"{op}: trace_cache must be True, False, None or a directory path, got {trace_cache!r}")
     if compile_threads is not None:
         validation.check_positive_int(op, "compile_threads", compile_threads)
+    if graph_backend is not None and optional_flags.get("use_cuda_graphs") is False:
+        # a graph backend captures graphs: the explicit False would be ignored
+        raise ValueError(f"{op}: graph_backend given with use_cuda_graphs=False; a graph backend captures graphs "
+                         "(use_cuda_graphs None or True), or drop graph_backend to run without graphs")
     return sorted(set(sizes))

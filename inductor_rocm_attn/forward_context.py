@@ -54,7 +54,7 @@ class ForwardContext:
 _LATEST_COPY: dict[str, str] = {}
 
 _current = ForwardContext()
-_SLOT_PREFIX = "__rocm_attn_slot"  # compilation.dedup.SLOT_PREFIX (not imported: no cycle)
+SLOT_PREFIX = "__rocm_attn_slot"  # the slot aliases of shared compiled code (compilation.dedup)
 
 
 def register_layer(name: str, layer: "Attention") -> None:
@@ -100,7 +100,7 @@ def get_layer(name: str) -> "Attention":
                 f"rocm_attn: no attention layer named {name!r} in this step's layer table "
                 f"(known: {sorted(table)[:8]}...)"
             ) from None
-    if name.startswith(_SLOT_PREFIX):
+    if name.startswith(SLOT_PREFIX):
         raise KeyError(f"rocm_attn: {name!r} is a slot alias of shared compiled code; it resolves only "
                        "inside a step of the piecewise runner that compiled it (runner(input_ids, metadata))")
     try:

@@ -13,7 +13,7 @@ from torch import nn
 from . import step_checks
 from .backend import RocmAttentionImpl, note_cache_change
 from .capabilities import AttentionType, check_block_size, check_head_size, check_model_dtype
-from .forward_context import latest_copy_name, register_copy, register_layer
+from .forward_context import SLOT_PREFIX, latest_copy_name, register_copy, register_layer
 from .layout import CacheLayout, allocate_kv_cache, as_device
 from .validation import check_bool, check_channel_stride, check_positive_finite, check_positive_int, check_scales
 
@@ -72,6 +72,9 @@ class Attention(nn.Module):
         super().__init__()
         if not isinstance(layer_name, str) or not layer_name:
             raise ValueError(f"Attention: layer_name must be a non-empty str, got {layer_name!r}")
+        if layer_name.startswith(SLOT_PREFIX):  # such a name resolves only to a piecewise runner's slot
+            raise ValueError(f"Attention: layer_name {layer_name!r} starts with {SLOT_PREFIX!r}, reserved for the "
+                             "slot aliases of shared compiled code; choose another name")
         check_bool("Attention", "register", register)
         check_block_size(block_size, "Attention")
         if scale is None:  # the default scale needs a valid head size first

@@ -13,12 +13,14 @@ index tensors back (``step_checks.check_step_metadata``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Sequence
 
 import torch
 
 from . import capabilities
-from .validation import is_int
+from .layout import as_device
+from .validation import check_positive_int, is_int
 
 __all__ = ["AttentionMetadata", "MetadataBuffers", "PlanBounds", "build_attention_metadata"]
 
@@ -142,6 +144,11 @@ def _host_plan(query_lens: Sequence[int], context_lens: Sequence[int],
                block_tables: Sequence[Sequence[int]], block_size: int,
                padding: Sequence[bool] | None = None, num_blocks: int | None = None):
     capabilities.check_block_size(block_size, _OP)
+    for name, per_seq in (("query_lens", query_lens), ("context_lens", context_lens), ("block_tables", block_tables)):
+        # a dict or set would be taken by its keys, in any order; a generator has no len()
+        if not hasattr(per_seq, "__getitem__") or isinstance(per_seq, (Mapping, str, bytes)):
+            raise TypeError(f"{_OP}: {name} must be a sequence with one entry per sequence (a list), got "
+                            f"{type(per_seq).__name__} {per_seq!r:.40}")
     if num_blocks is not None and (not is_int(num_blocks) or num_blocks <= 0):
         raise ValueError(f"{_OP}: num_blocks must be a positive int or None, got {num_blocks!r}")
     if not (len(query_lens) == len(context_lens) == len(block_tables)):
@@ -237,7 +244,7 @@ def build_attention_metadata(
     context_lens: Sequence[int],
     block_tables: Sequence[Sequence[int]],
     block_size: int,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
     *,
     num_padded_tokens: int | None = None,
     buffers: "MetadataBuffers | None" = None,
@@ -249,6 +256,8 @@ def build_attention_metadata(
     ``query_lens[s]`` new ones, stored in the blocks ``block_tables[s]`` of ``block_size``
     tokens each.
 
+    ``device``: where the tensors go (default: the CPU; with ``buffers``, the buffers' device,
+    and a ``device`` given must be it).
     ``num_padded_tokens`` pads the token dimension (slot -1, position 0) for a captured
     batch size. With ``buffers``, values are copied into them and views returned.
     ``padding[s]`` marks sequence s as padding rows inside the batch (e.g. the left padding
@@ -262,6 +271,13 @@ def build_attention_metadata(
     Raises ValueError / IndexError for a bad length, block size or block id, before any
     tensor is built; the returned metadata's ``plan`` records what was checked.
     """
+    if device is not None or buffers is None:
+        device = as_device("cpu" if device is None else device, _OP)
+        if buffers is not None and not _same_device(device, buffers.device):
+            raise ValueError(f"{_OP}: device {device} but the buffers are on {buffers.device}; the metadata is "
+                             "written into the buffers (pass their device, or none)")
+    if buffers is not None and not isinstance(buffers, MetadataBuffers):
+        raise TypeError(f"{_OP}: buffers must be a MetadataBuffers or None, got {type(buffers).__name__}")
     qsl, seq_lens, slots, positions, max_block = _host_plan(
         query_lens, context_lens, block_tables, block_size, padding, num_blocks)
     n = len(slots)
@@ -320,6 +336,11 @@ def build_attention_metadata(
     return md
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``a`` names ``b`` (``cuda`` without an index names any ``cuda:N``)."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 _INDEX_NAMES = ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "positions")
 
 
@@ -343,6 +364,10 @@ class MetadataBuffers:
 
     def __init__(self, max_num_seqs: int, max_num_tokens: int, max_blocks_per_seq: int,
                  device: torch.device | str):
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_tokens", max_num_tokens),
+                            ("max_blocks_per_seq", max_blocks_per_seq)):
+            check_positive_int("MetadataBuffers", name, value)
+        self.device = device = as_device(device, "MetadataBuffers")
         self.max_num_seqs, self.max_num_tokens = max_num_seqs, max_num_tokens
         self.max_blocks_per_seq = max_blocks_per_seq
         self.query_start_loc = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=device)

@@ -23,7 +23,8 @@ from .layout import is_fp8_dtype
 from .metadata import plan_tensor_ptrs
 from .validation import (
     _INDEX_TYPES, check_channel_stride, check_dtype, check_index_layout, check_positions,
-    check_sequence_shapes, check_sequences, check_slot_range, check_slots_follow_table, index_checks_on, is_int,
+    check_sequence_shapes, check_sequences, check_slot_range, check_slots_follow_table, check_written_blocks_once,
+    index_checks_on, is_int,
 )
 
 _METADATA_TENSORS = ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "positions")
@@ -116,6 +117,8 @@ def _check_step(op: str, md, num_tokens: int, device: torch.device, num_blocks: 
         if has_cache:
             check_slot_range(op, slots, num_blocks, block_size)
             check_slots_follow_table(op, slots, qsl, lens, md.block_table, block_size)
+            if not (planned or _plan_holds(md)):  # the builder checked its own steps so
+                check_written_blocks_once(op, slots, qsl, lens, md.block_table, block_size)
     elif planned or _plan_holds(md):
         _check_plan(op, md, num_tokens, num_blocks)
 
@@ -228,6 +231,17 @@ def check_cos_sin_call(op: str, query: torch.Tensor, key: torch.Tensor, value: t
             f"expected query/key/value of one dtype, {t} rows each (cos/sin [{t}, rot_dim] of "
             f"{capabilities.MODEL_DTYPES}), all on {device}"
         )
+
+
+def check_heads(op: str, name: str, x: torch.Tensor, num_heads: int, head_size: int, num_tokens: int) -> None:
+    """Every call of a fused RoPE layer op, which rotates ``x`` in place: the layer's heads,
+    ``[num_tokens, num_heads, head_size]`` or ``[num_tokens, num_heads * head_size]`` (the kernels
+    rotate whatever heads they are given, and another head size pairs other channels)."""
+    xs = x.shape
+    if not ((len(xs) == 3 and xs[0] == num_tokens and xs[1] == num_heads and xs[2] == head_size)
+            or (len(xs) == 2 and xs[0] == num_tokens and xs[1] == num_heads * head_size)):
+        raise ValueError(f"{op}: {name} must be the layer's heads, [{num_tokens}, {num_heads}, {head_size}] or "
+                         f"[{num_tokens}, {num_heads} * {head_size}], got {tuple(xs)}")
 
 
 def check_rotated(op: str, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None) -> None:
@@ -382,6 +396,8 @@ def check_qkv(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                              "query, key and value must be on one device (the KV cache's)")
         if x.dtype is not key.dtype and not (name == "query" and is_fp8_dtype(x.dtype)):  # fp8 query: its own dtype
             raise ValueError(f"Attention {layer.layer_name!r}: {name} dtype {x.dtype} != key dtype {key.dtype}")
+    if is_fp8_dtype(query.dtype):  # what the attention refuses of it, refused before the cache update writes
+        layer.impl.check_fp8_query(query, layer.kv_cache)
 
 
 def cache_shape(op: str, layer, kv_cache: torch.Tensor) -> torch.Size:

@@ -218,6 +218,18 @@ def check_per_head(op: str, name: str, t: torch.Tensor | None, num_heads: int, *
                          f"stride {t.stride(0)}; pass {name}.contiguous()")
 
 
+def check_per_head_values(op: str, alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None) -> None:
+    """The values a layer's configuration refuses, refused by the kernel-level ops too: ALiBi
+    slopes finite, sinks without NaN or +inf (-inf: no sink for that head). Read where index
+    tensors are (on CPU, or with ``ROCM_ATTN_CHECK_INDICES=1``)."""
+    if alibi_slopes is not None and index_checks_on(alibi_slopes.device) and not bool(
+            torch.isfinite(alibi_slopes).all()):
+        raise ValueError(f"{op}: alibi_slopes must be finite, got {alibi_slopes.tolist()}")
+    if sinks is not None and index_checks_on(sinks.device) and bool((torch.isnan(sinks) | (sinks == math.inf)).any()):
+        raise ValueError(f"{op}: sinks must not hold NaN or +inf (every row would turn NaN); -inf means no sink "
+                         f"for a head, got {sinks.tolist()}")
+
+
 def check_index_layout(op: str, **tensors: torch.Tensor | None) -> None:
     """Index tensors are read as dense rows by the kernels: 1-D ones contiguous, 2-D ones
     (block tables) with contiguous rows."""
@@ -517,6 +529,38 @@ def check_slots_follow_table(op: str, slot_mapping: torch.Tensor, qsl: list[int]
         )
 
 
+def check_written_blocks_once(op: str, slot_mapping: torch.Tensor, qsl: list[int], lens: list[int],
+                              block_table: torch.Tensor, block_size: int) -> None:
+    """Reads the tensors: a block that receives a new token appears once among the blocks the
+    step's sequences use (``build_attention_metadata`` checks its own steps so), else the write
+    lands in another sequence's context (a block in two tables) or in the same sequence's
+    earlier tokens (a block twice in one table). Shared prefix blocks that nobody writes are
+    fine. ``qsl``/``lens``: the host lists ``check_sequences`` returned."""
+    n = qsl[-1]
+    if n == 0 or not lens:
+        return
+    dev = block_table.device
+    table = block_table[: len(lens)].to(torch.int64)
+    need = torch.tensor([-(-m // block_size) for m in lens], device=dev)
+    used = torch.arange(table.shape[1], device=dev)[None, :] < need[:, None]
+    # entries past a sequence's blocks may hold anything: counted with weight 0
+    counts = torch.bincount(table.masked_fill(~used, 0).flatten(), weights=used.flatten().to(torch.float32))
+    slots = slot_mapping[:n].to(torch.int64)
+    written = slots >= 0
+    shared = torch.zeros_like(written)
+    shared[written] = counts[slots[written] // block_size] > 1
+    if not bool(shared.any()):
+        return
+    (i,) = _first(shared)
+    block = int(slots[i]) // block_size
+    s = int(torch.searchsorted(torch.tensor(qsl[1:]), torch.tensor(i), right=True))
+    users = torch.nonzero((table == block) & used).tolist()
+    where = ", ".join(f"block_table[{a}, {b}]" for a, b in users[:4]) + (", ..." if len(users) > 4 else "")
+    raise ValueError(f"{op}: block {block} receives token {i} (sequence {s}) but is used {len(users)} times in this "
+                     f"step ({where}); a block written in a step must belong to one sequence, once (shared prefix "
+                     "blocks are read-only)")
+
+
 # --- whole-op checks (kernel-level ops; a layer's first call of a signature) -------------------
 
 
@@ -577,6 +621,7 @@ def check_paged_attention(
     check_sequence_shapes(op, query_start_loc, seq_lens, block_table)
     check_per_head(op, "alibi_slopes", alibi_slopes, num_heads)
     check_per_head(op, "sinks", sinks, num_heads)
+    check_per_head_values(op, alibi_slopes, sinks)
     check_scales(op, k_scale=k_scale, v_scale=v_scale, output_scale=output_scale)
     for name, hint in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
         if hint is not None and (not isinstance(hint, int) or hint < 0):
@@ -683,6 +728,7 @@ def check_encoder_attention(op: str, query: torch.Tensor, key: torch.Tensor, val
     check_channel_stride(op, query=query, key=key, value=value)
     check_per_head(op, "alibi_slopes", alibi_slopes, query.shape[1])
     check_per_head(op, "sinks", sinks, query.shape[1])
+    check_per_head_values(op, alibi_slopes, sinks)
     if _want_index_checks(cu_seqlens):
         cu = check_query_start_loc(op, cu_seqlens, query.shape[0], "cu_seqlens", exact=True)
         _check_hint(op, "max_seqlen", max_seqlen, [b - a for a, b in zip(cu, cu[1:])], "sequence")

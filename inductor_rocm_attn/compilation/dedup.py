@@ -15,9 +15,8 @@ from typing import Any, MutableMapping, Sequence
 
 import torch
 
+from inductor_rocm_attn.forward_context import SLOT_PREFIX  # noqa: F401  (re-exported: the one definition)
 from inductor_rocm_attn.passes.interleaved_v import switch_to_interleaved_v
-
-SLOT_PREFIX = "__rocm_attn_slot"
 
 
 def slot_alias(j: int) -> str:

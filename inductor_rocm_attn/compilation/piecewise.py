@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -218,9 +219,13 @@ class PiecewiseRunner:
                             f"got {type(query_lens).__name__}")
         try:
             n = sum(query_lens)
+            longest = max(map(operator.add, query_lens, context_lens), default=0)
         except TypeError:  # an entry that is not an int: the builder's error names it
             build_attention_metadata(query_lens, context_lens, block_tables, self.block_size)
             raise
+        if longest > self.max_model_len:  # learned positions past it index outside the embedding
+            raise ValueError(f"PiecewiseRunner.prepare: the step has a sequence of {longest} tokens, more than "
+                             f"max_model_len={self.max_model_len}")
         size = self.padded_size(n)
         shape = self._whole_step_shape(query_lens, n, size, whole_step) if whole_step is not False else None
         # The runner's state changes only once the step is planned: a rejected step leaves the
@@ -271,6 +276,8 @@ class PiecewiseRunner:
         """Logits ``[num_actual_tokens, vocab]`` of one step. ``input_ids``: ``[num_actual_tokens]``
         (or already padded) int64. ``use_graphs=False`` runs the compiled pieces without
         graphs at the same padded size (a check of the graphs: results are bitwise equal)."""
+        if use_graphs is not True and use_graphs is not False:  # a truthy string ("no") replayed the graphs
+            raise TypeError(f"PiecewiseRunner: use_graphs must be True or False, got {use_graphs!r}")
         n = metadata.num_actual_tokens
         size = metadata.slot_mapping.shape[0]
         if not isinstance(input_ids, torch.Tensor):  # a list failed deep inside as an AttributeError
@@ -331,7 +338,9 @@ class PiecewiseRunner:
         self._step_graphs.clear()
         self._mixed_graphs.clear()
         self._shapes.clear()
-        self._step_md = self._step_shape = None
+        # the capture's dummy steps overwrite the metadata buffers: a step prepared before it
+        # would run on them (no cache write, attention over the dummy sequences)
+        self._step_md = self._step_shape = self._prepared = None
         threads = precompile.default_compile_threads() if compile_threads is None else compile_threads
         if threads > 1 and isinstance(backend, CudaGraphBackend):
             self._precompile(threads)
@@ -581,7 +590,7 @@ def compile_piecewise(
         max_num_tokens=max_num_tokens, max_model_len=max_model_len,
         flags=dict(capture=capture, decode_graphs=decode_graphs, mixed_graphs=mixed_graphs),
         optional_flags=dict(use_cuda_graphs=use_cuda_graphs, plugin=plugin, piecewise_graphs=piecewise_graphs),
-        trace_cache=trace_cache, compile_threads=compile_threads)
+        trace_cache=trace_cache, compile_threads=compile_threads, graph_backend=graph_backend)
     _check_traced_signature(model, forward)
     p = next(model.parameters())
     device = p.device

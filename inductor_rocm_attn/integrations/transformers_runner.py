@@ -38,10 +38,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..capabilities import check_block_size
+from ..compilation.step_graphs import MIXED
 from ..config_checks import check_runner_config
 from ..forward_context import set_forward_context
 from ..metadata import AttentionMetadata, build_attention_metadata
-from ..compilation.step_graphs import MIXED
 from ..validation import check_bool, check_positive_int, check_token_ids, vocab_size_of
 from .transformers import (check_dynamic_rope, check_every_layer_attends, check_model,
                            learned_position_limit, paged_layers)
@@ -119,7 +119,7 @@ def compile_transformers(
         max_num_tokens=max_num_tokens, max_model_len=1 if max_model_len is None else max_model_len,
         flags=dict(capture=capture, decode_graphs=decode_graphs, mixed_graphs=mixed_graphs, poison=poison),
         optional_flags=dict(use_cuda_graphs=use_cuda_graphs, plugin=plugin, piecewise_graphs=piecewise_graphs),
-        trace_cache=trace_cache, compile_threads=compile_threads)
+        trace_cache=trace_cache, compile_threads=compile_threads, graph_backend=graph_backend)
     check_block_size(block_size, "compile_transformers")
     max_model_len = max_model_len or _default_max_model_len(model, num_blocks, block_size)
     positions = learned_position_limit(model)
@@ -166,8 +166,8 @@ class EagerRunner:
         """The step's metadata (``whole_step``: taken for a ``PiecewiseRunner``'s API; no graphs
         here), within the runner's step limits and, for a model with learned positions, its
         ``max_model_len`` (an index past the embedding is a device-side assert on a GPU)."""
-        if whole_step != MIXED:  # what PiecewiseRunner.prepare takes, so a call valid here is valid there
-            check_bool("EagerRunner.prepare", "whole_step", whole_step)
+        if whole_step is not True and whole_step is not False and whole_step != MIXED:  # as PiecewiseRunner's
+            raise ValueError(f"EagerRunner.prepare: whole_step={whole_step!r:.60}; expected True, False or {MIXED!r}")
         md = build_attention_metadata(query_lens, context_lens, block_tables, self.block_size, self.device)
         for got, what, limit_name in ((len(query_lens), "sequences", "max_num_seqs"),
                                       (md.num_actual_tokens, "tokens", "max_num_tokens"),

@@ -1,0 +1,449 @@
+"""A rejected call changes nothing, and nothing wrong is accepted silently.
+
+Each test makes a bad call to a function that writes state (a cache, the allocator's free
+lists, a layer's attributes, the forward context, the builder's buffers) and asserts a clear
+error naming the function, the bad value and what is supported, with the state as before.
+"""
+
+import pytest
+import torch
+
+import inductor_rocm_attn as ira
+from inductor_rocm_attn.forward_context import get_forward_context, registered_layers
+
+from reliability_steps import BS, D, H, HKV, qkv, snapshot, stepped_layer, unchanged
+
+
+def _allocator_state(alloc):
+    return list(alloc._free), {k: list(v) for k, v in alloc._tables.items()}, dict(alloc._lengths)
+
+
+# --- flags given as strings: a truthy "False" must not turn a feature on ----------------------------
+
+
+def test_profiling_flag_must_be_a_bool():
+    before = get_forward_context()
+    with pytest.raises(TypeError, match=r"set_forward_context: profiling must be True or False, got 'False'"):
+        with ira.set_forward_context(None, profiling="False"):
+            pass
+    assert get_forward_context() is before
+
+
+def test_register_flag_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"Attention: register must be True or False, got 'no'"):
+        ira.Attention(H, D, num_kv_heads=HKV, layer_name="state.register", register="no")
+    assert "state.register" not in registered_layers()
+
+
+def test_interleaved_v_switch_must_be_a_bool():
+    s = stepped_layer("state_switch")
+    before = snapshot(s.layer.kv_cache)
+    with pytest.raises(TypeError, match=r"set_interleaved_v_cache: enabled must be True or False, got 'False'"):
+        s.layer.set_interleaved_v_cache("False")
+    assert not s.layer.interleaved_v and unchanged(before, s.layer.kv_cache), "a rejected switch converted the cache"
+
+
+def test_layer_name_of_a_slot_alias_is_refused():
+    # such a layer registers, but its name resolves only to a piecewise runner's slot: every
+    # call of it failed in the forward context's lookup
+    with pytest.raises(ValueError, match=r"Attention: layer_name '__rocm_attn_slot0__' starts with "
+                                         r"'__rocm_attn_slot', reserved for the slot aliases"):
+        ira.Attention(H, D, num_kv_heads=HKV, layer_name="__rocm_attn_slot0__")
+    assert "__rocm_attn_slot0__" not in registered_layers()
+
+
+# --- an fp8 query the attention refuses: refused before the cache update writes ---------------------
+
+
+@pytest.mark.parametrize("q_scale, match", [
+    (0.5, r"unified_attention_with_output: a q_scale of 0\.5 with an fp8 query"),
+    (1.0, r"rocm_attn\.paged_attention: no provider supports this call.*reference supports dtypes .*not "
+          r"torch\.float8_e4m3fn"),
+])
+def test_fp8_query_refused_before_the_cache_update_writes(q_scale, match):
+    s = stepped_layer("state_fp8q", q_scale=q_scale)
+    before = snapshot(s.layer.kv_cache)
+    q, k, v = qkv(s.num_tokens, s.g)
+    with pytest.raises(NotImplementedError, match=match), ira.set_forward_context(s.md):
+        s.layer(q.to(torch.float8_e4m3fn), k, v)
+    assert unchanged(before, s.layer.kv_cache), "the cache update wrote before the attention refused the query"
+
+
+# --- the builder -----------------------------------------------------------------------------------
+
+
+def test_builder_device_must_be_the_buffers():
+    buffers = ira.MetadataBuffers(4, 16, 4, "cpu")
+    first = ira.build_attention_metadata([2], [0], [[1]], BS, buffers=buffers)
+    before = snapshot(buffers.query_start_loc, buffers.seq_lens, buffers.block_table, buffers.slot_mapping,
+                      buffers.positions)
+    # the device was ignored: the metadata landed on the buffers' device
+    with pytest.raises(ValueError, match=r"build_attention_metadata: device meta but the buffers are on cpu"):
+        ira.build_attention_metadata([3], [0], [[2]], BS, "meta", buffers=buffers)
+    assert unchanged(before, buffers.query_start_loc, buffers.seq_lens, buffers.block_table, buffers.slot_mapping,
+                     buffers.positions), "a refused step overwrote the previous step's buffers"
+    assert first.seq_lens.tolist() == [2]
+    md = ira.build_attention_metadata([3], [0], [[2]], BS, "cpu", buffers=buffers)  # the buffers' device: fine
+    assert md.seq_lens.tolist() == [3]
+
+
+def test_builder_device_string_names_the_builder():
+    with pytest.raises(ValueError, match=r"build_attention_metadata: device 'bogus' is not a torch device"):
+        ira.build_attention_metadata([2], [0], [[0]], BS, "bogus")
+
+
+@pytest.mark.parametrize("field", ["query_lens", "context_lens", "block_tables"])
+@pytest.mark.parametrize("kind", ["dict", "set", "generator"])
+def test_builder_per_sequence_arguments_must_be_sequences(field, kind):
+    # a dict was taken by its keys: query_lens {0: 2} planned a sequence of 0 tokens
+    good = dict(query_lens=[2], context_lens=[0], block_tables=[[0]])
+    value = good[field]
+    bad = {"dict": {0: value[0]} if field != "block_tables" else {0: [0]},
+           "set": {0} if field != "block_tables" else {(0,)},
+           "generator": (x for x in value)}[kind]
+    with pytest.raises(TypeError, match=rf"build_attention_metadata: {field} must be a sequence with one entry per "
+                                        rf"sequence \(a list\), got "):
+        ira.build_attention_metadata(**{**good, field: bad}, block_size=BS)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((0, 8, 2), r"MetadataBuffers: max_num_seqs must be a positive int, got 0"),
+    ((4, -1, 2), r"MetadataBuffers: max_num_tokens must be a positive int, got -1"),
+    ((4, 8, "2"), r"MetadataBuffers: max_blocks_per_seq must be a positive int, got '2'"),
+])
+def test_metadata_buffers_sizes(args, match):
+    with pytest.raises(ValueError, match=match):
+        ira.MetadataBuffers(*args, "cpu")
+
+
+def test_metadata_buffers_device_string():
+    with pytest.raises(ValueError, match=r"MetadataBuffers: device 'gpu0' is not a torch device"):
+        ira.MetadataBuffers(4, 8, 2, "gpu0")
+
+
+# --- the block allocator ---------------------------------------------------------------------------
+
+
+def test_block_allocator_block_size_must_be_the_caches():
+    # a block size no cache has: every plan of it was refused later, by the builder
+    with pytest.raises(ValueError, match=r"BlockAllocator: block_size 10 is not supported; it must be a positive "
+                                         r"multiple of 16"):
+        ira.BlockAllocator(8, 10)
+
+
+@pytest.mark.parametrize("seed", ["x", 1.5, True])
+def test_block_allocator_shuffle_seed_must_be_an_int(seed):
+    with pytest.raises(TypeError, match=rf"BlockAllocator: shuffle_seed must be an int or None, got {seed!r}"):
+        ira.BlockAllocator(8, BS, shuffle_seed=seed)
+
+
+@pytest.mark.parametrize("n", [-5, 2.5, "3"])
+def test_block_allocator_blocks_needed(n):
+    alloc = ira.BlockAllocator(8, BS)
+    alloc.allocate("a", 20)
+    before = _allocator_state(alloc)
+    with pytest.raises(ValueError, match=rf"BlockAllocator\.blocks_needed: num_tokens must be an int >= 0, got "
+                                         rf"{n!r}"):
+        alloc.blocks_needed(n)  # -5 needed 0 blocks
+    assert _allocator_state(alloc) == before
+
+
+# --- the piecewise compile -------------------------------------------------------------------------
+
+
+def test_graph_backend_with_graphs_off_is_refused():
+    # the backend captured anyway: the explicit use_cuda_graphs=False was ignored
+    from inductor_rocm_attn.compilation import compile_piecewise
+    from inductor_rocm_attn.compilation.graph_backends import RerunGraphBackend
+
+    with pytest.raises(ValueError, match=r"compile_piecewise: graph_backend given with use_cuda_graphs=False"):
+        compile_piecewise(torch.nn.Linear(2, 2), [1], use_cuda_graphs=False, graph_backend=RerunGraphBackend())
+
+
+# --- the fused QK-norm writers switch a layer to interleaved V: only once nothing can refuse the call --
+
+
+def _layer_with_cache(name, kv_cache_dtype, cache_dtype):
+    layer = ira.Attention(H, D, num_kv_heads=HKV, layer_name=name, kv_cache_dtype=kv_cache_dtype)
+    cache = ira.allocate_kv_cache(ira.KVCacheSpec(BS, HKV, D, cache_dtype, ira.CacheLayout.LHBNC), 8)
+    g = torch.Generator().manual_seed(0)
+    cache.view(torch.uint8).copy_(torch.randint(0, 60, cache.view(torch.uint8).shape, dtype=torch.uint8, generator=g))
+    layer.kv_cache = cache  # assigned by hand: not the dtype the layer names
+    return layer
+
+
+@pytest.mark.parametrize("op", ["qkv", "cos_sin"])
+@pytest.mark.parametrize("kv_cache_dtype, cache_dtype", [("float16", torch.float32), ("auto", torch.float8_e4m3fn)])
+def test_qk_norm_writer_refused_for_the_cache_dtype_leaves_the_v_layout(op, kv_cache_dtype, cache_dtype):
+    # the switch to interleaved V (flag and cached data) ran before the kernel's choice refused the cache
+    layer = _layer_with_cache(f"state.qkn.{op}.{kv_cache_dtype}", kv_cache_dtype, cache_dtype)
+    md = ira.build_attention_metadata([3], [0], [[1]], BS)
+    w, t = torch.ones(D), 3
+    q, k, v = torch.randn(t, H, D), torch.randn(t, HKV, D), torch.randn(t, HKV, D)
+    before = snapshot(layer.kv_cache, q, k)
+    with pytest.raises(ValueError, match=rf"the layer is configured with kv_cache_dtype='{kv_cache_dtype}' but its KV "
+                                         rf"cache is {cache_dtype}"), ira.set_forward_context(md):
+        if op == "qkv":
+            torch.ops.rocm_attn.unified_qk_norm_rope_and_kv_cache_update(
+                torch.randn(t, (H + 2 * HKV) * D), w, w, 1e-6, md.positions, torch.randn(64, D), True, H, HKV, D,
+                layer.layer_name)
+        else:
+            torch.ops.rocm_attn.unified_qk_norm_rope_cos_sin_and_kv_cache_update(
+                q, k, v, w, w, 1e-6, torch.randn(t, D), torch.randn(t, D), True, layer.layer_name)
+    assert not layer.interleaved_v, "a refused call switched the layer to interleaved V"
+    assert unchanged(before, layer.kv_cache, q, k), "a refused call converted the cache or rotated q/k"
+
+
+# --- kernel-level ops: the per-head values a layer refuses at construction ---------------------------
+
+
+@pytest.mark.parametrize("name, bad, match", [
+    ("sinks", float("nan"), r"sinks must not hold NaN or \+inf"),
+    ("sinks", float("inf"), r"sinks must not hold NaN or \+inf"),
+    ("alibi_slopes", float("inf"), r"alibi_slopes must be finite"),
+    ("alibi_slopes", float("nan"), r"alibi_slopes must be finite"),
+])
+@pytest.mark.parametrize("op", ["paged_attention", "encoder_attention"])
+def test_kernel_ops_refuse_per_head_values_a_layer_refuses(op, name, bad, match):
+    # accepted, they turned every row of the output NaN
+    from cases import make_paged_case, poison
+
+    c = make_paged_case([1, 3, 2], [20, 5, 0], dtype=torch.float32)
+    per_head = torch.zeros(c.query.shape[1])
+    per_head[1] = bad
+    out = poison(torch.empty_like(c.query))
+    before = snapshot(out, c.kv_cache)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.{op}: {match}"):
+        if op == "paged_attention":
+            torch.ops.rocm_attn.paged_attention(out, c.query, c.key, c.value, c.kv_cache, c.query_start_loc, c.seq_lens,
+                                                c.block_table, c.max_query_len, c.max_seq_len, 0.125, c.k_scale,
+                                                c.v_scale, **{name: per_head})
+        else:
+            t = c.query.shape[0]
+            torch.ops.rocm_attn.encoder_attention(c.query, c.key, c.value, torch.tensor([0, t], dtype=torch.int32),
+                                                  t, 0.125, **{name: per_head})
+    assert unchanged(before, out, c.kv_cache)
+
+
+
+# --- the piecewise runner: capture() overwrites the metadata buffers -------------------------------
+
+
+def test_a_step_prepared_before_capture_is_refused_after_it():
+    # capture() fills the buffers with its dummy steps (slots -1): the step prepared before it
+    # ran on them, writing no cache and attending over the dummy sequences, silently
+    from inductor_rocm_attn.compilation import RerunGraphBackend, compile_piecewise
+    from inductor_rocm_attn.models import TinyDecoder, qwen3_config
+
+    cfg = qwen3_config(num_layers=1)
+    model = TinyDecoder(cfg, name="state.capture").eval()
+    ira.bind_kv_caches(model, 16, torch.float32, poison=True)
+    runner = compile_piecewise(model, [4], max_model_len=64, plugin=False, capture=False,
+                               graph_backend=RerunGraphBackend())
+    md = runner.prepare([3], [0], [[2]])
+    ids = torch.tensor([1, 2, 3])
+    runner.capture()
+    with pytest.raises(ValueError, match=r"PiecewiseRunner: the metadata is not the latest runner\.prepare"):
+        runner(ids, md)
+    md = runner.prepare([3], [0], [[2]])  # prepared again: runs
+    assert torch.isfinite(runner(ids, md)).all()
+
+
+# --- generate and the transformers helpers: flags given as strings --------------------------------
+
+
+class _NoStepRunner:
+    """A runner's limits and one cache; generate() must refuse its arguments before a step."""
+
+    block_size, max_num_tokens, max_num_seqs, max_model_len = BS, 16, 4, 96
+
+    def __init__(self):
+        layer = ira.Attention(H, D, num_kv_heads=HKV, layer_name=f"state.gen.{id(self)}")
+        ira.bind_kv_caches(layer, 8, torch.float32)
+        self.layers = {layer.layer_name: layer}
+
+    def prepare(self, *args, **kwargs):
+        raise AssertionError("generate() planned a step before refusing its arguments")
+
+
+def test_generate_return_logits_must_be_a_bool():
+    from inductor_rocm_attn.integrations.batching import generate
+
+    with pytest.raises(TypeError, match=r"generate: return_logits must be True or False, got 'no'"):
+        generate(_NoStepRunner(), [[1, 2]], 2, return_logits="no")
+
+
+def _tiny_transformers_model():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="rocm_attn").eval()
+
+
+@pytest.mark.parametrize("who", ["PagedCache", "eager_runner"])
+def test_transformers_poison_flag_must_be_a_bool(who):
+    from inductor_rocm_attn.integrations.transformers import PagedCache
+    from inductor_rocm_attn.integrations.transformers_runner import eager_runner
+
+    model = _tiny_transformers_model()
+    hooks = dict(model.model._forward_pre_hooks)
+    with pytest.raises(TypeError, match=rf"{who}: poison must be True or False, got 'False'"):
+        (PagedCache if who == "PagedCache" else eager_runner)(model, num_blocks=4, poison="False")
+    assert dict(model.model._forward_pre_hooks) == hooks
+
+
+# --- fused RoPE layer ops: the query must be the layer's heads, on every call -----------------------
+
+
+def _fused_rope_call(op, layer, md, q, k, v):
+    t = q.shape[0]
+    g = torch.Generator().manual_seed(1)
+    with ira.set_forward_context(md):
+        if op == "rope":
+            torch.ops.rocm_attn.unified_rope_and_kv_cache_update(md.positions, q, k, v, torch.randn(64, D, generator=g),
+                                                                 True, layer.layer_name)
+        elif op == "rope_cos_sin":
+            torch.ops.rocm_attn.unified_rope_cos_sin_and_kv_cache_update(
+                q, k, v, torch.randn(t, D, generator=g), torch.randn(t, D, generator=g), True, layer.layer_name)
+        else:
+            w = torch.ones(D)
+            torch.ops.rocm_attn.unified_qk_norm_rope_cos_sin_and_kv_cache_update(
+                q, k, v, w, w, 1e-6, torch.randn(t, D, generator=g), torch.randn(t, D, generator=g), True,
+                layer.layer_name)
+
+
+@pytest.mark.parametrize("op", ["rope", "rope_cos_sin", "qk_norm_rope_cos_sin"])
+@pytest.mark.parametrize("shape", [(H + 1, D), (H // 2, D), (H, D // 2)])
+@pytest.mark.parametrize("first", [True, False])
+def test_fused_rope_layer_ops_refuse_a_query_of_other_heads(op, shape, first):
+    # the kernels rotated whatever heads they were given and wrote the cache (the attention
+    # refused the query afterwards); a query of another head size was rotated in other pairs
+    s = stepped_layer(f"state_heads_{op}")
+    t = s.num_tokens
+    if not first:  # a good call of the same signature first: the check is not a first-call one
+        _fused_rope_call(op, s.layer, s.md, torch.randn(t, H, D), torch.randn(t, HKV, D), torch.randn(t, HKV, D))
+    q, k, v = torch.randn(t, *shape), torch.randn(t, HKV, D), torch.randn(t, HKV, D)
+    before = snapshot(s.layer.kv_cache, q, k)
+    with pytest.raises(ValueError, match=rf"query must be the layer's heads, \[{t}, {H}, {D}\] or \[{t}, {H} \* {D}\], "
+                                         rf"got \({t}, {shape[0]}, {shape[1]}\)"):
+        _fused_rope_call(op, s.layer, s.md, q, k, v)
+    assert unchanged(before, s.layer.kv_cache, q, k), "a refused call rotated q/k or wrote the cache"
+
+
+def test_rotary_only_layer_op_refuses_a_key_of_other_heads():
+    # a profiling run (no cache write): the rotation of key in place checked its heads on the
+    # first call of a signature only
+    layer = ira.Attention(H, D, num_kv_heads=HKV, layer_name="state.rotary_only")
+    t = 3
+    cs = torch.randn(64, D)
+    pos = torch.arange(t)
+    with ira.profiling_run():
+        torch.ops.rocm_attn.unified_rope_and_kv_cache_update(pos, torch.randn(t, H, D), torch.randn(t, HKV, D),
+                                                             torch.randn(t, HKV, D), cs, True, layer.layer_name)
+        q, k = torch.randn(t, H, D), torch.randn(t, HKV, D // 2)
+        before = snapshot(q, k)
+        with pytest.raises(ValueError, match=rf"rocm_attn\.rotary_embedding: key must be the layer's heads, "
+                                             rf"\[{t}, {HKV}, {D}\] or \[{t}, {HKV} \* {D}\], got \({t}, {HKV}, "
+                                             rf"{D // 2}\)"):
+            torch.ops.rocm_attn.unified_rope_and_kv_cache_update(pos, q, k, torch.randn(t, HKV, D), cs, True,
+                                                                 layer.layer_name)
+        assert unchanged(before, q, k)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("num_kv_heads", 0, r"num_kv_heads must be a positive int, got 0"),
+    ("dtype", torch.int32, r"dtype torch\.int32 is not a cache dtype"),
+    ("layout", "lbhnc", r"layout 'lbhnc' is not supported"),
+])
+def test_backend_customize_spec_refuses_what_no_cache_can_be(field, value, match):
+    # answered as a valid spec: the allocation refused it later
+    import dataclasses
+
+    spec = dataclasses.replace(ira.KVCacheSpec(BS, HKV, D, torch.float32), **{field: value})
+    with pytest.raises(ValueError, match=rf"RocmAttentionBackend\.customize_spec: {match}"):
+        ira.RocmAttentionBackend.customize_spec(spec)
+
+
+def test_rotary_only_layer_op_refuses_a_key_of_other_rows():
+    # a key with more rows than positions: the kernel read positions past their end
+    layer = ira.Attention(H, D, num_kv_heads=HKV, layer_name="state.rotary_only_rows")
+    t = 3
+    cs = torch.randn(64, D)
+    pos = torch.arange(t)
+    with ira.profiling_run():
+        torch.ops.rocm_attn.unified_rope_and_kv_cache_update(pos, torch.randn(t, H, D), torch.randn(t, HKV, D),
+                                                             torch.randn(t, HKV, D), cs, True, layer.layer_name)
+        q, k = torch.randn(t, H, D), torch.randn(t + 2, HKV, D)
+        before = snapshot(q, k)
+        with pytest.raises(ValueError, match=rf"rocm_attn\.rotary_embedding: key must be the layer's heads, "
+                                             rf"\[{t}, {HKV}, {D}\] or \[{t}, {HKV} \* {D}\], got \({t + 2}, {HKV}, "
+                                             rf"{D}\)"):
+            torch.ops.rocm_attn.unified_rope_and_kv_cache_update(pos, q, k, torch.randn(t, HKV, D), cs, True,
+                                                                 layer.layer_name)
+        assert unchanged(before, q, k)
+
+
+@pytest.fixture(scope="module")
+def small_runner():
+    """A one-layer decoder compiled piecewise, graphs emulated (max_model_len 60)."""
+    from inductor_rocm_attn.compilation import RerunGraphBackend, compile_piecewise
+    from inductor_rocm_attn.models import TinyDecoder, qwen3_config
+
+    model = TinyDecoder(qwen3_config(num_layers=1), name="state.small_runner").eval()
+    ira.bind_kv_caches(model, 16, torch.float32, poison=True)
+    return compile_piecewise(model, [4], max_model_len=60, plugin=False, graph_backend=RerunGraphBackend())
+
+
+def test_prepare_refuses_a_sequence_past_max_model_len(small_runner):
+    # planned within the block table's width (max_model_len rounded up to whole blocks): a
+    # model with learned positions indexed its embedding past them (a device assert on a GPU),
+    # and a whole-step plan's max_seq_len hint was below the sequence
+    runner = small_runner
+    md = runner.prepare([2], [0], [[3]])
+    buffers = runner.buffers
+    before = snapshot(buffers.query_start_loc, buffers.seq_lens, buffers.block_table, buffers.slot_mapping,
+                      buffers.positions)
+    for whole_step in (True, False):
+        with pytest.raises(ValueError, match=r"PiecewiseRunner\.prepare: the step has a sequence of 62 tokens, more "
+                                             r"than max_model_len=60"):
+            runner.prepare([1], [61], [[0, 1, 2, 4]], whole_step=whole_step)
+    assert unchanged(before, buffers.query_start_loc, buffers.seq_lens, buffers.block_table, buffers.slot_mapping,
+                     buffers.positions)
+    assert torch.isfinite(runner(torch.tensor([1, 2]), md)).all()  # the step prepared before still runs
+
+
+def test_runner_use_graphs_must_be_a_bool(small_runner):
+    md = small_runner.prepare([2], [0], [[3]])
+    with pytest.raises(TypeError, match=r"PiecewiseRunner: use_graphs must be True or False, got 'no'"):
+        small_runner(torch.tensor([1, 2]), md, use_graphs="no")  # the graphs replayed
+
+
+def test_eager_runner_whole_step_is_checked_as_the_piecewise_runner_s():
+    from inductor_rocm_attn.integrations.transformers_runner import eager_runner
+
+    runner = eager_runner(_tiny_transformers_model(), num_blocks=4)
+    with pytest.raises(ValueError, match=r"EagerRunner\.prepare: whole_step='bogus'; expected True, False or 'mixed'"):
+        runner.prepare([2], [0], [[1]], whole_step="bogus")
+    runner.prepare([2], [0], [[1]], whole_step="mixed")  # the runners' API: taken, no graphs here
+
+
+# --- hand-built metadata: a written block must not be another sequence's context -------------------
+
+
+def test_hand_built_step_writing_a_block_another_sequence_reads_is_refused():
+    # the builder refuses it; hand-built metadata whose slots follow each table passed, and
+    # the write overwrote sequence 0's cached tokens 0..1
+    import dataclasses
+
+    s = stepped_layer("state_shared_block")
+    fields = {f.name: getattr(s.md, f.name) for f in dataclasses.fields(s.md) if f.init}
+    table = s.md.block_table.clone()
+    table[0, 0] = s.tables[2][0]  # sequence 0's first context block is the block sequence 2 writes
+    md = ira.AttentionMetadata(**{**fields, "block_table": table, "plan": None})
+    before = snapshot(s.layer.kv_cache)
+    q, k, v = qkv(s.num_tokens, s.g)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.unified_kv_cache_update: block {s.tables[2][0]} receives token 4 "
+                                         rf"\(sequence 2\) but is used 2 times in this step \(block_table\[0, 0\], "
+                                         rf"block_table\[2, 0\]\)"), ira.set_forward_context(md):
+        s.layer(q, k, v)
+    assert unchanged(before, s.layer.kv_cache)
