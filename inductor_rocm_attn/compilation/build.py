@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from inductor_rocm_attn import layer_regions
 from inductor_rocm_attn.forward_context import set_forward_context
 from inductor_rocm_attn.metadata import AttentionMetadata
 
@@ -31,6 +32,7 @@ from .dedup import (
     structure_key,
 )
 from .pieces import CompiledPiece, piece_post_pass, plugin_context
+from .regions import inline_regions
 from .split import add_stand_ins, split_at_attention, submodule_inputs
 from .trace_cache import (
     TraceCache,
@@ -71,7 +73,10 @@ def compile_model(runner: "PiecewiseRunner") -> None:
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
         t0 = time.perf_counter()
-        runner._say(f"traced in {t0 - t_start:.1f} s: {sum(1 for _ in gm.graph.nodes)} graph nodes")
+        runner.stats.region_calls, runner.stats.region_subgraphs = inline_regions(gm)
+        regions = (f" ({runner.stats.region_calls} layer-region calls of {runner.stats.region_subgraphs} traced "
+                   "regions, inlined)" if runner.stats.region_calls else "")
+        runner._say(f"traced in {t0 - t_start:.1f} s: {sum(1 for _ in gm.graph.nodes)} graph nodes{regions}")
         if cache is not None:
             entry = _store_trace(runner, gm, list(example_inputs), *cache[:2])
             if entry is not None:  # built after the trace, from the stored form
@@ -98,7 +103,7 @@ def compile_model(runner: "PiecewiseRunner") -> None:
     compiled = torch.compile(fwd, backend=backend, fullgraph=True, dynamic=False)
     runner._say("tracing the model with Dynamo (token dimension dynamic)")
     t0 = time.perf_counter()
-    with torch.no_grad(), set_forward_context(md, layers=runner.layer_table):
+    with torch.no_grad(), set_forward_context(md, layers=runner.layer_table), layer_regions.tracing():
         compiled(ids, pos)
     runner.stats.trace_s = time.perf_counter() - t0 - runner.stats.compile_s
     if stored:
