@@ -19,11 +19,16 @@ from typing import Callable, Iterator
 
 import torch
 
-__all__ = ["active", "region", "tracing"]
+__all__ = ["active", "available", "region", "tracing"]
 
 _TRACING = False
 # torch.compiler.nested_compile_region (torch >= 2.8); without it the regions are plain calls.
 _NESTED = getattr(torch.compiler, "nested_compile_region", None)
+
+
+def available() -> bool:
+    """Whether this torch has nested compile regions (else :func:`tracing` leaves them off)."""
+    return _NESTED is not None
 
 
 def active() -> bool:

@@ -8,6 +8,9 @@ custom ops, so the fusion passes can be exercised on both. Weights are random.
 ``TinyDecoder(cfg, tp=TensorParallel...)`` builds one rank's tensor-parallel shard (its
 query / KV heads and MLP slice, row-parallel projections that all-reduce; see
 ``parallel.py``); ``cfg`` always describes the whole model.
+
+A layer's code before and after its attention is marked as two compile regions
+(``layer_regions``): ``compile_piecewise`` traces each once and reuses it for the other layers.
 """
 
 from __future__ import annotations
@@ -174,7 +177,7 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
         self.down_proj = row_linear(inter, cfg.hidden_size)
         # Tensor-parallel layers all-reduce inside residual_mlp: traced inline, not as a region.
-        self.regions = tp is None
+        self.compile_regions = tp is None
 
     def qkv(self, positions, hidden):
         cfg = self.cfg
@@ -194,7 +197,7 @@ class DecoderLayer(nn.Module):
         return hidden + self.down_proj(F.silu(gate) * up)
 
     def forward(self, positions, hidden, attention=None):
-        if layer_regions.active() and self.regions:  # compile_piecewise's trace: each region traced once
+        if layer_regions.active() and self.compile_regions:  # compile_piecewise's trace: each region traced once
             q, k, v = _qkv_region(self, positions, hidden)
             return _residual_mlp_region(self, hidden, self.attn(q, k, v) if attention is None else attention(q, k, v))
         q, k, v = self.qkv(positions, hidden)

@@ -96,3 +96,35 @@ def test_a_plain_torch_compile_takes_no_region_path():
         torch.compile(model, backend=backend, fullgraph=True)(ids, md.positions)
     assert not layer_regions.active()
     assert inline_regions(graphs[0]) == (0, 0)
+
+
+@needs_regions
+def test_a_region_trace_that_fails_warns_and_traces_without_regions(monkeypatch):
+    """A torch whose nested_compile_region cannot trace a layer's region: the model is traced
+    again without its regions (the flat trace's cost), with a warning naming the failure."""
+    from inductor_rocm_attn import models
+
+    def failing_region(layer, positions, hidden):
+        raise RuntimeError("this region cannot be traced")
+
+    monkeypatch.setattr(models, "_qkv_region", failing_region)
+    model = _model("fallback")
+    with pytest.warns(UserWarning, match="per-layer compile regions failed.*tracing again without them"):
+        runner = _compile(model)
+    assert runner.stats.region_calls == 0
+    assert [len(g) for g in runner.stats.piece_groups] == [1, LAYERS - 1, 1]
+    md = runner.prepare([2], [0], [[0]])
+    assert torch.isfinite(runner(torch.tensor([1, 2]), md)).all()
+
+
+def test_a_failure_of_the_model_itself_is_raised_once_traced_flat(monkeypatch):
+    """A model that cannot be traced at all fails with its own error (after the flat retry)."""
+    from inductor_rocm_attn import models
+
+    def broken(layer, positions, hidden):
+        raise RuntimeError("the model is broken")
+
+    monkeypatch.setattr(models.DecoderLayer, "qkv", broken)
+    monkeypatch.setattr(models, "_qkv_region", broken)
+    with pytest.raises(Exception, match="the model is broken"):
+        _compile(_model("broken"))
