@@ -119,7 +119,7 @@ def compile_model(runner: "PiecewiseRunner") -> None:
         # torch's nested_compile_region differs between versions: a model that traces
         # without its regions still compiles (at the flat trace's cost).
         msg = (f"compile_piecewise: the Dynamo trace with per-layer compile regions failed on torch "
-               f"{torch.__version__} ({type(e).__name__}: {str(e).strip().splitlines()[0][:300]}); "
+               f"{torch.__version__} ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}); "
                "tracing again without them")
         runner._say(msg)
         warnings.warn(msg, stacklevel=4)
