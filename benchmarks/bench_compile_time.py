@@ -10,7 +10,11 @@ own process, as a restarted server pays it: for the trace cache off and on
 Triton compiles), a fresh cache directory, one cold start, then ``--warm-runs`` warm starts
 over the same caches. Reported per start: the compile (trace or stored-trace load, split,
 Inductor) in ``compile_s`` with its parts, CUDA/HIP graph capture on a GPU (with the
-precompile's share), and the process's wall time (imports, model build included). Goals (28 layers): warm < 5 s, cold < 10 s.
+precompile's share), and the process's wall time (imports, model build included); also
+``cpu_s``, the CPU time of ``compile_piecewise`` in the start's own process (Inductor's compile
+workers not included: steadier than wall time on a shared machine, for warm starts nearly the
+whole compile), the 1-minute load average, and the layer-region calls of the trace and how many
+of them were traced (``layer_regions``). Goals (28 layers): warm < 5 s, cold < 10 s.
 
     python benchmarks/bench_compile_time.py [--device cuda] [--dtype bfloat16] [--layers 28] [--out DIR]
     python benchmarks/bench_compile_time.py --piecewise [--tiny] [--layers 28] [--warm-runs 2]
@@ -89,7 +93,7 @@ def piecewise_child(args) -> None:
     with torch.device(args.device):
         model = TinyDecoder(cfg).to(dtype=dtype).eval()
     ira.bind_kv_caches(model, 64, dtype, args.device)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     runner = compile_piecewise(model, capture_sizes=[1, 2, 4, 8, 16, 32, 64], max_num_seqs=64,
                                max_model_len=2304, trace_cache=args.trace_cache or False,
                                compile_threads=None if args.compile_threads == ["auto"]
@@ -98,10 +102,12 @@ def piecewise_child(args) -> None:
     from torch._dynamo.utils import counters
 
     print(json.dumps(dict(
-        total_s=time.perf_counter() - t0, compile_s=st.trace_s + st.compile_s, trace_s=st.trace_s,
+        total_s=time.perf_counter() - t0, cpu_s=time.process_time() - cpu0, load=os.getloadavg()[0],
+        compile_s=st.trace_s + st.compile_s, trace_s=st.trace_s,
         trace_loaded=st.trace_loaded, build_s=st.compile_s, capture_s=st.capture_s, captures=st.num_captures,
         precompile_s=st.precompile_s, precompiled_kernels=st.precompiled_kernels,
         unique_compiles=st.num_unique_compiles, process_s=time.time() - t_process,
+        region_calls=getattr(st, "region_calls", None), region_subgraphs=getattr(st, "region_subgraphs", None),
         cache=dict(counters["aot_autograd"]) | dict((k, v) for k, v in counters["inductor"].items()
                                                     if k.startswith("fxgraph")))))
 

@@ -8,6 +8,9 @@ custom ops, so the fusion passes can be exercised on both. Weights are random.
 ``TinyDecoder(cfg, tp=TensorParallel...)`` builds one rank's tensor-parallel shard (its
 query / KV heads and MLP slice, row-parallel projections that all-reduce; see
 ``parallel.py``); ``cfg`` always describes the whole model.
+
+A layer's code before and after its attention is marked as two compile regions
+(``layer_regions``): ``compile_piecewise`` traces each once and reuses it for the other layers.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import layer_regions
 from .layer import Attention
 from .validation import is_int
 
@@ -172,6 +176,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.norm_impl)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
         self.down_proj = row_linear(inter, cfg.hidden_size)
+        # Tensor-parallel layers all-reduce inside residual_mlp: traced inline, not as a region.
+        self.compile_regions = tp is None
 
     def qkv(self, positions, hidden):
         cfg = self.cfg
@@ -185,12 +191,23 @@ class DecoderLayer(nn.Module):
         q, k = self.rotary(positions, q, k)
         return q, k, v
 
-    def forward(self, positions, hidden, attention=None):
-        q, k, v = self.qkv(positions, hidden)
-        o = self.attn(q, k, v) if attention is None else attention(q, k, v)
+    def residual_mlp(self, hidden, o):
         hidden = hidden + self.o_proj(o)
         gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
         return hidden + self.down_proj(F.silu(gate) * up)
+
+    def forward(self, positions, hidden, attention=None):
+        if layer_regions.active() and self.compile_regions:  # compile_piecewise's trace: each region traced once
+            q, k, v = _qkv_region(self, positions, hidden)
+            return _residual_mlp_region(self, hidden, self.attn(q, k, v) if attention is None else attention(q, k, v))
+        q, k, v = self.qkv(positions, hidden)
+        o = self.attn(q, k, v) if attention is None else attention(q, k, v)
+        return self.residual_mlp(hidden, o)
+
+
+# The layer's code around its attention, as compile regions (``layer_regions``).
+_qkv_region = layer_regions.region(DecoderLayer.qkv)
+_residual_mlp_region = layer_regions.region(DecoderLayer.residual_mlp)
 
 
 class TinyDecoder(nn.Module):

@@ -11,6 +11,7 @@ Inductor's caches.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 import types
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from inductor_rocm_attn import layer_regions
 from inductor_rocm_attn.forward_context import set_forward_context
 from inductor_rocm_attn.metadata import AttentionMetadata
 
@@ -31,6 +33,7 @@ from .dedup import (
     structure_key,
 )
 from .pieces import CompiledPiece, piece_post_pass, plugin_context
+from .regions import inline_regions
 from .split import add_stand_ins, split_at_attention, submodule_inputs
 from .trace_cache import (
     TraceCache,
@@ -68,10 +71,15 @@ def compile_model(runner: "PiecewiseRunner") -> None:
         _build_stored(runner, cache[2].graph, cache[2].plan, ids, md, t_start)
         return
     stored: list = []
+    traced: list = []  # the backend was entered: Dynamo's trace is done
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
         t0 = time.perf_counter()
-        runner._say(f"traced in {t0 - t_start:.1f} s: {sum(1 for _ in gm.graph.nodes)} graph nodes")
+        traced.append(True)
+        runner.stats.region_calls, runner.stats.region_subgraphs = inline_regions(gm)
+        regions = (f" ({runner.stats.region_calls} layer-region calls of {runner.stats.region_subgraphs} traced "
+                   "regions, inlined)" if runner.stats.region_calls else "")
+        runner._say(f"traced in {t0 - t_start:.1f} s: {sum(1 for _ in gm.graph.nodes)} graph nodes{regions}")
         if cache is not None:
             entry = _store_trace(runner, gm, list(example_inputs), *cache[:2])
             if entry is not None:  # built after the trace, from the stored form
@@ -88,18 +96,34 @@ def compile_model(runner: "PiecewiseRunner") -> None:
         def fwd(input_ids, positions):
             return forward(input_ids, positions)
 
-    # A fresh code object per runner: Dynamo caches by code object, and this one is traced
-    # exactly once (the runner then calls the split graph itself).
-    fwd = types.FunctionType(fwd.__code__.replace(co_name=f"rocm_attn_piecewise_{next(_RUNNER_IDS)}"),
-                             fwd.__globals__, None, None, fwd.__closure__)
-    torch._dynamo.mark_dynamic(ids, 0)
-    torch._dynamo.mark_dynamic(pos, 0)
+    def trace(regions: bool) -> None:
+        # A fresh code object per trace: Dynamo caches by code object, and this one is traced
+        # exactly once (the runner then calls the split graph itself).
+        code = fwd.__code__.replace(co_name=f"rocm_attn_piecewise_{next(_RUNNER_IDS)}")
+        compiled = torch.compile(types.FunctionType(code, fwd.__globals__, None, None, fwd.__closure__),
+                                 backend=backend, fullgraph=True, dynamic=False)
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch._dynamo.mark_dynamic(pos, 0)
+        with torch.no_grad(), set_forward_context(md, layers=runner.layer_table), \
+                (layer_regions.tracing() if regions else contextlib.nullcontext()):
+            compiled(ids, pos)
+
     runner._trace_ids, runner._trace_pos = ids, pos
-    compiled = torch.compile(fwd, backend=backend, fullgraph=True, dynamic=False)
     runner._say("tracing the model with Dynamo (token dimension dynamic)")
     t0 = time.perf_counter()
-    with torch.no_grad(), set_forward_context(md, layers=runner.layer_table):
-        compiled(ids, pos)
+    try:
+        trace(regions=True)
+    except Exception as e:
+        if traced or not layer_regions.available():  # failed in the build, or no regions to blame
+            raise
+        # torch's nested_compile_region differs between versions: a model that traces
+        # without its regions still compiles (at the flat trace's cost).
+        msg = (f"compile_piecewise: the Dynamo trace with per-layer compile regions failed on torch "
+               f"{torch.__version__} ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}); "
+               "tracing again without them")
+        runner._say(msg)
+        warnings.warn(msg, stacklevel=4)
+        trace(regions=False)
     runner.stats.trace_s = time.perf_counter() - t0 - runner.stats.compile_s
     if stored:
         _build_stored(runner, stored[0].graph, stored[0].plan, ids, md, None)

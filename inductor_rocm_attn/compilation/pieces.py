@@ -49,6 +49,8 @@ class CompileStats:
     num_captures: int = 0
     trace_s: float = 0.0
     trace_loaded: bool = False  # the traced graph came from the trace cache (no Dynamo)
+    region_calls: int = 0  # layer-region calls in the trace (``layer_regions``), inlined
+    region_subgraphs: int = 0  # of them traced (the others reused one)
     compile_s: float = 0.0
     capture_s: float = 0.0  # the precompile's time included
     precompile_s: float = 0.0  # Triton kernels compiled in parallel before capture

@@ -1,0 +1,130 @@
+"""Per-layer compile regions (``layer_regions``, ``compilation.regions``): compile_piecewise
+traces each region of ``models.DecoderLayer`` once, reuses it for the other layers and
+inlines the calls, so the pieces are those of a trace without regions."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import inductor_rocm_attn as ira
+from inductor_rocm_attn import layer_regions
+from inductor_rocm_attn.compilation import compile_piecewise
+from inductor_rocm_attn.compilation.regions import inline_regions
+from inductor_rocm_attn.models import TinyDecoder, qwen3_config
+
+LAYERS = 3
+_names = itertools.count()
+
+needs_regions = pytest.mark.skipif(layer_regions._NESTED is None,
+                                   reason="torch.compiler.nested_compile_region is missing (torch < 2.8)")
+
+
+def _model(prefix: str) -> TinyDecoder:
+    torch.manual_seed(0)
+    model = TinyDecoder(qwen3_config(num_layers=LAYERS), name=f"{prefix}{next(_names)}").eval()
+    ira.bind_kv_caches(model, 32, torch.float32, "cpu")
+    return model
+
+
+def _compile(model: TinyDecoder):
+    return compile_piecewise(model, capture_sizes=[1, 2, 4], max_num_seqs=4, max_model_len=64, trace_cache=False)
+
+
+def _piece_graphs(runner, model_name: str) -> list[str]:
+    """Each submodule's graph, the model's name (in the layer names) replaced."""
+    return [str(m.graph).replace(model_name, "<model>") for _, m in sorted(runner.split_gm.named_children())]
+
+
+@pytest.fixture(scope="module")
+def runners(request):
+    with_regions = _model("regions")
+    flat = _model("flat")
+    saved = layer_regions._NESTED
+    layer_regions._NESTED = None  # tracing() then leaves the region path off: the flat trace
+    try:
+        flat_runner = _compile(flat)
+    finally:
+        layer_regions._NESTED = saved
+    return (_compile(with_regions), with_regions), (flat_runner, flat)
+
+
+@needs_regions
+def test_each_region_is_traced_once_and_reused(runners):
+    (runner, _), (flat_runner, _) = runners
+    assert (runner.stats.region_calls, runner.stats.region_subgraphs) == (2 * LAYERS, 2)
+    assert (flat_runner.stats.region_calls, flat_runner.stats.region_subgraphs) == (0, 0)
+
+
+@needs_regions
+def test_pieces_equal_those_of_a_trace_without_regions(runners):
+    (runner, model), (flat_runner, flat) = runners
+    assert _piece_graphs(runner, model.layers[0].attn.layer_name.split(".")[0]) == \
+        _piece_graphs(flat_runner, flat.layers[0].attn.layer_name.split(".")[0])
+    assert [len(g) for g in runner.stats.piece_groups] == [1, LAYERS - 1, 1]
+    assert not any(n.op == "get_attr" for n in runner.split_gm.graph.nodes)
+
+
+@needs_regions
+def test_outputs_equal_those_of_a_trace_without_regions(runners):
+    (runner, _), (flat_runner, _) = runners
+    ids = torch.randint(0, 512, (4,))
+    out = []
+    for r in (runner, flat_runner):
+        md = r.prepare([3, 1], [0, 5], [[0, 1], [2, 3]])
+        out.append(r(ids, md).clone())
+    torch.testing.assert_close(out[0], out[1], rtol=0, atol=0)
+
+
+@needs_regions
+def test_a_plain_torch_compile_takes_no_region_path():
+    """Outside compile_piecewise's trace a layer runs its code inline (the fusion passes of a
+    whole-model compile must see a layer's RoPE next to its cache update)."""
+    model = _model("plain")
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    ids = torch.randint(0, 512, (4,))
+    md = ira.build_attention_metadata([4], [0], [[0]], model.layers[0].attn.block_size)
+    torch._dynamo.reset()
+    with torch.no_grad(), ira.set_forward_context(md):
+        torch.compile(model, backend=backend, fullgraph=True)(ids, md.positions)
+    assert not layer_regions.active()
+    assert inline_regions(graphs[0]) == (0, 0)
+
+
+@needs_regions
+def test_a_region_trace_that_fails_warns_and_traces_without_regions(monkeypatch):
+    """A torch whose nested_compile_region cannot trace a layer's region: the model is traced
+    again without its regions (the flat trace's cost), with a warning naming the failure."""
+    from inductor_rocm_attn import models
+
+    def failing_region(layer, positions, hidden):
+        raise RuntimeError("this region cannot be traced")
+
+    monkeypatch.setattr(models, "_qkv_region", failing_region)
+    model = _model("fallback")
+    with pytest.warns(UserWarning, match="per-layer compile regions failed.*tracing again without them"):
+        runner = _compile(model)
+    assert runner.stats.region_calls == 0
+    assert [len(g) for g in runner.stats.piece_groups] == [1, LAYERS - 1, 1]
+    md = runner.prepare([2], [0], [[0]])
+    assert torch.isfinite(runner(torch.tensor([1, 2]), md)).all()
+
+
+def test_a_failure_of_the_model_itself_is_raised_once_traced_flat(monkeypatch):
+    """A model that cannot be traced at all fails with its own error (after the flat retry)."""
+    from inductor_rocm_attn import models
+
+    def broken(layer, positions, hidden):
+        raise RuntimeError("the model is broken")
+
+    monkeypatch.setattr(models.DecoderLayer, "qkv", broken)
+    monkeypatch.setattr(models, "_qkv_region", broken)
+    with pytest.raises(Exception, match="the model is broken"):
+        _compile(_model("broken"))
