@@ -3,7 +3,7 @@ Dynamo once and reused for every identical layer while ``compile_piecewise`` tra
 
 A model marks the parts of its layer that hold no attention op with :func:`region`
 (``models.DecoderLayer``: the qkv projection with norms and RoPE; the output projection and
-the MLP). The attention op stays outside the regions: it names its layer
+the MLP), and each module that takes the region path carries ``compile_regions = True``. The attention op stays outside the regions: it names its layer
 (``layer_name``, a per-layer constant), so a region around it could not be reused. Only
 inside :func:`tracing` (``compile_piecewise``'s trace) does a model take the region path;
 ``compile_piecewise`` then inlines the regions (``compilation.regions``), so the split, the
@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 import torch
 
-__all__ = ["active", "available", "region", "tracing"]
+__all__ = ["active", "available", "marked", "region", "tracing"]
 
 _TRACING = False
 # torch.compiler.nested_compile_region (torch >= 2.8); without it the regions are plain calls.
@@ -29,6 +29,11 @@ _NESTED = getattr(torch.compiler, "nested_compile_region", None)
 def available() -> bool:
     """Whether this torch has nested compile regions (else :func:`tracing` leaves them off)."""
     return _NESTED is not None
+
+
+def marked(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has a module that takes a region path (``compile_regions = True``)."""
+    return any(getattr(m, "compile_regions", False) is True for m in model.modules())
 
 
 def active() -> bool:

@@ -128,3 +128,28 @@ def test_a_failure_of_the_model_itself_is_raised_once_traced_flat(monkeypatch):
     monkeypatch.setattr(models, "_qkv_region", broken)
     with pytest.raises(Exception, match="the model is broken"):
         _compile(_model("broken"))
+
+
+def test_a_model_without_regions_is_traced_once(monkeypatch):
+    """A model none of whose modules takes a region path (``compile_regions``) is traced flat
+    once: its own trace failure comes with no retry and no warning blaming the regions."""
+    import contextlib
+    import warnings
+
+    from inductor_rocm_attn import models
+
+    def broken(layer, positions, hidden):
+        raise RuntimeError("the model is broken")
+
+    model = _model("unmarked")
+    for m in model.modules():
+        if hasattr(m, "compile_regions"):
+            m.compile_regions = False
+    entered = []
+    monkeypatch.setattr(layer_regions, "tracing", lambda: (entered.append(1), contextlib.nullcontext())[1])
+    monkeypatch.setattr(models.DecoderLayer, "qkv", broken)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning here would blame the regions
+        with pytest.raises(Exception, match="the model is broken"):
+            _compile(model)
+    assert not entered  # traced flat from the start

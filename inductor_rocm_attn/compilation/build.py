@@ -111,10 +111,11 @@ def compile_model(runner: "PiecewiseRunner") -> None:
     runner._trace_ids, runner._trace_pos = ids, pos
     runner._say("tracing the model with Dynamo (token dimension dynamic)")
     t0 = time.perf_counter()
+    regions = layer_regions.available() and isinstance(model, torch.nn.Module) and layer_regions.marked(model)
     try:
-        trace(regions=True)
+        trace(regions=regions)
     except Exception as e:
-        if traced or not layer_regions.available():  # failed in the build, or no regions to blame
+        if traced or not regions:  # failed in the build, or no regions to blame
             raise
         # torch's nested_compile_region differs between versions: a model that traces
         # without its regions still compiles (at the flat trace's cost).
