@@ -69,13 +69,18 @@ def test_pieces_equal_those_of_a_trace_without_regions(runners):
 
 @needs_regions
 def test_outputs_equal_those_of_a_trace_without_regions(runners):
-    (runner, _), (flat_runner, _) = runners
+    """A prefill step, then a decode step over what it cached (the caches start poisoned)."""
+    (runner, model), (flat_runner, flat) = runners
     ids = torch.randint(0, 512, (4,))
-    out = []
-    for r in (runner, flat_runner):
-        md = r.prepare([3, 1], [0, 5], [[0, 1], [2, 3]])
-        out.append(r(ids, md).clone())
-    torch.testing.assert_close(out[0], out[1], rtol=0, atol=0)
+    for m in (model, flat):
+        ira.bind_kv_caches(m, 32, torch.float32, "cpu", poison=True)
+    for step, (query_lens, context_lens) in enumerate((([2, 2], [0, 0]), ([1, 1], [2, 2]))):
+        out = []
+        for r in (runner, flat_runner):
+            md = r.prepare(query_lens, context_lens, [[0, 1], [2, 3]])
+            out.append(r(ids[:sum(query_lens)], md).clone())
+        assert torch.isfinite(out[0]).all(), f"step {step}"
+        torch.testing.assert_close(out[0], out[1], rtol=0, atol=0, msg=f"step {step}")
 
 
 @needs_regions
