@@ -841,3 +841,25 @@ def test_cache_scales_are_refused_without_an_fp8_cache():
             make(ours, num_blocks=4, k_scale=0.5)
         with pytest.raises(ValueError, match=re.escape(f"{who}: v_scale must be a positive finite number, got 0")):
             make(ours, num_blocks=4, kv_cache_dtype="fp8_e5m2", v_scale=0)
+
+
+def test_generate_fills_the_cache_exactly_and_is_refused_one_token_past_it():
+    """Rows of 20 and 5 tokens with 12 new tokens hold 31 + 16 tokens: 3 blocks of 16, the
+    second row's last block full. One more new token needs a fourth block: the step that
+    needs it raises (generate() does not tell the cache how far it will go) and leaves the rows
+    as they were."""
+    ours = build("gemma2", "rocm_attn")
+    ids, mask = ragged_prompts([20, 5])
+    cache = PagedCache(ours, num_blocks=3, poison=True)
+    got = ours.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                        past_key_values=cache)
+    want = twin(ours, "eager").generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                        eos_token_id=None)
+    assert torch.equal(got, want)
+    assert cache.row_lengths() == [31, 16]
+    cache = PagedCache(ours, num_blocks=3, poison=True)
+    with pytest.raises(MemoryError, match="PagedCache: this step needs 1 more blocks, 0 free of 3; build the cache "
+                                          "with more num_blocks"):
+        ours.generate(ids, attention_mask=mask, max_new_tokens=13, do_sample=False, eos_token_id=None,
+                      past_key_values=cache)
+    assert cache.row_lengths() == [31, 16]
