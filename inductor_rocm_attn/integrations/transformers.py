@@ -47,7 +47,7 @@ from ..forward_context import get_forward_context, set_forward_context
 from ..layer import Attention
 from ..layout import allocate_kv_cache
 from ..metadata import AttentionMetadata, build_attention_metadata
-from ..validation import check_bool, check_positive_int
+from ..validation import check_bool, check_positive_finite, check_positive_int
 
 __all__ = ["ATTN_IMPLEMENTATION", "PagedCache", "attention_forward", "register", "stats"]
 
@@ -305,16 +305,30 @@ def check_every_layer_attends(model: torch.nn.Module, who: str) -> None:
         )
 
 
+def check_fp8_scales(who: str, kv_cache_dtype, k_scale, v_scale) -> None:
+    """Scales other than 1.0 only for an fp8 cache: a 16-bit cache stores values as they
+    are, so a scale given with one would be silently ignored."""
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        check_positive_finite(who, name, value)
+        if value != 1.0 and not (isinstance(kv_cache_dtype, str) and kv_cache_dtype.startswith("fp8")):
+            raise ValueError(f"{who}: {name}={value!r} with kv_cache_dtype={kv_cache_dtype!r}; the cache scales "
+                             "apply only to an fp8 kv_cache_dtype (fp8, fp8_e4m3, fp8_e5m2)")
+
+
 def paged_layers(model: torch.nn.Module, num_blocks: int, *, block_size: int = 16,
-                 cache_layout: str = "LHBNC", kv_cache_dtype: str = "auto",
-                 poison: bool = False, max_seq_len: int | None = -1, who: str) -> dict[str, Attention]:
+                 cache_layout: str = "LHBNC", kv_cache_dtype: str = "auto", k_scale: float = 1.0,
+                 v_scale: float = 1.0, poison: bool = False, max_seq_len: int | None = -1,
+                 who: str) -> dict[str, Attention]:
     """One ``Attention`` (impl + KV cache of ``num_blocks`` blocks) per attention module of
     ``model``, built from what the module computes (``LayerSpec``), keyed by the name the ops
     carry (``layer_name``). Not registered globally: the owner hands them to the forward
     context as its layer table. ``poison``: caches filled with NaN (tests). ``max_seq_len``:
     the longest sequence the owner allows (-1: what the caches hold; None: the owner checks
-    every step against ``chunk_limit``). ``who``: the entry point its refusals name."""
+    every step against ``chunk_limit``). ``k_scale`` / ``v_scale``: every layer's per-tensor
+    fp8 cache scales (stored = value / scale); only with an fp8 ``kv_cache_dtype``, which
+    alone uses them. ``who``: the entry point its refusals name."""
     check_bool(who, "poison", poison)
+    check_fp8_scales(who, kv_cache_dtype, k_scale, v_scale)
     param = next(model.parameters())
     dtype, device = getattr(model, "dtype", param.dtype), getattr(model, "device", param.device)
     layers: dict[str, Attention] = {}
@@ -324,7 +338,7 @@ def paged_layers(model: torch.nn.Module, num_blocks: int, *, block_size: int = 1
         layer = Attention(
             spec.num_heads, spec.head_size, layer_name=layer_name(module), num_kv_heads=spec.num_kv_heads,
             scale=spec.scale, block_size=block_size, cache_layout=cache_layout,
-            kv_cache_dtype=kv_cache_dtype, sliding_window=spec.sliding_window,
+            kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, sliding_window=spec.sliding_window,
             logits_soft_cap=spec.softcap, sinks=spec.sinks, causal=spec.causal, register=False,
         ).to(device)
         if idx == min(modules):
@@ -418,6 +432,9 @@ class PagedCache(Cache):
         num_blocks: cache blocks shared by all rows (each holds ``block_size`` tokens of every
             layer); one more, kept zero, backs padding rows.
         block_size, cache_layout, kv_cache_dtype: cache geometry, as for ``Attention``.
+        k_scale, v_scale: per-tensor cache scales of every layer, for an fp8
+            ``kv_cache_dtype`` (stored = value / scale, saturated at the fp8 maximum: a scale
+            of at least max |key| / 448 for e4m3 keeps a model's keys in range).
         poison: fill the caches with NaN (tests: a read of an unwritten slot shows).
 
     Rows of the batch are sequences 0..B-1 from the first forward on; ``get_seq_length()`` is
@@ -427,7 +444,8 @@ class PagedCache(Cache):
     """
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, *, block_size: int = 16,
-                 cache_layout: str = "LHBNC", kv_cache_dtype: str = "auto", poison: bool = False):
+                 cache_layout: str = "LHBNC", kv_cache_dtype: str = "auto", k_scale: float = 1.0,
+                 v_scale: float = 1.0, poison: bool = False):
         super().__init__(layers=[])
         check_model(model, "PagedCache")
         check_positive_int("PagedCache", "num_blocks", num_blocks)
@@ -438,7 +456,8 @@ class PagedCache(Cache):
         self._device = getattr(model, "device", param.device)
         self._null_block = num_blocks  # zero keys/values: what a one-token padding row reads
         self._layers = paged_layers(model, num_blocks + 1, block_size=block_size, cache_layout=cache_layout,
-                                    kv_cache_dtype=kv_cache_dtype, poison=poison, max_seq_len=None, who="PagedCache")
+                                    kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, poison=poison,
+                                    max_seq_len=None, who="PagedCache")
         self._chunk_limit = chunk_limit(model, "PagedCache")  # checked every step (chunked attention layers)
         for layer in self._layers.values():
             layer.kv_cache[self._null_block].zero_()

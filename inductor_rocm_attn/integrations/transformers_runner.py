@@ -43,7 +43,7 @@ from ..config_checks import check_runner_config
 from ..forward_context import set_forward_context
 from ..metadata import AttentionMetadata, build_attention_metadata
 from ..validation import check_bool, check_positive_int, check_token_ids, vocab_size_of
-from .transformers import (check_dynamic_rope, check_every_layer_attends, check_model,
+from .transformers import (check_dynamic_rope, check_every_layer_attends, check_fp8_scales, check_model,
                            learned_position_limit, paged_layers)
 
 __all__ = ["EagerRunner", "compile_transformers", "eager_runner", "step_forward"]
@@ -76,6 +76,8 @@ def compile_transformers(
     max_model_len: int | None = None,
     cache_layout: str = "LHBNC",
     kv_cache_dtype: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     poison: bool = False,
     plugin: bool | None = None,
     use_cuda_graphs: bool | None = None,
@@ -98,6 +100,9 @@ def compile_transformers(
         max_model_len: longest sequence (block-table width; whole-step decode graphs are
             captured for it); default the smaller of the model's ``max_position_embeddings``
             and what the cache holds.
+        k_scale, v_scale: per-tensor cache scales of every layer, for an fp8 ``kv_cache_dtype``
+            (as for ``PagedCache``); ``runner.layers``' ``_k_scale`` / ``_v_scale`` buffers hold
+            them.
         capture_sizes, max_num_seqs, max_num_tokens, plugin, use_cuda_graphs, capture,
         graph_backend, decode_graphs, mixed_graphs, piecewise_graphs, trace_cache, progress,
         compile_threads: as for ``compile_piecewise``.
@@ -121,14 +126,15 @@ def compile_transformers(
         optional_flags=dict(use_cuda_graphs=use_cuda_graphs, plugin=plugin, piecewise_graphs=piecewise_graphs),
         trace_cache=trace_cache, compile_threads=compile_threads, graph_backend=graph_backend)
     check_block_size(block_size, "compile_transformers")
+    check_fp8_scales("compile_transformers", kv_cache_dtype, k_scale, v_scale)
     max_model_len = max_model_len or _default_max_model_len(model, num_blocks, block_size)
     positions = learned_position_limit(model)
     if positions is not None and max_model_len > positions:  # the embedding's index would run past it
         raise ValueError(f"compile_transformers: max_model_len {max_model_len} is above the {positions} positions of "
                          f"{type(model).__name__}'s learned position embedding (max_position_embeddings)")
     layers = paged_layers(model, num_blocks, block_size=block_size, cache_layout=cache_layout,
-                          kv_cache_dtype=kv_cache_dtype, poison=poison, max_seq_len=max_model_len,
-                          who="compile_transformers")
+                          kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, poison=poison,
+                          max_seq_len=max_model_len, who="compile_transformers")
     return compile_piecewise(
         model, capture_sizes, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
         max_model_len=max_model_len,
@@ -198,7 +204,7 @@ class EagerRunner:
 
 def eager_runner(model: torch.nn.Module, *, num_blocks: int, block_size: int = 16, max_num_seqs: int = 64,
                  max_num_tokens: int = 2048, cache_layout: str = "LHBNC", kv_cache_dtype: str = "auto",
-                 poison: bool = False) -> EagerRunner:
+                 k_scale: float = 1.0, v_scale: float = 1.0, poison: bool = False) -> EagerRunner:
     """An ``EagerRunner`` of ``model`` on its own paged cache (arguments as for
     ``compile_transformers``; ``max_num_seqs`` / ``max_num_tokens`` bound a step)."""
     check_model(model, "eager_runner")
@@ -208,5 +214,6 @@ def eager_runner(model: torch.nn.Module, *, num_blocks: int, block_size: int = 1
     _check_step_limits("eager_runner", max_num_seqs, max_num_tokens)  # before the caches are allocated
     check_dynamic_rope(model, "eager_runner", num_blocks * block_size)  # the longest sequence the cache holds
     layers = paged_layers(model, num_blocks, block_size=block_size, cache_layout=cache_layout,
-                          kv_cache_dtype=kv_cache_dtype, poison=poison, who="eager_runner")
+                          kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, poison=poison,
+                          who="eager_runner")
     return EagerRunner(model, layers, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens)

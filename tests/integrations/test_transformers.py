@@ -9,6 +9,7 @@ window, soft cap or padding moves logits by > 1e-2 here, which each test checks)
 
 import copy
 import re
+import sys
 
 import pytest
 import torch
@@ -720,3 +721,145 @@ def test_eager_runner_checks_its_step_inputs():
     assert runner.prepare([3], [0], [[1]], whole_step=False).num_actual_tokens == 3
     assert all(written == 0 for written in
                (int(layer.kv_cache.isfinite().sum()) for layer in runner.layers.values()))
+
+
+# --- cache dtypes, layouts and block sizes ------------------------------------------------------
+#
+# The reference for a rounding cache is eager transformers with its cached keys/values rounded
+# as ours are stored (fp8: value / scale, saturated, cast, times scale). As the kernels do, a
+# prefill reads its own new keys/values unrounded and the cached ones rounded; a decode reads
+# every one from the cache. Then the logits agree within TOL for fp8 (measured 4e-7 to 1e-5)
+# and ROUNDING_TOL for 16-bit caches (measured up to 3e-5: the finer the rounding, the more
+# values sit near a boundary where ours and eager's fp32 value round apart), while the
+# unrounded eager model differs by 2e-4 (fp16), 2e-3 (bf16) and 1e-2 to 1e-1 (fp8).
+ROUNDING_TOL = 1e-4
+_ROUNDED = {"dtype": None, "k_scale": 1.0, "v_scale": 1.0}
+_CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
+                 "fp8_e5m2": torch.float8_e5m2}
+
+
+def _round_like_cache(x, dtype, scale):
+    if dtype.itemsize == 1:
+        m = torch.finfo(dtype).max
+        return ((x.double() / scale).clamp(-m, m).to(dtype).double() * scale).to(x.dtype)
+    return x.to(dtype).to(x.dtype)
+
+
+def _cache_rounded_attention(module, query, key, value, attention_mask, **kwargs):
+    dtype = _ROUNDED["dtype"]
+    if dtype is not None:
+        cached = key.shape[2] - (query.shape[2] if query.shape[2] > 1 else 0)
+        key, value = key.clone(), value.clone()
+        key[:, :, :cached] = _round_like_cache(key[:, :, :cached], dtype, _ROUNDED["k_scale"])
+        value[:, :, :cached] = _round_like_cache(value[:, :, :cached], dtype, _ROUNDED["v_scale"])
+    eager = sys.modules[type(module).__module__].eager_attention_forward  # the model's own (soft cap, sinks)
+    return eager(module, query, key, value, attention_mask, **kwargs)
+
+
+def rounded_eager(model, kv_cache_dtype, k_scale=1.0, v_scale=1.0):
+    """``model``'s weights under eager attention whose cache rounds as ``kv_cache_dtype``."""
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register("eager_cache_rounded", _cache_rounded_attention)
+    AttentionMaskInterface.register("eager_cache_rounded", eager_mask)
+    _ROUNDED.update(dtype=_CACHE_DTYPES[kv_cache_dtype], k_scale=k_scale, v_scale=v_scale)
+    return twin(model, "eager_cache_rounded")
+
+
+# (model, kv_cache_dtype, cache_layout, block_size, (k_scale, v_scale)): each model's window
+# (6) is crossed by the prompts; 48 is a block size that is not a power of two.
+CACHE_VARIANTS = [("gemma2", "fp8_e4m3", "LBHNC", 48, (0.05, 0.03)), ("mistral", "fp8_e5m2", "LHBNC", 32, (0.5, 0.25)),
+                  ("llama", "bfloat16", "LBHNC", 16, (1.0, 1.0)), ("qwen3", "float16", "LHBNC", 48, (1.0, 1.0))]
+
+
+@pytest.mark.parametrize("name, kv_cache_dtype, layout, block_size, scales", CACHE_VARIANTS,
+                         ids=[f"{v[0]}-{v[1]}-{v[2]}-{v[3]}" for v in CACHE_VARIANTS])
+def test_cache_variants_match_eager_with_the_cache_rounding(name, kv_cache_dtype, layout, block_size, scales):
+    ours = build(name, "rocm_attn")
+    k_scale, v_scale = scales
+    ids, mask = ragged_prompts()
+    cache = PagedCache(ours, num_blocks=8, block_size=block_size, cache_layout=layout,
+                       kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, poison=True)
+    got = greedy(ours, ids, mask, past_key_values=cache)
+    want = greedy(rounded_eager(ours, kv_cache_dtype, k_scale, v_scale), ids, mask)
+    tol = TOL if kv_cache_dtype.startswith("fp8") else ROUNDING_TOL
+    assert torch.equal(got.sequences, want.sequences)
+    assert max(rel(a, b) for a, b in zip(got.logits, want.logits)) < tol
+    if kv_cache_dtype != "float16":  # fp16 rounds k/v by 2^-11: too close to its tolerance to tell apart
+        unrounded = greedy(twin(ours, "eager"), ids, mask)
+        assert max(rel(a, b) for a, b in zip(got.logits, unrounded.logits)) > 10 * tol
+    for layer in cache.layers_by_name.values():
+        assert layer.kv_cache.shape[2] == block_size
+        assert (float(layer._k_scale), float(layer._v_scale)) == pytest.approx(scales)
+
+
+def test_eager_runner_cache_variants_match_eager_with_the_cache_rounding():
+    """The runner path: fp8 with scales, the blocks-contiguous layout, 48-token blocks."""
+    from inductor_rocm_attn.integrations.batching import generate
+    from inductor_rocm_attn.integrations.transformers_runner import eager_runner
+
+    ours = build("gemma2", "rocm_attn")
+    prompts = [p[m.bool()].tolist() for p, m in zip(*ragged_prompts())]
+    runner = eager_runner(ours, num_blocks=8, block_size=48, cache_layout="LBHNC", kv_cache_dtype="fp8_e4m3",
+                          k_scale=0.05, v_scale=0.03, poison=True)
+    got = generate(runner, prompts, NEW_TOKENS, return_logits=True)
+    eager = rounded_eager(ours, "fp8_e4m3", 0.05, 0.03)
+    for p, tokens, logits in zip(prompts, got.tokens, got.logits):
+        want = greedy(eager, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long))
+        assert tokens == want.sequences[0, len(p):].tolist()
+        assert max(rel(a, b[0]) for a, b in zip(logits, want.logits)) < TOL
+
+
+def test_fp8_scales_keep_large_values_in_range():
+    """A model whose values pass e4m3's 448 (here V, 2000x larger, the output projection
+    2000x smaller: the same function): with scale 1 they saturate, with a v_scale that keeps
+    them in range the cache only rounds them (fp8's 2^-4 relative step)."""
+    ours = build("llama", "rocm_attn")
+    with torch.no_grad():
+        for layer in ours.model.layers:
+            layer.self_attn.v_proj.weight.mul_(2000)
+            layer.self_attn.o_proj.weight.div_(2000)
+    ids, mask = ragged_prompts()
+    want = greedy(twin(ours, "eager"), ids, mask)
+    errs = {}
+    for v_scale in (1.0, 8.0):
+        cache = PagedCache(ours, num_blocks=8, kv_cache_dtype="fp8_e4m3", v_scale=v_scale)
+        errs[v_scale] = max(rel(a, b) for a, b in zip(greedy(ours, ids, mask, past_key_values=cache).logits,
+                                                         want.logits))
+    assert errs[8.0] < 5e-2 < errs[1.0], errs
+
+
+def test_cache_scales_are_refused_without_an_fp8_cache():
+    from inductor_rocm_attn.integrations.transformers_runner import compile_transformers, eager_runner
+
+    ours = build("llama", "rocm_attn")
+    for make, who in ((PagedCache, "PagedCache"), (eager_runner, "eager_runner"),
+                      (compile_transformers, "compile_transformers")):
+        with pytest.raises(ValueError, match=re.escape(f"{who}: k_scale=0.5 with kv_cache_dtype='auto'; the cache "
+                                                       "scales apply only to an fp8 kv_cache_dtype")):
+            make(ours, num_blocks=4, k_scale=0.5)
+        with pytest.raises(ValueError, match=re.escape(f"{who}: v_scale must be a positive finite number, got 0")):
+            make(ours, num_blocks=4, kv_cache_dtype="fp8_e5m2", v_scale=0)
+
+
+def test_generate_fills_the_cache_exactly_and_is_refused_one_token_past_it():
+    """Rows of 20 and 5 tokens with 12 new tokens hold 31 + 16 tokens: 3 blocks of 16, the
+    second row's last block full. One more new token needs a fourth block: the step that
+    needs it raises (generate() does not tell the cache how far it will go) and leaves the rows
+    as they were."""
+    ours = build("gemma2", "rocm_attn")
+    ids, mask = ragged_prompts([20, 5])
+    cache = PagedCache(ours, num_blocks=3, poison=True)
+    got = ours.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                        past_key_values=cache)
+    want = twin(ours, "eager").generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                        eos_token_id=None)
+    assert torch.equal(got, want)
+    assert cache.row_lengths() == [31, 16]
+    cache = PagedCache(ours, num_blocks=3, poison=True)
+    with pytest.raises(MemoryError, match="PagedCache: this step needs 1 more blocks, 0 free of 3; build the cache "
+                                          "with more num_blocks"):
+        ours.generate(ids, attention_mask=mask, max_new_tokens=13, do_sample=False, eos_token_id=None,
+                      past_key_values=cache)
+    assert cache.row_lengths() == [31, 16]
