@@ -158,3 +158,29 @@ def test_a_model_without_regions_is_traced_once(monkeypatch):
         with pytest.raises(Exception, match="the model is broken"):
             _compile(model)
     assert not entered  # traced flat from the start
+
+
+@needs_regions
+def test_inlining_keeps_a_regions_in_place_ops():
+    """An in-place op on a region's intermediate has no users in the graph (a MoE block's
+    ``add_`` of the expert biases): inlining keeps it, and drops only unused size reads."""
+    @torch.compiler.nested_compile_region
+    def biased(x, bias):
+        n = x.size(0)
+        y = x * 2
+        y.add_(bias)
+        y[0].mul_(3)
+        return y[:n]
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        inline_regions(gm)
+        graphs.append(gm)
+        return gm.forward
+
+    x, bias = torch.randn(4, 3), torch.randn(3)
+    torch._dynamo.reset()
+    out = torch.compile(lambda a, b: biased(biased(a, b), b), backend=backend, fullgraph=True)(x, bias)
+    torch.testing.assert_close(out, biased(biased(x, bias), bias), rtol=0, atol=0)
+    assert sum(n.target in ("add_", "mul_") for n in graphs[0].graph.nodes) == 4

@@ -81,7 +81,17 @@ def _inline_call(gm: torch.fx.GraphModule, node: torch.fx.Node, sub: torch.fx.Gr
         gm.graph.erase_node(user)
     gm.graph.erase_node(node)
     # A region reads the sizes it uses from its inputs (``size`` nodes); Dynamo drops the
-    # unused ones of a flat trace, so drop them here too.
+    # unused ones of a flat trace, so drop them here too. Only those: an unused in-place op
+    # (``add_``, ``masked_fill_``, ``setitem``) is what the region computes.
     for n in reversed(copied):
-        if not n.users and not n.is_impure():
+        if not n.users and _reads_a_size(n):
             gm.graph.erase_node(n)
+
+
+def _reads_a_size(node: torch.fx.Node) -> bool:
+    """A ``size`` call, or an index into one."""
+    if node.op == "call_method" and node.target == "size":
+        return True
+    return (node.op == "call_function" and node.target is operator.getitem
+            and isinstance(node.args[0], torch.fx.Node) and node.args[0].op == "call_method"
+            and node.args[0].target == "size")
