@@ -11,6 +11,7 @@ call; everything that can be decided once is decided in ``__init__``.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 
@@ -28,7 +29,7 @@ from .layout import (
     is_fp8_dtype,
 )
 
-__all__ = ["RocmAttentionBackend", "RocmAttentionImpl", "cache_epoch"]
+__all__ = ["RocmAttentionBackend", "RocmAttentionImpl", "cache_epoch", "note_cache_bound"]
 
 # Counts the V-layout switches and KV-cache (re)bindings of every layer in the process. A
 # captured graph keeps the layout and the cache its launches were captured with, so a graph
@@ -45,6 +46,21 @@ def note_cache_change() -> None:
     """A layer's V layout or bound KV cache changed."""
     global _cache_epoch
     _cache_epoch += 1
+
+
+# Every live impl, so that a rebound cache reaches the kernels each one resolved.
+_LIVE_IMPLS: "weakref.WeakSet[RocmAttentionImpl]" = weakref.WeakSet()
+
+
+def note_cache_bound() -> None:
+    """A layer was bound to a KV cache (``Attention.kv_cache`` assigned). Every impl forgets
+    the kernels it resolved: their signatures hold a cache's address, dtype and V layout, not
+    the geometry its first call checked, and a new cache may sit at a freed one's address
+    with another geometry. Every impl, not only the layer's: layers that share its cache read
+    it too. The next call of each signature is checked in full again."""
+    for impl in list(_LIVE_IMPLS):
+        impl._kernels.clear()
+    note_cache_change()
 
 _SIZED_OPS = providers.SIZED_OPS
 _NO_SLOTS: dict = {}  # device -> an empty slot_mapping: a writer call that caches nothing
@@ -251,6 +267,7 @@ class RocmAttentionImpl:
         # (op, call signature) -> kernel: the first call of a signature is validated in full
         # and resolved through the provider registry; later steps go straight to the kernel.
         self._kernels: dict[tuple, object] = {}
+        _LIVE_IMPLS.add(self)
         # The attention's features for a causal and a non-causal step (the step may override),
         # decode-only (max_query_len 1: no "prefill") or not.
         self._features_of_step = {
@@ -261,6 +278,10 @@ class RocmAttentionImpl:
             )
             for c in (True, False) for prefill in (True, False)
         }
+
+    def __setstate__(self, state):  # a copy (deepcopy, unpickling) is live too
+        self.__dict__.update(state)
+        _LIVE_IMPLS.add(self)
 
     # --- cache ----------------------------------------------------------------------------
 

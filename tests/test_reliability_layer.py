@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import inductor_rocm_attn as ira
+from inductor_rocm_attn.layout import cache_layout_of
 
 from reliability_steps import BS, D, H, HKV, NUM_BLOCKS, qkv, run_layer_ops, snapshot, stepped_layer, unchanged
 
@@ -668,3 +669,33 @@ def test_layer_scale_buffers_stay_float32_per_tensor_scales(value, match):
     assert layer._k_scale.dtype == torch.float32 and float(layer._k_scale) == 1.0
     layer._v_scale = torch.tensor([0.5])  # a float32 one-element scale is taken
     assert float(layer._v_scale) == 0.5
+
+
+def test_a_cache_rebound_at_the_same_address_with_another_geometry_is_checked_again():
+    """A layer resolves its kernels once per call signature, which holds the cache's address:
+    a cache of another head split assigned at the address of the old one (here a view of the
+    same storage; a freed cache's address is reused alike) skipped the geometry check and ran
+    the kernels on it. Binding a cache makes every layer check its next call in full, the
+    layers that share the cache too."""
+    s = stepped_layer("rebound")
+    reader = ira.Attention(H, D, num_kv_heads=HKV, layer_name=f"{s.layer.layer_name}.reader",
+                           kv_sharing_target_layer_name=s.layer.layer_name)
+    q, k, v = qkv(s.num_tokens, s.g)
+    with ira.set_forward_context(s.md):
+        s.layer(q, k, v)
+        reader(q, k, v)
+    kv = s.layer.kv_cache
+    # 4 blocks of 2 * HKV KV heads (LHBNC: the K group of all blocks, then the V group), at kv's address
+    page = BS * 2 * HKV * D
+    other = kv.as_strided((NUM_BLOCKS // 2, 2, BS, 2 * HKV * D), (page, NUM_BLOCKS // 2 * page, 2 * HKV * D, 1))
+    assert other.data_ptr() == kv.data_ptr() and cache_layout_of(other) == ira.CacheLayout.LHBNC
+    s.layer.kv_cache = other
+    md = ira.build_attention_metadata([2], [0], [[0]], BS)
+    before = snapshot(kv)
+    q, k, v = qkv(2, s.g)
+    match = rf"kv_cache last dim {2 * HKV * D} != num_kv_heads \* head_size = {HKV} \* {D}"
+    for layer in (s.layer, reader):
+        with pytest.raises(ValueError, match=r"rocm_attn\.unified_(kv_cache_update|attention_with_output): " + match), \
+                ira.set_forward_context(md):
+            layer(q, k, v)
+        assert unchanged(before, kv)
