@@ -442,8 +442,10 @@ def test_hand_built_step_writing_a_block_another_sequence_reads_is_refused():
     md = ira.AttentionMetadata(**{**fields, "block_table": table, "plan": None})
     before = snapshot(s.layer.kv_cache)
     q, k, v = qkv(s.num_tokens, s.g)
-    with pytest.raises(ValueError, match=rf"rocm_attn\.unified_kv_cache_update: block {s.tables[2][0]} receives token 4 "
-                                         rf"\(sequence 2\) but is used 2 times in this step \(block_table\[0, 0\], "
-                                         rf"block_table\[2, 0\]\)"), ira.set_forward_context(md):
+    position = int(md.positions[4])  # sequence 2's first new token
+    with pytest.raises(ValueError, match=rf"rocm_attn\.unified_kv_cache_update: block {s.tables[2][0]} receives a new "
+                                         rf"token of sequence 2 \(token 4, position {position}\) but is used 2 times "
+                                         rf"in this step \(block_table\[0\]\[0\], block_table\[2\]\[0\]\)"), \
+            ira.set_forward_context(md):
         s.layer(q, k, v)
     assert unchanged(before, s.layer.kv_cache)
