@@ -125,8 +125,8 @@ def set_forward_context(attn_metadata: "AttentionMetadata | None", *, profiling:
     """Make ``attn_metadata`` the metadata that layer-level ops read during this step.
 
     ``profiling=True`` with ``attn_metadata=None``: a profiling run (no cache writes, zero
-    attention output), as ``profiling_run()``. ``layers`` (name -> layer): the table layer
-    names resolve through during the step, instead of the registry of live layers.
+    attention output), as ``profiling_run()``. ``layers`` (name -> ``Attention``, checked here): the
+    table layer names resolve through during the step, instead of the registry of live layers.
     """
     check_bool("set_forward_context", "profiling", profiling)  # "no" would make this step a profiling run
     if attn_metadata is None:
