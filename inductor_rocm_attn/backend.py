@@ -612,8 +612,8 @@ class RocmAttentionImpl:
         features = ("partial_rotary",) if rot_dim < self.head_size else ()
         if norm and write and not self.interleaved_v:  # the fused QK-norm writer emits interleaved V
             check_all()  # the switch converts the cached data: every check, and the kernel's choice, first
-            self._resolve(name, self._signature(op, query, kv_cache, t, rot_dim, interleaved_v=True), op, query, cache, t,
-                          features, True)
+            self._resolve(name, self._signature(op, query, kv_cache, t, rot_dim, interleaved_v=True), op, query,
+                          cache, t, features, True)
             self.set_interleaved_v_cache(True, kv_cache)
         sig = (self._signature(op, query, kv_cache, t, rot_dim) if write
                else (op, query.device, query.dtype, rot_dim, "no cache"))

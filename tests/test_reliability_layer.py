@@ -367,8 +367,8 @@ def test_fused_rope_layer_op_checks_query_rows_against_key_on_every_call():
     big = torch.randn(t + 1, H, D, generator=s.g)
     positions = torch.cat([s.md.positions, s.md.positions[-1:]])
     before = snapshot(big, s.layer.kv_cache)
-    with pytest.raises(ValueError, match=rf"rocm_attn\.unified_rope_and_kv_cache_update: query \(\({t + 1}, {H}, {D}\), "
-                                         rf".*must match key \(\({t}, {HKV}, {D}\)"):
+    with pytest.raises(ValueError, match=rf"rocm_attn\.unified_rope_and_kv_cache_update: query "
+                                         rf"\(\({t + 1}, {H}, {D}\), .*must match key \(\({t}, {HKV}, {D}\)"):
         rope(big, positions)
     assert unchanged(before, big, s.layer.kv_cache)
 
