@@ -351,8 +351,8 @@ class RocmAttentionImpl:
             interleaved_v = self.interleaved_v
         return (op, device, x.dtype, kv_cache.data_ptr(), kv_cache.dtype, interleaved_v, bucket, *extra)
 
-    def _resolve(self, caller: str, sig: tuple, op: str, x: torch.Tensor, kv_cache: torch.Tensor | None,
-                 num_tokens: int, features=(), interleaved_v: bool | None = None):
+    def _resolve(self, sig: tuple, op: str, x: torch.Tensor, kv_cache: torch.Tensor | None,
+                 num_tokens: int, features=(), interleaved_v: bool | None = None, *, caller: str):
         """Select the kernel ``op`` of a new call signature (already validated) and cache it;
         errors name ``caller``, the op the user called."""
         if kv_cache is not None and is_fp8_dtype(kv_cache.dtype) != self.kv_cache_dtype.startswith("fp8"):
@@ -440,7 +440,7 @@ class RocmAttentionImpl:
         fn = self._kernels.get(sig)
         if fn is None:
             validation.check_cache_write(_KV_UPDATE_OP, key, value, kv_cache, slot_mapping, k_scale, v_scale)
-            fn = self._resolve(_KV_UPDATE_OP, sig, "reshape_and_cache", key, kv_cache, t)
+            fn = self._resolve(sig, "reshape_and_cache", key, kv_cache, t, caller=_KV_UPDATE_OP)
         fn(key, value, kv_cache, slot_mapping, k_scale, v_scale, self.interleaved_v)
 
     def do_rope_and_kv_cache_update(self, layer, positions, query, key, value, cos_sin_cache,
@@ -469,8 +469,8 @@ class RocmAttentionImpl:
             fn = self._kernels.get(sig)
             if fn is None:
                 validation.check_rotary(name, positions, query, key, self.head_size, cos_sin_cache)
-                fn = self._resolve(name, sig, "rotary_embedding", query, None, t,
-                                   self._rope_features(cos_sin_cache))
+                fn = self._resolve(sig, "rotary_embedding", query, None, t,
+                                   self._rope_features(cos_sin_cache), caller=name)
             fn(positions, query, key, self.head_size, cos_sin_cache, is_neox)
             return
         op = op or "rocm_attn.rope_and_cache"
@@ -490,7 +490,8 @@ class RocmAttentionImpl:
         if fn is None:
             validation.check_rotary(op, positions, query, key, self.head_size, cos_sin_cache)
             validation.check_cache_write(op, key, value, kv_cache, slot_mapping, k_scale, v_scale)
-            fn = self._resolve(op, sig, "rope_and_cache", query, kv_cache, t, self._rope_features(cos_sin_cache))
+            fn = self._resolve(sig, "rope_and_cache", query, kv_cache, t, self._rope_features(cos_sin_cache),
+                               caller=op)
         fn(positions, query, key, value, kv_cache, slot_mapping, cos_sin_cache, is_neox, k_scale,
            v_scale, self.interleaved_v)
 
@@ -534,17 +535,18 @@ class RocmAttentionImpl:
             check_all()
         if not self.interleaved_v:  # converts the cached data: every check, and the kernel's choice, first
             check_all()
-            self._resolve(op, self._signature("qk_norm_rope_and_cache", qkv, kv_cache, t, cos_sin_cache.shape[-1],
+            self._resolve(self._signature("qk_norm_rope_and_cache", qkv, kv_cache, t, cos_sin_cache.shape[-1],
                                           interleaved_v=True),
-                          "qk_norm_rope_and_cache", qkv, kv_cache, t, self._rope_features(cos_sin_cache), True)
+                          "qk_norm_rope_and_cache", qkv, kv_cache, t, self._rope_features(cos_sin_cache), True,
+                          caller=op)
             self.set_interleaved_v_cache(True, kv_cache)
         buffers = layer._buffers  # skips nn.Module.__getattr__
         sig = self._signature("qk_norm_rope_and_cache", qkv, kv_cache, t, cos_sin_cache.shape[-1])
         fn = self._kernels.get(sig)
         if fn is None:
             check_all()
-            fn = self._resolve(op, sig, "qk_norm_rope_and_cache", qkv, kv_cache, t,
-                               self._rope_features(cos_sin_cache))
+            fn = self._resolve(sig, "qk_norm_rope_and_cache", qkv, kv_cache, t,
+                               self._rope_features(cos_sin_cache), caller=op)
         q, k, _ = fn(qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, kv_cache,
                      slot_mapping, buffers["_k_scale"], buffers["_v_scale"], True, self.num_heads,
                      self.num_kv_heads, self.head_size, q_out, k_out, False)
@@ -612,15 +614,15 @@ class RocmAttentionImpl:
         features = ("partial_rotary",) if rot_dim < self.head_size else ()
         if norm and write and not self.interleaved_v:  # the fused QK-norm writer emits interleaved V
             check_all()  # the switch converts the cached data: every check, and the kernel's choice, first
-            self._resolve(name, self._signature(op, query, kv_cache, t, rot_dim, interleaved_v=True), op, query,
-                          cache, t, features, True)
+            self._resolve(self._signature(op, query, kv_cache, t, rot_dim, interleaved_v=True), op, query,
+                          cache, t, features, True, caller=name)
             self.set_interleaved_v_cache(True, kv_cache)
         sig = (self._signature(op, query, kv_cache, t, rot_dim) if write
                else (op, query.device, query.dtype, rot_dim, "no cache"))
         fn = self._kernels.get(sig)
         if fn is None:
             check_all()
-            fn = self._resolve(name, sig, op, query, cache, t, features)
+            fn = self._resolve(sig, op, query, cache, t, features, caller=name)
         buffers = layer._buffers  # skips nn.Module.__getattr__
         fn(query, key, value, *norm, cos, sin, is_neox, kv_cache, slot_mapping, buffers["_k_scale"],
            buffers["_v_scale"], self.interleaved_v and write, *tail)
@@ -727,7 +729,7 @@ class RocmAttentionImpl:
                 max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
             )
             feats = self._features_of_step[causal, prefill] + (("output_scale",) if output_scale is not None else ())
-            fn = self._resolve(op, sig, "paged_attention", query, kv_cache, n, feats, interleaved_v)
+            fn = self._resolve(sig, "paged_attention", query, kv_cache, n, feats, interleaved_v, caller=op)
         fn(*args)
         return output
 
