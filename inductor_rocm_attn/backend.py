@@ -62,6 +62,7 @@ def note_cache_bound() -> None:
         impl._kernels.clear()
     note_cache_change()
 
+
 _SIZED_OPS = providers.SIZED_OPS
 _NO_SLOTS: dict = {}  # device -> an empty slot_mapping: a writer call that caches nothing
 _KV_UPDATE_OP = "rocm_attn.unified_kv_cache_update"
