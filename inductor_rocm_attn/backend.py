@@ -11,6 +11,7 @@ call; everything that can be decided once is decided in ``__init__``.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 
@@ -28,7 +29,7 @@ from .layout import (
     is_fp8_dtype,
 )
 
-__all__ = ["RocmAttentionBackend", "RocmAttentionImpl", "cache_epoch"]
+__all__ = ["RocmAttentionBackend", "RocmAttentionImpl", "cache_epoch", "note_cache_bound"]
 
 # Counts the V-layout switches and KV-cache (re)bindings of every layer in the process. A
 # captured graph keeps the layout and the cache its launches were captured with, so a graph
@@ -45,6 +46,22 @@ def note_cache_change() -> None:
     """A layer's V layout or bound KV cache changed."""
     global _cache_epoch
     _cache_epoch += 1
+
+
+# Every live impl, so that a rebound cache reaches the kernels each one resolved.
+_LIVE_IMPLS: "weakref.WeakSet[RocmAttentionImpl]" = weakref.WeakSet()
+
+
+def note_cache_bound() -> None:
+    """A layer was bound to a KV cache (``Attention.kv_cache`` assigned). Every impl forgets
+    the kernels it resolved: their signatures hold a cache's address, dtype and V layout, not
+    the geometry its first call checked, and a new cache may sit at a freed one's address
+    with another geometry. Every impl, not only the layer's: layers that share its cache read
+    it too. The next call of each signature is checked in full again."""
+    for impl in list(_LIVE_IMPLS):
+        impl._kernels.clear()
+    note_cache_change()
+
 
 _SIZED_OPS = providers.SIZED_OPS
 _NO_SLOTS: dict = {}  # device -> an empty slot_mapping: a writer call that caches nothing
@@ -185,6 +202,22 @@ _CACHE_DTYPES_OF = {
 }
 
 
+def _select(caller: str, op: str, **call):
+    """The kernel ``providers.select`` picks for ``op``; its refusal names ``caller``, the op the
+    user called, before the kernel op (rewritten on the error path only)."""
+    try:
+        return providers.select(op, **call)[1]
+    except NotImplementedError as e:
+        raise NotImplementedError(f"{caller}: {e}") from None
+
+
+def _check_output_scale(op: str, output_scale: torch.Tensor, query: torch.Tensor) -> None:
+    """A per-call tensor: its shape, dtype and device every call, its value where readable."""
+    if output_scale.device != query.device:
+        raise ValueError(f"{op}: output_scale is on {output_scale.device} but the query is on {query.device}")
+    validation.check_scales(op, output_scale=output_scale)
+
+
 def _check_output(op: str, output: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                   reads_kv: bool) -> None:
     """The attention's output: not an expanded view (its rows would share memory) nor, when the
@@ -251,6 +284,7 @@ class RocmAttentionImpl:
         # (op, call signature) -> kernel: the first call of a signature is validated in full
         # and resolved through the provider registry; later steps go straight to the kernel.
         self._kernels: dict[tuple, object] = {}
+        _LIVE_IMPLS.add(self)
         # The attention's features for a causal and a non-causal step (the step may override),
         # decode-only (max_query_len 1: no "prefill") or not.
         self._features_of_step = {
@@ -261,6 +295,10 @@ class RocmAttentionImpl:
             )
             for c in (True, False) for prefill in (True, False)
         }
+
+    def __setstate__(self, state):  # a copy (deepcopy, unpickling) is live too
+        self.__dict__.update(state)
+        _LIVE_IMPLS.add(self)
 
     # --- cache ----------------------------------------------------------------------------
 
@@ -315,25 +353,25 @@ class RocmAttentionImpl:
         return (op, device, x.dtype, kv_cache.data_ptr(), kv_cache.dtype, interleaved_v, bucket, *extra)
 
     def _resolve(self, sig: tuple, op: str, x: torch.Tensor, kv_cache: torch.Tensor | None,
-                 num_tokens: int, features=(), interleaved_v: bool | None = None):
-        """Select the kernel of a new call signature (already validated) and cache it."""
+                 num_tokens: int, features=(), interleaved_v: bool | None = None, *, caller: str):
+        """Select the kernel ``op`` of a new call signature (already validated) and cache it;
+        errors name ``caller``, the op the user called."""
         if kv_cache is not None and is_fp8_dtype(kv_cache.dtype) != self.kv_cache_dtype.startswith("fp8"):
             # an fp8 layer's scales would be ignored on a 16-bit cache, and an fp8 cache read
             # with the scale of 1 an "auto" layer carries
-            raise ValueError(f"{op}: the layer is configured with kv_cache_dtype={self.kv_cache_dtype!r} but its "
-                             f"KV cache is {kv_cache.dtype}; an fp8 cache needs an fp8 kv_cache_dtype (with its "
+            raise ValueError(f"{caller}: the layer is configured with kv_cache_dtype={self.kv_cache_dtype!r} but "
+                             f"its KV cache is {kv_cache.dtype}; an fp8 cache needs an fp8 kv_cache_dtype (with its "
                              "k/v scales) and any other cache a non-fp8 one ('auto', 'float16', 'bfloat16')")
         if kv_cache is not None and kv_cache.dtype not in _CACHE_DTYPES_OF.get(self.kv_cache_dtype, (kv_cache.dtype,)):
             # a named cache dtype is what the layer was configured for ("auto": the model's, or
             # another float dtype a caller allocated, e.g. under autocast)
-            raise ValueError(f"{op}: the layer is configured with kv_cache_dtype={self.kv_cache_dtype!r} but its "
-                             f"KV cache is {kv_cache.dtype}; allocate the cache with the layer's kv_cache_spec() "
+            raise ValueError(f"{caller}: the layer is configured with kv_cache_dtype={self.kv_cache_dtype!r} but "
+                             f"its KV cache is {kv_cache.dtype}; allocate the cache with the layer's kv_cache_spec() "
                              "(bind_kv_caches does) or configure the layer with the cache's dtype")
         if interleaved_v is None:
             interleaved_v = self.interleaved_v
-        _, fn = providers.select(op, device=x.device, head_size=self.head_size, dtype=x.dtype,
-                                 kv_cache=kv_cache, features=features, num_tokens=num_tokens,
-                                 interleaved_v=interleaved_v and kv_cache is not None)
+        fn = _select(caller, op, device=x.device, head_size=self.head_size, dtype=x.dtype, kv_cache=kv_cache,
+                     features=features, num_tokens=num_tokens, interleaved_v=interleaved_v and kv_cache is not None)
         self._kernels[sig] = fn
         return fn
 
@@ -353,8 +391,8 @@ class RocmAttentionImpl:
         the cache update writes."""
         self._check_query_scale(query, _ATTN_OP)
         if self.uses_kv_cache and kv_cache.dim() == 4:  # unbound: the cache update says so
-            providers.select("paged_attention", device=query.device, head_size=self.head_size, dtype=query.dtype,
-                             kv_cache=kv_cache, interleaved_v=self.interleaved_v, num_tokens=query.shape[0])
+            _select(_ATTN_OP, "paged_attention", device=query.device, head_size=self.head_size, dtype=query.dtype,
+                    kv_cache=kv_cache, interleaved_v=self.interleaved_v, num_tokens=query.shape[0])
 
     # --- per-call checks (every call, before anything is written) ---------------------------
 
@@ -403,12 +441,13 @@ class RocmAttentionImpl:
         fn = self._kernels.get(sig)
         if fn is None:
             validation.check_cache_write(_KV_UPDATE_OP, key, value, kv_cache, slot_mapping, k_scale, v_scale)
-            fn = self._resolve(sig, "reshape_and_cache", key, kv_cache, t)
+            fn = self._resolve(sig, "reshape_and_cache", key, kv_cache, t, caller=_KV_UPDATE_OP)
         fn(key, value, kv_cache, slot_mapping, k_scale, v_scale, self.interleaved_v)
 
     def do_rope_and_kv_cache_update(self, layer, positions, query, key, value, cos_sin_cache,
-                                    is_neox, kv_cache, attn_metadata) -> None:
-        """Rotate ``query``/``key`` in place and write the rotated key and value to the cache."""
+                                    is_neox, kv_cache, attn_metadata, op: str | None = None) -> None:
+        """Rotate ``query``/``key`` in place and write the rotated key and value to the cache.
+        ``op``: the name errors give (the layer-level op's; None: the kernel op's, as the seed)."""
         qs = query.shape
         t = qs[0]
         # the layer's heads, [T, Hq, D] or [T, Hq * D]: the kernel rotates whatever heads it is given
@@ -416,26 +455,26 @@ class RocmAttentionImpl:
                     or (len(qs) == 2 and qs[1] == self.num_heads * self.head_size))
         rot_dim = cos_sin_cache.shape[-1]  # partial rotary changes which providers apply
         if attn_metadata is None or not self.uses_kv_cache:  # profiling run / no cache
-            op = "rotary_embedding"
-            step_checks.check_rope_inputs("rocm_attn.rotary_embedding", positions, cos_sin_cache, t, query.device,
-                                  attn_metadata)
+            name = op or "rocm_attn.rotary_embedding"
+            step_checks.check_rope_inputs(name, positions, cos_sin_cache, t, query.device, attn_metadata)
             if not heads_ok:
-                step_checks.check_heads("rocm_attn.rotary_embedding", "query", query, self.num_heads, self.head_size, t)
+                step_checks.check_heads(name, "query", query, self.num_heads, self.head_size, t)
             ks = key.shape if key is not None else None
             if ks is not None and not (ks[0] == t and (
                     (len(ks) == 3 and ks[1] == self.num_kv_heads and ks[2] == self.head_size)
                     or (len(ks) == 2 and ks[1] == self.num_kv_heads * self.head_size))):
-                step_checks.check_heads("rocm_attn.rotary_embedding", "key", key, self.num_kv_heads, self.head_size, t)
-            step_checks.check_rotated("rocm_attn.rotary_embedding", query, key, None)
-            sig = (op, query.device, query.dtype, rot_dim, providers.token_bucket(op, query.device, t))
+                step_checks.check_heads(name, "key", key, self.num_kv_heads, self.head_size, t)
+            step_checks.check_rotated(name, query, key, None)
+            sig = ("rotary_embedding", query.device, query.dtype, rot_dim,
+                   providers.token_bucket("rotary_embedding", query.device, t))
             fn = self._kernels.get(sig)
             if fn is None:
-                validation.check_rotary("rocm_attn.rotary_embedding", positions, query, key,
-                                        self.head_size, cos_sin_cache)
-                fn = self._resolve(sig, op, query, None, t, self._rope_features(cos_sin_cache))
+                validation.check_rotary(name, positions, query, key, self.head_size, cos_sin_cache)
+                fn = self._resolve(sig, "rotary_embedding", query, None, t,
+                                   self._rope_features(cos_sin_cache), caller=name)
             fn(positions, query, key, self.head_size, cos_sin_cache, is_neox)
             return
-        op = "rocm_attn.rope_and_cache"
+        op = op or "rocm_attn.rope_and_cache"
         key, value, kv_t = self._checked_step(op, layer, key, value, kv_cache, attn_metadata)
         if t != kv_t or query.dtype is not key.dtype or query.device != kv_cache.device:
             raise ValueError(f"{op}: query ({tuple(query.shape)}, {query.dtype}, {query.device}) must match key "
@@ -452,13 +491,14 @@ class RocmAttentionImpl:
         if fn is None:
             validation.check_rotary(op, positions, query, key, self.head_size, cos_sin_cache)
             validation.check_cache_write(op, key, value, kv_cache, slot_mapping, k_scale, v_scale)
-            fn = self._resolve(sig, "rope_and_cache", query, kv_cache, t, self._rope_features(cos_sin_cache))
+            fn = self._resolve(sig, "rope_and_cache", query, kv_cache, t, self._rope_features(cos_sin_cache),
+                               caller=op)
         fn(positions, query, key, value, kv_cache, slot_mapping, cos_sin_cache, is_neox, k_scale,
            v_scale, self.interleaved_v)
 
     def do_qk_norm_rope_kvcache_update(self, layer, qkv, q_weight, k_weight, eps, positions,
                                        cos_sin_cache, is_neox, kv_cache, attn_metadata,
-                                       q_out=None, k_out=None):
+                                       q_out=None, k_out=None, op: str = "rocm_attn.qk_norm_rope_and_cache"):
         """Split qkv, per-head RMSNorm q/k, RoPE, cache k/v. Returns ``(q, k)``.
 
         q and k are written into ``q_out [T, Hq, D]`` / ``k_out [T, Hkv, D]`` when given (the
@@ -467,8 +507,8 @@ class RocmAttentionImpl:
 
         The fused writer emits interleaved V: a layer fused into it is switched (normally
         by the pass at compile time; this guard covers a cache bound after compilation).
+        ``op``: the name errors give (the layer-level op's; the default: the kernel op's, as the seed).
         """
-        op = "rocm_attn.qk_norm_rope_and_cache"
         if not self.uses_kv_cache:
             raise NotImplementedError(f"{op}: {self!r} writes no KV cache (an encoder layer or a "
                                       "layer sharing another layer's cache); nothing to fuse")
@@ -498,7 +538,8 @@ class RocmAttentionImpl:
             check_all()
             self._resolve(self._signature("qk_norm_rope_and_cache", qkv, kv_cache, t, cos_sin_cache.shape[-1],
                                           interleaved_v=True),
-                          "qk_norm_rope_and_cache", qkv, kv_cache, t, self._rope_features(cos_sin_cache), True)
+                          "qk_norm_rope_and_cache", qkv, kv_cache, t, self._rope_features(cos_sin_cache), True,
+                          caller=op)
             self.set_interleaved_v_cache(True, kv_cache)
         buffers = layer._buffers  # skips nn.Module.__getattr__
         sig = self._signature("qk_norm_rope_and_cache", qkv, kv_cache, t, cos_sin_cache.shape[-1])
@@ -506,7 +547,7 @@ class RocmAttentionImpl:
         if fn is None:
             check_all()
             fn = self._resolve(sig, "qk_norm_rope_and_cache", qkv, kv_cache, t,
-                               self._rope_features(cos_sin_cache))
+                               self._rope_features(cos_sin_cache), caller=op)
         q, k, _ = fn(qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, kv_cache,
                      slot_mapping, buffers["_k_scale"], buffers["_v_scale"], True, self.num_heads,
                      self.num_kv_heads, self.head_size, q_out, k_out, False)
@@ -574,15 +615,15 @@ class RocmAttentionImpl:
         features = ("partial_rotary",) if rot_dim < self.head_size else ()
         if norm and write and not self.interleaved_v:  # the fused QK-norm writer emits interleaved V
             check_all()  # the switch converts the cached data: every check, and the kernel's choice, first
-            self._resolve(self._signature(op, query, kv_cache, t, rot_dim, interleaved_v=True), op, query, cache, t,
-                          features, True)
+            self._resolve(self._signature(op, query, kv_cache, t, rot_dim, interleaved_v=True), op, query,
+                          cache, t, features, True, caller=name)
             self.set_interleaved_v_cache(True, kv_cache)
         sig = (self._signature(op, query, kv_cache, t, rot_dim) if write
                else (op, query.device, query.dtype, rot_dim, "no cache"))
         fn = self._kernels.get(sig)
         if fn is None:
             check_all()
-            fn = self._resolve(sig, op, query, cache, t, features)
+            fn = self._resolve(sig, op, query, cache, t, features, caller=name)
         buffers = layer._buffers  # skips nn.Module.__getattr__
         fn(query, key, value, *norm, cos, sin, is_neox, kv_cache, slot_mapping, buffers["_k_scale"],
            buffers["_v_scale"], self.interleaved_v and write, *tail)
@@ -620,6 +661,11 @@ class RocmAttentionImpl:
             step_checks.check_step_metadata(op, md, query.shape[0], query.device)
             step_checks.check_encoder_step(op, md)
             _check_output(op, output, key, value, True)
+            if output_scale is not None:  # the quant after the encoder kernel would name its own op
+                _check_output_scale(op, output_scale, query)
+                if not is_fp8_dtype(output.dtype):
+                    raise ValueError(f"{op}: output_scale (fused fp8 output quant) needs an fp8 output, got "
+                                     f"{output.dtype}")
             n = md.num_actual_tokens
             return self._encoder_forward(query[:n], key[:n], value[:n], md, output, output_scale)
         # The cache this layer reads: its own, or (KV sharing) the target's, with the target's
@@ -666,10 +712,8 @@ class RocmAttentionImpl:
                 md.block_table, self.scale, buffers["_k_scale"], buffers["_v_scale"], causal,
                 self.sliding_window, self.alibi_slopes, self.sinks, self.logits_soft_cap,
                 interleaved_v, output_scale, md.max_query_len, md.max_seq_len)
-        if output_scale is not None:  # a per-call tensor: shape and device every call, the value where readable
-            if output_scale.device != query.device:
-                raise ValueError(f"{op}: output_scale is on {output_scale.device} but the query is on {query.device}")
-            validation.check_scales(op, output_scale=output_scale)
+        if output_scale is not None:
+            _check_output_scale(op, output_scale, query)
         prefill = md.max_query_len > 1  # a decode-only step may go to a provider without prefill
         sig = self._signature("paged_attention", query, kv_cache, n, output.dtype, output_scale is None,
                               causal, interleaved_v, prefill)
@@ -686,18 +730,21 @@ class RocmAttentionImpl:
                 max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
             )
             feats = self._features_of_step[causal, prefill] + (("output_scale",) if output_scale is not None else ())
-            fn = self._resolve(sig, "paged_attention", query, kv_cache, n, feats, interleaved_v)
+            fn = self._resolve(sig, "paged_attention", query, kv_cache, n, feats, interleaved_v, caller=op)
         fn(*args)
         return output
 
     def _encoder_forward(self, query, key, value, attn_metadata, output, output_scale):
         self._check_query_scale(query, _ATTN_OP)
-        out = torch.ops.rocm_attn.encoder_attention(
-            query, key, value, attn_metadata.query_start_loc, attn_metadata.max_query_len,
-            self.scale, self.causal, self.sliding_window, self._alibi(query), self._sinks(query),
-            self.logits_soft_cap,
-        )
-        if output_scale is not None:
+        try:
+            out = torch.ops.rocm_attn.encoder_attention(
+                query, key, value, attn_metadata.query_start_loc, attn_metadata.max_query_len,
+                self.scale, self.causal, self.sliding_window, self._alibi(query), self._sinks(query),
+                self.logits_soft_cap,
+            )
+        except (ValueError, NotImplementedError) as e:  # the error path only: name the op the user called
+            raise type(e)(f"{_ATTN_OP}: {e}") from None
+        if output_scale is not None:  # checked by forward
             out = torch.ops.rocm_attn.static_scaled_fp8_quant(out, output_scale, output.dtype)
         output[: out.shape[0]].copy_(out)
         return output

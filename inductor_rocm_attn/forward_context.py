@@ -125,8 +125,8 @@ def set_forward_context(attn_metadata: "AttentionMetadata | None", *, profiling:
     """Make ``attn_metadata`` the metadata that layer-level ops read during this step.
 
     ``profiling=True`` with ``attn_metadata=None``: a profiling run (no cache writes, zero
-    attention output), as ``profiling_run()``. ``layers`` (name -> layer): the table layer
-    names resolve through during the step, instead of the registry of live layers.
+    attention output), as ``profiling_run()``. ``layers`` (name -> ``Attention``, checked here): the
+    table layer names resolve through during the step, instead of the registry of live layers.
     """
     check_bool("set_forward_context", "profiling", profiling)  # "no" would make this step a profiling run
     if attn_metadata is None:
@@ -143,9 +143,8 @@ def set_forward_context(attn_metadata: "AttentionMetadata | None", *, profiling:
     elif not isinstance(attn_metadata, AttentionMetadata):
         raise TypeError(f"set_forward_context: attn_metadata must be an AttentionMetadata (from "
                         f"build_attention_metadata), got {type(attn_metadata).__name__}")
-    if layers is not None and not isinstance(layers, Mapping):  # else each op fails looking a name up
-        raise TypeError(f"set_forward_context: layers must be a mapping of layer name -> Attention (or None: "
-                        f"the registry of live layers), got {type(layers).__name__}")
+    if layers is not None:
+        _check_layer_table(layers)
     global _current
     prev = _current
     _current = ForwardContext(attn_metadata, extra, layers, profiling)
@@ -153,6 +152,24 @@ def set_forward_context(attn_metadata: "AttentionMetadata | None", *, profiling:
         yield _current
     finally:
         _current = prev
+
+
+def _check_layer_table(layers) -> None:
+    """A step's layer table maps names to ``Attention`` layers: anything else would fail in
+    the first op that looks a name up (a list: "list indices must be integers", a value
+    that is no layer: an AttributeError on ``.impl``), far from the call that passed it."""
+    if not isinstance(layers, Mapping):
+        raise TypeError(f"set_forward_context: layers must be a mapping of layer name -> Attention (or None: "
+                        f"the registry of live layers), got {type(layers).__name__}")
+    from .layer import Attention  # layer imports this module
+
+    # every step enters a runner's table: the entries in two C-level passes
+    if (all(map(isinstance, layers.values(), itertools.repeat(Attention)))
+            and all(map(isinstance, layers, itertools.repeat(str)))):
+        return
+    name, layer = next((n, v) for n, v in layers.items() if not (isinstance(n, str) and isinstance(v, Attention)))
+    raise TypeError(f"set_forward_context: layers must map layer names (str) to Attention layers, got "
+                    f"{type(name).__name__} {name!r:.60} -> {type(layer).__name__} {layer!r:.60}")
 
 
 def profiling_run(*, layers: "Mapping[str, Attention] | None" = None, **extra: Any):

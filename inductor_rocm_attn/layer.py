@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from . import step_checks
-from .backend import RocmAttentionImpl, note_cache_change
+from .backend import RocmAttentionImpl, note_cache_bound
 from .capabilities import AttentionType, check_block_size, check_head_size, check_model_dtype
 from .forward_context import SLOT_PREFIX, latest_copy_name, register_copy, register_layer
 from .layout import CacheLayout, allocate_kv_cache, as_device
@@ -111,8 +111,8 @@ class Attention(nn.Module):
             # every path reads these buffers as they are, checked here rather than on each call
             check_scales(f"Attention {self.__dict__.get('layer_name', '')!r}", **{name[1:]: value})
         super().__setattr__(name, value)
-        if name == "kv_cache":  # a captured graph keeps the cache it was captured with
-            note_cache_change()
+        if name == "kv_cache":  # resolved kernels and captured graphs were checked against the old cache
+            note_cache_bound()
 
     def _apply(self, fn, recurse=True):
         # model.half() / .to(bfloat16) converts every float buffer; the scales stay fp32 (the

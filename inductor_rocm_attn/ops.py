@@ -424,9 +424,10 @@ def _unified_attention_with_output_fake(*args, **kwargs):
 @_impl("unified_rope_and_kv_cache_update")
 def _unified_rope_and_kv_cache_update(positions, query, key, value, cos_sin_cache, is_neox, layer_name):
     """Rotates ``query``/``key`` in place (declared mutated) and writes the cache."""
-    layer, metadata = _step("rocm_attn.unified_rope_and_kv_cache_update", layer_name)
+    op = "rocm_attn.unified_rope_and_kv_cache_update"
+    layer, metadata = _step(op, layer_name)
     layer.impl.do_rope_and_kv_cache_update(
-        layer, positions, query, key, value, cos_sin_cache, is_neox, layer.kv_cache, metadata
+        layer, positions, query, key, value, cos_sin_cache, is_neox, layer.kv_cache, metadata, op
     )
     return _token(key)
 
@@ -439,15 +440,15 @@ def _unified_rope_and_kv_cache_update_fake(positions, query, key, value, cos_sin
 @_impl("unified_qk_norm_rope_and_kv_cache_update")
 def _unified_qk_norm_rope_and_kv_cache_update(qkv, q_weight, k_weight, eps, positions, cos_sin_cache,
                                               is_neox, num_heads, num_kv_heads, head_size, layer_name):
-    layer, metadata = _step("rocm_attn.unified_qk_norm_rope_and_kv_cache_update", layer_name)
+    op = "rocm_attn.unified_qk_norm_rope_and_kv_cache_update"
+    layer, metadata = _step(op, layer_name)
     impl = layer.impl
     if num_heads != impl.num_heads or num_kv_heads != impl.num_kv_heads or head_size != impl.head_size:
         # the fake kernel shapes q and k from these; the layer's own give the real ones
-        raise ValueError(f"rocm_attn.unified_qk_norm_rope_and_kv_cache_update: num_heads, num_kv_heads, head_size "
-                         f"= {num_heads}, {num_kv_heads}, {head_size} but layer {layer_name!r} has "
-                         f"{impl.num_heads}, {impl.num_kv_heads}, {impl.head_size}")
+        raise ValueError(f"{op}: num_heads, num_kv_heads, head_size = {num_heads}, {num_kv_heads}, {head_size} but "
+                         f"layer {layer_name!r} has {impl.num_heads}, {impl.num_kv_heads}, {impl.head_size}")
     q, k = impl.do_qk_norm_rope_kvcache_update(
-        layer, qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, layer.kv_cache, metadata
+        layer, qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, layer.kv_cache, metadata, op=op
     )
     return q, k, _token(k)
 

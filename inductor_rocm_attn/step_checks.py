@@ -118,7 +118,7 @@ def _check_step(op: str, md, num_tokens: int, device: torch.device, num_blocks: 
             check_slot_range(op, slots, num_blocks, block_size)
             check_slots_follow_table(op, slots, qsl, lens, md.block_table, block_size)
             if not (planned or _plan_holds(md)):  # the builder checked its own steps so
-                check_written_blocks_once(op, slots, qsl, lens, md.block_table, block_size)
+                check_written_blocks_once(op, slots, md.positions, qsl, lens, md.block_table, block_size)
     elif planned or _plan_holds(md):
         _check_plan(op, md, num_tokens, num_blocks)
 

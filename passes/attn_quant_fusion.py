@@ -112,6 +112,12 @@ class AttnQuantFusionPass(FusionPass):
             if sv is None or sv.numel() != 1 or sv.dim() > 1 or sv.dtype != torch.float32:
                 self.not_fused(layer, "the quant scale is not an fp32 tensor of shape () or (1,)")
                 continue
+            # A CPU scalar divides a GPU output in the unfused graph; the fused attention needs the
+            # scale on the output's device and would refuse every call (after the step's cache write).
+            xv = fx_utils.val(x)
+            if xv is None or sv.device != xv.device:
+                self.not_fused(layer, "the quant scale is not on the attention output's device")
+                continue
             rv = fx_utils.val(root)
             # reshape_like rebuilds the quant's shape from its static trailing dims (a symbolic one
             # would be specialized, breaking the dynamic token count).

@@ -169,12 +169,14 @@ def test_metadata_builder_refuses_a_written_block_used_twice():
     in another sequence's context (or the same sequence's earlier tokens). Shared prefix
     blocks that nobody writes, padding sequences and unused -1 entries are fine."""
     with pytest.raises(ValueError, match=r"build_attention_metadata: block 0 receives a new token of sequence 0 "
-                                         r"\(position 3\) but is used 2 times in this step \(block_tables\[0\]\[0\], "
-                                         r"block_tables\[1\]\[0\]\); a block written in a step must belong to one "
-                                         r"sequence, once \(shared prefix blocks are read-only\)"):
+                                         r"\(token 0, position 3\) but is used 2 times in this step "
+                                         r"\(block_tables\[0\]\[0\], block_tables\[1\]\[0\]\); a block written in a "
+                                         r"step must belong to one sequence, once \(shared prefix blocks are "
+                                         r"read-only\)"):
         ira.build_attention_metadata([1, 1], [3, 3], [[0], [0]], 16)
-    with pytest.raises(ValueError, match=r"block 7 receives a new token of sequence 1 \(position 20\) but is used "
-                                         r"2 times in this step \(block_tables\[1\]\[0\], block_tables\[1\]\[1\]\)"):
+    with pytest.raises(ValueError, match=r"block 7 receives a new token of sequence 1 \(token 1, position 20\) but "
+                                         r"is used 2 times in this step \(block_tables\[1\]\[0\], "
+                                         r"block_tables\[1\]\[1\]\)"):
         ira.build_attention_metadata([1, 1], [3, 20], [[2], [7, 7]], 16)
     md = ira.build_attention_metadata([1, 1], [20, 20], [[0, 1], [0, 2]], 16)  # shared prefix block 0
     assert md.slot_mapping.tolist() == [20, 36]

@@ -76,3 +76,21 @@ def test_step_layer_table_overrides_the_registry():
             get_layer("other")
     assert get_layer("binding.table") is registered
     assert out.shape == (3, 64) and out.isfinite().all()
+
+
+@pytest.mark.parametrize("entry", ["not a layer", "name -> None", "int name"])
+def test_step_layer_table_values_must_be_attention_layers(entry):
+    """A table whose value is no Attention layer was taken, and the first op failed on it with
+    a bare AttributeError ("'str' object has no attribute 'impl'")."""
+    layer = ira.Attention(2, 32, layer_name="binding.values", register=False)
+    table = {"binding.values": layer, **{"not a layer": {"binding.other": "binding.values"},
+                                         "name -> None": {"binding.other": None},
+                                         "int name": {3: layer}}[entry]}
+    md = ira.build_attention_metadata([3], [0], [[1]], 16)
+    for ctx in (lambda: ira.set_forward_context(md, layers=table), lambda: ira.profiling_run(layers=table)):
+        with pytest.raises(TypeError, match=r"set_forward_context: layers must map layer names \(str\) to Attention "
+                                            r"layers, got (str 'binding\.other' -> (str 'binding\.values'|NoneType "
+                                            r"None)|int 3 -> Attention)"):
+            with ctx():
+                pass
+    assert ira.get_forward_context().layers is None

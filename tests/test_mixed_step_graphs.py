@@ -357,6 +357,13 @@ def test_graphs_refuse_a_v_layout_switched_after_their_capture():
     with pytest.raises(RuntimeError, match=rf"layer '{name}' is bound to another KV cache than when this runner "
                                            r"captured its graphs; the graphs would keep the old one"):
         runner(ids, runner.prepare([2, 1], [0, 0], [[0], [1]]))
+    # another cache at the address of the one captured (here fewer blocks of the same storage)
+    runner.capture()
+    kv = layer.kv_cache
+    layer.kv_cache = kv.as_strided((kv.shape[0] // 2, *kv.shape[1:]), kv.stride())
+    with pytest.raises(RuntimeError, match=rf"layer '{name}' is bound to another KV cache than when this runner "
+                                           r"captured its graphs; the graphs would keep the old one"):
+        runner(ids, runner.prepare([2, 1], [0, 0], [[0], [1]]))
 
 
 def test_prepare_plans_fixed_shapes():

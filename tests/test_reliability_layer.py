@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import inductor_rocm_attn as ira
+from inductor_rocm_attn.layout import cache_layout_of
 
 from reliability_steps import BS, D, H, HKV, NUM_BLOCKS, qkv, run_layer_ops, snapshot, stepped_layer, unchanged
 
@@ -366,8 +367,8 @@ def test_fused_rope_layer_op_checks_query_rows_against_key_on_every_call():
     big = torch.randn(t + 1, H, D, generator=s.g)
     positions = torch.cat([s.md.positions, s.md.positions[-1:]])
     before = snapshot(big, s.layer.kv_cache)
-    with pytest.raises(ValueError, match=rf"rocm_attn\.rope_and_cache: query \(\({t + 1}, {H}, {D}\), .*must match "
-                                         rf"key \(\({t}, {HKV}, {D}\)"):
+    with pytest.raises(ValueError, match=rf"rocm_attn\.unified_rope_and_kv_cache_update: query "
+                                         rf"\(\({t + 1}, {H}, {D}\), .*must match key \(\({t}, {HKV}, {D}\)"):
         rope(big, positions)
     assert unchanged(before, big, s.layer.kv_cache)
 
@@ -398,7 +399,7 @@ def test_fused_rope_layer_op_checks_positions_and_table_on_every_call(case):
     rope(s.md.positions, cos_sin)  # the signature's first call: validated in full
     bad, match = _ROPE_TABLE_CASES[case]
     before = snapshot(q, k, s.layer.kv_cache)
-    with pytest.raises(ValueError, match=rf"rocm_attn\.rope_and_cache: {match}"):
+    with pytest.raises(ValueError, match=rf"rocm_attn\.unified_rope_and_kv_cache_update: {match}"):
         rope(*bad(s.md.positions, cos_sin))
     assert unchanged(before, q, k, s.layer.kv_cache)
 
@@ -433,7 +434,7 @@ def test_fused_qk_norm_layer_ops_check_weights_and_eps_on_every_call(variant, ca
     # The QK-norm weights were checked on a signature's first call only (a [1] weight then
     # broadcast silently, an int one was used as it was), eps never (a negative one turns rows
     # NaN); and the first call switched the layer to interleaved V, converting its cache,
-    # before any of these checks.
+    # before any of these checks. The error names the layer op called (not its kernel op).
     s = stepped_layer()
     t = s.num_tokens
     q, k, v = (x.view(t, -1, D) for x in qkv(t, s.g))
@@ -445,7 +446,8 @@ def test_fused_qk_norm_layer_ops_check_weights_and_eps_on_every_call(variant, ca
     bad, match = _NORM_CASES[case]
     was_interleaved = s.layer.interleaved_v
     before = snapshot(q, k, s.layer.kv_cache)
-    with pytest.raises(ValueError, match=match):
+    op = "qk_norm_rope" if variant == "qkv" else "qk_norm_rope_cos_sin"
+    with pytest.raises(ValueError, match=rf"rocm_attn\.unified_{op}_and_kv_cache_update: {match}"):
         _qk_norm_call(variant, s, {**args, **bad})
     assert unchanged(before, q, k, s.layer.kv_cache) and s.layer.interleaved_v == was_interleaved
 
@@ -529,6 +531,49 @@ def test_attention_op_checks_output_scale_on_every_call(scale, match):
     with pytest.raises(ValueError, match=rf"rocm_attn\.unified_attention_with_output: {match}"):
         attend(scale, out)
     assert unchanged(before, out, s.layer.kv_cache)
+
+
+@pytest.mark.parametrize("scale, match", [
+    (torch.tensor([0.0]), r"output_scale must be a positive finite number, got 0\.0"),
+    (torch.tensor([0.5, 0.5]), r"output_scale must be a per-tensor scale \(1 element, shape \(\) or \(1,\)\), got "
+                               r"shape \(2,\)"),
+    (torch.tensor([0.5]), r"output_scale \(fused fp8 output quant\) needs an fp8 output, got torch\.float32"),
+])
+def test_encoder_attention_op_names_itself_for_a_bad_output_scale(scale, match):
+    """An encoder layer's attention quantized its output with the kernel-level quant op, whose
+    refusal of the scale named rocm_attn.static_scaled_fp8_quant, after the encoder kernel ran."""
+    layer = ira.Attention(H, D, num_kv_heads=HKV, layer_name="rel.encoder_scale", attn_type="encoder_only")
+    md = ira.build_attention_metadata([3], [0], [[0]], BS)
+    q, k, v = (x.view(3, -1, D) for x in qkv(3, torch.Generator().manual_seed(0)))
+    out = torch.full((3, H, D), 3.0).to(torch.float32 if scale.numel() == 1 and scale.item() == 0.5
+                                        else torch.float8_e4m3fn)
+    before = snapshot(out)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.unified_attention_with_output: {match}"), \
+            ira.set_forward_context(md):
+        torch.ops.rocm_attn.unified_attention_with_output(q, k, v, out, layer.layer_name, None, scale)
+    assert unchanged(before, out)
+
+
+def test_layer_op_names_itself_when_no_provider_takes_the_call(monkeypatch):
+    """A provider refusal named the kernel op (rocm_attn.paged_attention) the layer op called."""
+    from inductor_rocm_attn import providers
+
+    def refuse(op, **call):
+        raise NotImplementedError(f"rocm_attn.{op}: no provider supports this call (test)")
+
+    s = stepped_layer()
+    monkeypatch.setattr(providers, "select", refuse)
+    s.layer.impl._kernels.clear()  # the kernels its first step resolved
+    q, k, v = qkv(s.num_tokens, s.g)
+    out = torch.empty(s.num_tokens, H, D)
+    with pytest.raises(NotImplementedError, match=r"^rocm_attn\.unified_kv_cache_update: rocm_attn\.reshape_and_cache: "
+                                                  r"no provider supports this call \(test\)$"):
+        run_layer_ops(s.layer, s.md, q, k, v, out)
+    with pytest.raises(NotImplementedError, match=r"^rocm_attn\.unified_attention_with_output: "
+                                                  r"rocm_attn\.paged_attention: no provider supports this call"), \
+            ira.set_forward_context(s.md):
+        torch.ops.rocm_attn.unified_attention_with_output(q.view(-1, H, D), k.view(-1, HKV, D), v.view(-1, HKV, D),
+                                                          out, s.layer.layer_name, None)
 
 
 @pytest.mark.parametrize("case", ["expanded", "key's memory"])
@@ -668,3 +713,33 @@ def test_layer_scale_buffers_stay_float32_per_tensor_scales(value, match):
     assert layer._k_scale.dtype == torch.float32 and float(layer._k_scale) == 1.0
     layer._v_scale = torch.tensor([0.5])  # a float32 one-element scale is taken
     assert float(layer._v_scale) == 0.5
+
+
+def test_a_cache_rebound_at_the_same_address_with_another_geometry_is_checked_again():
+    """A layer resolves its kernels once per call signature, which holds the cache's address:
+    a cache of another head split assigned at the address of the old one (here a view of the
+    same storage; a freed cache's address is reused alike) skipped the geometry check and ran
+    the kernels on it. Binding a cache makes every layer check its next call in full, the
+    layers that share the cache too."""
+    s = stepped_layer("rebound")
+    reader = ira.Attention(H, D, num_kv_heads=HKV, layer_name=f"{s.layer.layer_name}.reader",
+                           kv_sharing_target_layer_name=s.layer.layer_name)
+    q, k, v = qkv(s.num_tokens, s.g)
+    with ira.set_forward_context(s.md):
+        s.layer(q, k, v)
+        reader(q, k, v)
+    kv = s.layer.kv_cache
+    # 4 blocks of 2 * HKV KV heads (LHBNC: the K group of all blocks, then the V group), at kv's address
+    page = BS * 2 * HKV * D
+    other = kv.as_strided((NUM_BLOCKS // 2, 2, BS, 2 * HKV * D), (page, NUM_BLOCKS // 2 * page, 2 * HKV * D, 1))
+    assert other.data_ptr() == kv.data_ptr() and cache_layout_of(other) == ira.CacheLayout.LHBNC
+    s.layer.kv_cache = other
+    md = ira.build_attention_metadata([2], [0], [[0]], BS)
+    before = snapshot(kv)
+    q, k, v = qkv(2, s.g)
+    match = rf"kv_cache last dim {2 * HKV * D} != num_kv_heads \* head_size = {HKV} \* {D}"
+    for layer in (s.layer, reader):
+        with pytest.raises(ValueError, match=r"rocm_attn\.unified_(kv_cache_update|attention_with_output): " + match), \
+                ira.set_forward_context(md):
+            layer(q, k, v)
+        assert unchanged(before, kv)

@@ -171,7 +171,7 @@ def test_layer_rope_op_rejects_positions_outside_the_table(bad, data):
     before = snapshot(q, k, s.layer.kv_cache)
     with pytest.raises(IndexError) as e, ira.set_forward_context(s.md):
         torch.ops.rocm_attn.unified_rope_and_kv_cache_update(positions, q, k, v, cos_sin, True, s.layer.layer_name)
-    _assert_clear(e.value, "rocm_attn.rope_and_cache", "positions", bad)
+    _assert_clear(e.value, "rocm_attn.unified_rope_and_kv_cache_update", "positions", bad)
     assert unchanged(before, q, k, s.layer.kv_cache)
 
 

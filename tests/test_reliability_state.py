@@ -332,7 +332,7 @@ def test_fused_rope_layer_ops_refuse_a_query_of_other_heads(op, shape, first):
 
 def test_rotary_only_layer_op_refuses_a_key_of_other_heads():
     # a profiling run (no cache write): the rotation of key in place checked its heads on the
-    # first call of a signature only
+    # first call of a signature only (the error names the layer op called, not its kernel op)
     layer = ira.Attention(H, D, num_kv_heads=HKV, layer_name="state.rotary_only")
     t = 3
     cs = torch.randn(64, D)
@@ -342,7 +342,8 @@ def test_rotary_only_layer_op_refuses_a_key_of_other_heads():
                                                              torch.randn(t, HKV, D), cs, True, layer.layer_name)
         q, k = torch.randn(t, H, D), torch.randn(t, HKV, D // 2)
         before = snapshot(q, k)
-        with pytest.raises(ValueError, match=rf"rocm_attn\.rotary_embedding: key must be the layer's heads, "
+        with pytest.raises(ValueError, match=rf"rocm_attn\.unified_rope_and_kv_cache_update: key must be the "
+                                             rf"layer's heads, "
                                              rf"\[{t}, {HKV}, {D}\] or \[{t}, {HKV} \* {D}\], got \({t}, {HKV}, "
                                              rf"{D // 2}\)"):
             torch.ops.rocm_attn.unified_rope_and_kv_cache_update(pos, q, k, torch.randn(t, HKV, D), cs, True,
@@ -375,7 +376,8 @@ def test_rotary_only_layer_op_refuses_a_key_of_other_rows():
                                                              torch.randn(t, HKV, D), cs, True, layer.layer_name)
         q, k = torch.randn(t, H, D), torch.randn(t + 2, HKV, D)
         before = snapshot(q, k)
-        with pytest.raises(ValueError, match=rf"rocm_attn\.rotary_embedding: key must be the layer's heads, "
+        with pytest.raises(ValueError, match=rf"rocm_attn\.unified_rope_and_kv_cache_update: key must be the "
+                                             rf"layer's heads, "
                                              rf"\[{t}, {HKV}, {D}\] or \[{t}, {HKV} \* {D}\], got \({t + 2}, {HKV}, "
                                              rf"{D}\)"):
             torch.ops.rocm_attn.unified_rope_and_kv_cache_update(pos, q, k, torch.randn(t, HKV, D), cs, True,
@@ -442,8 +444,10 @@ def test_hand_built_step_writing_a_block_another_sequence_reads_is_refused():
     md = ira.AttentionMetadata(**{**fields, "block_table": table, "plan": None})
     before = snapshot(s.layer.kv_cache)
     q, k, v = qkv(s.num_tokens, s.g)
-    with pytest.raises(ValueError, match=rf"rocm_attn\.unified_kv_cache_update: block {s.tables[2][0]} receives token 4 "
-                                         rf"\(sequence 2\) but is used 2 times in this step \(block_table\[0, 0\], "
-                                         rf"block_table\[2, 0\]\)"), ira.set_forward_context(md):
+    position = int(md.positions[4])  # sequence 2's first new token
+    with pytest.raises(ValueError, match=rf"rocm_attn\.unified_kv_cache_update: block {s.tables[2][0]} receives a new "
+                                         rf"token of sequence 2 \(token 4, position {position}\) but is used 2 times "
+                                         rf"in this step \(block_table\[0\]\[0\], block_table\[2\]\[0\]\)"), \
+            ira.set_forward_context(md):
         s.layer(q, k, v)
     assert unchanged(before, s.layer.kv_cache)

@@ -144,7 +144,7 @@ class PiecewiseRunner:
         self._shapes: dict[tuple[str, int], StepShape] = {}
         self._step_md: AttentionMetadata | None = None
         self._step_shape: StepShape | None = None
-        self._captured_caches: dict[str, tuple[bool, int]] | None = None  # _cache_states() at the capture
+        self._captured_caches: dict[str, tuple] | None = None  # _cache_states() at the capture
         self._captured_epoch = -1
         compile_model(self)
         # The pieces (and graphs) read the parameters and buffers of the compile, at their
@@ -373,9 +373,11 @@ class PiecewiseRunner:
         self.stats.capture_s = time.perf_counter() - t0
         self._say(f"captured {self.stats.num_captures} graphs in {self.stats.capture_s:.1f} s")
 
-    def _cache_states(self) -> dict[str, tuple[bool, int]]:
-        """Per layer: its V layout and the address of its bound cache."""
-        return {name: (layer.impl.interleaved_v, layer.kv_cache.data_ptr()) for name, layer in self._layers.items()}
+    def _cache_states(self) -> dict[str, tuple]:
+        """Per layer: its V layout and its bound cache's address and geometry (another cache
+        may take a freed one's address)."""
+        return {name: (layer.impl.interleaved_v, _cache_geometry(layer.kv_cache))
+                for name, layer in self._layers.items()}
 
     def _check_cache_states(self) -> None:
         """A layer's V layout or bound cache changed since the capture (another compile of the
@@ -469,6 +471,11 @@ class PiecewiseRunner:
         if shape is None:
             return None
         return (self._step_graphs if shape.kind == DECODE else self._mixed_graphs)[shape.num_tokens][0]
+
+
+def _cache_geometry(kv_cache: torch.Tensor) -> tuple:
+    """What a captured launch keeps of a cache: its address, dtype, shape and strides."""
+    return kv_cache.data_ptr(), kv_cache.dtype, tuple(kv_cache.shape), kv_cache.stride()
 
 
 def _tensor_refs(model: nn.Module, plan: list) -> list[tuple]:

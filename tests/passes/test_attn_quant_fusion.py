@@ -201,3 +201,28 @@ auto_functionalized_v2_1 = auto_functionalized_v2(rocm_attn.unified_attention_wi
 getitem_5 = getitem(auto_functionalized_v2_1, 1)  float8_e4m3fn[T, 4, 32]
 reshape_3 = aten.reshape.default(getitem_5, [-1, 128])  float8_e4m3fn[T, 128]
 return (reshape_3,)""")
+
+
+@pytest.mark.parametrize("scale_shape", [(), (1,)])
+def test_does_not_fuse_a_scale_on_another_device(monkeypatch, scale_shape):
+    """The plain quant divides a GPU output by a CPU scalar (torch takes a one-element CPU
+    tensor there); fused, the attention refused that output_scale on every call, after the
+    step's cache update wrote. Shown on the CPU with the scale's graph value on another
+    device (meta): the pass leaves the graph as it was."""
+    from inductor_rocm_attn.passes import fx_utils
+
+    real_val = fx_utils.val
+
+    def val(node):  # the quant scale (the one fp32 buffer of one element) as if on another device
+        v = real_val(node)
+        if (node.op in ("placeholder", "get_attr") and isinstance(v, torch.Tensor) and v.dtype == torch.float32
+                and all(type(d) is int for d in v.shape) and v.numel() == 1):
+            return torch.empty(v.shape, dtype=v.dtype, device="meta")
+        return v
+
+    monkeypatch.setattr(fx_utils, "val", val)
+    cfg, block = _block(form="plain", scale_shape=scale_shape)
+    c = capture(block, *block_inputs(cfg), rope_kv_cache_fusion=False)
+    assert c.count(PASS) == 0 and c.after == c.before
+    assert any("the quant scale is not on the attention output's device" in r for r in c.reasons(PASS)), \
+        c.reasons(PASS)
