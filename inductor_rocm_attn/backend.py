@@ -448,21 +448,13 @@ class RocmAttentionImpl:
                                     is_neox, kv_cache, attn_metadata, op: str | None = None) -> None:
         """Rotate ``query``/``key`` in place and write the rotated key and value to the cache.
         ``op``: the name errors give (the layer-level op's; None: the kernel op's, as the seed)."""
-        qs = query.shape
-        t = qs[0]
-        # the layer's heads, [T, Hq, D] or [T, Hq * D]: the kernel rotates whatever heads it is given
-        heads_ok = ((len(qs) == 3 and qs[1] == self.num_heads and qs[2] == self.head_size)
-                    or (len(qs) == 2 and qs[1] == self.num_heads * self.head_size))
+        t = query.shape[0]
         rot_dim = cos_sin_cache.shape[-1]  # partial rotary changes which providers apply
         if attn_metadata is None or not self.uses_kv_cache:  # profiling run / no cache
             name = op or "rocm_attn.rotary_embedding"
             step_checks.check_rope_inputs(name, positions, cos_sin_cache, t, query.device, attn_metadata)
-            if not heads_ok:
-                step_checks.check_heads(name, "query", query, self.num_heads, self.head_size, t)
-            ks = key.shape if key is not None else None
-            if ks is not None and not (ks[0] == t and (
-                    (len(ks) == 3 and ks[1] == self.num_kv_heads and ks[2] == self.head_size)
-                    or (len(ks) == 2 and ks[1] == self.num_kv_heads * self.head_size))):
+            step_checks.check_heads(name, "query", query, self.num_heads, self.head_size, t)
+            if key is not None:
                 step_checks.check_heads(name, "key", key, self.num_kv_heads, self.head_size, t)
             step_checks.check_rotated(name, query, key, None)
             sig = ("rotary_embedding", query.device, query.dtype, rot_dim,
@@ -479,8 +471,7 @@ class RocmAttentionImpl:
         if t != kv_t or query.dtype is not key.dtype or query.device != kv_cache.device:
             raise ValueError(f"{op}: query ({tuple(query.shape)}, {query.dtype}, {query.device}) must match key "
                              f"({tuple(key.shape)}, {key.dtype}) on the KV cache's device {kv_cache.device}")
-        if not heads_ok:
-            step_checks.check_heads(op, "query", query, self.num_heads, self.head_size, t)
+        step_checks.check_heads(op, "query", query, self.num_heads, self.head_size, t)
         step_checks.check_rope_inputs(op, positions, cos_sin_cache, t, kv_cache.device, attn_metadata)
         step_checks.check_rotated(op, query, key, value)
         buffers = layer._buffers  # skips nn.Module.__getattr__
@@ -579,8 +570,7 @@ class RocmAttentionImpl:
                         norm: tuple, tail: tuple = ()) -> None:
         """``norm``: the QK-norm writer's weights and eps (empty for the plain writer), ``tail``:
         its arguments after ``interleaved_v``."""
-        qs = query.shape
-        t = qs[0]
+        t = query.shape[0]
         write = attn_metadata is not None and self.uses_kv_cache
         name = f"rocm_attn.unified_{op.replace('_and_cache', '_and_kv_cache_update')}"
         if write:  # every call, before anything is written or converted
@@ -589,10 +579,7 @@ class RocmAttentionImpl:
                                            self.head_size)
         device = kv_cache.device if write else value.device
         step_checks.check_cos_sin_call(name, query, key, value, cos, sin, device)
-        # the layer's heads, [T, Hq, D] or [T, Hq * D]: the kernel rotates whatever heads it is given
-        if not ((len(qs) == 3 and qs[1] == self.num_heads and qs[2] == self.head_size)
-                or (len(qs) == 2 and qs[1] == self.num_heads * self.head_size)):
-            step_checks.check_heads(name, "query", query, self.num_heads, self.head_size, t)
+        step_checks.check_heads(name, "query", query, self.num_heads, self.head_size, t)
         if not write:  # else the cache update's check took key's rows
             step_checks.check_heads(name, "key", key, self.num_kv_heads, self.head_size, t)
         step_checks.check_rotated(name, query, key, value if write else None)

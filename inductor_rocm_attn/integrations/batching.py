@@ -184,8 +184,6 @@ def _generate(runner, prompts, max_new_tokens, *, max_tokens_per_step, max_seqs_
     max_seqs = min(runner.max_num_seqs if max_seqs_per_step is None else max_seqs_per_step,
                    budget)  # every sequence decodes each step
     blocks = _num_cache_blocks(runner) if num_blocks is None else num_blocks
-    if not isinstance(return_logits, bool):  # a truthy string ("no") kept every logit row
-        raise TypeError(f"generate: return_logits must be True or False, got {return_logits!r}")
     if on_step is not None and not callable(on_step):
         raise TypeError(f"generate: on_step must be callable or None, got {type(on_step).__name__}")
     waiting = []

@@ -449,7 +449,6 @@ class PagedCache(Cache):
         super().__init__(layers=[])
         check_model(model, "PagedCache")
         check_positive_int("PagedCache", "num_blocks", num_blocks)
-        check_bool("PagedCache", "poison", poison)
         decoder = _decoder(model)
         param = next(model.parameters())
         self.block_size, self.num_blocks = block_size, num_blocks

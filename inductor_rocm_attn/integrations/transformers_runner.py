@@ -42,8 +42,8 @@ from ..compilation.step_graphs import MIXED
 from ..config_checks import check_runner_config
 from ..forward_context import set_forward_context
 from ..metadata import AttentionMetadata, build_attention_metadata
-from ..validation import check_bool, check_positive_int, check_token_ids, vocab_size_of
-from .transformers import (check_dynamic_rope, check_every_layer_attends, check_fp8_scales, check_model,
+from ..validation import check_positive_int, check_token_ids, vocab_size_of
+from .transformers import (check_dynamic_rope, check_every_layer_attends, check_model,
                            learned_position_limit, paged_layers)
 
 __all__ = ["EagerRunner", "compile_transformers", "eager_runner", "step_forward"]
@@ -126,7 +126,6 @@ def compile_transformers(
         optional_flags=dict(use_cuda_graphs=use_cuda_graphs, plugin=plugin, piecewise_graphs=piecewise_graphs),
         trace_cache=trace_cache, compile_threads=compile_threads, graph_backend=graph_backend)
     check_block_size(block_size, "compile_transformers")
-    check_fp8_scales("compile_transformers", kv_cache_dtype, k_scale, v_scale)
     max_model_len = max_model_len or _default_max_model_len(model, num_blocks, block_size)
     positions = learned_position_limit(model)
     if positions is not None and max_model_len > positions:  # the embedding's index would run past it
@@ -210,7 +209,6 @@ def eager_runner(model: torch.nn.Module, *, num_blocks: int, block_size: int = 1
     check_model(model, "eager_runner")
     check_every_layer_attends(model, "eager_runner")
     check_positive_int("eager_runner", "num_blocks", num_blocks)
-    check_bool("eager_runner", "poison", poison)
     _check_step_limits("eager_runner", max_num_seqs, max_num_tokens)  # before the caches are allocated
     check_dynamic_rope(model, "eager_runner", num_blocks * block_size)  # the longest sequence the cache holds
     layers = paged_layers(model, num_blocks, block_size=block_size, cache_layout=cache_layout,
