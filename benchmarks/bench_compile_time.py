@@ -18,7 +18,10 @@ of them were traced (``layer_regions``). Goals (28 layers): warm < 5 s, cold < 1
 
     python benchmarks/bench_compile_time.py [--device cuda] [--dtype bfloat16] [--layers 28] [--out DIR]
     python benchmarks/bench_compile_time.py --piecewise [--tiny] [--layers 28] [--warm-runs 2]
-        [--compile-threads 1 auto] [--trace-cache-modes off|on|both]
+        [--compile-threads 1 auto] [--trace-cache-modes off|on|both] [--profile]
+
+``--profile`` runs each start under cProfile and writes its top functions (by cumulative and
+by own time) to ``profile_<threads>_<trace|notrace>_<start>.txt`` in --out.
 
 Writes ``compile_time_<device>_<date>.json`` (``compile_time_piecewise_...`` with
 ``--piecewise``) to --out (default benchmarks/results).
@@ -27,9 +30,12 @@ Writes ``compile_time_<device>_<date>.json`` (``compile_time_piecewise_...`` wit
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import itertools
 import json
 import os
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -80,6 +86,18 @@ def compile_once(cfg, device, dtype, with_plugin: bool) -> dict:
     return {"plugin": with_plugin, "compile_s": wall, "passes_s": pass_s, "fusions": fused}
 
 
+def write_profile(profiler: "cProfile.Profile", path: str) -> None:
+    """The start's Python profile as text: the top functions by cumulative and by own time
+    (where a compile's seconds go: Dynamo, AOT, Inductor, our passes, capture)."""
+    buf = io.StringIO()
+    stats = pstats.Stats(profiler, stream=buf).strip_dirs()
+    for key in ("cumulative", "tottime"):
+        buf.write(f"=== sorted by {key}\n")
+        stats.sort_stats(key).print_stats(60)
+    with open(path, "w") as f:
+        f.write(buf.getvalue())
+
+
 def piecewise_child(args) -> None:
     """One start: build the model, compile_piecewise (capture on a GPU), print JSON."""
     t_process = float(os.environ["BENCH_T0"])
@@ -93,11 +111,17 @@ def piecewise_child(args) -> None:
     with torch.device(args.device):
         model = TinyDecoder(cfg).to(dtype=dtype).eval()
     ira.bind_kv_caches(model, 64, dtype, args.device)
+    profiler = cProfile.Profile() if args.profile_out else None
     t0, cpu0 = time.perf_counter(), time.process_time()
+    if profiler:
+        profiler.enable()
     runner = compile_piecewise(model, capture_sizes=[1, 2, 4, 8, 16, 32, 64], max_num_seqs=64,
                                max_model_len=2304, trace_cache=args.trace_cache or False,
                                compile_threads=None if args.compile_threads == ["auto"]
                                else int(args.compile_threads[0]))
+    if profiler:
+        profiler.disable()
+        write_profile(profiler, args.profile_out)
     st = runner.stats
     from torch._dynamo.utils import counters
 
@@ -126,6 +150,10 @@ def piecewise_main(args) -> None:
                 cmd += (["--tiny"] if args.tiny else []) + ([] if threads == "auto" else ["--compile-threads", threads])
                 if trace_cache:
                     cmd += ["--trace-cache", os.path.join(root, "traces")]
+                if args.profile:
+                    os.makedirs(args.out, exist_ok=True)
+                    cmd += ["--profile-out", os.path.join(
+                        args.out, f"profile_{threads}_{'trace' if trace_cache else 'notrace'}_{start}.txt")]
                 env["BENCH_T0"] = repr(time.time())
                 p = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 try:
@@ -168,7 +196,10 @@ def main() -> None:
                          "(auto: the default; 1: kernels compile at their first launch)")
     ap.add_argument("--trace-cache-modes", choices=["off", "on", "both"], default="both",
                     help="--piecewise: starts with the trace cache off, on, or both")
+    ap.add_argument("--profile", action="store_true",
+                    help="--piecewise: cProfile each start's compile_piecewise; top functions to profile_*.txt in --out")
     ap.add_argument("--piecewise-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--profile-out", help=argparse.SUPPRESS)
     ap.add_argument("--trace-cache", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.piecewise_child:
