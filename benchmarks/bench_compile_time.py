@@ -88,7 +88,9 @@ def compile_once(cfg, device, dtype, with_plugin: bool) -> dict:
 
 def write_profile(profiler: "cProfile.Profile", path: str) -> None:
     """The start's Python profile as text: the top functions by cumulative and by own time
-    (where a compile's seconds go: Dynamo, AOT, Inductor, our passes, capture)."""
+    (where a compile's seconds go: Dynamo, AOT, Inductor, our passes, capture), and the raw
+    profile beside it (``.prof``, for pstats' callers / callees)."""
+    profiler.dump_stats(os.path.splitext(path)[0] + ".prof")
     buf = io.StringIO()
     stats = pstats.Stats(profiler, stream=buf).strip_dirs()
     for key in ("cumulative", "tottime"):
