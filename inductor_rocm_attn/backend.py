@@ -211,10 +211,13 @@ def _select(caller: str, op: str, **call):
         raise NotImplementedError(f"{caller}: {e}") from None
 
 
-def _check_output_scale(op: str, output_scale: torch.Tensor, query: torch.Tensor) -> None:
-    """A per-call tensor: its shape, dtype and device every call, its value where readable."""
-    if output_scale.device != query.device:
-        raise ValueError(f"{op}: output_scale is on {output_scale.device} but the query is on {query.device}")
+def _check_output_scale(op: str, output_scale: torch.Tensor, x: torch.Tensor, x_name: str = "query") -> None:
+    """A per-call tensor: its shape, dtype and device (``x``'s) every call, its value where
+    readable. The attention checks it, and so does its layer's cache update in a compiled
+    graph that fused the fp8 output quant (the pass gives the update the same scale): there
+    a scale the attention would refuse is refused before the cache is written."""
+    if output_scale.device != x.device:
+        raise ValueError(f"{op}: output_scale is on {output_scale.device} but the {x_name} is on {x.device}")
     validation.check_scales(op, output_scale=output_scale)
 
 
@@ -425,12 +428,16 @@ class RocmAttentionImpl:
         validation.check_slot_mapping(op, slot_mapping, kv_cache, key.shape[0])
         self._write(layer, key, value, kv_cache, slot_mapping, key.shape[0])
 
-    def update_kv_cache(self, layer, key, value, kv_cache, attn_metadata) -> None:
+    def update_kv_cache(self, layer, key, value, kv_cache, attn_metadata, output_scale=None) -> None:
         """The step's cache write (``rocm_attn.unified_kv_cache_update``): checks the step's
-        metadata against the cache, as the attention will read it, before writing."""
+        metadata against the cache, as the attention will read it, before writing.
+        ``output_scale``: the scale of the fp8 quant fused into this layer's attention (None:
+        not fused), checked before the write."""
         if not self.uses_kv_cache:
             return
         key, value, t = self._checked_step(_KV_UPDATE_OP, layer, key, value, kv_cache, attn_metadata)
+        if output_scale is not None:
+            _check_output_scale(_KV_UPDATE_OP, output_scale, key, "key")
         self._write(layer, key, value, kv_cache, attn_metadata.slot_mapping, t)
         self._just_written = (attn_metadata, key, value, kv_cache, t)
 
@@ -445,9 +452,11 @@ class RocmAttentionImpl:
         fn(key, value, kv_cache, slot_mapping, k_scale, v_scale, self.interleaved_v)
 
     def do_rope_and_kv_cache_update(self, layer, positions, query, key, value, cos_sin_cache,
-                                    is_neox, kv_cache, attn_metadata, op: str | None = None) -> None:
+                                    is_neox, kv_cache, attn_metadata, op: str | None = None,
+                                    output_scale=None) -> None:
         """Rotate ``query``/``key`` in place and write the rotated key and value to the cache.
-        ``op``: the name errors give (the layer-level op's; None: the kernel op's, as the seed)."""
+        ``op``: the name errors give (the layer-level op's; None: the kernel op's, as the seed).
+        ``output_scale``: as ``update_kv_cache``'s, checked before anything is written."""
         t = query.shape[0]
         rot_dim = cos_sin_cache.shape[-1]  # partial rotary changes which providers apply
         if attn_metadata is None or not self.uses_kv_cache:  # profiling run / no cache
@@ -474,6 +483,8 @@ class RocmAttentionImpl:
         step_checks.check_heads(op, "query", query, self.num_heads, self.head_size, t)
         step_checks.check_rope_inputs(op, positions, cos_sin_cache, t, kv_cache.device, attn_metadata)
         step_checks.check_rotated(op, query, key, value)
+        if output_scale is not None:
+            _check_output_scale(op, output_scale, key, "key")
         buffers = layer._buffers  # skips nn.Module.__getattr__
         k_scale, v_scale = buffers["_k_scale"], buffers["_v_scale"]
         slot_mapping = attn_metadata.slot_mapping
@@ -489,7 +500,8 @@ class RocmAttentionImpl:
 
     def do_qk_norm_rope_kvcache_update(self, layer, qkv, q_weight, k_weight, eps, positions,
                                        cos_sin_cache, is_neox, kv_cache, attn_metadata,
-                                       q_out=None, k_out=None, op: str = "rocm_attn.qk_norm_rope_and_cache"):
+                                       q_out=None, k_out=None, op: str = "rocm_attn.qk_norm_rope_and_cache",
+                                       output_scale=None):
         """Split qkv, per-head RMSNorm q/k, RoPE, cache k/v. Returns ``(q, k)``.
 
         q and k are written into ``q_out [T, Hq, D]`` / ``k_out [T, Hkv, D]`` when given (the
@@ -499,6 +511,7 @@ class RocmAttentionImpl:
         The fused writer emits interleaved V: a layer fused into it is switched (normally
         by the pass at compile time; this guard covers a cache bound after compilation).
         ``op``: the name errors give (the layer-level op's; the default: the kernel op's, as the seed).
+        ``output_scale``: as ``update_kv_cache``'s, checked before anything is written or converted.
         """
         if not self.uses_kv_cache:
             raise NotImplementedError(f"{op}: {self!r} writes no KV cache (an encoder layer or a "
@@ -515,6 +528,8 @@ class RocmAttentionImpl:
         else:
             step_checks.check_step_metadata(op, attn_metadata, t, kv_cache.device, shape[0], shape[2])
             slot_mapping = attn_metadata.slot_mapping
+            if output_scale is not None:
+                _check_output_scale(op, output_scale, qkv, "qkv")
 
         def check_all():
             validation.check_qk_norm_rope(op, qkv, q_weight, k_weight, positions, cos_sin_cache,
@@ -545,29 +560,32 @@ class RocmAttentionImpl:
         return q, k
 
     def do_rope_cos_sin_and_kv_cache_update(self, layer, query, key, value, cos, sin, is_neox, kv_cache,
-                                            attn_metadata) -> None:
+                                            attn_metadata, output_scale=None) -> None:
         """Rotate ``query [T, Hq, D]``/``key [T, Hkv, D]`` in place with the model's per-token
         ``cos``/``sin`` ``[T, rot_dim]`` and write the rotated key and value to the cache (a
-        profiling run or a layer without a cache of its own: rotate only)."""
+        profiling run or a layer without a cache of its own: rotate only). ``output_scale``: as
+        ``update_kv_cache``'s, checked before anything is written."""
         self._cos_sin_writer("rope_cos_sin_and_cache", layer, query, key, value, cos, sin, is_neox,
-                             kv_cache, attn_metadata, ())
+                             kv_cache, attn_metadata, (), output_scale=output_scale)
 
     def do_qk_norm_rope_cos_sin_kv_cache_update(self, layer, query, key, value, q_weight, k_weight, eps, cos,
                                                 sin, is_neox, kv_cache, attn_metadata, gemma_norm=False,
-                                                norm_after_rope=False) -> None:
+                                                norm_after_rope=False, output_scale=None) -> None:
         """Per-head RMSNorm (transformers' rounding; ``gemma_norm``: Gemma's ``1 + weight``),
         RoPE with per-token cos/sin (``norm_after_rope``: RoPE first, then the norm, as
         Hunyuan), both on ``query``/``key`` in place, and the cache write of key and value.
 
         The fused writer stands for a layer fused at compile time into interleaved V: a layer
         not switched yet (a graph from Inductor's cache, a cache bound after compilation) is
-        switched here, its cached data converted, before the first write.
+        switched here, its cached data converted, before the first write. ``output_scale``: as
+        ``update_kv_cache``'s, checked before anything is written or converted.
         """
         self._cos_sin_writer("qk_norm_rope_cos_sin_and_cache", layer, query, key, value, cos, sin, is_neox,
-                             kv_cache, attn_metadata, (q_weight, k_weight, eps), (gemma_norm, norm_after_rope))
+                             kv_cache, attn_metadata, (q_weight, k_weight, eps), (gemma_norm, norm_after_rope),
+                             output_scale)
 
     def _cos_sin_writer(self, op, layer, query, key, value, cos, sin, is_neox, kv_cache, attn_metadata,
-                        norm: tuple, tail: tuple = ()) -> None:
+                        norm: tuple, tail: tuple = (), output_scale=None) -> None:
         """``norm``: the QK-norm writer's weights and eps (empty for the plain writer), ``tail``:
         its arguments after ``interleaved_v``."""
         t = query.shape[0]
@@ -577,6 +595,8 @@ class RocmAttentionImpl:
             rows = step_checks.token_rows(name, "key", key, self.num_kv_heads, self.head_size)
             step_checks.check_cache_update(name, layer, rows, value, kv_cache, attn_metadata, self.num_kv_heads,
                                            self.head_size)
+            if output_scale is not None:
+                _check_output_scale(name, output_scale, key, "key")
         device = kv_cache.device if write else value.device
         step_checks.check_cos_sin_call(name, query, key, value, cos, sin, device)
         step_checks.check_heads(name, "query", query, self.num_heads, self.head_size, t)

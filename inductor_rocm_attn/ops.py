@@ -7,7 +7,10 @@ provider (``providers.select``) and calls its kernel. Every mutated tensor is de
 
 Kernel-level ops take explicit tensors. Layer-level ops find their layer's impl, KV cache
 and per-step metadata through the forward context; the cache update returns a dependency
-token that the attention op takes, so a compiled graph orders write before read.
+token that the attention op takes, so a compiled graph orders write before read. Where the
+fp8 quant of the attention's output is fused into it (``output_scale``), the compiled graph
+gives the layer's cache update the same ``output_scale``: the update checks it before it
+writes, so a scale the attention would refuse is refused before the cache changes.
 """
 
 from __future__ import annotations
@@ -69,28 +72,30 @@ _SCHEMAS = {
         "static_scaled_fp8_quant(Tensor input, Tensor scale, ScalarType out_dtype) -> Tensor"
     ),
     # --- layer level ---------------------------------------------------------------------
-    "unified_kv_cache_update": "unified_kv_cache_update(Tensor key, Tensor value, str layer_name) -> Tensor",
+    "unified_kv_cache_update": (
+        "unified_kv_cache_update(Tensor key, Tensor value, str layer_name, Tensor? output_scale=None) -> Tensor"
+    ),
     "unified_attention_with_output": (
         "unified_attention_with_output(Tensor query, Tensor key, Tensor value, Tensor(a!) output, "
         "str layer_name, Tensor? kv_cache_dependency=None, Tensor? output_scale=None) -> ()"
     ),
     "unified_rope_and_kv_cache_update": (
         "unified_rope_and_kv_cache_update(Tensor positions, Tensor(a!) query, Tensor(b!) key, "
-        "Tensor value, Tensor cos_sin_cache, bool is_neox, str layer_name) -> Tensor"
+        "Tensor value, Tensor cos_sin_cache, bool is_neox, str layer_name, Tensor? output_scale=None) -> Tensor"
     ),
     "unified_qk_norm_rope_and_kv_cache_update": (
         "unified_qk_norm_rope_and_kv_cache_update(Tensor qkv, Tensor q_weight, Tensor k_weight, "
         "float eps, Tensor positions, Tensor cos_sin_cache, bool is_neox, int num_heads, "
-        "int num_kv_heads, int head_size, str layer_name) -> (Tensor, Tensor, Tensor)"
+        "int num_kv_heads, int head_size, str layer_name, Tensor? output_scale=None) -> (Tensor, Tensor, Tensor)"
     ),
     "unified_rope_cos_sin_and_kv_cache_update": (
         "unified_rope_cos_sin_and_kv_cache_update(Tensor(a!) query, Tensor(b!) key, Tensor value, "
-        "Tensor cos, Tensor sin, bool is_neox, str layer_name) -> Tensor"
+        "Tensor cos, Tensor sin, bool is_neox, str layer_name, Tensor? output_scale=None) -> Tensor"
     ),
     "unified_qk_norm_rope_cos_sin_and_kv_cache_update": (
         "unified_qk_norm_rope_cos_sin_and_kv_cache_update(Tensor(a!) query, Tensor(b!) key, Tensor value, "
         "Tensor q_weight, Tensor k_weight, float eps, Tensor cos, Tensor sin, bool is_neox, "
-        "str layer_name, bool gemma_norm=False, bool norm_after_rope=False) -> Tensor"
+        "str layer_name, bool gemma_norm=False, bool norm_after_rope=False, Tensor? output_scale=None) -> Tensor"
     ),
 }
 
@@ -374,6 +379,9 @@ def _static_scaled_fp8_quant_fake(input, scale, out_dtype):
 
 # === layer level ============================================================================
 
+# The cache updates' fake kernels refuse an output_scale on another device than their tensors
+# (a meta scale dispatches the call to them), as the kernel-level fakes refuse a mix.
+
 
 def _token(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0)
@@ -396,15 +404,16 @@ def _step(op: str, layer_name: str):
 
 
 @_impl("unified_kv_cache_update")
-def _unified_kv_cache_update(key, value, layer_name):
+def _unified_kv_cache_update(key, value, layer_name, output_scale=None):
     layer, metadata = _step("rocm_attn.unified_kv_cache_update", layer_name)
     if metadata is not None:  # profiling run: nothing to cache
-        layer.impl.update_kv_cache(layer, key, value, layer.kv_cache, metadata)
+        layer.impl.update_kv_cache(layer, key, value, layer.kv_cache, metadata, output_scale)
     return _token(key)
 
 
 @_fake("unified_kv_cache_update")
-def _unified_kv_cache_update_fake(key, value, layer_name):
+def _unified_kv_cache_update_fake(key, value, layer_name, output_scale=None):
+    validation.check_same_device("rocm_attn.unified_kv_cache_update", key=key, output_scale=output_scale)
     return _token(key)
 
 
@@ -422,24 +431,28 @@ def _unified_attention_with_output_fake(*args, **kwargs):
 
 
 @_impl("unified_rope_and_kv_cache_update")
-def _unified_rope_and_kv_cache_update(positions, query, key, value, cos_sin_cache, is_neox, layer_name):
+def _unified_rope_and_kv_cache_update(positions, query, key, value, cos_sin_cache, is_neox, layer_name,
+                                      output_scale=None):
     """Rotates ``query``/``key`` in place (declared mutated) and writes the cache."""
     op = "rocm_attn.unified_rope_and_kv_cache_update"
     layer, metadata = _step(op, layer_name)
     layer.impl.do_rope_and_kv_cache_update(
-        layer, positions, query, key, value, cos_sin_cache, is_neox, layer.kv_cache, metadata, op
+        layer, positions, query, key, value, cos_sin_cache, is_neox, layer.kv_cache, metadata, op, output_scale
     )
     return _token(key)
 
 
 @_fake("unified_rope_and_kv_cache_update")
-def _unified_rope_and_kv_cache_update_fake(positions, query, key, value, cos_sin_cache, is_neox, layer_name):
+def _unified_rope_and_kv_cache_update_fake(positions, query, key, value, cos_sin_cache, is_neox, layer_name,
+                                           output_scale=None):
+    validation.check_same_device("rocm_attn.unified_rope_and_kv_cache_update", key=key, output_scale=output_scale)
     return _token(key)
 
 
 @_impl("unified_qk_norm_rope_and_kv_cache_update")
 def _unified_qk_norm_rope_and_kv_cache_update(qkv, q_weight, k_weight, eps, positions, cos_sin_cache,
-                                              is_neox, num_heads, num_kv_heads, head_size, layer_name):
+                                              is_neox, num_heads, num_kv_heads, head_size, layer_name,
+                                              output_scale=None):
     op = "rocm_attn.unified_qk_norm_rope_and_kv_cache_update"
     layer, metadata = _step(op, layer_name)
     impl = layer.impl
@@ -448,7 +461,8 @@ def _unified_qk_norm_rope_and_kv_cache_update(qkv, q_weight, k_weight, eps, posi
         raise ValueError(f"{op}: num_heads, num_kv_heads, head_size = {num_heads}, {num_kv_heads}, {head_size} but "
                          f"layer {layer_name!r} has {impl.num_heads}, {impl.num_kv_heads}, {impl.head_size}")
     q, k = impl.do_qk_norm_rope_kvcache_update(
-        layer, qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, layer.kv_cache, metadata, op=op
+        layer, qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, layer.kv_cache, metadata, op=op,
+        output_scale=output_scale,
     )
     return q, k, _token(k)
 
@@ -456,42 +470,50 @@ def _unified_qk_norm_rope_and_kv_cache_update(qkv, q_weight, k_weight, eps, posi
 @_fake("unified_qk_norm_rope_and_kv_cache_update")
 def _unified_qk_norm_rope_and_kv_cache_update_fake(qkv, q_weight, k_weight, eps, positions,
                                                    cos_sin_cache, is_neox, num_heads, num_kv_heads,
-                                                   head_size, layer_name):
+                                                   head_size, layer_name, output_scale=None):
+    validation.check_same_device("rocm_attn.unified_qk_norm_rope_and_kv_cache_update", qkv=qkv,
+                                 output_scale=output_scale)
     t = qkv.shape[0]
     k = qkv.new_empty(t, num_kv_heads, head_size)
     return qkv.new_empty(t, num_heads, head_size), k, _token(k)
 
 
 @_impl("unified_rope_cos_sin_and_kv_cache_update")
-def _unified_rope_cos_sin_and_kv_cache_update(query, key, value, cos, sin, is_neox, layer_name):
+def _unified_rope_cos_sin_and_kv_cache_update(query, key, value, cos, sin, is_neox, layer_name, output_scale=None):
     """Rotates ``query``/``key`` in place with the model's per-token cos/sin and writes the cache."""
     layer, metadata = _step("rocm_attn.unified_rope_cos_sin_and_kv_cache_update", layer_name)
     layer.impl.do_rope_cos_sin_and_kv_cache_update(layer, query, key, value, cos, sin, is_neox,
-                                                   layer.kv_cache, metadata)
+                                                   layer.kv_cache, metadata, output_scale)
     return _token(key)
 
 
 @_fake("unified_rope_cos_sin_and_kv_cache_update")
-def _unified_rope_cos_sin_and_kv_cache_update_fake(query, key, value, cos, sin, is_neox, layer_name):
+def _unified_rope_cos_sin_and_kv_cache_update_fake(query, key, value, cos, sin, is_neox, layer_name,
+                                                   output_scale=None):
+    validation.check_same_device("rocm_attn.unified_rope_cos_sin_and_kv_cache_update", key=key,
+                                 output_scale=output_scale)
     return _token(key)
 
 
 @_impl("unified_qk_norm_rope_cos_sin_and_kv_cache_update")
 def _unified_qk_norm_rope_cos_sin_and_kv_cache_update(query, key, value, q_weight, k_weight, eps, cos, sin,
-                                                      is_neox, layer_name, gemma_norm=False, norm_after_rope=False):
+                                                      is_neox, layer_name, gemma_norm=False, norm_after_rope=False,
+                                                      output_scale=None):
     """Normalizes and rotates ``query``/``key`` in place (``norm_after_rope``: rotates, then
     normalizes) and writes the cache (interleaved V)."""
     layer, metadata = _step("rocm_attn.unified_qk_norm_rope_cos_sin_and_kv_cache_update", layer_name)
     layer.impl.do_qk_norm_rope_cos_sin_kv_cache_update(layer, query, key, value, q_weight, k_weight, eps, cos,
                                                        sin, is_neox, layer.kv_cache, metadata, gemma_norm,
-                                                       norm_after_rope)
+                                                       norm_after_rope, output_scale)
     return _token(key)
 
 
 @_fake("unified_qk_norm_rope_cos_sin_and_kv_cache_update")
 def _unified_qk_norm_rope_cos_sin_and_kv_cache_update_fake(query, key, value, q_weight, k_weight, eps, cos,
                                                            sin, is_neox, layer_name, gemma_norm=False,
-                                                           norm_after_rope=False):
+                                                           norm_after_rope=False, output_scale=None):
+    validation.check_same_device("rocm_attn.unified_qk_norm_rope_cos_sin_and_kv_cache_update", key=key,
+                                 output_scale=output_scale)
     return _token(key)
 
 

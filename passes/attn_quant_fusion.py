@@ -7,8 +7,15 @@ Unfused (post-grad)::
 
 Fused::
 
-    q8 = auto_functionalized_v2(unified_attention_with_output, ..., output_scale=scale,
-                                _all_bases=[empty(..., dtype=fp8)])[1]
+    token = unified_kv_cache_update(k, v, layer, output_scale=scale)   # or the layer's fused writer
+    q8 = auto_functionalized_v2(unified_attention_with_output, ..., kv_cache_dependency=token,
+                                output_scale=scale, _all_bases=[empty(..., dtype=fp8)])[1]
+
+The layer's cache update (the op whose token the attention takes: ``unified_kv_cache_update``
+or a fused RoPE / QK-norm writer) gets the scale too and checks it before it writes: the
+attention, which runs after the write, would otherwise be the first to refuse a bad scale,
+with the step's keys already in the cache. A layer whose token comes from anything else, or
+whose scale is computed from that update's results, is not fused.
 
 The plain form is ``forms.make_fp8_quant_plain`` traced per model dtype and fp8 dtype; the
 division must happen in fp32 (a tensor scale of one element, as the kernel divides in fp32).
@@ -28,6 +35,15 @@ aten = torch.ops.aten
 rocm = torch.ops.rocm_attn
 _ATTN = rocm.unified_attention_with_output.default
 _QUANT_DEPTH = 6  # nodes from the attention output to the fp8 cast (div, casts, clamps)
+#: the layer ops that write a layer's cache and return the token its attention takes, with the
+#: index of that token among the node's results (None: the node is the token)
+_CACHE_WRITERS = {
+    rocm.unified_kv_cache_update.default: None,
+    rocm.unified_rope_and_kv_cache_update.default: 0,  # functionalized: (token, query, key)
+    rocm.unified_rope_cos_sin_and_kv_cache_update.default: 0,
+    rocm.unified_qk_norm_rope_cos_sin_and_kv_cache_update.default: 0,
+    rocm.unified_qk_norm_rope_and_kv_cache_update.default: 2,  # (query, key, token)
+}
 
 
 def _attentions(graph: torch.fx.Graph) -> list[torch.fx.Node]:
@@ -44,6 +60,35 @@ def _output_chain(out: torch.fx.Node):
             continue
         return node, user
     return node, None
+
+
+def _cache_writer(token: torch.fx.Node, layer: str) -> tuple[torch.fx.Node | None, str]:
+    """``(node, "")``: the call of ``layer``'s cache-update op that produced ``token``, the
+    attention's ``kv_cache_dependency``; else ``(None, why)``."""
+    node, index = token, None
+    if fx_utils.is_getitem(token):
+        node, index = token.args
+    op = fx_utils.called_op(node)
+    if op not in _CACHE_WRITERS or _CACHE_WRITERS[op] != index:
+        return None, ("the attention's kv_cache_dependency does not come from a rocm_attn cache-update op, "
+                      "which would check the fused quant's scale before writing the cache")
+    if fx_utils.op_arguments(node).get("layer_name") != layer:
+        return None, "the attention's kv_cache_dependency comes from the cache update of another layer"
+    return node, ""
+
+
+def _computed_from(node: torch.fx.Node, source: torch.fx.Node) -> bool:
+    """Whether ``node`` is computed from ``source``'s results (only nodes after it can be)."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n is source:
+            return True
+        if n in seen or not n > source:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 def _match_quant(x: torch.fx.Node, user: torch.fx.Node):
@@ -113,7 +158,7 @@ class AttnQuantFusionPass(FusionPass):
                 self.not_fused(layer, "the quant scale is not an fp32 tensor of shape () or (1,)")
                 continue
             # A CPU scalar divides a GPU output in the unfused graph; the fused attention needs the
-            # scale on the output's device and would refuse every call (after the step's cache write).
+            # scale on the output's device and would refuse every call.
             xv = fx_utils.val(x)
             if xv is None or sv.device != xv.device:
                 self.not_fused(layer, "the quant scale is not on the attention output's device")
@@ -124,6 +169,19 @@ class AttnQuantFusionPass(FusionPass):
             if rv is None or rv.dim() < 1 or not all(isinstance(d, int) for d in rv.shape[1:]):
                 self.not_fused(layer, "the quantized view's trailing dims are not static")
                 continue
+            # None: the layer writes no cache before its attention (an encoder layer), nothing to check earlier
+            writer = None
+            if kw.get("kv_cache_dependency") is not None:
+                writer, why = _cache_writer(kw["kv_cache_dependency"], layer)
+                if writer is None:
+                    self.not_fused(layer, why)
+                    continue
+                if fx_utils.op_arguments(writer).get("output_scale") not in (None, scale):
+                    self.not_fused(layer, "the layer's cache update already checks another output_scale")
+                    continue
+                if _computed_from(scale, writer):  # the update cannot take it: a cycle
+                    self.not_fused(layer, "the quant scale is computed from the results of the layer's cache update")
+                    continue
             with graph.inserting_before(attn):
                 new_base = fx_utils.call(graph, base.target, base.args, {**base.kwargs, "dtype": fp8})
                 bases = list(kw["_all_bases"])
@@ -134,6 +192,8 @@ class AttnQuantFusionPass(FusionPass):
             with graph.inserting_after(new_out):
                 q8 = fx_utils.reshape_like(graph, new_out, root)
             root.replace_all_uses_with(q8)
+            if writer is not None:  # checked before the write; the sort below puts its input first
+                fx_utils.set_op_argument(writer, "output_scale", scale)
             for n in (root, *reversed(self._path(out, root)), out, attn, base):
                 if not n.users:
                     graph.erase_node(n)

@@ -1,6 +1,7 @@
 """Generic FX helpers the passes share: read a node's fake value, look through views, find
-``getitem`` users, recognize ``auto_functionalized`` nodes, insert nodes with their
-``meta["val"]`` and tidy a graph after hand rewrites.
+``getitem`` users, recognize ``auto_functionalized`` nodes, read and set an op call's
+arguments by name, insert nodes with their ``meta["val"]`` and tidy a graph after hand
+rewrites.
 """
 
 from __future__ import annotations
@@ -43,6 +44,45 @@ def auto_functionalized_op(node: Any):
     if node.target in [h for h in hops if h is not None]:
         return node.args[0]
     return None
+
+
+def called_op(node: Any):
+    """The op a node calls, plainly or under ``auto_functionalized(_v2)``, else None."""
+    op = auto_functionalized_op(node)
+    if op is None and isinstance(node, torch.fx.Node) and node.op == "call_function":
+        op = node.target
+    return op if isinstance(op, torch._ops.OpOverload) else None
+
+
+def op_arguments(node: torch.fx.Node) -> dict[str, Any]:
+    """The arguments of ``called_op(node)`` by schema name, as the node passes them (a
+    functionalized call passes them all by keyword)."""
+    if auto_functionalized_op(node) is not None:
+        return dict(node.kwargs)
+    names = [a.name for a in node.target._schema.arguments]
+    return {**dict(zip(names, node.args)), **node.kwargs}
+
+
+def set_op_argument(node: torch.fx.Node, name: str, value: torch.fx.Node | None) -> None:
+    """Set argument ``name`` of the op call ``node`` (plain or functionalized), in its
+    arguments and in the ``eager_input_vals`` Inductor's ``auto_functionalized_v2``
+    decomposition traces with (else that decomposition drops it again)."""
+    op = called_op(node)
+    i = [a.name for a in op._schema.arguments].index(name)
+    positional = auto_functionalized_op(node) is None and len(node.args) > i
+    if positional:
+        node.update_arg(i, value)
+    else:
+        node.update_kwarg(name, value)
+    eager = node.meta.get("eager_input_vals")
+    if eager is not None:
+        args, kwargs = eager
+        v = value.meta["val"] if isinstance(value, torch.fx.Node) else value
+        if positional:
+            args = (*args[:i], v, *args[i + 1:])
+        else:
+            kwargs = {**kwargs, name: v}
+        node.meta["eager_input_vals"] = (args, kwargs)
 
 
 def getitem_user(node: torch.fx.Node, index: int) -> torch.fx.Node | None:

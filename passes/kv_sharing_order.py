@@ -30,35 +30,7 @@ from . import fx_utils
 from .base import GraphPass
 
 _ATTN = torch.ops.rocm_attn.unified_attention_with_output.default
-_ATTN_ARGS = [a.name for a in _ATTN._schema.arguments]
 _DEP = "kv_cache_dependency"
-
-
-def _attention_args(node: torch.fx.Node) -> dict | None:
-    """The arguments of an attention node by name (functionalized or a plain call), else None."""
-    if fx_utils.auto_functionalized_op(node) is _ATTN:
-        return dict(node.kwargs)
-    if node.op == "call_function" and node.target is _ATTN:
-        return {**dict(zip(_ATTN_ARGS, node.args)), **node.kwargs}
-    return None
-
-
-def _set_dependency(node: torch.fx.Node, token: torch.fx.Node) -> None:
-    """``token`` as the attention's ``kv_cache_dependency``, in its arguments and in the eager
-    input values Inductor's decomposition of ``auto_functionalized_v2`` traces with."""
-    i = _ATTN_ARGS.index(_DEP)
-    if node.target is _ATTN and len(node.args) > i:
-        node.update_arg(i, token)
-    else:
-        node.update_kwarg(_DEP, token)
-    eager = node.meta.get("eager_input_vals")
-    if eager is not None:
-        args, kwargs = eager
-        if node.target is _ATTN and len(args) > i:
-            args = (*args[:i], token.meta["val"], *args[i + 1:])
-        else:
-            kwargs = {**kwargs, _DEP: token.meta["val"]}
-        node.meta["eager_input_vals"] = (args, kwargs)
 
 
 def _sharing_target(layer_name: str) -> str | None:
@@ -98,9 +70,9 @@ class KVSharingOrderPass(GraphPass):
         waiting: list[tuple[str, str]] = []  # (sharing layer, target) read before any write of the target
         ordered = 0
         for node in graph.nodes:
-            kw = _attention_args(node)
-            if kw is None:
+            if fx_utils.called_op(node) is not _ATTN:
                 continue
+            kw = fx_utils.op_arguments(node)
             name, dep = kw["layer_name"], kw.get(_DEP)
             if dep is not None:
                 tokens[name] = dep
@@ -109,7 +81,7 @@ class KVSharingOrderPass(GraphPass):
             if target is None:
                 continue
             if target in tokens:
-                _set_dependency(node, tokens[target])
+                fx_utils.set_op_argument(node, _DEP, tokens[target])
                 ordered += 1
             else:
                 waiting.append((name, target))

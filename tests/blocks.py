@@ -99,3 +99,62 @@ def block_inputs(cfg, num_tokens: int = 5, dtype=torch.float32, device="cpu"):
     qkv = torch.randn(num_tokens, (cfg.num_heads + 2 * cfg.num_kv_heads) * d, dtype=dtype, device=device)
     positions = torch.arange(num_tokens, device=device)
     return positions, qkv
+
+
+class WriterQuantBlock(nn.Module):
+    """One attention layer whose cache update is ``writer`` (one of ``WRITERS``: the plain
+    update or a fused RoPE / QK-norm writer op, called directly, as the fusion passes leave
+    it), its attention into a fresh buffer, and a static fp8 quant of the attention output:
+    the attention + quant fusion's site for each kind of cache update.
+
+    ``(positions [T], qkv [T, (Hq + 2 Hkv) * D]) -> fp8 [T, Hq * D]``; ``scale`` is the quant's
+    fp32 scale ``[1]`` (a buffer: change it in place to call a compiled block with another value).
+    """
+
+    WRITERS = ("kv_cache_update", "rope", "rope_cos_sin", "qk_norm_qkv", "qk_norm_rope_cos_sin")
+
+    def __init__(self, writer: str, name: str, num_heads: int = 4, num_kv_heads: int = 2, head_size: int = 32):
+        from inductor_rocm_attn import Attention
+
+        super().__init__()
+        if writer not in self.WRITERS:
+            raise ValueError(writer)
+        self.writer, self.name = writer, name
+        self.h, self.hkv, self.d = num_heads, num_kv_heads, head_size
+        self.attn = Attention(num_heads, head_size, num_kv_heads=num_kv_heads, layer_name=name)
+        g = torch.Generator().manual_seed(0)
+        self.register_buffer("cos_sin_cache", torch.randn(64, head_size, generator=g))
+        self.register_buffer("q_weight", torch.rand(head_size, generator=g) + 0.5)
+        self.register_buffer("k_weight", torch.rand(head_size, generator=g) + 0.5)
+        self.register_buffer("scale", torch.full((1,), 0.5))
+
+    def write(self, positions, qkv, output_scale=None):
+        """``(q [T, Hq, D], k, v [T, Hkv, D], token)`` after the layer's cache update, called
+        with ``output_scale`` (what the fusion gives it; the module's forward passes None)."""
+        t, h, hkv, d = qkv.shape[0], self.h, self.hkv, self.d
+        if self.writer == "qk_norm_qkv":
+            q, k, token = rocm.unified_qk_norm_rope_and_kv_cache_update(
+                qkv, self.q_weight, self.k_weight, 1e-6, positions, self.cos_sin_cache, True, h, hkv, d, self.name,
+                output_scale)
+            return q, k, qkv[:, (h + hkv) * d:].reshape(t, hkv, d), token
+        q, k, v = (x.reshape(t, n, d).clone() for x, n in zip(qkv.split([h * d, hkv * d, hkv * d], -1), (h, hkv, hkv)))
+        half = self.cos_sin_cache[positions].chunk(2, dim=-1)
+        cos, sin = (torch.cat((c, c), dim=-1) for c in half)
+        if self.writer == "kv_cache_update":
+            token = rocm.unified_kv_cache_update(k, v, self.name, output_scale)
+        elif self.writer == "rope":
+            token = rocm.unified_rope_and_kv_cache_update(positions, q, k, v, self.cos_sin_cache, True, self.name,
+                                                          output_scale)
+        elif self.writer == "rope_cos_sin":
+            token = rocm.unified_rope_cos_sin_and_kv_cache_update(q, k, v, cos, sin, True, self.name, output_scale)
+        else:
+            token = rocm.unified_qk_norm_rope_cos_sin_and_kv_cache_update(
+                q, k, v, self.q_weight, self.k_weight, 1e-6, cos, sin, True, self.name, output_scale=output_scale)
+        return q, k, v, token
+
+    def forward(self, positions, qkv):
+        t = qkv.shape[0]
+        q, k, v, token = self.write(positions, qkv)
+        out = torch.empty(t, self.h, self.d, dtype=qkv.dtype, device=qkv.device)
+        rocm.unified_attention_with_output(q, k, v, out, self.name, token)
+        return rocm.static_scaled_fp8_quant(out.reshape(t, self.h * self.d), self.scale, torch.float8_e4m3fn)

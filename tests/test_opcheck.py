@@ -56,9 +56,17 @@ def test_opcheck_kernel_level(case, name):
     torch.library.opcheck(getattr(torch.ops.rocm_attn, name).default, args, test_utils=UTILS)
 
 
-@pytest.mark.parametrize("name", [n for n in ops.OP_NAMES if n.startswith("unified")])
-def test_opcheck_layer_level(name):
-    layer = ira.Attention(4, 64, num_kv_heads=2, layer_name=f"opcheck.{name}")
+def _cache_updates():
+    return [n for n in ops.OP_NAMES if n.startswith("unified") and n != "unified_attention_with_output"]
+
+
+@pytest.mark.parametrize("name, output_scale", [
+    *((n, False) for n in ops.OP_NAMES if n.startswith("unified")),
+    # the compiled graph's form when the fp8 output quant is fused into the layer's attention
+    *((n, True) for n in _cache_updates()),
+])
+def test_opcheck_layer_level(name, output_scale):
+    layer = ira.Attention(4, 64, num_kv_heads=2, layer_name=f"opcheck.{name}.{output_scale}")
     md = ira.build_attention_metadata([3, 1], [0, 17], [[5], [1, 2]], 16)
     spec = layer.kv_cache_spec(torch.float32)
     layer.kv_cache = ira.allocate_kv_cache(spec, 8).normal_()
@@ -77,8 +85,9 @@ def test_opcheck_layer_level(name):
         "unified_qk_norm_rope_cos_sin_and_kv_cache_update": (q, k, v, w, w, 1e-6, cos, sin, True,
                                                              layer.layer_name),
     }[name]
+    kwargs = dict(output_scale=torch.tensor([0.5])) if output_scale else {}
     with ira.set_forward_context(md):
-        torch.library.opcheck(getattr(torch.ops.rocm_attn, name).default, args, test_utils=UTILS)
+        torch.library.opcheck(getattr(torch.ops.rocm_attn, name).default, args, kwargs, test_utils=UTILS)
 
 
 @pytest.mark.parametrize("flags", [(True,), (False, True)], ids=["gemma_norm", "norm_after_rope"])

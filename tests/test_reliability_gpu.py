@@ -79,3 +79,30 @@ def test_hand_built_metadata_index_checks_are_opt_in(monkeypatch):
     bad.block_table[0, 0] = 99
     monkeypatch.setenv("ROCM_ATTN_CHECK_INDICES", "1")
     _rejected(layer, bad, r"block_table\[0, 0\] = 99 is outside the cache")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("writer", ["kv_cache_update", "rope"])
+def test_fused_output_quant_scale_value_checked_before_the_write_with_index_checks(monkeypatch, writer):
+    """A compiled graph with the fp8 output quant fused into the attention reads the scale's
+    value on a GPU only with ROCM_ATTN_CHECK_INDICES=1; there the layer's cache update refuses a
+    bad one before it writes (the CPU runs: test_reliability_state)."""
+    from blocks import WriterQuantBlock
+
+    monkeypatch.setenv("ROCM_ATTN_CHECK_INDICES", "1")
+    block = WriterQuantBlock(writer, f"gpu_rel.output_scale.{writer}").to(DEV)
+    ira.bind_kv_caches(block, 4, torch.float32, DEV, poison=True)
+    md = ira.build_attention_metadata([5], [0], [[2]], BS, DEV)
+    x = torch.randn(5, (block.h + 2 * block.hkv) * block.d, device=DEV)
+    before = snapshot(block.attn.kv_cache)
+    torch._dynamo.reset()
+    with torch.no_grad(), ira.set_forward_context(md), ira.plugin():
+        compiled = torch.compile(block, backend="inductor")
+        block.scale.fill_(0.0)
+        with pytest.raises(ValueError, match=r"output_scale must be a positive finite number, got 0\.0"):
+            compiled(torch.arange(5, device=DEV), x)
+        torch.cuda.synchronize()
+        assert unchanged(before, block.attn.kv_cache)
+        block.scale.fill_(0.5)
+        out = compiled(torch.arange(5, device=DEV), x)
+    assert out.dtype == torch.float8_e4m3fn and torch.isfinite(out.float()).all()

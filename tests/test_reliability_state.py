@@ -11,7 +11,7 @@ import torch
 import inductor_rocm_attn as ira
 from inductor_rocm_attn.forward_context import get_forward_context, registered_layers
 
-from reliability_steps import BS, D, H, HKV, qkv, snapshot, stepped_layer, unchanged
+from reliability_steps import BS, D, H, HKV, _names, qkv, snapshot, stepped_layer, unchanged
 
 
 def _allocator_state(alloc):
@@ -67,6 +67,77 @@ def test_fp8_query_refused_before_the_cache_update_writes(q_scale, match):
     with pytest.raises(NotImplementedError, match=match), ira.set_forward_context(s.md):
         s.layer(q.to(torch.float8_e4m3fn), k, v)
     assert unchanged(before, s.layer.kv_cache), "the cache update wrote before the attention refused the query"
+
+
+# --- a compiled graph with the fp8 output quant fused into the attention (output_scale) -------------
+
+
+_WRITER_OPS = {
+    "kv_cache_update": "unified_kv_cache_update",
+    "rope": "unified_rope_and_kv_cache_update",
+    "rope_cos_sin": "unified_rope_cos_sin_and_kv_cache_update",
+    "qk_norm_qkv": "unified_qk_norm_rope_and_kv_cache_update",
+    "qk_norm_rope_cos_sin": "unified_qk_norm_rope_cos_sin_and_kv_cache_update",
+}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("writer", list(_WRITER_OPS))
+def test_fused_output_quant_scale_refused_before_the_cache_update_writes(writer):
+    # the attention refused the value, after the layer's cache update had written the step's keys
+    import re
+
+    from blocks import WriterQuantBlock
+
+    block = WriterQuantBlock(writer, f"state.output_scale.{writer}")
+    layer = block.attn
+    ira.bind_kv_caches(block, 4, torch.float32, poison=True)
+    md = ira.build_attention_metadata([5], [0], [[2]], BS)
+    g = torch.Generator().manual_seed(0)
+    positions, x = torch.arange(5), torch.randn(5, (block.h + 2 * block.hkv) * block.d, generator=g)
+    before = snapshot(layer.kv_cache, x)
+    torch._dynamo.reset()
+    with torch.no_grad(), ira.set_forward_context(md), ira.plugin():
+        compiled = torch.compile(block, backend="inductor")
+        for bad in (0.0, -1.0, float("nan"), float("inf")):  # the first call compiles
+            block.scale.fill_(bad)
+            with pytest.raises(ValueError, match=re.escape(f"rocm_attn.{_WRITER_OPS[writer]}: output_scale must be a "
+                                                           f"positive finite number, got {bad!r}")):
+                compiled(positions, x)
+            assert unchanged(before, layer.kv_cache, x), "the cache update wrote before the scale was refused"
+            assert not layer.interleaved_v, "a refused call switched the layer to interleaved V"
+        block.scale.fill_(0.5)
+        out = compiled(positions, x)
+    assert out.dtype == torch.float8_e4m3fn and torch.isfinite(out.float()).all()
+    assert not unchanged(before, layer.kv_cache), "the fused graph with a good scale wrote no cache"
+
+
+@pytest.mark.parametrize("bad, match", [
+    (torch.tensor([0.5], dtype=torch.bfloat16), r"output_scale must be a float32 tensor \(a per-tensor scale\), got "
+                                                r"torch\.bfloat16"),
+    (torch.tensor([[0.5]]), r"output_scale must be a per-tensor scale \(1 element, shape \(\) or \(1,\)\), got "
+                            r"shape \(1, 1\)"),
+    # a meta scale dispatches to the fake kernel
+    (torch.tensor([0.5], device="meta"), r"all tensors must be on one device, got (key|qkv) on cpu, output_scale on "
+                                         r"meta"),
+    (torch.tensor(float("nan")), r"output_scale must be a positive finite number, got nan"),
+])
+@pytest.mark.parametrize("writer", list(_WRITER_OPS))
+def test_cache_update_ops_check_output_scale_before_writing(writer, bad, match):
+    # the layer ops' eager path, called as the fused graph calls them
+    from blocks import WriterQuantBlock
+
+    block = WriterQuantBlock(writer, f"state.update_scale.{writer}.{next(_names)}")
+    ira.bind_kv_caches(block, 4, torch.float32, poison=True)
+    md = ira.build_attention_metadata([5], [0], [[2]], BS)
+    x = torch.randn(5, (block.h + 2 * block.hkv) * block.d)
+    before = snapshot(block.attn.kv_cache)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.{_WRITER_OPS[writer]}: {match}"), ira.set_forward_context(md):
+        block.write(torch.arange(5), x, bad)
+    assert unchanged(before, block.attn.kv_cache) and not block.attn.interleaved_v
+    with ira.set_forward_context(md):
+        block.write(torch.arange(5), x, torch.tensor([0.5]))
+    assert not unchanged(before, block.attn.kv_cache), "a good output_scale: the update wrote nothing"
 
 
 # --- the builder -----------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 from torch.testing._internal.common_utils import TestCase
 
-from blocks import AttnBlock, block_inputs
+import inductor_rocm_attn as ira
+from blocks import AttnBlock, WriterQuantBlock, block_inputs
 from fx_capture import capture
 from inductor_rocm_attn.models import llama_config
 
@@ -86,6 +87,81 @@ def test_does_not_fuse_non_equivalent(kw, why):
         assert any(why in r for r in c.reasons(PASS)), c.reasons(PASS)
 
 
+def _line(text: str, start: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith(start))
+
+
+@pytest.mark.parametrize("writer", WriterQuantBlock.WRITERS)
+def test_the_layer_s_cache_update_gets_the_scale(writer):
+    """The layer's cache update (plain or a fused writer, a plain call or functionalized)
+    takes the attention's scale and checks it before it writes; the attention alone would
+    refuse a bad scale only after the step's keys were written."""
+    block = WriterQuantBlock(writer, f"quant_writer{next(_ids)}.{writer}")
+    c = capture(block, torch.arange(5), torch.randn(5, 256), rope_kv_cache_fusion=False)
+    assert c.count(PASS) == 1, c.reasons(PASS)
+    attn = _line(c.after, "auto_functionalized_v2_1 = " if "auto_functionalized_v2_1" in c.after
+                 else "auto_functionalized_v2 = ")
+    scale = attn.split("output_scale=")[1].split(",")[0]
+    assert scale.startswith("in_"), attn
+    update = next(line for line in c.after.splitlines() if "kv_cache_update.default" in line)
+    assert f"output_scale={scale}," in update or f"output_scale={scale})" in update, update
+    assert "output_scale=None" not in c.after
+
+
+class _TokenBlock(nn.Module):
+    """Layer ``a``'s cache update, an attention and a static fp8 quant of its output, with the
+    attention's token or the quant's scale made in the ways ``variant`` names."""
+
+    def __init__(self, variant):
+        super().__init__()
+        n = next(_ids)
+        self.variant, self.names = variant, (f"token{n}.a", f"token{n}.b")
+        self.layers = nn.ModuleList(ira.Attention(4, 32, num_kv_heads=2, layer_name=x) for x in self.names)
+        self.register_buffer("scale", torch.full((1,), 0.5))
+
+    def forward(self, qkv):
+        t = qkv.shape[0]
+        q, k, v = qkv.split([128, 64, 64], -1)
+        q, k, v = q.reshape(t, 4, 32), k.reshape(t, 2, 32), v.reshape(t, 2, 32)
+        a, b = self.names
+        token = torch.ops.rocm_attn.unified_kv_cache_update(k, v, a)
+        scale, reader = self.scale, a
+        if self.variant == "not_an_update":
+            token = k.new_empty(0)
+        elif self.variant == "another_layer":
+            reader = b
+        elif self.variant == "scale_from_update":
+            scale = self.scale + token.sum()
+        elif self.variant == "scale_after_update":
+            scale = self.scale * 2
+        out = torch.empty(t, 4, 32)
+        torch.ops.rocm_attn.unified_attention_with_output(q, k, v, out, reader, token)
+        return torch.ops.rocm_attn.static_scaled_fp8_quant(out.reshape(t, 128), scale, FP8)
+
+
+@pytest.mark.parametrize("variant, why", [
+    ("not_an_update", "the attention's kv_cache_dependency does not come from a rocm_attn cache-update op"),
+    ("another_layer", "the attention's kv_cache_dependency comes from the cache update of another layer"),
+    ("scale_from_update", "the quant scale is computed from the results of the layer's cache update"),
+])
+def test_does_not_fuse_where_the_cache_update_cannot_check_the_scale(variant, why):
+    c = capture(_TokenBlock(variant), torch.randn(5, 256), rope_kv_cache_fusion=False)
+    assert c.count(PASS) == 0 and c.after == c.before
+    assert any(why in r for r in c.reasons(PASS)), c.reasons(PASS)
+
+
+def test_a_scale_computed_after_the_cache_update_moves_before_it():
+    c = capture(_TokenBlock("scale_after_update"), torch.randn(5, 256), rope_kv_cache_fusion=False)
+    assert c.count(PASS) == 1, c.reasons(PASS)
+    lines = c.after.splitlines()
+    mul = next(i for i, line in enumerate(lines) if line.startswith("mul = aten.mul.Tensor"))
+    update = next(i for i, line in enumerate(lines) if "unified_kv_cache_update.default" in line)
+    assert "output_scale=mul)" in lines[update] and mul < update, c.after
+    before = c.before.splitlines()
+    assert before.index(next(x for x in before if x.startswith("mul ="))) > next(
+        i for i, line in enumerate(before) if "unified_kv_cache_update.default" in line), "not after it to begin with"
+
+
 class TestSnapshots(TestCase):
     def test_op_quant(self):
         cfg, block = _block("quant_op")
@@ -136,7 +212,7 @@ getitem_4 = getitem(auto_functionalized_v2, 2)  float32[T, 64]
 reshape = aten.reshape.default(getitem_3, [in, 4, 32])  float32[T, 4, 32]
 reshape_1 = aten.reshape.default(getitem_4, [in, 2, 32])  float32[T, 2, 32]
 reshape_2 = aten.reshape.default(getitem_2, [in, 2, 32])  float32[T, 2, 32]
-unified_kv_cache_update = rocm_attn.unified_kv_cache_update.default(reshape_1, reshape_2, 'quant_op')  float32[0]
+unified_kv_cache_update = rocm_attn.unified_kv_cache_update.default(reshape_1, reshape_2, 'quant_op', output_scale=in_5)  float32[0]
 empty = aten.empty.memory_format([in, 4, 32], dtype=torch.float8_e4m3fn, layout=torch.strided, device=cpu, pin_memory=False)  float8_e4m3fn[T, 4, 32]
 auto_functionalized_v2_1 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=reshape, key=reshape_1, value=reshape_2, layer_name='quant_op', kv_cache_dependency=unified_kv_cache_update, output_scale=in_5, _output_base_index=0, _all_bases=[empty])
 getitem_5 = getitem(auto_functionalized_v2_1, 1)  float8_e4m3fn[T, 4, 32]
@@ -195,7 +271,7 @@ getitem_4 = getitem(auto_functionalized_v2, 2)  bfloat16[T, 64]
 reshape = aten.reshape.default(getitem_3, [in, 4, 32])  bfloat16[T, 4, 32]
 reshape_1 = aten.reshape.default(getitem_4, [in, 2, 32])  bfloat16[T, 2, 32]
 reshape_2 = aten.reshape.default(getitem_2, [in, 2, 32])  bfloat16[T, 2, 32]
-unified_kv_cache_update = rocm_attn.unified_kv_cache_update.default(reshape_1, reshape_2, 'quant_plain')  bfloat16[0]
+unified_kv_cache_update = rocm_attn.unified_kv_cache_update.default(reshape_1, reshape_2, 'quant_plain', output_scale=in_5)  bfloat16[0]
 empty = aten.empty.memory_format([in, 4, 32], dtype=torch.float8_e4m3fn, layout=torch.strided, device=cpu, pin_memory=False)  float8_e4m3fn[T, 4, 32]
 auto_functionalized_v2_1 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=reshape, key=reshape_1, value=reshape_2, layer_name='quant_plain', kv_cache_dependency=unified_kv_cache_update, output_scale=in_5, _output_base_index=0, _all_bases=[empty])
 getitem_5 = getitem(auto_functionalized_v2_1, 1)  float8_e4m3fn[T, 4, 32]
@@ -206,8 +282,8 @@ return (reshape_3,)""")
 @pytest.mark.parametrize("scale_shape", [(), (1,)])
 def test_does_not_fuse_a_scale_on_another_device(monkeypatch, scale_shape):
     """The plain quant divides a GPU output by a CPU scalar (torch takes a one-element CPU
-    tensor there); fused, the attention refused that output_scale on every call, after the
-    step's cache update wrote. Shown on the CPU with the scale's graph value on another
+    tensor there); fused, the layer's cache update and attention would refuse that
+    output_scale on every call. Shown on the CPU with the scale's graph value on another
     device (meta): the pass leaves the graph as it was."""
     from inductor_rocm_attn.passes import fx_utils
 
