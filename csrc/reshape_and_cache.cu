@@ -48,43 +48,46 @@ RA_DEVICE uint32_t ra_quantize(float v, float scale) {
   return K::from_float(v);
 }
 
-// X input elements (IN: the model dtype, bf16, fp16 or fp32) from element i on, as floats:
-// 16-byte loads when the rows are 16-byte aligned.
+// X input elements (IN: bf16, fp16 or fp32) as raw 32-bit words: loaded first, converted
+// when stored (a thread's loads issue together, and raw words take fewer registers than
+// floats); 16-byte loads when the rows are 16-byte aligned.
 template <int X, int IN>
-RA_DEVICE void load_packet(const void* RA_RESTRICT src, int64_t i, int vector, float (&v)[X]) {
+struct InPacket {
+  static constexpr int kBytes = IN == static_cast<int>(DType::kFloat32) ? 4 : 2;
+  static constexpr int kWords = X * kBytes / 4;
+  uint32_t w[kWords];
+};
+
+template <int X, int IN>
+RA_DEVICE void load_in(const void* RA_RESTRICT src, int64_t i, int vector, InPacket<X, IN>& pk) {
+  constexpr int B = InPacket<X, IN>::kBytes, W = InPacket<X, IN>::kWords;
+  const unsigned char* s = static_cast<const unsigned char*>(src) + i * B;
+  if (vector) {
+#pragma unroll
+    for (int k = 0; k < W / 4; ++k) {
+      const ra_u128 q = reinterpret_cast<const ra_u128*>(s)[k];
+      pk.w[4 * k] = q.x;
+      pk.w[4 * k + 1] = q.y;
+      pk.w[4 * k + 2] = q.z;
+      pk.w[4 * k + 3] = q.w;
+    }
+  } else if constexpr (B == 4) {
+#pragma unroll
+    for (int k = 0; k < W; ++k) pk.w[k] = reinterpret_cast<const uint32_t*>(s)[k];
+  } else {  // 2-byte aligned rows
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(s);
+#pragma unroll
+    for (int k = 0; k < W; ++k) pk.w[k] = static_cast<uint32_t>(h[2 * k]) | (static_cast<uint32_t>(h[2 * k + 1]) << 16);
+  }
+}
+
+template <int X, int IN>
+RA_DEVICE float in_value(const InPacket<X, IN>& pk, int j) {
   if constexpr (IN == static_cast<int>(DType::kFloat32)) {
-    const float* s = static_cast<const float*>(src) + i;
-    if (vector) {
-#pragma unroll
-      for (int k = 0; k < X / 4; ++k) {
-        const ra_u128 w = reinterpret_cast<const ra_u128*>(s)[k];
-        v[4 * k] = ra_bits_float(w.x);
-        v[4 * k + 1] = ra_bits_float(w.y);
-        v[4 * k + 2] = ra_bits_float(w.z);
-        v[4 * k + 3] = ra_bits_float(w.w);
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < X; ++j) v[j] = s[j];
-    }
+    return ra_bits_float(pk.w[j]);
   } else {
-    const uint16_t* s = static_cast<const uint16_t*>(src) + i;
-    uint16_t b[X];
-    if (vector) {
-#pragma unroll
-      for (int k = 0; k < X / 8; ++k) {
-        const ra_u128 w = reinterpret_cast<const ra_u128*>(s)[k];
-        const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-        for (int j = 0; j < 8; ++j) b[8 * k + j] = static_cast<uint16_t>(ws[j / 2] >> (16 * (j % 2)));
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < X; ++j) b[j] = s[j];
-    }
-#pragma unroll
-    for (int j = 0; j < X; ++j)
-      v[j] = IN == static_cast<int>(DType::kBFloat16) ? ra_bf16_to_float(b[j]) : ra_fp16_to_float(b[j]);
+    const uint16_t b = static_cast<uint16_t>(pk.w[j / 2] >> (16 * (j % 2)));
+    return IN == static_cast<int>(DType::kBFloat16) ? ra_bf16_to_float(b) : ra_fp16_to_float(b);
   }
 }
 
@@ -100,20 +103,35 @@ struct SlotSplit {
   RA_DEVICE int64_t offset(int64_t slot) const { return pow2 ? slot & (bs - 1) : slot % bs; }
 };
 
-// X floats as one 16-byte packet of the cache dtype.
-template <int CK>
-RA_DEVICE ra_u128 quantize_packet(const float* v, float scale) {
+// A packet in the cache dtype: the input's bits when it is the cache's own 16-bit type (as
+// torch's same-dtype copy: NaN payloads kept), else converted (fp8: value / scale, saturated).
+template <int CK, int IN>
+RA_DEVICE ra_u128 to_cache_packet(const InPacket<16 / CacheKind<CK>::kBytes, IN>& pk, float scale) {
   constexpr int ESZ = CacheKind<CK>::kBytes;
   constexpr int X = 16 / ESZ;
   uint32_t packed[4] = {0u, 0u, 0u, 0u};
+  if constexpr (CK == IN) {
 #pragma unroll
-  for (int j = 0; j < X; ++j) packed[(j * ESZ) / 4] |= ra_quantize<CK>(v[j], scale) << (8 * ((j * ESZ) % 4));
+    for (int k = 0; k < 4; ++k) packed[k] = pk.w[k];
+  } else {
+#pragma unroll
+    for (int j = 0; j < X; ++j)
+      packed[(j * ESZ) / 4] |= ra_quantize<CK>(in_value(pk, j), scale) << (8 * ((j * ESZ) % 4));
+  }
   ra_u128 out;
   out.x = packed[0];
   out.y = packed[1];
   out.z = packed[2];
   out.w = packed[3];
   return out;
+}
+
+// Element j of a cache-dtype packet.
+template <int ESZ>
+RA_DEVICE uint32_t packet_elem(const ra_u128& q, int j) {
+  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+  const uint32_t word = w[(j * ESZ) / 4];
+  return ESZ == 2 ? (word >> (16 * (j % 2))) & 0xffffu : (word >> (8 * (j % 4))) & 0xffu;
 }
 
 template <int ESZ>
@@ -154,9 +172,9 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(kWriteThreads) reshape_and_cache_scatter_kernel(
   else split_unit<uint64_t>(u, ncp, p.num_kv_heads, tok, head, c);
 
   const int64_t slot = ra_load_index(p.slot_mapping, tok, p.slot_mapping_is64);
-  float kv[X], vv[X];
-  load_packet<X, IN>(p.key, row_offset(tok, head, p.key_stride_t, p.key_stride_h) + c * X, p.vector_loads, kv);
-  load_packet<X, IN>(p.value, row_offset(tok, head, p.value_stride_t, p.value_stride_h) + c * X, p.vector_loads, vv);
+  InPacket<X, IN> kin, vin;
+  load_in(p.key, row_offset(tok, head, p.key_stride_t, p.key_stride_h) + c * X, p.vector_loads, kin);
+  load_in(p.value, row_offset(tok, head, p.value_stride_t, p.value_stride_h) + c * X, p.vector_loads, vin);
   const float k_scale = K::kFp8 ? p.k_scale[0] : 1.0f;
   const float v_scale = K::kFp8 ? p.v_scale[0] : 1.0f;
   if (slot < 0) return;
@@ -166,7 +184,8 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(kWriteThreads) reshape_and_cache_scatter_kernel(
   unsigned char* RA_RESTRICT kc = static_cast<unsigned char*>(p.k_cache);
   unsigned char* RA_RESTRICT vc = static_cast<unsigned char*>(p.v_cache);
   *reinterpret_cast<ra_u128*>(kc + (page + (static_cast<int64_t>(c) * bs + off) * X) * ESZ) =
-      quantize_packet<CK>(kv, k_scale);
+      to_cache_packet<CK, IN>(kin, k_scale);
+  const ra_u128 vq = to_cache_packet<CK, IN>(vin, v_scale);
   // V: channel d of this token at d * bs + off (standard) or (off / x * D + d) * x + off % x.
   const int64_t v0 = p.interleaved_v ? (off / X * D + static_cast<int64_t>(c) * X) * X + off % X
                                      : static_cast<int64_t>(c) * X * bs + off;
@@ -174,7 +193,7 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(kWriteThreads) reshape_and_cache_scatter_kernel(
 #pragma unroll
   for (int j = 0; j < X; ++j) {
     unsigned char* dst = vc + (page + v0 + j * vstep) * ESZ;
-    const uint32_t q = ra_quantize<CK>(vv[j], v_scale);
+    const uint32_t q = packet_elem<ESZ>(vq, j);
     if (ESZ == 2) *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(q);
     else *dst = static_cast<unsigned char>(q);
   }
@@ -211,7 +230,7 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(kWriteThreads) reshape_and_cache_tiled_kernel(Ca
   const int units = TILE * ncp;
   for (int base = 0; base < units; base += kWriteThreads * PER) {
     int64_t slot[PER];
-    float kv[PER][X], vv[PER][X];
+    InPacket<X, IN> kin[PER], vin[PER];
 #pragma unroll
     for (int r = 0; r < PER; ++r) {
       const int u = base + tid + r * kWriteThreads;
@@ -221,10 +240,8 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(kWriteThreads) reshape_and_cache_tiled_kernel(Ca
       slot[r] = live ? ra_load_index(p.slot_mapping, t0 + t, p.slot_mapping_is64) : -1;
       if (live) {
         const int64_t tok = t0 + t;
-        load_packet<X, IN>(p.key, row_offset(tok, head, p.key_stride_t, p.key_stride_h) + c * X, p.vector_loads,
-                           kv[r]);
-        load_packet<X, IN>(p.value, row_offset(tok, head, p.value_stride_t, p.value_stride_h) + c * X,
-                           p.vector_loads, vv[r]);
+        load_in(p.key, row_offset(tok, head, p.key_stride_t, p.key_stride_h) + c * X, p.vector_loads, kin[r]);
+        load_in(p.value, row_offset(tok, head, p.value_stride_t, p.value_stride_h) + c * X, p.vector_loads, vin[r]);
       }
     }
 #pragma unroll
@@ -234,11 +251,11 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(kWriteThreads) reshape_and_cache_tiled_kernel(Ca
       const int col = u / RUN;
       const int t = col / ncp * RUN + u % RUN, c = col % ncp;
       if (t0 + t < p.num_tokens)  // V to the shared tile (a padding slot's row is never read)
-        *reinterpret_cast<ra_u128*>(vt + t * row_bytes + c * 16) = quantize_packet<CK>(vv[r], v_scale);
+        *reinterpret_cast<ra_u128*>(vt + t * row_bytes + c * 16) = to_cache_packet<CK, IN>(vin[r], v_scale);
       if (slot[r] < 0) continue;
       const int64_t blk = split.block(slot[r]), off = split.offset(slot[r]);
       *reinterpret_cast<ra_u128*>(kc + ((blk * p.cache_block_stride + head_off) + (static_cast<int64_t>(c) * bs + off) * X) * ESZ) =
-          quantize_packet<CK>(kv[r], k_scale);
+          to_cache_packet<CK, IN>(kin[r], k_scale);
     }
   }
   ra_syncthreads();

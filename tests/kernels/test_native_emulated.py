@@ -343,7 +343,7 @@ def test_decode_emulated_random(draw):
 
 def _write_case(num_tokens, *, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.bfloat16,
                 cache_dtype=None, layout="LHBNC", interleaved_v=False, strided=False, contiguous_slots=False,
-                slot_start=None, pad=0, index_dtype=torch.int64, unaligned_value=False, seed=0):
+                slot_start=None, pad=0, index_dtype=torch.int64, unaligned_value=False, nan_payloads=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     cache_dtype = cache_dtype or dtype
     num_blocks = math.ceil(num_tokens / block_size) + 3
@@ -359,6 +359,13 @@ def _write_case(num_tokens, *, num_kv_heads=2, head_size=64, block_size=16, dtyp
     if unaligned_value:  # rows that start 2 bytes past a 16-byte boundary: scalar loads
         flat = torch.randn(num_tokens * num_kv_heads * head_size + 1, generator=g).to(dtype)
         value = flat[1:].view(num_tokens, num_kv_heads, head_size)
+    if nan_payloads:  # NaNs of either sign with payloads: a same-dtype write keeps their bits
+        bits = torch.tensor([0x7f81, 0xffa5, 0x7fff, 0xffc1] if dtype == torch.bfloat16
+                            else [0x7c01, 0xfe5a, 0x7fff, 0xfd00], dtype=torch.int32).to(torch.int16)
+        for t in (key, value):
+            flat = t.view(torch.int16).view(-1)
+            where = torch.randperm(flat.numel(), generator=g)[:64]
+            flat[where] = bits[torch.arange(64) % 4]
     if contiguous_slots:  # prefill: consecutive slots from a block start (or slot_start)
         slots = torch.arange(num_tokens) + (block_size if slot_start is None else slot_start)
     else:
@@ -396,6 +403,9 @@ WRITE_CASES = [
                                           cache_dtype=torch.float8_e5m2, head_size=128)),
     ("fp8_prefill_offset8_interleaved", dict(num_tokens=29, contiguous_slots=True, slot_start=24,
                                              cache_dtype=torch.float8_e4m3fn, interleaved_v=True)),
+    ("bf16_nan_payloads_random", dict(num_tokens=24, nan_payloads=True)),
+    ("fp16_nan_payloads_prefill_interleaved", dict(num_tokens=33, nan_payloads=True, dtype=torch.float16,
+                                                   contiguous_slots=True, interleaved_v=True)),
     # several tiles of every size, 3 KV heads, fp16 strided input
     ("fp16_prefill_3heads_strided", dict(num_tokens=100, num_kv_heads=3, dtype=torch.float16, strided=True,
                                          contiguous_slots=True, pad=9)),
