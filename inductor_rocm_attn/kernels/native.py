@@ -18,7 +18,10 @@ What the kernels support (the capability table's "native" row is the contract):
   decode token sees every cached key either way), long contexts through KV splits.
 - ``reshape_and_cache``: the same caches and layouts, any block size that is a multiple of 16
   and head sizes that are multiples of 16, fp16/bf16/fp32 key/value with any token and head
-  strides (channels contiguous).
+  strides (channels contiguous). Kernels (``WRITER_VARIANTS``, the ``variant`` argument):
+  ``scatter`` (no shared memory, for decode batches) and ``tile8``/``tile16``/``tile32``
+  (tokens of one head per CTA, V through shared memory into 16-byte stores, for prefill);
+  by default the launcher picks by token count.
 """
 
 from __future__ import annotations

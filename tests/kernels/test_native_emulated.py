@@ -445,6 +445,26 @@ def test_writer_refuses_an_unknown_variant_code():
     assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
 
 
+def test_writer_tile_that_does_not_fit_shared_memory_is_refused():
+    """head_size 768 at 16 bits: the 32-token V tile needs more than 48 KB, so tile32 refuses
+    the call (nothing written) while tile16 and scatter write it."""
+    g = torch.Generator().manual_seed(2)
+    key, value = (torch.randn(20, 1, 768, generator=g).to(torch.bfloat16) for _ in range(2))
+    cache = cases.poison(torch.empty(4, 2, 16, 768, dtype=torch.bfloat16))  # a contiguous LHBNC cache
+    slots = torch.arange(20) + 16
+    ones = torch.ones(1)
+    before = cache.clone()
+    with pytest.raises(AssertionError, match=r"head_size 768 is not supported by the 32-token tile: .* 49920 bytes"):
+        emulated_write(key, value, cache, slots, ones, ones, False, variant="tile32")
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+    want = cache.clone()
+    ref.reshape_and_cache(key, value, want, slots, ones, ones, False)
+    for variant in ("tile16", "scatter"):
+        got = before.clone()
+        emulated_write(key, value, got, slots, ones, ones, False, variant=variant)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), variant
+
+
 def test_emulator_reports_launch_errors():
     lib = _emulator(32)
     p = DecodeParams()
