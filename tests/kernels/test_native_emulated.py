@@ -445,6 +445,18 @@ def test_writer_refuses_an_unknown_variant_code():
     assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
 
 
+def test_scatter_unit_split_32_and_64_bit():
+    """(token, head, packet) of a unit as divmod gives it, with the 64-bit split past 2^32 units."""
+    lib = _emulator(32)
+    tok, head, c = ctypes.c_int64(), ctypes.c_int(), ctypes.c_int()
+    for u, ncp, heads, wide in ((0, 16, 8, 0), (12345, 12, 3, 0), ((1 << 32) - 1, 16, 8, 0), ((1 << 32) - 1, 6, 7, 1),
+                                ((1 << 32) + 77, 16, 8, 1), ((3 << 34) + 12345, 24, 5, 1)):
+        lib.ra_emu_split_unit(ctypes.c_uint64(u), ncp, heads, wide, ctypes.byref(tok), ctypes.byref(head),
+                              ctypes.byref(c))
+        pair, want_c = divmod(u, ncp)
+        assert (tok.value, head.value, c.value) == (*divmod(pair, heads), want_c), (u, ncp, heads, wide)
+
+
 def test_writer_tile_that_does_not_fit_shared_memory_is_refused():
     """head_size 768 at 16 bits: the 32-token V tile needs more than 48 KB, so tile32 refuses
     the call (nothing written) while tile16 and scatter write it."""
