@@ -19,7 +19,8 @@
 // [head_size], rows padded by 16 bytes against bank conflicts) and stored per (group of
 // min(TILE, x) tokens, channel): when the group fills consecutive slots from a group-aligned
 // offset (prefill) it is one 16-byte (8-byte: fp8, TILE 8) store in both V layouts, else each
-// token is stored alone (decode, padding).
+// token is stored alone (decode, padding); warp 0 decides that once per group (shuffles)
+// before the barrier.
 #include "launch_util.h"
 #include "ra_compat.cuh"
 
@@ -207,10 +208,12 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(kWriteThreads) reshape_and_cache_tiled_kernel(Ca
   constexpr int X = 16 / ESZ;
   constexpr int RUN = TILE < 16 ? TILE : 16;  // tokens of one packet column in consecutive threads
   constexpr int G = TILE < X ? TILE : X;      // tokens of one V group (one vector store)
-  static_assert(TILE % RUN == 0 && TILE % G == 0 && G * ESZ >= 8, "tile shape");
+  constexpr int groups = TILE / G;
+  static_assert(TILE % RUN == 0 && TILE % G == 0 && G * ESZ >= 8 && TILE <= 32 && groups <= 4, "tile shape");
   RA_DYNAMIC_SMEM(smem);
   int64_t* tile_slots = reinterpret_cast<int64_t*>(smem);
-  unsigned char* vt = smem + TILE * 8;  // V tile [TILE][row_bytes], cache dtype
+  int64_t* group_first = tile_slots + TILE;  // [4]: a group's first slot when its run is one store, else -1
+  unsigned char* vt = smem + TILE * 8 + 32;  // V tile [TILE][row_bytes], cache dtype
   const int tid = static_cast<int>(ra_tid());
   const int t0 = static_cast<int>(ra_bid_x()) * TILE;
   const int head = static_cast<int>(ra_bid_y());
@@ -222,8 +225,8 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(kWriteThreads) reshape_and_cache_tiled_kernel(Ca
   unsigned char* RA_RESTRICT kc = static_cast<unsigned char*>(p.k_cache);
   unsigned char* RA_RESTRICT vc = static_cast<unsigned char*>(p.v_cache);
 
-  for (int i = tid; i < TILE; i += kWriteThreads)
-    tile_slots[i] = t0 + i < p.num_tokens ? ra_load_index(p.slot_mapping, t0 + i, p.slot_mapping_is64) : -1;
+  // token tid's slot (tid < TILE); warp 0 publishes it after its own loads are issued
+  const int64_t my_slot = tid < TILE && t0 + tid < p.num_tokens ? ra_load_index(p.slot_mapping, t0 + tid, p.slot_mapping_is64) : -1;
   const float k_scale = K::kFp8 ? p.k_scale[0] : 1.0f;
   const float v_scale = K::kFp8 ? p.v_scale[0] : 1.0f;
 
@@ -258,19 +261,30 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(kWriteThreads) reshape_and_cache_tiled_kernel(Ca
           to_cache_packet<CK, IN>(kin[r], k_scale);
     }
   }
+  // Warp 0: the tile's slots to shared memory and, per group of G tokens, its first slot when
+  // the G slots run consecutively from a G-aligned offset (every slot minus its place in the
+  // group is the same value, a multiple of G), else -1: a V item then reads one value, not G.
+  if (tid < RA_WARP_SIZE) {
+    if (tid < TILE) tile_slots[tid] = my_slot;
+    const int64_t key = my_slot < 0 ? -1 : my_slot - tid % G;
+    int64_t lo = key, hi = key;
+#pragma unroll
+    for (int m = 1; m < G; m <<= 1) {
+      const int64_t a = ra_shfl_xor(lo, m), b = ra_shfl_xor(hi, m);
+      lo = a < lo ? a : lo;
+      hi = b > hi ? b : hi;
+    }
+    if (tid < TILE && tid % G == 0) group_first[tid / G] = lo == hi && lo >= 0 && lo % G == 0 ? lo : -1;
+  }
   ra_syncthreads();
 
   // V: (token group g, channel d); in the standard layout the group runs fastest (a channel's
   // groups are adjacent there), in the interleaved one the channel does.
-  constexpr int groups = TILE / G;
   for (int item = tid; item < groups * D; item += kWriteThreads) {
     const int g = p.interleaved_v ? item / D : item % groups;
     const int d = p.interleaved_v ? item % D : item / groups;
-    const int64_t s0 = tile_slots[g * G];
-    bool fast = s0 >= 0 && s0 % G == 0;
-#pragma unroll
-    for (int j = 1; j < G; ++j) fast = fast && tile_slots[g * G + j] == s0 + j;
-    if (fast) {  // G consecutive slots from a G-aligned offset: one block (block sizes are multiples of 16)
+    const int64_t s0 = group_first[g];
+    if (s0 >= 0) {  // G consecutive slots from a G-aligned offset: one block (block sizes are multiples of 16)
       uint32_t packed[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
       for (int j = 0; j < G; ++j) packed[(j * ESZ) / 4] |= load_elem<ESZ>(vt + (g * G + j) * row_bytes + d * ESZ) << (8 * ((j * ESZ) % 4));
@@ -309,7 +323,7 @@ RA_GLOBAL void RA_LAUNCH_BOUNDS(kWriteThreads) reshape_and_cache_tiled_kernel(Ca
 template <int CK, int IN, int TILE>
 int launch_tiled(const CacheWriteParams& p, void* stream) {
   // the slots and the V tile; within the 48 KB every GPU grants without an opt-in
-  const size_t smem = static_cast<size_t>(TILE) * (8 + p.head_size * CacheKind<CK>::kBytes + 16);
+  const size_t smem = static_cast<size_t>(TILE) * (8 + p.head_size * CacheKind<CK>::kBytes + 16) + 32;
   if (smem > 48 * 1024)
     return fail("reshape_and_cache: head_size %d is not supported by the %d-token tile: its V tile needs %zu bytes "
                 "of shared memory, more than 48 KB", p.head_size, TILE, smem);

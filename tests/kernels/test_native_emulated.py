@@ -466,7 +466,7 @@ def test_writer_tile_that_does_not_fit_shared_memory_is_refused():
     slots = torch.arange(20) + 16
     ones = torch.ones(1)
     before = cache.clone()
-    with pytest.raises(AssertionError, match=r"head_size 768 is not supported by the 32-token tile: .* 49920 bytes"):
+    with pytest.raises(AssertionError, match=r"head_size 768 is not supported by the 32-token tile: .* 49952 bytes"):
         emulated_write(key, value, cache, slots, ones, ones, False, variant="tile32")
     assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
     want = cache.clone()
