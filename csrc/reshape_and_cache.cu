@@ -10,9 +10,9 @@
 // No shared memory, no barrier: a decode batch's write is one load round trip, then stores.
 //
 // tiled<TILE>: grid (ceil(num_tokens / TILE), num_kv_heads), 128 threads: a CTA writes TILE
-// tokens of one KV head. Packets in a token-major thread order (runs of up to 16 tokens of a
-// packet column), so one warp instruction reads 32-byte halves of input rows and, for
-// consecutive slots, stores 256 contiguous bytes of the x-packed K page. Every thread first
+// tokens of one KV head. Packets in a token-major thread order (runs of min(TILE, 16) tokens
+// of a packet column), so one warp instruction reads 32 bytes (TILE 8: 64) of each input row
+// and, for consecutive slots, stores 256-byte (128) contiguous runs of the x-packed K page. Every thread first
 // issues all of its loads (TILE / 8 packets of K and of V: one round at head_size 128, 16-bit),
 // then stores: a store may alias the next load, so the compiler keeps them in order. K goes
 // to the cache from registers. V is transposed through shared memory ([TILE tokens]
