@@ -17,6 +17,13 @@ bit for bit first.
     python benchmarks/bench_native.py --variants default w4s3 w4s3_wave w1s3_wave ... \
         --batch 1 16 64 --ctx 4096
 
+``--writer-variants [names]`` (``native.WRITER_VARIANTS``; none or ``all``: every one) times
+only the writer kernels, the launcher's choice ("auto") and Triton at T = 1, 16, 64, 256
+(random slots), 4096, 16384 (consecutive slots), each cache compared bit for bit with Triton's
+first (``writer_variants`` rows in the JSON):
+
+    python benchmarks/bench_native.py --writer-variants
+
 ``--variants`` (names of ``native.DECODE_VARIANTS``, or ``all``) times only those launch
 variants of the native decode, each checked against SDPA first, beside Triton and SDPA (no
 main table, no writer): one device call A/Bs the default against the candidates. The
@@ -221,30 +228,49 @@ def bench_variants(batches, ctxs, names):
     return rows
 
 
+class WriterCase:
+    """K/V ``[T, 8, 128]`` bf16, slots of a decode batch (random, T < 4096) or a prefill
+    (consecutive, T >= 4096), and one zeroed cache per writer."""
+
+    def __init__(self, t: int, num_caches: int):
+        g = torch.Generator(device="cuda").manual_seed(t)
+        nblk = t // BS + 64
+        spec = KVCacheSpec(BS, HKV, D, DTYPE, CacheLayout.LHBNC)
+        self.caches = [allocate_kv_cache(spec, nblk, "cuda").zero_() for _ in range(num_caches)]
+        self.key = torch.randn(t, HKV, D, generator=g, device="cuda", dtype=DTYPE)
+        self.value = torch.randn(t, HKV, D, generator=g, device="cuda", dtype=DTYPE)
+        if t >= 4096:  # a prefill: consecutive slots
+            self.slots = torch.arange(t, device="cuda") + BS
+        else:  # a decode batch: one token somewhere in each sequence's block
+            self.slots = torch.randperm(nblk * BS, generator=g, device="cuda")[:t]
+        self.one = torch.ones(1, device="cuda")
+        self.nbytes = 2 * 2 * t * HKV * D * 2  # K and V, read and written
+
+    def native(self, i: int, **kw):
+        return lambda: native.reshape_and_cache(self.key, self.value, self.caches[i], self.slots, self.one,
+                                                self.one, False, **kw)
+
+    def triton(self, i: int):
+        return lambda: triton_reshape_and_cache(self.key, self.value, self.caches[i], self.slots, self.one,
+                                                self.one, False)
+
+    def same(self, i: int, j: int) -> bool:
+        torch.cuda.synchronize()
+        return torch.equal(self.caches[i].view(torch.uint8), self.caches[j].view(torch.uint8))
+
+
 def bench_writer(tokens):
     rows = []
     print(f"{'T':>6} | {'native us':>9} {'TB/s':>5} | {'triton us':>9} {'TB/s':>5} | native/triton")
     for t in tokens:
-        g = torch.Generator(device="cuda").manual_seed(t)
-        nblk = t // BS + 64
-        spec = KVCacheSpec(BS, HKV, D, DTYPE, CacheLayout.LHBNC)
-        caches = [allocate_kv_cache(spec, nblk, "cuda").zero_() for _ in range(2)]
-        key = torch.randn(t, HKV, D, generator=g, device="cuda", dtype=DTYPE)
-        value = torch.randn(t, HKV, D, generator=g, device="cuda", dtype=DTYPE)
-        if t >= 4096:  # a prefill: consecutive slots
-            slots = torch.arange(t, device="cuda") + BS
-        else:  # a decode batch: one token somewhere in each sequence's block
-            slots = torch.randperm(nblk * BS, generator=g, device="cuda")[:t]
-        one = torch.ones(1, device="cuda")
-        nat = lambda: native.reshape_and_cache(key, value, caches[0], slots, one, one, False)  # noqa: E731
-        tri = lambda: triton_reshape_and_cache(key, value, caches[1], slots, one, one, False)  # noqa: E731
+        c = WriterCase(t, 2)
+        nat, tri = c.native(0), c.triton(1)
         nat()
         tri()
-        torch.cuda.synchronize()
-        assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8)), f"T={t}: writers differ"
+        assert c.same(0, 1), f"T={t}: writers differ"
         t_nat = graph_time_us(nat)
         t_tri = graph_time_us(tri)
-        nbytes = 2 * 2 * t * HKV * D * 2  # K and V, read and written
+        nbytes = c.nbytes
         row = dict(T=t, native_us=t_nat, triton_us=t_tri, native_tbs=nbytes / t_nat / 1e6,
                    triton_tbs=nbytes / t_tri / 1e6, native_vs_triton=t_nat / t_tri)
         rows.append(row)
@@ -253,17 +279,64 @@ def bench_writer(tokens):
     return rows
 
 
+def bench_writer_variants(tokens, names):
+    """Each native writer kernel (native.WRITER_VARIANTS; "auto" = the launcher's rule) per T
+    beside Triton, its cache compared bit for bit with Triton's before it is timed."""
+    rows = []
+    print(f"{'T':>6} {'variant':>8} | {'us':>8} {'TB/s':>5} | {'/triton':>7}")
+    for t in tokens:
+        c = WriterCase(t, 2)
+        tri = c.triton(1)
+        tri()
+        t_tri = graph_time_us(tri)
+        print(f"{t:6d} {'triton':>8} | {t_tri:8.2f} {c.nbytes / t_tri / 1e6:5.2f} |", flush=True)
+        for name in ["auto", *names]:
+            row = dict(T=t, variant=name, triton_us=t_tri)
+            try:
+                fn = c.native(0, variant=None if name == "auto" else name)
+                c.caches[0].zero_()
+                fn()
+                if not c.same(0, 1):
+                    raise AssertionError("cache differs from Triton's")
+                us = graph_time_us(fn)
+            except Exception as e:  # a failing candidate must not hide the others
+                row["error"] = f"{type(e).__name__}: {e}"
+                rows.append(row)
+                print(f"{t:6d} {name:>8} | FAILED: {row['error']}", flush=True)
+                continue
+            row.update(us=us, tbs=c.nbytes / us / 1e6, vs_triton=us / t_tri)
+            rows.append(row)
+            print(f"{t:6d} {name:>8} | {us:8.2f} {row['tbs']:5.2f} | x{row['vs_triton']:6.2f}", flush=True)
+        del c
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 128])
     ap.add_argument("--ctx", type=int, nargs="+", default=[1024, 4096, 16384])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 256, 16384])
+    ap.add_argument("--tokens", type=int, nargs="+", default=None,
+                    help="writer T values (default 1 256 16384; with --writer-variants 1 16 64 256 4096 16384)")
     ap.add_argument("--sweep", action="store_true", help="native launch configurations at L=4096")
     ap.add_argument("--only", choices=("decode", "writer"), default=None, help="run one of the two tables")
     ap.add_argument("--variants", nargs="+", default=None,
                     help=f"only time these native decode variants ('all' = {', '.join(native.DECODE_VARIANTS)})")
+    ap.add_argument("--writer-variants", nargs="*", default=None,
+                    help=f"only time these native writer kernels beside Triton (none or 'all' = "
+                         f"{', '.join(native.WRITER_VARIANTS)}; the launcher's choice is always timed as 'auto')")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
+    if args.writer_variants is not None:
+        if args.writer_variants in ([], ["all"]):
+            args.writer_variants = list(native.WRITER_VARIANTS)
+        for name in args.writer_variants:
+            if name not in native.WRITER_VARIANTS:
+                ap.error(f"unknown writer variant {name!r}; known: {', '.join(native.WRITER_VARIANTS)}")
+        if args.variants:
+            ap.error("--variants and --writer-variants are separate runs")
+    if args.tokens is None:
+        args.tokens = [1, 16, 64, 256, 4096, 16384] if args.writer_variants is not None else [1, 256, 16384]
     if args.variants == ["all"]:
         args.variants = list(native.DECODE_VARIANTS)
     for name in args.variants or ():
@@ -274,10 +347,13 @@ def main():
     props = torch.cuda.get_device_properties(0)
     print(f"# {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
           f"triton {triton.__version__}; build {native._build_name()}")
-    variants = []
+    variants, writer_variants = [], []
     if args.variants:
         decode, sweeps, writer = [], [], []
         variants = bench_variants(args.batch, args.ctx, args.variants)
+    elif args.writer_variants is not None:
+        decode, sweeps, writer = [], [], []
+        writer_variants = bench_writer_variants(args.tokens, args.writer_variants)
     else:
         decode, sweeps = bench_decode(args.batch, args.ctx, args.sweep) if args.only != "writer" else ([], [])
         writer = bench_writer(args.tokens) if args.only != "decode" else []
@@ -288,7 +364,8 @@ def main():
         versions=dict(torch=torch.__version__, cuda=torch.version.cuda, hip=torch.version.hip,
                       triton=triton.__version__),
         shape=dict(q_heads=HQ, kv_heads=HKV, head_size=D, block_size=BS, dtype=str(DTYPE)),
-        decode=decode, native_sweep=sweeps, writer=writer, native_variants=variants)
+        decode=decode, native_sweep=sweeps, writer=writer, native_variants=variants,
+        writer_variants=writer_variants)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"native_{t0.strftime('%Y%m%d_%H%M%S')}.json")
     with open(path, "w") as f:

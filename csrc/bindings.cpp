@@ -113,7 +113,7 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Ten
 }
 
 void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache, at::Tensor slot_mapping,
-                       at::Tensor k_scale, at::Tensor v_scale, bool interleaved_v) {
+                       at::Tensor k_scale, at::Tensor v_scale, bool interleaved_v, int64_t variant) {
   const c10::cuda::CUDAGuard guard(key.device());
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "rocm_attn native: key/value channels must be contiguous");
   rocm_attn_native::CacheWriteParams p{};
@@ -145,6 +145,7 @@ void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache, at
            (t.stride(1) * eb) % 16 == 0;
   };
   p.vector_loads = aligned(key) && aligned(value) ? 1 : 0;
+  p.variant = static_cast<int32_t>(variant);  // WriterVariant; 0: the launcher's rule
   const int rc = rocm_attn_native::reshape_and_cache(p, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(rc == 0, "rocm_attn native ", rocm_attn_native::last_error());
 }

@@ -71,6 +71,19 @@ size_t decode_smem_bytes(int head_size, int cache_elem_bytes, int heads_per_cta,
 // non-zero with last_error() describing the problem.
 int paged_decode(const DecodeParams& p, const DecodeConfig& cfg, void* stream);
 
+// Cache-writer kernels (CacheWriteParams::variant). kAuto: writer_variant_for(num_tokens).
+//   kScatter: no shared memory, no barrier; a thread owns one packet (x channels) of one
+//     (token, head): K stored as one 16-byte packet, V as x element stores (decode batches).
+//   kTile8 / kTile16 / kTile32: a CTA writes that many tokens of one KV head; V transposed
+//     through shared memory so consecutive slots become 16-byte stores (prefill).
+enum class WriterVariant : int32_t {
+  kAuto = 0,
+  kScatter = 1,
+  kTile8 = 2,
+  kTile16 = 3,
+  kTile32 = 4,
+};
+
 struct CacheWriteParams {
   const void* key;    // [num_tokens, num_kv_heads, head_size], last dim contiguous
   const void* value;
@@ -86,8 +99,11 @@ struct CacheWriteParams {
   int32_t slot_mapping_is64;
   int32_t interleaved_v;
   int32_t vector_loads;  // key and value rows are 16-byte aligned (bases and strides)
+  int32_t variant;       // WriterVariant
 };
 
+// The kernel kAuto launches for num_tokens tokens.
+WriterVariant writer_variant_for(int32_t num_tokens);
 int reshape_and_cache(const CacheWriteParams& p, void* stream);
 
 const char* last_error();

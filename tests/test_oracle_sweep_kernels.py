@@ -366,7 +366,8 @@ def _draw_writer(r: random.Random) -> dict:
                 v_scale=_f32(r.choice([2.0, 1.0, 0.05, r.uniform(0.01, 3)])), eps=r.choice([1e-6, 1e-5, 0.1]),
                 strided=r.random() < 0.5, gemma=r.random() < 0.3, flat=r.random() < 0.5,
                 block_t=r.choice([None, 1, 2, 4, 8, 16]), magnitude=r.choice([1.0, 1.0, 30.0, 0.01]),
-                fp32_table=r.random() < 0.5, seed=r.randrange(1 << 30))
+                fp32_table=r.random() < 0.5, seed=r.randrange(1 << 30),
+                native_variant=r.choice([None, *native.WRITER_VARIANTS]))
 
 
 def _within_rounding(got, exact, dtype, what, inputs, gain, extra=0.0):
@@ -423,7 +424,7 @@ def _run_writer(dw):
         if provider == "native":
             from test_native_emulated import emulated_write
 
-            emulated_write(k, v, cache, slots, ks, vs, il)
+            emulated_write(k, v, cache, slots, ks, vs, il, variant=dw["native_variant"])
         else:
             put.load(provider, op)(k, v, cache, slots, ks, vs, il)
         check_cache(k)

@@ -24,4 +24,11 @@ int ra_emu_reshape_and_cache(const rocm_attn_native::CacheWriteParams* p) {
 }
 
 const char* ra_emu_last_error() { return rocm_attn_native::last_error(); }
+
+// The scatter writer's unit -> (token, head, packet) split, 32- or 64-bit (the 64-bit one
+// serves more than 2^32 units: too many for an emulated launch).
+void ra_emu_split_unit(uint64_t u, int ncp, int heads, int wide, int64_t* tok, int* head, int* c) {
+  if (wide) rocm_attn_native::split_unit<uint64_t>(u, ncp, heads, *tok, *head, *c);
+  else rocm_attn_native::split_unit<uint32_t>(static_cast<uint32_t>(u), ncp, heads, *tok, *head, *c);
+}
 }

@@ -18,7 +18,10 @@ What the kernels support (the capability table's "native" row is the contract):
   decode token sees every cached key either way), long contexts through KV splits.
 - ``reshape_and_cache``: the same caches and layouts, any block size that is a multiple of 16
   and head sizes that are multiples of 16, fp16/bf16/fp32 key/value with any token and head
-  strides (channels contiguous).
+  strides (channels contiguous). Kernels (``WRITER_VARIANTS``, the ``variant`` argument):
+  ``scatter`` (no shared memory, for decode batches) and ``tile8``/``tile16``/``tile32``
+  (tokens of one head per CTA, V through shared memory into 16-byte stores, for prefill);
+  by default the launcher picks by token count.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ __all__ = [
     "ctas_per_sm",
     "num_kv_splits_wave",
     "DECODE_VARIANTS",
+    "WRITER_VARIANTS",
     "HEAD_SIZES",
 ]
 
@@ -467,6 +471,10 @@ DECODE_VARIANTS: dict[str, dict] = {
     "last_split": dict(split_merge="last_split"),
 }
 
+# Cache-writer kernels by name -> csrc WriterVariant code (native_api.h). None (the default)
+# lets the launcher pick by token count (writer_variant_for in csrc/reshape_and_cache.cu).
+WRITER_VARIANTS: dict[str, int] = {"scatter": 1, "tile8": 2, "tile16": 3, "tile32": 4}
+
 
 # --- validation ------------------------------------------------------------------------------
 
@@ -550,6 +558,14 @@ def check_write_args(key, value, kv_cache, slot_mapping, k_scale, v_scale) -> No
            f"{op}: slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
         _check(t.dtype == torch.float32 and t.numel() >= 1, f"{op}: {name} must be a float32 tensor with one element")
+
+
+def writer_variant_code(variant: str) -> int:
+    """The csrc WriterVariant code of a ``WRITER_VARIANTS`` name."""
+    code = WRITER_VARIANTS.get(variant) if isinstance(variant, str) else None
+    _check(code is not None, f"native reshape_and_cache: variant {variant!r} is not supported; "
+                             f"supported: {tuple(WRITER_VARIANTS)} (or None: chosen by token count)")
+    return code
 
 
 def _check_device(op: str, t: torch.Tensor, **others: torch.Tensor | None) -> None:
@@ -653,13 +669,17 @@ def reshape_and_cache(
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
     interleaved_v: bool,
+    *,
+    variant: str | None = None,
 ) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` (fp16/bf16/fp32, any
     token/head strides) into the paged cache; same semantics as ``reference.reshape_and_cache``
-    (slot < 0 skipped, fp8: value / scale saturated)."""
+    (slot < 0 skipped, fp8: value / scale saturated). ``variant`` (a ``WRITER_VARIANTS`` name)
+    overrides the kernel the launcher picks by token count."""
+    code = 0 if variant is None else writer_variant_code(variant)
     check_write_args(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     _check_device("reshape_and_cache", key, value=value, kv_cache=kv_cache, slot_mapping=slot_mapping,
                   k_scale=k_scale, v_scale=v_scale)
     if slot_mapping.shape[0] == 0:
         return
-    _module().reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, bool(interleaved_v))
+    _module().reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, bool(interleaved_v), code)

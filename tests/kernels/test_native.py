@@ -90,6 +90,8 @@ def test_decode_needs_gpu_tensors_after_the_checks():
     (dict(kv_cache=torch.empty(2, 2, 16, 64, dtype=torch.bfloat16)), r"kv_cache width 64 != num_kv_heads \* head_size = 128"),
     (dict(key=torch.randn(3, 2, 128)[:, :, ::2], value=torch.randn(3, 2, 128)[:, :, ::2]),
      r"key/value channels must be contiguous"),
+    (dict(variant="tile64"), r"variant 'tile64' is not supported; supported: \('scatter', 'tile8', 'tile16', 'tile32'\)"),
+    (dict(variant=3), r"variant 3 is not supported"),
 ])
 def test_write_argument_errors(over, match):
     args = dict(key=torch.randn(3, 2, 64), value=torch.randn(3, 2, 64),
@@ -459,7 +461,11 @@ def _to_gpu_keeping_offset(t: torch.Tensor) -> torch.Tensor:
     return view
 
 
+WRITER_VARIANTS = [None, *native.WRITER_VARIANTS]  # None: the launcher's rule
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", WRITER_VARIANTS, ids=[v or "auto" for v in WRITER_VARIANTS])
 @pytest.mark.parametrize("interleaved_v", [False, True], ids=["std_v", "interleaved_v"])
 @pytest.mark.parametrize("cache", [None, "e4m3", "e5m2"], ids=["auto", "e4m3", "e5m2"])
 @pytest.mark.parametrize("kw", [
@@ -472,7 +478,7 @@ def _to_gpu_keeping_offset(t: torch.Tensor) -> torch.Tensor:
     dict(num_tokens=300, prefill=True, unaligned_value=True),
 ], ids=["t1", "t256_pad_lbhnc", "t3000_prefill_bs32_d64_fp16", "t16384_prefill_pad_int32", "t77_strided",
         "t700_prefill_d256", "t300_prefill_unaligned_value"])
-def test_reshape_and_cache_gpu(ext, kw, cache, interleaved_v):
+def test_reshape_and_cache_gpu(ext, kw, cache, interleaved_v, variant):
     kw = dict(kw)
     index_dtype = kw.pop("index_dtype", torch.int64)
     seed = _seed()
@@ -484,13 +490,14 @@ def test_reshape_and_cache_gpu(ext, kw, cache, interleaved_v):
     ref.reshape_and_cache(key, value, want, slots, ks, vs, interleaved_v)
     got = kv_cache.to(GPU)
     native.reshape_and_cache(key.to(GPU), _to_gpu_keeping_offset(value), got,
-                             slots.to(index_dtype).to(GPU), ks.to(GPU), vs.to(GPU), interleaved_v)
+                             slots.to(index_dtype).to(GPU), ks.to(GPU), vs.to(GPU), interleaved_v, variant=variant)
     diff = got.cpu().view(torch.uint8) != want.view(torch.uint8)
     assert not diff.any(), f"{int(diff.sum())} cache bytes differ from the reference writer (seed {seed})"
 
 
 @pytest.mark.gpu
-def test_reshape_and_cache_gpu_strided_views(ext):
+@pytest.mark.parametrize("variant", WRITER_VARIANTS, ids=[v or "auto" for v in WRITER_VARIANTS])
+def test_reshape_and_cache_gpu_strided_views(ext, variant):
     """Token/head strides of a fused qkv tensor kept on the GPU (no copy to contiguous)."""
     seed = _seed()
     g = torch.Generator().manual_seed(seed)
@@ -501,7 +508,7 @@ def test_reshape_and_cache_gpu_strided_views(ext):
     ones = torch.ones(1)
     ref.reshape_and_cache(key.cpu(), value.cpu(), want, slots, ones, ones, False)
     got = kv_cache.to(GPU)
-    native.reshape_and_cache(key, value, got, slots.to(GPU), ones.to(GPU), ones.to(GPU), False)
+    native.reshape_and_cache(key, value, got, slots.to(GPU), ones.to(GPU), ones.to(GPU), False, variant=variant)
     assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), f"seed {seed}"
 
 

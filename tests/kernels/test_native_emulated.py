@@ -72,7 +72,7 @@ class CacheWriteParams(ctypes.Structure):
         ("slot_mapping", _P), ("k_scale", _P), ("v_scale", _P),
         ("num_tokens", _I32), ("num_kv_heads", _I32), ("head_size", _I32), ("block_size", _I32),
         ("input_dtype", _I32), ("cache_dtype", _I32), ("slot_mapping_is64", _I32),
-        ("interleaved_v", _I32), ("vector_loads", _I32),
+        ("interleaved_v", _I32), ("vector_loads", _I32), ("variant", _I32),
     ]
 
 
@@ -160,7 +160,10 @@ def emulated_decode(output, query, kv_cache, query_start_loc, seq_lens, block_ta
     return launch
 
 
-def emulated_write(key, value, kv_cache, slot_mapping, k_scale, v_scale, interleaved_v, *, warp=32):
+def emulated_write(key, value, kv_cache, slot_mapping, k_scale, v_scale, interleaved_v, *, warp=32, variant=None):
+    """native.reshape_and_cache on the CPU; ``variant`` a ``native.WRITER_VARIANTS`` name (None:
+    the launcher's rule) or a raw WriterVariant code (int)."""
+    code = variant if isinstance(variant, int) else 0 if variant is None else native.writer_variant_code(variant)
     native.check_write_args(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     kb, vb, bstride = _cache_bases(kv_cache)
     eb = key.element_size()
@@ -171,7 +174,7 @@ def emulated_write(key, value, kv_cache, slot_mapping, k_scale, v_scale, interle
         kb, vb, bstride, _ptr(slot_mapping), _ptr(k_scale), _ptr(v_scale),
         slot_mapping.shape[0], key.shape[1], key.shape[2], kv_cache.shape[2],
         DTYPE_CODE[key.dtype], DTYPE_CODE[kv_cache.dtype], int(slot_mapping.dtype == torch.int64),
-        int(interleaved_v), int(aligned))
+        int(interleaved_v), int(aligned), code)
     lib = _emulator(warp)
     rc = lib.ra_emu_reshape_and_cache(ctypes.byref(p))
     assert rc == 0, lib.ra_emu_last_error().decode()
@@ -340,7 +343,7 @@ def test_decode_emulated_random(draw):
 
 def _write_case(num_tokens, *, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.bfloat16,
                 cache_dtype=None, layout="LHBNC", interleaved_v=False, strided=False, contiguous_slots=False,
-                pad=0, index_dtype=torch.int64, unaligned_value=False, seed=0):
+                slot_start=None, pad=0, index_dtype=torch.int64, unaligned_value=False, nan_payloads=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     cache_dtype = cache_dtype or dtype
     num_blocks = math.ceil(num_tokens / block_size) + 3
@@ -356,8 +359,15 @@ def _write_case(num_tokens, *, num_kv_heads=2, head_size=64, block_size=16, dtyp
     if unaligned_value:  # rows that start 2 bytes past a 16-byte boundary: scalar loads
         flat = torch.randn(num_tokens * num_kv_heads * head_size + 1, generator=g).to(dtype)
         value = flat[1:].view(num_tokens, num_kv_heads, head_size)
-    if contiguous_slots:  # prefill: consecutive slots from a block start
-        slots = torch.arange(num_tokens) + block_size
+    if nan_payloads:  # NaNs of either sign with payloads: a same-dtype write keeps their bits
+        bits = torch.tensor([0x7f81, 0xffa5, 0x7fff, 0xffc1] if dtype == torch.bfloat16
+                            else [0x7c01, 0xfe5a, 0x7fff, 0xfd00], dtype=torch.int32).to(torch.int16)
+        for t in (key, value):
+            flat = t.view(torch.int16).view(-1)
+            where = torch.randperm(flat.numel(), generator=g)[:64]
+            flat[where] = bits[torch.arange(64) % 4]
+    if contiguous_slots:  # prefill: consecutive slots from a block start (or slot_start)
+        slots = torch.arange(num_tokens) + (block_size if slot_start is None else slot_start)
     else:
         slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
     if pad:
@@ -385,11 +395,28 @@ WRITE_CASES = [
     ("one_token", dict(num_tokens=1, head_size=128)),
     # the key's rows are 16-byte aligned, the value's are not: both take scalar loads
     ("unaligned_value_prefill", dict(num_tokens=40, contiguous_slots=True, unaligned_value=True)),
+    # consecutive slots from offsets 4 and 8 of a block: groups that straddle x-aligned offsets
+    # (element stores) and, for fp8 with 8-token groups, 8-byte stores from offset 8
+    ("bf16_prefill_offset4_interleaved", dict(num_tokens=45, contiguous_slots=True, slot_start=20,
+                                              interleaved_v=True)),
+    ("fp8_prefill_offset8_std_bs32", dict(num_tokens=61, contiguous_slots=True, slot_start=40, block_size=32,
+                                          cache_dtype=torch.float8_e5m2, head_size=128)),
+    ("fp8_prefill_offset8_interleaved", dict(num_tokens=29, contiguous_slots=True, slot_start=24,
+                                             cache_dtype=torch.float8_e4m3fn, interleaved_v=True)),
+    ("bf16_nan_payloads_random", dict(num_tokens=24, nan_payloads=True)),
+    ("fp16_nan_payloads_prefill_interleaved", dict(num_tokens=33, nan_payloads=True, dtype=torch.float16,
+                                                   contiguous_slots=True, interleaved_v=True)),
+    # several tiles of every size, 3 KV heads, fp16 strided input
+    ("fp16_prefill_3heads_strided", dict(num_tokens=100, num_kv_heads=3, dtype=torch.float16, strided=True,
+                                         contiguous_slots=True, pad=9)),
 ]
+WRITER_VARIANTS = [None, *native.WRITER_VARIANTS]  # None: the launcher's rule
 
 
+@pytest.mark.parametrize("warp", [32, 64], ids=["warp32", "warp64"])
+@pytest.mark.parametrize("variant", WRITER_VARIANTS, ids=[v or "auto" for v in WRITER_VARIANTS])
 @pytest.mark.parametrize("num_tokens_kw", [c[1] for c in WRITE_CASES], ids=[c[0] for c in WRITE_CASES])
-def test_reshape_and_cache_emulated(num_tokens_kw):
+def test_reshape_and_cache_emulated(num_tokens_kw, variant, warp):
     kw = dict(num_tokens_kw)
     seed = random.randrange(1 << 30)
     key, value, cache, slots = _write_case(kw.pop("num_tokens"), seed=seed, **kw)
@@ -400,10 +427,54 @@ def test_reshape_and_cache_emulated(num_tokens_kw):
     want = cache.clone()
     ref.reshape_and_cache(key, value, want, slots, ks, vs, interleaved)
     got = cache
-    emulated_write(key, value, got, slots, ks, vs, interleaved)
+    emulated_write(key, value, got, slots, ks, vs, interleaved, warp=warp, variant=variant)
     # bit-exact, poison (unwritten slots) included
     diff = (got.view(torch.uint8) != want.view(torch.uint8))
     assert not diff.any(), f"{int(diff.sum())} cache bytes differ (seed {seed})"
+
+
+def test_writer_refuses_an_unknown_variant_code():
+    """The launcher itself refuses a code outside WriterVariant (the Python names map onto it)
+    and writes nothing."""
+    assert sorted(native.WRITER_VARIANTS.values()) == [1, 2, 3, 4]
+    key, value, cache, slots = _write_case(5, seed=1)
+    before = cache.clone()
+    for code in (5, -1):
+        with pytest.raises(AssertionError, match=rf"writer variant {code} is not supported"):
+            emulated_write(key, value, cache, slots, torch.ones(1), torch.ones(1), False, variant=code)
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+
+
+def test_scatter_unit_split_32_and_64_bit():
+    """(token, head, packet) of a unit as divmod gives it, with the 64-bit split past 2^32 units."""
+    lib = _emulator(32)
+    tok, head, c = ctypes.c_int64(), ctypes.c_int(), ctypes.c_int()
+    for u, ncp, heads, wide in ((0, 16, 8, 0), (12345, 12, 3, 0), ((1 << 32) - 1, 16, 8, 0), ((1 << 32) - 1, 6, 7, 1),
+                                ((1 << 32) + 77, 16, 8, 1), ((3 << 34) + 12345, 24, 5, 1)):
+        lib.ra_emu_split_unit(ctypes.c_uint64(u), ncp, heads, wide, ctypes.byref(tok), ctypes.byref(head),
+                              ctypes.byref(c))
+        pair, want_c = divmod(u, ncp)
+        assert (tok.value, head.value, c.value) == (*divmod(pair, heads), want_c), (u, ncp, heads, wide)
+
+
+def test_writer_tile_that_does_not_fit_shared_memory_is_refused():
+    """head_size 768 at 16 bits: the 32-token V tile needs more than 48 KB, so tile32 refuses
+    the call (nothing written) while tile16 and scatter write it."""
+    g = torch.Generator().manual_seed(2)
+    key, value = (torch.randn(20, 1, 768, generator=g).to(torch.bfloat16) for _ in range(2))
+    cache = cases.poison(torch.empty(4, 2, 16, 768, dtype=torch.bfloat16))  # a contiguous LHBNC cache
+    slots = torch.arange(20) + 16
+    ones = torch.ones(1)
+    before = cache.clone()
+    with pytest.raises(AssertionError, match=r"head_size 768 is not supported by the 32-token tile: .* 49952 bytes"):
+        emulated_write(key, value, cache, slots, ones, ones, False, variant="tile32")
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+    want = cache.clone()
+    ref.reshape_and_cache(key, value, want, slots, ones, ones, False)
+    for variant in ("tile16", "scatter"):
+        got = before.clone()
+        emulated_write(key, value, got, slots, ones, ones, False, variant=variant)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), variant
 
 
 def test_emulator_reports_launch_errors():
