@@ -299,7 +299,8 @@ _NATIVE_VS_TRITON = ("benchmarks/results/history/2026-12-04_2011_native_query_lo
 PREFERENCES: tuple[Preference, ...] = (
     # Native (csrc) against Triton on the H200 (bf16, 32/8 heads, d128, block 16): decode
     # 1.02-1.30x Triton's time at every B in {1, 16, 64, 128} x L in {1024, 4096, 16384}; the
-    # cache writer 1.2-1.4x at T = 1 / 256 / 16384. Triton first for both.
+    # cache writer 1.2-1.4x at T = 1 / 256 / 16384 (the single-tile kernel before the writer
+    # variants, which are not measured yet). Triton first for both.
     Preference("cuda", "paged_attention", ("triton",), evidence=_NATIVE_VS_TRITON),
     Preference("cuda", "reshape_and_cache", ("triton",), evidence=_NATIVE_VS_TRITON),
     # Ours is faster at every measured size.
