@@ -401,22 +401,24 @@ def test_fused_rope_layer_ops_refuse_a_query_of_other_heads(op, shape, first):
     assert unchanged(before, s.layer.kv_cache, q, k), "a refused call rotated q/k or wrote the cache"
 
 
-def test_rotary_only_layer_op_refuses_a_key_of_other_heads():
+@pytest.mark.parametrize("key_rows, key_head_size", [(3, D // 2), (5, D)], ids=["other_head_size", "more_rows"])
+def test_rotary_only_layer_op_refuses_a_key_of_another_shape(key_rows, key_head_size):
     # a profiling run (no cache write): the rotation of key in place checked its heads on the
-    # first call of a signature only (the error names the layer op called, not its kernel op)
-    layer = ira.Attention(H, D, num_kv_heads=HKV, layer_name="state.rotary_only")
+    # first call of a signature only, and a key with more rows than positions made the kernel
+    # read positions past their end (the error names the layer op called, not its kernel op)
+    layer = ira.Attention(H, D, num_kv_heads=HKV, layer_name=f"state.rotary_only_{key_rows}_{key_head_size}")
     t = 3
     cs = torch.randn(64, D)
     pos = torch.arange(t)
     with ira.profiling_run():
         torch.ops.rocm_attn.unified_rope_and_kv_cache_update(pos, torch.randn(t, H, D), torch.randn(t, HKV, D),
                                                              torch.randn(t, HKV, D), cs, True, layer.layer_name)
-        q, k = torch.randn(t, H, D), torch.randn(t, HKV, D // 2)
+        q, k = torch.randn(t, H, D), torch.randn(key_rows, HKV, key_head_size)
         before = snapshot(q, k)
         with pytest.raises(ValueError, match=rf"rocm_attn\.unified_rope_and_kv_cache_update: key must be the "
                                              rf"layer's heads, "
-                                             rf"\[{t}, {HKV}, {D}\] or \[{t}, {HKV} \* {D}\], got \({t}, {HKV}, "
-                                             rf"{D // 2}\)"):
+                                             rf"\[{t}, {HKV}, {D}\] or \[{t}, {HKV} \* {D}\], got \({key_rows}, {HKV}, "
+                                             rf"{key_head_size}\)"):
             torch.ops.rocm_attn.unified_rope_and_kv_cache_update(pos, q, k, torch.randn(t, HKV, D), cs, True,
                                                                  layer.layer_name)
         assert unchanged(before, q, k)
@@ -434,26 +436,6 @@ def test_backend_customize_spec_refuses_what_no_cache_can_be(field, value, match
     spec = dataclasses.replace(ira.KVCacheSpec(BS, HKV, D, torch.float32), **{field: value})
     with pytest.raises(ValueError, match=rf"RocmAttentionBackend\.customize_spec: {match}"):
         ira.RocmAttentionBackend.customize_spec(spec)
-
-
-def test_rotary_only_layer_op_refuses_a_key_of_other_rows():
-    # a key with more rows than positions: the kernel read positions past their end
-    layer = ira.Attention(H, D, num_kv_heads=HKV, layer_name="state.rotary_only_rows")
-    t = 3
-    cs = torch.randn(64, D)
-    pos = torch.arange(t)
-    with ira.profiling_run():
-        torch.ops.rocm_attn.unified_rope_and_kv_cache_update(pos, torch.randn(t, H, D), torch.randn(t, HKV, D),
-                                                             torch.randn(t, HKV, D), cs, True, layer.layer_name)
-        q, k = torch.randn(t, H, D), torch.randn(t + 2, HKV, D)
-        before = snapshot(q, k)
-        with pytest.raises(ValueError, match=rf"rocm_attn\.unified_rope_and_kv_cache_update: key must be the "
-                                             rf"layer's heads, "
-                                             rf"\[{t}, {HKV}, {D}\] or \[{t}, {HKV} \* {D}\], got \({t + 2}, {HKV}, "
-                                             rf"{D}\)"):
-            torch.ops.rocm_attn.unified_rope_and_kv_cache_update(pos, q, k, torch.randn(t, HKV, D), cs, True,
-                                                                 layer.layer_name)
-        assert unchanged(before, q, k)
 
 
 @pytest.fixture(scope="module")
