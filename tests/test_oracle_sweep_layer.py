@@ -134,13 +134,19 @@ def _run_schedule(seed: int) -> float:
     return worst
 
 
-@pytest.mark.parametrize("draw", range(24))
-def test_attention_layer_schedules(draw):
+def _replayable(run) -> None:
+    """``run`` on a fresh seed; a failure names the seed and the call that replays it."""
     seed = random.randrange(1 << 30)
     try:
-        _run_schedule(seed)
+        run(seed)
     except Exception as e:
-        raise AssertionError(f"schedule seed {seed} (replay: _run_schedule({seed})): {type(e).__name__}: {e}") from e
+        raise AssertionError(f"schedule seed {seed} (replay: {run.__name__}({seed})): "
+                             f"{type(e).__name__}: {e}") from e
+
+
+@pytest.mark.parametrize("draw", range(24))
+def test_attention_layer_schedules(draw):
+    _replayable(_run_schedule)
 
 
 def _run_sharing_schedule(seed: int) -> float:
@@ -213,12 +219,7 @@ def _run_sharing_schedule(seed: int) -> float:
 
 @pytest.mark.parametrize("draw", range(12))
 def test_kv_sharing_and_v_switch_schedules(draw):
-    seed = random.randrange(1 << 30)
-    try:
-        _run_sharing_schedule(seed)
-    except Exception as e:
-        raise AssertionError(f"schedule seed {seed} (replay: _run_sharing_schedule({seed})): "
-                             f"{type(e).__name__}: {e}") from e
+    _replayable(_run_sharing_schedule)
 
 
 def _run_fused_ops_schedule(seed: int) -> None:
@@ -318,9 +319,4 @@ def _run_fused_ops_schedule(seed: int) -> None:
 
 @pytest.mark.parametrize("draw", range(12))
 def test_fused_cache_updates_in_eager_schedules(draw):
-    seed = random.randrange(1 << 30)
-    try:
-        _run_fused_ops_schedule(seed)
-    except Exception as e:
-        raise AssertionError(f"schedule seed {seed} (replay: _run_fused_ops_schedule({seed})): "
-                             f"{type(e).__name__}: {e}") from e
+    _replayable(_run_fused_ops_schedule)
