@@ -175,10 +175,14 @@ def make_step(r: random.Random, seqs, *, num_heads, num_kv_heads, head_size, blo
         query = torch.cat([query, rnd(pad_rows, num_heads, head_size)])
         nan = torch.full((pad_rows, num_kv_heads, head_size), math.nan, dtype=dtype)
         key, value = torch.cat([key, nan]), torch.cat([value, nan])
-    qsl = torch.tensor([0] + torch.tensor([q for _, q in seqs]).cumsum(0).tolist(), dtype=torch.int32)
+    if r.random() < 0.5:  # q/k/v as the three slices of one projection (strided rows)
+        fused = torch.cat([query, key, value], 1)
+        query, key, value = fused.split([num_heads, num_kv_heads, num_kv_heads], 1)
+    index = r.choice([torch.int32, torch.int64])
+    qsl = torch.tensor([0] + torch.tensor([q for _, q in seqs]).cumsum(0).tolist(), dtype=index)
     return dict(query=query, key=None if key_from_cache else key, value=None if key_from_cache else value,
-                cache=cache, query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
-                block_table=table, k_scale=k_scale, v_scale=v_scale, interleaved_v=interleaved_v)
+                cache=cache, query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=index),
+                block_table=table.to(index), k_scale=k_scale, v_scale=v_scale, interleaved_v=interleaved_v)
 
 
 def run_attention(provider, st_, *, scale, causal=True, window=-1, alibi=None, sinks=None, soft_cap=0.0,
@@ -187,6 +191,9 @@ def run_attention(provider, st_, *, scale, causal=True, window=-1, alibi=None, s
     qlens = (st_["query_start_loc"][1:] - st_["query_start_loc"][:-1]).tolist()
     mq = max(qlens) if hints else max(st_["query"].shape[0], 1)
     ms = int(st_["seq_lens"].max()) if hints else st_["block_table"].shape[1] * st_["cache"].shape[2]
+    if knobs.get("out_is_query"):  # allowed: each program reads its rows before it writes them
+        out = st_["query"] = st_["query"].clone()
+        st_["query_in"] = out.clone()
     with _on(provider):
         OPS.paged_attention(out, st_["query"], st_["key"], st_["value"], st_["cache"], st_["query_start_loc"],
                             st_["seq_lens"], st_["block_table"], mq, ms, scale,
@@ -198,7 +205,7 @@ def run_attention(provider, st_, *, scale, causal=True, window=-1, alibi=None, s
 def check_attention(provider, st_, **kw):
     out = run_attention(provider, st_, **kw)
     want, row_scale, logit_max = oracle.paged_attention(
-        st_["query"], st_["key"], st_["value"], st_["cache"], st_["query_start_loc"], st_["seq_lens"],
+        st_.get("query_in", st_["query"]), st_["key"], st_["value"], st_["cache"], st_["query_start_loc"], st_["seq_lens"],
         st_["block_table"], scale=kw["scale"], k_scale=st_["k_scale"], v_scale=st_["v_scale"],
         causal=kw.get("causal", True), window=kw.get("window", -1), alibi=kw.get("alibi"),
         sinks=kw.get("sinks"), soft_cap=kw.get("soft_cap", 0.0), interleaved_v=st_["interleaved_v"])
@@ -209,7 +216,10 @@ def check_attention(provider, st_, **kw):
         tol_out = 1e-5 if dtype == torch.float32 else 3 * U16
     rows = ~torch.isnan(want[:, :, 0])
     got = out.to(torch.float64)
-    assert torch.isnan(got[~rows]).all(), "padding rows (past query_start_loc[-1]) were written"
+    if "query_in" in st_:  # the padding rows hold the query they had
+        assert torch.equal(out[~rows], st_["query_in"][~rows]), "padding rows (past query_start_loc[-1]) were written"
+    else:
+        assert torch.isnan(got[~rows]).all(), "padding rows (past query_start_loc[-1]) were written"
     assert not torch.isnan(got[rows]).any(), "rows left unwritten or NaN"
     bound = (tol_out * row_scale + 16 * U32 * logit_max * row_scale)[:, :, None] + 1e-300
     err = ((got - want).abs() / bound)[rows]
@@ -253,9 +263,12 @@ SCENARIOS = {
     "sinks_extreme_window_1": dict(seqs=[(20, 1), (9, 3), (30, 11)], sinks="extreme", window=1, gqa=2, kv=2),
     "scale_small": dict(seqs=[(20, 1), (9, 3), (30, 11)], scale_mult=0.01),
     "scale_large": dict(seqs=[(20, 1), (9, 3), (30, 11)], scale_mult=8.0),
+    "alibi_long_context": dict(seqs=[(600, 1), (550, 5), (300, 12)], alibi="both", block_size=32, gqa=2),
+    "output_is_query": dict(seqs=[(20, 1), (9, 3), (30, 11), (3, 1)], out_is_query=True, gqa=4, pad_rows=2),
     "gqa_over_one_decode_program": dict(seqs=[(20, 1), (9, 3), (4, 10)], gqa=72, kv=1),
     "block_48_fp16": dict(seqs=[(47, 1), (40, 8), (30, 18)], block_size=48, dtype=torch.float16),
     "block_544_fp16": dict(seqs=[(543, 1), (600, 3), (100, 12)], block_size=544, dtype=torch.float16),
+    "fp16_cache_of_fp32_model": dict(seqs=[(20, 1), (9, 3), (30, 11)], cache_dtype=torch.float16, magnitude=300.0),
     "fp8_e4m3_tiny_scale_saturates": dict(seqs=[(20, 1), (9, 3), (30, 11)], cache_dtype=E4M3, scales=(2 ** -6, 2 ** -7),
                                           magnitude=8.0),
     "fp8_e4m3_large_scale": dict(seqs=[(20, 1), (9, 3), (30, 11)], cache_dtype=E4M3, scales=(96.0, 200.0),
@@ -271,7 +284,8 @@ SCENARIOS = {
 def _options(r, sc, num_heads, head_size):
     g = torch.Generator().manual_seed(r.randrange(1 << 30))
     opts = dict(scale=head_size ** -0.5 * sc.get("scale_mult", 1.0), causal=sc.get("causal", True),
-                window=sc.get("window", -1), soft_cap=sc.get("soft_cap", 0.0), hints=sc.get("hints", True))
+                window=sc.get("window", -1), soft_cap=sc.get("soft_cap", 0.0), hints=sc.get("hints", True),
+                out_is_query=sc.get("out_is_query", False))
     if sc.get("alibi") == "both":  # slopes of both signs, some large
         opts["alibi"] = (torch.rand(num_heads, generator=g) - 0.5) * 2
     if sc.get("sinks") == "extreme":
@@ -303,6 +317,23 @@ def test_attention_corner(name, provider):
     step, kw = _scenario_step(r, sc)
     opts = _options(r, sc, kw["num_heads"], kw["head_size"])
     _replay(seed, name, lambda: check_attention(provider, step, **opts))
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_attention_layers_share_block_ids(provider):
+    """Two layers' caches (other layouts, dtypes, V interiors) addressed by one block table:
+    each attention reads its own layer's cache."""
+    seed = random.randrange(1 << 30)
+    seqs = [(17, 1), (30, 4), (5, 11)]
+    steps = []
+    for layout, il, cache, mag in (("LHBNC", False, None, 1.0), ("LBHNC", True, E4M3, 3.0)):
+        # the same draws (block ids, garbage) with other values: the magnitude scales them
+        steps.append(make_step(random.Random(seed), seqs, num_heads=4, num_kv_heads=2, head_size=64,
+                               dtype=torch.float16, cache_dtype=cache, layout=layout, interleaved_v=il,
+                               k_scale=0.25, v_scale=0.5, magnitude=mag))
+    assert torch.equal(steps[0]["block_table"], steps[1]["block_table"])
+    for st_ in steps:
+        _replay(seed, "layer", lambda: check_attention(provider, st_, scale=0.125, window=9))
 
 
 HEAD_SIZES = (32, 64, 80, 96, 128, 160, 192, 224, 256)  # capabilities.HEAD_SIZES, written out
@@ -338,7 +369,8 @@ WRITER_OPS = ["reshape_and_cache", "rotary_embedding", "rope_and_cache", "qk_nor
 # (cache dtype, k_scale, v_scale): the model dtype, fp8 with tiny scales (values saturate) and
 # large ones (values shrink towards the fp8 subnormals)
 WRITER_CACHES = {"model": (None, 1.0, 1.0), "e4m3_tiny": (E4M3, 2 ** -9, 1e-3), "e4m3_large": (E4M3, 64.0, 300.0),
-                 "e5m2_tiny": (E5M2, 2 ** -13, 3e-5), "e5m2_large": (E5M2, 2.0 ** 12, 5e3)}
+                 "e5m2_tiny": (E5M2, 2 ** -13, 3e-5), "e5m2_large": (E5M2, 2.0 ** 12, 5e3),
+                 "fp16_of_fp32_model": (torch.float16, 1.0, 1.0)}
 
 
 def _like(cache: torch.Tensor, storage: torch.Tensor) -> torch.Tensor:
@@ -362,6 +394,8 @@ def _within_rounding(got, exact, dtype, what, terms, extra=0.0):
 def _slots(r, g, num_tokens, num_slots_total, short):
     """Distinct slots with the cache's first and last slot among them, padding (-1, -7) and,
     with ``short``, fewer entries than tokens (the rest are not written)."""
+    if short and r.random() < 0.25:  # no slots: the fused writers only rotate
+        return torch.empty(0, dtype=r.choice([torch.int32, torch.int64]))
     n = num_tokens - (r.randint(1, 2) if short and num_tokens > 2 else 0)
     inner = torch.randperm(num_slots_total - 2, generator=g)[: n - 2] + 1  # neither the first nor the last
     inner[torch.randperm(n - 2, generator=g)[: max(1, n // 4)]] = r.choice([-1, -7])
@@ -381,9 +415,9 @@ def _fp8_exact(x, cache_dtype, scale, g):
 
 
 def _writer_inputs(r, g, op, provider, cache_kind):
-    dtype = r.choice([torch.float16, torch.float32])
     cache_dtype, ks, vs = WRITER_CACHES[cache_kind]
-    fp8 = cache_dtype is not None
+    dtype = torch.float32 if cache_dtype == torch.float16 else r.choice([torch.float16, torch.float32])
+    fp8 = cache_dtype in (E4M3, E5M2)
     if provider == "triton" and fp8:
         if op != "reshape_and_cache":
             pytest.skip("Triton's interpreter rounds fp32 -> fp8 wrongly (7.9 -> 4.0): the fused fp8 writes "
@@ -453,8 +487,12 @@ def _run_writer(r, g, op, provider, w):
             OPS.reshape_and_cache(k, v, cache, slots, kst, vst, il)
         elif name == "rotary_embedding":
             flat = r.random() < 0.5 and q.is_contiguous() and k.is_contiguous()
-            OPS.rotary_embedding(pos, q.view(t, -1) if flat else q, k.view(t, -1) if flat else k, d, table, neox)
+            no_key = r.random() < 0.25  # key is optional
+            OPS.rotary_embedding(pos, q.view(t, -1) if flat else q, None if no_key else k.view(t, -1) if flat else k,
+                                 d, table, neox)
             want_q, want_k = oracle.rope_table(q0, pos, table, neox), oracle.rope_table(k0, pos, table, neox)
+            if no_key:
+                want_k = k0
             terms = (q0.abs().amax(-1) * 2, k0.abs().amax(-1) * 2)
         elif name == "rope_and_cache":
             OPS.rope_and_cache(pos, q, k, v, cache, slots, table, neox, kst, vst, il)
@@ -464,6 +502,10 @@ def _run_writer(r, g, op, provider, w):
             qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], 1)
             q_out = _poison(torch.empty(t, w["hq"], d, dtype=dtype))
             k_stored = _poison(torch.empty(t, w["hkv"], d, dtype=dtype))
+            if r.random() < 0.3:  # allowed: q_out / k_out are qkv's own q / k slices
+                q_out = qkv[:, : w["hq"] * d].view(t, w["hq"], d)
+                k_stored = qkv[:, w["hq"] * d: (w["hq"] + w["hkv"]) * d].view(t, w["hkv"], d)
+                v = v.clone()
             OPS.qk_norm_rope_and_cache(qkv, qw, kw_, eps, pos, table, neox, cache, slots, kst, vst, il, w["hq"],
                                        w["hkv"], d, q_out, k_stored)
             # fp32 statistics, times the weight, no rounding before RoPE
@@ -472,7 +514,9 @@ def _run_writer(r, g, op, provider, w):
             terms = (nq.abs().amax(-1) * 2, nk.abs().amax(-1) * 2)
             q = q_out
         elif name == "rope_cos_sin_and_cache":
-            OPS.rope_cos_sin_and_cache(q, k, v, cos, sin, neox, cache, slots, kst, vst, il)
+            flat = r.random() < 0.5 and q.is_contiguous() and k.is_contiguous()
+            OPS.rope_cos_sin_and_cache(q.view(t, -1) if flat else q, k.view(t, -1) if flat else k, v, cos, sin, neox,
+                                       cache, slots, kst, vst, il)
             want_q, want_k = oracle.rope_rows(q0, cos, sin, neox), oracle.rope_rows(k0, cos, sin, neox)
             gain = float(cos.abs().max() + sin.abs().max())
             terms = (q0.abs().amax(-1) * gain, k0.abs().amax(-1) * gain)
@@ -574,3 +618,55 @@ def test_triton_tanh_is_accurate_near_zero():
     rel = ((y.double() - want).abs() / want.abs().clamp_min(1e-300))[want != 0]
     assert float(rel.max()) < 4e-7, f"tanh({float(x[rel.argmax()])}): relative error {float(rel.max()):.2e}"
     assert torch.equal(y[x == 0], torch.zeros_like(y[x == 0]))
+
+
+# --- refusals at the same corners ---------------------------------------------------------------
+
+
+def _bytes(*ts):
+    return [oracle._flat(t).view(torch.uint8).clone() if t.dim() == 4 else t.clone() for t in ts]
+
+
+def _unchanged(before, *ts):
+    for b, t in zip(before, ts):
+        now = oracle._flat(t).view(torch.uint8) if t.dim() == 4 else t
+        assert torch.equal(now.view(torch.uint8), b.view(torch.uint8)), "a refused call wrote"
+
+
+def test_refused_one_past_the_end():
+    """One past the last slot, the table's last row and the cache's last block: refused with
+    an IndexError before anything is written (the last ones themselves are accepted above)."""
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    nb, bs, hkv, d, t = 3, 16, 2, 64, 4
+    cache = _cache(nb, bs, hkv, d, torch.float16, "LBHNC")
+    k, v = (torch.randn(t, hkv, d, generator=g).half() for _ in range(2))
+    q = torch.randn(t, 2 * hkv, d, generator=g).half()
+    one = torch.ones(1)
+    slots = torch.tensor([0, 5, nb * bs - 1, nb * bs])
+    before = _bytes(cache, q, k)
+    with pytest.raises(IndexError, match=f"slot_mapping entry {nb * bs} .token 3"):
+        OPS.reshape_and_cache(k, v, cache, slots, one, one, False)
+    _unchanged(before, cache, q, k)
+    table = torch.randn(10, 32, generator=g)
+    pos = torch.tensor([0, 9, 3, 10])
+    with pytest.raises(IndexError, match="positions entry 10 .token 3"):
+        OPS.rope_and_cache(pos, q, k, v, cache, slots[:3], table, True, one, one, False)
+    _unchanged(before, cache, q, k)
+    qkv = torch.randn(t, 4 * hkv * d, generator=g).half()
+    outs = [_poison(torch.empty(t, h, d, dtype=torch.float16)) for h in (2 * hkv, hkv)]
+    with pytest.raises(IndexError, match="positions entry 10"):
+        OPS.qk_norm_rope_and_cache(qkv, one.half().expand(d).contiguous(), one.half().expand(d).contiguous(), 1e-6,
+                                   pos, table, False, cache, slots[:3], one, one, False, 2 * hkv, hkv, d, *outs)
+    _unchanged(before + _bytes(*outs), cache, q, k, *outs)
+    out = _poison(torch.empty_like(q))
+    for bad, err, match in ((nb, IndexError, f"block_table.0, 1. = {nb}"), (-1, IndexError, "block_table.0, 1. = -1")):
+        bt = torch.tensor([[1, bad, 0]], dtype=torch.int32)  # 17 tokens use two blocks
+        with pytest.raises(err, match=match):
+            OPS.paged_attention(out, q, k, v, cache, torch.tensor([0, 4], dtype=torch.int32),
+                                torch.tensor([17], dtype=torch.int32), bt, 4, 17, 0.1, one, one)
+        assert torch.isnan(out.float()).all()
+    with pytest.raises(ValueError, match="needs 2 blocks but block_table has 1 columns"):
+        OPS.paged_attention(out, q, k, v, cache, torch.tensor([0, 4], dtype=torch.int32),
+                            torch.tensor([17], dtype=torch.int32), torch.tensor([[1]], dtype=torch.int32), 4, 17,
+                            0.1, one, one)
+    assert torch.isnan(out.float()).all()
