@@ -86,6 +86,11 @@ def _on(provider: str):
     return mock.patch.object(providers, "select", lambda op, **kw: ("triton", kernel(op)))
 
 
+def _scale(x: float) -> torch.Tensor:
+    """A per-tensor scale, of shape () or (1,) (both are the contract's)."""
+    return torch.tensor(x) if random.random() < 0.5 else torch.tensor([x])
+
+
 def _replay(seed, what, fn):
     try:
         return fn()
@@ -197,7 +202,7 @@ def run_attention(provider, st_, *, scale, causal=True, window=-1, alibi=None, s
     with _on(provider):
         OPS.paged_attention(out, st_["query"], st_["key"], st_["value"], st_["cache"], st_["query_start_loc"],
                             st_["seq_lens"], st_["block_table"], mq, ms, scale,
-                            torch.tensor([st_["k_scale"]]), torch.tensor([st_["v_scale"]]), causal, window,
+                            _scale(st_["k_scale"]), _scale(st_["v_scale"]), causal, window,
                             alibi, sinks, soft_cap, st_["interleaved_v"], None)
     return out
 
@@ -294,6 +299,10 @@ def _options(r, sc, num_heads, head_size):
         opts["alibi"] = (torch.rand(num_heads, generator=g) - 0.5) * 2
     if sc.get("sinks") == "extreme":
         opts["sinks"] = torch.tensor([[-1e4, -math.inf, 30.0, 0.5][h % 4] for h in range(num_heads)])
+    per_head = r.choice([torch.float32, torch.float32, torch.float16, torch.float64])  # any float dtype
+    for name in ("alibi", "sinks"):
+        if name in opts:
+            opts[name] = opts[name].to(per_head)
     return opts
 
 
@@ -472,7 +481,7 @@ def _run_writer(r, g, op, provider, w):
     name, _, variant = op.partition(":")
     dtype, cache, slots, q, k, v, d, t = w["dtype"], w["cache"], w["slots"], w["q"], w["k"], w["v"], w["d"], w["t"]
     il, neox = w["interleaved_v"], r.random() < 0.5
-    kst, vst = torch.tensor([w["ks"]]), torch.tensor([w["vs"]])
+    kst, vst = _scale(w["ks"]), _scale(w["vs"])
     before = oracle._flat(cache).clone()
     rot = r.choice([d, d, d // 2, 16, 2])
     eps = r.choice([0.0, 1e-6, 1.0])
@@ -480,7 +489,7 @@ def _run_writer(r, g, op, provider, w):
     pos = torch.randint(0, max_pos, (t,), generator=g)
     pos[0], pos[-1] = 0, max_pos - 1  # the first and last row of the table
     theta = torch.rand(max_pos, rot // 2, generator=g, dtype=torch.float64) * 2 * math.pi
-    table = torch.cat([theta.cos(), theta.sin()], 1).to(r.choice([dtype, torch.float32]))
+    table = torch.cat([theta.cos(), theta.sin()], 1).to(r.choice([dtype, torch.float32, torch.float64]))
     cos, sin = (torch.randn(t, rot, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
     qw, kw_ = ((torch.randn(d, generator=g, dtype=torch.float64) * 0.3 + (0.0 if variant == "gemma" else 1.0))
                .to(dtype) for _ in range(2))
