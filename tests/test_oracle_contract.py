@@ -453,6 +453,12 @@ def _writer_inputs(r, g, op, provider, cache_kind):
     if provider == "triton" and fp8:
         fused[:, hq:hq + hkv] = _fp8_exact(fused[:, hq:hq + hkv], cache_dtype, ks, g)
         fused[:, hq + hkv:hq + 2 * hkv] = _fp8_exact(fused[:, hq + hkv:hq + 2 * hkv], cache_dtype, vs, g)
+    if op == "reshape_and_cache" and r.random() < 0.5:  # stored as NaN; +-inf saturate in fp8
+        kv = fused[:, hq:hq + 2 * hkv]
+        spots = torch.rand(kv.shape, generator=g) < 0.05
+        # (Triton's interpreter stores NaN as 384 in e4m3: there +-inf only)
+        odd = [math.inf, -math.inf] + ([] if provider == "triton" and cache_dtype == E4M3 else [math.nan])
+        kv[spots] = torch.tensor(odd, dtype=dtype)[torch.randint(0, len(odd), (int(spots.sum()),), generator=g)]
     q, k, v = fused[:, :hq], fused[:, hq:hq + hkv], fused[:, hq + hkv:hq + 2 * hkv]
     if r.random() < 0.5:  # contiguous tensors rather than views of one projection
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
