@@ -115,7 +115,7 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # --- attention --------------------------------------------------------------------------------
 
 
-def attend_row(q, keys, values, *, q_pos, head, scale, causal, window, slope, sink, soft_cap):
+def attend_row(q, keys, values, *, q_pos, scale, causal, window, slope, sink, soft_cap):
     """One query row of one head: q ``[D]``, keys/values ``[L, D]`` at positions 0..L-1.
     Returns (output ``[D]``, the row's scale: max |v| over the visible keys, max |logit|)."""
     s = (keys @ q) * scale
@@ -177,7 +177,7 @@ def paged_attention(query, key, value, cache, query_start_loc, seq_lens, block_t
             for h in range(hq):
                 g = h // (hq // hkv)
                 o, vm, lm = attend_row(
-                    query[q0 + i, h].to(F64), ks[:, g], vs[:, g], q_pos=ctx + i, head=h, scale=scale,
+                    query[q0 + i, h].to(F64), ks[:, g], vs[:, g], q_pos=ctx + i, scale=scale,
                     causal=causal, window=window,
                     slope=None if alibi is None else float(alibi[h]),
                     sink=None if sinks is None else float(sinks[h]), soft_cap=soft_cap)

@@ -9,21 +9,33 @@ fresh random draws (a new seed every run, named in the failure), never zero; out
 caches are poisoned (NaN bytes) first, so a row or slot not written shows. The corners:
 
 - attention: contexts of 0 and 1 tokens, a query that is the whole sequence, sequences that
-  end on a block boundary, block tables whose unused entries are -1, huge or blocks full of
-  NaN, extra block-table rows, prefix blocks shared by two sequences, the tail of a last block
-  holding NaN or huge stale values, windows of 1 / the context / the sequence / more, soft caps
-  of 1 and 1e4, ALiBi slopes of both signs with GQA, sinks of -1e4, -inf and +30 with windows,
-  scales far from 1/sqrt(D), every head size with GQA 1 and a large ratio (more query heads
-  than one decode program takes), block sizes 16..544, mixed batches of decode, verify (2..8
-  tokens), prefill and empty sequences, with and without the launch hints, fp8 e4m3/e5m2
-  caches with tiny and large scales and saturating values (compared with the oracle over the
-  values the cache holds, dequantized), key=None;
-- the writers: slots < 0 and a shorter slot_mapping, the cache's first and last slot,
-  positions 0 and the last row of the cos/sin table, partial rotary, NeoX and GPT-J pairs,
-  QK-norm eps 0 / 1e-6 / 1, Gemma's norm, norm_after_rope, interleaved V, fp8 with tiny and
-  large scales;
+  end on a block boundary, sequences without new tokens, block tables whose unused entries are
+  -1, huge or blocks full of NaN, of exact width (the longest row ends the tensor) or with
+  extra rows, prefix blocks shared by two sequences, two layers' caches under one block
+  table, the tail of a last block holding NaN or huge stale values, windows of 1 / the
+  context / the sequence / more, soft caps of 1 and 1e4, ALiBi slopes of both signs with GQA
+  and over 600-token contexts, sinks of -1e4, -inf and +30 with windows, per-head tensors of
+  any float dtype, scales far from 1/sqrt(D), every head size with GQA 1 and 8 and a ratio of
+  72 (more query heads than one decode program takes), block sizes 16..544, mixed batches of
+  decode, verify (2..8 tokens), prefill and empty sequences, with and without the launch
+  hints, padding rows, output = query, strided q/k/v, int32/int64 indices, scales of shape ()
+  and (1,), an fp16 cache of an fp32 model, fp8 e4m3/e5m2 caches with tiny and large scales
+  and saturating values (compared with the oracle over the values the cache holds,
+  dequantized), key=None;
+- the writers: slots < 0, a shorter or empty slot_mapping, the cache's first and last slot,
+  positions 0 and the last row of the cos/sin table (of any float dtype), partial rotary down
+  to 2 channels, NeoX and GPT-J pairs, flat and strided q/k, QK-norm eps 0 / 1e-6 / 1, Gemma's
+  norm, norm_after_rope, q_out / k_out aliasing qkv, interleaved V, an fp16 cache of an fp32
+  model, fp8 with tiny and large scales, NaN stored as NaN and +-inf saturated;
 - refusals at the same corners (one past the last slot, position or block);
-- a bounded hypothesis search over the combined attention space.
+- bounded hypothesis searches over the combined attention space and over the writers;
+- the Triton soft cap's tanh near 0.
+
+Triton's interpreter gets some fp8 conversions wrong (fp32 -> fp8 rounding that carries into
+the exponent: 7.9 -> 4.0; NaN -> e4m3 stored as 384; e5m2 subnormals -> fp16 read as 0), which
+a GPU converts exactly: there the Triton writers get fp8 values the rounding cannot touch
+(grid values times power-of-two scales, saturating ones) and the fused fp8 writes are skipped,
+and the e5m2 large-scale attention case runs an fp32 model.
 
 Tolerances, per output element, relative to its row's scale (the largest |v| among the keys
 the row sees: the output is a weighted mean of those values):
@@ -42,6 +54,7 @@ quantized q/k/v the op returned (bit for bit, -0 == +0), every other byte stays 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from unittest import mock
@@ -57,6 +70,8 @@ import providers_under_test as put
 from inductor_rocm_attn import providers
 from inductor_rocm_attn.kernels.triton.attention_common import _tanh
 
+# the huge stale values of unused cache slots overflow in the interpreter's numpy before the mask drops them
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 OPS = torch.ops.rocm_attn
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 U16 = 2.0 ** -11
@@ -77,7 +92,7 @@ def _on(provider: str):
     """Run the ops with ``provider``'s kernels after their validation (the reference is what
     the op picks on CPU; Triton runs in its interpreter)."""
     if provider == "reference":
-        return mock.patch.object(providers, "select", providers.select)
+        return contextlib.nullcontext()
     if not put.INTERPRETER:
         pytest.skip("Triton runs here in its interpreter on CPU tensors only")
     import attention_checks  # noqa: F401  (the interpreter's loop-bound fix)
@@ -86,9 +101,9 @@ def _on(provider: str):
     return mock.patch.object(providers, "select", lambda op, **kw: ("triton", kernel(op)))
 
 
-def _scale(x: float) -> torch.Tensor:
+def _scale(x: float, shape_0d: bool) -> torch.Tensor:
     """A per-tensor scale, of shape () or (1,) (both are the contract's)."""
-    return torch.tensor(x) if random.random() < 0.5 else torch.tensor([x])
+    return torch.tensor(x) if shape_0d else torch.tensor([x])
 
 
 def _replay(seed, what, fn):
@@ -187,7 +202,8 @@ def make_step(r: random.Random, seqs, *, num_heads, num_kv_heads, head_size, blo
     qsl = torch.tensor([0] + torch.tensor([q for _, q in seqs]).cumsum(0).tolist(), dtype=index)
     return dict(query=query, key=None if key_from_cache else key, value=None if key_from_cache else value,
                 cache=cache, query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=index),
-                block_table=table.to(index), k_scale=k_scale, v_scale=v_scale, interleaved_v=interleaved_v)
+                block_table=table.to(index), k_scale=k_scale, v_scale=v_scale, interleaved_v=interleaved_v,
+                scale_0d=r.random() < 0.5)
 
 
 def run_attention(provider, st_, *, scale, causal=True, window=-1, alibi=None, sinks=None, soft_cap=0.0,
@@ -202,7 +218,8 @@ def run_attention(provider, st_, *, scale, causal=True, window=-1, alibi=None, s
     with _on(provider):
         OPS.paged_attention(out, st_["query"], st_["key"], st_["value"], st_["cache"], st_["query_start_loc"],
                             st_["seq_lens"], st_["block_table"], mq, ms, scale,
-                            _scale(st_["k_scale"]), _scale(st_["v_scale"]), causal, window,
+                            _scale(st_["k_scale"], st_["scale_0d"]), _scale(st_["v_scale"], st_["scale_0d"]), causal,
+                            window,
                             alibi, sinks, soft_cap, st_["interleaved_v"], None)
     return out
 
@@ -210,8 +227,8 @@ def run_attention(provider, st_, *, scale, causal=True, window=-1, alibi=None, s
 def check_attention(provider, st_, **kw):
     out = run_attention(provider, st_, **kw)
     want, row_scale, logit_max = oracle.paged_attention(
-        st_.get("query_in", st_["query"]), st_["key"], st_["value"], st_["cache"], st_["query_start_loc"], st_["seq_lens"],
-        st_["block_table"], scale=kw["scale"], k_scale=st_["k_scale"], v_scale=st_["v_scale"],
+        st_.get("query_in", st_["query"]), st_["key"], st_["value"], st_["cache"], st_["query_start_loc"],
+        st_["seq_lens"], st_["block_table"], scale=kw["scale"], k_scale=st_["k_scale"], v_scale=st_["v_scale"],
         causal=kw.get("causal", True), window=kw.get("window", -1), alibi=kw.get("alibi"),
         sinks=kw.get("sinks"), soft_cap=kw.get("soft_cap", 0.0), interleaved_v=st_["interleaved_v"])
     dtype = out.dtype
@@ -234,10 +251,6 @@ def check_attention(provider, st_, **kw):
         raise AssertionError(f"{provider}: row (token {t}, head {h}) beyond the bound by {worst:.2f}x: got "
                              f"{got[t, h, :4].tolist()} want {want[t, h, :4].tolist()}")
     return out
-
-
-def _heads_for(gqa, kv=1):
-    return dict(num_heads=gqa * kv, num_kv_heads=kv)
 
 
 # Each scenario: the step (make_step's arguments) and the attention options. D = 32 unless
@@ -487,7 +500,7 @@ def _run_writer(r, g, op, provider, w):
     name, _, variant = op.partition(":")
     dtype, cache, slots, q, k, v, d, t = w["dtype"], w["cache"], w["slots"], w["q"], w["k"], w["v"], w["d"], w["t"]
     il, neox = w["interleaved_v"], r.random() < 0.5
-    kst, vst = _scale(w["ks"]), _scale(w["vs"])
+    kst, vst = _scale(w["ks"], r.random() < 0.5), _scale(w["vs"], r.random() < 0.5)
     before = oracle._flat(cache).clone()
     rot = r.choice([d, d, d // 2, 16, 2])
     eps = r.choice([0.0, 1e-6, 1.0])
@@ -593,10 +606,11 @@ def attention_cases(draw):
     cache = draw(st.sampled_from([None, None, E4M3, E5M2]))
     window = draw(st.sampled_from([-1, -1, 0, 1, 2, 7, 16, 41, 1000]))
     sc = dict(seqs=seqs, gqa=draw(st.sampled_from([1, 2, 3, 4, 8])), kv=draw(st.sampled_from([1, 2])),
-              block_size=draw(st.sampled_from([16, 32, 48])), dtype=draw(st.sampled_from([torch.float16, torch.float32])),
+              block_size=draw(st.sampled_from([16, 32, 48])),
+              dtype=draw(st.sampled_from([torch.float16, torch.float32])),
               cache_dtype=cache, layout=draw(st.sampled_from(["LHBNC", "LBHNC"])), interleaved_v=draw(st.booleans()),
-              scales=(draw(st.sampled_from([2 ** -8, 0.05, 1.0, 1.7])), draw(st.sampled_from([2 ** -8, 0.3, 1.0, 2.0])))
-              if cache else (1.0, 1.0),
+              scales=(draw(st.sampled_from([2 ** -8, 0.05, 1.0, 1.7])),
+                      draw(st.sampled_from([2 ** -8, 0.3, 1.0, 2.0]))) if cache else (1.0, 1.0),
               window=window, causal=draw(st.booleans()), soft_cap=draw(st.sampled_from([0.0, 0.0, 1.0, 30.0, 1e4])),
               alibi=draw(st.sampled_from([None, None, "both"])), sinks=draw(st.sampled_from([None, None, "extreme"])),
               scale_mult=draw(st.sampled_from([1.0, 0.05, 4.0])), hints=draw(st.booleans()),
