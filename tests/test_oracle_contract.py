@@ -19,7 +19,8 @@ caches are poisoned (NaN bytes) first, so a row or slot not written shows. The c
   72 (more query heads than one decode program takes), block sizes 16..544, mixed batches of
   decode, verify (2..8 tokens), prefill and empty sequences, with and without the launch
   hints, padding rows, output = query, strided q/k/v, int32/int64 indices, scales of shape ()
-  and (1,), an fp16 cache of an fp32 model, fp8 e4m3/e5m2 caches with tiny and large scales
+  and (1,), LHBNC, LBHNC and hybrid caches (pages inside larger blocks), an fp16 cache of an
+  fp32 model, fp8 e4m3/e5m2 caches with tiny and large scales
   and saturating values (compared with the oracle over the values the cache holds,
   dequantized), key=None;
 - the writers: slots < 0, a shorter or empty slot_mapping, the cache's first and last slot,
@@ -118,10 +119,16 @@ def _replay(seed, what, fn):
 
 def _cache(num_blocks, block_size, num_kv_heads, head_size, dtype, layout):
     """A poisoned cache of logical shape [num_blocks, 2, block_size, Hkv * D] in the design's
-    LHBNC (K of all blocks, then V of all blocks) or LBHNC (per block K page, V page) order."""
+    LHBNC (K of all blocks, then V of all blocks) or LBHNC (per block K page, V page) order;
+    HYBRID: LBHNC pages inside blocks of three pages (a hybrid attention/Mamba cache: the
+    page before them belongs to someone else)."""
     row = num_kv_heads * head_size
     if layout == "LHBNC":
         cache = torch.empty(2, num_blocks, block_size, row, dtype=dtype).transpose(0, 1)
+    elif layout == "HYBRID":
+        page = block_size * row
+        buf = torch.empty(3 * num_blocks * page, dtype=dtype)
+        cache = buf.as_strided((num_blocks, 2, block_size, row), (3 * page, page, row, 1), page)
     else:
         cache = torch.empty(num_blocks, 2, block_size, row, dtype=dtype)
     return _poison(cache)
@@ -324,7 +331,7 @@ def _scenario_step(r, sc, head_size=32, **over):
     ks, vs = sc.get("scales", (1.0, 1.0))
     kw = dict(num_heads=gqa * kv, num_kv_heads=kv, head_size=head_size, block_size=sc.get("block_size", 16),
               dtype=sc.get("dtype", torch.float32), cache_dtype=sc.get("cache_dtype"),
-              layout=sc.get("layout", r.choice(["LHBNC", "LBHNC"])),
+              layout=sc.get("layout", r.choice(["LHBNC", "LBHNC", "HYBRID"])),
               interleaved_v=sc.get("interleaved_v", r.random() < 0.5), k_scale=_f32(ks), v_scale=_f32(vs),
               magnitude=sc.get("magnitude", 1.0), table_garbage=sc.get("table_garbage", "nan_block"),
               stale_tail=sc.get("stale_tail", "nan"), shared_prefix=sc.get("shared_prefix", 0),
@@ -353,7 +360,7 @@ def test_attention_layers_share_block_ids(provider):
     seed = random.randrange(1 << 30)
     seqs = [(17, 1), (30, 4), (5, 11)]
     steps = []
-    for layout, il, cache, mag in (("LHBNC", False, None, 1.0), ("LBHNC", True, E4M3, 3.0)):
+    for layout, il, cache, mag in (("LHBNC", False, None, 1.0), ("HYBRID", True, E4M3, 3.0)):
         # the same draws (block ids, garbage) with other values: the magnitude scales them
         steps.append(make_step(random.Random(seed), seqs, num_heads=4, num_kv_heads=2, head_size=64,
                                dtype=torch.float16, cache_dtype=cache, layout=layout, interleaved_v=il,
@@ -458,7 +465,7 @@ def _writer_inputs(r, g, op, provider, cache_kind):
     bs = r.choice([16, 48, 80])
     t = r.randint(5, 12)
     nb = math.ceil(t / bs) + 1
-    cache = _cache(nb, bs, hkv, d, cache_dtype or dtype, r.choice(["LHBNC", "LBHNC"]))
+    cache = _cache(nb, bs, hkv, d, cache_dtype or dtype, r.choice(["LHBNC", "LBHNC", "HYBRID"]))
     slots = _slots(r, g, t, nb * bs, short=r.random() < 0.5)
     mag = r.choice([1.0, 1.0, 0.01, 40.0])
     fused = torch.randn(t, hq + 2 * hkv + 1, d, generator=g, dtype=torch.float64) * mag
@@ -608,7 +615,8 @@ def attention_cases(draw):
     sc = dict(seqs=seqs, gqa=draw(st.sampled_from([1, 2, 3, 4, 8])), kv=draw(st.sampled_from([1, 2])),
               block_size=draw(st.sampled_from([16, 32, 48])),
               dtype=draw(st.sampled_from([torch.float16, torch.float32])),
-              cache_dtype=cache, layout=draw(st.sampled_from(["LHBNC", "LBHNC"])), interleaved_v=draw(st.booleans()),
+              cache_dtype=cache, layout=draw(st.sampled_from(["LHBNC", "LBHNC", "HYBRID"])),
+              interleaved_v=draw(st.booleans()),
               scales=(draw(st.sampled_from([2 ** -8, 0.05, 1.0, 1.7])),
                       draw(st.sampled_from([2 ** -8, 0.3, 1.0, 2.0]))) if cache else (1.0, 1.0),
               window=window, causal=draw(st.booleans()), soft_cap=draw(st.sampled_from([0.0, 0.0, 1.0, 30.0, 1e4])),
