@@ -30,6 +30,7 @@ caches are poisoned (NaN bytes) first, so a row or slot not written shows. The c
   model, fp8 with tiny and large scales, NaN stored as NaN and +-inf saturated;
 - refusals at the same corners (one past the last slot, position or block);
 - bounded hypothesis searches over the combined attention space and over the writers;
+- NaN / Inf in q, k, v stay in the rows that see them (decode and verify paths);
 - the Triton soft cap's tanh near 0.
 
 Triton's interpreter gets some fp8 conversions wrong (fp32 -> fp8 rounding that carries into
@@ -71,8 +72,10 @@ import providers_under_test as put
 from inductor_rocm_attn import providers
 from inductor_rocm_attn.kernels.triton.attention_common import _tanh
 
-# the huge stale values of unused cache slots overflow in the interpreter's numpy before the mask drops them
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+# the huge stale values of unused cache slots overflow in the interpreter's numpy before the mask
+# drops them; NaN inputs meet masked weights of 0 there (both on purpose)
+pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
 OPS = torch.ops.rocm_attn
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 U16 = 2.0 ** -11
@@ -727,3 +730,56 @@ def test_writer_random_search(provider, op, cache_kind, seed):
     g = torch.Generator().manual_seed(seed)
     w = _writer_inputs(r, g, op.split(":")[0], provider, cache_kind)
     _run_writer(r, g, op, provider, w)
+
+
+# --- non-finite inputs --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_attention_nonfinite_stays_in_its_rows(provider, dtype):
+    """NaN / Inf propagate as in float64 SDPA over the keys a row sees (design, "Non-finite
+    inputs"), on the decode and verify paths (the launch hints keep every sequence off the
+    prefill kernel): a NaN query element turns its own (token, head) row NaN; a NaN key or
+    value of a cached token outside every row's window reaches no row; a NaN key channel of a
+    verify sequence's last draft token only the last row (the one that sees it). A NaN value
+    channel of that token: the last row, and under the design's row-block rule of the Triton
+    verify kernel also that channel of the sequence's earlier rows of the same KV head; no
+    other row, no other channel."""
+    seed = random.randrange(1 << 30)
+    r = random.Random(seed)
+    seqs = [(12, 1), (9, 4), (20, 8), (16, 2)]
+    st_ = make_step(r, seqs, num_heads=4, num_kv_heads=2, head_size=32, dtype=dtype, block_size=16,
+                    layout=r.choice(["LHBNC", "LBHNC"]), interleaved_v=r.random() < 0.5)
+    window = 4  # cached position 0 is outside every row's window (contexts >= 9)
+    qsl = st_["query_start_loc"].tolist()
+    row_block_rule = torch.zeros(st_["query"].shape, dtype=torch.bool)  # where the rule may add NaN
+    for s, (ctx, ql) in enumerate(seqs):
+        blk = int(st_["block_table"][s, 0])
+        junk_k = torch.full((1, 2, 32), r.choice([math.nan, math.inf]), dtype=torch.float64)
+        junk_v = torch.full((1, 2, 32), r.choice([math.nan, -math.inf]), dtype=torch.float64)
+        oracle.write(st_["cache"], junk_k, junk_v, torch.tensor([blk * 16]), 1.0, 1.0, st_["interleaved_v"])
+        if ql > 1:  # the last draft token: a NaN key channel in KV head 0, a NaN value channel in head 1
+            last = qsl[s + 1] - 1
+            st_["key"][last, 0, 3] = math.nan
+            st_["value"][last, 1, 5] = math.nan
+            if provider == "triton":
+                row_block_rule[qsl[s]:last, 2:4, 5] = True
+    st_["query"][qsl[0], 2, 7] = math.nan  # the decode row of head 2 only
+    scale = 32 ** -0.5
+    out = run_attention(provider, st_, scale=scale, window=window)
+    want, row_scale, logit_max = oracle.paged_attention(
+        st_["query"], st_["key"], st_["value"], st_["cache"], st_["query_start_loc"], st_["seq_lens"],
+        st_["block_table"], scale=scale, window=window, interleaved_v=st_["interleaved_v"])
+    got = out.to(torch.float64)
+    assert torch.isnan(want).any() and (~torch.isnan(want)).any(), "the case exercises both kinds of rows"
+    missing = torch.isnan(want) & ~torch.isnan(got)
+    extra = torch.isnan(got) & ~torch.isnan(want) & ~row_block_rule
+    for what, where in (("NaN missing", missing), ("NaN where the oracle has none", extra)):
+        assert not where.any(), f"seed {seed}: {what} at (token, head, channel) {torch.nonzero(where)[:4].tolist()}"
+    tol = (1e-6 if dtype == torch.float32 else U16) if provider == "reference" else (
+        1e-5 if dtype == torch.float32 else 3 * U16)
+    bound = ((tol + 16 * U32 * logit_max) * row_scale)[:, :, None].expand_as(got)
+    fine = ~torch.isnan(want) & ~torch.isnan(got)
+    bad = (got - want).abs()[fine] > bound[fine]
+    assert not bad.any(), f"seed {seed}: {int(bad.sum())} finite elements beyond the bound"
