@@ -181,6 +181,7 @@ def make_step(r: random.Random, seqs, *, num_heads, num_kv_heads, head_size, blo
         return (torch.randn(*shape, generator=g, dtype=torch.float64) * magnitude).to(dtype)
 
     qs, ks, vs = [], [], []
+    first_k = first_v = None  # the first sequence's tokens (a shared prefix holds them)
     for s, (ctx, ql) in enumerate(seqs):
         n = ctx + ql
         k_all, v_all = rnd(n, num_kv_heads, head_size), rnd(n, num_kv_heads, head_size)
@@ -192,11 +193,10 @@ def make_step(r: random.Random, seqs, *, num_heads, num_kv_heads, head_size, blo
         write = torch.arange(n) < cached
         write[:first] = False  # the shared prefix holds the first sequence's tokens
         if shared:
-            k_all[:first], v_all[:first] = ks_full[0][:first], vs_full[0][:first]
+            k_all[:first], v_all[:first] = first_k[:first], first_v[:first]
         oracle.write(cache, k_all, v_all, torch.where(write, slots, -1), k_scale, v_scale, interleaved_v)
         if s == 0:
-            ks_full = [k_all]
-            vs_full = [v_all]
+            first_k, first_v = k_all, v_all
         qs.append(rnd(ql, num_heads, head_size))
         ks.append(k_all[ctx:])
         vs.append(v_all[ctx:])
