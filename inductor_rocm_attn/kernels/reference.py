@@ -325,8 +325,8 @@ def attend(
     Non-finite inputs propagate as in float64 SDPA over the keys each row sees: a NaN query
     gives NaN for its row and head, a NaN or +inf logit of a visible key a NaN row, a NaN /
     +-inf value NaN / +-inf in its channel. A key a row does not see has no effect on it. A
-    row whose logits are all -inf (no visible key) outputs 0. (The Triton prefill and
-    encoder kernels also turn NaN the channel of a non-finite value in the rows of a row
+    row whose logits are all -inf (no visible key) outputs 0. (The Triton prefill, verify
+    and encoder kernels also turn NaN the channel of a non-finite value in the rows of a row
     block that mask its key: ``kernels/triton/attention_common._attn_update``.)
     """
     lq, hq, _ = q.shape
