@@ -743,3 +743,31 @@ def test_a_cache_rebound_at_the_same_address_with_another_geometry_is_checked_ag
                 ira.set_forward_context(md):
             layer(q, k, v)
         assert unchanged(before, kv)
+
+
+@pytest.mark.parametrize("extra", [1, 4])
+def test_more_tokens_than_the_metadata_plans_are_refused(extra):
+    """q/k/v with more rows than the step's metadata has tokens (real and padding) were taken:
+    the rows past its tokens were left as torch.empty made them and returned as output. Padding
+    a step is the metadata's to say (build_attention_metadata(..., num_padded_tokens=...))."""
+    s = stepped_layer()
+    before = snapshot(s.layer.kv_cache)
+    q, k, v = qkv(s.num_tokens + extra, s.g)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.unified_kv_cache_update: the step's metadata plans "
+                                         rf"{s.num_tokens} tokens \({s.num_tokens} real, 0 padding\) but the layer "
+                                         rf"was given {s.num_tokens + extra}.*num_padded_tokens="), \
+            ira.set_forward_context(s.md):
+        s.layer(q, k, v)
+    assert unchanged(before, s.layer.kv_cache)
+    # the attention op alone (a layer without a cache update: KV sharing, a hand-written forward)
+    out = torch.empty(s.num_tokens + extra, H, D)
+    with pytest.raises(ValueError, match=r"rocm_attn\.unified_attention_with_output: the step's metadata plans"), \
+            ira.set_forward_context(s.md):
+        torch.ops.rocm_attn.unified_attention_with_output(q.view(-1, H, D), k.view(-1, HKV, D), v.view(-1, HKV, D),
+                                                          out, s.layer.layer_name)
+    # a step padded by its metadata runs, and its real rows are the unpadded step's
+    md = ira.build_attention_metadata(s.query_lens, s.context_lens, s.tables, BS,
+                                      num_padded_tokens=s.num_tokens + extra)
+    with ira.set_forward_context(md):
+        padded = s.layer(q, k, v)
+    assert torch.isfinite(padded[: s.num_tokens]).all()
