@@ -278,6 +278,11 @@ class RocmAttentionImpl:
             causal = self.attn_type == AttentionType.DECODER
         self.causal = bool(causal)
         self.interleaved_v = False
+        # An fp8 cache's scales are tensors a caller may change in place (no recompile): the
+        # version of the layer's scale buffers when last checked; a write checks them again
+        # when it moved (a 16-bit cache reads no scale).
+        self._reads_scales = kv_cache_dtype.startswith("fp8")
+        self._scales_checked = -1
         # (metadata, key, value, cache, tokens) the cache update of this layer's current call
         # checked and wrote; the attention of the same call (same objects) skips those checks.
         self._just_written: tuple | None = None
@@ -399,6 +404,16 @@ class RocmAttentionImpl:
 
     # --- per-call checks (every call, before anything is written) ---------------------------
 
+    def check_scales_changed(self, op: str, buffers) -> None:
+        """An fp8 layer's ``k_scale`` / ``v_scale`` buffers, checked again when they changed in
+        place since their last check (an assigned tensor is checked by ``Attention``): a zero,
+        NaN or infinite scale would be written with the keys, silently. Two version reads."""
+        k, v = buffers["_k_scale"], buffers["_v_scale"]
+        version = k._version + v._version
+        if version != self._scales_checked:
+            validation.check_scales(op, k_scale=k, v_scale=v)
+            self._scales_checked = version
+
     def _kv_rows(self, op: str, key, value):
         rows = step_checks.token_rows
         return (rows(op, "key", key, self.num_kv_heads, self.head_size),
@@ -443,6 +458,8 @@ class RocmAttentionImpl:
 
     def _write(self, layer, key, value, kv_cache, slot_mapping, t: int) -> None:
         buffers = layer._buffers  # skips nn.Module.__getattr__
+        if self._reads_scales:
+            self.check_scales_changed(_KV_UPDATE_OP, buffers)
         k_scale, v_scale = buffers["_k_scale"], buffers["_v_scale"]
         sig = self._signature("reshape_and_cache", key, kv_cache, t)
         fn = self._kernels.get(sig)
@@ -486,6 +503,8 @@ class RocmAttentionImpl:
         if output_scale is not None:
             _check_output_scale(op, output_scale, key, "key")
         buffers = layer._buffers  # skips nn.Module.__getattr__
+        if self._reads_scales:
+            self.check_scales_changed(op, buffers)
         k_scale, v_scale = buffers["_k_scale"], buffers["_v_scale"]
         slot_mapping = attn_metadata.slot_mapping
         sig = self._signature("rope_and_cache", query, kv_cache, t, rot_dim)
@@ -530,6 +549,8 @@ class RocmAttentionImpl:
             slot_mapping = attn_metadata.slot_mapping
             if output_scale is not None:
                 _check_output_scale(op, output_scale, qkv, "qkv")
+            if self._reads_scales:
+                self.check_scales_changed(op, layer._buffers)
 
         def check_all():
             validation.check_qk_norm_rope(op, qkv, q_weight, k_weight, positions, cos_sin_cache,
@@ -597,6 +618,8 @@ class RocmAttentionImpl:
                                            self.head_size)
             if output_scale is not None:
                 _check_output_scale(name, output_scale, key, "key")
+            if self._reads_scales:
+                self.check_scales_changed(name, layer._buffers)
         device = kv_cache.device if write else value.device
         step_checks.check_cos_sin_call(name, query, key, value, cos, sin, device)
         step_checks.check_heads(name, "query", query, self.num_heads, self.head_size, t)

@@ -43,11 +43,13 @@ from transformers.cache_utils import Cache
 from transformers.modeling_utils import AttentionInterface
 
 from ..block_allocator import BlockAllocator
+from ..capabilities import check_block_size, check_kv_cache_dtype
+from ..config_checks import check_cache_scales
 from ..forward_context import get_forward_context, set_forward_context
 from ..layer import Attention
-from ..layout import allocate_kv_cache
+from ..layout import allocate_kv_cache, as_cache_layout
 from ..metadata import AttentionMetadata, build_attention_metadata
-from ..validation import check_bool, check_positive_finite, check_positive_int
+from ..validation import check_bool, check_positive_int
 
 __all__ = ["ATTN_IMPLEMENTATION", "PagedCache", "attention_forward", "register", "stats"]
 
@@ -305,16 +307,6 @@ def check_every_layer_attends(model: torch.nn.Module, who: str) -> None:
         )
 
 
-def check_fp8_scales(who: str, kv_cache_dtype, k_scale, v_scale) -> None:
-    """Scales other than 1.0 only for an fp8 cache: a 16-bit cache stores values as they
-    are, so a scale given with one would be silently ignored."""
-    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
-        check_positive_finite(who, name, value)
-        if value != 1.0 and not (isinstance(kv_cache_dtype, str) and kv_cache_dtype.startswith("fp8")):
-            raise ValueError(f"{who}: {name}={value!r} with kv_cache_dtype={kv_cache_dtype!r}; the cache scales "
-                             "apply only to an fp8 kv_cache_dtype (fp8, fp8_e4m3, fp8_e5m2)")
-
-
 def paged_layers(model: torch.nn.Module, num_blocks: int, *, block_size: int = 16,
                  cache_layout: str = "LHBNC", kv_cache_dtype: str = "auto", k_scale: float = 1.0,
                  v_scale: float = 1.0, poison: bool = False, max_seq_len: int | None = -1,
@@ -328,7 +320,11 @@ def paged_layers(model: torch.nn.Module, num_blocks: int, *, block_size: int = 1
     fp8 cache scales (stored = value / scale); only with an fp8 ``kv_cache_dtype``, which
     alone uses them. ``who``: the entry point its refusals name."""
     check_bool(who, "poison", poison)
-    check_fp8_scales(who, kv_cache_dtype, k_scale, v_scale)
+    # the cache geometry, refused here by name rather than by each layer built below
+    check_block_size(block_size, who)
+    as_cache_layout(cache_layout, who)
+    check_kv_cache_dtype(kv_cache_dtype, who)
+    check_cache_scales(who, kv_cache_dtype, k_scale, v_scale)
     param = next(model.parameters())
     dtype, device = getattr(model, "dtype", param.dtype), getattr(model, "device", param.device)
     layers: dict[str, Attention] = {}
@@ -556,6 +552,9 @@ class PagedCache(Cache):
             raise ValueError(f"PagedCache.begin_step: input_ids must be [batch, new tokens] (inputs_embeds "
                              f"[batch, new tokens, hidden]), got {tuple(x.shape)}")
         b, t = x.shape[0], x.shape[1]
+        if b == 0 or t == 0:  # nothing to plan (the planning would fail on empty reductions)
+            raise ValueError(f"PagedCache.begin_step: a step needs at least one row and one new token, got "
+                             f"{'input_ids' if input_ids is not None else 'inputs_embeds'} of shape {tuple(x.shape)}")
         if self._lengths and len(self._lengths) != b:
             raise ValueError(f"PagedCache: batch of {b} rows for a cache holding {len(self._lengths)} rows; "
                              "use a new PagedCache (or reset()) for a new batch")

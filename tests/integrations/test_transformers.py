@@ -309,6 +309,20 @@ def test_rejected_first_step_leaves_the_cache_without_a_batch():
     assert cache.row_lengths() == [4] and written_slots(cache) == [4, 4]
 
 
+
+@pytest.mark.parametrize("shape", [(1, 0), (0, 3)], ids=["no_new_tokens", "no_rows"])
+def test_a_step_without_tokens_is_refused_by_name(shape):
+    """A forward of no new tokens (or no rows) failed inside the cache's planning with
+    "amin(): Expected reduction dim 1 to have non-zero size" (or "max() arg is an empty
+    sequence"), naming neither the cache nor the input."""
+    ours = build("llama", "rocm_attn")
+    cache = PagedCache(ours, num_blocks=4, poison=True)
+    with pytest.raises(ValueError, match=rf"PagedCache\.begin_step: a step needs at least one row and one new "
+                                         rf"token, got input_ids of shape \({shape[0]}, {shape[1]}\)"):
+        ours(torch.ones(*shape, dtype=torch.long), past_key_values=cache)
+    assert cache.batch_size == -1 and cache.get_seq_length() == 0 and written_slots(cache) == [0, 0]
+
+
 def test_forward_that_raises_leaves_the_rows_as_they_were():
     """A forward that raised after its step was planned (here: dropout in training mode, whose
     message says to call model.eval()) kept the step's tokens in the row lengths without
@@ -841,6 +855,22 @@ def test_cache_scales_are_refused_without_an_fp8_cache():
             make(ours, num_blocks=4, k_scale=0.5)
         with pytest.raises(ValueError, match=re.escape(f"{who}: v_scale must be a positive finite number, got 0")):
             make(ours, num_blocks=4, kv_cache_dtype="fp8_e5m2", v_scale=0)
+
+
+
+@pytest.mark.parametrize("kw, what", [(dict(block_size=8), r"block_size 8 is not supported"),
+                                      (dict(cache_layout="NHD"), r"cache_layout 'NHD' is not supported"),
+                                      (dict(kv_cache_dtype="int8"), r"kv_cache_dtype 'int8' is not supported")])
+def test_cache_geometry_refusals_name_the_entry_point(kw, what):
+    """A bad cache geometry given to PagedCache / eager_runner was refused by the Attention
+    layer each builds inside ("Attention: block_size 8 ..."), not by the function called."""
+    from inductor_rocm_attn.integrations.transformers_runner import compile_transformers, eager_runner
+
+    ours = build("llama", "rocm_attn")
+    for make, who in ((PagedCache, "PagedCache"), (eager_runner, "eager_runner"),
+                      (compile_transformers, "compile_transformers")):
+        with pytest.raises(ValueError, match=rf"^{who}: {what}"):
+            make(ours, num_blocks=4, **kw)
 
 
 def test_generate_fills_the_cache_exactly_and_is_refused_one_token_past_it():
