@@ -17,7 +17,7 @@ import torch
 
 from . import capabilities, config_checks, providers, step_checks, validation
 from .capabilities import AttentionType
-from .forward_context import get_layer
+from .forward_context import get_forward_context, get_layer
 from .layout import (
     CacheLayout,
     KVCacheSpec,
@@ -283,6 +283,9 @@ class RocmAttentionImpl:
         # when it moved (a 16-bit cache reads no scale).
         self._reads_scales = kv_cache_dtype.startswith("fp8")
         self._scales_checked = -1
+        # The metadata of the last step this layer wrote its cache for: a layer sharing the cache
+        # reads it only after this layer wrote the same step.
+        self._written_step = None
         # (metadata, key, value, cache, tokens) the cache update of this layer's current call
         # checked and wrote; the attention of the same call (same objects) skips those checks.
         self._just_written: tuple | None = None
@@ -455,6 +458,7 @@ class RocmAttentionImpl:
             _check_output_scale(_KV_UPDATE_OP, output_scale, key, "key")
         self._write(layer, key, value, kv_cache, attn_metadata.slot_mapping, t)
         self._just_written = (attn_metadata, key, value, kv_cache, t)
+        self._written_step = attn_metadata
 
     def _write(self, layer, key, value, kv_cache, slot_mapping, t: int) -> None:
         buffers = layer._buffers  # skips nn.Module.__getattr__
@@ -516,6 +520,7 @@ class RocmAttentionImpl:
                                caller=op)
         fn(positions, query, key, value, kv_cache, slot_mapping, cos_sin_cache, is_neox, k_scale,
            v_scale, self.interleaved_v)
+        self._written_step = attn_metadata
 
     def do_qk_norm_rope_kvcache_update(self, layer, qkv, q_weight, k_weight, eps, positions,
                                        cos_sin_cache, is_neox, kv_cache, attn_metadata,
@@ -578,6 +583,8 @@ class RocmAttentionImpl:
         q, k, _ = fn(qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, kv_cache,
                      slot_mapping, buffers["_k_scale"], buffers["_v_scale"], True, self.num_heads,
                      self.num_kv_heads, self.head_size, q_out, k_out, False)
+        if attn_metadata is not None:
+            self._written_step = attn_metadata
         return q, k
 
     def do_rope_cos_sin_and_kv_cache_update(self, layer, query, key, value, cos, sin, is_neox, kv_cache,
@@ -657,6 +664,8 @@ class RocmAttentionImpl:
         buffers = layer._buffers  # skips nn.Module.__getattr__
         fn(query, key, value, *norm, cos, sin, is_neox, kv_cache, slot_mapping, buffers["_k_scale"],
            buffers["_v_scale"], self.interleaved_v and write, *tail)
+        if write:
+            self._written_step = attn_metadata
 
     # --- attention -------------------------------------------------------------------------
 
@@ -703,6 +712,7 @@ class RocmAttentionImpl:
         # A sharing layer's own k/v are not its keys: every key, the step's new ones too
         # (the target wrote them earlier in the step), comes from the target's cache.
         interleaved_v, buffers = self.interleaved_v, layer._buffers  # _buffers: skips nn.Module.__getattr__
+        unwritten = False
         if self.kv_sharing_target_layer_name is not None:
             layer = get_layer(self.kv_sharing_target_layer_name)
             target = layer.impl
@@ -711,6 +721,7 @@ class RocmAttentionImpl:
                     f"{op}: this layer ({hkv} KV heads of {d}) shares the KV cache of "
                     f"{self.kv_sharing_target_layer_name!r}, which holds {target.num_kv_heads} KV heads of "
                     f"{target.head_size}; a layer can only read a cache of its own geometry")
+            unwritten = target._written_step is not md  # checked with the rest, below
             kv_cache, key, value = layer.kv_cache, None, None
             interleaved_v, buffers = target.interleaved_v, layer._buffers
         if (written is not None and written[0] is md and written[1] is key and written[2] is value
@@ -761,6 +772,13 @@ class RocmAttentionImpl:
             )
             feats = self._features_of_step[causal, prefill] + (("output_scale",) if output_scale is not None else ())
             fn = self._resolve(sig, "paged_attention", query, kv_cache, n, feats, interleaved_v, caller=op)
+        if unwritten and get_forward_context().layers is None:
+            # A KV-sharing layer reads the keys its target wrote this step. Checked outside a
+            # runner only: a runner's graph replays run no Python, so keep no record of the write.
+            raise RuntimeError(
+                f"{op}: this layer reads the KV cache of {self.kv_sharing_target_layer_name!r}, which has not "
+                "written this step's tokens yet; in every step the target layer must run before the layers "
+                "that share its cache")
         fn(*args)
         return output
 
