@@ -362,10 +362,13 @@ def _check_call(module, attention_mask, scaling, dropout, sliding_window, softca
     )
     bad = [(n, got, built) for n, got, built, none_is_value in checks
            if (none_is_value or got is not None) and got != built]
-    if not (dropout or attention_mask is not None or bad or s_aux is not None
+    if not (dropout or attention_mask is not None or bad or s_aux is not None or kwargs.get("output_attentions")
             or any(kwargs.get(k) is not None for k in _FOREIGN_KWARGS)):
         return
     where = f"rocm_attn attention ({type(module).__name__} layer {module.layer_idx})"
+    if kwargs.get("output_attentions"):  # transformers' own kernels warn and return no weights
+        raise ValueError(f"{where}: output_attentions=True is not supported: the paged kernels do not form the "
+                         "attention weights; load the model with attn_implementation=\"eager\" to get them")
     if dropout:
         raise ValueError(f"{where}: dropout={dropout} is not supported (inference only); call model.eval()")
     if attention_mask is not None:

@@ -255,7 +255,10 @@ def _step_inputs(module, b=2, t=3, seed=0):
     (dict(s_aux=torch.zeros(4)), r"s_aux \(attention sinks\) must be the module's `sinks`"),
     (dict(attention_mask=torch.zeros(2, 1, 3, 3)), r"prepared attention mask of shape \(2, 1, 3, 3\)"),
     (dict(cu_seq_lens_q=torch.zeros(3, dtype=torch.int32)), r"cu_seq_lens_q is an argument of packed"),
-], ids=["scaling", "dropout", "sliding_window", "softcap", "is_causal", "s_aux", "mask", "packed"])
+    # the attention weights were silently absent (outputs.attentions == ())
+    (dict(output_attentions=True), r"output_attentions=True is not supported: the paged kernels do not form the "
+                                   r"attention weights"),
+], ids=["scaling", "dropout", "sliding_window", "softcap", "is_causal", "s_aux", "mask", "packed", "attentions"])
 def test_bad_call_arguments_raise_before_writing(kwargs, match):
     ours = build("llama", "rocm_attn")
     module = ours.model.layers[0].self_attn
