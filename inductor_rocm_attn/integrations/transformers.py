@@ -461,6 +461,8 @@ class PagedCache(Cache):
             layer.kv_cache[self._null_block].zero_()
         self._allocator = BlockAllocator(num_blocks, block_size)
         self._decoder = weakref.ref(decoder)
+        first = next(decoder.parameters())
+        self._built_for = (first.dtype, first.device)  # the model as the caches were made for it
         self._lengths: list[int] = []  # real (cached) tokens of each row
         self._seen = 0  # padded tokens seen (attention-mask columns)
         self._step = None  # the active step's forward context
@@ -548,6 +550,12 @@ class PagedCache(Cache):
         """
         if self._step is not None:
             raise RuntimeError("PagedCache: a step is already active (end_step() first)")
+        decoder = self._decoder()
+        first = None if decoder is None else next(decoder.parameters())
+        if first is not None and (first.dtype, first.device) != self._built_for:  # model.to(...) after the caches
+            dtype, device = self._built_for
+            raise ValueError(f"PagedCache: the model is now {first.dtype} on {first.device} but the cache was built "
+                             f"for {dtype} on {device}; build a new PagedCache for the moved model")
         x = input_ids if input_ids is not None else inputs_embeds
         if x is None:
             raise ValueError("PagedCache.begin_step: needs input_ids or inputs_embeds")

@@ -896,3 +896,21 @@ def test_generate_fills_the_cache_exactly_and_is_refused_one_token_past_it():
         ours.generate(ids, attention_mask=mask, max_new_tokens=13, do_sample=False, eos_token_id=None,
                       past_key_values=cache)
     assert cache.row_lengths() == [31, 16]
+
+
+@pytest.mark.parametrize("move", [lambda m: m.to(torch.bfloat16), lambda m: m.to("meta")], ids=["dtype", "device"])
+def test_a_model_moved_after_its_cache_was_built_is_refused(move):
+    """model.to(...) after PagedCache(model) kept the cache's dtype and device: a bf16 model ran
+    on the fp32 cache (an 'auto' cache is the model's dtype) and a model on another device
+    failed inside the first layer's cache update, naming neither the cache nor the move."""
+    ours = build("llama", "rocm_attn")
+    cache = PagedCache(ours, num_blocks=4, poison=True)
+    ours(torch.tensor([[5, 6, 7]]), past_key_values=cache)
+    move(ours)
+    before = [layer.kv_cache.clone() for layer in cache.layers_by_name.values()]
+    with pytest.raises(ValueError, match=r"PagedCache: the model is now torch\.\w+ on \w+ but the cache was built for "
+                                         r"torch\.float32 on cpu; build a new PagedCache for the moved model"):
+        ours(torch.tensor([[8]], device=next(ours.parameters()).device), past_key_values=cache)
+    assert cache.row_lengths() == [3]
+    assert all(torch.equal(b.view(torch.uint8), layer.kv_cache.view(torch.uint8))
+               for b, layer in zip(before, cache.layers_by_name.values()))
