@@ -740,6 +740,24 @@ def test_eager_runner_checks_its_step_inputs():
                (int(layer.kv_cache.isfinite().sum()) for layer in runner.layers.values()))
 
 
+
+def test_eager_runner_refuses_a_model_moved_after_it_was_built():
+    """model.to(bfloat16) after eager_runner(model) ran the bf16 model on the fp32 caches the
+    runner made for it (generate() too: it asks a runner's check_parameters() first)."""
+    from inductor_rocm_attn.integrations.batching import generate
+    from inductor_rocm_attn.integrations.transformers_runner import eager_runner
+
+    runner = eager_runner(build("llama", "rocm_attn"), num_blocks=4, poison=True)
+    runner.model.to(torch.bfloat16)
+    md = runner.prepare([3], [0], [[1]])
+    shown = r"EagerRunner: the model is now torch\.bfloat16 on cpu but its caches were made for torch\.float32 on cpu"
+    with pytest.raises(ValueError, match=shown):
+        runner(torch.tensor([3, 4, 5]), md)
+    with pytest.raises(ValueError, match=shown):
+        generate(runner, [[3, 4, 5]], max_new_tokens=2)
+    assert all(int(layer.kv_cache.isfinite().sum()) == 0 for layer in runner.layers.values())
+
+
 # --- cache dtypes, layouts and block sizes ------------------------------------------------------
 #
 # The reference for a rounding cache is eager transformers with its cached keys/values rounded
