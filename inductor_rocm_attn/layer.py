@@ -144,6 +144,10 @@ class Attention(nn.Module):
 
     def set_interleaved_v_cache(self, enabled: bool = True) -> bool:
         """Switch the V interior of this layer (converting cached data in place)."""
+        target = self.impl.kv_sharing_target_layer_name
+        if target is not None:  # its reads follow the target's interior: its own flag is read by nothing
+            raise ValueError(f"set_interleaved_v_cache: layer {self.layer_name!r} reads the KV cache of {target!r} "
+                             f"with that layer's V interior; switch {target!r}")
         return self.impl.set_interleaved_v_cache(enabled, self.kv_cache)
 
     @property

@@ -541,3 +541,18 @@ def test_fp8_scales_changed_in_place_are_checked_before_the_next_write(path, nam
     assert unchanged(before, s.layer.kv_cache), "a refused call wrote the cache"
     getattr(s.layer, name).fill_(0.125)  # a good value set in place is taken
     _write_call(path, s.layer, s.md, g)
+
+
+def test_a_kv_sharing_layer_s_v_layout_switch_is_refused():
+    """A layer sharing another's cache reads it with the target's V interior: switching the
+    sharing layer itself changed a flag no read looks at (and said the layout changed)."""
+    target = ira.Attention(H, D, num_kv_heads=HKV, layer_name="state.switch_target")
+    sharer = ira.Attention(H, D, num_kv_heads=HKV, layer_name="state.switch_sharer",
+                           kv_sharing_target_layer_name="state.switch_target")
+    ira.bind_kv_caches(torch.nn.ModuleList([target, sharer]), 4, torch.float32)
+    with pytest.raises(ValueError, match=r"set_interleaved_v_cache: layer 'state\.switch_sharer' reads the KV cache "
+                                         r"of 'state\.switch_target' with that layer's V interior; switch "
+                                         r"'state\.switch_target'"):
+        sharer.set_interleaved_v_cache(True)
+    assert not sharer.impl.interleaved_v
+    assert target.set_interleaved_v_cache(True) and target.interleaved_v
