@@ -49,7 +49,7 @@ from ..forward_context import get_forward_context, set_forward_context
 from ..layer import Attention
 from ..layout import allocate_kv_cache, as_cache_layout
 from ..metadata import AttentionMetadata, build_attention_metadata
-from ..validation import check_bool, check_positive_int
+from ..validation import check_bool, check_positive_int, check_token_ids, vocab_size_of
 
 __all__ = ["ATTN_IMPLEMENTATION", "PagedCache", "attention_forward", "register", "stats"]
 
@@ -566,6 +566,8 @@ class PagedCache(Cache):
         if b == 0 or t == 0:  # nothing to plan (the planning would fail on empty reductions)
             raise ValueError(f"PagedCache.begin_step: a step needs at least one row and one new token, got "
                              f"{'input_ids' if input_ids is not None else 'inputs_embeds'} of shape {tuple(x.shape)}")
+        if input_ids is not None:  # the embedding's own error names neither (a GPU: a device-side assert)
+            check_token_ids("PagedCache", input_ids, vocab_size_of(decoder))
         if self._lengths and len(self._lengths) != b:
             raise ValueError(f"PagedCache: batch of {b} rows for a cache holding {len(self._lengths)} rows; "
                              "use a new PagedCache (or reset()) for a new batch")

@@ -326,6 +326,21 @@ def test_a_step_without_tokens_is_refused_by_name(shape):
     assert cache.batch_size == -1 and cache.get_seq_length() == 0 and written_slots(cache) == [0, 0]
 
 
+
+@pytest.mark.parametrize("bad", [256, -1])
+def test_token_ids_outside_the_vocabulary_are_refused_before_the_step(bad):
+    """An id outside the vocabulary reached the embedding: "index out of range in self" on CPU,
+    a device-side assert on a GPU (which ends the process's CUDA context), naming neither the
+    id nor the vocabulary. Read where index tensors are (CPU; a GPU with
+    ROCM_ATTN_CHECK_INDICES=1), as the runners do."""
+    ours = build("llama", "rocm_attn")
+    cache = PagedCache(ours, num_blocks=4, poison=True)
+    with pytest.raises(ValueError, match=rf"PagedCache: input_ids\[1, 2\] = {bad} is outside the vocabulary "
+                                         r"\[0, 256\)"):
+        ours(torch.tensor([[3, 4, 5], [6, 7, bad]]), past_key_values=cache)
+    assert cache.batch_size == -1 and written_slots(cache) == [0, 0]
+
+
 def test_forward_that_raises_leaves_the_rows_as_they_were():
     """A forward that raised after its step was planned (here: dropout in training mode, whose
     message says to call model.eval()) kept the step's tokens in the row lengths without
