@@ -725,6 +725,10 @@ class PagedCache(Cache):
         elif args:
             kwargs = {"input_ids": args[0], **kwargs}
             args = ()
+        if kwargs.get("use_cache") is False:  # it would be ignored: the attention writes the cache
+            raise ValueError("PagedCache: use_cache=False with a PagedCache: the paged path writes every step's keys "
+                             "into the cache (and generate(use_cache=False) feeds the whole sequence again each "
+                             "step); drop use_cache=False")
         inject = self.begin_step(kwargs.get("input_ids"), inputs_embeds=kwargs.get("inputs_embeds"),
                                  attention_mask=kwargs.get("attention_mask"),
                                  position_ids=kwargs.get("position_ids"))

@@ -341,6 +341,23 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_the_step(bad):
     assert cache.batch_size == -1 and written_slots(cache) == [0, 0]
 
 
+
+def test_use_cache_false_with_a_paged_cache_is_refused():
+    """use_cache=False with a PagedCache was ignored (the step's keys were written all the same);
+    generate(use_cache=False) feeds the whole sequence every step and failed at the second one
+    with an attention_mask error that told to reset() the cache."""
+    ours = build("llama", "rocm_attn")
+    ids, mask = ragged_prompts([3, 5])
+    shown = r"PagedCache: use_cache=False with a PagedCache: the paged path writes every step's keys into the cache"
+    cache = PagedCache(ours, num_blocks=4, poison=True)
+    with pytest.raises(ValueError, match=shown):
+        ours(ids, attention_mask=mask, past_key_values=cache, use_cache=False)
+    with pytest.raises(ValueError, match=shown):
+        ours.generate(ids, attention_mask=mask, past_key_values=cache, use_cache=False, max_new_tokens=2,
+                      do_sample=False)
+    assert cache.batch_size == -1 and written_slots(cache) == [0, 0]
+
+
 def test_forward_that_raises_leaves_the_rows_as_they_were():
     """A forward that raised after its step was planned (here: dropout in training mode, whose
     message says to call model.eval()) kept the step's tokens in the row lengths without
