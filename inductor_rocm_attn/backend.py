@@ -307,6 +307,11 @@ class RocmAttentionImpl:
             for c in (True, False) for prefill in (True, False)
         }
 
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_written_step"] = None  # a record of the last step, not configuration
+        return state
+
     def __setstate__(self, state):  # a copy (deepcopy, unpickling) is live too
         self.__dict__.update(state)
         _LIVE_IMPLS.add(self)

@@ -13,9 +13,9 @@ from torch import nn
 from . import step_checks
 from .backend import RocmAttentionImpl, note_cache_bound
 from .capabilities import AttentionType, check_block_size, check_head_size, check_model_dtype
+from .config_checks import check_cache_scales
 from .forward_context import SLOT_PREFIX, latest_copy_name, register_copy, register_layer
 from .layout import CacheLayout, allocate_kv_cache, as_cache_layout, as_device
-from .config_checks import check_cache_scales
 from .validation import check_bool, check_channel_stride, check_positive_int, check_scales
 
 __all__ = ["Attention", "attention_layers", "bind_kv_caches"]
