@@ -17,7 +17,7 @@ import torch
 
 from . import capabilities, config_checks, providers, step_checks, validation
 from .capabilities import AttentionType
-from .forward_context import get_layer
+from .forward_context import get_forward_context, get_layer
 from .layout import (
     CacheLayout,
     KVCacheSpec,
@@ -278,6 +278,14 @@ class RocmAttentionImpl:
             causal = self.attn_type == AttentionType.DECODER
         self.causal = bool(causal)
         self.interleaved_v = False
+        # An fp8 cache's scales are tensors a caller may change in place (no recompile): the
+        # version of the layer's scale buffers when last checked; a write checks them again
+        # when it moved (a 16-bit cache reads no scale).
+        self._reads_scales = kv_cache_dtype.startswith("fp8")
+        self._scales_checked = -1
+        # The metadata of the last step this layer wrote its cache for: a layer sharing the cache
+        # reads it only after this layer wrote the same step.
+        self._written_step = None
         # (metadata, key, value, cache, tokens) the cache update of this layer's current call
         # checked and wrote; the attention of the same call (same objects) skips those checks.
         self._just_written: tuple | None = None
@@ -298,6 +306,11 @@ class RocmAttentionImpl:
             )
             for c in (True, False) for prefill in (True, False)
         }
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_written_step"] = None  # a record of the last step, not configuration
+        return state
 
     def __setstate__(self, state):  # a copy (deepcopy, unpickling) is live too
         self.__dict__.update(state)
@@ -399,6 +412,16 @@ class RocmAttentionImpl:
 
     # --- per-call checks (every call, before anything is written) ---------------------------
 
+    def check_scales_changed(self, op: str, buffers) -> None:
+        """An fp8 layer's ``k_scale`` / ``v_scale`` buffers, checked again when they changed in
+        place since their last check (an assigned tensor is checked by ``Attention``): a zero,
+        NaN or infinite scale would be written with the keys, silently. Two version reads."""
+        k, v = buffers["_k_scale"], buffers["_v_scale"]
+        version = k._version + v._version
+        if version != self._scales_checked:
+            validation.check_scales(op, k_scale=k, v_scale=v)
+            self._scales_checked = version
+
     def _kv_rows(self, op: str, key, value):
         rows = step_checks.token_rows
         return (rows(op, "key", key, self.num_kv_heads, self.head_size),
@@ -440,9 +463,12 @@ class RocmAttentionImpl:
             _check_output_scale(_KV_UPDATE_OP, output_scale, key, "key")
         self._write(layer, key, value, kv_cache, attn_metadata.slot_mapping, t)
         self._just_written = (attn_metadata, key, value, kv_cache, t)
+        self._written_step = attn_metadata
 
     def _write(self, layer, key, value, kv_cache, slot_mapping, t: int) -> None:
         buffers = layer._buffers  # skips nn.Module.__getattr__
+        if self._reads_scales:
+            self.check_scales_changed(_KV_UPDATE_OP, buffers)
         k_scale, v_scale = buffers["_k_scale"], buffers["_v_scale"]
         sig = self._signature("reshape_and_cache", key, kv_cache, t)
         fn = self._kernels.get(sig)
@@ -486,6 +512,8 @@ class RocmAttentionImpl:
         if output_scale is not None:
             _check_output_scale(op, output_scale, key, "key")
         buffers = layer._buffers  # skips nn.Module.__getattr__
+        if self._reads_scales:
+            self.check_scales_changed(op, buffers)
         k_scale, v_scale = buffers["_k_scale"], buffers["_v_scale"]
         slot_mapping = attn_metadata.slot_mapping
         sig = self._signature("rope_and_cache", query, kv_cache, t, rot_dim)
@@ -497,6 +525,7 @@ class RocmAttentionImpl:
                                caller=op)
         fn(positions, query, key, value, kv_cache, slot_mapping, cos_sin_cache, is_neox, k_scale,
            v_scale, self.interleaved_v)
+        self._written_step = attn_metadata
 
     def do_qk_norm_rope_kvcache_update(self, layer, qkv, q_weight, k_weight, eps, positions,
                                        cos_sin_cache, is_neox, kv_cache, attn_metadata,
@@ -530,6 +559,8 @@ class RocmAttentionImpl:
             slot_mapping = attn_metadata.slot_mapping
             if output_scale is not None:
                 _check_output_scale(op, output_scale, qkv, "qkv")
+            if self._reads_scales:
+                self.check_scales_changed(op, layer._buffers)
 
         def check_all():
             validation.check_qk_norm_rope(op, qkv, q_weight, k_weight, positions, cos_sin_cache,
@@ -557,6 +588,8 @@ class RocmAttentionImpl:
         q, k, _ = fn(qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, kv_cache,
                      slot_mapping, buffers["_k_scale"], buffers["_v_scale"], True, self.num_heads,
                      self.num_kv_heads, self.head_size, q_out, k_out, False)
+        if attn_metadata is not None:
+            self._written_step = attn_metadata
         return q, k
 
     def do_rope_cos_sin_and_kv_cache_update(self, layer, query, key, value, cos, sin, is_neox, kv_cache,
@@ -597,6 +630,8 @@ class RocmAttentionImpl:
                                            self.head_size)
             if output_scale is not None:
                 _check_output_scale(name, output_scale, key, "key")
+            if self._reads_scales:
+                self.check_scales_changed(name, layer._buffers)
         device = kv_cache.device if write else value.device
         step_checks.check_cos_sin_call(name, query, key, value, cos, sin, device)
         step_checks.check_heads(name, "query", query, self.num_heads, self.head_size, t)
@@ -634,6 +669,8 @@ class RocmAttentionImpl:
         buffers = layer._buffers  # skips nn.Module.__getattr__
         fn(query, key, value, *norm, cos, sin, is_neox, kv_cache, slot_mapping, buffers["_k_scale"],
            buffers["_v_scale"], self.interleaved_v and write, *tail)
+        if write:
+            self._written_step = attn_metadata
 
     # --- attention -------------------------------------------------------------------------
 
@@ -680,6 +717,7 @@ class RocmAttentionImpl:
         # A sharing layer's own k/v are not its keys: every key, the step's new ones too
         # (the target wrote them earlier in the step), comes from the target's cache.
         interleaved_v, buffers = self.interleaved_v, layer._buffers  # _buffers: skips nn.Module.__getattr__
+        unwritten = False
         if self.kv_sharing_target_layer_name is not None:
             layer = get_layer(self.kv_sharing_target_layer_name)
             target = layer.impl
@@ -688,6 +726,7 @@ class RocmAttentionImpl:
                     f"{op}: this layer ({hkv} KV heads of {d}) shares the KV cache of "
                     f"{self.kv_sharing_target_layer_name!r}, which holds {target.num_kv_heads} KV heads of "
                     f"{target.head_size}; a layer can only read a cache of its own geometry")
+            unwritten = target._written_step is not md  # checked with the rest, below
             kv_cache, key, value = layer.kv_cache, None, None
             interleaved_v, buffers = target.interleaved_v, layer._buffers
         if (written is not None and written[0] is md and written[1] is key and written[2] is value
@@ -738,6 +777,13 @@ class RocmAttentionImpl:
             )
             feats = self._features_of_step[causal, prefill] + (("output_scale",) if output_scale is not None else ())
             fn = self._resolve(sig, "paged_attention", query, kv_cache, n, feats, interleaved_v, caller=op)
+        if unwritten and get_forward_context().layers is None:
+            # A KV-sharing layer reads the keys its target wrote this step. Checked outside a
+            # runner only: a runner's graph replays run no Python, so keep no record of the write.
+            raise RuntimeError(
+                f"{op}: this layer reads the KV cache of {self.kv_sharing_target_layer_name!r}, which has not "
+                "written this step's tokens yet; in every step the target layer must run before the layers "
+                "that share its cache")
         fn(*args)
         return output
 

@@ -65,6 +65,16 @@ def check_impl_config(op: str, num_heads, head_size, scale, num_kv_heads, alibi_
     return attn_type, num_kv_heads, sinks, alibi_slopes
 
 
+def check_cache_scales(op: str, kv_cache_dtype, k_scale, v_scale) -> None:
+    """Per-tensor cache scales: positive finite numbers, other than 1.0 only for an fp8 cache (a
+    16-bit cache stores values as they are and reads no scale: one given would be ignored)."""
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        validation.check_positive_finite(op, name, value)
+        if value != 1.0 and not (isinstance(kv_cache_dtype, str) and kv_cache_dtype.startswith("fp8")):
+            raise ValueError(f"{op}: {name}={value!r} with kv_cache_dtype={kv_cache_dtype!r}; the cache scales "
+                             "apply only to an fp8 kv_cache_dtype (fp8, fp8_e4m3, fp8_e5m2)")
+
+
 def check_runner_config(op: str, *, capture_sizes, max_num_seqs, max_num_tokens, max_model_len,
                         flags: dict, optional_flags: dict, trace_cache, compile_threads=None,
                         graph_backend=None) -> list[int]:

@@ -13,9 +13,10 @@ from torch import nn
 from . import step_checks
 from .backend import RocmAttentionImpl, note_cache_bound
 from .capabilities import AttentionType, check_block_size, check_head_size, check_model_dtype
+from .config_checks import check_cache_scales
 from .forward_context import SLOT_PREFIX, latest_copy_name, register_copy, register_layer
-from .layout import CacheLayout, allocate_kv_cache, as_device
-from .validation import check_bool, check_channel_stride, check_positive_finite, check_positive_int, check_scales
+from .layout import CacheLayout, allocate_kv_cache, as_cache_layout, as_device
+from .validation import check_bool, check_channel_stride, check_positive_int, check_scales
 
 __all__ = ["Attention", "attention_layers", "bind_kv_caches"]
 
@@ -79,18 +80,13 @@ class Attention(nn.Module):
         check_block_size(block_size, "Attention")
         if scale is None:  # the default scale needs a valid head size first
             check_head_size(head_size, "Attention")
-        try:
-            cache_layout = CacheLayout(cache_layout)
-        except ValueError:
-            raise ValueError(f"Attention: cache_layout {cache_layout!r} is not supported; supported: "
-                             f"{', '.join(repr(m.value) for m in CacheLayout)}") from None
-        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
-            check_positive_finite("Attention", name, value)
+        cache_layout = as_cache_layout(cache_layout, "Attention")
         self.impl = RocmAttentionImpl(
             num_heads, head_size, head_size**-0.5 if scale is None else scale, num_kv_heads,
             alibi_slopes, sliding_window, kv_cache_dtype, logits_soft_cap, attn_type, sinks,
             causal, q_scale, kv_sharing_target_layer_name=kv_sharing_target_layer_name,
         )
+        check_cache_scales("Attention", kv_cache_dtype, k_scale, v_scale)
         if kv_sharing_target_layer_name == layer_name:
             raise ValueError(f"Attention {layer_name!r}: kv_sharing_target_layer_name names the layer itself")
         self.layer_name = layer_name
@@ -110,6 +106,9 @@ class Attention(nn.Module):
         if name in _SCALE_BUFFERS and isinstance(value, torch.Tensor):
             # every path reads these buffers as they are, checked here rather than on each call
             check_scales(f"Attention {self.__dict__.get('layer_name', '')!r}", **{name[1:]: value})
+            impl = self.__dict__.get("impl")
+            if impl is not None:  # a new tensor: its version count starts again
+                impl._scales_checked = -1
         super().__setattr__(name, value)
         if name == "kv_cache":  # resolved kernels and captured graphs were checked against the old cache
             note_cache_bound()
@@ -124,6 +123,7 @@ class Attention(nn.Module):
             after = self._buffers[n]
             if after is not None and after.dtype != torch.float32:
                 self._buffers[n] = before.to(device=after.device)
+        self.impl._scales_checked = -1  # new tensors: their version counts start again
         return out
 
     def __setstate__(self, state):
@@ -144,6 +144,10 @@ class Attention(nn.Module):
 
     def set_interleaved_v_cache(self, enabled: bool = True) -> bool:
         """Switch the V interior of this layer (converting cached data in place)."""
+        target = self.impl.kv_sharing_target_layer_name
+        if target is not None:  # its reads follow the target's interior: its own flag is read by nothing
+            raise ValueError(f"set_interleaved_v_cache: layer {self.layer_name!r} reads the KV cache of {target!r} "
+                             f"with that layer's V interior; switch {target!r}")
         return self.impl.set_interleaved_v_cache(enabled, self.kv_cache)
 
     @property
@@ -225,7 +229,7 @@ def bind_kv_caches(model: nn.Module, num_blocks: int, dtype: torch.dtype,
     device = as_device(device, "bind_kv_caches")
     # every cache is allocated (and every sharing layer checked) before the first is attached:
     # a refused call leaves each layer with the cache it had
-    caches, specs = {}, {}
+    caches, specs, owners = {}, {}, {}
     for layer in layers:
         target = layer.impl.kv_sharing_target_layer_name
         if target is None and not layer.impl.uses_kv_cache:
@@ -240,12 +244,28 @@ def bind_kv_caches(model: nn.Module, num_blocks: int, dtype: torch.dtype,
             if spec != specs[target]:
                 raise ValueError(f"bind_kv_caches: layer {layer.layer_name!r} ({spec}) cannot read the cache "
                                  f"of {target!r} ({specs[target]}): the geometry differs")
+            _check_shared_scales(layer, owners[target])
             continue
         cache = allocate_kv_cache(spec, num_blocks, device)
         if poison:
             cache.view(torch.uint8).fill_(0xFF)  # all-ones bytes: NaN in every cache dtype
         caches[layer.layer_name], specs[layer.layer_name] = cache, spec
+        owners[layer.layer_name] = layer
     for layer in layers:
         if layer.layer_name in caches:
             layer.kv_cache = caches[layer.layer_name]
     return caches
+
+
+def _check_shared_scales(layer: Attention, target: Attention) -> None:
+    """A layer that shares ``target``'s cache reads it with ``target``'s k/v scales: scales of
+    its own (other than the default 1.0) that differ from them would be ignored."""
+    own, theirs = (layer._k_scale, layer._v_scale), (target._k_scale, target._v_scale)
+    if any(t.device.type == "meta" for t in own + theirs):  # no values to compare
+        return
+    own, theirs = [float(t) for t in own], [float(t) for t in theirs]
+    if own != [1.0, 1.0] and own != theirs:
+        raise ValueError(
+            f"bind_kv_caches: layer {layer.layer_name!r} (k_scale {own[0]}, v_scale {own[1]}) reads the cache of "
+            f"{target.layer_name!r} with that layer's scales (k_scale {theirs[0]}, v_scale {theirs[1]}); give it "
+            "the same scales, or none")

@@ -35,6 +35,7 @@ __all__ = [
     "CacheLayout",
     "KVCacheSpec",
     "allocate_kv_cache",
+    "as_cache_layout",
     "cache_layout_of",
     "cache_x",
     "cache_torch_dtype",
@@ -182,6 +183,16 @@ def check_spec(spec: KVCacheSpec, op: str) -> None:
     if spec.layout not in tuple(CacheLayout):
         raise ValueError(f"{op}: layout {spec.layout!r} is not supported; supported: "
                          f"{', '.join(repr(m.value) for m in CacheLayout)}")
+
+
+def as_cache_layout(layout, op: str) -> CacheLayout:
+    """``layout`` (a ``CacheLayout`` or its name) as a ``CacheLayout``; a ValueError naming ``op``
+    and the supported layouts otherwise."""
+    try:
+        return CacheLayout(layout)
+    except ValueError:
+        raise ValueError(f"{op}: cache_layout {layout!r} is not supported; supported: "
+                         f"{', '.join(repr(m.value) for m in CacheLayout)}") from None
 
 
 def as_device(device, op: str) -> torch.device:

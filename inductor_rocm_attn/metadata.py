@@ -205,7 +205,8 @@ def _is_bool(p) -> bool:
     """A Python bool, a numpy bool or a one-element bool tensor."""
     if isinstance(p, torch.Tensor):
         return p.dtype == torch.bool and p.numel() == 1
-    return isinstance(p, bool) or type(p).__name__ == "bool_"
+    # numpy's bool scalar type is ``bool_`` in numpy 1, ``bool`` in numpy 2
+    return isinstance(p, bool) or (type(p).__module__ == "numpy" and type(p).__name__ in ("bool_", "bool"))
 
 
 def build_attention_metadata(

@@ -126,6 +126,7 @@ def _rope_features(cos_sin_cache: torch.Tensor, head_size: int) -> tuple[str, ..
 def _reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, interleaved_v=False):
     op = "rocm_attn.reshape_and_cache"
     validation.check_cache_write(op, key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    validation.check_written(op, dict(kv_cache=kv_cache), dict(key=key, value=value))
     _, fn = providers.select(
         "reshape_and_cache", device=key.device, head_size=key.shape[2], dtype=key.dtype,
         kv_cache=kv_cache, interleaved_v=interleaved_v, num_tokens=key.shape[0],
@@ -154,8 +155,9 @@ def _paged_attention(output, query, key, value, kv_cache, query_start_loc, seq_l
         max_query_len=max_query_len, max_seq_len=max_seq_len,
     )
     validation.check_attention_options("rocm_attn.paged_attention", scale, sliding_window, logits_soft_cap)
-    # output may be the query (each tile reads its rows before writing them), not key/value
-    validation.check_written("rocm_attn.paged_attention", dict(output=output), dict(key=key, value=value))
+    # output may be the query (each tile reads its rows before writing them), not key/value/cache
+    validation.check_written("rocm_attn.paged_attention", dict(output=output),
+                             dict(key=key, value=value, kv_cache=kv_cache))
     feats = providers.attention_features(
         causal=causal, sliding_window=sliding_window, alibi_slopes=alibi_slopes, sinks=sinks,
         logits_soft_cap=logits_soft_cap, output_scale=output_scale, max_query_len=max_query_len,
@@ -208,7 +210,8 @@ def _rope_and_cache(positions, query, key, value, kv_cache, slot_mapping, cos_si
     validation.check_cache_write(op, key, value, kv_cache, slot_mapping, k_scale, v_scale)
     # query [T, Hq, D] or [T, Hq * D] (check_rotary), key [T, Hkv, D] (check_cache_write)
     validation.check_gqa(op, query.shape[1] if query.dim() == 3 else query.shape[1] // head_size, key.shape[1])
-    validation.check_written(op, dict(query=query, key=key), dict(value=value, cos_sin_cache=cos_sin_cache))
+    validation.check_written(op, dict(query=query, key=key, kv_cache=kv_cache),
+                             dict(value=value, cos_sin_cache=cos_sin_cache))
     _, fn = providers.select(
         "rope_and_cache", device=query.device, head_size=head_size, dtype=query.dtype,
         kv_cache=kv_cache, interleaved_v=interleaved_v, features=_rope_features(cos_sin_cache, head_size),
@@ -253,7 +256,7 @@ def _qk_norm_rope_and_cache(qkv, q_weight, k_weight, eps, positions, cos_sin_cac
     validation.check_kv_cache(op, kv_cache, num_kv_heads, head_size)
     validation.check_slot_mapping(op, slot_mapping, kv_cache, qkv.shape[0])
     # q_out / k_out may be qkv's own q / k slices (each program reads its head before writing it)
-    validation.check_written(op, dict(q_out=q_out, k_out=k_out), {})
+    validation.check_written(op, dict(q_out=q_out, k_out=k_out, kv_cache=kv_cache), {})
     _, fn = providers.select(
         "qk_norm_rope_and_cache", device=qkv.device, head_size=head_size, dtype=qkv.dtype,
         kv_cache=kv_cache, interleaved_v=interleaved_v, features=_rope_features(cos_sin_cache, head_size),
@@ -288,7 +291,7 @@ def _rope_cos_sin_and_cache(query, key, value, cos, sin, is_neox, kv_cache, slot
     op = "rocm_attn.rope_cos_sin_and_cache"
     validation.check_rope_cos_sin(op, query, key, value, cos, sin)
     validation.check_cache_write(op, key.view(value.shape), value, kv_cache, slot_mapping, k_scale, v_scale)
-    validation.check_written(op, dict(query=query, key=key), dict(value=value, cos=cos, sin=sin))
+    validation.check_written(op, dict(query=query, key=key, kv_cache=kv_cache), dict(value=value, cos=cos, sin=sin))
     fn = _select_cos_sin_writer("rope_cos_sin_and_cache", query, value, kv_cache, cos, interleaved_v)
     fn(query, key, value, cos, sin, is_neox, kv_cache, slot_mapping, k_scale, v_scale, interleaved_v)
 
@@ -309,8 +312,8 @@ def _qk_norm_rope_cos_sin_and_cache(query, key, value, q_weight, k_weight, eps, 
     validation.check_rope_cos_sin(op, query, key, value, cos, sin, q_weight, k_weight)
     validation.check_eps(op, eps)
     validation.check_cache_write(op, key.view(value.shape), value, kv_cache, slot_mapping, k_scale, v_scale)
-    validation.check_written(op, dict(query=query, key=key), dict(value=value, cos=cos, sin=sin, q_weight=q_weight,
-                                                                  k_weight=k_weight))
+    validation.check_written(op, dict(query=query, key=key, kv_cache=kv_cache),
+                             dict(value=value, cos=cos, sin=sin, q_weight=q_weight, k_weight=k_weight))
     fn = _select_cos_sin_writer("qk_norm_rope_cos_sin_and_cache", query, value, kv_cache, cos, interleaved_v)
     fn(query, key, value, q_weight, k_weight, eps, cos, sin, is_neox, kv_cache, slot_mapping, k_scale, v_scale,
        interleaved_v, gemma_norm=gemma_norm, norm_after_rope=norm_after_rope)

@@ -105,9 +105,13 @@ def _check_step(op: str, md, num_tokens: int, device: torch.device, num_blocks: 
         raise ValueError(f"{op}: metadata causal must be True, False or None, got {md.causal!r}")
     if n > num_tokens:
         raise ValueError(f"{op}: num_actual_tokens {n} > the {num_tokens} tokens the layer was given")
-    if has_cache and not n <= slots.shape[0] <= num_tokens:
-        raise ValueError(f"{op}: slot_mapping has {slots.shape[0]} entries; it needs one per token, between "
-                         f"num_actual_tokens {n} and the {num_tokens} tokens the layer was given")
+    if slots.shape[0] != num_tokens:
+        # rows past the step's tokens would be left unwritten and returned as output: padding
+        # is the metadata's to state (one slot, -1, per padding token)
+        raise ValueError(
+            f"{op}: the step's metadata plans {slots.shape[0]} tokens ({n} real, {slots.shape[0] - n} padding) but "
+            f"the layer was given {num_tokens}; its slot_mapping needs one entry per token (build the step's "
+            f"metadata for the tokens the model runs; build_attention_metadata(..., num_padded_tokens=...) pads it)")
     if index_checks_on(device):
         qsl, lens = check_sequences(
             op, md.query_start_loc, md.seq_lens, md.block_table if has_cache else None,

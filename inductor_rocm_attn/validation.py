@@ -88,9 +88,9 @@ def check_token_ids(op: str, input_ids: torch.Tensor, vocab_size: int | None) ->
         return
     bad = (input_ids < 0) | (input_ids >= vocab_size)
     if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise ValueError(f"{op}: input_ids[{i}] = {int(input_ids[i])} is outside the vocabulary "
-                         f"[0, {vocab_size})")
+        at = _first(bad)  # any rank: [T] steps, [B, T] batches
+        raise ValueError(f"{op}: input_ids[{', '.join(map(str, at))}] = {int(input_ids[at])} is outside the "
+                         f"vocabulary [0, {vocab_size})")
 
 
 def _want_index_checks(t: torch.Tensor) -> bool:

@@ -227,3 +227,13 @@ def test_metadata_builder_refuses_non_bool_padding_and_non_int_block_ids():
     with pytest.raises(TypeError, match=r"build_attention_metadata: block_tables must hold integer block ids"):
         ira.build_attention_metadata([1], [0], [[0, None]], 16)
     ira.build_attention_metadata([1, 1], [0, 0], [[0], [1]], 16, padding=[False, torch.tensor(True)])
+
+
+def test_metadata_builder_takes_numpy_bools_as_padding_flags():
+    """numpy 2 names its bool type ``bool`` (numpy 1: ``bool_``): padding=[np.True_] was refused
+    as "must be a bool, got bool np.True_"; a numpy integer still is."""
+    np = pytest.importorskip("numpy")
+    md = ira.build_attention_metadata([1, 2], [0, 0], [[0], [1]], 16, padding=[np.False_, np.True_])
+    assert md.slot_mapping.tolist() == [0, -1, -1]
+    with pytest.raises(TypeError, match=r"build_attention_metadata: padding\[0\] must be a bool, got int64 np.int64\(1\)"):
+        ira.build_attention_metadata([1], [0], [[0]], 16, padding=[np.int64(1)])

@@ -647,3 +647,33 @@ def test_flags_refuse_what_is_not_a_bool(value):
         with pytest.raises(TypeError, match=rf"{re.escape(fn)}: {name} must be True or False, got {value!r}"):
             call()
         assert untouched(), what
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16", "bfloat16"])
+@pytest.mark.parametrize("field", ["k_scale", "v_scale"])
+def test_cache_scales_need_an_fp8_cache(kv_cache_dtype, field):
+    """A 16-bit cache stores values as they are and reads no scale: a k_scale / v_scale given
+    with one was taken and ignored (the transformers helpers refused it, the layer did not)."""
+    with pytest.raises(ValueError, match=rf"Attention: {field}=0\.5 with kv_cache_dtype={kv_cache_dtype!r}; the "
+                                         r"cache scales apply only to an fp8 kv_cache_dtype"):
+        _layer(f"scale16_{kv_cache_dtype}_{field}", kv_cache_dtype=kv_cache_dtype, **{field: 0.5})
+    _layer(f"scale8_{kv_cache_dtype}_{field}", kv_cache_dtype="fp8", **{field: 0.5})
+
+
+def test_a_sharing_layer_s_own_scales_must_be_its_target_s():
+    """A layer sharing another's cache reads it with the target's k/v scales: scales of its own
+    that differ were ignored; bind_kv_caches refuses them (and binds no layer). Default scales
+    (1.0) stand for none given."""
+    target = _layer("share_scale_t", kv_cache_dtype="fp8", k_scale=0.5)
+    reader = _layer("share_scale_r", kv_cache_dtype="fp8", k_scale=0.25,
+                    kv_sharing_target_layer_name="cfg.share_scale_t")
+    model = torch.nn.ModuleList([target, reader])
+    with pytest.raises(ValueError, match=r"bind_kv_caches: layer 'cfg\.share_scale_r' \(k_scale 0\.25, v_scale 1\.0\) "
+                                         r"reads the cache of 'cfg\.share_scale_t' with that layer's scales "
+                                         r"\(k_scale 0\.5, v_scale 1\.0\)"):
+        ira.bind_kv_caches(model, 4, torch.float32)
+    assert target.kv_cache.numel() == 0
+    same = _layer("share_scale_s", kv_cache_dtype="fp8", k_scale=0.5, kv_sharing_target_layer_name="cfg.share_scale_t")
+    unscaled = _layer("share_scale_u", kv_cache_dtype="fp8", kv_sharing_target_layer_name="cfg.share_scale_t")
+    ira.bind_kv_caches(torch.nn.ModuleList([target, same, unscaled]), 4, torch.float32)
+    assert target.kv_cache.numel()

@@ -743,3 +743,66 @@ def test_a_cache_rebound_at_the_same_address_with_another_geometry_is_checked_ag
                 ira.set_forward_context(md):
             layer(q, k, v)
         assert unchanged(before, kv)
+
+
+@pytest.mark.parametrize("extra", [1, 4])
+def test_more_tokens_than_the_metadata_plans_are_refused(extra):
+    """q/k/v with more rows than the step's metadata has tokens (real and padding) were taken:
+    the rows past its tokens were left as torch.empty made them and returned as output. Padding
+    a step is the metadata's to say (build_attention_metadata(..., num_padded_tokens=...))."""
+    s = stepped_layer()
+    before = snapshot(s.layer.kv_cache)
+    q, k, v = qkv(s.num_tokens + extra, s.g)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.unified_kv_cache_update: the step's metadata plans "
+                                         rf"{s.num_tokens} tokens \({s.num_tokens} real, 0 padding\) but the layer "
+                                         rf"was given {s.num_tokens + extra}.*num_padded_tokens="), \
+            ira.set_forward_context(s.md):
+        s.layer(q, k, v)
+    assert unchanged(before, s.layer.kv_cache)
+    # the attention op alone (a layer without a cache update: KV sharing, a hand-written forward)
+    out = torch.empty(s.num_tokens + extra, H, D)
+    with pytest.raises(ValueError, match=r"rocm_attn\.unified_attention_with_output: the step's metadata plans"), \
+            ira.set_forward_context(s.md):
+        torch.ops.rocm_attn.unified_attention_with_output(q.view(-1, H, D), k.view(-1, HKV, D), v.view(-1, HKV, D),
+                                                          out, s.layer.layer_name)
+    # a step padded by its metadata runs, and its real rows are the unpadded step's
+    md = ira.build_attention_metadata(s.query_lens, s.context_lens, s.tables, BS,
+                                      num_padded_tokens=s.num_tokens + extra)
+    with ira.set_forward_context(md):
+        padded = s.layer(q, k, v)
+    assert torch.isfinite(padded[: s.num_tokens]).all()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_kv_sharing_layer_run_before_its_target_in_a_step_is_refused(fused):
+    """A model whose forward calls the sharing layer before its target (bind_kv_caches checks
+    the module order, not the forward's) read slots the target had not written yet: NaN on a
+    poisoned cache, a previous step's keys on a real one, silently. ``fused``: the target
+    writes through a fused RoPE writer."""
+    target = ira.Attention(H, D, num_kv_heads=HKV, layer_name=f"rel.order_target{fused}")
+    sharer = ira.Attention(H, D, num_kv_heads=HKV, layer_name=f"rel.order_sharer{fused}",
+                           kv_sharing_target_layer_name=target.layer_name)
+    ira.bind_kv_caches(torch.nn.ModuleList([target, sharer]), NUM_BLOCKS, torch.float32, poison=True)
+    g = torch.Generator().manual_seed(0)
+
+    def write(md):
+        q, k, v = qkv(3, g)
+        if fused:
+            torch.ops.rocm_attn.unified_rope_and_kv_cache_update(md.positions, q.view(3, H, D), k.view(3, HKV, D),
+                                                                 v.view(3, HKV, D), torch.randn(64, D, generator=g),
+                                                                 True, target.layer_name)
+        else:
+            target(q, k, v)
+
+    first = ira.build_attention_metadata([3], [0], [[0]], BS)
+    with ira.set_forward_context(first):
+        write(first)
+        assert torch.isfinite(sharer(*qkv(3, g))).all()  # the target's order: it wrote this step's tokens
+    second = ira.build_attention_metadata([3], [3], [[0]], BS)
+    with pytest.raises(RuntimeError, match=rf"rocm_attn\.unified_attention_with_output: this layer reads the KV cache "
+                                           rf"of 'rel\.order_target{fused}', which has not written this step's tokens"), \
+            ira.set_forward_context(second):
+        sharer(*qkv(3, g))
+    with ira.set_forward_context(second):
+        write(second)
+        assert torch.isfinite(sharer(*qkv(3, g))).all()

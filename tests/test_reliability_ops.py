@@ -637,3 +637,34 @@ def test_qk_norm_writer_refuses_a_table_without_rotary_channels():
                                                    torch.zeros(64, 0), True, c.kv_cache, c.slot_mapping, c.k_scale,
                                                    c.v_scale, True, 4, 2, D, q_out, k_out)
     assert unchanged(before, q_out, k_out, c.kv_cache)
+
+
+def test_a_tensor_at_the_cache_s_address_is_refused():
+    """The same-memory check compared a written tensor with the op's other tensors but not the
+    KV cache: an output, a rotated q/k or a key starting at the cache's address was taken, and
+    the op wrote the cache while it read it (or wrote the output into it)."""
+    c = make_paged_case([1, 3, 2], [20, 5, 0], num_heads=2, num_kv_heads=2, dtype=torch.float32)
+    t = c.query.shape[0]
+    ops = torch.ops.rocm_attn
+    alias = c.kv_cache.as_strided((t, 2, D), (2 * D, D, 1))  # starts where the cache starts
+    assert alias.data_ptr() == c.kv_cache.data_ptr()
+    same = r"(kv_cache and \w+|\w+ and kv_cache) are the same memory"
+    cos = torch.randn(t, D)
+    calls = {
+        "reshape_and_cache": lambda: ops.reshape_and_cache(alias, c.value, c.kv_cache, c.slot_mapping, c.k_scale,
+                                                           c.v_scale),
+        "rope_and_cache": lambda: ops.rope_and_cache(torch.arange(t), alias, c.key.clone(), c.value, c.kv_cache,
+                                                     c.slot_mapping, _cos_sin(64), True, c.k_scale, c.v_scale, False),
+        "rope_cos_sin_and_cache": lambda: ops.rope_cos_sin_and_cache(c.query.clone(), c.key.clone(), alias, cos, cos,
+                                                                     True, c.kv_cache, c.slot_mapping, c.k_scale,
+                                                                     c.v_scale),
+        "qk_norm_rope_and_cache": lambda: ops.qk_norm_rope_and_cache(
+            torch.randn(t, 6 * D), torch.ones(D), torch.ones(D), 1e-6, torch.arange(t), _cos_sin(64), True,
+            c.kv_cache, c.slot_mapping, c.k_scale, c.v_scale, False, 2, 2, D, alias, torch.empty(t, 2, D)),
+    }
+    for name, call in calls.items():
+        before = snapshot(c.kv_cache)
+        with pytest.raises(ValueError, match=rf"rocm_attn\.{name}: {same}"):
+            call()
+        assert unchanged(before, c.kv_cache), name
+    _attn_rejected(c, rf"rocm_attn\.paged_attention: {same}", output=alias)

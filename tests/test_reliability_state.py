@@ -504,3 +504,55 @@ def test_hand_built_step_writing_a_block_another_sequence_reads_is_refused():
             ira.set_forward_context(md):
         s.layer(q, k, v)
     assert unchanged(before, s.layer.kv_cache)
+
+
+# --- fp8 cache scales changed in place: checked before the next write -------------------------------
+
+
+def _write_call(path, layer, md, g):
+    t = md.slot_mapping.shape[0]
+    q, k, v = torch.randn(t, H, D, generator=g), torch.randn(t, HKV, D, generator=g), torch.randn(t, HKV, D, generator=g)
+    if path == "forward":
+        with ira.set_forward_context(md):
+            layer(q.view(t, -1), k.view(t, -1), v.view(t, -1))
+    elif path == "qk_norm_rope":
+        w = torch.ones(D)
+        with ira.set_forward_context(md):
+            torch.ops.rocm_attn.unified_qk_norm_rope_and_kv_cache_update(
+                torch.randn(t, (H + 2 * HKV) * D, generator=g), w, w, 1e-6, md.positions, torch.randn(64, D, generator=g),
+                True, H, HKV, D, layer.layer_name)
+    else:
+        _fused_rope_call(path, layer, md, q, k, v)
+
+
+@pytest.mark.parametrize("path", ["forward", "rope", "rope_cos_sin", "qk_norm_rope_cos_sin", "qk_norm_rope"])
+@pytest.mark.parametrize("name, bad", [("_k_scale", 0.0), ("_v_scale", float("nan")), ("_k_scale", float("inf"))])
+def test_fp8_scales_changed_in_place_are_checked_before_the_next_write(path, name, bad):
+    """The layer's scales are tensors so they can change without recompiling; one changed in
+    place (``layer._k_scale.fill_(...)``) was checked on a signature's first call only: a zero
+    scale then stored every key as the fp8 maximum and read it back as 0, silently."""
+    s = stepped_layer(f"state_scale_{path}", kv_cache_dtype="fp8", k_scale=0.5, v_scale=0.25)
+    g = torch.Generator().manual_seed(3)
+    _write_call(path, s.layer, s.md, g)  # the signature's first call: checked in full
+    getattr(s.layer, name).fill_(bad)
+    before = snapshot(s.layer.kv_cache)
+    with pytest.raises(ValueError, match=rf"{name[1:]} must be a positive finite number, got {bad}"):
+        _write_call(path, s.layer, s.md, g)
+    assert unchanged(before, s.layer.kv_cache), "a refused call wrote the cache"
+    getattr(s.layer, name).fill_(0.125)  # a good value set in place is taken
+    _write_call(path, s.layer, s.md, g)
+
+
+def test_a_kv_sharing_layer_s_v_layout_switch_is_refused():
+    """A layer sharing another's cache reads it with the target's V interior: switching the
+    sharing layer itself changed a flag no read looks at (and said the layout changed)."""
+    target = ira.Attention(H, D, num_kv_heads=HKV, layer_name="state.switch_target")
+    sharer = ira.Attention(H, D, num_kv_heads=HKV, layer_name="state.switch_sharer",
+                           kv_sharing_target_layer_name="state.switch_target")
+    ira.bind_kv_caches(torch.nn.ModuleList([target, sharer]), 4, torch.float32)
+    with pytest.raises(ValueError, match=r"set_interleaved_v_cache: layer 'state\.switch_sharer' reads the KV cache "
+                                         r"of 'state\.switch_target' with that layer's V interior; switch "
+                                         r"'state\.switch_target'"):
+        sharer.set_interleaved_v_cache(True)
+    assert not sharer.impl.interleaved_v
+    assert target.set_interleaved_v_cache(True) and target.interleaved_v

@@ -43,11 +43,13 @@ from transformers.cache_utils import Cache
 from transformers.modeling_utils import AttentionInterface
 
 from ..block_allocator import BlockAllocator
+from ..capabilities import check_block_size, check_kv_cache_dtype
+from ..config_checks import check_cache_scales
 from ..forward_context import get_forward_context, set_forward_context
 from ..layer import Attention
-from ..layout import allocate_kv_cache
+from ..layout import allocate_kv_cache, as_cache_layout
 from ..metadata import AttentionMetadata, build_attention_metadata
-from ..validation import check_bool, check_positive_finite, check_positive_int
+from ..validation import check_bool, check_positive_int, check_token_ids, vocab_size_of
 
 __all__ = ["ATTN_IMPLEMENTATION", "PagedCache", "attention_forward", "register", "stats"]
 
@@ -305,16 +307,6 @@ def check_every_layer_attends(model: torch.nn.Module, who: str) -> None:
         )
 
 
-def check_fp8_scales(who: str, kv_cache_dtype, k_scale, v_scale) -> None:
-    """Scales other than 1.0 only for an fp8 cache: a 16-bit cache stores values as they
-    are, so a scale given with one would be silently ignored."""
-    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
-        check_positive_finite(who, name, value)
-        if value != 1.0 and not (isinstance(kv_cache_dtype, str) and kv_cache_dtype.startswith("fp8")):
-            raise ValueError(f"{who}: {name}={value!r} with kv_cache_dtype={kv_cache_dtype!r}; the cache scales "
-                             "apply only to an fp8 kv_cache_dtype (fp8, fp8_e4m3, fp8_e5m2)")
-
-
 def paged_layers(model: torch.nn.Module, num_blocks: int, *, block_size: int = 16,
                  cache_layout: str = "LHBNC", kv_cache_dtype: str = "auto", k_scale: float = 1.0,
                  v_scale: float = 1.0, poison: bool = False, max_seq_len: int | None = -1,
@@ -328,7 +320,11 @@ def paged_layers(model: torch.nn.Module, num_blocks: int, *, block_size: int = 1
     fp8 cache scales (stored = value / scale); only with an fp8 ``kv_cache_dtype``, which
     alone uses them. ``who``: the entry point its refusals name."""
     check_bool(who, "poison", poison)
-    check_fp8_scales(who, kv_cache_dtype, k_scale, v_scale)
+    # the cache geometry, refused here by name rather than by each layer built below
+    check_block_size(block_size, who)
+    as_cache_layout(cache_layout, who)
+    check_kv_cache_dtype(kv_cache_dtype, who)
+    check_cache_scales(who, kv_cache_dtype, k_scale, v_scale)
     param = next(model.parameters())
     dtype, device = getattr(model, "dtype", param.dtype), getattr(model, "device", param.device)
     layers: dict[str, Attention] = {}
@@ -366,10 +362,13 @@ def _check_call(module, attention_mask, scaling, dropout, sliding_window, softca
     )
     bad = [(n, got, built) for n, got, built, none_is_value in checks
            if (none_is_value or got is not None) and got != built]
-    if not (dropout or attention_mask is not None or bad or s_aux is not None
+    if not (dropout or attention_mask is not None or bad or s_aux is not None or kwargs.get("output_attentions")
             or any(kwargs.get(k) is not None for k in _FOREIGN_KWARGS)):
         return
     where = f"rocm_attn attention ({type(module).__name__} layer {module.layer_idx})"
+    if kwargs.get("output_attentions"):  # transformers' own kernels warn and return no weights
+        raise ValueError(f"{where}: output_attentions=True is not supported: the paged kernels do not form the "
+                         "attention weights; load the model with attn_implementation=\"eager\" to get them")
     if dropout:
         raise ValueError(f"{where}: dropout={dropout} is not supported (inference only); call model.eval()")
     if attention_mask is not None:
@@ -462,6 +461,8 @@ class PagedCache(Cache):
             layer.kv_cache[self._null_block].zero_()
         self._allocator = BlockAllocator(num_blocks, block_size)
         self._decoder = weakref.ref(decoder)
+        first = next(decoder.parameters())
+        self._built_for = (first.dtype, first.device)  # the model as the caches were made for it
         self._lengths: list[int] = []  # real (cached) tokens of each row
         self._seen = 0  # padded tokens seen (attention-mask columns)
         self._step = None  # the active step's forward context
@@ -549,6 +550,12 @@ class PagedCache(Cache):
         """
         if self._step is not None:
             raise RuntimeError("PagedCache: a step is already active (end_step() first)")
+        decoder = self._decoder()
+        first = None if decoder is None else next(decoder.parameters())
+        if first is not None and (first.dtype, first.device) != self._built_for:  # model.to(...) after the caches
+            dtype, device = self._built_for
+            raise ValueError(f"PagedCache: the model is now {first.dtype} on {first.device} but the cache was built "
+                             f"for {dtype} on {device}; build a new PagedCache for the moved model")
         x = input_ids if input_ids is not None else inputs_embeds
         if x is None:
             raise ValueError("PagedCache.begin_step: needs input_ids or inputs_embeds")
@@ -556,6 +563,11 @@ class PagedCache(Cache):
             raise ValueError(f"PagedCache.begin_step: input_ids must be [batch, new tokens] (inputs_embeds "
                              f"[batch, new tokens, hidden]), got {tuple(x.shape)}")
         b, t = x.shape[0], x.shape[1]
+        if b == 0 or t == 0:  # nothing to plan (the planning would fail on empty reductions)
+            raise ValueError(f"PagedCache.begin_step: a step needs at least one row and one new token, got "
+                             f"{'input_ids' if input_ids is not None else 'inputs_embeds'} of shape {tuple(x.shape)}")
+        if input_ids is not None:  # the embedding's own error names neither (a GPU: a device-side assert)
+            check_token_ids("PagedCache", input_ids, vocab_size_of(decoder))
         if self._lengths and len(self._lengths) != b:
             raise ValueError(f"PagedCache: batch of {b} rows for a cache holding {len(self._lengths)} rows; "
                              "use a new PagedCache (or reset()) for a new batch")
@@ -713,6 +725,10 @@ class PagedCache(Cache):
         elif args:
             kwargs = {"input_ids": args[0], **kwargs}
             args = ()
+        if kwargs.get("use_cache") is False:  # it would be ignored: the attention writes the cache
+            raise ValueError("PagedCache: use_cache=False with a PagedCache: the paged path writes every step's keys "
+                             "into the cache (and generate(use_cache=False) feeds the whole sequence again each "
+                             "step); drop use_cache=False")
         inject = self.begin_step(kwargs.get("input_ids"), inputs_embeds=kwargs.get("inputs_embeds"),
                                  attention_mask=kwargs.get("attention_mask"),
                                  position_ids=kwargs.get("position_ids"))

@@ -160,7 +160,9 @@ class EagerRunner:
         self.forward = step_forward(model)
         self.vocab_size = vocab_size_of(model)
         self.block_size = next(iter(layers.values())).block_size
-        self.device = next(model.parameters()).device
+        first = next(model.parameters())
+        self.device = first.device
+        self._built_for = (first.dtype, first.device)  # the model as its caches were made for it
         self.max_num_seqs, self.max_num_tokens = max_num_seqs, max_num_tokens
         # generate() refuses longer sequences: positions a learned position embedding lacks
         self.max_model_len = learned_position_limit(model)
@@ -185,6 +187,15 @@ class EagerRunner:
     def replays_whole_step(self, metadata: AttentionMetadata) -> bool:
         return False
 
+    def check_parameters(self) -> None:
+        """The model's dtype and device are still the ones its caches were made for (a
+        ``model.to(...)`` after ``eager_runner`` would run on caches of the old ones)."""
+        first = next(self.model.parameters())
+        if (first.dtype, first.device) != self._built_for:
+            dtype, device = self._built_for
+            raise ValueError(f"EagerRunner: the model is now {first.dtype} on {first.device} but its caches were made "
+                             f"for {dtype} on {device}; build a new runner for the moved model")
+
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -195,6 +206,7 @@ class EagerRunner:
             raise ValueError(f"EagerRunner: input_ids {tuple(input_ids.shape)} for a step of {n} tokens: "
                              f"expected [{n}]")
         check_token_ids("EagerRunner", input_ids, self.vocab_size)
+        self.check_parameters()
         with set_forward_context(metadata, layers=self.layers):
             out = self.forward(input_ids.to(self.device), metadata.positions)
         self.step_s = time.perf_counter() - t0

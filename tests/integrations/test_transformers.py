@@ -255,7 +255,10 @@ def _step_inputs(module, b=2, t=3, seed=0):
     (dict(s_aux=torch.zeros(4)), r"s_aux \(attention sinks\) must be the module's `sinks`"),
     (dict(attention_mask=torch.zeros(2, 1, 3, 3)), r"prepared attention mask of shape \(2, 1, 3, 3\)"),
     (dict(cu_seq_lens_q=torch.zeros(3, dtype=torch.int32)), r"cu_seq_lens_q is an argument of packed"),
-], ids=["scaling", "dropout", "sliding_window", "softcap", "is_causal", "s_aux", "mask", "packed"])
+    # the attention weights were silently absent (outputs.attentions == ())
+    (dict(output_attentions=True), r"output_attentions=True is not supported: the paged kernels do not form the "
+                                   r"attention weights"),
+], ids=["scaling", "dropout", "sliding_window", "softcap", "is_causal", "s_aux", "mask", "packed", "attentions"])
 def test_bad_call_arguments_raise_before_writing(kwargs, match):
     ours = build("llama", "rocm_attn")
     module = ours.model.layers[0].self_attn
@@ -307,6 +310,52 @@ def test_rejected_first_step_leaves_the_cache_without_a_batch():
     assert written_slots(cache) == [0, 0]
     ours(torch.ones(1, 4, dtype=torch.long), past_key_values=cache)  # a batch of one is the first batch
     assert cache.row_lengths() == [4] and written_slots(cache) == [4, 4]
+
+
+
+@pytest.mark.parametrize("shape", [(1, 0), (0, 3)], ids=["no_new_tokens", "no_rows"])
+def test_a_step_without_tokens_is_refused_by_name(shape):
+    """A forward of no new tokens (or no rows) failed inside the cache's planning with
+    "amin(): Expected reduction dim 1 to have non-zero size" (or "max() arg is an empty
+    sequence"), naming neither the cache nor the input."""
+    ours = build("llama", "rocm_attn")
+    cache = PagedCache(ours, num_blocks=4, poison=True)
+    with pytest.raises(ValueError, match=rf"PagedCache\.begin_step: a step needs at least one row and one new "
+                                         rf"token, got input_ids of shape \({shape[0]}, {shape[1]}\)"):
+        ours(torch.ones(*shape, dtype=torch.long), past_key_values=cache)
+    assert cache.batch_size == -1 and cache.get_seq_length() == 0 and written_slots(cache) == [0, 0]
+
+
+
+@pytest.mark.parametrize("bad", [256, -1])
+def test_token_ids_outside_the_vocabulary_are_refused_before_the_step(bad):
+    """An id outside the vocabulary reached the embedding: "index out of range in self" on CPU,
+    a device-side assert on a GPU (which ends the process's CUDA context), naming neither the
+    id nor the vocabulary. Read where index tensors are (CPU; a GPU with
+    ROCM_ATTN_CHECK_INDICES=1), as the runners do."""
+    ours = build("llama", "rocm_attn")
+    cache = PagedCache(ours, num_blocks=4, poison=True)
+    with pytest.raises(ValueError, match=rf"PagedCache: input_ids\[1, 2\] = {bad} is outside the vocabulary "
+                                         r"\[0, 256\)"):
+        ours(torch.tensor([[3, 4, 5], [6, 7, bad]]), past_key_values=cache)
+    assert cache.batch_size == -1 and written_slots(cache) == [0, 0]
+
+
+
+def test_use_cache_false_with_a_paged_cache_is_refused():
+    """use_cache=False with a PagedCache was ignored (the step's keys were written all the same);
+    generate(use_cache=False) feeds the whole sequence every step and failed at the second one
+    with an attention_mask error that told to reset() the cache."""
+    ours = build("llama", "rocm_attn")
+    ids, mask = ragged_prompts([3, 5])
+    shown = r"PagedCache: use_cache=False with a PagedCache: the paged path writes every step's keys into the cache"
+    cache = PagedCache(ours, num_blocks=4, poison=True)
+    with pytest.raises(ValueError, match=shown):
+        ours(ids, attention_mask=mask, past_key_values=cache, use_cache=False)
+    with pytest.raises(ValueError, match=shown):
+        ours.generate(ids, attention_mask=mask, past_key_values=cache, use_cache=False, max_new_tokens=2,
+                      do_sample=False)
+    assert cache.batch_size == -1 and written_slots(cache) == [0, 0]
 
 
 def test_forward_that_raises_leaves_the_rows_as_they_were():
@@ -723,6 +772,24 @@ def test_eager_runner_checks_its_step_inputs():
                (int(layer.kv_cache.isfinite().sum()) for layer in runner.layers.values()))
 
 
+
+def test_eager_runner_refuses_a_model_moved_after_it_was_built():
+    """model.to(bfloat16) after eager_runner(model) ran the bf16 model on the fp32 caches the
+    runner made for it (generate() too: it asks a runner's check_parameters() first)."""
+    from inductor_rocm_attn.integrations.batching import generate
+    from inductor_rocm_attn.integrations.transformers_runner import eager_runner
+
+    runner = eager_runner(build("llama", "rocm_attn"), num_blocks=4, poison=True)
+    runner.model.to(torch.bfloat16)
+    md = runner.prepare([3], [0], [[1]])
+    shown = r"EagerRunner: the model is now torch\.bfloat16 on cpu but its caches were made for torch\.float32 on cpu"
+    with pytest.raises(ValueError, match=shown):
+        runner(torch.tensor([3, 4, 5]), md)
+    with pytest.raises(ValueError, match=shown):
+        generate(runner, [[3, 4, 5]], max_new_tokens=2)
+    assert all(int(layer.kv_cache.isfinite().sum()) == 0 for layer in runner.layers.values())
+
+
 # --- cache dtypes, layouts and block sizes ------------------------------------------------------
 #
 # The reference for a rounding cache is eager transformers with its cached keys/values rounded
@@ -843,6 +910,22 @@ def test_cache_scales_are_refused_without_an_fp8_cache():
             make(ours, num_blocks=4, kv_cache_dtype="fp8_e5m2", v_scale=0)
 
 
+
+@pytest.mark.parametrize("kw, what", [(dict(block_size=8), r"block_size 8 is not supported"),
+                                      (dict(cache_layout="NHD"), r"cache_layout 'NHD' is not supported"),
+                                      (dict(kv_cache_dtype="int8"), r"kv_cache_dtype 'int8' is not supported")])
+def test_cache_geometry_refusals_name_the_entry_point(kw, what):
+    """A bad cache geometry given to PagedCache / eager_runner was refused by the Attention
+    layer each builds inside ("Attention: block_size 8 ..."), not by the function called."""
+    from inductor_rocm_attn.integrations.transformers_runner import compile_transformers, eager_runner
+
+    ours = build("llama", "rocm_attn")
+    for make, who in ((PagedCache, "PagedCache"), (eager_runner, "eager_runner"),
+                      (compile_transformers, "compile_transformers")):
+        with pytest.raises(ValueError, match=rf"^{who}: {what}"):
+            make(ours, num_blocks=4, **kw)
+
+
 def test_generate_fills_the_cache_exactly_and_is_refused_one_token_past_it():
     """Rows of 20 and 5 tokens with 12 new tokens hold 31 + 16 tokens: 3 blocks of 16, the
     second row's last block full. One more new token needs a fourth block: the step that
@@ -863,3 +946,21 @@ def test_generate_fills_the_cache_exactly_and_is_refused_one_token_past_it():
         ours.generate(ids, attention_mask=mask, max_new_tokens=13, do_sample=False, eos_token_id=None,
                       past_key_values=cache)
     assert cache.row_lengths() == [31, 16]
+
+
+@pytest.mark.parametrize("move", [lambda m: m.to(torch.bfloat16), lambda m: m.to("meta")], ids=["dtype", "device"])
+def test_a_model_moved_after_its_cache_was_built_is_refused(move):
+    """model.to(...) after PagedCache(model) kept the cache's dtype and device: a bf16 model ran
+    on the fp32 cache (an 'auto' cache is the model's dtype) and a model on another device
+    failed inside the first layer's cache update, naming neither the cache nor the move."""
+    ours = build("llama", "rocm_attn")
+    cache = PagedCache(ours, num_blocks=4, poison=True)
+    ours(torch.tensor([[5, 6, 7]]), past_key_values=cache)
+    move(ours)
+    before = [layer.kv_cache.clone() for layer in cache.layers_by_name.values()]
+    with pytest.raises(ValueError, match=r"PagedCache: the model is now torch\.\w+ on \w+ but the cache was built for "
+                                         r"torch\.float32 on cpu; build a new PagedCache for the moved model"):
+        ours(torch.tensor([[8]], device=next(ours.parameters()).device), past_key_values=cache)
+    assert cache.row_lengths() == [3]
+    assert all(torch.equal(b.view(torch.uint8), layer.kv_cache.view(torch.uint8))
+               for b, layer in zip(before, cache.layers_by_name.values()))
