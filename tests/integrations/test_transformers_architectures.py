@@ -10,15 +10,17 @@ downloads, nothing compiled):
   one row of the model), each against eager generating that prompt alone.
 
 Each config switches on what sets its architecture apart (sliding windows the prompts pass,
-NoPE layers, partial rotary, QK-norms, biases, clamped projections, multipliers, MoE
-routing); what it exercises is in its comment. The attention honours some of these itself (a
-window, a scaling): ``test_features_change_eager_logits`` shows that each moves eager's
-logits by far more than the tolerance when switched off, so a match is evidence they are
-honoured.
+NoPE layers, partial rotary, QK-norms, biases, clamped projections, multipliers, soft caps,
+KV-shared layers, heads set per layer, MoE routing); what it exercises is in its comment. The
+attention honours some of these itself (a window, a scaling, a soft cap):
+``test_features_change_eager_logits`` shows that each moves eager's logits by far more than the
+tolerance when switched off, so a match is evidence they are honoured. The attention modules
+one paged layer cannot serve are refused by every entry point before any cache is built
+(``REFUSED``).
 
 Tolerance: greedy tokens identical and every step's logits within 4e-6 of its largest
 |logit|, the bound README's table states (measured 1e-7 to 1.8e-6: our CPU kernels accumulate
-in float64 and round once, eager in fp32).
+in float64 and round once, eager in fp32); Gemma3n and Gemma4 within 1e-5 (``TOL_OF``).
 """
 
 import pytest
@@ -30,7 +32,7 @@ from inductor_rocm_attn.integrations.batching import generate  # noqa: E402
 from inductor_rocm_attn.integrations.transformers import PagedCache  # noqa: E402
 from inductor_rocm_attn.integrations.transformers_runner import eager_runner  # noqa: E402
 from test_transformers import (_SMALL, MORE_CONFIGS, NEW_TOKENS, greedy, ragged_prompts, rel,  # noqa: E402
-                               twin)
+                               twin, written_slots)
 from test_transformers_fusion import CONFIGS as FUSION_CONFIGS  # noqa: E402
 
 TOL = 4e-6
@@ -247,3 +249,22 @@ def test_attention_one_paged_layer_cannot_serve_is_refused(name):
         who = getattr(make, "__name__", "PagedCache")
         with pytest.raises(NotImplementedError, match=rf"^{who}: {why}"):
             make(model, num_blocks=4)
+
+
+def test_window_the_module_does_not_pass_is_refused_before_writing():
+    """PhiMoE's mask applies config.sliding_window but its attention module passes no window:
+    the layer is built with the window (as eager attends) and the call that says "no window"
+    is refused, by PagedCache and by the runner, before anything is written."""
+    config = PAGED_CONFIGS["phimoe"]()
+    config.sliding_window = 6
+    model = _build({"phimoe": lambda: config}, "phimoe")
+    ids, mask = ragged_prompts()
+    why = r"PhimoeAttention layer 0\): sliding_window=None differs from the value the layer was built with \(6"
+    cache = PagedCache(model, num_blocks=32, poison=True)
+    with pytest.raises(ValueError, match=why):
+        greedy(model, ids, mask, past_key_values=cache)
+    assert written_slots(cache) == [0, 0] and cache.batch_size == -1
+    runner = eager_runner(model, num_blocks=32, poison=True)
+    with pytest.raises(ValueError, match=why):
+        generate(runner, [[3, 4, 5]], 2)
+    assert not any(layer.kv_cache.isfinite().any() for layer in runner.layers.values())
