@@ -1,13 +1,15 @@
 """Every architecture README's transformers table lists as matching, on both paths, against
 the same weights under ``attn_implementation="eager"`` (CPU, fp32, tiny random configs, no
-downloads, nothing compiled):
+downloads; compiled only where said):
 
 - ``PagedCache`` + ``generate()`` on ragged left-padded prompts (one prefill, 8 decode steps)
   against eager with its own cache, for the architectures ``test_transformers.py`` does not
   already run that way;
 - ``eager_runner`` + ``batching.generate()``: the same prompts served by continuous batching
   in steps of at most 16 tokens (chunked prefills mixed with decodes, all of a step's tokens
-  one row of the model), each against eager generating that prompt alone.
+  one row of the model), each against eager generating that prompt alone;
+- two compiled checks (Cohere2, EXAONE 4, NoPE layers beside RoPE layers): every RoPE layer
+  fuses, the NoPE layers stay unfused.
 
 Each config switches on what sets its architecture apart (sliding windows the prompts pass,
 NoPE layers, partial rotary, QK-norms, biases, clamped projections, multipliers, soft caps,
@@ -268,3 +270,26 @@ def test_window_the_module_does_not_pass_is_refused_before_writing():
     with pytest.raises(ValueError, match=why):
         generate(runner, [[3, 4, 5]], 2)
     assert not any(layer.kv_cache.isfinite().any() for layer in runner.layers.values())
+
+
+# Compiled with the plugin, through PagedCache, as test_transformers_fusion.py runs its
+# architectures (its ``Run``): every RoPE layer fuses in every graph, the NoPE layers (Cohere2's
+# full layer, EXAONE 4's) have no rotation to fuse and stay unfused, and generate still matches.
+NOPE_LAYERS = {"cohere2": {"transformers.layers.1"}, "exaone4": {"transformers.layers.1"}}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", list(NOPE_LAYERS))
+def test_compiled_rope_layers_fuse_and_nope_layers_do_not(name, monkeypatch):
+    import test_transformers_fusion as fusion
+
+    monkeypatch.setitem(fusion.CONFIGS, name, RUNNER_CONFIGS[name])
+    run = fusion.Run(name, torch.float32)
+    assert torch.equal(run.got.sequences, run.want.sequences)
+    assert max(_errors(run.got.logits, run.want.logits)) < TOL
+    fused = [r for r in run.records if r.fused]
+    rope_layers = [layer for layer in run.layers if layer not in NOPE_LAYERS[name]]
+    graphs = len(fused) // len(rope_layers)
+    assert rope_layers and graphs >= 2, run.report  # the prefill graph and the decode graph
+    for layer in run.layers:
+        assert sum(r.layer_name == layer for r in fused) == (graphs if layer in rope_layers else 0), run.report
