@@ -153,6 +153,11 @@ PAGED_CONFIGS = {
     "solar_open": lambda: transformers.SolarOpenConfig(**_KV2, head_dim=32, n_routed_experts=4, num_experts_per_tok=2,
                                                        moe_intermediate_size=64, n_group=1, topk_group=1),
     "aria_text": lambda: transformers.AriaTextConfig(**_KV2, moe_num_experts=4, moe_topk=2),
+    # fused qkv projection, q/k/v clamped (transformers 5.17 fails without clip_qkv), MoE
+    "dbrx": lambda: transformers.DbrxConfig(
+        d_model=128, n_heads=4, n_layers=2, max_seq_len=128, vocab_size=256, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 0.5},
+        ffn_config={"moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 64}),
 }
 # eager_runner: the architectures above and those test_transformers*.py run through PagedCache
 # (their configs, reused); Hunyuan dense's runner check is test_transformers_graphs.py's.
