@@ -86,6 +86,13 @@ def _module_window(module) -> int | None:
     return getattr(module.config, "sliding_window", None) or None
 
 
+# Attention modules that never pass their window to the attention function: their mask applies
+# it (Qwen2-MoE: the module's sliding_window, set on its sliding layers; PhiMoE:
+# config.sliding_window on every layer). The layer is built with that window, and a call's
+# sliding_window (None from these) is not compared with it.
+_WINDOW_FROM_MASK = frozenset({"Qwen2MoeAttention", "PhimoeAttention"})
+
+
 def _module_softcap(module) -> float | None:
     return getattr(module, "attn_logit_softcapping", None)  # Gemma2
 
@@ -398,9 +405,10 @@ def paged_layers(model: torch.nn.Module, num_blocks: int, *, block_size: int = 1
 def _check_call(module, attention_mask, scaling, dropout, sliding_window, softcap, s_aux, is_causal,
                 kwargs) -> None:
     """Per-call arguments must match what the layer was built with (``LayerSpec.of(module)``);
-    ``scaling``/``is_causal`` None means not passed, for the window and soft cap None is "off"."""
+    ``scaling``/``is_causal`` None means not passed, for the window (except ``_WINDOW_FROM_MASK``)
+    and the soft cap None is "off"."""
     checks = (
-        ("sliding_window", sliding_window, _module_window(module), True),
+        ("sliding_window", sliding_window, _module_window(module), type(module).__name__ not in _WINDOW_FROM_MASK),
         ("softcap", softcap, _module_softcap(module), True),
         ("scaling", scaling, _call_scaling(module), False),
         ("is_causal", is_causal, getattr(module, "is_causal", True), False),

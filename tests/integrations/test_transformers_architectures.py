@@ -34,7 +34,7 @@ from inductor_rocm_attn.integrations.batching import generate  # noqa: E402
 from inductor_rocm_attn.integrations.transformers import PagedCache  # noqa: E402
 from inductor_rocm_attn.integrations.transformers_runner import eager_runner  # noqa: E402
 from test_transformers import (_SMALL, MORE_CONFIGS, NEW_TOKENS, greedy, ragged_prompts, rel,  # noqa: E402
-                               twin, written_slots)
+                               twin)
 from test_transformers_fusion import CONFIGS as FUSION_CONFIGS  # noqa: E402
 
 TOL = 4e-6
@@ -91,6 +91,12 @@ PAGED_CONFIGS = {
     "gpt2": lambda: transformers.GPT2Config(**_GPT2, scale_attn_by_inverse_layer_idx=True),
     # learned positions, multi-query attention (one KV head) from a fused projection
     "gpt_bigcode": lambda: transformers.GPTBigCodeConfig(**_GPT2, multi_query=True),
+    # a sliding layer (0) beside a full one, its window set on the module and applied by the mask
+    # only (the module never passes it to the attention function)
+    "qwen2_moe_window": lambda: transformers.Qwen2MoeConfig(**_KV2, moe_intermediate_size=64, num_experts=4,
+                                                            shared_expert_intermediate_size=64,
+                                                            use_sliding_window=True, sliding_window=6,
+                                                            max_window_layers=1),
     # per-head QK-norm after RoPE (heads-first q/k), MoE
     "hunyuan_moe": lambda: transformers.HunYuanMoEV1Config(**_KV2, head_dim=32, num_experts=4, moe_topk=2),
     # query heads set per layer (4, then 8): the layer's count is the module's, not the config's
@@ -130,7 +136,9 @@ PAGED_CONFIGS = {
     "glm4_moe": lambda: transformers.Glm4MoeConfig(**_KV2, head_dim=32, n_routed_experts=4, num_experts_per_tok=2,
                                                    moe_intermediate_size=64, n_group=1, topk_group=1,
                                                    use_qk_norm=True),
-    "phimoe": lambda: transformers.PhimoeConfig(**_KV2, num_local_experts=4, num_experts_per_tok=2),
+    # a window applied by the mask, never passed to the attention function (as for qwen2_moe_window)
+    "phimoe": lambda: transformers.PhimoeConfig(**_KV2, num_local_experts=4, num_experts_per_tok=2,
+                                                sliding_window=6),
     # position-dependent query scaling (llama_4_scaling) in the model, a sliding window on every layer
     "ministral3": lambda: transformers.Ministral3Config(**_KV2, head_dim=32, sliding_window=6),
     "nanochat": lambda: transformers.NanoChatConfig(**_KV2),  # QK-norm without weights, ReLU^2
@@ -178,7 +186,8 @@ FEATURE_OFF = {
     "exaone_moe": {"sliding_window": 4096}, "cohere2_moe": {"sliding_window": 4096},
     "afmoe": {"sliding_window": 4096}, "ministral3": {"sliding_window": None},
     "granitemoe_swa": {"sliding_window": 4096}, "cwm": {"sliding_window": 4096}, "mellum": {"sliding_window": 4096},
-    "hyperclovax": {"attention_multiplier": 1.0},
+    "hyperclovax": {"attention_multiplier": 1.0}, "phimoe": {"sliding_window": None},
+    "qwen2_moe_window": {"use_sliding_window": False, "layer_types": ["full_attention", "full_attention"]},
 }
 
 
@@ -256,25 +265,6 @@ def test_attention_one_paged_layer_cannot_serve_is_refused(name):
         who = getattr(make, "__name__", "PagedCache")
         with pytest.raises(NotImplementedError, match=rf"^{who}: {why}"):
             make(model, num_blocks=4)
-
-
-def test_window_the_module_does_not_pass_is_refused_before_writing():
-    """PhiMoE's mask applies config.sliding_window but its attention module passes no window:
-    the layer is built with the window (as eager attends) and the call that says "no window"
-    is refused, by PagedCache and by the runner, before anything is written."""
-    config = PAGED_CONFIGS["phimoe"]()
-    config.sliding_window = 6
-    model = _build({"phimoe": lambda: config}, "phimoe")
-    ids, mask = ragged_prompts()
-    why = r"PhimoeAttention layer 0\): sliding_window=None differs from the value the layer was built with \(6"
-    cache = PagedCache(model, num_blocks=32, poison=True)
-    with pytest.raises(ValueError, match=why):
-        greedy(model, ids, mask, past_key_values=cache)
-    assert written_slots(cache) == [0, 0] and cache.batch_size == -1
-    runner = eager_runner(model, num_blocks=32, poison=True)
-    with pytest.raises(ValueError, match=why):
-        generate(runner, [[3, 4, 5]], 2)
-    assert not any(layer.kv_cache.isfinite().any() for layer in runner.layers.values())
 
 
 # Compiled with the plugin, through PagedCache, as test_transformers_fusion.py runs its
