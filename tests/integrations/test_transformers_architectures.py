@@ -191,6 +191,16 @@ FEATURE_OFF = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models: a second intra-op thread only waits (on a loaded 2-core machine this file
+    took 5x longer with two)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _build(configs, name):
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(configs[name](), attn_implementation="rocm_attn",
