@@ -178,7 +178,6 @@ FEATURE_OFF = {
     "smollm3": {"sliding_window": 4096}, "cohere2": {"sliding_window": 4096}, "ministral": {"sliding_window": 4096},
     "olmo3": {"sliding_window": 4096}, "dots1": {"sliding_window": 4096}, "granitemoe": {"attention_multiplier": 1.0},
     "gpt2": {"scale_attn_by_inverse_layer_idx": False},
-    # test_transformers.py's configs run here through the runner
     "starcoder2": {"sliding_window": None}, "gemma3": {"sliding_window": 4096}, "gpt_oss": {"sliding_window": 4096},
     "exaone4": {"sliding_window": 4096}, "granite": {"attention_multiplier": 1.0},
     "mimo_v2_flash": {"sliding_window": 4096}, "gemma3n": {"sliding_window": 4096}, "gemma4": {"sliding_window": 4096},
@@ -239,8 +238,8 @@ def test_eager_runner_generate_matches_eager(name):
 
 @pytest.mark.parametrize("name", list(FEATURE_OFF))
 def test_features_change_eager_logits(name):
-    """The window / scaling each config sets is reached by the prompts: eager without it
-    differs by far more than the tolerance, so the matches above depend on honouring it."""
+    """The window, scaling or soft cap each config sets is reached by the prompts: eager
+    without it differs by far more than the tolerance, so the matches above depend on it."""
     eager = twin(_build(RUNNER_CONFIGS, name), "eager")
     ids, mask = ragged_prompts()
     want = greedy(eager, ids, mask)
@@ -272,8 +271,7 @@ def test_attention_one_paged_layer_cannot_serve_is_refused(name):
     config, why = REFUSED[name]
     model = _build({name: config}, name)
     for make in (PagedCache, eager_runner, compile_transformers):
-        who = getattr(make, "__name__", "PagedCache")
-        with pytest.raises(NotImplementedError, match=rf"^{who}: {why}"):
+        with pytest.raises(NotImplementedError, match=rf"^{make.__name__}: {why}"):
             make(model, num_blocks=4)
 
 
