@@ -88,6 +88,13 @@ def _module_window(module) -> int | None:
     return getattr(module.config, "sliding_window", None) or None
 
 
+# Attention modules that never pass their window to the attention function: their mask applies
+# it (Qwen2-MoE: the module's sliding_window, set on its sliding layers; PhiMoE:
+# config.sliding_window on every layer). The layer is built with that window, and a call's
+# sliding_window (None from these) is not compared with it.
+_WINDOW_FROM_MASK = frozenset({"Qwen2MoeAttention", "PhimoeAttention"})
+
+
 def _module_softcap(module) -> float | None:
     return getattr(module, "attn_logit_softcapping", None)  # Gemma2
 
@@ -112,10 +119,10 @@ class LayerSpec:
     @classmethod
     def of(cls, module) -> "LayerSpec":
         config = module.config
-        num_heads = config.num_attention_heads
+        num_heads = _module_int(module, "num_heads") or config.num_attention_heads
         return cls(
             num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            num_kv_heads=_module_kv_heads(module, num_heads),
             head_size=_head_dim(module),
             scale=float(_call_scaling(module)),
             sliding_window=_module_window(module),
@@ -123,6 +130,22 @@ class LayerSpec:
             causal=bool(getattr(module, "is_causal", True)),
             sinks=_module_sinks(module),
         )
+
+
+def _module_int(module, name: str) -> int | None:
+    value = getattr(module, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _module_kv_heads(module, num_heads: int) -> int:
+    """The KV heads the module passes: ``num_heads / num_key_value_groups`` (the repeat its eager
+    path applies) where the module has it, which also covers heads set per layer (Laguna's
+    query heads, MiMo-V2's doubled KV heads on sliding layers) and K/V repeated before the call
+    (JetMoE); else the config's ``num_key_value_heads``."""
+    groups = _module_int(module, "num_key_value_groups")
+    if groups is not None:
+        return num_heads // groups
+    return getattr(module.config, "num_key_value_heads", None) or num_heads
 
 
 # Attention modules whose forward multiplies q by ``module.scaling`` itself and passes this
@@ -248,6 +271,7 @@ def _attention_modules(decoder: torch.nn.Module, who: str) -> dict[int, torch.nn
                 f"{who}: two attention modules share layer_idx {m.layer_idx} ({path}); models "
                 "with several attention stacks (encoder-decoder, cross-attention) are not supported"
             )
+        _check_supported_attention(m, who)
         found[m.layer_idx] = m
     if not found:
         mla = next((m for m in decoder.modules() if hasattr(m, "kv_lora_rank") and hasattr(m, "layer_idx")), None)
@@ -257,6 +281,30 @@ def _attention_modules(decoder: torch.nn.Module, who: str) -> dict[int, torch.nn
         raise ValueError(f"{who}: no attention modules (with layer_idx, scaling, head_dim or head_size) in "
                          f"{type(decoder).__name__}")
     return found
+
+
+# Attention modules that call the attention function in a way one paged layer cannot serve,
+# by class name, with why.
+_UNSUPPORTED_ATTENTION = {
+    "DiffLlamaAttention": "differential attention: two attention calls per layer, over the two halves of V, each "
+                          "of which would write the layer's one paged cache (the second overwrites the first's V)",
+    "DogeAttention": "dynamic mask attention: an additive mask computed from the values in the module, which the "
+                     "paged kernels (causal, sliding window) do not take",
+}
+
+
+def _check_supported_attention(module, who: str) -> None:
+    """Refuse, before any cache is built, an attention module one paged layer cannot serve:
+    those of ``_UNSUPPORTED_ATTENTION``, and value heads of another size than query/key heads
+    (the cache holds one head size for K and V)."""
+    cls = type(module).__name__
+    where = f"{who}: {cls} (layer {module.layer_idx})"
+    if cls in _UNSUPPORTED_ATTENTION:
+        raise NotImplementedError(f"{where} is {_UNSUPPORTED_ATTENTION[cls]}; not supported")
+    head, value_head = _head_dim(module), getattr(module, "v_head_dim", None)
+    if value_head is not None and value_head != head:
+        raise NotImplementedError(f"{where} has value heads of {value_head} and query/key heads of {head}; "
+                                  "only equal head sizes are supported (one head_size for the K and V cache)")
 
 
 def _decoder(model: torch.nn.Module) -> torch.nn.Module:
@@ -353,9 +401,10 @@ def paged_layers(model: torch.nn.Module, num_blocks: int, *, block_size: int = 1
 def _check_call(module, attention_mask, scaling, dropout, sliding_window, softcap, s_aux, is_causal,
                 kwargs) -> None:
     """Per-call arguments must match what the layer was built with (``LayerSpec.of(module)``);
-    ``scaling``/``is_causal`` None means not passed, for the window and soft cap None is "off"."""
+    ``scaling``/``is_causal`` None means not passed, for the window (except ``_WINDOW_FROM_MASK``)
+    and the soft cap None is "off"."""
     checks = (
-        ("sliding_window", sliding_window, _module_window(module), True),
+        ("sliding_window", sliding_window, _module_window(module), type(module).__name__ not in _WINDOW_FROM_MASK),
         ("softcap", softcap, _module_softcap(module), True),
         ("scaling", scaling, _call_scaling(module), False),
         ("is_causal", is_causal, getattr(module, "is_causal", True), False),
