@@ -11,6 +11,7 @@ call; everything that can be decided once is decided in ``__init__``.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 
 import torch
@@ -205,10 +206,26 @@ _CACHE_DTYPES_OF = {
 def _select(caller: str, op: str, **call):
     """The kernel ``providers.select`` picks for ``op``; its refusal names ``caller``, the op the
     user called, before the kernel op (rewritten on the error path only)."""
+    return _select_named(caller, op, **call)[1]
+
+
+def _select_named(caller: str, op: str, **call) -> tuple[str, object]:
     try:
-        return providers.select(op, **call)[1]
+        return providers.select(op, **call)
     except NotImplementedError as e:
         raise NotImplementedError(f"{caller}: {e}") from None
+
+
+def _warn_no_gradient(caller: str, provider: str, x: torch.Tensor) -> None:
+    """The ops have no backward: only the PyTorch reference, built of differentiable torch ops,
+    passes a gradient through. Another provider's output carries none, which in a model with
+    a residual path would train on silently without the attention's gradient. Checked when a
+    call signature's kernel is chosen (not every call): a warning, since inference without
+    ``torch.no_grad()`` is a common and harmless use."""
+    if provider != "reference" and x.requires_grad and torch.is_grad_enabled():
+        warnings.warn(f"{caller}: the {provider!r} kernels have no backward; no gradient flows through this "
+                      "attention to the query, key or value (inference only: run under torch.no_grad() or "
+                      "torch.inference_mode())", stacklevel=3)
 
 
 def _check_output_scale(op: str, output_scale: torch.Tensor, x: torch.Tensor, x_name: str = "query") -> None:
@@ -386,8 +403,10 @@ class RocmAttentionImpl:
                              "(bind_kv_caches does) or configure the layer with the cache's dtype")
         if interleaved_v is None:
             interleaved_v = self.interleaved_v
-        fn = _select(caller, op, device=x.device, head_size=self.head_size, dtype=x.dtype, kv_cache=kv_cache,
-                     features=features, num_tokens=num_tokens, interleaved_v=interleaved_v and kv_cache is not None)
+        provider, fn = _select_named(caller, op, device=x.device, head_size=self.head_size, dtype=x.dtype,
+                                     kv_cache=kv_cache, features=features, num_tokens=num_tokens,
+                                     interleaved_v=interleaved_v and kv_cache is not None)
+        _warn_no_gradient(caller, provider, x)
         self._kernels[sig] = fn
         return fn
 

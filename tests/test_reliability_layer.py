@@ -5,8 +5,10 @@ check made only on a signature's first call would miss it), and asserts a clear 
 KV cache byte-identical to before the call.
 """
 
+import contextlib
 import dataclasses
 import re
+import warnings
 
 import pytest
 import torch
@@ -806,3 +808,42 @@ def test_kv_sharing_layer_run_before_its_target_in_a_step_is_refused(fused):
     with ira.set_forward_context(second):
         write(second)
         assert torch.isfinite(sharer(*qkv(3, g))).all()
+
+
+def _layer_step(name):
+    layer = ira.Attention(H, D, num_kv_heads=HKV, layer_name=name, block_size=BS)
+    ira.bind_kv_caches(layer, NUM_BLOCKS, torch.float32)
+    md = ira.build_attention_metadata([3], [0], [[1]], BS)
+    q, k, v = (torch.randn(3, n * D, requires_grad=True) for n in (H, HKV, HKV))
+    return layer, md, q, k, v
+
+
+def test_a_kernel_without_backward_warns_when_a_gradient_is_expected(monkeypatch):
+    """Only the PyTorch reference passes a gradient through the ops; with another provider a
+    forward with grad mode on and inputs that require grad warns (once per call signature)."""
+    from inductor_rocm_attn import providers
+
+    real = providers.select
+    monkeypatch.setattr(providers, "select", lambda op, **call: ("triton", real(op, **call)[1]))
+    layer, md, q, k, v = _layer_step("grad_warn.0")
+    with pytest.warns(UserWarning, match=r"rocm_attn\.\w+: the 'triton' kernels have no backward; no gradient "
+                                         r"flows through this attention"), ira.set_forward_context(md):
+        layer(q, k, v)
+    layer, md, q, k, v = _layer_step("grad_warn.1")
+    with torch.no_grad(), ira.set_forward_context(md), warnings_as_errors():
+        layer(q, k, v)  # inference: no warning
+
+
+def test_the_reference_passes_the_gradient_without_a_warning():
+    layer, md, q, k, v = _layer_step("grad_ref.0")
+    with ira.set_forward_context(md), warnings_as_errors():
+        out = layer(q, k, v)
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
+
+
+@contextlib.contextmanager
+def warnings_as_errors():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield
