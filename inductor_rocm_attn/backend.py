@@ -708,11 +708,14 @@ class RocmAttentionImpl:
                 "RocmAttentionImpl: output_block_scale (block-scaled output quant) is not supported; "
                 "only per-tensor static fp8 output quant (output_scale) is"
             )
-        if attn_metadata is None:  # profiling run
-            return output.fill_(0)
         op = _ATTN_OP
         md = attn_metadata
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
+        if md is None:  # profiling run: zeros, into an output of the query's shape
+            rows = step_checks.token_rows(op, "output", output, h, d)
+            step_checks.check_layer_query(op, step_checks.token_rows(op, "query", query, h, d), rows,
+                                          query.device, h, d)
+            return output.fill_(0)
         # The layer passes [T, H, D] tensors; views and slices only when needed (each costs
         # about a microsecond on this per-layer, per-step path).
         query = step_checks.token_rows(op, "query", query, h, d)

@@ -252,6 +252,19 @@ def test_profiling_run_is_deliberate_and_writes_nothing(enter):
     assert unchanged(before, s.layer.kv_cache)
 
 
+@pytest.mark.parametrize("shape", [(99, 1, 1), (5, H, D + 1), (4, H * D)])
+def test_profiling_run_output_of_another_shape_is_refused(shape):
+    """The op's profiling run zero-fills ``output``: one that is not the query's shape is
+    refused (it was zero-filled whatever its shape), and is left as it was."""
+    s = stepped_layer()
+    q, k, v = (x.view(5, -1, D) for x in qkv(5, s.g))
+    output = torch.full(shape, 7.0)
+    with ira.profiling_run(), pytest.raises(ValueError, match=r"rocm_attn\.unified_attention_with_output: "
+                                                              r"(query and output must be|output must be)"):
+        torch.ops.rocm_attn.unified_attention_with_output(q, k, v, output, s.layer.layer_name)
+    assert (output == 7.0).all()
+
+
 def test_a_field_set_anew_is_checked_again():
     # The step's checks are memoized on the metadata object; assigning a field drops them.
     s = stepped_layer()
