@@ -308,7 +308,12 @@ def _check_supported_attention(module, who: str) -> None:
 
 
 def _decoder(model: torch.nn.Module) -> torch.nn.Module:
-    return model.get_decoder() if hasattr(model, "get_decoder") else model
+    """The decoder stack: ``get_decoder()``, unless that is a leaf module (ModernBERT-decoder
+    names its output projection ``decoder``, which ``get_decoder()`` returns): then the base model."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    if next(decoder.children(), None) is None and hasattr(model, "base_model"):
+        return model.base_model
+    return decoder
 
 
 def _attention_class_table(model: torch.nn.Module) -> tuple[str, list[str]] | None:

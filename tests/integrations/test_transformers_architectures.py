@@ -161,6 +161,12 @@ PAGED_CONFIGS = {
     "solar_open": lambda: transformers.SolarOpenConfig(**_KV2, head_dim=32, n_routed_experts=4, num_experts_per_tok=2,
                                                        moe_intermediate_size=64, n_group=1, topk_group=1),
     "aria_text": lambda: transformers.AriaTextConfig(**_KV2, moe_num_experts=4, moe_topk=2),
+    # get_decoder() is its output projection (named ``decoder``): the stack is the base model;
+    # sliding layers of local_attention // 2 beside full ones
+    "modernbert_decoder": lambda: transformers.ModernBertDecoderConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=3,
+        sep_token_id=4, local_attention=12, global_attn_every_n_layers=2),
     # fused qkv projection, q/k/v clamped (transformers 5.17 fails without clip_qkv), MoE
     "dbrx": lambda: transformers.DbrxConfig(
         d_model=128, n_heads=4, n_layers=2, max_seq_len=128, vocab_size=256, pad_token_id=0, bos_token_id=1,
@@ -187,6 +193,7 @@ FEATURE_OFF = {
     "granitemoe_swa": {"sliding_window": 4096}, "cwm": {"sliding_window": 4096}, "mellum": {"sliding_window": 4096},
     "hyperclovax": {"attention_multiplier": 1.0}, "phimoe": {"sliding_window": None},
     "qwen2_moe_window": {"use_sliding_window": False, "layer_types": ["full_attention", "full_attention"]},
+    "modernbert_decoder": {"layer_types": ["full_attention", "full_attention"]},
 }
 
 
