@@ -235,6 +235,15 @@ _RUNNER_CASES = [
     (dict(compile_threads=0), ValueError, r"compile_threads must be a positive int, got 0"),
     (dict(compile_threads=2.0), ValueError, r"compile_threads must be a positive int, got 2.0"),
     (dict(compile_threads=True), ValueError, r"compile_threads must be a positive int, got True"),
+    # failed only after the trace and every compile: at the capture (AttributeError) or the first message
+    (dict(graph_backend=True), TypeError, r"graph_backend must be a graph backend \(CudaGraphBackend\(\), "
+                                          r"RerunGraphBackend\(\) or an object with warmup, capture, capture_step, "
+                                          r"synchronize\), got True"),
+    (dict(progress="yes"), TypeError, r"progress must be callable \(e.g. print\) or None, got 'yes'"),
+    # a list of layers failed as "'list' object has no attribute 'values'"
+    (dict(layers=[]), TypeError, r"layers must be a mapping of layer name -> Attention \(e.g. runner.layers\), "
+                                 r"got a list"),
+    (dict(layers={"l0": torch.nn.Linear(2, 2)}), TypeError, r"layers must be a mapping .*, got 'l0': Linear"),
 ]
 
 

@@ -599,7 +599,8 @@ def compile_piecewise(
         max_num_tokens=max_num_tokens, max_model_len=max_model_len,
         flags=dict(capture=capture, decode_graphs=decode_graphs, mixed_graphs=mixed_graphs),
         optional_flags=dict(use_cuda_graphs=use_cuda_graphs, plugin=plugin, piecewise_graphs=piecewise_graphs),
-        trace_cache=trace_cache, compile_threads=compile_threads, graph_backend=graph_backend)
+        trace_cache=trace_cache, compile_threads=compile_threads, graph_backend=graph_backend,
+        progress=progress, layers=layers)
     _check_traced_signature(model, forward)
     p = next(model.parameters())
     device = p.device

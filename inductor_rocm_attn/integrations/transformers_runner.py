@@ -124,7 +124,8 @@ def compile_transformers(
         max_num_tokens=max_num_tokens, max_model_len=1 if max_model_len is None else max_model_len,
         flags=dict(capture=capture, decode_graphs=decode_graphs, mixed_graphs=mixed_graphs, poison=poison),
         optional_flags=dict(use_cuda_graphs=use_cuda_graphs, plugin=plugin, piecewise_graphs=piecewise_graphs),
-        trace_cache=trace_cache, compile_threads=compile_threads, graph_backend=graph_backend)
+        trace_cache=trace_cache, compile_threads=compile_threads, graph_backend=graph_backend,
+        progress=progress)
     check_block_size(block_size, "compile_transformers")
     max_model_len = max_model_len or _default_max_model_len(model, num_blocks, block_size)
     positions = learned_position_limit(model)

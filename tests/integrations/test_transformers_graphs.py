@@ -310,6 +310,8 @@ def test_refusals():
         compile_transformers(model, num_blocks=0)
     with pytest.raises(ValueError, match=r"compile_transformers: capture_sizes must hold positive ints, got -1"):
         compile_transformers(model, num_blocks=4, capture_sizes=[-1, 2])
+    with pytest.raises(TypeError, match=r"compile_transformers: progress must be callable \(e.g. print\) or None"):
+        compile_transformers(model, num_blocks=4, progress="yes")  # failed at its first message, mid-compile
     runner = eager_runner(model.eval(), num_blocks=4)
     for bad in (0, 2.5):
         with pytest.raises(ValueError, match=rf"max_new_tokens must be an int >= 1, got {bad}"):
