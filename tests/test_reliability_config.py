@@ -370,6 +370,11 @@ _GENERATE_CASES = [
     (dict(prompts=[3, 4]), TypeError, r"prompt 0 must be a list of token ids or a 1-D integer tensor, got int 3"),
     (dict(prompts=["ab"]), TypeError, r"prompt 0 must be a list of token ids or a 1-D integer tensor, got str 'ab'"),
     (dict(on_step=5), TypeError, r"on_step must be callable or None, got int"),
+    # unordered: a set's ids ran in hash order, a dict of prompts gave its keys as prompts
+    (dict(prompts=[{5, 3, 4}]), TypeError, r"prompt 0 is a set, which has no token order"),
+    (dict(prompts=[{3: 1, 4: 1}]), TypeError, r"prompt 0 is a dict, which has no token order"),
+    (dict(prompts={(3, 4), (5, 6)}), TypeError, r"prompts must be a list of prompts .*, got a set, which has no order"),
+    (dict(prompts={"a": [3, 4]}), TypeError, r"prompts must be a list of prompts .*, got a dict, which has no order"),
     # prompts not a list of prompts: list(5) failed with "'int' object is not iterable"
     (dict(prompts=5), TypeError, r"prompts must be a list of prompts \(token id lists or 1-D integer tensors\), "
                                  r"got int 5"),

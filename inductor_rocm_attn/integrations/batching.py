@@ -19,6 +19,7 @@ never runs out mid-generation; prompts wait, in order, until enough blocks are f
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import dataclasses
 import threading
@@ -85,6 +86,7 @@ def _num_cache_blocks(runner) -> int:
     return min(layer.kv_cache.shape[0] for layer in runner.layers.values())
 
 
+_UNORDERED = (collections.abc.Set, collections.abc.Mapping)
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
@@ -96,6 +98,9 @@ def _prompt_ids(i: int, prompt) -> list[int]:
             raise TypeError(f"generate: prompt {i} must be a 1-D integer tensor of token ids, got "
                             f"{tuple(prompt.shape)} {prompt.dtype}")
         return prompt.tolist()
+    if isinstance(prompt, _UNORDERED):  # its ids in hash order, or a mapping's keys
+        raise TypeError(f"generate: prompt {i} is a {type(prompt).__name__}, which has no token order; give a list "
+                        "of token ids or a 1-D integer tensor")
     try:
         ids = None if isinstance(prompt, (str, bytes)) else list(prompt)
     except TypeError:
@@ -144,10 +149,10 @@ def generate(runner, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_to
     logits (fp32, on the CPU). ``on_step``: called after every step. ``num_blocks``: blocks
     to hand out (default every block of the layers' caches).
 
-    Refused before the first step: limits above the runner's, token ids that are not ints or
-    not in the vocabulary, a prompt whose tokens and ``max_new_tokens`` cannot fit the
-    runner's ``max_model_len`` or the blocks handed out, and a generate while another one
-    runs on the same caches."""
+    Refused before the first step: limits above the runner's, prompts or token ids in a set
+    or dict (no order), token ids that are not ints or not in the vocabulary, a prompt whose
+    tokens and ``max_new_tokens`` cannot fit the runner's ``max_model_len`` or the blocks
+    handed out, and a generate while another one runs on the same caches."""
     check_bool("generate", "return_logits", return_logits)
     with _owning_caches(runner):
         return _generate(runner, prompts, max_new_tokens, max_tokens_per_step=max_tokens_per_step,
@@ -158,6 +163,9 @@ def generate(runner, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_to
 def _generate(runner, prompts, max_new_tokens, *, max_tokens_per_step, max_seqs_per_step, return_logits,
               on_step, num_blocks) -> GenerateResult:
     """``generate`` while it holds the runner's caches."""
+    if isinstance(prompts, _UNORDERED):  # results come back by position: a set has none, a dict gave its keys
+        raise TypeError(f"generate: prompts must be a list of prompts (token id lists or 1-D integer tensors), got a "
+                        f"{type(prompts).__name__}, which has no order to return the results in")
     try:
         prompts = list(prompts)  # iterated twice (a generator would be empty the second time)
     except TypeError:
