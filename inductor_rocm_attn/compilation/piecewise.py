@@ -559,7 +559,8 @@ def compile_piecewise(
             without graphs (default ``max(capture_sizes)``).
         max_model_len: longest sequence (block-table width).
         use_cuda_graphs: default: when the model's parameters are on a CUDA/HIP device.
-        plugin: run the plugin's passes in the piece compiles (default: on; False: off).
+        plugin: run the plugin's passes in the piece compiles (default: on; False: off; a
+            post pass the user installed runs either way).
         capture: capture now (else call ``runner.capture()`` later).
         graph_backend: what captures and replays (default ``CudaGraphBackend``);
             ``RerunGraphBackend()`` emulates graphs without a GPU (tests).
