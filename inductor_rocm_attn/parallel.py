@@ -142,11 +142,16 @@ class TensorParallel:
         """From a ``ProcessGroup``, a 1-D ``DeviceMesh``, or ``None`` (the default group)."""
         import torch.distributed as dist
 
+        if group is not None and not hasattr(group, "get_group") and not isinstance(group, dist.ProcessGroup):
+            # 0 was taken for the default group (``group or WORLD``), 5 failed as an AttributeError
+            raise TypeError(f"TensorParallel.from_group: group must be a ProcessGroup, a 1-D DeviceMesh or None (the "
+                            f"default group), got {type(group).__name__} {group!r:.60}")
         if not dist.is_initialized():
             raise RuntimeError("tensor parallel: call torch.distributed.init_process_group first")
         if hasattr(group, "get_group"):  # DeviceMesh
             group = group.get_group()
-        group = group or dist.group.WORLD
+        if group is None:
+            group = dist.group.WORLD
         return cls(dist.get_world_size(group), dist.get_rank(group), group.group_name)
 
     def heads(self, num_heads: int, num_kv_heads: int) -> HeadShard:

@@ -557,3 +557,12 @@ def test_tp_must_be_a_tensor_parallel_and_a_shard_is_not_sharded_again():
     with pytest.raises(ValueError, match=r"shard_model: the model is already a tensor-parallel shard \(its row-parallel "
                                          r"linears all-reduce over group 'unused'\); shard the full model"):
         shard_model(shard, tp)
+
+
+@pytest.mark.parametrize("group", [0, 5, "gloo"])
+def test_from_group_refuses_what_is_not_a_group(group):
+    """0 was taken for the default group (``group or WORLD``); 5 or a backend name failed as an
+    AttributeError on the int or str. Refused before torch.distributed is even needed."""
+    with pytest.raises(TypeError, match=rf"TensorParallel.from_group: group must be a ProcessGroup, a 1-D DeviceMesh "
+                                        rf"or None \(the default group\), got {type(group).__name__} {group!r}"):
+        TensorParallel.from_group(group)
