@@ -61,6 +61,7 @@ import torch
 from torch import nn
 
 from inductor_rocm_attn.backend import cache_epoch
+from inductor_rocm_attn.cache_holds import check_free
 from inductor_rocm_attn.config_checks import check_runner_config
 from inductor_rocm_attn.forward_context import set_forward_context
 from inductor_rocm_attn.layer import attention_layers
@@ -216,6 +217,7 @@ class PiecewiseRunner:
         a decode graph, for the mixed graph (``mixed_graphs=True``). ``whole_step``: False
         plans for the piecewise graphs instead; ``"mixed"`` takes the mixed graph also for a
         decode-only step (a check, and a benchmark of what the decode graph saves)."""
+        check_free("PiecewiseRunner.prepare", self._layers.values())
         if not hasattr(query_lens, "__len__"):  # sum() below would consume a generator
             raise TypeError(f"PiecewiseRunner.prepare: query_lens must be a sequence of ints (one per sequence), "
                             f"got {type(query_lens).__name__}")

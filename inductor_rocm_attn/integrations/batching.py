@@ -20,14 +20,13 @@ never runs out mid-generation; prompts wait, in order, until enough blocks are f
 from __future__ import annotations
 
 import collections.abc
-import contextlib
 import dataclasses
-import threading
 import time
 from typing import Callable, Sequence
 
 import torch
 
+from .. import cache_holds
 from ..block_allocator import BlockAllocator
 from ..validation import check_bool, check_positive_int, is_int, vocab_size_of
 
@@ -114,29 +113,6 @@ def _prompt_ids(i: int, prompt) -> list[int]:
     return [int(t) for t in ids]
 
 
-# Data pointers of the KV caches a running generate() fills: a second generate on any of them
-# (from on_step, another thread, a second runner over the same caches) would hand out the
-# same block ids and overwrite the first one's cached tokens.
-_ACTIVE_CACHES: set[int] = set()
-_ACTIVE_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _owning_caches(runner):
-    ptrs = {layer.kv_cache.data_ptr() for layer in runner.layers.values()} - {0}
-    with _ACTIVE_LOCK:
-        if ptrs & _ACTIVE_CACHES:
-            raise RuntimeError("generate: another generate() is running on this runner's KV caches (called from "
-                               "on_step, another thread, or a runner over the same caches); both would write the "
-                               "same cache blocks: run them one after the other")
-        _ACTIVE_CACHES.update(ptrs)
-    try:
-        yield
-    finally:
-        with _ACTIVE_LOCK:
-            _ACTIVE_CACHES.difference_update(ptrs)
-
-
 @torch.no_grad()
 def generate(runner, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int, *,
              max_tokens_per_step: int | None = None, max_seqs_per_step: int | None = None,
@@ -152,9 +128,11 @@ def generate(runner, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_to
     Refused before the first step: limits above the runner's, prompts or token ids in a set
     or dict (no order), token ids that are not ints or not in the vocabulary, a prompt whose
     tokens and ``max_new_tokens`` cannot fit the runner's ``max_model_len`` or the blocks
-    handed out, and a generate while another one runs on the same caches."""
+    handed out, and a generate while another one runs on the same caches. While it runs, a
+    step on its caches from anyone else (``on_step``, another thread, another runner over
+    the same caches) is refused by that runner's ``prepare`` (``cache_holds``)."""
     check_bool("generate", "return_logits", return_logits)
-    with _owning_caches(runner):
+    with cache_holds.hold(runner.layers.values()):
         return _generate(runner, prompts, max_new_tokens, max_tokens_per_step=max_tokens_per_step,
                          max_seqs_per_step=max_seqs_per_step, return_logits=return_logits, on_step=on_step,
                          num_blocks=num_blocks)
@@ -253,9 +231,10 @@ def _generate(runner, prompts, max_new_tokens, *, max_tokens_per_step, max_seqs_
         clens = [s.cached for s, _ in chunks]
         tables = [list(alloc.allocate(s.rid, n)) for s, n in chunks]
         ids = torch.tensor([t for s, n in chunks for t in s.tokens[s.cached:s.cached + n]], dtype=torch.long)
-        md = runner.prepare(qlens, clens, tables)
-        whole = runner.replays_whole_step(md)
-        logits = runner(ids.to(runner.device), md)
+        with cache_holds.own_step():
+            md = runner.prepare(qlens, clens, tables)
+            whole = runner.replays_whole_step(md)
+            logits = runner(ids.to(runner.device), md)
         # The last token of a sequence's chunk picks its next token once its prompt is cached.
         done = [(i, s) for i, (s, n) in enumerate(chunks) if s.cached + n >= s.prompt_len]
         ends = torch.tensor(qlens).cumsum(0) - 1

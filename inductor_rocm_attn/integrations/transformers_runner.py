@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..cache_holds import check_free
 from ..capabilities import check_block_size
 from ..compilation.step_graphs import MIXED
 from ..config_checks import check_runner_config
@@ -174,6 +175,7 @@ class EagerRunner:
         """The step's metadata (``whole_step``: taken for a ``PiecewiseRunner``'s API; no graphs
         here), within the runner's step limits and, for a model with learned positions, its
         ``max_model_len`` (an index past the embedding is a device-side assert on a GPU)."""
+        check_free("EagerRunner.prepare", self.layers.values())
         if whole_step is not True and whole_step is not False and whole_step != MIXED:  # as PiecewiseRunner's
             raise ValueError(f"EagerRunner.prepare: whole_step={whole_step!r:.60}; expected True, False or {MIXED!r}")
         md = build_attention_metadata(query_lens, context_lens, block_tables, self.block_size, self.device)
@@ -208,6 +210,7 @@ class EagerRunner:
                              f"expected [{n}]")
         check_token_ids("EagerRunner", input_ids, self.vocab_size)
         self.check_parameters()
+        check_free("EagerRunner", self.layers.values())  # metadata built before a generate began
         with set_forward_context(metadata, layers=self.layers):
             out = self.forward(input_ids.to(self.device), metadata.positions)
         self.step_s = time.perf_counter() - t0

@@ -375,3 +375,34 @@ def test_trace_cache_warm_start_generates_as_eager(tmp_path):
     errs = [rel(a, b) for got_p, want_p in zip(got.logits, want_logits) for a, b in zip(got_p, want_p)]
     assert len(errs) == len(PROMPT_LENS) * NEW_TOKENS and max(errs) < TOL, max(errs)
     assert len({s.num_tokens for s in got.steps}) >= 3  # steps of several sizes
+
+
+def test_a_step_on_caches_a_generate_holds_is_refused():
+    """A step run from on_step (or another thread, or another runner over the same caches)
+    while a generate holds the caches wrote into blocks its sequences had cached, and the
+    generate went on with the overwritten tokens, silently. Refused now; the generate that
+    raised holds nothing afterwards and the next one matches."""
+    model = build("qwen3", "rocm_attn", layers=1)
+    eager = eager_runner(model, num_blocks=8, max_num_seqs=4, max_num_tokens=16)
+    runner = compile_transformers(model, num_blocks=8, capture_sizes=[1, 2, 4], max_num_seqs=4, max_num_tokens=16,
+                                  graph_backend=RerunGraphBackend())
+    batch = prompts([5, 11, 8])
+    want = generate(eager, batch, 4).tokens
+    assert generate(runner, batch, 4).tokens == want
+    for r, who in ((eager, "EagerRunner"), (runner, "PiecewiseRunner")):
+        def step_inside(record, r=r):
+            if record.index == 1:
+                r(torch.tensor([3, 4]), r.prepare([2], [0], [[0]]))
+
+        with pytest.raises(RuntimeError, match=rf"{who}\.prepare: a running generate\(\) holds these KV caches"):
+            generate(r, batch, 4, on_step=step_inside)
+        assert generate(r, batch, 4).tokens == want
+    before = eager.prepare([2], [0], [[0]])  # metadata built before the generate began
+
+    def run_before(record):
+        if record.index == 1:
+            eager(torch.tensor([3, 4]), before)
+
+    with pytest.raises(RuntimeError, match=r"EagerRunner: a running generate\(\) holds these KV caches"):
+        generate(eager, batch, 4, on_step=run_before)
+    assert generate(eager, batch, 4).tokens == want
