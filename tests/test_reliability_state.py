@@ -473,6 +473,22 @@ def test_runner_use_graphs_must_be_a_bool(small_runner):
         small_runner(torch.tensor([1, 2]), md, use_graphs="no")  # the graphs replayed
 
 
+def test_runners_refuse_metadata_that_is_not_a_prepare_s(small_runner):
+    """None (or a dict) as the step's metadata failed as an AttributeError on one of its fields."""
+    from inductor_rocm_attn.integrations.transformers_runner import eager_runner
+
+    md = small_runner.prepare([2], [0], [[3]])
+    for bad in (None, {"num_actual_tokens": 2}):
+        with pytest.raises(ValueError, match=rf"PiecewiseRunner: build the step's metadata with runner\.prepare\(\.\.\.\), "
+                                             rf"got {type(bad).__name__}"):
+            small_runner(torch.tensor([1, 2]), bad)
+    assert torch.isfinite(small_runner(torch.tensor([1, 2]), md)).all()  # the prepared step still runs
+    runner = eager_runner(_tiny_transformers_model(), num_blocks=4)
+    with pytest.raises(TypeError, match=r"EagerRunner: metadata must be runner\.prepare\(\.\.\.\)'s AttentionMetadata, "
+                                        r"got NoneType"):
+        runner(torch.tensor([1, 2]), None)
+
+
 def test_eager_runner_whole_step_is_checked_as_the_piecewise_runner_s():
     from inductor_rocm_attn.integrations.transformers_runner import eager_runner
 

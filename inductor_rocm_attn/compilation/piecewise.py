@@ -282,17 +282,19 @@ class PiecewiseRunner:
         graphs at the same padded size (a check of the graphs: results are bitwise equal)."""
         if use_graphs is not True and use_graphs is not False:  # a truthy string ("no") replayed the graphs
             raise TypeError(f"PiecewiseRunner: use_graphs must be True or False, got {use_graphs!r}")
-        n = metadata.num_actual_tokens
-        size = metadata.slot_mapping.shape[0]
         if not isinstance(input_ids, torch.Tensor):  # a list failed deep inside as an AttributeError
             raise TypeError(f"PiecewiseRunner: input_ids must be a 1-D tensor of token ids, got "
                             f"{type(input_ids).__name__}")
         if metadata is not self._prepared:
             # The buffers hold the latest prepare()'s step: an older metadata would run on it.
+            ours = isinstance(metadata, AttentionMetadata) and (
+                metadata.slot_mapping.data_ptr() == self.buffers.slot_mapping.data_ptr())
             raise ValueError("PiecewiseRunner: the metadata is not the latest runner.prepare(...)'s; prepare "
-                             "each step right before running it" if metadata.slot_mapping.data_ptr() ==
-                             self.buffers.slot_mapping.data_ptr() else
-                             "PiecewiseRunner: build the step's metadata with runner.prepare(...)")
+                             "each step right before running it" if ours else
+                             f"PiecewiseRunner: build the step's metadata with runner.prepare(...), got "
+                             f"{type(metadata).__name__}")
+        n = metadata.num_actual_tokens
+        size = metadata.slot_mapping.shape[0]
         if input_ids.dim() != 1 or input_ids.shape[0] not in (n, size):
             raise ValueError(f"PiecewiseRunner: input_ids {tuple(input_ids.shape)} for a step of {n} tokens: "
                              f"expected [{n}]" + (f" (or [{size}], padded)" if size != n else ""))

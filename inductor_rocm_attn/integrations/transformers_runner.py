@@ -202,6 +202,9 @@ class EagerRunner:
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         t0 = time.perf_counter()
+        if not isinstance(metadata, AttentionMetadata):  # None failed as an AttributeError on .positions
+            raise TypeError(f"EagerRunner: metadata must be runner.prepare(...)'s AttentionMetadata, got "
+                            f"{type(metadata).__name__}")
         n = metadata.positions.shape[0]
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"EagerRunner: input_ids must be a 1-D tensor of token ids, got {type(input_ids).__name__}")
