@@ -329,7 +329,7 @@ class PiecewiseRunner:
 
         ``compile_threads``: first compile the Triton kernels every capture launches on that
         many threads (``precompile``; default one a core, at most 16; 1: each compiles at its
-        first launch, one after another)."""
+        first launch, one after another). A capture that raises leaves no graphs."""
         if not is_int(num_warmup) or num_warmup < 0:
             raise ValueError(f"PiecewiseRunner.capture: num_warmup must be an int >= 0, got {num_warmup!r}")
         if compile_threads is not None:
@@ -340,13 +340,30 @@ class PiecewiseRunner:
         t0 = time.perf_counter()
         if self._graph_backend is None:
             self._graph_backend = CudaGraphBackend()
-        backend = self._graph_backend
-        self._step_graphs.clear()
-        self._mixed_graphs.clear()
-        self._shapes.clear()
+        # A capture that fails part-way leaves no graphs: not some of this capture's, unchecked
+        # against the caches, beside the previous one's.
+        self._drop_graphs()
         # the capture's dummy steps overwrite the metadata buffers: a step prepared before it
         # would run on them (no cache write, attention over the dummy sequences)
         self._step_md = self._step_shape = self._prepared = None
+        try:
+            self._capture(num_warmup, compile_threads, t0)
+        except BaseException:
+            self._drop_graphs()
+            raise
+
+    def _drop_graphs(self) -> None:
+        """Every step runs the compiled pieces without graphs until a capture completes."""
+        self._step_graphs.clear()
+        self._mixed_graphs.clear()
+        self._shapes.clear()
+        for piece in self.pieces:
+            piece.graphs.clear()
+        self._piece_sizes = self._captured = frozenset()
+        self._captured_caches = None
+
+    def _capture(self, num_warmup: int, compile_threads: int | None, t0: float) -> None:
+        backend = self._graph_backend
         threads = precompile.default_compile_threads() if compile_threads is None else compile_threads
         if threads > 1 and isinstance(backend, CudaGraphBackend):
             self._precompile(threads)
