@@ -191,8 +191,11 @@ class EagerRunner:
         return False
 
     def check_parameters(self) -> None:
-        """The model's dtype and device are still the ones its caches were made for (a
-        ``model.to(...)`` after ``eager_runner`` would run on caches of the old ones)."""
+        """The model is in eval mode (a ``model.train()`` after ``eager_runner`` ran its
+        dropouts: other logits on every run) and its dtype and device are still the ones its
+        caches were made for (a ``model.to(...)`` would run on caches of the old ones)."""
+        if self.model.training:
+            raise ValueError("EagerRunner: the model is in training mode (its dropouts would run); call model.eval()")
         first = next(self.model.parameters())
         if (first.dtype, first.device) != self._built_for:
             dtype, device = self._built_for
@@ -227,6 +230,8 @@ def eager_runner(model: torch.nn.Module, *, num_blocks: int, block_size: int = 1
     ``compile_transformers``; ``max_num_seqs`` / ``max_num_tokens`` bound a step)."""
     check_model(model, "eager_runner")
     check_every_layer_attends(model, "eager_runner")
+    if model.training:  # its dropouts would run: other logits on every run
+        raise ValueError("eager_runner: the model is in training mode; call model.eval() first")
     check_positive_int("eager_runner", "num_blocks", num_blocks)
     _check_step_limits("eager_runner", max_num_seqs, max_num_tokens)  # before the caches are allocated
     check_dynamic_rope(model, "eager_runner", num_blocks * block_size)  # the longest sequence the cache holds

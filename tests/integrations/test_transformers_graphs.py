@@ -406,3 +406,20 @@ def test_a_step_on_caches_a_generate_holds_is_refused():
     with pytest.raises(RuntimeError, match=r"EagerRunner: a running generate\(\) holds these KV caches"):
         generate(eager, batch, 4, on_step=run_before)
     assert generate(eager, batch, 4).tokens == want
+
+
+def test_eager_runner_refuses_a_model_in_training_mode():
+    """compile_transformers refused a model in training mode, eager_runner took it: its
+    dropouts (a GPT-2's resid_pdrop, embd_pdrop) then gave other logits on every run."""
+    model = build("llama", "rocm_attn", layers=1)
+    with pytest.raises(ValueError, match=r"eager_runner: the model is in training mode; call model\.eval\(\) first"):
+        eager_runner(model.train(), num_blocks=4)
+    runner = eager_runner(model.eval(), num_blocks=4)
+    want = generate(runner, [[3, 4, 5]], 3).tokens
+    model.train()
+    with pytest.raises(ValueError, match=r"EagerRunner: the model is in training mode \(its dropouts would run\)"):
+        generate(runner, [[3, 4, 5]], 3)
+    with pytest.raises(ValueError, match=r"EagerRunner: the model is in training mode"):
+        runner(torch.tensor([3]), runner.prepare([1], [0], [[0]]))
+    model.eval()
+    assert generate(runner, [[3, 4, 5]], 3).tokens == want
