@@ -318,6 +318,23 @@ def test_refused_prepare_keeps_the_previous_step():
         runner.capture(compile_threads=0)
     assert runner.whole_step_shape(md) == StepShape(MIXED, 4, 4, 4)
 
+@pytest.mark.compile
+def test_a_runner_of_one_token_steps_compiles():
+    """capture_sizes=[1] (batch-1 decoding) failed in the compile: the trace runs at 2 tokens
+    (Dynamo specializes 1) and filled the runner's buffers, sized for 1 token."""
+    model, ref = _tiny_pair(num_layers=1, num_blocks=16)
+    runner = compile_piecewise(model, capture_sizes=[1], max_model_len=64, graph_backend=RerunGraphBackend())
+    assert (runner.max_num_tokens, runner.max_num_seqs, sorted(runner._step_graphs)) == (1, 1, [1])
+    reference = _eager_reference(ref, runner.block_size, "cpu")
+    for pos, token in enumerate([5, 17, 3, 9]):  # one token a step, each through the decode graph
+        ids = torch.tensor([token])
+        md = runner.prepare([1], [pos], [[2]])
+        assert runner.replays_whole_step(md)
+        torch.testing.assert_close(runner(ids, md), reference(ids, [1], [pos], [[2]]), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"2 tokens \(padded\) > max_num_tokens 1"):
+        runner.prepare([2], [0], [[3]])
+
+
 class _FailingBackend(RerunGraphBackend):
     """Fails the capture of its ``fail_at``-th whole step (counted over every capture)."""
 
