@@ -300,6 +300,22 @@ def test_kernel_ops_refuse_per_head_values_a_layer_refuses(op, name, bad, match)
 # --- the piecewise runner: capture() overwrites the metadata buffers -------------------------------
 
 
+def test_capture_on_a_runner_without_graphs_is_refused():
+    """capture() on a runner compiled without graphs (CPU, or use_cuda_graphs=False) returned
+    having captured nothing: every step went on running without graphs."""
+    from inductor_rocm_attn.compilation import compile_piecewise
+    from inductor_rocm_attn.models import TinyDecoder, qwen3_config
+
+    model = TinyDecoder(qwen3_config(num_layers=1), name="state.no_graphs").eval()
+    ira.bind_kv_caches(model, 16, torch.float32, poison=True)
+    runner = compile_piecewise(model, [2], max_model_len=64, plugin=False)
+    md = runner.prepare([2], [0], [[2]])
+    with pytest.raises(RuntimeError, match=r"PiecewiseRunner\.capture: this runner runs without graphs "
+                                           r"\(use_cuda_graphs=False: the model is on cpu and no graph_backend"):
+        runner.capture()
+    assert torch.isfinite(runner(torch.tensor([1, 2]), md)).all()  # the refused capture changed nothing
+
+
 def test_a_step_prepared_before_capture_is_refused_after_it():
     # capture() fills the buffers with its dummy steps (slots -1): the step prepared before it
     # ran on them, writing no cache and attending over the dummy sequences, silently

@@ -329,14 +329,17 @@ class PiecewiseRunner:
 
         ``compile_threads``: first compile the Triton kernels every capture launches on that
         many threads (``precompile``; default one a core, at most 16; 1: each compiles at its
-        first launch, one after another). A capture that raises leaves no graphs."""
+        first launch, one after another). A capture that raises leaves no graphs; a runner
+        built without graphs (``use_cuda_graphs`` False) refuses."""
         if not is_int(num_warmup) or num_warmup < 0:
             raise ValueError(f"PiecewiseRunner.capture: num_warmup must be an int >= 0, got {num_warmup!r}")
         if compile_threads is not None:
             check_positive_int("PiecewiseRunner.capture", "compile_threads", compile_threads)
         self.check_parameters()
-        if not self.use_cuda_graphs or not self.capture_sizes:
-            return
+        if not self.use_cuda_graphs:  # returned having captured nothing: every step ran without graphs
+            raise RuntimeError(f"PiecewiseRunner.capture: this runner runs without graphs (use_cuda_graphs=False: "
+                               f"the model is on {self.device} and no graph_backend was given); compile it with "
+                               "the model on a GPU (or use_cuda_graphs=True there), or with graph_backend=...")
         t0 = time.perf_counter()
         if self._graph_backend is None:
             self._graph_backend = CudaGraphBackend()
