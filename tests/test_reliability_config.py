@@ -260,6 +260,17 @@ def test_compile_piecewise_config(kw, exc, message):
         compile_piecewise(model, **args)
 
 
+def test_compile_piecewise_refuses_a_model_without_parameters():
+    from inductor_rocm_attn.compilation import compile_piecewise
+
+    class NoWeights(torch.nn.Module):
+        def forward(self, input_ids, positions):
+            return input_ids
+
+    with pytest.raises(ValueError, match=r"compile_piecewise: NoWeights has no parameters"):  # a bare StopIteration
+        compile_piecewise(NoWeights(), [1, 2])
+
+
 def test_trace_cache_directory_that_cannot_be_created(tmp_path):
     from inductor_rocm_attn.compilation.trace_cache import TraceCache
 

@@ -627,7 +627,10 @@ def compile_piecewise(
         trace_cache=trace_cache, compile_threads=compile_threads, graph_backend=graph_backend,
         progress=progress, layers=layers)
     _check_traced_signature(model, forward)
-    p = next(model.parameters())
+    p = next(model.parameters(), None)
+    if p is None:  # a bare StopIteration
+        raise ValueError(f"compile_piecewise: {type(model).__name__} has no parameters; the runner takes its device "
+                         "from them (pass the module that holds the weights forward= calls)")
     device = p.device
     if use_cuda_graphs is None:
         use_cuda_graphs = device.type == "cuda"
