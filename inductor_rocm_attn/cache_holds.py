@@ -5,8 +5,9 @@ those caches by anyone else (a second generate, a direct ``runner.prepare`` /
 ``runner(...)`` from ``on_step`` or another thread, another runner over the same caches)
 would write into blocks a running sequence has cached, and generate would go on reading
 them, silently. ``hold(layers)`` is the context generate holds its caches in and
-``own_step()`` marks its own steps (on its thread); a runner's ``prepare`` calls
-``check_free``, which costs one read of a global set while no generate runs.
+``own_step()`` marks its own steps (on its thread); a runner's ``prepare`` and a cache
+binding (``bind_kv_caches``, ``layer.kv_cache = ...``) call ``check_free``, which costs one
+read of a global set while no generate runs.
 """
 
 from __future__ import annotations
@@ -53,11 +54,14 @@ def own_step():
         _STEPPING.on = False
 
 
-def check_free(who: str, layers: Iterable) -> None:
-    """Raise if a generate holds any cache of ``layers`` and this is not its own step."""
+def check_free(who: str, layers: Iterable, *, rebind: bool = False) -> None:
+    """Raise if a generate holds any cache of ``layers`` and this is not its own step
+    (``rebind``: the caller replaces the caches rather than stepping on them)."""
     if not _HELD or getattr(_STEPPING, "on", False):
         return
     if _pointers(layers) & _HELD:
-        raise RuntimeError(f"{who}: a running generate() holds these KV caches (this step comes from its on_step, "
-                           "another thread, or another runner over the same caches); the step would write cache "
-                           "blocks that generate's sequences hold: run it after generate returns")
+        harm = ("binding another cache would drop the tokens generate's sequences cached there" if rebind else
+                "the step would write cache blocks that generate's sequences hold")
+        raise RuntimeError(f"{who}: a running generate() holds these KV caches (this call comes from its on_step, "
+                           f"another thread, or another runner over the same caches); {harm}: run it after "
+                           "generate returns")

@@ -483,6 +483,21 @@ def test_prepare_refuses_a_sequence_past_max_model_len(small_runner):
     assert torch.isfinite(runner(torch.tensor([1, 2]), md)).all()  # the step prepared before still runs
 
 
+def test_bind_kv_caches_refuses_caches_a_generate_holds(small_runner):
+    """bind_kv_caches from on_step swapped the caches under a running generate: its next steps
+    read the new caches, without the tokens it had cached."""
+    from inductor_rocm_attn.integrations.batching import generate
+
+    caches = [layer.kv_cache for layer in small_runner.layers.values()]
+
+    def rebind(record):
+        ira.bind_kv_caches(small_runner.model, 16, torch.float32)
+
+    with pytest.raises(RuntimeError, match=r"bind_kv_caches: a running generate\(\) holds these KV caches"):
+        generate(small_runner, [[1, 2, 3]], 3, on_step=rebind)
+    assert all(layer.kv_cache is cache for layer, cache in zip(small_runner.layers.values(), caches))
+
+
 def test_runner_use_graphs_must_be_a_bool(small_runner):
     md = small_runner.prepare([2], [0], [[3]])
     with pytest.raises(TypeError, match=r"PiecewiseRunner: use_graphs must be True or False, got 'no'"):

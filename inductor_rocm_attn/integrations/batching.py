@@ -130,7 +130,8 @@ def generate(runner, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_to
     tokens and ``max_new_tokens`` cannot fit the runner's ``max_model_len`` or the blocks
     handed out, and a generate while another one runs on the same caches. While it runs, a
     step on its caches from anyone else (``on_step``, another thread, another runner over
-    the same caches) is refused by that runner's ``prepare`` (``cache_holds``)."""
+    the same caches) is refused by that runner's ``prepare``, and so is binding other caches
+    to its layers (``cache_holds``)."""
     check_bool("generate", "return_logits", return_logits)
     with cache_holds.hold(runner.layers.values()):
         return _generate(runner, prompts, max_new_tokens, max_tokens_per_step=max_tokens_per_step,

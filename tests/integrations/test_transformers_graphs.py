@@ -407,6 +407,17 @@ def test_a_step_on_caches_a_generate_holds_is_refused():
         generate(eager, batch, 4, on_step=run_before)
     assert generate(eager, batch, 4).tokens == want
 
+    layer = next(iter(eager.layers.values()))
+
+    def rebind(record):  # generate went on over the new, empty cache
+        if record.index == 1:
+            layer.kv_cache = torch.zeros_like(layer.kv_cache)
+
+    with pytest.raises(RuntimeError, match=r"binding a KV cache: a running generate\(\) holds these KV caches .*; "
+                                           r"binding another cache would drop the tokens"):
+        generate(eager, batch, 4, on_step=rebind)
+    assert generate(eager, batch, 4).tokens == want
+
 
 def test_eager_runner_refuses_a_model_in_training_mode():
     """compile_transformers refused a model in training mode, eager_runner took it: its
