@@ -6,6 +6,7 @@ value and what is supported."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import torch
 
@@ -75,9 +76,25 @@ def check_cache_scales(op: str, kv_cache_dtype, k_scale, v_scale) -> None:
                              "apply only to an fp8 kv_cache_dtype (fp8, fp8_e4m3, fp8_e5m2)")
 
 
+_GRAPH_BACKEND_METHODS = ("warmup", "capture", "capture_step", "synchronize")
+
+
+def _check_layers(op: str, layers) -> None:
+    """``layers``: None or a mapping of layer name -> ``Attention`` (a list failed as an
+    AttributeError; another object's layer_name or block_size was read as an Attention's)."""
+    if layers is None:
+        return
+    from .layer import Attention
+
+    bad = (f"a {type(layers).__name__}" if not isinstance(layers, Mapping) else
+           next((f"{name!r}: {type(v).__name__}" for name, v in layers.items() if not isinstance(v, Attention)), None))
+    if bad is not None:
+        raise TypeError(f"{op}: layers must be a mapping of layer name -> Attention (e.g. runner.layers), got {bad}")
+
+
 def check_runner_config(op: str, *, capture_sizes, max_num_seqs, max_num_tokens, max_model_len,
                         flags: dict, optional_flags: dict, trace_cache, compile_threads=None,
-                        graph_backend=None) -> list[int]:
+                        graph_backend=None, progress=None, layers=None) -> list[int]:
     """The arguments of ``compile_piecewise`` / ``compile_transformers`` that shape the
     runner's buffers and graphs, checked before anything is traced or allocated. Returns the
     capture sizes as a sorted list of distinct ints."""
@@ -110,4 +127,12 @@ def check_runner_config(op: str, *, capture_sizes, max_num_seqs, max_num_tokens,
         # a graph backend captures graphs: the explicit False would be ignored
         raise ValueError(f"{op}: graph_backend given with use_cuda_graphs=False; a graph backend captures graphs "
                          "(use_cuda_graphs None or True), or drop graph_backend to run without graphs")
+    if graph_backend is not None and not all(callable(getattr(graph_backend, m, None)) for m in _GRAPH_BACKEND_METHODS):
+        # graph_backend=True (meant as "use graphs") failed at the capture, after the whole compile
+        raise TypeError(f"{op}: graph_backend must be a graph backend (CudaGraphBackend(), RerunGraphBackend() or an "
+                        f"object with {', '.join(_GRAPH_BACKEND_METHODS)}), got {graph_backend!r:.60}; "
+                        "use_cuda_graphs=True turns graphs on")
+    if progress is not None and not callable(progress):  # failed at its first message, mid-compile
+        raise TypeError(f"{op}: progress must be callable (e.g. print) or None, got {progress!r:.60}")
+    _check_layers(op, layers)
     return sorted(set(sizes))

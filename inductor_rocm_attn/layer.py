@@ -12,6 +12,7 @@ from torch import nn
 
 from . import step_checks
 from .backend import RocmAttentionImpl, note_cache_bound
+from .cache_holds import check_free
 from .capabilities import AttentionType, check_block_size, check_head_size, check_model_dtype
 from .config_checks import check_cache_scales
 from .forward_context import SLOT_PREFIX, latest_copy_name, register_copy, register_layer
@@ -109,6 +110,8 @@ class Attention(nn.Module):
             impl = self.__dict__.get("impl")
             if impl is not None:  # a new tensor: its version count starts again
                 impl._scales_checked = -1
+        if name == "kv_cache" and "kv_cache" in self.__dict__:
+            check_free(f"Attention {self.__dict__.get('layer_name', '')!r}: binding a KV cache", [self], rebind=True)
         super().__setattr__(name, value)
         if name == "kv_cache":  # resolved kernels and captured graphs were checked against the old cache
             note_cache_bound()
@@ -226,6 +229,7 @@ def bind_kv_caches(model: nn.Module, num_blocks: int, dtype: torch.dtype,
             f"bind_kv_caches: {type(model).__name__} holds no inductor_rocm_attn.Attention layer; for a "
             "transformers model use inductor_rocm_attn.integrations.transformers.PagedCache"
         )
+    check_free("bind_kv_caches", layers, rebind=True)
     device = as_device(device, "bind_kv_caches")
     # every cache is allocated (and every sharing layer checked) before the first is attached:
     # a refused call leaves each layer with the cache it had

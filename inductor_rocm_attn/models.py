@@ -216,6 +216,10 @@ class TinyDecoder(nn.Module):
     def __init__(self, cfg: DecoderConfig, name: str | None = None, tp: "TensorParallel | None" = None):
         super().__init__()
         check_config(cfg)
+        if tp is not None:
+            from .parallel import check_tensor_parallel
+
+            check_tensor_parallel("TinyDecoder", tp, optional=True)
         self.cfg = cfg
         name = name or f"model{next(_NAME_COUNTER)}"
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from .models import DecoderConfig, TinyDecoder
 
 __all__ = ["TensorParallel", "HeadShard", "RowParallelLinear", "shard_heads", "shard_state_dict",
-           "shard_model", "all_reduce"]
+           "shard_model", "all_reduce", "check_tensor_parallel"]
 
 
 def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -142,11 +142,16 @@ class TensorParallel:
         """From a ``ProcessGroup``, a 1-D ``DeviceMesh``, or ``None`` (the default group)."""
         import torch.distributed as dist
 
+        if group is not None and not hasattr(group, "get_group") and not isinstance(group, dist.ProcessGroup):
+            # 0 was taken for the default group (``group or WORLD``), 5 failed as an AttributeError
+            raise TypeError(f"TensorParallel.from_group: group must be a ProcessGroup, a 1-D DeviceMesh or None (the "
+                            f"default group), got {type(group).__name__} {group!r:.60}")
         if not dist.is_initialized():
             raise RuntimeError("tensor parallel: call torch.distributed.init_process_group first")
         if hasattr(group, "get_group"):  # DeviceMesh
             group = group.get_group()
-        group = group or dist.group.WORLD
+        if group is None:
+            group = dist.group.WORLD
         return cls(dist.get_world_size(group), dist.get_rank(group), group.group_name)
 
     def heads(self, num_heads: int, num_kv_heads: int) -> HeadShard:
@@ -161,6 +166,14 @@ class TensorParallel:
 
     def row_linear(self, in_features: int, out_features: int) -> RowParallelLinear:
         return RowParallelLinear(in_features, out_features, self.group_name)
+
+
+def check_tensor_parallel(who: str, tp, *, optional: bool = False) -> None:
+    """``tp``: a ``TensorParallel`` (``optional``: or None); anything else failed as an
+    AttributeError deep in the sharding."""
+    if not isinstance(tp, TensorParallel) and not (optional and tp is None):
+        raise TypeError(f"{who}: tp must be a TensorParallel (TensorParallel.from_group(...) or TensorParallel(size, "
+                        f"rank, group_name)){' or None' if optional else ''}, got {tp!r:.60}")
 
 
 def _slices(cfg: "DecoderConfig", tp: TensorParallel) -> dict[str, tuple[int, list[tuple[int, int]]]]:
@@ -202,6 +215,7 @@ def shard_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: "DecoderConfig
     4 + 2 * 4) differs in ``o_proj``, and is refused. Two models whose every weight has the
     same shape (Llama-style, no QK-norm: 8 + 2 * 2 heads of 64 against 4 + 2 * 1 of 128) hold
     nothing that tells them apart; the head split follows ``cfg``."""
+    check_tensor_parallel("shard_state_dict", tp)
     slices = _slices(cfg, tp)
     shapes = _full_shapes(cfg)
     for key, value in state_dict.items():  # all checked before any weight is cut
@@ -230,6 +244,11 @@ def shard_model(model: "TinyDecoder", tp: TensorParallel, name: str | None = Non
     ``bind_kv_caches`` afterwards."""
     from .models import TinyDecoder
 
+    check_tensor_parallel("shard_model", tp)
+    group = next((m.group_name for m in model.modules() if isinstance(m, RowParallelLinear)), None)
+    if group is not None:  # its weights are cut already: refused as "not of this config's model"
+        raise ValueError(f"shard_model: the model is already a tensor-parallel shard (its row-parallel linears "
+                         f"all-reduce over group {group!r}); shard the full model")
     p = next(model.parameters())
     shard = TinyDecoder(model.cfg, name=name, tp=tp).to(device=p.device, dtype=p.dtype)
     shard.load_state_dict(shard_state_dict(model.state_dict(), model.cfg, tp))

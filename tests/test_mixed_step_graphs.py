@@ -319,6 +319,64 @@ def test_refused_prepare_keeps_the_previous_step():
     assert runner.whole_step_shape(md) == StepShape(MIXED, 4, 4, 4)
 
 @pytest.mark.compile
+def test_a_runner_of_one_token_steps_compiles():
+    """capture_sizes=[1] (batch-1 decoding) failed in the compile: the trace runs at 2 tokens
+    (Dynamo specializes 1) and filled the runner's buffers, sized for 1 token."""
+    model, ref = _tiny_pair(num_layers=1, num_blocks=16)
+    runner = compile_piecewise(model, capture_sizes=[1], max_model_len=64, graph_backend=RerunGraphBackend())
+    assert (runner.max_num_tokens, runner.max_num_seqs, sorted(runner._step_graphs)) == (1, 1, [1])
+    reference = _eager_reference(ref, runner.block_size, "cpu")
+    for pos, token in enumerate([5, 17, 3, 9]):  # one token a step, each through the decode graph
+        ids = torch.tensor([token])
+        md = runner.prepare([1], [pos], [[2]])
+        assert runner.replays_whole_step(md)
+        torch.testing.assert_close(runner(ids, md), reference(ids, [1], [pos], [[2]]), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"2 tokens \(padded\) > max_num_tokens 1"):
+        runner.prepare([2], [0], [[3]])
+
+
+class _FailingBackend(RerunGraphBackend):
+    """Fails the capture of its ``fail_at``-th whole step (counted over every capture)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fail_at, self.steps = None, 0
+
+    def capture_step(self, fn, args):
+        self.steps += 1
+        if self.steps == self.fail_at:
+            raise RuntimeError("capture failed (test)")
+        return super().capture_step(fn, args)
+
+
+@pytest.mark.compile
+def test_a_capture_that_fails_part_way_leaves_no_graphs():
+    """A capture that raised part-way (on a GPU: out of memory at a smaller size) left the
+    graphs it had captured so far in use, beside the previous capture's piece graphs and
+    checked against the previous capture's caches. Now the runner runs without graphs until
+    a capture completes."""
+    model, _ = _tiny_pair(num_layers=1, num_blocks=16)
+    backend = _FailingBackend()
+    runner = compile_piecewise(model, capture_sizes=[1, 2, 4], max_num_seqs=4, max_model_len=64,
+                               piecewise_graphs=True, graph_backend=backend)
+    ids = torch.tensor([5, 6, 7])
+    md = runner.prepare([2, 1], [0, 0], [[0], [1]])
+    assert runner.replays_whole_step(md)
+    want = runner(ids, md).clone()
+    backend.fail_at = backend.steps + 2  # the largest size's mixed graph, then a failure
+    with pytest.raises(RuntimeError, match=r"capture failed \(test\)"):
+        runner.capture()
+    for whole_step in (True, False):
+        md = runner.prepare([2, 1], [0, 0], [[0], [1]], whole_step=whole_step)
+        assert not runner.replays_whole_step(md) and runner.whole_step_graph(md) is None
+        assert torch.equal(runner(ids, md), want)
+    assert all(not piece.graphs for piece in runner.pieces)
+    runner.capture()
+    md = runner.prepare([2, 1], [0, 0], [[0], [1]])
+    assert runner.replays_whole_step(md) and torch.equal(runner(ids, md), want)
+
+
+@pytest.mark.compile
 def test_graphs_refuse_a_v_layout_switched_after_their_capture():
     """A captured graph keeps the V layout and the cache its launches were captured with: a
     later compile of the same layers that switched them (a second runner with the fusions) left

@@ -155,3 +155,22 @@ def test_fx_graph_cache_hit_and_miss_on_flag_change(clean_config):
         assert counters["inductor"]["fxgraph_cache_miss"] == 1
         assert compilation.enable().get_pass("rope_kv_cache_fusion").matched_count == 1
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.compile
+def test_pieces_compiled_without_the_plugin_keep_the_users_pass(clean_config):
+    """compile_piecewise(plugin=False) leaves our passes out of the piece compiles; with the
+    plugin enabled, the installed post pass is our manager wrapping the user's, and the
+    pieces ran neither: the user's pass was dropped with ours, silently."""
+    from inductor_rocm_attn.compilation import compile_piecewise
+    from inductor_rocm_attn.models import TinyDecoder, qwen3_config
+
+    user = UserPass("pieces_user_pass")
+    inductor_config.post_grad_custom_post_pass = user
+    ira.enable()
+    model = TinyDecoder(qwen3_config(num_layers=1)).eval()
+    ira.bind_kv_caches(model, 4, torch.float32, "cpu")
+    with inductor_config.patch(force_disable_caches=True):
+        runner = compile_piecewise(model, capture_sizes=[1, 2], max_model_len=32, plugin=False)
+    assert not runner.stats.plugin_active
+    assert user.calls == runner.stats.num_unique_compiles

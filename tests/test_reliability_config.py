@@ -235,6 +235,15 @@ _RUNNER_CASES = [
     (dict(compile_threads=0), ValueError, r"compile_threads must be a positive int, got 0"),
     (dict(compile_threads=2.0), ValueError, r"compile_threads must be a positive int, got 2.0"),
     (dict(compile_threads=True), ValueError, r"compile_threads must be a positive int, got True"),
+    # failed only after the trace and every compile: at the capture (AttributeError) or the first message
+    (dict(graph_backend=True), TypeError, r"graph_backend must be a graph backend \(CudaGraphBackend\(\), "
+                                          r"RerunGraphBackend\(\) or an object with warmup, capture, capture_step, "
+                                          r"synchronize\), got True"),
+    (dict(progress="yes"), TypeError, r"progress must be callable \(e.g. print\) or None, got 'yes'"),
+    # a list of layers failed as "'list' object has no attribute 'values'"
+    (dict(layers=[]), TypeError, r"layers must be a mapping of layer name -> Attention \(e.g. runner.layers\), "
+                                 r"got a list"),
+    (dict(layers={"l0": torch.nn.Linear(2, 2)}), TypeError, r"layers must be a mapping .*, got 'l0': Linear"),
 ]
 
 
@@ -249,6 +258,17 @@ def test_compile_piecewise_config(kw, exc, message):
     args.update(kw)
     with pytest.raises(exc, match=rf"compile_piecewise: {message}"):
         compile_piecewise(model, **args)
+
+
+def test_compile_piecewise_refuses_a_model_without_parameters():
+    from inductor_rocm_attn.compilation import compile_piecewise
+
+    class NoWeights(torch.nn.Module):
+        def forward(self, input_ids, positions):
+            return input_ids
+
+    with pytest.raises(ValueError, match=r"compile_piecewise: NoWeights has no parameters"):  # a bare StopIteration
+        compile_piecewise(NoWeights(), [1, 2])
 
 
 def test_trace_cache_directory_that_cannot_be_created(tmp_path):
@@ -361,6 +381,11 @@ _GENERATE_CASES = [
     (dict(prompts=[3, 4]), TypeError, r"prompt 0 must be a list of token ids or a 1-D integer tensor, got int 3"),
     (dict(prompts=["ab"]), TypeError, r"prompt 0 must be a list of token ids or a 1-D integer tensor, got str 'ab'"),
     (dict(on_step=5), TypeError, r"on_step must be callable or None, got int"),
+    # unordered: a set's ids ran in hash order, a dict of prompts gave its keys as prompts
+    (dict(prompts=[{5, 3, 4}]), TypeError, r"prompt 0 is a set, which has no token order"),
+    (dict(prompts=[{3: 1, 4: 1}]), TypeError, r"prompt 0 is a dict, which has no token order"),
+    (dict(prompts={(3, 4), (5, 6)}), TypeError, r"prompts must be a list of prompts .*, got a set, which has no order"),
+    (dict(prompts={"a": [3, 4]}), TypeError, r"prompts must be a list of prompts .*, got a dict, which has no order"),
     # prompts not a list of prompts: list(5) failed with "'int' object is not iterable"
     (dict(prompts=5), TypeError, r"prompts must be a list of prompts \(token id lists or 1-D integer tensors\), "
                                  r"got int 5"),

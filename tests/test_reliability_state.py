@@ -300,6 +300,22 @@ def test_kernel_ops_refuse_per_head_values_a_layer_refuses(op, name, bad, match)
 # --- the piecewise runner: capture() overwrites the metadata buffers -------------------------------
 
 
+def test_capture_on_a_runner_without_graphs_is_refused():
+    """capture() on a runner compiled without graphs (CPU, or use_cuda_graphs=False) returned
+    having captured nothing: every step went on running without graphs."""
+    from inductor_rocm_attn.compilation import compile_piecewise
+    from inductor_rocm_attn.models import TinyDecoder, qwen3_config
+
+    model = TinyDecoder(qwen3_config(num_layers=1), name="state.no_graphs").eval()
+    ira.bind_kv_caches(model, 16, torch.float32, poison=True)
+    runner = compile_piecewise(model, [2], max_model_len=64, plugin=False)
+    md = runner.prepare([2], [0], [[2]])
+    with pytest.raises(RuntimeError, match=r"PiecewiseRunner\.capture: this runner runs without graphs "
+                                           r"\(use_cuda_graphs=False: the model is on cpu and no graph_backend"):
+        runner.capture()
+    assert torch.isfinite(runner(torch.tensor([1, 2]), md)).all()  # the refused capture changed nothing
+
+
 def test_a_step_prepared_before_capture_is_refused_after_it():
     # capture() fills the buffers with its dummy steps (slots -1): the step prepared before it
     # ran on them, writing no cache and attending over the dummy sequences, silently
@@ -467,10 +483,41 @@ def test_prepare_refuses_a_sequence_past_max_model_len(small_runner):
     assert torch.isfinite(runner(torch.tensor([1, 2]), md)).all()  # the step prepared before still runs
 
 
+def test_bind_kv_caches_refuses_caches_a_generate_holds(small_runner):
+    """bind_kv_caches from on_step swapped the caches under a running generate: its next steps
+    read the new caches, without the tokens it had cached."""
+    from inductor_rocm_attn.integrations.batching import generate
+
+    caches = [layer.kv_cache for layer in small_runner.layers.values()]
+
+    def rebind(record):
+        ira.bind_kv_caches(small_runner.model, 16, torch.float32)
+
+    with pytest.raises(RuntimeError, match=r"bind_kv_caches: a running generate\(\) holds these KV caches"):
+        generate(small_runner, [[1, 2, 3]], 3, on_step=rebind)
+    assert all(layer.kv_cache is cache for layer, cache in zip(small_runner.layers.values(), caches))
+
+
 def test_runner_use_graphs_must_be_a_bool(small_runner):
     md = small_runner.prepare([2], [0], [[3]])
     with pytest.raises(TypeError, match=r"PiecewiseRunner: use_graphs must be True or False, got 'no'"):
         small_runner(torch.tensor([1, 2]), md, use_graphs="no")  # the graphs replayed
+
+
+def test_runners_refuse_metadata_that_is_not_a_prepare_s(small_runner):
+    """None (or a dict) as the step's metadata failed as an AttributeError on one of its fields."""
+    from inductor_rocm_attn.integrations.transformers_runner import eager_runner
+
+    md = small_runner.prepare([2], [0], [[3]])
+    for bad in (None, {"num_actual_tokens": 2}):
+        with pytest.raises(ValueError, match=rf"PiecewiseRunner: build the step's metadata with runner\.prepare\(\.\.\.\), "
+                                             rf"got {type(bad).__name__}"):
+            small_runner(torch.tensor([1, 2]), bad)
+    assert torch.isfinite(small_runner(torch.tensor([1, 2]), md)).all()  # the prepared step still runs
+    runner = eager_runner(_tiny_transformers_model(), num_blocks=4)
+    with pytest.raises(TypeError, match=r"EagerRunner: metadata must be runner\.prepare\(\.\.\.\)'s AttentionMetadata, "
+                                        r"got NoneType"):
+        runner(torch.tensor([1, 2]), None)
 
 
 def test_eager_runner_whole_step_is_checked_as_the_piecewise_runner_s():

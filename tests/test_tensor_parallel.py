@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,7 +42,7 @@ import torch
 
 import inductor_rocm_attn as ira
 from inductor_rocm_attn.models import TinyDecoder, llama_config, qwen3_config
-from inductor_rocm_attn.parallel import TensorParallel, shard_heads, shard_state_dict
+from inductor_rocm_attn.parallel import TensorParallel, shard_heads, shard_model, shard_state_dict
 
 BLOCK = 16
 NUM_BLOCKS = 12
@@ -536,3 +537,32 @@ def test_shard_heads_head_counts_checked():
             shard_heads(hq, hkv, 2, 0)
     with pytest.raises(ValueError, match=r"tensor parallel: group_name must be .*, got ''"):
         TensorParallel(2, 0, "")
+
+
+def test_tp_must_be_a_tensor_parallel_and_a_shard_is_not_sharded_again():
+    """A tp that is not a TensorParallel failed as an AttributeError ('NoneType' object has no
+    attribute 'heads'); sharding a shard was refused as a state dict "not of this config's
+    model", with nothing about the shard."""
+    cfg = _qwen3_cfg()
+    full = TinyDecoder(cfg, name="tp_check_full")
+    for bad in (None, (2, 0, "g")):
+        for who, call in (("shard_model", lambda: shard_model(full, bad)),
+                          ("shard_state_dict", lambda: shard_state_dict(full.state_dict(), cfg, bad))):
+            with pytest.raises(TypeError, match=rf"{who}: tp must be a TensorParallel .*, got {re.escape(repr(bad))}"):
+                call()
+    with pytest.raises(TypeError, match=r"TinyDecoder: tp must be a TensorParallel .* or None, got \(2, 0, 'g'\)"):
+        TinyDecoder(cfg, name="tp_check_bad", tp=(2, 0, "g"))
+    tp = TensorParallel(2, 0, "unused")
+    shard = shard_model(full, tp, name="tp_check_shard")
+    with pytest.raises(ValueError, match=r"shard_model: the model is already a tensor-parallel shard \(its row-parallel "
+                                         r"linears all-reduce over group 'unused'\); shard the full model"):
+        shard_model(shard, tp)
+
+
+@pytest.mark.parametrize("group", [0, 5, "gloo"])
+def test_from_group_refuses_what_is_not_a_group(group):
+    """0 was taken for the default group (``group or WORLD``); 5 or a backend name failed as an
+    AttributeError on the int or str. Refused before torch.distributed is even needed."""
+    with pytest.raises(TypeError, match=rf"TensorParallel.from_group: group must be a ProcessGroup, a 1-D DeviceMesh "
+                                        rf"or None \(the default group\), got {type(group).__name__} {group!r}"):
+        TensorParallel.from_group(group)

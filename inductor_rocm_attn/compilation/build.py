@@ -22,7 +22,7 @@ import torch
 
 from inductor_rocm_attn import layer_regions
 from inductor_rocm_attn.forward_context import set_forward_context
-from inductor_rocm_attn.metadata import AttentionMetadata
+from inductor_rocm_attn.metadata import AttentionMetadata, MetadataBuffers
 
 from .dedup import (
     bind_alias,
@@ -59,10 +59,24 @@ _RUNNER_IDS = itertools.count()
 
 def compile_model(runner: "PiecewiseRunner") -> None:
     """Trace (or load the stored trace), split, dedup and compile ``runner``'s model."""
+    # Trace at a size > 1 (Dynamo specializes sizes 0 and 1) with the token dim dynamic; a
+    # runner of 1-token steps (capture_sizes=[1]) traces in buffers of 2 tokens of its own.
+    t = max(2, min(8, runner.max_num_tokens))
+    if t <= runner.max_num_tokens:
+        _compile_model(runner, t)
+        return
+    saved = runner.buffers, runner.input_ids
+    runner.buffers = MetadataBuffers(saved[0].max_num_seqs, t, saved[0].max_blocks_per_seq, runner.device)
+    runner.input_ids = torch.zeros(t, dtype=saved[1].dtype, device=saved[1].device)
+    try:
+        _compile_model(runner, t)
+    finally:
+        runner.buffers, runner.input_ids = saved
+
+
+def _compile_model(runner: "PiecewiseRunner", t: int) -> None:
     model, forward = runner.model, runner.forward
     t_start = time.perf_counter()
-    # Trace at a size > 1 (Dynamo specializes sizes 0 and 1) with the token dim dynamic.
-    t = max(2, min(8, runner.max_num_tokens))
     ids = runner.input_ids[:t]
     md = runner._dummy_metadata(t)
     pos = md.positions

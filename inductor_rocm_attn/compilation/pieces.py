@@ -32,11 +32,12 @@ def plugin_context(enabled: bool | None):
 
 def piece_post_pass(manager: PassManager | None):
     """The post-grad custom pass of piece compiles: the plugin's ``manager`` in piece mode;
-    without the plugin, the pass the user installed (ours left out: ``plugin=False``)."""
+    without the plugin, the pass the user installed (ours left out: ``plugin=False``), also
+    when an enabled plugin wraps it."""
     if manager is not None:
         return manager.for_pieces()
     installed = torch._inductor.config.post_grad_custom_post_pass
-    return None if isinstance(installed, PassManager) else installed
+    return installed.user_pass if isinstance(installed, PassManager) else installed
 
 
 @dataclasses.dataclass

@@ -61,6 +61,7 @@ import torch
 from torch import nn
 
 from inductor_rocm_attn.backend import cache_epoch
+from inductor_rocm_attn.cache_holds import check_free
 from inductor_rocm_attn.config_checks import check_runner_config
 from inductor_rocm_attn.forward_context import set_forward_context
 from inductor_rocm_attn.layer import attention_layers
@@ -216,6 +217,7 @@ class PiecewiseRunner:
         a decode graph, for the mixed graph (``mixed_graphs=True``). ``whole_step``: False
         plans for the piecewise graphs instead; ``"mixed"`` takes the mixed graph also for a
         decode-only step (a check, and a benchmark of what the decode graph saves)."""
+        check_free("PiecewiseRunner.prepare", self._layers.values())
         if not hasattr(query_lens, "__len__"):  # sum() below would consume a generator
             raise TypeError(f"PiecewiseRunner.prepare: query_lens must be a sequence of ints (one per sequence), "
                             f"got {type(query_lens).__name__}")
@@ -280,17 +282,19 @@ class PiecewiseRunner:
         graphs at the same padded size (a check of the graphs: results are bitwise equal)."""
         if use_graphs is not True and use_graphs is not False:  # a truthy string ("no") replayed the graphs
             raise TypeError(f"PiecewiseRunner: use_graphs must be True or False, got {use_graphs!r}")
-        n = metadata.num_actual_tokens
-        size = metadata.slot_mapping.shape[0]
         if not isinstance(input_ids, torch.Tensor):  # a list failed deep inside as an AttributeError
             raise TypeError(f"PiecewiseRunner: input_ids must be a 1-D tensor of token ids, got "
                             f"{type(input_ids).__name__}")
         if metadata is not self._prepared:
             # The buffers hold the latest prepare()'s step: an older metadata would run on it.
+            ours = isinstance(metadata, AttentionMetadata) and (
+                metadata.slot_mapping.data_ptr() == self.buffers.slot_mapping.data_ptr())
             raise ValueError("PiecewiseRunner: the metadata is not the latest runner.prepare(...)'s; prepare "
-                             "each step right before running it" if metadata.slot_mapping.data_ptr() ==
-                             self.buffers.slot_mapping.data_ptr() else
-                             "PiecewiseRunner: build the step's metadata with runner.prepare(...)")
+                             "each step right before running it" if ours else
+                             f"PiecewiseRunner: build the step's metadata with runner.prepare(...), got "
+                             f"{type(metadata).__name__}")
+        n = metadata.num_actual_tokens
+        size = metadata.slot_mapping.shape[0]
         if input_ids.dim() != 1 or input_ids.shape[0] not in (n, size):
             raise ValueError(f"PiecewiseRunner: input_ids {tuple(input_ids.shape)} for a step of {n} tokens: "
                              f"expected [{n}]" + (f" (or [{size}], padded)" if size != n else ""))
@@ -325,24 +329,44 @@ class PiecewiseRunner:
 
         ``compile_threads``: first compile the Triton kernels every capture launches on that
         many threads (``precompile``; default one a core, at most 16; 1: each compiles at its
-        first launch, one after another)."""
+        first launch, one after another). A capture that raises leaves no graphs; a runner
+        built without graphs (``use_cuda_graphs`` False) refuses."""
         if not is_int(num_warmup) or num_warmup < 0:
             raise ValueError(f"PiecewiseRunner.capture: num_warmup must be an int >= 0, got {num_warmup!r}")
         if compile_threads is not None:
             check_positive_int("PiecewiseRunner.capture", "compile_threads", compile_threads)
         self.check_parameters()
-        if not self.use_cuda_graphs or not self.capture_sizes:
-            return
+        if not self.use_cuda_graphs:  # returned having captured nothing: every step ran without graphs
+            raise RuntimeError(f"PiecewiseRunner.capture: this runner runs without graphs (use_cuda_graphs=False: "
+                               f"the model is on {self.device} and no graph_backend was given); compile it with "
+                               "the model on a GPU (or use_cuda_graphs=True there), or with graph_backend=...")
         t0 = time.perf_counter()
         if self._graph_backend is None:
             self._graph_backend = CudaGraphBackend()
-        backend = self._graph_backend
-        self._step_graphs.clear()
-        self._mixed_graphs.clear()
-        self._shapes.clear()
+        # A capture that fails part-way leaves no graphs: not some of this capture's, unchecked
+        # against the caches, beside the previous one's.
+        self._drop_graphs()
         # the capture's dummy steps overwrite the metadata buffers: a step prepared before it
         # would run on them (no cache write, attention over the dummy sequences)
         self._step_md = self._step_shape = self._prepared = None
+        try:
+            self._capture(num_warmup, compile_threads, t0)
+        except BaseException:
+            self._drop_graphs()
+            raise
+
+    def _drop_graphs(self) -> None:
+        """Every step runs the compiled pieces without graphs until a capture completes."""
+        self._step_graphs.clear()
+        self._mixed_graphs.clear()
+        self._shapes.clear()
+        for piece in self.pieces:
+            piece.graphs.clear()
+        self._piece_sizes = self._captured = frozenset()
+        self._captured_caches = None
+
+    def _capture(self, num_warmup: int, compile_threads: int | None, t0: float) -> None:
+        backend = self._graph_backend
         threads = precompile.default_compile_threads() if compile_threads is None else compile_threads
         if threads > 1 and isinstance(backend, CudaGraphBackend):
             self._precompile(threads)
@@ -559,7 +583,8 @@ def compile_piecewise(
             without graphs (default ``max(capture_sizes)``).
         max_model_len: longest sequence (block-table width).
         use_cuda_graphs: default: when the model's parameters are on a CUDA/HIP device.
-        plugin: run the plugin's passes in the piece compiles (default: on; False: off).
+        plugin: run the plugin's passes in the piece compiles (default: on; False: off; a
+            post pass the user installed runs either way).
         capture: capture now (else call ``runner.capture()`` later).
         graph_backend: what captures and replays (default ``CudaGraphBackend``);
             ``RerunGraphBackend()`` emulates graphs without a GPU (tests).
@@ -599,9 +624,13 @@ def compile_piecewise(
         max_num_tokens=max_num_tokens, max_model_len=max_model_len,
         flags=dict(capture=capture, decode_graphs=decode_graphs, mixed_graphs=mixed_graphs),
         optional_flags=dict(use_cuda_graphs=use_cuda_graphs, plugin=plugin, piecewise_graphs=piecewise_graphs),
-        trace_cache=trace_cache, compile_threads=compile_threads, graph_backend=graph_backend)
+        trace_cache=trace_cache, compile_threads=compile_threads, graph_backend=graph_backend,
+        progress=progress, layers=layers)
     _check_traced_signature(model, forward)
-    p = next(model.parameters())
+    p = next(model.parameters(), None)
+    if p is None:  # a bare StopIteration
+        raise ValueError(f"compile_piecewise: {type(model).__name__} has no parameters; the runner takes its device "
+                         "from them (pass the module that holds the weights forward= calls)")
     device = p.device
     if use_cuda_graphs is None:
         use_cuda_graphs = device.type == "cuda"

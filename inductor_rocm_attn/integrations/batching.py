@@ -19,14 +19,14 @@ never runs out mid-generation; prompts wait, in order, until enough blocks are f
 
 from __future__ import annotations
 
-import contextlib
+import collections.abc
 import dataclasses
-import threading
 import time
 from typing import Callable, Sequence
 
 import torch
 
+from .. import cache_holds
 from ..block_allocator import BlockAllocator
 from ..validation import check_bool, check_positive_int, is_int, vocab_size_of
 
@@ -85,6 +85,7 @@ def _num_cache_blocks(runner) -> int:
     return min(layer.kv_cache.shape[0] for layer in runner.layers.values())
 
 
+_UNORDERED = (collections.abc.Set, collections.abc.Mapping)
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
@@ -96,6 +97,9 @@ def _prompt_ids(i: int, prompt) -> list[int]:
             raise TypeError(f"generate: prompt {i} must be a 1-D integer tensor of token ids, got "
                             f"{tuple(prompt.shape)} {prompt.dtype}")
         return prompt.tolist()
+    if isinstance(prompt, _UNORDERED):  # its ids in hash order, or a mapping's keys
+        raise TypeError(f"generate: prompt {i} is a {type(prompt).__name__}, which has no token order; give a list "
+                        "of token ids or a 1-D integer tensor")
     try:
         ids = None if isinstance(prompt, (str, bytes)) else list(prompt)
     except TypeError:
@@ -107,29 +111,6 @@ def _prompt_ids(i: int, prompt) -> list[int]:
         if not is_int(t):
             raise TypeError(f"generate: prompt {i} holds {t!r} ({type(t).__name__}); token ids are ints")
     return [int(t) for t in ids]
-
-
-# Data pointers of the KV caches a running generate() fills: a second generate on any of them
-# (from on_step, another thread, a second runner over the same caches) would hand out the
-# same block ids and overwrite the first one's cached tokens.
-_ACTIVE_CACHES: set[int] = set()
-_ACTIVE_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _owning_caches(runner):
-    ptrs = {layer.kv_cache.data_ptr() for layer in runner.layers.values()} - {0}
-    with _ACTIVE_LOCK:
-        if ptrs & _ACTIVE_CACHES:
-            raise RuntimeError("generate: another generate() is running on this runner's KV caches (called from "
-                               "on_step, another thread, or a runner over the same caches); both would write the "
-                               "same cache blocks: run them one after the other")
-        _ACTIVE_CACHES.update(ptrs)
-    try:
-        yield
-    finally:
-        with _ACTIVE_LOCK:
-            _ACTIVE_CACHES.difference_update(ptrs)
 
 
 @torch.no_grad()
@@ -144,12 +125,15 @@ def generate(runner, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_to
     logits (fp32, on the CPU). ``on_step``: called after every step. ``num_blocks``: blocks
     to hand out (default every block of the layers' caches).
 
-    Refused before the first step: limits above the runner's, token ids that are not ints or
-    not in the vocabulary, a prompt whose tokens and ``max_new_tokens`` cannot fit the
-    runner's ``max_model_len`` or the blocks handed out, and a generate while another one
-    runs on the same caches."""
+    Refused before the first step: limits above the runner's, prompts or token ids in a set
+    or dict (no order), token ids that are not ints or not in the vocabulary, a prompt whose
+    tokens and ``max_new_tokens`` cannot fit the runner's ``max_model_len`` or the blocks
+    handed out, and a generate while another one runs on the same caches. While it runs, a
+    step on its caches from anyone else (``on_step``, another thread, another runner over
+    the same caches) is refused by that runner's ``prepare``, and so is binding other caches
+    to its layers (``cache_holds``)."""
     check_bool("generate", "return_logits", return_logits)
-    with _owning_caches(runner):
+    with cache_holds.hold(runner.layers.values()):
         return _generate(runner, prompts, max_new_tokens, max_tokens_per_step=max_tokens_per_step,
                          max_seqs_per_step=max_seqs_per_step, return_logits=return_logits, on_step=on_step,
                          num_blocks=num_blocks)
@@ -158,6 +142,9 @@ def generate(runner, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_to
 def _generate(runner, prompts, max_new_tokens, *, max_tokens_per_step, max_seqs_per_step, return_logits,
               on_step, num_blocks) -> GenerateResult:
     """``generate`` while it holds the runner's caches."""
+    if isinstance(prompts, _UNORDERED):  # results come back by position: a set has none, a dict gave its keys
+        raise TypeError(f"generate: prompts must be a list of prompts (token id lists or 1-D integer tensors), got a "
+                        f"{type(prompts).__name__}, which has no order to return the results in")
     try:
         prompts = list(prompts)  # iterated twice (a generator would be empty the second time)
     except TypeError:
@@ -245,9 +232,10 @@ def _generate(runner, prompts, max_new_tokens, *, max_tokens_per_step, max_seqs_
         clens = [s.cached for s, _ in chunks]
         tables = [list(alloc.allocate(s.rid, n)) for s, n in chunks]
         ids = torch.tensor([t for s, n in chunks for t in s.tokens[s.cached:s.cached + n]], dtype=torch.long)
-        md = runner.prepare(qlens, clens, tables)
-        whole = runner.replays_whole_step(md)
-        logits = runner(ids.to(runner.device), md)
+        with cache_holds.own_step():
+            md = runner.prepare(qlens, clens, tables)
+            whole = runner.replays_whole_step(md)
+            logits = runner(ids.to(runner.device), md)
         # The last token of a sequence's chunk picks its next token once its prompt is cached.
         done = [(i, s) for i, (s, n) in enumerate(chunks) if s.cached + n >= s.prompt_len]
         ends = torch.tensor(qlens).cumsum(0) - 1

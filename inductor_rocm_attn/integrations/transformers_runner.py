@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..cache_holds import check_free
 from ..capabilities import check_block_size
 from ..compilation.step_graphs import MIXED
 from ..config_checks import check_runner_config
@@ -124,7 +125,8 @@ def compile_transformers(
         max_num_tokens=max_num_tokens, max_model_len=1 if max_model_len is None else max_model_len,
         flags=dict(capture=capture, decode_graphs=decode_graphs, mixed_graphs=mixed_graphs, poison=poison),
         optional_flags=dict(use_cuda_graphs=use_cuda_graphs, plugin=plugin, piecewise_graphs=piecewise_graphs),
-        trace_cache=trace_cache, compile_threads=compile_threads, graph_backend=graph_backend)
+        trace_cache=trace_cache, compile_threads=compile_threads, graph_backend=graph_backend,
+        progress=progress)
     check_block_size(block_size, "compile_transformers")
     max_model_len = max_model_len or _default_max_model_len(model, num_blocks, block_size)
     positions = learned_position_limit(model)
@@ -173,6 +175,7 @@ class EagerRunner:
         """The step's metadata (``whole_step``: taken for a ``PiecewiseRunner``'s API; no graphs
         here), within the runner's step limits and, for a model with learned positions, its
         ``max_model_len`` (an index past the embedding is a device-side assert on a GPU)."""
+        check_free("EagerRunner.prepare", self.layers.values())
         if whole_step is not True and whole_step is not False and whole_step != MIXED:  # as PiecewiseRunner's
             raise ValueError(f"EagerRunner.prepare: whole_step={whole_step!r:.60}; expected True, False or {MIXED!r}")
         md = build_attention_metadata(query_lens, context_lens, block_tables, self.block_size, self.device)
@@ -188,8 +191,11 @@ class EagerRunner:
         return False
 
     def check_parameters(self) -> None:
-        """The model's dtype and device are still the ones its caches were made for (a
-        ``model.to(...)`` after ``eager_runner`` would run on caches of the old ones)."""
+        """The model is in eval mode (a ``model.train()`` after ``eager_runner`` ran its
+        dropouts: other logits on every run) and its dtype and device are still the ones its
+        caches were made for (a ``model.to(...)`` would run on caches of the old ones)."""
+        if self.model.training:
+            raise ValueError("EagerRunner: the model is in training mode (its dropouts would run); call model.eval()")
         first = next(self.model.parameters())
         if (first.dtype, first.device) != self._built_for:
             dtype, device = self._built_for
@@ -199,6 +205,9 @@ class EagerRunner:
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         t0 = time.perf_counter()
+        if not isinstance(metadata, AttentionMetadata):  # None failed as an AttributeError on .positions
+            raise TypeError(f"EagerRunner: metadata must be runner.prepare(...)'s AttentionMetadata, got "
+                            f"{type(metadata).__name__}")
         n = metadata.positions.shape[0]
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"EagerRunner: input_ids must be a 1-D tensor of token ids, got {type(input_ids).__name__}")
@@ -207,6 +216,7 @@ class EagerRunner:
                              f"expected [{n}]")
         check_token_ids("EagerRunner", input_ids, self.vocab_size)
         self.check_parameters()
+        check_free("EagerRunner", self.layers.values())  # metadata built before a generate began
         with set_forward_context(metadata, layers=self.layers):
             out = self.forward(input_ids.to(self.device), metadata.positions)
         self.step_s = time.perf_counter() - t0
@@ -220,6 +230,8 @@ def eager_runner(model: torch.nn.Module, *, num_blocks: int, block_size: int = 1
     ``compile_transformers``; ``max_num_seqs`` / ``max_num_tokens`` bound a step)."""
     check_model(model, "eager_runner")
     check_every_layer_attends(model, "eager_runner")
+    if model.training:  # its dropouts would run: other logits on every run
+        raise ValueError("eager_runner: the model is in training mode; call model.eval() first")
     check_positive_int("eager_runner", "num_blocks", num_blocks)
     _check_step_limits("eager_runner", max_num_seqs, max_num_tokens)  # before the caches are allocated
     check_dynamic_rope(model, "eager_runner", num_blocks * block_size)  # the longest sequence the cache holds

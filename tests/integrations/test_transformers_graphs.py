@@ -310,6 +310,8 @@ def test_refusals():
         compile_transformers(model, num_blocks=0)
     with pytest.raises(ValueError, match=r"compile_transformers: capture_sizes must hold positive ints, got -1"):
         compile_transformers(model, num_blocks=4, capture_sizes=[-1, 2])
+    with pytest.raises(TypeError, match=r"compile_transformers: progress must be callable \(e.g. print\) or None"):
+        compile_transformers(model, num_blocks=4, progress="yes")  # failed at its first message, mid-compile
     runner = eager_runner(model.eval(), num_blocks=4)
     for bad in (0, 2.5):
         with pytest.raises(ValueError, match=rf"max_new_tokens must be an int >= 1, got {bad}"):
@@ -373,3 +375,62 @@ def test_trace_cache_warm_start_generates_as_eager(tmp_path):
     errs = [rel(a, b) for got_p, want_p in zip(got.logits, want_logits) for a, b in zip(got_p, want_p)]
     assert len(errs) == len(PROMPT_LENS) * NEW_TOKENS and max(errs) < TOL, max(errs)
     assert len({s.num_tokens for s in got.steps}) >= 3  # steps of several sizes
+
+
+def test_a_step_on_caches_a_generate_holds_is_refused():
+    """A step run from on_step (or another thread, or another runner over the same caches)
+    while a generate holds the caches wrote into blocks its sequences had cached, and the
+    generate went on with the overwritten tokens, silently. Refused now; the generate that
+    raised holds nothing afterwards and the next one matches."""
+    model = build("qwen3", "rocm_attn", layers=1)
+    eager = eager_runner(model, num_blocks=8, max_num_seqs=4, max_num_tokens=16)
+    runner = compile_transformers(model, num_blocks=8, capture_sizes=[1, 2, 4], max_num_seqs=4, max_num_tokens=16,
+                                  graph_backend=RerunGraphBackend())
+    batch = prompts([5, 11, 8])
+    want = generate(eager, batch, 4).tokens
+    assert generate(runner, batch, 4).tokens == want
+    for r, who in ((eager, "EagerRunner"), (runner, "PiecewiseRunner")):
+        def step_inside(record, r=r):
+            if record.index == 1:
+                r(torch.tensor([3, 4]), r.prepare([2], [0], [[0]]))
+
+        with pytest.raises(RuntimeError, match=rf"{who}\.prepare: a running generate\(\) holds these KV caches"):
+            generate(r, batch, 4, on_step=step_inside)
+        assert generate(r, batch, 4).tokens == want
+    before = eager.prepare([2], [0], [[0]])  # metadata built before the generate began
+
+    def run_before(record):
+        if record.index == 1:
+            eager(torch.tensor([3, 4]), before)
+
+    with pytest.raises(RuntimeError, match=r"EagerRunner: a running generate\(\) holds these KV caches"):
+        generate(eager, batch, 4, on_step=run_before)
+    assert generate(eager, batch, 4).tokens == want
+
+    layer = next(iter(eager.layers.values()))
+
+    def rebind(record):  # generate went on over the new, empty cache
+        if record.index == 1:
+            layer.kv_cache = torch.zeros_like(layer.kv_cache)
+
+    with pytest.raises(RuntimeError, match=r"binding a KV cache: a running generate\(\) holds these KV caches .*; "
+                                           r"binding another cache would drop the tokens"):
+        generate(eager, batch, 4, on_step=rebind)
+    assert generate(eager, batch, 4).tokens == want
+
+
+def test_eager_runner_refuses_a_model_in_training_mode():
+    """compile_transformers refused a model in training mode, eager_runner took it: its
+    dropouts (a GPT-2's resid_pdrop, embd_pdrop) then gave other logits on every run."""
+    model = build("llama", "rocm_attn", layers=1)
+    with pytest.raises(ValueError, match=r"eager_runner: the model is in training mode; call model\.eval\(\) first"):
+        eager_runner(model.train(), num_blocks=4)
+    runner = eager_runner(model.eval(), num_blocks=4)
+    want = generate(runner, [[3, 4, 5]], 3).tokens
+    model.train()
+    with pytest.raises(ValueError, match=r"EagerRunner: the model is in training mode \(its dropouts would run\)"):
+        generate(runner, [[3, 4, 5]], 3)
+    with pytest.raises(ValueError, match=r"EagerRunner: the model is in training mode"):
+        runner(torch.tensor([3]), runner.prepare([1], [0], [[0]]))
+    model.eval()
+    assert generate(runner, [[3, 4, 5]], 3).tokens == want
