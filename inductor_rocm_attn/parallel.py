@@ -143,7 +143,7 @@ class TensorParallel:
         import torch.distributed as dist
 
         if group is not None and not hasattr(group, "get_group") and not isinstance(group, dist.ProcessGroup):
-            # 0 was taken for the default group (``group or WORLD``), 5 failed as an AttributeError
+            # an int or a backend name is not a group: refused by name, not as a late AttributeError
             raise TypeError(f"TensorParallel.from_group: group must be a ProcessGroup, a 1-D DeviceMesh or None (the "
                             f"default group), got {type(group).__name__} {group!r:.60}")
         if not dist.is_initialized():
