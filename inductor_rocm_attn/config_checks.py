@@ -80,8 +80,8 @@ _GRAPH_BACKEND_METHODS = ("warmup", "capture", "capture_step", "synchronize")
 
 
 def _check_layers(op: str, layers) -> None:
-    """``layers``: None or a mapping of layer name -> ``Attention`` (a list failed as an
-    AttributeError; another object's layer_name or block_size was read as an Attention's)."""
+    """``layers``: None or a mapping of layer name -> ``Attention``, checked before the trace
+    (the runner reads each value's ``layer_name`` and ``block_size`` as an Attention's)."""
     if layers is None:
         return
     from .layer import Attention
