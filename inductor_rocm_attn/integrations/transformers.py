@@ -360,6 +360,21 @@ def check_every_layer_attends(model: torch.nn.Module, who: str) -> None:
         )
 
 
+def model_placement(module: torch.nn.Module) -> tuple[torch.dtype, torch.device]:
+    """(dtype, device) of ``module``'s first parameter: what its paged caches are made for."""
+    first = next(module.parameters())
+    return first.dtype, first.device
+
+
+def check_placement(who: str, module: torch.nn.Module, built_for: tuple, caches: str, remedy: str) -> None:
+    """Refuse a model moved (``model.to(...)``) since its ``caches`` were made for ``built_for``:
+    its steps would run on caches of the old dtype / device."""
+    now = model_placement(module)
+    if now != built_for:
+        raise ValueError(f"{who}: the model is now {now[0]} on {now[1]} but {caches} for "
+                         f"{built_for[0]} on {built_for[1]}; {remedy}")
+
+
 def paged_layers(model: torch.nn.Module, num_blocks: int, *, block_size: int = 16,
                  cache_layout: str = "LHBNC", kv_cache_dtype: str = "auto", k_scale: float = 1.0,
                  v_scale: float = 1.0, poison: bool = False, max_seq_len: int | None = -1,
@@ -515,8 +530,7 @@ class PagedCache(Cache):
             layer.kv_cache[self._null_block].zero_()
         self._allocator = BlockAllocator(num_blocks, block_size)
         self._decoder = weakref.ref(decoder)
-        first = next(decoder.parameters())
-        self._built_for = (first.dtype, first.device)  # the model as the caches were made for it
+        self._built_for = model_placement(decoder)
         self._lengths: list[int] = []  # real (cached) tokens of each row
         self._seen = 0  # padded tokens seen (attention-mask columns)
         self._step = None  # the active step's forward context
@@ -605,11 +619,9 @@ class PagedCache(Cache):
         if self._step is not None:
             raise RuntimeError("PagedCache: a step is already active (end_step() first)")
         decoder = self._decoder()
-        first = None if decoder is None else next(decoder.parameters())
-        if first is not None and (first.dtype, first.device) != self._built_for:  # model.to(...) after the caches
-            dtype, device = self._built_for
-            raise ValueError(f"PagedCache: the model is now {first.dtype} on {first.device} but the cache was built "
-                             f"for {dtype} on {device}; build a new PagedCache for the moved model")
+        if decoder is not None:
+            check_placement("PagedCache", decoder, self._built_for, "the cache was built",
+                            "build a new PagedCache for the moved model")
         x = input_ids if input_ids is not None else inputs_embeds
         if x is None:
             raise ValueError("PagedCache.begin_step: needs input_ids or inputs_embeds")

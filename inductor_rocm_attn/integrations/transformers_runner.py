@@ -44,8 +44,8 @@ from ..config_checks import check_runner_config
 from ..forward_context import set_forward_context
 from ..metadata import AttentionMetadata, build_attention_metadata
 from ..validation import check_positive_int, check_token_ids, vocab_size_of
-from .transformers import (check_dynamic_rope, check_every_layer_attends, check_model,
-                           learned_position_limit, paged_layers)
+from .transformers import (check_dynamic_rope, check_every_layer_attends, check_model, check_placement,
+                           learned_position_limit, model_placement, paged_layers)
 
 __all__ = ["EagerRunner", "compile_transformers", "eager_runner", "step_forward"]
 
@@ -162,9 +162,8 @@ class EagerRunner:
         self.forward = step_forward(model)
         self.vocab_size = vocab_size_of(model)
         self.block_size = next(iter(layers.values())).block_size
-        first = next(model.parameters())
-        self.device = first.device
-        self._built_for = (first.dtype, first.device)  # the model as its caches were made for it
+        self._built_for = model_placement(model)
+        self.device = self._built_for[1]
         self.max_num_seqs, self.max_num_tokens = max_num_seqs, max_num_tokens
         # generate() refuses longer sequences: positions a learned position embedding lacks
         self.max_model_len = learned_position_limit(model)
@@ -196,11 +195,8 @@ class EagerRunner:
         caches were made for (a ``model.to(...)`` would run on caches of the old ones)."""
         if self.model.training:
             raise ValueError("EagerRunner: the model is in training mode (its dropouts would run); call model.eval()")
-        first = next(self.model.parameters())
-        if (first.dtype, first.device) != self._built_for:
-            dtype, device = self._built_for
-            raise ValueError(f"EagerRunner: the model is now {first.dtype} on {first.device} but its caches were made "
-                             f"for {dtype} on {device}; build a new runner for the moved model")
+        check_placement("EagerRunner", self.model, self._built_for, "its caches were made",
+                        "build a new runner for the moved model")
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
