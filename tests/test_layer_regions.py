@@ -18,8 +18,12 @@ from inductor_rocm_attn.models import TinyDecoder, qwen3_config
 LAYERS = 3
 _names = itertools.count()
 
-needs_regions = pytest.mark.skipif(layer_regions._NESTED is None,
-                                   reason="torch.compiler.nested_compile_region is missing (torch < 2.8)")
+needs_regions = pytest.mark.skipif(not layer_regions.available(), reason="this torch has no layer regions")
+needs_nested = pytest.mark.skipif(layer_regions._NESTED is None,
+                                  reason="torch.compiler.nested_compile_region is missing (torch < 2.8)")
+# The ways to reuse a region's trace this torch can run: ours (stamp) everywhere, Dynamo's own
+# (nested) where it reuses region traces (torch 2.13; torch 2.11 traces each call again).
+MODES = ["stamp"] + (["nested"] if layer_regions._dynamo_reuses_regions() else [])
 
 
 def _model(prefix: str) -> TinyDecoder:
@@ -38,17 +42,25 @@ def _piece_graphs(runner, model_name: str) -> list[str]:
     return [str(m.graph).replace(model_name, "<model>") for _, m in sorted(runner.split_gm.named_children())]
 
 
-@pytest.fixture(scope="module")
-def runners(request):
-    with_regions = _model("regions")
-    flat = _model("flat")
-    saved = layer_regions._NESTED
-    layer_regions._NESTED = None  # tracing() then leaves the region path off: the flat trace
+def _compile_in_mode(model: TinyDecoder, mode: str | None):
+    saved = layer_regions.MODE
+    layer_regions.MODE = mode  # None: tracing() leaves the region path off (the flat trace)
     try:
-        flat_runner = _compile(flat)
+        return _compile(model)
     finally:
-        layer_regions._NESTED = saved
-    return (_compile(with_regions), with_regions), (flat_runner, flat)
+        layer_regions.MODE = saved
+
+
+@pytest.fixture(scope="module")
+def flat_runner():
+    flat = _model("flat")
+    return _compile_in_mode(flat, None), flat
+
+
+@pytest.fixture(scope="module", params=MODES)
+def runners(request, flat_runner):
+    with_regions = _model(f"regions_{request.param}")
+    return (_compile_in_mode(with_regions, request.param), with_regions), flat_runner
 
 
 @needs_regions
@@ -151,7 +163,7 @@ def test_a_model_without_regions_is_traced_once(monkeypatch):
         if hasattr(m, "compile_regions"):
             m.compile_regions = False
     entered = []
-    monkeypatch.setattr(layer_regions, "tracing", lambda: (entered.append(1), contextlib.nullcontext())[1])
+    monkeypatch.setattr(layer_regions, "tracing", lambda *a: (entered.append(1), contextlib.nullcontext())[1])
     monkeypatch.setattr(models.DecoderLayer, "qkv", broken)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a warning here would blame the regions
@@ -160,7 +172,7 @@ def test_a_model_without_regions_is_traced_once(monkeypatch):
     assert not entered  # traced flat from the start
 
 
-@needs_regions
+@needs_nested
 def test_inlining_keeps_a_regions_in_place_ops():
     """An in-place op on a region's intermediate has no users in the graph (a MoE block's
     ``add_`` of the expert biases): inlining keeps it, and drops only unused size reads."""
