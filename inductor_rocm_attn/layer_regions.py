@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["MODE", "active", "available", "marked", "region", "region_copy", "region_input",
+__all__ = ["MODE", "active", "available", "marked", "plan", "region", "region_copy", "region_input",
            "region_output", "signature", "tracing"]
 
 _TRACING = False

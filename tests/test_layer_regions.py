@@ -348,3 +348,21 @@ def test_a_copy_called_on_other_shapes_is_refused():
 
     with pytest.raises(Exception, match="argument 0 of a copy differs from the representative"):
         _trace_blocks(model, run, torch.randn(5, 8))
+
+
+def test_stamp_mode_refuses_a_region_holding_attention(monkeypatch):
+    """A region that runs an attention op breaks the contract: the op names the first
+    layer, which a stamped copy would then name too. The stamp refuses it and the model
+    is traced again flat, with a warning."""
+    from inductor_rocm_attn import models
+
+    def qkv_with_attention(layer, positions, hidden):
+        q, k, v = layer.qkv(positions, hidden)
+        layer.attn(q, k, v)
+        return q, k, v
+
+    monkeypatch.setattr(models, "_qkv_region", layer_regions.region(qkv_with_attention))
+    with pytest.warns(UserWarning, match="op naming its layer"):
+        runner = _compile_in_mode(_model("attention_inside"), "stamp")
+    assert runner.stats.region_calls == 0
+    assert [len(g) for g in runner.stats.piece_groups] == [1, LAYERS - 1, 1]

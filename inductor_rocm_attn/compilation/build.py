@@ -137,9 +137,10 @@ def _compile_model(runner: "PiecewiseRunner", t: int) -> None:
             raise
         # torch's nested_compile_region differs between versions: a model that traces
         # without its regions still compiles (at the flat trace's cost).
+        cause = getattr(e, "inner_exception", None) or e  # a backend's own error, not Dynamo's wrapper
         msg = (f"compile_piecewise: the Dynamo trace with per-layer compile regions failed on torch "
-               f"{torch.__version__} ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}); "
-               "tracing again without them")
+               f"{torch.__version__} ({type(cause).__name__}: "
+               f"{(str(cause).strip().splitlines() or [''])[0][:300]}); tracing again without them")
         runner._say(msg)
         warnings.warn(msg, stacklevel=4)
         trace(regions=False)

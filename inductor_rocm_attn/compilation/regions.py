@@ -20,6 +20,8 @@ import torch
 
 from inductor_rocm_attn import layer_regions
 
+from .split import op_name
+
 __all__ = ["inline_regions", "stamp_regions"]
 
 
@@ -167,6 +169,9 @@ def _segment(key, nodes, position, values, plan, inputs, outputs) -> dict:
         if node.op not in ("call_function", "call_method") or node.target in (
                 layer_regions.region_input, layer_regions.region_output, layer_regions.region_copy):
             raise RuntimeError(f"compile_piecewise: cannot stamp a layer region holding {node.format_node()}")
+        if _names_a_layer(node):  # the copy would name the representative's layer
+            raise RuntimeError(f"compile_piecewise: a layer region holds an op naming its layer "
+                               f"({node.format_node()}); attention stays outside the regions")
         for a in node.all_input_nodes:
             if a in inside or a in subst:
                 continue
@@ -183,6 +188,13 @@ def _segment(key, nodes, position, values, plan, inputs, outputs) -> dict:
             subst[a] = _substitute(a, by_marker, own, layer_tensors, values, n)
         results[n.args[3]] = a
     return dict(body=body, subst=subst, results=results, num_outputs=outputs[0].args[4])
+
+
+def _names_a_layer(node: torch.fx.Node) -> bool:
+    """One of our ops taking a string: the ops that name their layer (attention, cache writers)."""
+    name = op_name(node)
+    return (name is not None and name.startswith("rocm_attn.")
+            and any(isinstance(a, str) for a in list(node.args) + list(node.kwargs.values())))
 
 
 def _substitute(a: torch.fx.Node, by_marker, own, layer_tensors, values, reader) -> tuple:
