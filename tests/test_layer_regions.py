@@ -366,3 +366,16 @@ def test_stamp_mode_refuses_a_region_holding_attention(monkeypatch):
         runner = _compile_in_mode(_model("attention_inside"), "stamp")
     assert runner.stats.region_calls == 0
     assert [len(g) for g in runner.stats.piece_groups] == [1, LAYERS - 1, 1]
+
+
+def test_a_module_called_twice_is_not_stamped():
+    """A representative module called twice in the trace (a module shared between calls)
+    leaves two marked segments of one key: refused, never stamped from the wrong one."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Block(), _Block())
+
+    def run(x):
+        return _block_region(model[1], _block_region(model[0], _block_region(model[0], x)))
+
+    with pytest.raises(Exception, match="called more than once"):
+        _trace_blocks(model, run, torch.randn(5, 8))

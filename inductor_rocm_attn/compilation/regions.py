@@ -156,6 +156,9 @@ def _segment(key, nodes, position, values, plan, inputs, outputs) -> dict:
     if not inputs or not outputs:
         raise RuntimeError(f"compile_piecewise: layer region {index} of group {group} lacks its input or "
                            "output markers")
+    if len({n.args[3] for n in inputs}) != len(inputs) or len({n.args[3] for n in outputs}) != len(outputs):
+        raise RuntimeError(f"compile_piecewise: layer region {index} of group {group}: its representative "
+                           "module is called more than once; a module shared between calls cannot be stamped")
     start = max(position[n] for n in inputs)
     end = min(position[n] for n in outputs)
     body = nodes[start + 1:end]
