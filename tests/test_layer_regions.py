@@ -18,8 +18,12 @@ from inductor_rocm_attn.models import TinyDecoder, qwen3_config
 LAYERS = 3
 _names = itertools.count()
 
-needs_regions = pytest.mark.skipif(layer_regions._NESTED is None,
-                                   reason="torch.compiler.nested_compile_region is missing (torch < 2.8)")
+needs_regions = pytest.mark.skipif(not layer_regions.available(), reason="this torch has no layer regions")
+needs_nested = pytest.mark.skipif(layer_regions._NESTED is None,
+                                  reason="torch.compiler.nested_compile_region is missing (torch < 2.8)")
+# The ways to reuse a region's trace this torch can run: ours (stamp) everywhere, Dynamo's own
+# (nested) where it reuses region traces (torch 2.13; torch 2.11 traces each call again).
+MODES = ["stamp"] + (["nested"] if layer_regions._dynamo_reuses_regions() else [])
 
 
 def _model(prefix: str) -> TinyDecoder:
@@ -38,17 +42,25 @@ def _piece_graphs(runner, model_name: str) -> list[str]:
     return [str(m.graph).replace(model_name, "<model>") for _, m in sorted(runner.split_gm.named_children())]
 
 
-@pytest.fixture(scope="module")
-def runners(request):
-    with_regions = _model("regions")
-    flat = _model("flat")
-    saved = layer_regions._NESTED
-    layer_regions._NESTED = None  # tracing() then leaves the region path off: the flat trace
+def _compile_in_mode(model: TinyDecoder, mode: str | None):
+    saved = layer_regions.MODE
+    layer_regions.MODE = mode  # None: tracing() leaves the region path off (the flat trace)
     try:
-        flat_runner = _compile(flat)
+        return _compile(model)
     finally:
-        layer_regions._NESTED = saved
-    return (_compile(with_regions), with_regions), (flat_runner, flat)
+        layer_regions.MODE = saved
+
+
+@pytest.fixture(scope="module")
+def flat_runner():
+    flat = _model("flat")
+    return _compile_in_mode(flat, None), flat
+
+
+@pytest.fixture(scope="module", params=MODES)
+def runners(request, flat_runner):
+    with_regions = _model(f"regions_{request.param}")
+    return (_compile_in_mode(with_regions, request.param), with_regions), flat_runner
 
 
 @needs_regions
@@ -151,7 +163,7 @@ def test_a_model_without_regions_is_traced_once(monkeypatch):
         if hasattr(m, "compile_regions"):
             m.compile_regions = False
     entered = []
-    monkeypatch.setattr(layer_regions, "tracing", lambda: (entered.append(1), contextlib.nullcontext())[1])
+    monkeypatch.setattr(layer_regions, "tracing", lambda *a: (entered.append(1), contextlib.nullcontext())[1])
     monkeypatch.setattr(models.DecoderLayer, "qkv", broken)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a warning here would blame the regions
@@ -160,7 +172,7 @@ def test_a_model_without_regions_is_traced_once(monkeypatch):
     assert not entered  # traced flat from the start
 
 
-@needs_regions
+@needs_nested
 def test_inlining_keeps_a_regions_in_place_ops():
     """An in-place op on a region's intermediate has no users in the graph (a MoE block's
     ``add_`` of the expert biases): inlining keeps it, and drops only unused size reads."""
@@ -184,3 +196,186 @@ def test_inlining_keeps_a_regions_in_place_ops():
     out = torch.compile(lambda a, b: biased(biased(a, b), b), backend=backend, fullgraph=True)(x, bias)
     torch.testing.assert_close(out, biased(biased(x, bias), bias), rtol=0, atol=0)
     assert sum(n.target in ("add_", "mul_") for n in graphs[0].graph.nodes) == 4
+
+
+# --- stamp mode: our own reuse where Dynamo traces every region call (torch 2.11) ----------
+
+
+def test_stamp_mode_traces_each_later_layer_as_one_call(monkeypatch):
+    """Stamp mode: Dynamo traces the first layer's regions and sees each later layer's
+    region as one opaque call (``region_copy``), stamped out after the trace: no region call
+    is left for Dynamo to trace (nor to dedup) and no marker is left in the pieces."""
+    from inductor_rocm_attn.compilation import build as build_module
+
+    seen = []
+    real = build_module.stamp_regions
+
+    def counting(gm, example_inputs):
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        seen.append((targets.count(layer_regions.region_copy), targets.count(layer_regions.region_input),
+                     sum(getattr(t, "__name__", "") == "invoke_subgraph" for t in targets)))
+        return real(gm, example_inputs)
+
+    monkeypatch.setattr(build_module, "stamp_regions", counting)
+    runner = _compile_in_mode(_model("stamp_count"), "stamp")
+    # 2 regions x (LAYERS - 1) copies; the representative's qkv has 2 inputs, its MLP 2.
+    assert seen == [(2 * (LAYERS - 1), 4, 0)]
+    assert (runner.stats.region_calls, runner.stats.region_subgraphs) == (2 * LAYERS, 2)
+    marker_fns = (layer_regions.region_copy, layer_regions.region_input, layer_regions.region_output)
+    for _, piece in runner.split_gm.named_children():
+        assert not any(n.target in marker_fns for n in piece.graph.nodes)
+    assert not any(hasattr(m, "_region_stamp") or hasattr(m, "_region_tensors") for m in runner.model.modules())
+
+
+def test_signature_tells_layers_that_trace_alike():
+    """Identical layers share a signature whatever their attention's layer name; a plain
+    attribute, a tensor's dtype or a hook makes a layer differ."""
+    model = _model("signature")
+    a, b, c = model.layers
+    assert a.attn.layer_name != b.attn.layer_name
+    assert layer_regions.signature(a) == layer_regions.signature(b) is not None
+    b.input_layernorm.eps = 1e-2
+    assert layer_regions.signature(a) != layer_regions.signature(b)
+    b.input_layernorm.eps = a.input_layernorm.eps
+    assert layer_regions.signature(a) == layer_regions.signature(b)
+    b.gate_up_proj.weight.data = b.gate_up_proj.weight.data.double()
+    assert layer_regions.signature(a) != layer_regions.signature(b)
+    c.qkv_proj.register_forward_hook(lambda m, i, o: o * 2)
+    assert layer_regions.signature(c) is None
+
+
+def _stamp_vs_flat(prefix: str, change) -> tuple:
+    """A model changed by ``change`` compiled in stamp mode and flat; their outputs over a
+    prefill and a decode step (caches poisoned first)."""
+    models = [_model(f"{prefix}_stamp"), _model(f"{prefix}_flat")]
+    for m in models:
+        change(m)
+    runners = [_compile_in_mode(models[0], "stamp"), _compile_in_mode(models[1], None)]
+    ids = torch.randint(0, 512, (4,))
+    for m in models:
+        ira.bind_kv_caches(m, 32, torch.float32, "cpu", poison=True)
+    outs = []
+    for query_lens, context_lens in (([2, 2], [0, 0]), ([1, 1], [2, 2])):
+        step = [r(ids[:sum(query_lens)], r.prepare(query_lens, context_lens, [[0, 1], [2, 3]])).clone()
+                for r in runners]
+        assert torch.isfinite(step[0]).all()
+        outs.append(step)
+    return runners[0], outs
+
+
+def test_stamp_mode_traces_a_layer_that_differs_on_its_own():
+    """A layer whose norm has another eps is its own group (traced, not stamped from the
+    first layer's trace): the outputs equal the flat trace's bit for bit."""
+    def change(m):
+        m.layers[1].input_layernorm.eps = 0.5
+
+    runner, outs = _stamp_vs_flat("differs", change)
+    assert (runner.stats.region_calls, runner.stats.region_subgraphs) == (2 * LAYERS, 4)
+    for stamped, flat in outs:
+        torch.testing.assert_close(stamped, flat, rtol=0, atol=0)
+
+
+def test_stamp_mode_traces_a_hooked_layer_inline():
+    """A layer with a forward hook on a submodule is never stamped (the hook is code the
+    first layer's trace does not hold): traced inline, outputs equal the flat trace's."""
+    def change(m):
+        m.layers[2].qkv_proj.register_forward_hook(lambda mod, i, o: o * 2)
+
+    runner, outs = _stamp_vs_flat("hooked", change)
+    assert (runner.stats.region_calls, runner.stats.region_subgraphs) == (2 * (LAYERS - 1), 2)
+    for stamped, flat in outs:
+        torch.testing.assert_close(stamped, flat, rtol=0, atol=0)
+
+
+class _Block(torch.nn.Module):
+    compile_regions = True
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8, bias=False)
+
+
+def _block_body(block, x):
+    return torch.relu(block.lin(x)) + x
+
+
+_block_region = layer_regions.region(_block_body)
+
+
+def _trace_blocks(model, fn, *inputs):
+    from inductor_rocm_attn.compilation.regions import stamp_regions
+
+    stats = []
+
+    def backend(gm, example_inputs):
+        stats.append(stamp_regions(gm, example_inputs))
+        return gm.forward
+
+    saved = layer_regions.MODE
+    layer_regions.MODE = "stamp"
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad(), layer_regions.tracing(model):
+            return torch.compile(fn, backend=backend, fullgraph=True)(*inputs), stats
+    finally:
+        layer_regions.MODE = saved
+
+
+def test_stamped_blocks_compute_what_eager_does():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_Block() for _ in range(4)])
+
+    def run(x):
+        for block in model:
+            x = _block_region(block, x)
+        return x
+
+    x = torch.randn(5, 8)
+    out, stats = _trace_blocks(model, run, x)
+    assert stats == [(4, 1)]
+    with torch.no_grad():
+        torch.testing.assert_close(out, run(x), rtol=0, atol=0)
+
+
+def test_a_copy_called_on_other_shapes_is_refused():
+    """The representative's trace holds for a copy only on arguments of the same metadata:
+    a later block called on a 3-d input fails the trace (compile_piecewise then traces flat)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Block(), _Block())
+
+    def run(x):
+        return _block_region(model[1], _block_region(model[0], x)[:, None, :])
+
+    with pytest.raises(Exception, match="argument 0 of a copy differs from the representative"):
+        _trace_blocks(model, run, torch.randn(5, 8))
+
+
+def test_stamp_mode_refuses_a_region_holding_attention(monkeypatch):
+    """A region that runs an attention op breaks the contract: the op names the first
+    layer, which a stamped copy would then name too. The stamp refuses it and the model
+    is traced again flat, with a warning."""
+    from inductor_rocm_attn import models
+
+    def qkv_with_attention(layer, positions, hidden):
+        q, k, v = layer.qkv(positions, hidden)
+        layer.attn(q, k, v)
+        return q, k, v
+
+    monkeypatch.setattr(models, "_qkv_region", layer_regions.region(qkv_with_attention))
+    with pytest.warns(UserWarning, match="op naming its layer"):
+        runner = _compile_in_mode(_model("attention_inside"), "stamp")
+    assert runner.stats.region_calls == 0
+    assert [len(g) for g in runner.stats.piece_groups] == [1, LAYERS - 1, 1]
+
+
+def test_a_module_called_twice_is_not_stamped():
+    """A representative module called twice in the trace (a module shared between calls)
+    leaves two marked segments of one key: refused, never stamped from the wrong one."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Block(), _Block())
+
+    def run(x):
+        return _block_region(model[1], _block_region(model[0], _block_region(model[0], x)))
+
+    with pytest.raises(Exception, match="called more than once"):
+        _trace_blocks(model, run, torch.randn(5, 8))

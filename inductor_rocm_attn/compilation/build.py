@@ -33,7 +33,7 @@ from .dedup import (
     structure_key,
 )
 from .pieces import CompiledPiece, piece_post_pass, plugin_context
-from .regions import inline_regions
+from .regions import inline_regions, stamp_regions
 from .split import add_stand_ins, split_at_attention, submodule_inputs
 from .trace_cache import (
     TraceCache,
@@ -89,10 +89,14 @@ def _compile_model(runner: "PiecewiseRunner", t: int) -> None:
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
         t0 = time.perf_counter()
+        # Before the trace counts as done: a region that cannot be stamped is traced again flat.
+        stamped = stamp_regions(gm, example_inputs)
         traced.append(True)
-        runner.stats.region_calls, runner.stats.region_subgraphs = inline_regions(gm)
+        inlined = inline_regions(gm)
+        runner.stats.region_calls = stamped[0] + inlined[0]
+        runner.stats.region_subgraphs = stamped[1] + inlined[1]
         regions = (f" ({runner.stats.region_calls} layer-region calls of {runner.stats.region_subgraphs} traced "
-                   "regions, inlined)" if runner.stats.region_calls else "")
+                   f"regions, {'stamped' if stamped[0] else 'inlined'})" if runner.stats.region_calls else "")
         runner._say(f"traced in {t0 - t_start:.1f} s: {sum(1 for _ in gm.graph.nodes)} graph nodes{regions}")
         if cache is not None:
             entry = _store_trace(runner, gm, list(example_inputs), *cache[:2])
@@ -119,7 +123,7 @@ def _compile_model(runner: "PiecewiseRunner", t: int) -> None:
         torch._dynamo.mark_dynamic(ids, 0)
         torch._dynamo.mark_dynamic(pos, 0)
         with torch.no_grad(), set_forward_context(md, layers=runner.layer_table), \
-                (layer_regions.tracing() if regions else contextlib.nullcontext()):
+                (layer_regions.tracing(model) if regions else contextlib.nullcontext()):
             compiled(ids, pos)
 
     runner._trace_ids, runner._trace_pos = ids, pos
@@ -133,9 +137,10 @@ def _compile_model(runner: "PiecewiseRunner", t: int) -> None:
             raise
         # torch's nested_compile_region differs between versions: a model that traces
         # without its regions still compiles (at the flat trace's cost).
+        cause = getattr(e, "inner_exception", None) or e  # a backend's own error, not Dynamo's wrapper
         msg = (f"compile_piecewise: the Dynamo trace with per-layer compile regions failed on torch "
-               f"{torch.__version__} ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}); "
-               "tracing again without them")
+               f"{torch.__version__} ({type(cause).__name__}: "
+               f"{(str(cause).strip().splitlines() or [''])[0][:300]}); tracing again without them")
         runner._say(msg)
         warnings.warn(msg, stacklevel=4)
         trace(regions=False)

@@ -8,7 +8,7 @@ Steps (the vLLM "piecewise" scheme, then whole-step graphs):
    ``model(input_ids, positions)``; ``fullgraph``, the token dimension marked dynamic) into
    one FX graph; our backend receives it. A model's layer regions (``layer_regions``:
    the layer's code around attention) are traced once and reused for identical layers,
-   then inlined (``regions``).
+   then expanded into the graph (``regions``).
 2. **Split** at every attention (``split.split_at_attention``); with the plugin on, each
    piece gets stand-in attentions so the fusions fire inside it (``split.add_stand_ins``;
    the ``remove_stand_ins`` pass deletes them after the fusions).
