@@ -161,10 +161,11 @@ SM90_MAX_SMEM = 232448
 _RESOURCES: list[tuple[str, str, dict]] = []  # (label, kernel, resources) when checked
 
 
-def compile_launches(label: str, fingerprint: bool = False, resources: bool = False) -> int:
+def compile_launches(label: str, fingerprint: bool = False, resources: bool = False,
+                     spills_ok: bool = False) -> int:
     """Compile every launch recorded since the last call. ``resources``: also print each
-    launch's registers / stack / shared memory, and fail one that spills (stack > 0) or
-    needs more shared memory than sm_90 has."""
+    launch's registers / stack / shared memory, and fail one that spills (stack > 0; unless
+    ``spills_ok``) or needs more shared memory than sm_90 has."""
     failures = 0
     seen = set()
     for fn, args, kwargs in _LAUNCHES:
@@ -183,7 +184,7 @@ def compile_launches(label: str, fingerprint: bool = False, resources: bool = Fa
                 short = ",".join(f"{fn.arg_names[i[0]]}={v}" for i, v in sorted(consts.items())
                                  if fn.arg_names[i[0]] in _SHORT)
                 _RESOURCES.append((f"{label} {short} {options}", fn.__name__, use))
-                over = use["stack"] > 0 or use["smem"] > SM90_MAX_SMEM
+                over = (use["stack"] > 0 and not spills_ok) or use["smem"] > SM90_MAX_SMEM
                 print(f"{'FAIL' if over else 'res '} {fn.__name__}: {use['regs']} regs, stack "
                       f"{use['stack']} B, smem {use['smem']} B ({short} {options})", flush=True)
                 failures += over
@@ -317,12 +318,15 @@ def _head_512(tk, fingerprint: bool, full: bool) -> int:
     fused writers of a 16-bit cache. ``full`` (``--only-d512``, about 80 launches, two
     minutes of ptxas here) adds interleaved V, one-split and 8-split decode, 8-token writer
     programs, the writers' other forms, verify over 4k keys with and without splits, 64
-    splits of every cache dtype and prefill through pointers."""
+    splits of every cache dtype and prefill through pointers, and compiles the launches of an
+    fp32 model over a bf16 cache (whose tile choice the default run checks without compiling),
+    for shared memory only: its fp32 dots over converted 16-bit tiles spill, as they do at
+    head size 256."""
     T, H, HKV, D, BS = 8, 16, 2, 512, 16
     one = torch.ones(1)
     failures = 0
     variants = [(torch.bfloat16, torch.bfloat16, False), (torch.bfloat16, torch.float8_e4m3fn, False),
-                (torch.float32, torch.float32, False)]
+                (torch.float32, torch.float32, False), (torch.float32, torch.bfloat16, False)]
     if full:
         variants.insert(1, (torch.bfloat16, torch.bfloat16, True))
     for dtype, cache_dtype, interleaved in variants:
@@ -384,7 +388,15 @@ def _head_512(tk, fingerprint: bool, full: bool) -> int:
             tk.encoder_attention(torch.empty_like(x), x, *torch.empty(2, 70, HKV, D, dtype=dtype),
                                  torch.tensor([0, 30, 70], dtype=torch.int32), D ** -0.5, False, -1, None, None,
                                  0.0, None)
-        failures += compile_launches(label, fingerprint, resources=True)
+        if dtype == torch.float32 and cache_dtype != dtype:
+            # an fp32 query over a bf16 cache takes the fp32 cache's decode and verify tiles
+            failures += _expect("_paged_decode_kernel", TILE_N=16, num_warps=8, K_ROWS=0)
+            failures += _expect("_paged_verify_kernel", TILE_N=16, num_warps=16)
+            if not full:  # the choice only: these launches spill (see the docstring)
+                _LAUNCHES.clear()
+                continue
+        failures += compile_launches(label, fingerprint, resources=True,
+                                     spills_ok=dtype == torch.float32 and cache_dtype != dtype)
     return failures
 
 

@@ -240,7 +240,7 @@ def decode_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.
             # without spills and within shared memory (tests/triton_sm90_compile.py; not yet
             # run on a GPU): 8 warps keep the [16, 512] fp32 accumulator at 32 values a
             # thread. 16-bit cache: 124-128 registers, 178 KB (4 warps took 168-240). fp8: a
-            # 16-key tile, 120 registers, 66 KB (32 keys spilled 16 bytes, the heuristic
+            # 16-key tile, 118-128 registers, 65 KB (32 keys spilled 16 bytes, the heuristic
             # below's 64 more). fp32: 16 keys, 2 stages, K gathered as a tile (k_rows=0):
             # 128 registers, 130 KB (K read as packet rows spilled 2 KB a thread).
             tuned = {1: DecodeConfig(16, 8, 3, "rows", fp8_fp16_dot=True),
@@ -361,9 +361,9 @@ def prefill_config(head_size: int, gqa: int, block_size: int, dtype: torch.dtype
         return tuned
     if head_size > 256:
         # Head size 512, chosen to compile for sm_90 without spills (tests/triton_sm90_compile.py;
-        # not yet run on a GPU): a [32, 512] fp32 accumulator over 8 warps, 16-key tiles (224
-        # registers, 82 KB of shared memory; 64 x 32 spilled with 4 or 8 warps, 32 x 32 with 8
-        # warps took 248 registers). fp32: 16 rows, the context's K gathered as a tile
+        # not yet run on a GPU): a [32, 512] fp32 accumulator over 8 warps, 16-key tiles
+        # (184-230 registers, 82-98 KB of shared memory; 64 x 32 spilled with 4 or 8 warps,
+        # 32 x 32 with 8 warps took 248 registers). fp32: 16 rows, the context's K gathered as a tile
         # (k_rows=0) and the new tokens' K/V through pointers (through TMA it spilled 2-8 KB).
         if dtype == torch.float32:
             return PrefillConfig(16, 16, 8, 2, k_rows=0, dense_tma=False)

@@ -166,7 +166,11 @@ def paged_attention(
     softcap = float(logits_soft_cap) if logits_soft_cap > 0 else 1.0
 
     # --- decode: sequences with query_len == 1 ------------------------------------------------
-    dcfg = decode_cfg or decode_config(head_size, gqa, block_size, cache_dtype, interpret,
+    # The configs are keyed by the cache dtype; at head size 512 an fp32 query over a narrower
+    # cache takes the fp32 cache's tiles (the 16-bit cache's decode tile with fp32 dots needs
+    # 289 KB of shared memory on sm_90, more than it has).
+    cfg_dtype = torch.float32 if head_size > 256 and compute == torch.float32 else cache_dtype
+    dcfg = decode_cfg or decode_config(head_size, gqa, block_size, cfg_dtype, interpret,
                                        interleaved_v)
     block_h = max(16, min(64, triton.next_power_of_2(gqa)))
     head_chunks = triton.cdiv(gqa, block_h)
@@ -237,7 +241,7 @@ def paged_attention(
         _launch_verify(
             q_max, output, query, key, value, kc, vc, block_table, seq_lens, query_start_loc, ptrs,
             common, scale, softcap, window, bool(causal), num_splits_given, max_ctx, target,
-            verify_cfg or verify_config(head_size, gqa, block_size, cache_dtype, interpret,
+            verify_cfg or verify_config(head_size, gqa, block_size, cfg_dtype, interpret,
                                         interleaved_v, q_max), x=x)
     else:
         q_max = 1
