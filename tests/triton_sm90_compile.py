@@ -158,7 +158,6 @@ def _resources(kernel, name: str) -> dict:
 # sm_90 limits a launch must keep: 255 registers a thread (more spill), 227 KB of shared
 # memory a program (232448 bytes, the opt-in maximum; the driver reserves 1 KB more).
 SM90_MAX_SMEM = 232448
-_RESOURCES: list[tuple[str, str, dict]] = []  # (label, kernel, resources) when checked
 
 
 def compile_launches(label: str, fingerprint: bool = False, resources: bool = False,
@@ -183,7 +182,6 @@ def compile_launches(label: str, fingerprint: bool = False, resources: bool = Fa
                 use = _resources(kernel, fn.__name__)
                 short = ",".join(f"{fn.arg_names[i[0]]}={v}" for i, v in sorted(consts.items())
                                  if fn.arg_names[i[0]] in _SHORT)
-                _RESOURCES.append((f"{label} {short} {options}", fn.__name__, use))
                 over = (use["stack"] > 0 and not spills_ok) or use["smem"] > SM90_MAX_SMEM
                 print(f"{'FAIL' if over else 'res '} {fn.__name__}: {use['regs']} regs, stack "
                       f"{use['stack']} B, smem {use['smem']} B ({short} {options})", flush=True)
@@ -317,7 +315,7 @@ def _head_512(tk, fingerprint: bool, full: bool) -> int:
     kernel, verify and its reduce kernel, prefill through TMA, the encoder kernel), and the
     fused writers of a 16-bit cache. ``full`` (``--only-d512``, about 80 launches, two
     minutes of ptxas here) adds interleaved V, one-split and 8-split decode, 8-token writer
-    programs, the writers' other forms, verify over 4k keys with and without splits, 64
+    programs, the writers' other forms, verify over 4k keys (B=2 and B=64), 64 decode
     splits of every cache dtype and prefill through pointers, and compiles the launches of an
     fp32 model over a bf16 cache (whose tile choice the default run checks without compiling),
     for shared memory only: its fp32 dots over converted 16-bit tiles spill, as they do at
@@ -375,8 +373,8 @@ def _head_512(tk, fingerprint: bool, full: bool) -> int:
         runs = [([5, 1, 70], [20, 33, 0], {})]
         if dtype == torch.bfloat16 and cache_dtype == dtype:
             runs.append(([1], [16384], {}))
-        if full:  # 8 splits (B=4), one (B=256), verify over 4k keys, without splits (B=64), prefill
-            # through pointers; 64 splits for every cache dtype
+        if full:  # decode of 8 splits (B=4), of one (B=256), verify over 4k keys (B=2, B=64),
+            # 64 decode splits for every cache dtype, prefill through pointers
             runs += [([1] * 4, [4096] * 4, {}), ([1] * 256, [4096] * 256, {}), ([4, 3], [4096, 2000], {}),
                      ([4] * 64, [4096] * 64, {}), ([1], [16384], {}),
                      ([5, 1, 70], [20, 33, 0], {"prefill_cfg": replace(
