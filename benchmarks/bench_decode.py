@@ -455,7 +455,7 @@ def bench_verify(args, sms: int, ceiling: float, peers: Peers):
                 row[name + "_err"] = err
                 if name == "verify":
                     vcfg = verify_config(D, HQ // HKV, BS, DTYPE, False, INTERLEAVED_V, q_len)
-                    rows_ = verify_rows(HQ // HKV, q_len)
+                    rows_ = verify_rows(HQ // HKV, q_len, D)
                     row.update(verify_residency=residency(kern), verify_cfg=dataclasses.asdict(vcfg),
                                verify_block_rows=rows_, verify_kind_splits=decode_plan(
                                    vcfg, None, num_seqs=b, num_kv_heads=HKV,

@@ -22,7 +22,7 @@ import torch
 if TYPE_CHECKING:  # annotation only: layout imports this module
     from .layout import CacheLayout
 
-HEAD_SIZES = (32, 64, 80, 96, 128, 160, 192, 224, 256)
+HEAD_SIZES = (32, 64, 80, 96, 128, 160, 192, 224, 256, 512)
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_SIZE_MULTIPLE = 16
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")

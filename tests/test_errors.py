@@ -28,7 +28,7 @@ def test_block_size_not_multiple_of_16(block_size):
         ira.Attention(4, 64, layer_name=f"bad_bs_{block_size}", block_size=block_size)
 
 
-@pytest.mark.parametrize("head_size", [16, 48, 100, 512])
+@pytest.mark.parametrize("head_size", [16, 48, 100, 384, 1024])
 def test_unsupported_head_size(head_size):
     with pytest.raises(ValueError, match=rf"head_size {head_size} is not supported; supported: \(32, 64"):
         ira.RocmAttentionImpl(4, head_size, 0.1)

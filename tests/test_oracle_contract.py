@@ -373,7 +373,7 @@ def test_attention_layers_share_block_ids(provider):
         _replay(seed, "layer", lambda: check_attention(provider, st_, scale=0.125, window=9))
 
 
-HEAD_SIZES = (32, 64, 80, 96, 128, 160, 192, 224, 256)  # capabilities.HEAD_SIZES, written out
+HEAD_SIZES = (32, 64, 80, 96, 128, 160, 192, 224, 256, 512)  # capabilities.HEAD_SIZES, written out
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)

@@ -164,6 +164,24 @@ def test_unavailable_provider_is_passed_over_with_its_reason():
                          unavailable={"native": "not built", "triton": "no triton here"}, **q)
 
 
+def test_head_size_512_goes_to_triton_never_to_native():
+    """Head size 512 (Gemma4's full-attention layers): the Triton and reference records take
+    it, the native (csrc) one refuses it by name, so a GPU call goes to Triton on either
+    platform, and without Triton it is refused with native's reason (never sent to native)."""
+    q = dict(device="cuda", head_size=512, dtype=torch.bfloat16, block_size=16, layout=CacheLayout.LHBNC)
+    assert providers.get("native").supports("paged_attention", **q) == (
+        "native supports head sizes (64, 128), not 512")
+    assert providers.get("triton").supports("paged_attention", **q) is None
+    assert providers.get("reference").supports("paged_attention", **{**q, "device": "cpu"}) is None
+    usable = {"native": None, "triton": None, "aiter": None}
+    for platform in ("cuda", "rocm"):
+        for op in capabilities.OPS:
+            assert providers.choose(op, platform=platform, unavailable=usable, **q) == "triton", (platform, op)
+    with pytest.raises(NotImplementedError, match=r"native: native supports head sizes \(64, 128\), not 512"):
+        providers.choose("reshape_and_cache", platform="cuda", unavailable={**usable, "triton": "no triton here"},
+                         **q)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 64, 256, 1024, 4096, 16383])
 def test_qk_norm_prefers_triton_below_the_measured_crossover(num_tokens):
     assert providers.choose("qk_norm_rope_and_cache", platform="cuda", num_tokens=num_tokens,

@@ -16,8 +16,14 @@ It also fingerprints the generated code, to show that a refactor left the kernel
 ``--sass`` writes, per launch, a hash of its sm_90 SASS (``cuobjdump -sass`` of the cubin,
 the kernel's own name replaced, so moving or renaming a kernel does not count as a change)
 and its instruction count; ``--compare`` prints the before/after table and exits 4 when a
-launch's SASS differs or a launch is missing. A launch is named by its label (dtype, V
-interior), kernel, constexpr values, argument types and options, all by parameter name.
+launch's SASS differs or a launch is missing (launches new since the base are listed only).
+A launch is named by its label (dtype, V interior), kernel, constexpr values, argument types
+and options, all by parameter name.
+
+The head-size-512 launches also report their registers, stack (spills) and shared memory
+and fail if they spill or overflow sm_90's shared memory; ``--resources`` reports them for
+every launch. The default run compiles a subset of them (every config and kernel);
+``--only-d512`` compiles all of them and nothing else.
 """
 
 from __future__ import annotations
@@ -133,7 +139,32 @@ def _expect(kernel: str, **constexprs) -> int:
     return 1
 
 
-def compile_launches(label: str, fingerprint: bool = False) -> int:
+def _resources(kernel, name: str) -> dict:
+    """What one compiled launch holds per thread and per program: registers, stack (local
+    memory: > 0 means ptxas spilled, our kernels keep no local arrays) and shared memory
+    (Triton's dynamic share plus the cubin's static one), from ``cuobjdump -res-usage``."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    line = usage[usage.index(f"Function {name}:"):]
+    field = {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", line.splitlines()[1])}
+    return {"regs": field["REG"], "stack": field["STACK"] + field["LOCAL"],
+            "smem": kernel.metadata.shared + field["SHARED"]}
+
+
+# sm_90 limits a launch must keep: 255 registers a thread (more spill), 227 KB of shared
+# memory a program (232448 bytes, the opt-in maximum; the driver reserves 1 KB more).
+SM90_MAX_SMEM = 232448
+
+
+def compile_launches(label: str, fingerprint: bool = False, resources: bool = False,
+                     spills_ok: bool = False) -> int:
+    """Compile every launch recorded since the last call. ``resources``: also print each
+    launch's registers / stack / shared memory, and fail one that spills (stack > 0; unless
+    ``spills_ok``) or needs more shared memory than sm_90 has."""
     failures = 0
     seen = set()
     for fn, args, kwargs in _LAUNCHES:
@@ -147,6 +178,14 @@ def compile_launches(label: str, fingerprint: bool = False) -> int:
             kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                                     options=options)
             print(f"ok   {label}: {fn.__name__}", flush=True)
+            if resources:
+                use = _resources(kernel, fn.__name__)
+                short = ",".join(f"{fn.arg_names[i[0]]}={v}" for i, v in sorted(consts.items())
+                                 if fn.arg_names[i[0]] in _SHORT)
+                over = (use["stack"] > 0 and not spills_ok) or use["smem"] > SM90_MAX_SMEM
+                print(f"{'FAIL' if over else 'res '} {fn.__name__}: {use['regs']} regs, stack "
+                      f"{use['stack']} B, smem {use['smem']} B ({short} {options})", flush=True)
+                failures += over
             if fingerprint:
                 _SASS[_launch_name(label, fn, sig, consts, options)] = _sass_fingerprint(kernel, fn.__name__)
         except Exception as e:  # report every kernel, then fail
@@ -184,7 +223,7 @@ def _compare(base_path: str) -> int:
     for name in sorted(set(base) | set(_SASS)):
         b, a = base.get(name), _SASS.get(name)
         same = b is not None and a is not None and b["sass_sha256"] == a["sass_sha256"]
-        bad += not same
+        bad += not same and b is not None  # a new launch (not in the base) changes nothing
         verdict = "identical" if same else ("missing after" if a is None else
                                             "new" if b is None else "DIFFERS")
         label, kernel, consts = name.split(" | ")[:3]
@@ -192,7 +231,7 @@ def _compare(base_path: str) -> int:
         print(f"| {label} {short} | {kernel} | {b['instructions'] if b else '-'} / "
               f"{a['instructions'] if a else '-'} | {b['sass_sha256'][:12] if b else '-'} / "
               f"{a['sass_sha256'][:12] if a else '-'} | {verdict} |")
-    print(f"\n{len(base)} launches before, {len(_SASS)} after, {bad} not identical")
+    print(f"\n{len(base)} launches before, {len(_SASS)} after, {bad} of those before not identical")
     return 4 if bad else 0
 
 
@@ -201,7 +240,7 @@ _SHORT = {"GQA", "TILE_N", "W", "NUM_SPLITS", "ONE_LOOP", "KEYS_MAJOR", "BLOCK_M
           "DENSE_TMA", "HAS_NEW_KV", "BLOCK_T", "NUM_HEADS", "Q_MAX", "BLOCK_R"}
 
 
-def _bench_shapes(tk, fingerprint: bool) -> int:
+def _bench_shapes(tk, fingerprint: bool, resources: bool = False) -> int:
     """The default launches at the benchmarks' shapes (bf16, d=128, block 16), where the tuned
     configs apply: decode with 32/8 heads at L=4096, B=64 (one split) and B=1 (split, one
     loop); the end-to-end model's 16/8 heads with interleaved V (B=64, L=2048); prefill of
@@ -248,13 +287,126 @@ def _bench_shapes(tk, fingerprint: bool) -> int:
                            torch.zeros(b, (n + prefix) // BS, dtype=torch.int32), D ** -0.5, one, one,
                            True, -1, None, None, 0.0, False, None, n, n + prefix, target=H200)
         failures += _expect("_prefix_prefill_kernel", BLOCK_M=128, BLOCK_N=128, num_warps=8, DENSE_TMA=True)
-    return failures + compile_launches("bench shapes bf16", fingerprint)
+    return failures + compile_launches("bench shapes bf16", fingerprint, resources)
+
+
+def _paged(tk, cache, qlens, clens, dtype, H, D, interleaved, **knobs) -> None:
+    """One paged_attention launch set over a batch of ``qlens`` new / ``clens`` cached tokens."""
+    HKV, BS = cache.shape[3] // D, cache.shape[2]
+    one = torch.ones(1)
+    n = sum(qlens)
+    qsl = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0).tolist()), dtype=torch.int32)
+    seq_lens = torch.tensor([a + b for a, b in zip(qlens, clens)], dtype=torch.int32)
+    width = -(-int(seq_lens.max()) // BS)
+    table = torch.arange(len(qlens) * width, dtype=torch.int32).view(len(qlens), width) % cache.shape[0]
+    q = torch.empty(n, H, D, dtype=dtype)
+    kv = [torch.empty(n, HKV, D, dtype=dtype) for _ in range(2)]
+    tk.paged_attention(torch.empty_like(q), q, *kv, cache, qsl, seq_lens, table, D ** -0.5, one, one, True, -1,
+                       None, None, 0.0, interleaved, None, max(qlens), int(seq_lens.max()), target=H200,
+                       **knobs)
+
+
+def _head_512(tk, fingerprint: bool, full: bool) -> int:
+    """Head size 512 (Gemma4's full-attention layers; 16 query / 2 KV heads here, GQA 8) with
+    the default launch configs, checked for spills and shared memory (``SM90_MAX_SMEM``).
+
+    The default run: every config head size 512 has (16-bit, fp8 and fp32 caches) and every
+    attention kernel (decode with its splits merged by the last split and by the reduce
+    kernel, verify and its reduce kernel, prefill through TMA, the encoder kernel), and the
+    fused writers of a 16-bit cache. ``full`` (``--only-d512``, about 80 launches, two
+    minutes of ptxas here) adds interleaved V, one-split and 8-split decode, 8-token writer
+    programs, the writers' other forms, verify over 4k keys (B=2 and B=64), 64 decode
+    splits of every cache dtype and prefill through pointers, and compiles the launches of an
+    fp32 model over a bf16 cache (whose tile choice the default run checks without compiling),
+    for shared memory only: its fp32 dots over converted 16-bit tiles spill, as they do at
+    head size 256."""
+    T, H, HKV, D, BS = 8, 16, 2, 512, 16
+    one = torch.ones(1)
+    failures = 0
+    variants = [(torch.bfloat16, torch.bfloat16, False), (torch.bfloat16, torch.float8_e4m3fn, False),
+                (torch.float32, torch.float32, False), (torch.float32, torch.bfloat16, False)]
+    if full:
+        variants.insert(1, (torch.bfloat16, torch.bfloat16, True))
+    for dtype, cache_dtype, interleaved in variants:
+        label = f"d512 {dtype} cache {cache_dtype} interleaved_v={interleaved}"
+        cache = allocate_kv_cache(KVCacheSpec(BS, HKV, D, cache_dtype, CacheLayout.LHBNC), 16, "cpu")
+        slots, pos = torch.arange(T), torch.arange(T)
+        q = torch.randn(T, H, D, dtype=dtype)
+        k, v = torch.randn(2, T, HKV, D, dtype=dtype)
+        w = torch.ones(D, dtype=dtype)
+        if cache_dtype == dtype and dtype != torch.float32:  # the writers: 16-bit caches
+            cos_sin = torch.randn(64, D)
+            cos, sin = torch.randn(2, T, D, dtype=dtype)
+            qkv = torch.randn(T, (H + 2 * HKV) * D, dtype=dtype)
+            tk.reshape_and_cache(k, v, cache, slots, one, one, interleaved)
+            tk.rope_and_cache(pos, q.clone(), k.clone(), v, cache, slots, cos_sin, True, one, one, interleaved)
+            tk.qk_norm_rope_and_cache(qkv, w, w, 1e-6, pos, cos_sin, True, cache, slots, one, one, interleaved,
+                                      H, HKV, D)
+            tk.rope_cos_sin_and_cache(q.clone(), k.clone(), v, cos, sin, True, cache, slots, one, one, interleaved)
+            tk.qk_norm_rope_cos_sin_and_cache(q.clone(), k.clone(), v, w, w, 1e-6, cos, sin, True, cache, slots,
+                                              one, one, interleaved)
+            if full:
+                tk.rotary_embedding(pos, q.clone(), k.clone(), D, cos_sin, True)
+                tk.qk_norm_rope_and_cache(qkv, w, w, 1e-6, pos, cos_sin, True, cache, slots, one, one,
+                                          interleaved, H, HKV, D, torch.empty(T, H, D, dtype=dtype),
+                                          torch.empty(T, HKV, D, dtype=dtype), False)
+                # Gemma4's partial rotary: a quarter of the head rotated
+                tk.rope_cos_sin_and_cache(q.clone(), k.clone(), v, cos[:, :128], sin[:, :128], True, cache,
+                                          slots, one, one, interleaved)
+                # a long prefill's writers: 8 tokens a program (configs.writer_block_t)
+                n = 600
+                big = [torch.randn(n, h, D, dtype=dtype) for h in (H, HKV, HKV)]
+                wide = torch.arange(n) % (cache.shape[0] * BS)
+                tk.reshape_and_cache(big[1], big[2], cache, wide, one, one, interleaved)
+                tk.rope_and_cache(torch.arange(n) % 64, big[0], big[1].clone(), big[2], cache, wide, cos_sin,
+                                  True, one, one, interleaved)
+                tk.qk_norm_rope_and_cache(torch.randn(n, (H + 2 * HKV) * D, dtype=dtype), w, w, 1e-6,
+                                          torch.arange(n) % 64, cos_sin, True, cache, wide, one, one,
+                                          interleaved, H, HKV, D)
+                tk.rope_cos_sin_and_cache(big[0], big[1].clone(), big[2], *torch.randn(2, n, D, dtype=dtype),
+                                          True, cache, wide, one, one, interleaved)
+        elif cache_dtype != dtype:
+            tk.reshape_and_cache(k, v, cache, slots, one, one, interleaved)
+        # a mixed batch: decode and verify with their splits merged by the last split / the
+        # verify reduce kernel, prefill through TMA; bf16: 64 decode splits of 16k keys merged
+        # by the reduce kernel
+        runs = [([5, 1, 70], [20, 33, 0], {})]
+        if dtype == torch.bfloat16 and cache_dtype == dtype:
+            runs.append(([1], [16384], {}))
+        if full:  # decode of 8 splits (B=4), of one (B=256), verify over 4k keys (B=2, B=64),
+            # 64 decode splits for every cache dtype, prefill through pointers
+            runs += [([1] * 4, [4096] * 4, {}), ([1] * 256, [4096] * 256, {}), ([4, 3], [4096, 2000], {}),
+                     ([4] * 64, [4096] * 64, {}), ([1], [16384], {}),
+                     ([5, 1, 70], [20, 33, 0], {"prefill_cfg": replace(
+                         prefill_config(D, H // HKV, BS, dtype), dense_tma=False)})]
+        for qlens, clens, knobs in runs:
+            _paged(tk, cache, qlens, clens, dtype, H, D, interleaved, **knobs)
+        if cache_dtype == dtype:
+            x = torch.empty(70, H, D, dtype=dtype)
+            tk.encoder_attention(torch.empty_like(x), x, *torch.empty(2, 70, HKV, D, dtype=dtype),
+                                 torch.tensor([0, 30, 70], dtype=torch.int32), D ** -0.5, False, -1, None, None,
+                                 0.0, None)
+        if dtype == torch.float32 and cache_dtype != dtype:
+            # an fp32 query over a bf16 cache takes the fp32 cache's decode and verify tiles
+            failures += _expect("_paged_decode_kernel", TILE_N=16, num_warps=8, K_ROWS=0)
+            failures += _expect("_paged_verify_kernel", TILE_N=16, num_warps=16)
+            if not full:  # the choice only: these launches spill (see the docstring)
+                _LAUNCHES.clear()
+                continue
+        failures += compile_launches(label, fingerprint, resources=True,
+                                     spills_ok=dtype == torch.float32 and cache_dtype != dtype)
+    return failures
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sass", metavar="OUT.json", help="write each launch's SASS fingerprint")
     ap.add_argument("--compare", metavar="BASE.json", help="compare the SASS with a --sass file")
+    ap.add_argument("--only-d512", action="store_true",
+                    help="only the head-size-512 launches, all of them (the default run compiles a subset)")
+    ap.add_argument("--resources", action="store_true",
+                    help="print each launch's registers / stack / shared memory (the head-size-512 "
+                         "launches always check them)")
     args = ap.parse_args()
     fingerprint = bool(args.sass or args.compare)
     why = _probe()
@@ -264,9 +416,9 @@ def main() -> int:
     JITFunction.run = _capture_run  # launches are recorded, never run
     from inductor_rocm_attn.kernels import triton as tk
 
-    failures = 0
+    failures = _head_512(tk, fingerprint, full=args.only_d512)
     T, H, HKV, D, BS = 8, 16, 8, 128, 16
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in (torch.bfloat16, torch.float16) if not args.only_d512 else ():
         for interleaved in (False, True):
             label = f"{dtype} interleaved_v={interleaved}"
             cache = allocate_kv_cache(KVCacheSpec(BS, HKV, D, dtype, CacheLayout.LHBNC), 16, "cpu")
@@ -328,8 +480,9 @@ def main() -> int:
                     failures += _expect("_prefix_prefill_kernel", DENSE_TMA=pcfg is None)
                 if max(qlens) > 1:  # 2..8 query tokens: the verify kernel
                     failures += _expect("_paged_verify_kernel", Q_MAX=min(8, 1 << (max(qlens) - 1).bit_length()))
-            failures += compile_launches(label, fingerprint)
-    failures += _bench_shapes(tk, fingerprint)
+            failures += compile_launches(label, fingerprint, args.resources)
+    if not args.only_d512:
+        failures += _bench_shapes(tk, fingerprint, args.resources)
     if failures:
         return 1
     if args.sass:

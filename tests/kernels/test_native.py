@@ -55,6 +55,9 @@ def _decode_args(**over):
     (dict(output_scale=torch.ones(1)), NotImplementedError, r"output_scale .* not supported"),
     (dict(query=torch.randn(2, 4, 80, dtype=torch.bfloat16), output=torch.empty(2, 4, 80, dtype=torch.bfloat16)),
      ValueError, r"head_size 80 is not supported; supported: \(64, 128\)"),
+    # Gemma4's full-attention head size: the Triton and reference providers take it, native not
+    (dict(query=torch.randn(2, 4, 512, dtype=torch.bfloat16), output=torch.empty(2, 4, 512, dtype=torch.bfloat16)),
+     ValueError, r"head_size 512 is not supported; supported: \(64, 128\)"),
     (dict(query=torch.randn(2, 4, 64), output=torch.empty(2, 4, 64)), ValueError,
      r"query dtype torch.float32 is not supported"),
     (dict(output=torch.empty(2, 4, 64, dtype=torch.float16)), ValueError, r"output must match query"),

@@ -18,7 +18,8 @@ import torch
 
 import providers_under_test as put
 from attention_checks import GPU, check_paged, check_paged_nonfinite, seed
-from inductor_rocm_attn.kernels.triton.configs import PAGED_K_ROWS, DecodeConfig, PrefillConfig
+from inductor_rocm_attn.kernels.triton.configs import (PAGED_K_ROWS, DecodeConfig, PrefillConfig, decode_config,
+                                                       prefill_config)
 
 PROVIDERS = put.providers_for("paged_attention")
 ON_GPU = torch.cuda.is_available()
@@ -64,12 +65,32 @@ CPU_CASES = [
 ]
 CPU_PARAMS = dict(argnames="query_lens,context_lens,kw", argvalues=[c[1:] for c in CPU_CASES],
                   ids=[c[0] for c in CPU_CASES])
+# Head size 512 (Gemma4's full-attention layers), with the launch configs a GPU takes for it
+# (a split decode, verify rows and a prefill in each batch); apart from CPU_CASES, whose rows
+# every Triton variant test below runs again.
+D512_CASES = [
+    ("fp16_interleaved_split", [1, 9, 4, 1], [40, 19, 7, 3],
+     dict(num_heads=8, num_kv_heads=1, head_size=512, interleaved_v=True, num_splits=2, hints=True,
+          decode_cfg=decode_config(512, 8, 16, torch.float16),
+          prefill_cfg=prefill_config(512, 8, 16, torch.float16))),
+    ("fp32_lbhnc_window", [1, 10], [30, 20],
+     dict(num_heads=4, num_kv_heads=2, head_size=512, dtype=torch.float32, layout="LBHNC",
+          sliding_window=17, decode_cfg=decode_config(512, 2, 16, torch.float32),
+          prefill_cfg=prefill_config(512, 2, 16, torch.float32))),
+]
 
 
 @cpu_only
 @pytest.mark.parametrize(**CPU_PARAMS)
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_paged_attention(provider, query_lens, context_lens, kw):
+    check_paged(provider, query_lens, context_lens, **kw)
+
+
+@cpu_only
+@pytest.mark.parametrize("query_lens,context_lens,kw", [c[1:] for c in D512_CASES], ids=[c[0] for c in D512_CASES])
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_paged_attention_head_size_512(provider, query_lens, context_lens, kw):
     check_paged(provider, query_lens, context_lens, **kw)
 
 

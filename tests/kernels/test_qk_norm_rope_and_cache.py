@@ -33,6 +33,7 @@ FUSED_CASES = [
     (544, 80, 80, CacheLayout.LHBNC, False, True, torch.float32),
     (16, 256, 256, CacheLayout.LBHNC, True, False, torch.float16),
     (544, 128, 128, CacheLayout.LBHNC, True, True, torch.float32),
+    (16, 512, 128, CacheLayout.LHBNC, True, True, torch.float16),  # Gemma4's full layers: a quarter rotated
 ]
 
 

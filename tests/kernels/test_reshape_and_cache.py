@@ -18,7 +18,7 @@ from writer_checks import (
 
 OP = "reshape_and_cache"
 PROVIDERS = put.providers_for(OP)
-GEOMETRY = [(16, 64), (32, 80), (544, 128), (16, 256), (32, 128), (544, 80)]
+GEOMETRY = [(16, 64), (32, 80), (544, 128), (16, 256), (32, 128), (544, 80), (16, 512)]
 
 
 def _kernel(provider, cache, dtype, head_size, interleaved_v):

@@ -31,6 +31,7 @@ FUSED_CASES = [
     (544, 80, 80, CacheLayout.LHBNC, False, True, torch.float32),
     (16, 256, 256, CacheLayout.LBHNC, True, False, torch.float16),
     (544, 128, 128, CacheLayout.LBHNC, True, True, torch.float32),
+    (16, 512, 128, CacheLayout.LBHNC, False, True, torch.float16),  # head 512, a quarter rotated
 ]
 
 

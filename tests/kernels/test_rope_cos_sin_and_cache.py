@@ -30,6 +30,8 @@ CASES = [
     (544, 80, 80, CacheLayout.LHBNC, False, True, torch.float32, "flat"),
     (16, 256, 256, CacheLayout.LBHNC, True, False, torch.float16, "heads"),
     (544, 128, 128, CacheLayout.LBHNC, True, True, torch.float32, "heads"),
+    # Gemma4's full layers: cos/sin over the whole 512 (1 and 0 past the rotated quarter)
+    (32, 512, 512, CacheLayout.LHBNC, False, True, torch.float32, "heads"),
 ]
 
 

@@ -23,7 +23,7 @@ def _kernel(provider, dtype, head_size, rot_dim):
                       features=("partial_rotary",) if rot_dim < head_size else ())
 
 
-@pytest.mark.parametrize("head_size,rot_dim", [(64, 64), (128, 64), (80, 80), (256, 256), (80, 32)])
+@pytest.mark.parametrize("head_size,rot_dim", [(64, 64), (128, 64), (80, 80), (256, 256), (80, 32), (512, 128)])
 @pytest.mark.parametrize("is_neox", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("provider", PROVIDERS)

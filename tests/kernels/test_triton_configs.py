@@ -15,7 +15,7 @@ import torch
 from inductor_rocm_attn.kernels.triton.configs import (
     DECODE_KINDS, LAST_SPLIT_MAX_SPLITS, MAX_SPLITS, MIN_SPLIT_TOKENS, ONE_LOOP_MAX_TILES,
     DecodeConfig, PrefillConfig, decode_config, decode_plan, num_kv_splits, prefill_config,
-    split_merge_of, verify_config, verify_rows, writer_block_t, writer_num_warps,
+    reduce_num_warps, split_merge_of, verify_config, verify_rows, writer_block_t, writer_num_warps,
 )
 
 
@@ -131,8 +131,8 @@ def test_split_rule_variants():
 def test_verify_config_rules():
     """Verify rows are (query token, GQA head) pairs, 16..64 a program; a warp per 16 rows
     on top of the decode config of the shape."""
-    assert [verify_rows(4, q) for q in (2, 4, 8)] == [16, 16, 32]
-    assert verify_rows(8, 8) == 64 and verify_rows(16, 8) == 64 and verify_rows(1, 2) == 16
+    assert [verify_rows(4, q, 128) for q in (2, 4, 8)] == [16, 16, 32]
+    assert verify_rows(8, 8, 128) == 64 and verify_rows(16, 8, 256) == 64 and verify_rows(1, 2, 128) == 16
     base = decode_config(128, 4, 16, torch.bfloat16)
     assert verify_config(128, 4, 16, torch.bfloat16, q_max=4) == base  # 16 rows: one warp
     assert verify_config(128, 4, 16, torch.bfloat16, q_max=8) == dataclasses.replace(base, num_warps=2)
@@ -140,6 +140,34 @@ def test_verify_config_rules():
     assert verify_config(128, 4, 32, torch.float8_e4m3fn, q_max=8).num_warps == 4  # fp8: 4 already
     assert verify_config(64, 4, 16, torch.float16, interpret=True, q_max=8) == decode_config(
         64, 4, 16, torch.float16, interpret=True)
+
+
+def test_head_size_512_configs():
+    """Head size 512 has configs of its own, chosen so that every launch compiles for sm_90
+    without spills and within shared memory (tests/triton_sm90_compile.py checks the compiled
+    launches); the head sizes up to 256 keep theirs."""
+    for dtype in (torch.bfloat16, torch.float16):
+        assert decode_config(512, 8, 16, dtype) == DecodeConfig(32, 8, 3, "rows",
+                                                                one_loop_max_tiles=ONE_LOOP_MAX_TILES)
+        assert verify_config(512, 8, 16, dtype, q_max=8).num_warps == 8
+        assert prefill_config(512, 8, 16, dtype) == PrefillConfig(32, 16, 8, 2)
+    fp8 = decode_config(512, 8, 16, torch.float8_e4m3fn)
+    assert (fp8.tile_n, fp8.num_warps, fp8.fp8_fp16_dot) == (16, 8, True)
+    assert decode_config(512, 8, 16, torch.float32) == DecodeConfig(16, 8, 2, "rows", k_rows=0,
+                                                                    one_loop_max_tiles=ONE_LOOP_MAX_TILES)
+    fp8_verify = verify_config(512, 8, 16, torch.float8_e4m3fn, q_max=8)
+    assert (fp8_verify.tile_n, fp8_verify.num_warps, fp8_verify.fp8_fp16_dot) == (32, 8, False)
+    assert verify_config(512, 8, 16, torch.float32, q_max=8).num_warps == 16
+    assert prefill_config(512, 8, 16, torch.float32) == PrefillConfig(16, 16, 8, 2, k_rows=0, dense_tma=False)
+    # at most 32 verify rows, 8 warps for the merge of 64 splits
+    assert verify_rows(8, 8, 512) == 32 and verify_rows(16, 8, 512) == 32 and verify_rows(1, 2, 512) == 16
+    assert reduce_num_warps(64, 512) == 8 and reduce_num_warps(33, 512) == 8 and reduce_num_warps(32, 512) == 4
+    # the other head sizes as before
+    assert [reduce_num_warps(s, d) for s in (2, 64) for d in (64, 128, 256)] == [4] * 6
+    assert decode_config(256, 8, 16, torch.bfloat16) == DecodeConfig(32, 4, 3, "rows",
+                                                                     one_loop_max_tiles=ONE_LOOP_MAX_TILES)
+    assert prefill_config(256, 8, 16, torch.bfloat16) == PrefillConfig(64, 32, 4, 2)
+    assert verify_config(256, 8, 16, torch.float8_e4m3fn, q_max=8).tile_n == 64
 
 
 def test_writer_tile_rules():

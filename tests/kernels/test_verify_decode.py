@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from attention_checks import GPU, check_paged
-from inductor_rocm_attn.kernels.triton.configs import DecodeConfig
+from inductor_rocm_attn.kernels.triton.configs import DecodeConfig, verify_config
 
 # the launcher module (the package re-exports its function under the same name)
 pa_module = importlib.import_module("inductor_rocm_attn.kernels.triton.paged_attention")
@@ -57,6 +57,10 @@ CPU_CASES = [
      dict(num_heads=8, num_kv_heads=2, sinks=True, alibi=True)),
     ("mixed_window_split", [9, 3, 1], [20, 40, 33], dict(sliding_window=19, num_splits=3,
                                                          interleaved_v=True)),
+    # head size 512 with the verify config a GPU takes for it (32-row chunks, 8 warps)
+    ("d512_gpu_config_two_row_chunks_split", [8, 3, 1], [30, 7, 20],
+     dict(num_heads=8, num_kv_heads=1, head_size=512, num_splits=2,
+          verify_cfg=verify_config(512, 8, 16, torch.float16, q_max=8))),
 ]
 CPU_PARAMS = dict(argnames="query_lens,context_lens,kw", argvalues=[c[1:] for c in CPU_CASES],
                   ids=[c[0] for c in CPU_CASES])

@@ -235,6 +235,16 @@ def decode_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.
                 # An fp8 tile is half the bytes: at B=64 (512 programs, 2 splits) 144.4 us
                 # (1.79x bf16) against 173.7 with one split; B=128 keeps one (263.4 vs 326.8).
                 tuned = DecodeConfig(16, 1, 3, "rows3", fp8_fp16_dot=True, one_split_ctas_per_sm=4)
+        elif head_size > 256:
+            # Head size 512 (Gemma4's full-attention layers), chosen to compile for sm_90
+            # without spills and within shared memory (tests/triton_sm90_compile.py; not yet
+            # run on a GPU): 8 warps keep the [16, 512] fp32 accumulator at 32 values a
+            # thread. 16-bit cache: 124-128 registers, 178 KB (4 warps took 168-240). fp8: a
+            # 16-key tile, 118-128 registers, 65 KB (32 keys spilled 16 bytes, the heuristic
+            # below's 64 more). fp32: 16 keys, 2 stages, K gathered as a tile (k_rows=0):
+            # 128 registers, 130 KB (K read as packet rows spilled 2 KB a thread).
+            tuned = {1: DecodeConfig(16, 8, 3, "rows", fp8_fp16_dot=True),
+                     2: DecodeConfig(32, 8, 3, "rows")}.get(elem, DecodeConfig(16, 8, 2, "rows", k_rows=0))
         else:
             tile = 64 if head_size * elem <= 256 else 32
             if elem == 1:
@@ -288,10 +298,22 @@ def split_merge_of(cfg: DecodeConfig, num_splits: int) -> str:
     return merge
 
 
-def verify_rows(gqa: int, q_max: int) -> int:
+def reduce_num_warps(num_splits: int, head_size: int) -> int:
+    """Warps of the split-merge kernels (decode's and verify's ``*_reduce_kernel``): one
+    program holds every split's ``[BLOCK_S, BLOCK_D]`` fp32 partial rows, at most 128 values a
+    thread (4 warps up to 64 splits x 256 channels; 64 splits of head size 512 spilled 2 KB a
+    thread on sm_90 with 4 warps)."""
+    tile = triton.next_power_of_2(num_splits) * triton.next_power_of_2(head_size)
+    return max(4, tile // (32 * 128))
+
+
+def verify_rows(gqa: int, q_max: int, head_size: int) -> int:
     """Rows a verify program holds: (query token, GQA head) pairs of one KV head, a power of
-    two in [16, 64]; more take several row chunks (grid axis 1)."""
-    return max(16, min(64, triton.next_power_of_2(q_max * gqa)))
+    two in [16, 64] (in [16, 32] above head size 256: 64 rows of 512 channels need 255
+    registers a thread and 263 KB of shared memory on sm_90); more take several row chunks
+    (grid axis 1)."""
+    most = 64 if head_size <= 256 else 32
+    return max(16, min(most, triton.next_power_of_2(q_max * gqa)))
 
 
 @functools.cache  # called on every attention call with verify rows
@@ -306,10 +328,14 @@ def verify_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.
     if interpret:
         return base
     if base.fp8_fp16_dot:  # decode's fp8 config; the verify kernel keeps bf16 dots and the
-        # generic fp8 tile it was tested with
-        base = DecodeConfig(128 if head_size <= 128 else 64, 4, 3, "rows",
-                            one_loop_max_tiles=ONE_LOOP_MAX_TILES)
-    warps = max(base.num_warps, min(4, verify_rows(gqa, q_max) // 16))
+        # generic fp8 tile it was tested with (head size 512: the 16-bit cache's decode tile,
+        # which compiles for sm_90 without spills; a tile of 64 keys did not fit)
+        base = (DecodeConfig(32, 8, 3, "rows", one_loop_max_tiles=ONE_LOOP_MAX_TILES) if head_size > 256
+                else DecodeConfig(128 if head_size <= 128 else 64, 4, 3, "rows",
+                                  one_loop_max_tiles=ONE_LOOP_MAX_TILES))
+    warps = max(base.num_warps, min(4, verify_rows(gqa, q_max, head_size) // 16))
+    if head_size > 256 and cache_dtype.itemsize == 4:
+        warps = 16  # 32 fp32 rows of 512: 8 warps spilled on sm_90, 16 take 128 registers
     return dataclasses.replace(base, num_warps=warps)
 
 
@@ -333,6 +359,15 @@ def prefill_config(head_size: int, gqa: int, block_size: int, dtype: torch.dtype
     tuned = None if torch.version.hip else _PREFILL_TUNED.get((head_size, gqa, block_size, dtype))
     if tuned is not None:
         return tuned
+    if head_size > 256:
+        # Head size 512, chosen to compile for sm_90 without spills (tests/triton_sm90_compile.py;
+        # not yet run on a GPU): a [32, 512] fp32 accumulator over 8 warps, 16-key tiles
+        # (184-230 registers, 82-98 KB of shared memory; 64 x 32 spilled with 4 or 8 warps,
+        # 32 x 32 with 8 warps took 248 registers). fp32: 16 rows, the context's K gathered as a tile
+        # (k_rows=0) and the new tokens' K/V through pointers (through TMA it spilled 2-8 KB).
+        if dtype == torch.float32:
+            return PrefillConfig(16, 16, 8, 2, k_rows=0, dense_tma=False)
+        return PrefillConfig(32, 16, 8, 2)
     if dtype == torch.float32:
         return PrefillConfig(64, 32, 4, 2) if head_size <= 128 else PrefillConfig(32, 32, 4, 2)
     if head_size <= 64:

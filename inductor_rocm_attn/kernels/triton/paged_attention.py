@@ -31,8 +31,8 @@ from ..merge_counters import merge_counters as _merge_counters
 from .attention_common import TL_DTYPES
 from .configs import (
     INTERPRETER_TARGET, VERIFY_MAX_QUERY_LEN, DecodeConfig, LaunchTarget, PrefillConfig,
-    decode_config, decode_plan, interpreting, prefill_config, split_merge_of, verify_config,
-    verify_rows,
+    decode_config, decode_plan, interpreting, prefill_config, reduce_num_warps, split_merge_of,
+    verify_config, verify_rows,
 )
 from .paged_decode import _decode_reduce_kernel, _paged_decode_kernel, _paged_decode_streams_kernel
 from .paged_verify import _paged_verify_kernel, _verify_reduce_kernel
@@ -166,7 +166,11 @@ def paged_attention(
     softcap = float(logits_soft_cap) if logits_soft_cap > 0 else 1.0
 
     # --- decode: sequences with query_len == 1 ------------------------------------------------
-    dcfg = decode_cfg or decode_config(head_size, gqa, block_size, cache_dtype, interpret,
+    # The configs are keyed by the cache dtype; at head size 512 an fp32 query over a narrower
+    # cache takes the fp32 cache's tiles (the 16-bit cache's decode tile with fp32 dots needs
+    # 289 KB of shared memory on sm_90, more than it has).
+    cfg_dtype = torch.float32 if head_size > 256 and compute == torch.float32 else cache_dtype
+    dcfg = decode_cfg or decode_config(head_size, gqa, block_size, cfg_dtype, interpret,
                                        interleaved_v)
     block_h = max(16, min(64, triton.next_power_of_2(gqa)))
     head_chunks = triton.cdiv(gqa, block_h)
@@ -223,7 +227,8 @@ def paged_attention(
             output.stride(0), output.stride(1), *pa_strides,
             HEAD_SIZE=head_size, BLOCK_D=block_d, NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits), FP8_KV=fp8_kv,
-            USE_OUT_SCALE=use_out_scale, OUT_MAX=out_max, num_warps=4,
+            USE_OUT_SCALE=use_out_scale, OUT_MAX=out_max,
+            num_warps=reduce_num_warps(num_splits, head_size),
         )
 
     # --- verify: sequences with 2 <= query_len <= q_max (needs the max_query_len hint) -------
@@ -236,7 +241,7 @@ def paged_attention(
         _launch_verify(
             q_max, output, query, key, value, kc, vc, block_table, seq_lens, query_start_loc, ptrs,
             common, scale, softcap, window, bool(causal), num_splits_given, max_ctx, target,
-            verify_cfg or verify_config(head_size, gqa, block_size, cache_dtype, interpret,
+            verify_cfg or verify_config(head_size, gqa, block_size, cfg_dtype, interpret,
                                         interleaved_v, q_max), x=x)
     else:
         q_max = 1
@@ -277,7 +282,7 @@ def _launch_verify(q_max, output, query, key, value, kc, vc, block_table, seq_le
     num_seqs = seq_lens.shape[0]
     num_kv_heads = kc.shape[1]
     gqa = num_heads // num_kv_heads
-    block_r = verify_rows(gqa, q_max)
+    block_r = verify_rows(gqa, q_max, head_size)
     chunks = triton.cdiv(q_max * gqa, block_r)
     kind, splits = decode_plan(cfg, num_splits, num_seqs=num_seqs, num_kv_heads=num_kv_heads,
                                head_chunks=chunks, max_ctx=max_ctx, num_sms=target.num_sms)
@@ -309,4 +314,5 @@ def _launch_verify(q_max, output, query, key, value, kc, vc, block_table, seq_le
             output.stride(0), output.stride(1), *p_strides,
             HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size), NUM_SPLITS=splits,
             BLOCK_S=triton.next_power_of_2(splits), Q_MAX=q_max,
-            USE_OUT_SCALE=common["USE_OUT_SCALE"], OUT_MAX=common["OUT_MAX"], num_warps=4)
+            USE_OUT_SCALE=common["USE_OUT_SCALE"], OUT_MAX=common["OUT_MAX"],
+            num_warps=reduce_num_warps(splits, head_size))
