@@ -152,6 +152,16 @@ class Provider:
 
 
 _PKG = __package__
+
+
+def triton_head_sizes(hip: bool) -> tuple[int, ...]:
+    """Head sizes the Triton kernels have launch configs for on this platform: head size 512's
+    (kernels/triton/configs.py) need up to 195 KB of shared memory, which sm_90 has and AMD's
+    64 KB of LDS has not, so on ROCm the Triton provider stops at 256 (a 512 call is refused
+    by dispatch, naming this, instead of failing in Triton's compiler)."""
+    return tuple(d for d in HEAD_SIZES if d <= 256) if hip else HEAD_SIZES
+
+
 _ALL_LAYOUTS = (CacheLayout.LHBNC, CacheLayout.LBHNC)
 _KERNELS = f"{_PKG}.kernels"
 
@@ -191,7 +201,7 @@ REGISTRY: dict[str, Provider] = {
             caps=ProviderCaps(
                 devices=("cuda",),
                 ops=OPS,
-                head_sizes=HEAD_SIZES,
+                head_sizes=triton_head_sizes(bool(torch.version.hip)),
                 block_sizes=None,
                 layouts=_ALL_LAYOUTS,
                 model_dtypes=MODEL_DTYPES,

@@ -1,6 +1,7 @@
 """The provider registry: one record per provider, selection, measured preferences, `info`,
 and the impl's fused writers going through the same cached resolve as the other paths."""
 
+import dataclasses
 import importlib.util
 import inspect
 import pathlib
@@ -180,6 +181,21 @@ def test_head_size_512_goes_to_triton_never_to_native():
     with pytest.raises(NotImplementedError, match=r"native: native supports head sizes \(64, 128\), not 512"):
         providers.choose("reshape_and_cache", platform="cuda", unavailable={**usable, "triton": "no triton here"},
                          **q)
+
+
+def test_head_size_512_is_refused_by_triton_on_rocm():
+    """Head size 512's Triton configs need more shared memory than AMD's LDS has: a ROCm
+    build's Triton record stops at 256, so such a call is refused by dispatch with that reason
+    (the reference is never a GPU fallback) rather than failing inside Triton's compiler."""
+    assert providers.triton_head_sizes(hip=False) == capabilities.HEAD_SIZES
+    rocm = providers.triton_head_sizes(hip=True)
+    assert 512 not in rocm and rocm == tuple(d for d in capabilities.HEAD_SIZES if d <= 256)
+    caps = dataclasses.replace(providers.get("triton").caps, head_sizes=rocm)
+    why = capabilities.supports(caps, "paged_attention", name="triton", device="cuda", head_size=512,
+                                dtype=torch.bfloat16)
+    assert why == f"triton supports head sizes {rocm}, not 512"
+    assert capabilities.supports(caps, "paged_attention", name="triton", device="cuda", head_size=256,
+                                 dtype=torch.bfloat16) is None
 
 
 @pytest.mark.parametrize("num_tokens", [1, 64, 256, 1024, 4096, 16383])
