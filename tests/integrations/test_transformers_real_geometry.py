@@ -43,8 +43,10 @@ _ALTERNATING = dict(sliding_window=WINDOW, layer_types=["sliding_attention", "fu
 
 
 def _heads(num_heads, num_kv_heads, head_dim, hidden=None):
-    """Query / KV heads and the checkpoint's head size; hidden = heads * head_dim unless the
-    checkpoint sets them apart (Qwen3-0.6B: 1024 for 16 heads of 128)."""
+    """Query / KV heads and the checkpoint's head size; hidden = heads * head_dim unless given
+    (models whose projections allow another: kept small where the heads are many). Where the
+    checkpoint has several query heads per KV head, 2 KV heads in its ratio (one KV head
+    would hide which query heads read which), except the multi-query checkpoints."""
     return dict(_BASE, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
                 hidden_size=hidden or num_heads * head_dim)
 
@@ -81,31 +83,31 @@ def _pattern(n, full_every):  # the checkpoint's layer pattern over n layers: ev
 # checkpoint: its attention, shrunk (comment: the checkpoint's query / KV heads and what is kept)
 GEOMETRIES = {
     # 16 / 8 heads of 128 (hidden 1024), per-head q/k RMSNorm, theta 1e6
-    "Qwen3-0.6B": lambda: transformers.Qwen3Config(**_heads(2, 1, 128, hidden=128), rope_theta=1e6),
+    "Qwen3-0.6B": lambda: transformers.Qwen3Config(**_heads(4, 2, 128, hidden=256), rope_theta=1e6),
     # 32 / 8 heads of 128
-    "Qwen3-8B": lambda: transformers.Qwen3Config(**_heads(4, 1, 128), rope_theta=1e6),
+    "Qwen3-8B": lambda: transformers.Qwen3Config(**_heads(8, 2, 128, hidden=256), rope_theta=1e6),
     # 32 / 4 heads of 128, MoE
-    "Qwen3-30B-A3B": lambda: transformers.Qwen3MoeConfig(**_heads(8, 1, 128), moe_intermediate_size=64,
+    "Qwen3-30B-A3B": lambda: transformers.Qwen3MoeConfig(**_heads(16, 2, 128, hidden=256), moe_intermediate_size=64,
                                                          num_experts=4, num_experts_per_tok=2, rope_theta=1e6),
     # 32 / 8 heads of 64, llama3 RoPE scaling (factor 32), theta 5e5, tied embeddings
-    "Llama-3.2-1B": lambda: transformers.LlamaConfig(**_heads(4, 1, 64), rope_theta=5e5, rope_scaling=_llama3(32.0),
+    "Llama-3.2-1B": lambda: transformers.LlamaConfig(**_heads(8, 2, 64, hidden=256), rope_theta=5e5, rope_scaling=_llama3(32.0),
                                                      max_position_embeddings=131072, tie_word_embeddings=True),
     # 32 / 8 heads of 128, llama3 RoPE scaling (factor 8)
-    "Llama-3.1-8B": lambda: transformers.LlamaConfig(**_heads(4, 1, 128), rope_theta=5e5, rope_scaling=_llama3(8.0),
+    "Llama-3.1-8B": lambda: transformers.LlamaConfig(**_heads(8, 2, 128, hidden=256), rope_theta=5e5, rope_scaling=_llama3(8.0),
                                                      max_position_embeddings=131072),
     # 32 / 8 heads of 128, a window on every layer (4096)
-    "Mistral-7B-v0.1": lambda: transformers.MistralConfig(**_heads(4, 1, 128), sliding_window=WINDOW),
+    "Mistral-7B-v0.1": lambda: transformers.MistralConfig(**_heads(8, 2, 128, hidden=256), sliding_window=WINDOW),
     # 32 / 8 heads of 128, sliding + full layers (window 32768)
-    "Ministral-8B": lambda: transformers.MinistralConfig(**_heads(4, 1, 128), **_ALTERNATING),
+    "Ministral-8B": lambda: transformers.MinistralConfig(**_heads(8, 2, 128, hidden=256), **_ALTERNATING),
     # 32 / 8 heads of 128, MoE, theta 1e6
-    "Mixtral-8x7B": lambda: transformers.MixtralConfig(**_heads(4, 1, 128), num_local_experts=4,
+    "Mixtral-8x7B": lambda: transformers.MixtralConfig(**_heads(8, 2, 128, hidden=256), num_local_experts=4,
                                                        num_experts_per_tok=2, rope_theta=1e6),
     # 8 / 4 heads of 256, query_pre_attn_scalar 256, attention soft cap 50 (final 30), window 4096
-    "gemma-2-2b": lambda: transformers.Gemma2Config(**_heads(2, 1, 256, hidden=256), query_pre_attn_scalar=256,
+    "gemma-2-2b": lambda: transformers.Gemma2Config(**_heads(4, 2, 256, hidden=256), query_pre_attn_scalar=256,
                                                     attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                                                     **_ALTERNATING),
     # 32 / 16 heads of 128, query_pre_attn_scalar 144 (hidden / heads, not head_dim)
-    "gemma-2-27b": lambda: transformers.Gemma2Config(**_heads(2, 1, 128), query_pre_attn_scalar=144,
+    "gemma-2-27b": lambda: transformers.Gemma2Config(**_heads(4, 2, 128, hidden=256), query_pre_attn_scalar=144,
                                                      attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                                                      **_ALTERNATING),
     # 4 / 1 heads of 256 (multi-query), (1 + weight) QK-norm, window 512, local theta 1e4, global 1e6;
@@ -113,7 +115,7 @@ GEOMETRIES = {
     "gemma-3-1b": lambda: transformers.Gemma3TextConfig(**dict(_heads(4, 1, 256, hidden=256), **_pattern(7, 6)),
                                                         query_pre_attn_scalar=256, rope_parameters=_GEMMA3_ROPE),
     # 8 / 4 heads of 256, the global RoPE linearly scaled (factor 8)
-    "gemma-3-4b": lambda: transformers.Gemma3TextConfig(**_heads(2, 1, 256, hidden=256), query_pre_attn_scalar=256,
+    "gemma-3-4b": lambda: transformers.Gemma3TextConfig(**_heads(4, 2, 256, hidden=256), query_pre_attn_scalar=256,
                                                         **_ALTERNATING, rope_parameters=_GEMMA3_4B_ROPE),
     # 8 / 1 heads of 256 (multi-query)
     "gemma-2b": lambda: transformers.GemmaConfig(**_heads(8, 1, 256, hidden=256)),
@@ -124,11 +126,11 @@ GEOMETRIES = {
     "Phi-3.5-mini": lambda: transformers.Phi3Config(**_heads(2, 2, 96), max_position_embeddings=131072,
                                                     original_max_position_embeddings=4096, rope_scaling=_longrope(96)),
     # 24 / 8 heads of 128, partial rotary 0.75 (96 of 128 channels), longrope
-    "Phi-4-mini": lambda: transformers.Phi3Config(**_heads(3, 1, 128), partial_rotary_factor=0.75,
+    "Phi-4-mini": lambda: transformers.Phi3Config(**_heads(6, 2, 128), partial_rotary_factor=0.75,
                                                   max_position_embeddings=131072,
                                                   original_max_position_embeddings=4096, rope_scaling=_longrope(96)),
     # Phi-4-mini's heads with a plain RoPE: partial rotary 96 of 128 under compile_transformers
-    "Phi-4-mini (plain RoPE)": lambda: transformers.Phi3Config(**_heads(3, 1, 128), partial_rotary_factor=0.75,
+    "Phi-4-mini (plain RoPE)": lambda: transformers.Phi3Config(**_heads(6, 2, 128), partial_rotary_factor=0.75,
                                                                max_position_embeddings=4096),
     # 32 heads of 80, partial rotary 0.4 (32 of 80), q/k/v and dense biases, LayerNorm
     "phi-2": lambda: transformers.PhiConfig(**_fused_heads(4, 80), partial_rotary_factor=0.4),
@@ -144,7 +146,7 @@ GEOMETRIES = {
     "persimmon-8b": lambda: transformers.PersimmonConfig(**_fused_heads(4, 64), partial_rotary_factor=0.5,
                                                          qk_layernorm=True),
     # 24 / 8 heads of 128, partial rotary 0.5, (1 + weight) LayerNorm
-    "Minitron-4B": lambda: transformers.NemotronConfig(**_heads(3, 1, 128), partial_rotary_factor=0.5),
+    "Minitron-4B": lambda: transformers.NemotronConfig(**_heads(6, 2, 128, hidden=256), partial_rotary_factor=0.5),
     # 16 / 16 heads of 128, q/k/v clamped at 8
     "OLMo-7B-0424": lambda: transformers.OlmoConfig(**_heads(2, 2, 128), clip_qkv=8.0),
     # 16 / 16 heads of 128, q/k RMSNorm over the whole projection, theta 5e5
@@ -156,30 +158,30 @@ GEOMETRIES = {
     # 64 / 64 heads of 128, interleaved (GPT-J) RoPE, theta 8e6, logit_scale
     "c4ai-command-r-v01": lambda: transformers.CohereConfig(**_heads(2, 2, 128), logit_scale=0.0625, rope_theta=8e6),
     # 96 / 8 heads of 128, per-head q/k LayerNorm (weights per head)
-    "c4ai-command-r-plus": lambda: transformers.CohereConfig(**_heads(12, 1, 128), logit_scale=0.833,
+    "c4ai-command-r-plus": lambda: transformers.CohereConfig(**_heads(24, 2, 128, hidden=256), logit_scale=0.833,
                                                              use_qk_norm=True, rope_theta=7.5e7),
     # 32 / 8 heads of 128, sliding RoPE layers, full NoPE layers (window 4096, three to one)
-    "c4ai-command-r7b": lambda: transformers.Cohere2Config(**dict(_heads(4, 1, 128), **_pattern(4, 4)),
+    "c4ai-command-r7b": lambda: transformers.Cohere2Config(**dict(_heads(8, 2, 128, hidden=256), **_pattern(4, 4)),
                                                            logit_scale=0.25),
     # 64 / 8 heads of 64, yarn (factor 32, original 4096), theta 1.5e5, window 128, sinks, biases
-    "gpt-oss-20b": lambda: transformers.GptOssConfig(**_heads(8, 1, 64), num_local_experts=4, num_experts_per_tok=2,
+    "gpt-oss-20b": lambda: transformers.GptOssConfig(**_heads(16, 2, 64, hidden=256), num_local_experts=4, num_experts_per_tok=2,
                                                      **_ALTERNATING, rope_scaling=_YARN_GPT_OSS, rope_theta=150000.0,
                                                      max_position_embeddings=131072),
     # 32 / 8 heads of 64, attention multiplier 1/64 as the scaling, theta 5e6
-    "granite-3.1-2b": lambda: transformers.GraniteConfig(**_heads(4, 1, 64), attention_multiplier=0.015625,
+    "granite-3.1-2b": lambda: transformers.GraniteConfig(**_heads(8, 2, 64, hidden=256), attention_multiplier=0.015625,
                                                          embedding_multiplier=12.0, residual_multiplier=0.22,
                                                          logits_scaling=8.0, rope_theta=5e6),
     # 16 / 8 heads of 64, MoE
-    "granite-3.0-1b-a400m": lambda: transformers.GraniteMoeConfig(**_heads(2, 1, 64), num_local_experts=4,
+    "granite-3.0-1b-a400m": lambda: transformers.GraniteMoeConfig(**_heads(4, 2, 64, hidden=256), num_local_experts=4,
                                                                   num_experts_per_tok=2,
                                                                   attention_multiplier=0.015625),
     # 16 / 4 heads of 128, every 4th layer NoPE, theta 5e6 (4 layers: the last NoPE)
-    "SmolLM3-3B": lambda: transformers.SmolLM3Config(**dict(_heads(4, 1, 128), num_hidden_layers=4),
+    "SmolLM3-3B": lambda: transformers.SmolLM3Config(**dict(_heads(8, 2, 128, hidden=256), num_hidden_layers=4),
                                                      no_rope_layer_interval=4, rope_theta=5e6),
     # 14 / 2 heads of 64 (seven query heads per KV head), q/k/v biases
-    "Qwen2.5-0.5B": lambda: transformers.Qwen2Config(**_heads(7, 1, 64), rope_theta=1e6),
+    "Qwen2.5-0.5B": lambda: transformers.Qwen2Config(**_heads(14, 2, 64, hidden=256), rope_theta=1e6),
     # 28 / 4 heads of 128, yarn (factor 4, original 32768) as its card configures for long inputs
-    "Qwen2.5-7B (yarn)": lambda: transformers.Qwen2Config(**_heads(7, 1, 128), rope_theta=1e6,
+    "Qwen2.5-7B (yarn)": lambda: transformers.Qwen2Config(**_heads(14, 2, 128, hidden=256), rope_theta=1e6,
                                                           max_position_embeddings=131072,
                                                           rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                                         "original_max_position_embeddings": 32768}),
@@ -187,42 +189,42 @@ GEOMETRIES = {
     "Qwen1.5-MoE-A2.7B": lambda: transformers.Qwen2MoeConfig(**_heads(2, 2, 128), moe_intermediate_size=64,
                                                              num_experts=4, shared_expert_intermediate_size=64),
     # 24 / 2 heads of 128, biases, window 4096
-    "starcoder2-3b": lambda: transformers.Starcoder2Config(**_heads(12, 1, 128), sliding_window=WINDOW,
+    "starcoder2-3b": lambda: transformers.Starcoder2Config(**_heads(24, 2, 128, hidden=256), sliding_window=WINDOW,
                                                            rope_theta=999999.4),
     # 32 / 2 heads of 128, GPT-J pairs over half of each head, q/k/v biases
-    "GLM-4-9B-0414": lambda: transformers.Glm4Config(**_heads(16, 1, 128), partial_rotary_factor=0.5,
+    "GLM-4-9B-0414": lambda: transformers.Glm4Config(**_heads(32, 2, 128, hidden=256), partial_rotary_factor=0.5,
                                                      attention_bias=True),
-    "glm-4-9b-chat-hf": lambda: transformers.GlmConfig(**_heads(16, 1, 128), partial_rotary_factor=0.5,
+    "glm-4-9b-chat-hf": lambda: transformers.GlmConfig(**_heads(32, 2, 128, hidden=256), partial_rotary_factor=0.5,
                                                        attention_bias=True),
     # 16 / 8 heads of 128, GPT-J pairs over the whole head
-    "helium-1-2b": lambda: transformers.HeliumConfig(**_heads(2, 1, 128), rope_theta=1e5),
+    "helium-1-2b": lambda: transformers.HeliumConfig(**_heads(4, 2, 128), rope_theta=1e5),
     # 16 / 2 heads of 128, GPT-J pairs rotated in fp32, theta 5e5
-    "ERNIE-4.5-0.3B": lambda: transformers.Ernie4_5Config(**_heads(8, 1, 128), rope_theta=5e5),
+    "ERNIE-4.5-0.3B": lambda: transformers.Ernie4_5Config(**_heads(16, 2, 128, hidden=256), rope_theta=5e5),
     # 32 / 8 heads of 64, per-head QK-norm, llama3 RoPE scaling (factor 16), all layers full
-    "EXAONE-4.0-1.2B": lambda: transformers.Exaone4Config(**_heads(4, 1, 64), rope_scaling=_llama3(16.0),
+    "EXAONE-4.0-1.2B": lambda: transformers.Exaone4Config(**_heads(8, 2, 64, hidden=256), rope_scaling=_llama3(16.0),
                                                           max_position_embeddings=65536, sliding_window=None,
                                                           layer_types=["full_attention"] * 2),
     # 40 / 8 heads of 128, sliding RoPE layers and full NoPE layers (window 4096, three to one)
-    "EXAONE-4.0-32B": lambda: transformers.Exaone4Config(**dict(_heads(5, 1, 128), **_pattern(4, 4))),
+    "EXAONE-4.0-32B": lambda: transformers.Exaone4Config(**dict(_heads(10, 2, 128, hidden=256), **_pattern(4, 4))),
     # 32 / 8 heads of 128, RoPE then per-head QK-norm; a plain RoPE (the released one: below)
-    "Hunyuan-7B (plain RoPE)": lambda: transformers.HunYuanDenseV1Config(**_heads(4, 1, 128)),
+    "Hunyuan-7B (plain RoPE)": lambda: transformers.HunYuanDenseV1Config(**_heads(8, 2, 128, hidden=256)),
     # the released RoPE: "dynamic" with NTK alpha 1000 (a fixed rescaled base up to 32768 positions)
-    "Hunyuan-7B": lambda: transformers.HunYuanDenseV1Config(**_heads(4, 1, 128), max_position_embeddings=32768,
+    "Hunyuan-7B": lambda: transformers.HunYuanDenseV1Config(**_heads(8, 2, 128, hidden=256), max_position_embeddings=32768,
                                                             rope_scaling={"rope_type": "dynamic", "alpha": 1000.0,
                                                                           "factor": 1.0}),
     # 20 / 5 heads of 128, theta 5e5
-    "bitnet-b1.58-2B-4T": lambda: transformers.BitNetConfig(**_heads(4, 1, 128), rope_theta=5e5),
+    "bitnet-b1.58-2B-4T": lambda: transformers.BitNetConfig(**_heads(8, 2, 128), rope_theta=5e5),
     # 80 / 8 heads of 128, q/k/v biases, theta 1e7
-    "Seed-OSS-36B": lambda: transformers.SeedOssConfig(**_heads(10, 1, 128), attention_bias=True, rope_theta=1e7),
+    "Seed-OSS-36B": lambda: transformers.SeedOssConfig(**_heads(20, 2, 128, hidden=256), attention_bias=True, rope_theta=1e7),
     # 32 / 8 heads of 128, per-head QK-norm, llama3 RoPE scaling
-    "Apertus-8B": lambda: transformers.ApertusConfig(**_heads(4, 1, 128), rope_scaling=_llama3(8.0),
+    "Apertus-8B": lambda: transformers.ApertusConfig(**_heads(8, 2, 128, hidden=256), rope_scaling=_llama3(8.0),
                                                      max_position_embeddings=65536, rope_theta=12e6),
     # 32 / 32 heads of 128, per-head QK-norm, MoE after a dense layer
     "dots.llm1": lambda: transformers.Dots1Config(**_heads(2, 2, 128), moe_intermediate_size=64, n_routed_experts=4,
                                                   num_experts_per_tok=2, n_shared_experts=1,
                                                   first_k_dense_replace=1),
     # 20 / 4 heads of 128, yarn (factor 20, original 4096)
-    "AFM-4.5B": lambda: transformers.ArceeConfig(**_heads(5, 1, 128), max_position_embeddings=65536,
+    "AFM-4.5B": lambda: transformers.ArceeConfig(**_heads(10, 2, 128), max_position_embeddings=65536,
                                                  rope_scaling={"rope_type": "yarn", "factor": 20.0,
                                                                "original_max_position_embeddings": 4096}),
 }
