@@ -5,8 +5,9 @@ against the same weights under ``attn_implementation="eager"``.
 
 Each config keeps its checkpoint's per-head geometry (``head_dim``, rotary dim, RoPE type and
 parameters, QK-norm, biases, scalings, soft caps, query / KV heads ratio) and shrinks what the
-attention does not see: 2 layers (a few with the checkpoint's layer pattern over more), the
-query / KV heads divided by one factor, a small vocabulary and MLP. Sliding windows are shrunk
+attention does not see: 2 layers (a few with the checkpoint's layer pattern over 4 or 7), 2
+KV heads with the checkpoint's query heads per KV head (1 for the multi-query checkpoints; as
+many as query heads where the checkpoint has no GQA), a small vocabulary and MLP. Sliding windows are shrunk
 to ``WINDOW`` so the prompts (5 to 11 tokens, 9 new) cross them. Norm weights, biases and sinks
 start at constants (one, zero): they are perturbed so a weight or bias applied to the wrong
 head or channel shows.
