@@ -17,6 +17,9 @@ How it joins transformers (tested with 5.17.0), through registration points only
 - ``PagedCache`` (a ``transformers.Cache``) is passed as ``past_key_values``. It owns one
   ``Attention`` layer (impl + KV cache) per attention module, the block allocator and each
   row's length; its ``update`` returns the new k/v unchanged (the attention op writes them).
+- generate()'s beam search and assisted / prompt lookup decoding call ``reorder_cache`` and
+  ``crop`` between forwards: rows exchange or copy blocks, a crop shortens each row by the
+  cached tokens of the attention-mask columns it removes.
 - Planning: a forward pre-hook on the model's decoder (installed by ``PagedCache``, a
   no-op for any other cache) reads ``input_ids``/``attention_mask``/``position_ids``,
   builds the step's metadata and enters the forward context with the cache's own layer
@@ -510,8 +513,14 @@ class PagedCache(Cache):
 
     Rows of the batch are sequences 0..B-1 from the first forward on; ``get_seq_length()`` is
     the padded length seen so far (as for transformers' own caches). ``reset()`` frees every
-    row to reuse the memory for a new batch. Beam search, cropping and re-batching are not
-    supported (they raise).
+    row to reuse the memory for a new batch.
+
+    generate()'s other strategies call, between forwards: ``reorder_cache`` (beam search),
+    ``crop`` (assisted and prompt lookup decoding drop rejected draft tokens), and for other
+    callers ``batch_select_indices`` / ``batch_repeat_interleave``. Each row owns its blocks
+    (no sharing, no copy-on-write): a row taken by several new rows is copied block by block
+    (every layer, raw bytes), a row taken by none is freed, a crop frees the blocks a row no
+    longer needs. Arguments are checked before anything changes.
     """
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, *, block_size: int = 16,

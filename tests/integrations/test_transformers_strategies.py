@@ -212,10 +212,12 @@ def test_crop_removes_each_rows_own_tokens_of_the_columns():
     mask = torch.cat([mask, torch.ones(2, 2, dtype=torch.long)], 1)
     ours(torch.full((2, 2), 5), attention_mask=mask, past_key_values=cache)
     assert cache.row_lengths() == [5, 8]
+    cache.reorder_cache(torch.tensor([1, 0]))  # the rows' masks move with them
+    assert cache.row_lengths() == [8, 5]
     cache.crop(-5)  # the 2 decode columns and the last 3 prompt columns: all tokens of both rows
-    assert cache.row_lengths() == [0, 3] and cache.get_seq_length() == 3
-    assert blocks_in_use(cache) == 1  # row 0 gave its block back
-    cache.crop(-3)  # row 0 has nothing left there (padding); row 1 loses its last 3
+    assert cache.row_lengths() == [3, 0] and cache.get_seq_length() == 3
+    assert blocks_in_use(cache) == 1  # row 1 gave its block back
+    cache.crop(-3)  # row 0 loses its last 3; row 1 has nothing left there (padding)
     assert cache.row_lengths() == [0, 0] and cache.get_seq_length() == 0 and blocks_in_use(cache) == 0
     # the batch stays: the next forward continues both rows from nothing
     ours(ids[:, :2], attention_mask=torch.ones(2, 2, dtype=torch.long), past_key_values=cache)
