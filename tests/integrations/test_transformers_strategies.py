@@ -307,6 +307,8 @@ def test_calls_during_a_step_are_refused_by_name():
         assert _state(cache) == state
     cache.end_step(discard=True)
     assert cache.row_lengths() == [3, 3]
+    cache.crop(-2)  # no step had a mask: every column held a token of each row
+    assert cache.row_lengths() == [1, 1] and cache.get_seq_length() == 1
 
 
 def test_assistant_model_on_rocm_attn_is_refused():
