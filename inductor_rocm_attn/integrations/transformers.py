@@ -17,6 +17,9 @@ How it joins transformers (tested with 5.17.0), through registration points only
 - ``PagedCache`` (a ``transformers.Cache``) is passed as ``past_key_values``. It owns one
   ``Attention`` layer (impl + KV cache) per attention module, the block allocator and each
   row's length; its ``update`` returns the new k/v unchanged (the attention op writes them).
+- generate()'s beam search and assisted / prompt lookup decoding call ``reorder_cache`` and
+  ``crop`` between forwards: rows exchange or copy blocks, a crop shortens each row by the
+  cached tokens of the attention-mask columns it removes.
 - Planning: a forward pre-hook on the model's decoder (installed by ``PagedCache``, a
   no-op for any other cache) reads ``input_ids``/``attention_mask``/``position_ids``,
   builds the step's metadata and enters the forward context with the cache's own layer
@@ -49,7 +52,7 @@ from ..forward_context import get_forward_context, set_forward_context
 from ..layer import Attention
 from ..layout import allocate_kv_cache, as_cache_layout
 from ..metadata import AttentionMetadata, build_attention_metadata
-from ..validation import check_bool, check_positive_int, check_token_ids, vocab_size_of
+from ..validation import check_bool, check_positive_int, check_token_ids, is_int, vocab_size_of
 
 __all__ = ["ATTN_IMPLEMENTATION", "PagedCache", "attention_forward", "register", "stats"]
 
@@ -491,6 +494,9 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
 
 # --- the cache --------------------------------------------------------------------------------
 
+# Integer dtypes of each element size: cache blocks are copied as raw bits (fp8 included).
+_RAW_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
 
 class PagedCache(Cache):
     """A transformers ``Cache`` backed by this package's paged KV cache, for one batch.
@@ -507,8 +513,14 @@ class PagedCache(Cache):
 
     Rows of the batch are sequences 0..B-1 from the first forward on; ``get_seq_length()`` is
     the padded length seen so far (as for transformers' own caches). ``reset()`` frees every
-    row to reuse the memory for a new batch. Beam search, cropping and re-batching are not
-    supported (they raise).
+    row to reuse the memory for a new batch.
+
+    generate()'s other strategies call, between forwards: ``reorder_cache`` (beam search),
+    ``crop`` (assisted and prompt lookup decoding drop rejected draft tokens), and for other
+    callers ``batch_select_indices`` / ``batch_repeat_interleave``. Each row owns its blocks
+    (no sharing, no copy-on-write): a row taken by several new rows is copied block by block
+    (every layer, raw bytes), a row taken by none is freed, a crop frees the blocks a row no
+    longer needs. Arguments are checked before anything changes.
     """
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, *, block_size: int = 16,
@@ -532,11 +544,20 @@ class PagedCache(Cache):
         self._decoder = weakref.ref(decoder)
         self._built_for = model_placement(decoder)
         self._lengths: list[int] = []  # real (cached) tokens of each row
+        # Each row's key in the allocator: rows exchange their blocks (reorder, select) by
+        # exchanging keys, so a row's blocks change owner without a copy.
+        self._ids: list[int] = []
+        self._next_id = 0
         self._seen = 0  # padded tokens seen (attention-mask columns)
+        # The last attention mask (CPU, [rows, columns]): which columns hold a row's cached
+        # tokens, what crop() removes per row. Columns past its width (steps without a mask)
+        # are all tokens; None: no step had a mask.
+        self._columns: torch.Tensor | None = None
         self._step = None  # the active step's forward context
         self._step_from_hook = False
         self.last_metadata: AttentionMetadata | None = None
-        self._before_step = ([], 0, None)  # (row lengths, tokens seen, metadata) before the step
+        # (row lengths, tokens seen, metadata, mask columns) before the step
+        self._before_step = ([], 0, None, None)
         _install_hooks(decoder)
 
     # --- what transformers asks a cache ---
@@ -573,23 +594,140 @@ class PagedCache(Cache):
             raise RuntimeError("PagedCache.reset: a step is active")
         for row, n in enumerate(self._lengths):
             if n:
-                self._allocator.free(row)
-        self._lengths, self._seen = [], 0
+                self._allocator.free(self._ids[row])
+        self._lengths, self._ids, self._seen, self._columns = [], [], 0, None
 
-    def _unsupported(self, what: str):
-        raise NotImplementedError(f"PagedCache: {what} is not supported (rows own their blocks; no copy-on-write)")
+    # --- generate's other strategies: rollback (crop) and re-batching (reorder, select, repeat) ---
 
-    def reorder_cache(self, beam_idx):
-        self._unsupported("reorder_cache (beam search)")
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` attention-mask columns (assisted and prompt
+        lookup decoding drop the rejected draft tokens this way); a positive value keeps that
+        many columns (transformers' older form; no-op when the cache holds no more), 0 is a
+        no-op. Each row loses the cached tokens those columns held, and the blocks it no
+        longer needs go back to the allocator."""
+        who = "PagedCache.crop"
+        self._check_between_steps(who)
+        if isinstance(tokens_to_remove, torch.Tensor) and tokens_to_remove.dim() == 0 \
+                and not tokens_to_remove.dtype.is_floating_point and tokens_to_remove.dtype != torch.bool:
+            tokens_to_remove = int(tokens_to_remove)  # assisted decoding passes a 0-d tensor
+        if not is_int(tokens_to_remove):
+            raise TypeError(f"{who}: tokens_to_remove must be an int (or a 0-d integer tensor), got "
+                            f"{tokens_to_remove!r}")
+        n = max(self._seen - tokens_to_remove, 0) if tokens_to_remove > 0 else -tokens_to_remove
+        if n > self._seen:
+            raise ValueError(f"{who}: cannot remove {n} tokens, the cache holds {self._seen} (attention-mask "
+                             "columns seen so far)")
+        if n == 0:
+            return
+        keep = self._seen - n
+        removed = self._cached_in_columns(keep)
+        for row, k in enumerate(removed):
+            if k:
+                self._allocator.truncate(self._ids[row], self._lengths[row] - k)  # to 0: frees the row
+                self._lengths[row] -= k
+        self._seen = keep
+        if self._columns is not None and self._columns.shape[1] > keep:
+            self._columns = self._columns[:, :keep]
 
-    def crop(self, tokens_to_remove):
-        self._unsupported("crop (assisted decoding / rollback)")
+    def _cached_in_columns(self, start: int) -> list[int]:
+        """Per row, its cached tokens in attention-mask columns ``start`` .. ``seen``."""
+        cols = self._columns
+        width = 0 if cols is None else cols.shape[1]
+        past_mask = max(self._seen - max(start, width), 0)  # columns no mask covered: all tokens
+        if start >= width:
+            return [past_mask] * len(self._lengths)
+        return [k + past_mask for k in (cols[:, start:] != 0).sum(1).tolist()]
 
-    def batch_repeat_interleave(self, repeats):
-        self._unsupported("batch_repeat_interleave")
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Row ``i`` continues row ``beam_idx[i]`` (beam search, after each step)."""
+        self._gather_rows(beam_idx, "PagedCache.reorder_cache", "beam_idx")
 
-    def batch_select_indices(self, indices):
-        self._unsupported("batch_select_indices")
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep rows ``indices`` (in that order; a row may be taken more than once)."""
+        self._gather_rows(indices, "PagedCache.batch_select_indices", "indices")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row ``repeats`` times in a row (as ``Tensor.repeat_interleave`` on the batch)."""
+        who = "PagedCache.batch_repeat_interleave"
+        check_positive_int(who, "repeats", repeats)
+        self._gather_rows([r for r in range(len(self._lengths)) for _ in range(repeats)], who, "repeats")
+
+    def _gather_rows(self, indices, who: str, name: str) -> None:
+        """New row ``i`` holds a copy of old row ``indices[i]``. The first new row taking an
+        old row gets its blocks (its allocator key); each further one gets fresh blocks with
+        the K/V of every layer copied as stored (raw bytes: fp8 stays exact); old rows no new
+        row takes are freed. Checked whole before anything changes."""
+        self._check_between_steps(who)
+        rows = self._row_indices(indices, who, name)
+        if not self._lengths:
+            return  # no batch yet: nothing cached to move (the next forward sets the batch)
+        taken, ids, copies = set(), [], []
+        for i, src in enumerate(rows):
+            if src in taken:
+                ids.append(None)
+                copies.append(i)
+            else:
+                taken.add(src)
+                ids.append(self._ids[src])
+        blocks = self._allocator.blocks_needed
+        need = sum(blocks(self._lengths[rows[i]]) for i in copies)
+        dropped = [r for r in range(len(self._lengths)) if r not in taken]
+        available = self._allocator.num_free_blocks + sum(blocks(self._lengths[r]) for r in dropped)
+        if need > available:
+            raise MemoryError(f"{who}: the {len(copies)} repeated rows need {need} blocks for their copies, "
+                              f"{available} free of {self.num_blocks} (with the rows left out freed); build the "
+                              "cache with more num_blocks")
+        for r in dropped:  # their blocks may take the copies: nothing reads them any more
+            if self._lengths[r]:
+                self._allocator.free(self._ids[r])
+        src_blocks, dst_blocks = [], []
+        for i in copies:
+            ids[i] = self._next_id
+            self._next_id += 1
+            length = self._lengths[rows[i]]
+            if length:
+                src_blocks += self._allocator.block_table(self._ids[rows[i]])
+                dst_blocks += self._allocator.allocate(ids[i], length)
+        self._copy_blocks(src_blocks, dst_blocks)
+        self._lengths = [self._lengths[src] for src in rows]
+        self._ids = ids
+        if self._columns is not None:
+            self._columns = self._columns[rows]
+
+    def _row_indices(self, indices, who: str, name: str) -> list[int]:
+        if isinstance(indices, torch.Tensor):
+            if indices.dim() != 1 or indices.dtype.is_floating_point or indices.dtype.is_complex \
+                    or indices.dtype == torch.bool:
+                raise ValueError(f"{who}: {name} must be a 1-D integer tensor of row indices, got "
+                                 f"{indices.dtype} of shape {tuple(indices.shape)}")
+            rows = indices.tolist()
+        elif isinstance(indices, (list, tuple)):
+            rows = list(indices)
+        else:
+            raise TypeError(f"{who}: {name} must be a 1-D integer tensor or a list of row indices, got "
+                            f"{type(indices).__name__}")
+        if not rows:
+            raise ValueError(f"{who}: {name} selects no row; a batch needs at least one")
+        b = len(self._lengths)
+        for i, r in enumerate(rows):
+            if not is_int(r) or r < 0 or (b and r >= b):
+                held = f"the cache holds {b} rows" if b else "no batch yet"
+                raise ValueError(f"{who}: {name}[{i}] = {r!r}; row indices must be ints in [0, rows) ({held})")
+        return rows
+
+    def _copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Every layer's blocks ``src`` into blocks ``dst`` (disjoint), byte for byte."""
+        if not src:
+            return
+        s = torch.tensor(src, dtype=torch.int64, device=self._device)
+        d = torch.tensor(dst, dtype=torch.int64, device=self._device)
+        for layer in self._layers.values():
+            raw = layer.kv_cache.view(_RAW_DTYPES[layer.kv_cache.dtype.itemsize])  # a view: writes through
+            raw[d] = raw[s]
+
+    def _check_between_steps(self, who: str) -> None:
+        if self._step is not None:
+            raise RuntimeError(f"{who}: a step is active (inside the model's forward); call it between forwards")
 
     def __repr__(self) -> str:
         return (f"PagedCache(layers={len(self._layers)}, rows={len(self._lengths)}, seen={self._seen}, "
@@ -637,11 +775,13 @@ class PagedCache(Cache):
         if self._lengths and len(self._lengths) != b:
             raise ValueError(f"PagedCache: batch of {b} rows for a cache holding {len(self._lengths)} rows; "
                              "use a new PagedCache (or reset()) for a new batch")
-        self._before_step = (list(self._lengths), self._seen, self.last_metadata)
+        self._before_step = (list(self._lengths), self._seen, self.last_metadata, self._columns)
         if not self._lengths:
             self._lengths = [0] * b
+            self._ids = list(range(self._next_id, self._next_id + b))
+            self._next_id += b
         try:
-            real, first, count = self._new_tokens(b, t, attention_mask)
+            real, first, count, mask = self._new_tokens(b, t, attention_mask)
             ctx = torch.tensor(self._lengths, dtype=torch.int64)
             expected = ctx[:, None] + torch.arange(t)[None, :] - first[:, None]
             inject = self._check_positions(position_ids, real, expected, b, t, attention_mask)
@@ -650,6 +790,8 @@ class PagedCache(Cache):
             self._undo_step()  # a rejected first step leaves the cache without a batch
             raise
         self._seen += t
+        if mask is not None:
+            self._columns = mask
         self.last_metadata = md
         self._step = set_forward_context(md, layers=self._layers)
         self._step.__enter__()
@@ -668,17 +810,20 @@ class PagedCache(Cache):
 
     def _undo_step(self) -> None:
         """Back to the state ``begin_step`` found: row lengths, their blocks, tokens seen."""
-        lengths, seen, metadata = self._before_step
+        lengths, seen, metadata, columns = self._before_step
         for row, n in enumerate(self._lengths):
             before = lengths[row] if row < len(lengths) else 0
             if n != before:
-                self._allocator.truncate(row, before)
-        self._lengths, self._seen, self.last_metadata = lengths, seen, metadata
+                self._allocator.truncate(self._ids[row], before)
+        if not lengths:
+            self._ids = []
+        self._lengths, self._seen, self.last_metadata, self._columns = lengths, seen, metadata, columns
 
     def _new_tokens(self, b: int, t: int, attention_mask):
-        """(real [B, T] bool host mask or None, first real index [B], real count [B])."""
+        """(real [B, T] bool host mask or None, first real index [B], real count [B], the whole
+        host mask or None)."""
         if attention_mask is None:
-            return None, torch.zeros(b, dtype=torch.int64), torch.full((b,), t, dtype=torch.int64)
+            return None, torch.zeros(b, dtype=torch.int64), torch.full((b,), t, dtype=torch.int64), None
         if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (b, self._seen + t):
             raise ValueError(
                 f"PagedCache: attention_mask must be 2-D [batch, seen + new] = [{b}, {self._seen + t}], got "
@@ -709,7 +854,7 @@ class PagedCache(Cache):
             row = int(gaps.nonzero()[0])
             raise ValueError(f"PagedCache: row {row} has padding between its new tokens "
                              f"(mask {real[row].int().tolist()}); only left or right padding is supported")
-        return real, first, count
+        return real, first, count, mask
 
     def _check_positions(self, position_ids, real, expected, b, t, attention_mask=None):
         if position_ids is None:
@@ -768,7 +913,7 @@ class PagedCache(Cache):
                 if ql <= 0:
                     continue
                 if not pad:
-                    table = self._allocator.allocate(r, n)
+                    table = self._allocator.allocate(self._ids[r], n)
                     self._lengths[r] += n
                 qls.append(ql), ctxs.append(ctx), tables.append(table), pads.append(pad)
         return build_attention_metadata(qls, ctxs, tables, self.block_size, self._device, padding=pads)

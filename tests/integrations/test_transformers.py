@@ -290,8 +290,6 @@ def test_refusals_name_the_fix():
         ours(torch.ones(1, 4, dtype=torch.long), attention_mask=torch.ones(1, 5), past_key_values=cache)
     with pytest.raises(MemoryError, match="needs 5 more blocks, 4 free of 4"):
         ours(torch.ones(1, 65, dtype=torch.long), past_key_values=cache)
-    with pytest.raises(NotImplementedError, match="reorder_cache .beam search. is not supported"):
-        cache.reorder_cache(torch.zeros(1, dtype=torch.long))
 
 
 
