@@ -379,3 +379,93 @@ def test_a_module_called_twice_is_not_stamped():
 
     with pytest.raises(Exception, match="called more than once"):
         _trace_blocks(model, run, torch.randn(5, 8))
+
+
+def _blocks(n: int, setup) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_Block() for _ in range(n)])
+    for i, block in enumerate(model):
+        setup(i, block)
+    return model
+
+
+def _stamped_vs_eager(model, body) -> tuple:
+    """``body`` as a region over ``model``'s blocks: the stamped trace's output, eager's and
+    the stamp's (region calls, representatives)."""
+    region = layer_regions.region(body)
+
+    def run(x):
+        for block in model:
+            x = region(block, x)
+        return x
+
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        expected = run(x)
+    out, stats = _trace_blocks(model, run, x)
+    return out, expected, stats
+
+
+def test_a_region_reading_its_attention_layers_attributes_is_stamped_per_their_values():
+    """A region may read its layer's attention attributes (a head size, the softmax scale);
+    the attention layer is otherwise left out of the signature (its name differs per layer),
+    so layers whose attention computes alike share a trace and the others get their own."""
+    from inductor_rocm_attn.layer import Attention
+
+    def setup(i, block):
+        block.attn = Attention(2, 32, num_kv_heads=2, scale=0.5 if i == 1 else 0.25,
+                               layer_name=f"stamp_attn_attr{next(_names)}", register=False)
+
+    out, expected, stats = _stamped_vs_eager(_blocks(3, setup), lambda b, x: b.lin(x) * b.attn.impl.scale)
+    assert stats == [(3, 2)]
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_a_plain_attribute_holding_the_representatives_tensor_is_not_substituted():
+    """Every block holds the first block's buffer as a plain attribute: in the first block
+    that is its own tensor, in the others another layer's, so the first block's trace (which
+    reads both as one graph input) cannot be stamped for them; each computes with its own."""
+    def setup(i, block):
+        block.register_buffer("anchor", torch.randn(8))
+
+    model = _blocks(3, setup)
+    for block in model:
+        block.first_anchor = model[0].anchor
+    out, expected, stats = _stamped_vs_eager(model, lambda b, x: b.lin(x) + b.anchor + 2 * b.first_anchor)
+    assert stats == [(3, 2)]
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    # Holding one's own tensor so is stamped like reading it (the sinks of an attention layer).
+    for block in model:
+        block.first_anchor = block.anchor
+    out, expected, stats = _stamped_vs_eager(model, lambda b, x: b.lin(x) + b.anchor + 2 * b.first_anchor)
+    assert stats == [(3, 1)]
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["grad", "autocast"])
+def test_a_copy_under_another_grad_or_autocast_mode_is_refused(mode):
+    """A region's code may read the grad / autocast mode, which a model may change around
+    one layer: a copy called under other modes than its representative is refused (traced
+    flat by compile_piecewise), never stamped from the representative's trace."""
+    model = _blocks(3, lambda i, block: None)
+    region = layer_regions.region(
+        lambda b, x: b.lin(x).float() * (2.0 if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") else 1.0))
+
+    def run(x):
+        x = region(model[0], x)
+        with torch.enable_grad() if mode == "grad" else torch.autocast("cpu", dtype=torch.bfloat16):
+            x = region(model[1], x)
+        return region(model[2], x)
+
+    with pytest.raises(Exception, match="a copy runs under another grad / inference / autocast mode"):
+        _trace_blocks(model, run, torch.randn(5, 8))
+
+
+def test_signature_tells_a_negative_zero():
+    """0.0 == -0.0 in Python, but a region dividing by it computes +inf or -inf."""
+    a, b = _Block(), _Block()
+    a.scale, b.scale = 0.0, -0.0
+    b.lin.weight = a.lin.weight
+    assert layer_regions.signature(a) != layer_regions.signature(b)
+    b.scale = 0.0
+    assert layer_regions.signature(a) == layer_regions.signature(b)
