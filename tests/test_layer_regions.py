@@ -469,3 +469,25 @@ def test_signature_tells_a_negative_zero():
     assert layer_regions.signature(a) != layer_regions.signature(b)
     b.scale = 0.0
     assert layer_regions.signature(a) == layer_regions.signature(b)
+
+
+def test_compile_piecewise_names_a_stamp_refusal_and_traces_flat(monkeypatch):
+    """A model running one layer with grad enabled: the stamp refuses the copy, and
+    compile_piecewise's warning names that refusal (not Dynamo's wrapper around it)."""
+    model = _model("grad_layer")
+
+    def forward(input_ids, positions):
+        hidden = model.embed(input_ids)
+        for i, layer in enumerate(model.layers):
+            with torch.set_grad_enabled(i == 1):
+                hidden = layer(positions, hidden)
+        return model.lm_head(model.norm(hidden))
+
+    monkeypatch.setattr(layer_regions, "MODE", "stamp")
+    with pytest.warns(UserWarning, match="failed on torch .*layer region DecoderLayer.qkv: a copy runs under another "
+                                         "grad / inference / autocast mode"):
+        runner = compile_piecewise(model, capture_sizes=[1, 2, 4], max_num_seqs=4, max_model_len=64,
+                                   trace_cache=False, forward=forward)
+    assert runner.stats.region_calls == 0
+    md = runner.prepare([2], [0], [[0]])
+    assert torch.isfinite(runner(torch.tensor([1, 2]), md)).all()
