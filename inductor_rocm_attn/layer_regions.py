@@ -21,12 +21,16 @@ Two ways to reuse a region's trace, picked by what the running torch's Dynamo ca
 - ``"stamp"``: Dynamo without that reuse (torch 2.11 traces every call of a nested region
   again and only dedups the resulting subgraphs, so those regions save no trace time). Here
   :func:`tracing` groups the region modules by a structural signature (:func:`signature`:
-  the module tree, its plain attributes, its tensors' names and metadata; no hooks); the
+  the module tree, its plain attributes, its tensors' names and metadata, its attention
+  layers' attributes; no hooks); the
   first module of a group runs its region inline between identity markers
   (:func:`region_input` / :func:`region_output`), every other one calls :func:`region_copy`,
   an opaque call (``allow_in_graph``) that Dynamo does not trace into and that takes the
   module's own tensors. ``compilation.regions.stamp_regions`` then copies the marked
   segment in place of each copy call with that module's tensors, and drops the markers.
+
+A region reads what differs per layer only from its module: a value looked up elsewhere by
+the module (a global table keyed by it) is the first layer's in every copy.
 """
 
 from __future__ import annotations
