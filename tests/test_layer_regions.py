@@ -462,13 +462,19 @@ def test_a_copy_under_another_grad_or_autocast_mode_is_refused(mode):
 
 
 def test_signature_tells_a_negative_zero():
-    """0.0 == -0.0 in Python, but a region dividing by it computes +inf or -inf."""
+    """0.0 == -0.0 in Python, but not to every op (atan2, a division)."""
     a, b = _Block(), _Block()
     a.scale, b.scale = 0.0, -0.0
     b.lin.weight = a.lin.weight
     assert layer_regions.signature(a) != layer_regions.signature(b)
     b.scale = 0.0
     assert layer_regions.signature(a) == layer_regions.signature(b)
+    # atan2(+-0, -1) = +-pi: the second block computes with its own -0.0
+    out, expected, stats = _stamped_vs_eager(
+        _blocks(3, lambda i, block: setattr(block, "scale", -0.0 if i == 1 else 0.0)),
+        lambda blk, x: blk.lin(x) + torch.atan2(torch.full_like(x, blk.scale), -torch.ones_like(x)))
+    assert stats == [(3, 2)]
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
 def test_compile_piecewise_names_a_stamp_refusal_and_traces_flat(monkeypatch):
