@@ -300,7 +300,7 @@ class _Same:
 def _value_key(v: Any, own: dict) -> Any:
     """``own``: the module's region tensors by id -> index (a tensor attribute that is one of
     them is substituted like them; another tensor is the same one for every member)."""
-    if isinstance(v, float):  # by bits: 0.0 == -0.0, and nan equals nothing
+    if isinstance(v, float):  # by bits: 0.0 == -0.0 compares equal, one nan never equals another
         return type(v), v.hex()
     if isinstance(v, _PLAIN):
         return type(v), v
