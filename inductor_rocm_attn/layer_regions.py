@@ -21,12 +21,16 @@ Two ways to reuse a region's trace, picked by what the running torch's Dynamo ca
 - ``"stamp"``: Dynamo without that reuse (torch 2.11 traces every call of a nested region
   again and only dedups the resulting subgraphs, so those regions save no trace time). Here
   :func:`tracing` groups the region modules by a structural signature (:func:`signature`:
-  the module tree, its plain attributes, its tensors' names and metadata; no hooks); the
+  the module tree, its plain attributes, its tensors' names and metadata, its attention
+  layers' attributes; no hooks); the
   first module of a group runs its region inline between identity markers
   (:func:`region_input` / :func:`region_output`), every other one calls :func:`region_copy`,
   an opaque call (``allow_in_graph``) that Dynamo does not trace into and that takes the
   module's own tensors. ``compilation.regions.stamp_regions`` then copies the marked
   segment in place of each copy call with that module's tensors, and drops the markers.
+
+A region reads what differs per layer only from its module: a value looked up elsewhere by
+the module (a global table keyed by it) is the first layer's in every copy.
 """
 
 from __future__ import annotations
@@ -114,7 +118,8 @@ def region_input(x: torch.Tensor, index: int, group: int, i: int) -> torch.Tenso
     """Marks argument ``i`` of a representative's region call (identity). Under Dynamo's fake
     run it records the argument for :func:`region_copy`'s checks."""
     if _PLAN is not None:
-        _PLAN.record(index, group).inputs[i] = x
+        rec = _PLAN.record(index, group)
+        rec.inputs[i], rec.state = x, _global_state()
     return x
 
 
@@ -150,6 +155,9 @@ def region_copy(index: int, group: int, member: int, num_args: int, *flat: torch
         if _meta(a) != _meta(rec.inputs[i]):
             raise RuntimeError(f"layer region {fn.__qualname__}: argument {i} of a copy differs from the "
                                f"representative's ({_meta(a)} vs {_meta(rec.inputs[i])})")
+    if _global_state() != rec.state:
+        raise RuntimeError(f"layer region {fn.__qualname__}: a copy runs under another grad / inference / autocast "
+                           f"mode than its representative ({_global_state()} vs {rec.state})")
     outs = [rec.outputs[i] for i in range(max(rec.num_outputs, 1))]
     if any(o.requires_grad for o in outs):
         raise RuntimeError(f"layer region {fn.__qualname__}: outputs that require grad cannot be stamped")
@@ -159,6 +167,14 @@ def region_copy(index: int, group: int, member: int, num_args: int, *flat: torch
 
 for _marker in (region_input, region_output, region_copy):
     torch._dynamo.allow_in_graph(_marker)
+
+
+def _global_state() -> tuple:
+    """The global modes a region's code may read (``torch.is_grad_enabled()``, autocast) and
+    that change what its ops compute: a copy stamped from a trace under other modes would
+    compute the representative's."""
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")))
 
 
 def _meta(x: torch.Tensor) -> tuple:
@@ -182,6 +198,7 @@ class _Record:
     inputs: dict = dataclasses.field(default_factory=dict)
     outputs: dict = dataclasses.field(default_factory=dict)
     num_outputs: int | None = None
+    state: tuple | None = None  # _global_state() at the representative's call
 
 
 @dataclasses.dataclass
@@ -224,22 +241,46 @@ def _hooked(m: torch.nn.Module) -> bool:
 
 def signature(module: torch.nn.Module) -> tuple | None:
     """What makes two modules trace to the same region graph (their own tensors aside): the
-    module tree (names, classes), each module's plain attributes (values; other objects by
-    identity), and its tensors' names, metadata and aliasing. Attention layers are left out
-    (the regions hold none). None for a module with hooks (never stamped)."""
+    module tree (names, classes), each module's plain attributes (values; a tensor as the
+    index of the module's own tensor it is, other objects by identity), its tensors' names,
+    metadata and aliasing, and what its attention layers compute with (their plain
+    attributes and their impl's, their layer names aside: a region may read a head count or
+    a scale there). None for a module with hooks (never stamped)."""
     from .layer import Attention
 
+    tensors = _region_tensors(module)
+    own: dict[int, int] = {}
+    for i, (_, t) in enumerate(tensors):
+        own.setdefault(id(t), i)
     tree = []
     for name, sub in _region_modules(module, Attention):
         if _hooked(sub):
             return None
-        attrs = tuple(sorted((k, _value_key(v)) for k, v in vars(sub).items()
+        attrs = tuple(sorted((k, _value_key(v, own)) for k, v in vars(sub).items()
                              if k not in _MODULE_STATE and not k.startswith("_region_")))
         tree.append((name, type(sub), attrs))
-    first: dict[int, int] = {}
-    tensors = tuple((name, type(t), tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad,
-                     first.setdefault(id(t), i)) for i, (name, t) in enumerate(_region_tensors(module)))
-    return type(module), tuple(tree), tensors
+    attention = tuple((name, _attention_key(m, own)) for name, m in module.named_modules()
+                      if isinstance(m, Attention))
+    meta = tuple((name, type(t), tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, own[id(t)])
+                 for name, t in tensors)
+    return type(module), tuple(tree), attention, meta
+
+
+# An attention layer's attributes that name it or hold its cache binding (they differ from
+# layer to layer; a region never reads them: the stamp refuses ops naming a layer).
+_LAYER_NAMES = frozenset({"layer_name", "kv_sharing_target_layer_name"})
+_CACHE_STATE = frozenset({"kv_cache", "registered", "impl"})
+
+
+def _attention_key(attn: torch.nn.Module, own: dict) -> tuple:
+    """An attention layer's public attributes and its impl's (a layer name only as set or
+    not); the impl's private attributes are its run-time state."""
+    def public(obj, skip):
+        return tuple(sorted((k, v is not None if k in _LAYER_NAMES else _value_key(v, own))
+                            for k, v in vars(obj).items() if not k.startswith("_") and k not in skip))
+
+    impl = getattr(attn, "impl", None)
+    return type(attn), public(attn, _CACHE_STATE), type(impl), public(impl, ()) if impl is not None else ()
 
 
 class _Same:
@@ -256,15 +297,21 @@ class _Same:
         return id(self.obj)
 
 
-def _value_key(v: Any) -> Any:
+def _value_key(v: Any, own: dict) -> Any:
+    """``own``: the module's region tensors by id -> index (a tensor attribute that is one of
+    them is substituted like them; another tensor is the same one for every member)."""
+    if isinstance(v, float):  # by bits: 0.0 == -0.0 compares equal, one nan never equals another
+        return type(v), v.hex()
     if isinstance(v, _PLAIN):
         return type(v), v
+    if isinstance(v, torch.Tensor) and id(v) in own:
+        return "own", own[id(v)]
     if isinstance(v, (tuple, list)):
-        return type(v), tuple(_value_key(x) for x in v)
+        return type(v), tuple(_value_key(x, own) for x in v)
     if isinstance(v, dict):
-        return dict, tuple((_value_key(k), _value_key(x)) for k, x in v.items())
+        return dict, tuple((_value_key(k, own), _value_key(x, own)) for k, x in v.items())
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
-        return type(v), tuple((f.name, _value_key(getattr(v, f.name))) for f in dataclasses.fields(v))
+        return type(v), tuple((f.name, _value_key(getattr(v, f.name), own)) for f in dataclasses.fields(v))
     return _Same(v)
 
 

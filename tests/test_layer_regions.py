@@ -379,3 +379,121 @@ def test_a_module_called_twice_is_not_stamped():
 
     with pytest.raises(Exception, match="called more than once"):
         _trace_blocks(model, run, torch.randn(5, 8))
+
+
+def _blocks(n: int, setup) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_Block() for _ in range(n)])
+    for i, block in enumerate(model):
+        setup(i, block)
+    return model
+
+
+def _stamped_vs_eager(model, body) -> tuple:
+    """``body`` as a region over ``model``'s blocks: the stamped trace's output, eager's and
+    the stamp's (region calls, representatives)."""
+    region = layer_regions.region(body)
+
+    def run(x):
+        for block in model:
+            x = region(block, x)
+        return x
+
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        expected = run(x)
+    out, stats = _trace_blocks(model, run, x)
+    return out, expected, stats
+
+
+def test_a_region_reading_its_attention_layers_attributes_is_stamped_per_their_values():
+    """A region may read its layer's attention attributes (a head size, the softmax scale);
+    the attention layer is otherwise left out of the signature (its name differs per layer),
+    so layers whose attention computes alike share a trace and the others get their own."""
+    from inductor_rocm_attn.layer import Attention
+
+    def setup(i, block):
+        block.attn = Attention(2, 32, num_kv_heads=2, scale=0.5 if i == 1 else 0.25,
+                               layer_name=f"stamp_attn_attr{next(_names)}", register=False)
+
+    out, expected, stats = _stamped_vs_eager(_blocks(3, setup), lambda b, x: b.lin(x) * b.attn.impl.scale)
+    assert stats == [(3, 2)]
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_a_plain_attribute_holding_the_representatives_tensor_is_not_substituted():
+    """Every block holds the first block's buffer as a plain attribute: in the first block
+    that is its own tensor, in the others another layer's, so the first block's trace (which
+    reads both as one graph input) cannot be stamped for them; each computes with its own."""
+    def setup(i, block):
+        block.register_buffer("anchor", torch.randn(8))
+
+    model = _blocks(3, setup)
+    for block in model:
+        block.first_anchor = model[0].anchor
+    out, expected, stats = _stamped_vs_eager(model, lambda b, x: b.lin(x) + b.anchor + 2 * b.first_anchor)
+    assert stats == [(3, 2)]
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    # Holding one's own tensor so is stamped like reading it (the sinks of an attention layer).
+    for block in model:
+        block.first_anchor = block.anchor
+    out, expected, stats = _stamped_vs_eager(model, lambda b, x: b.lin(x) + b.anchor + 2 * b.first_anchor)
+    assert stats == [(3, 1)]
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["grad", "autocast"])
+def test_a_copy_under_another_grad_or_autocast_mode_is_refused(mode):
+    """A region's code may read the grad / autocast mode, which a model may change around
+    one layer: a copy called under other modes than its representative is refused (traced
+    flat by compile_piecewise), never stamped from the representative's trace."""
+    model = _blocks(3, lambda i, block: None)
+    region = layer_regions.region(
+        lambda b, x: b.lin(x).float() * (2.0 if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") else 1.0))
+
+    def run(x):
+        x = region(model[0], x)
+        with torch.enable_grad() if mode == "grad" else torch.autocast("cpu", dtype=torch.bfloat16):
+            x = region(model[1], x)
+        return region(model[2], x)
+
+    with pytest.raises(Exception, match="a copy runs under another grad / inference / autocast mode"):
+        _trace_blocks(model, run, torch.randn(5, 8))
+
+
+def test_signature_tells_a_negative_zero():
+    """0.0 == -0.0 in Python, but not to every op (atan2, a division)."""
+    a, b = _Block(), _Block()
+    a.scale, b.scale = 0.0, -0.0
+    b.lin.weight = a.lin.weight
+    assert layer_regions.signature(a) != layer_regions.signature(b)
+    b.scale = 0.0
+    assert layer_regions.signature(a) == layer_regions.signature(b)
+    # atan2(+-0, -1) = +-pi: the second block computes with its own -0.0
+    out, expected, stats = _stamped_vs_eager(
+        _blocks(3, lambda i, block: setattr(block, "scale", -0.0 if i == 1 else 0.0)),
+        lambda blk, x: blk.lin(x) + torch.atan2(torch.full_like(x, blk.scale), -torch.ones_like(x)))
+    assert stats == [(3, 2)]
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_compile_piecewise_names_a_stamp_refusal_and_traces_flat(monkeypatch):
+    """A model running one layer with grad enabled: the stamp refuses the copy, and
+    compile_piecewise's warning names that refusal (not Dynamo's wrapper around it)."""
+    model = _model("grad_layer")
+
+    def forward(input_ids, positions):
+        hidden = model.embed(input_ids)
+        for i, layer in enumerate(model.layers):
+            with torch.set_grad_enabled(i == 1):
+                hidden = layer(positions, hidden)
+        return model.lm_head(model.norm(hidden))
+
+    monkeypatch.setattr(layer_regions, "MODE", "stamp")
+    with pytest.warns(UserWarning, match="failed on torch .*layer region DecoderLayer.qkv: a copy runs under another "
+                                         "grad / inference / autocast mode"):
+        runner = compile_piecewise(model, capture_sizes=[1, 2, 4], max_num_seqs=4, max_model_len=64,
+                                   trace_cache=False, forward=forward)
+    assert runner.stats.region_calls == 0
+    md = runner.prepare([2], [0], [[0]])
+    assert torch.isfinite(runner(torch.tensor([1, 2]), md)).all()

@@ -137,7 +137,7 @@ def _compile_model(runner: "PiecewiseRunner", t: int) -> None:
             raise
         # torch's nested_compile_region differs between versions: a model that traces
         # without its regions still compiles (at the flat trace's cost).
-        cause = getattr(e, "inner_exception", None) or e  # a backend's own error, not Dynamo's wrapper
+        cause = _first_cause(e)
         msg = (f"compile_piecewise: the Dynamo trace with per-layer compile regions failed on torch "
                f"{torch.__version__} ({type(cause).__name__}: "
                f"{(str(cause).strip().splitlines() or [''])[0][:300]}); tracing again without them")
@@ -147,6 +147,19 @@ def _compile_model(runner: "PiecewiseRunner", t: int) -> None:
     runner.stats.trace_s = time.perf_counter() - t0 - runner.stats.compile_s
     if stored:
         _build_stored(runner, stored[0].graph, stored[0].plan, ids, md, None)
+
+
+def _first_cause(e: BaseException) -> BaseException:
+    """What a failed region trace is blamed on: the stamp's own refusal (``layer region ...``,
+    ``compile_piecewise: ...``) where Dynamo's wrappers were raised from or while handling
+    one, else a backend's own error, else ``e``."""
+    seen, x = set(), e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        if str(x).startswith(("layer region ", "compile_piecewise: ")):
+            return x
+        x = getattr(x, "inner_exception", None) or x.__cause__ or x.__context__
+    return getattr(e, "inner_exception", None) or e
 
 
 def _trace_cache_entry(runner: "PiecewiseRunner", t: int):
