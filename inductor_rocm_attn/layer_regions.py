@@ -12,14 +12,12 @@ passes see the same flat graph as without regions, traced in a fraction of the t
 runs and a plain ``torch.compile`` of the model (whose fusion passes must see a layer's
 RoPE next to its cache update) never take it.
 
-Two ways to reuse a region's trace, picked by what the running torch's Dynamo can do
-(:data:`MODE`):
+Two ways to reuse a region's trace (:data:`MODE`):
 
-- ``"nested"``: ``torch.compiler.nested_compile_region``, where Dynamo traces a region once
-  and stamps out the trace for later identical calls itself (its subgraph reuse, checked by
-  guards; torch 2.13).
-- ``"stamp"``: Dynamo without that reuse (torch 2.11 traces every call of a nested region
-  again and only dedups the resulting subgraphs, so those regions save no trace time). Here
+- ``"stamp"``, the default on every torch: Dynamo's own reuse is missing in torch 2.11
+  (it traces every call of a nested region again and only dedups the resulting subgraphs,
+  so those regions save no trace time) and merges layers that differ in ways its guards do
+  not see (a tensor aliased in one layer only, another grad / autocast mode, 0.0 vs -0.0). Here
   :func:`tracing` groups the region modules by a structural signature (:func:`signature`:
   the module tree, its plain attributes, its tensors' names and metadata, its attention
   layers' attributes; no hooks); the
@@ -28,6 +26,9 @@ Two ways to reuse a region's trace, picked by what the running torch's Dynamo ca
   an opaque call (``allow_in_graph``) that Dynamo does not trace into and that takes the
   module's own tensors. ``compilation.regions.stamp_regions`` then copies the marked
   segment in place of each copy call with that module's tensors, and drops the markers.
+- ``"nested"``, on request where Dynamo can reuse region traces (torch 2.13:
+  :func:`_dynamo_reuses_regions`): ``torch.compiler.nested_compile_region``, Dynamo traces a
+  region once and reuses the trace for later identical calls itself (guarded).
 
 A region reads what differs per layer only from its module: a value looked up elsewhere by
 the module (a global table keyed by it) is the first layer's in every copy.
@@ -57,9 +58,11 @@ def _dynamo_reuses_regions() -> bool:
     return _NESTED is not None and hasattr(torch._guards, "InvokeSubgraphReuseEntry")
 
 
-# How regions are reused in this torch: "nested" (Dynamo's own reuse), "stamp" (ours), or
-# None (the regions are plain calls: tests set it to trace flat).
-MODE: str | None = "nested" if _dynamo_reuses_regions() else "stamp"
+# How regions are reused: "stamp" (ours) on every torch, so CI's torch runs the path the GPU
+# host's does, and the stamp tells apart layers Dynamo's nested reuse merges (aliasing, grad /
+# autocast modes, -0.0); "nested" (Dynamo's own reuse, torch 2.13; traced the same time on the
+# CPU machine) on request; None: the regions are plain calls (the flat trace).
+MODE: str | None = "stamp"
 
 _REGIONS: list[Callable] = []  # region functions by index (the markers name them by it)
 _PLAN: "_Plan | None" = None  # the stamp plan of the running trace

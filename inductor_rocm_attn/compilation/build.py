@@ -135,8 +135,9 @@ def _compile_model(runner: "PiecewiseRunner", t: int) -> None:
     except Exception as e:
         if traced or not regions:  # failed in the build, or no regions to blame
             raise
-        # torch's nested_compile_region differs between versions: a model that traces
-        # without its regions still compiles (at the flat trace's cost).
+        # A region the stamp refuses (or, in "nested" mode, torch's nested_compile_region
+        # differing between versions): a model that traces without its regions still
+        # compiles (at the flat trace's cost).
         cause = _first_cause(e)
         msg = (f"compile_piecewise: the Dynamo trace with per-layer compile regions failed on torch "
                f"{torch.__version__} ({type(cause).__name__}: "
