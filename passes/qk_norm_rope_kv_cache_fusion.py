@@ -32,6 +32,10 @@ Its norm is transformers' ``Qwen3RMSNorm`` exactly (the normalized value rounded
 dtype before the weight), so only ``forms.RMS_FORMS`` match there, not ``rocm_attn.rms_norm``
 (which rounds once). Gemma's ``Gemma3RMSNorm`` (``1 + weight`` in fp32, rounded once after
 it; Gemma3 normalizes the heads-first ``[B, H, T, D]`` q/k) is the op's ``gemma_norm`` form.
+Gemma4's ``Gemma4RMSNorm`` (``pow(mean + eps, -0.5)``, ``weight`` in fp32, rounded once; on
+tokens-first ``[B, T, H, D]`` q/k) is the op's ``gemma4_norm`` form; where the cached value is
+computed from q or k (Gemma4's ``attention_k_eq_v``: V is the V-norm of the key projection the
+K-norm reads), the op normalizes a copy of that tensor, so the value reads it as it was.
 Hunyuan's order, RoPE first and then the per-head norm of the rotated heads-first q/k (the
 weight does not commute with the rotation), is the op's ``norm_after_rope`` form: matched
 from the attention's q/k back through the norms to the RoPE under them.
