@@ -331,7 +331,8 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
                 norm = _NORM_NAMES[m.norm_kind]
                 after = m.norm_after_rope
                 if m.copy_q or m.copy_k:
-                    copied = f" (the value reads the {'query' if m.copy_q else 'key'}: the writer takes a copy)"
+                    read = " and ".join(n for n, c in (("query", m.copy_q), ("key", m.copy_k)) if c)
+                    copied = f" (the value reads the {read}: the writer takes a copy)"
                 with graph.inserting_before(cache):
                     token = self._emit_separate(graph, site, m, layer)
             else:
