@@ -622,8 +622,9 @@ class RocmAttentionImpl:
 
     def do_qk_norm_rope_cos_sin_kv_cache_update(self, layer, query, key, value, q_weight, k_weight, eps, cos,
                                                 sin, is_neox, kv_cache, attn_metadata, gemma_norm=False,
-                                                norm_after_rope=False, output_scale=None) -> None:
-        """Per-head RMSNorm (transformers' rounding; ``gemma_norm``: Gemma's ``1 + weight``),
+                                                norm_after_rope=False, output_scale=None, gemma4_norm=False) -> None:
+        """Per-head RMSNorm (transformers' rounding; ``gemma_norm``: Gemma's ``1 + weight``;
+        ``gemma4_norm``: Gemma4's ``weight`` in fp32, rounded once),
         RoPE with per-token cos/sin (``norm_after_rope``: RoPE first, then the norm, as
         Hunyuan), both on ``query``/``key`` in place, and the cache write of key and value.
 
@@ -633,7 +634,7 @@ class RocmAttentionImpl:
         ``update_kv_cache``'s, checked before anything is written or converted.
         """
         self._cos_sin_writer("qk_norm_rope_cos_sin_and_cache", layer, query, key, value, cos, sin, is_neox,
-                             kv_cache, attn_metadata, (q_weight, k_weight, eps), (gemma_norm, norm_after_rope),
+                             kv_cache, attn_metadata, (q_weight, k_weight, eps), (gemma_norm, norm_after_rope, gemma4_norm),
                              output_scale)
 
     def _cos_sin_writer(self, op, layer, query, key, value, cos, sin, is_neox, kv_cache, attn_metadata,

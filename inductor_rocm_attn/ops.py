@@ -60,7 +60,7 @@ _SCHEMAS = {
         "qk_norm_rope_cos_sin_and_cache(Tensor(a!) query, Tensor(b!) key, Tensor value, Tensor q_weight, "
         "Tensor k_weight, float eps, Tensor cos, Tensor sin, bool is_neox, Tensor(c!) kv_cache, "
         "Tensor slot_mapping, Tensor k_scale, Tensor v_scale, bool interleaved_v=False, "
-        "bool gemma_norm=False, bool norm_after_rope=False) -> ()"
+        "bool gemma_norm=False, bool norm_after_rope=False, bool gemma4_norm=False) -> ()"
     ),
     "encoder_attention": (
         "encoder_attention(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens, "
@@ -95,7 +95,8 @@ _SCHEMAS = {
     "unified_qk_norm_rope_cos_sin_and_kv_cache_update": (
         "unified_qk_norm_rope_cos_sin_and_kv_cache_update(Tensor(a!) query, Tensor(b!) key, Tensor value, "
         "Tensor q_weight, Tensor k_weight, float eps, Tensor cos, Tensor sin, bool is_neox, "
-        "str layer_name, bool gemma_norm=False, bool norm_after_rope=False, Tensor? output_scale=None) -> Tensor"
+        "str layer_name, bool gemma_norm=False, bool norm_after_rope=False, Tensor? output_scale=None, "
+        "bool gemma4_norm=False) -> Tensor"
     ),
 }
 
@@ -116,6 +117,13 @@ def _fake(name: str):
 
 
 # === kernel level ===========================================================================
+
+
+def _check_one_norm_form(op: str, gemma_norm: bool, gemma4_norm: bool) -> None:
+    """One RMSNorm form per call: Gemma's ``1 + weight`` or Gemma4's ``weight`` in fp32, not both."""
+    if gemma_norm and gemma4_norm:
+        raise ValueError(f"{op}: gemma_norm=True and gemma4_norm=True; the QK-norm is one form "
+                         "(transformers', Gemma's 1 + weight, or Gemma4's weight in fp32)")
 
 
 def _rope_features(cos_sin_cache: torch.Tensor, head_size: int) -> tuple[str, ...]:
@@ -307,22 +315,23 @@ def _rope_cos_sin_and_cache_fake(query, key, value, cos, sin, is_neox, kv_cache,
 @_impl("qk_norm_rope_cos_sin_and_cache")
 def _qk_norm_rope_cos_sin_and_cache(query, key, value, q_weight, k_weight, eps, cos, sin, is_neox, kv_cache,
                                     slot_mapping, k_scale, v_scale, interleaved_v=False, gemma_norm=False,
-                                    norm_after_rope=False):
+                                    norm_after_rope=False, gemma4_norm=False):
     op = "rocm_attn.qk_norm_rope_cos_sin_and_cache"
     validation.check_rope_cos_sin(op, query, key, value, cos, sin, q_weight, k_weight)
     validation.check_eps(op, eps)
+    _check_one_norm_form(op, gemma_norm, gemma4_norm)
     validation.check_cache_write(op, key.view(value.shape), value, kv_cache, slot_mapping, k_scale, v_scale)
     validation.check_written(op, dict(query=query, key=key, kv_cache=kv_cache),
                              dict(value=value, cos=cos, sin=sin, q_weight=q_weight, k_weight=k_weight))
     fn = _select_cos_sin_writer("qk_norm_rope_cos_sin_and_cache", query, value, kv_cache, cos, interleaved_v)
     fn(query, key, value, q_weight, k_weight, eps, cos, sin, is_neox, kv_cache, slot_mapping, k_scale, v_scale,
-       interleaved_v, gemma_norm=gemma_norm, norm_after_rope=norm_after_rope)
+       interleaved_v, gemma_norm=gemma_norm, norm_after_rope=norm_after_rope, gemma4_norm=gemma4_norm)
 
 
 @_fake("qk_norm_rope_cos_sin_and_cache")
 def _qk_norm_rope_cos_sin_and_cache_fake(query, key, value, q_weight, k_weight, eps, cos, sin, is_neox,
                                          kv_cache, slot_mapping, k_scale, v_scale, interleaved_v=False,
-                                         gemma_norm=False, norm_after_rope=False):
+                                         gemma_norm=False, norm_after_rope=False, gemma4_norm=False):
     validation.check_same_device("rocm_attn.qk_norm_rope_cos_sin_and_cache", query=query, key=key, value=value,
                                  q_weight=q_weight, k_weight=k_weight, cos=cos, sin=sin, kv_cache=kv_cache,
                                  slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale)
@@ -501,20 +510,22 @@ def _unified_rope_cos_sin_and_kv_cache_update_fake(query, key, value, cos, sin, 
 @_impl("unified_qk_norm_rope_cos_sin_and_kv_cache_update")
 def _unified_qk_norm_rope_cos_sin_and_kv_cache_update(query, key, value, q_weight, k_weight, eps, cos, sin,
                                                       is_neox, layer_name, gemma_norm=False, norm_after_rope=False,
-                                                      output_scale=None):
+                                                      output_scale=None, gemma4_norm=False):
     """Normalizes and rotates ``query``/``key`` in place (``norm_after_rope``: rotates, then
     normalizes) and writes the cache (interleaved V)."""
+    _check_one_norm_form("rocm_attn.unified_qk_norm_rope_cos_sin_and_kv_cache_update", gemma_norm, gemma4_norm)
     layer, metadata = _step("rocm_attn.unified_qk_norm_rope_cos_sin_and_kv_cache_update", layer_name)
     layer.impl.do_qk_norm_rope_cos_sin_kv_cache_update(layer, query, key, value, q_weight, k_weight, eps, cos,
                                                        sin, is_neox, layer.kv_cache, metadata, gemma_norm,
-                                                       norm_after_rope, output_scale)
+                                                       norm_after_rope, output_scale, gemma4_norm=gemma4_norm)
     return _token(key)
 
 
 @_fake("unified_qk_norm_rope_cos_sin_and_kv_cache_update")
 def _unified_qk_norm_rope_cos_sin_and_kv_cache_update_fake(query, key, value, q_weight, k_weight, eps, cos,
                                                            sin, is_neox, layer_name, gemma_norm=False,
-                                                           norm_after_rope=False, output_scale=None):
+                                                           norm_after_rope=False, output_scale=None,
+                                                           gemma4_norm=False):
     validation.check_same_device("rocm_attn.unified_qk_norm_rope_cos_sin_and_kv_cache_update", key=key,
                                  output_scale=output_scale)
     return _token(key)

@@ -89,6 +89,13 @@ def rope_neox_per_token(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     return x * cos.unsqueeze(1) + rotate_half_sliced(x) * sin.unsqueeze(1)
 
 
+def rope_neox_tokens_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The same formula on tokens-first ``x [B, T, H, D]`` with per-token ``cos``/``sin [B, T, D]``
+    unsqueezed at the head dim (transformers' Gemma4: ``apply_rotary_pos_emb(..., unsqueeze_dim=2)``
+    before the transpose to ``[B, H, T, D]``, which the attention function transposes back)."""
+    return x * cos.unsqueeze(2) + rotate_half_sliced(x) * sin.unsqueeze(2)
+
+
 def rope_neox_per_token_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``rope_neox_per_token`` with a partial rotary (Phi-3, GPT-NeoX, StableLM): the first
     ``cos.shape[-1]`` channels of each head rotate, the rest pass (``torch.cat``)."""
@@ -220,6 +227,15 @@ def rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return (x * (1.0 + weight.to(torch.float32))).to(dtype)
 
 
+def rms_norm_gemma4(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma4's RMSNorm (``Gemma4RMSNorm`` with its scale): fp32 statistics through
+    ``pow(mean + eps, -0.5)``, times ``weight`` (not ``1 + weight``) in fp32, then one cast back."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    return (x * weight.float()).to(dtype)
+
+
 def make_fp8_quant_plain(fp8_dtype: torch.dtype) -> Callable:
     m = torch.finfo(fp8_dtype).max
 
@@ -235,7 +251,7 @@ ROPE_FORMS = {"hf_neox": (rope_neox_hf, True), "hf_neox_sliced": (rope_neox_hf_s
 # RoPE with the model's own per-token cos/sin: form -> (function, rank of x). NeoX pairs
 # (i, i + D/2); the GPT-J forms (pairs 2i, 2i+1) are GPTJ_COS_SIN_ROPE_FORMS.
 COS_SIN_ROPE_FORMS = {"transformers_neox": (rope_neox_transformers, 4), "per_token_neox": (rope_neox_per_token, 3),
-                      "heads_first_neox": (rope_neox_heads_first, 4)}
+                      "heads_first_neox": (rope_neox_heads_first, 4), "tokens_first_neox": (rope_neox_tokens_first, 4)}
 # The same with a partial rotary: cos/sin narrower than the head (their width a pattern constant).
 PARTIAL_COS_SIN_ROPE_FORMS = {"transformers_neox_partial": (rope_neox_transformers_partial, 4),
                               "per_token_neox_partial": (rope_neox_per_token_partial, 3),
@@ -266,9 +282,13 @@ PER_TOKEN_ROPE_FORMS = (COS_SIN_ROPE_FORMS | PARTIAL_COS_SIN_ROPE_FORMS | HALF_C
 # Tried in this order. "gemma" first: in fp32 (its casts no-ops) a Gemma norm would also match
 # "hf_weight_last" with the computed ``1 + weight`` as the weight (the same function, so exact
 # either way, but reported as the plain form); no other form has that ``1 +``.
-RMS_FORMS = {"gemma": rms_norm_gemma, "hf": rms_norm_hf, "hf_weight_last": rms_norm_hf_weight_last}
+# "gemma4" (``pow(..., -0.5)``, not ``rsqrt``) overlaps no other form.
+RMS_FORMS = {"gemma": rms_norm_gemma, "hf": rms_norm_hf, "hf_weight_last": rms_norm_hf_weight_last,
+             "gemma4": rms_norm_gemma4}
 # Forms whose weight enters as ``1 + weight`` (the fused op's ``gemma_norm``).
 GEMMA_RMS_FORMS = frozenset({"gemma"})
+# Forms whose weight multiplies in fp32 before the one rounding (the fused op's ``gemma4_norm``).
+GEMMA4_RMS_FORMS = frozenset({"gemma4"})
 
 
 # === tracing into patterns ==================================================================

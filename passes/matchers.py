@@ -84,7 +84,32 @@ def layer_site(cache: torch.fx.Node) -> tuple[LayerSite | None, str]:
         return None, "the attention's key is not the key the cache update writes"
     if fx_utils.strip_views(attn.kwargs["value"]) is not fx_utils.strip_views(value):
         return None, "the attention's value is not the value the cache update writes"
+    owner = _key_owner(cache)
+    if owner is not None:
+        return None, (f"the cached key is the key of layer {owner!r} (KV sharing: this layer computes no key of its own; "
+                      "its cache update stays a plain copy)")
     return LayerSite(layer_name, cache, attn, key, value, attn.kwargs["query"]), ""
+
+
+def _key_owner(cache: torch.fx.Node) -> str | None:
+    """The other layer whose key ``cache`` writes (a KV-sharing layer caching its target's
+    key), else None: the key is, through views and copies, an output of another layer's fused
+    writer, or the key an earlier cache update of another layer writes."""
+    layer_name = cache.args[2]
+    root = _strip_copies(cache.args[0])
+    base = root
+    while isinstance(base, torch.fx.Node) and base.op == "call_function" and (
+            fx_utils.is_getitem(base) or base.target is aten.slice.Tensor):
+        base = base.args[0]
+        args = fx_utils.op_arguments(base) if fx_utils.called_op(base) is not None else {}
+        if args.get("layer_name") not in (None, layer_name):
+            return args["layer_name"]
+    for other in cache_updates(cache.graph):
+        if other is cache:
+            return None
+        if other.args[2] != layer_name and _strip_copies(other.args[0]) is root:
+            return other.args[2]
+    return None
 
 
 def _match_rope_op(k_root: torch.fx.Node, q_root: torch.fx.Node) -> tuple[RopeMatch | None, str]:
@@ -221,13 +246,33 @@ def _match_rope_cos_sin(k_root, q_root, kval, qval, why: list) -> tuple[RopeMatc
 def _strip_copies(node: torch.fx.Node) -> torch.fx.Node:
     """Views and clones back to the tensor whose values they carry: transformers' attention
     reshapes ``[B, T, H, D]`` to ``[B*T, H, D]``, which copies (a post-grad ``clone``) when
-    the RoPE's output is not laid out token-major (a partial rotary's ``cat``)."""
+    the RoPE's output is not laid out token-major (a partial rotary's ``cat``); and two
+    permutes that undo each other (Gemma4 transposes its tokens-first q/k to ``[B, H, T, D]``,
+    the attention transposes them back; the graph keeps both where the transposed key has
+    another reader, a KV-sharing layer)."""
     while True:
         node = fx_utils.strip_views(node)
+        inner = _undone_permute(node)
+        if inner is not None:
+            node = inner
+            continue
         if not (isinstance(node, torch.fx.Node) and node.op == "call_function"
                 and node.target is aten.clone.default):
             return node
         node = node.args[0]
+
+
+def _undone_permute(node) -> torch.fx.Node | None:
+    """``x`` when ``node`` is ``permute(permute(x, p1), p2)`` and ``p2`` undoes ``p1``, else None."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is aten.permute.default):
+        return None
+    inner = node.args[0]
+    if not (isinstance(inner, torch.fx.Node) and inner.op == "call_function"
+            and inner.target is aten.permute.default):
+        return None
+    n = len(node.args[1])
+    p1, p2 = ([d % n for d in p] for p in (inner.args[1], node.args[1]))
+    return inner.args[0] if all(p1[p2[i]] == i for i in range(n)) else None
 
 
 def _partial_rot_dim(k_root: torch.fx.Node, d: int) -> int | None:
@@ -540,6 +585,7 @@ def emit_in_place(graph: torch.fx.Graph, op, kwargs: dict, site: LayerSite, q_in
     it afterwards; a graph input is never mutated in place, so it is copied).
     """
     kwargs = dict(kwargs)
+    _share_fused_key(site)
     q_cols, k_cols = column_slice(q_in), column_slice(k_in)
     v_cols = column_slice(site.value)
     one_base = (q_cols is not None and k_cols is not None and q_cols.source is k_cols.source
@@ -570,6 +616,24 @@ def emit_in_place(graph: torch.fx.Graph, op, kwargs: dict, site: LayerSite, q_in
         site.value.replace_all_uses_with(v_new, delete_user_cb=lambda user: user is not fused)
     replace_outputs(graph, [(q_out, q_new), (k_out, k_new)])
     return token
+
+
+def _share_fused_key(site: LayerSite) -> None:
+    """Point the later layers that cache this layer's rotated key (KV sharing) at the key the
+    attention reads, so that they read the fused writer's key too: left on their own view
+    they would keep the unfused RoPE alive, computed from a key the writer changes in place."""
+    root = _strip_copies(site.key)
+    shape = fx_utils.val(site.key).shape
+    for other in cache_updates(site.cache.graph):
+        if other is site.cache or other.args[2] == site.layer_name or _strip_copies(other.args[0]) is not root:
+            continue
+        keys = {other.args[0], *(u.kwargs["key"] for u in other.users
+                                 if fx_utils.auto_functionalized_op(u) is rocm.unified_attention_with_output.default)}
+        for key in keys:
+            v = fx_utils.val(key)
+            if key is not site.key and v is not None and len(v.shape) == len(shape) and all(
+                    same_size(a, b) for a, b in zip(v.shape, shape)):
+                key.replace_all_uses_with(site.key)
 
 
 def _disjoint(a: ColumnSlice, b: ColumnSlice) -> bool:

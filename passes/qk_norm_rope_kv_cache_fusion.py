@@ -32,6 +32,10 @@ Its norm is transformers' ``Qwen3RMSNorm`` exactly (the normalized value rounded
 dtype before the weight), so only ``forms.RMS_FORMS`` match there, not ``rocm_attn.rms_norm``
 (which rounds once). Gemma's ``Gemma3RMSNorm`` (``1 + weight`` in fp32, rounded once after
 it; Gemma3 normalizes the heads-first ``[B, H, T, D]`` q/k) is the op's ``gemma_norm`` form.
+Gemma4's ``Gemma4RMSNorm`` (``pow(mean + eps, -0.5)``, ``weight`` in fp32, rounded once; on
+tokens-first ``[B, T, H, D]`` q/k) is the op's ``gemma4_norm`` form; where the cached value is
+computed from q or k (Gemma4's ``attention_k_eq_v``: V is the V-norm of the key projection the
+K-norm reads), the op normalizes a copy of that tensor, so the value reads it as it was.
 Hunyuan's order, RoPE first and then the per-head norm of the rotated heads-first q/k (the
 weight does not commute with the rotation), is the op's ``norm_after_rope`` form: matched
 from the attention's q/k back through the norms to the RoPE under them.
@@ -47,6 +51,7 @@ was bound after compilation.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -100,6 +105,32 @@ def _match_norm(root: torch.fx.Node, which: str, rank: int = 3, op_form: bool = 
                                     "output (" + "; ".join(why) + ")")
 
 
+@dataclasses.dataclass
+class SeparateMatch:
+    """A per-token site: q/k normalized per head and rotated with the model's cos/sin."""
+
+    rope: matchers.RopeMatch
+    x_q: torch.fx.Node  # what the fused op normalizes and rotates in place
+    x_k: torch.fx.Node
+    w_q: torch.fx.Node
+    w_k: torch.fx.Node
+    eps: float
+    norm_kind: str | None  # None: transformers' RMSNorm; "gemma" (1 + weight); "gemma4" (weight in fp32)
+    norm_after_rope: bool
+    copy_q: bool = False  # the cached value is computed from q / k: the writer takes a copy
+    copy_k: bool = False
+
+
+_NORM_NAMES = {None: "QK-norm", "gemma": "Gemma QK-norm (1 + weight)", "gemma4": "Gemma4 QK-norm (weight in fp32)"}
+
+
+def _norm_kind(form: str) -> str | None:
+    """The fused op's norm flag for an RMS form: None (transformers'), "gemma" or "gemma4"."""
+    if form in forms.GEMMA_RMS_FORMS:
+        return "gemma"
+    return "gemma4" if form in forms.GEMMA4_RMS_FORMS else None
+
+
 def _norm_output(node: torch.fx.Node) -> tuple[torch.fx.Node, list | None]:
     """What the attention's query / key carries the values of, through views and copies, and
     the permutation in between (None: none): transformers' attention transposes heads-first
@@ -141,8 +172,8 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
             x, w, eps, form, why = _match_norm(root, which)
             if x is None:
                 return None, why
-            if form in forms.GEMMA_RMS_FORMS:
-                return None, (f"the {which}-norm is Gemma's (1 + weight) RMSNorm; the qkv writer implements "
+            if form in forms.GEMMA_RMS_FORMS | forms.GEMMA4_RMS_FORMS:
+                return None, (f"the {which}-norm is Gemma's or Gemma4's RMSNorm; the qkv writer implements "
                               "transformers' RMSNorm only")
             xv, rv = fx_utils.val(x), fx_utils.val(root)
             if xv is None or xv.dim() != 3 or int(xv.shape[-1]) != int(rv.shape[-1]):
@@ -178,7 +209,7 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
 
     def match_separate(self, site, rope):
         """q and k each normalized per head before a per-token RoPE (q/k/v need not share a
-        tensor): ``((rope, x_q, x_k, w_q, w_k, eps, gemma_norm), "")`` or ``(None, why)``."""
+        tensor): ``(SeparateMatch, "")`` or ``(None, why)``."""
         rank = fx_utils.val(rope.k_in).dim()
         parts = {}
         for which, root in (("q", rope.q_in), ("k", rope.k_in)):
@@ -194,15 +225,17 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
             if wv is None or tuple(wv.shape) != (rope.head_size,) or wv.dtype != xv.dtype:
                 return None, (f"{which}-norm weight {tuple(wv.shape) if wv is not None else None} is not "
                               f"[head_size] = [{rope.head_size}] in the model dtype {xv.dtype}")
-            parts[which] = (x, w, eps, form in forms.GEMMA_RMS_FORMS)
-        (xq, wq, eps_q, gemma_q), (xk, wk, eps_k, gemma_k) = parts["q"], parts["k"]
+            parts[which] = (x, w, eps, _norm_kind(form))
+        (xq, wq, eps_q, kind_q), (xk, wk, eps_k, kind_k) = parts["q"], parts["k"]
         if eps_q != eps_k or not isinstance(eps_q, float):
             return None, f"q-norm eps {eps_q} and k-norm eps {eps_k} differ or are not constants"
-        if gemma_q != gemma_k:
-            return None, "q and k are normalized by different RMSNorm forms (one Gemma's, one not)"
-        if value_computed_from_rotated(site.cache.graph, site.value, xq, xk):
-            return None, "the cached value is computed from the query/key the fused op normalizes in place"
-        return (rope, xq, xk, wq, wk, float(eps_q), gemma_q, False), ""
+        if kind_q != kind_k:
+            return None, f"q and k are normalized by different RMSNorm forms ({kind_q or 'HF'}, {kind_k or 'HF'})"
+        # A value computed from q or k (Gemma4's attention_k_eq_v: V is the V-norm of the key
+        # projection the K-norm reads) must read them as they were: the writer gets a copy.
+        graph = site.cache.graph
+        copy_q, copy_k = (value_computed_from_rotated(graph, site.value, x, x) for x in (xq, xk))
+        return SeparateMatch(rope, xq, xk, wq, wk, float(eps_q), kind_q, False, copy_q, copy_k), ""
 
     def match_norm_after_rope(self, site):
         """q and k each rotated by a per-token RoPE, then normalized per head (Hunyuan): the
@@ -224,8 +257,8 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
             if wv is None or tuple(wv.shape) != (int(v.shape[-1]),) or wv.dtype != xv.dtype:
                 return None, (f"{which}-norm after RoPE: weight {tuple(wv.shape) if wv is not None else None} is "
                               f"not [head_size] = [{int(v.shape[-1])}] in the model dtype {xv.dtype}")
-            parts[which] = (x, w, eps, form in forms.GEMMA_RMS_FORMS, perm)
-        (xq, wq, eps_q, gemma_q, perm_q), (xk, wk, eps_k, gemma_k, perm_k) = parts["q"], parts["k"]
+            parts[which] = (x, w, eps, _norm_kind(form), perm)
+        (xq, wq, eps_q, kind_q, perm_q), (xk, wk, eps_k, kind_k, perm_k) = parts["q"], parts["k"]
         if perm_q != perm_k:
             return None, "the normalized q and k reach the attention through different permutations"
         rope, why = self._rope_under_norm(site, xk, xq, perm_k)
@@ -235,13 +268,13 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
             return None, "the norm follows a RoPE with a cos/sin cache; the norm-after-RoPE writer takes per-token rows"
         if eps_q != eps_k or not isinstance(eps_q, float):
             return None, f"q-norm eps {eps_q} and k-norm eps {eps_k} differ or are not constants"
-        if gemma_q != gemma_k:
-            return None, "q and k are normalized by different RMSNorm forms (one Gemma's, one not)"
+        if kind_q != kind_k:
+            return None, f"q and k are normalized by different RMSNorm forms ({kind_q or 'HF'}, {kind_k or 'HF'})"
         if fx_utils.val(rope.q_in).dtype != fx_utils.val(xq).dtype:
             return None, "the RoPE changes dtype before the norm; the fused op keeps it"
         if value_computed_from_rotated(site.cache.graph, site.value, rope.q_in, rope.k_in):
             return None, "the cached value is computed from the query/key the fused op rotates in place"
-        return (rope, rope.q_in, rope.k_in, wq, wk, float(eps_q), gemma_q, True), ""
+        return SeparateMatch(rope, rope.q_in, rope.k_in, wq, wk, float(eps_q), kind_q, True), ""
 
     @staticmethod
     def _rope_under_norm(site, xk, xq, perm):
@@ -262,15 +295,19 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
                 if not n.users:  # a merge of duplicate views may have made one the kept view
                     graph.erase_node(n)
 
-    def _emit_separate(self, graph, site, m, layer: str) -> torch.fx.Node:
-        rope, xq, xk, wq, wk, eps, gemma_norm, norm_after_rope = m
-        q_in, k_in = (per_token_rows(graph, rope, x) for x in (xq, xk))
+    def _emit_separate(self, graph, site, m: SeparateMatch, layer: str) -> torch.fx.Node:
+        rope = m.rope
+        q_in, k_in = (per_token_rows(graph, rope, x) for x in (m.x_q, m.x_k))
+        if m.copy_q:
+            q_in = fx_utils.call(graph, aten.clone.default, (q_in,))
+        if m.copy_k:
+            k_in = fx_utils.call(graph, aten.clone.default, (k_in,))
         cos, sin = per_token_cos_sin(graph, rope)
-        kwargs = dict(value=site.value, q_weight=wq, k_weight=wk, eps=eps, cos=cos, sin=sin, is_neox=rope.is_neox,
-                      layer_name=layer)
-        if gemma_norm:
-            kwargs["gemma_norm"] = True
-        if norm_after_rope:
+        kwargs = dict(value=site.value, q_weight=m.w_q, k_weight=m.w_k, eps=m.eps, cos=cos, sin=sin,
+                      is_neox=rope.is_neox, layer_name=layer)
+        if m.norm_kind:
+            kwargs[f"{m.norm_kind}_norm"] = True
+        if m.norm_after_rope:
             kwargs["norm_after_rope"] = True
         return emit_in_place(graph, _SEPARATE_OP, kwargs, site, q_in, k_in, rope.q_out, rope.k_out)
 
@@ -285,14 +322,17 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
             if m is None:
                 self.not_fused(layer, why)
                 continue
-            rope = m[0]
+            rope = m.rope if isinstance(m, SeparateMatch) else m[0]
             norm = "QK-norm"
             after = False
+            copied = ""
             if rope.per_token:
-                eps, op = m[5], _SEPARATE_OP
-                if m[6]:
-                    norm = "Gemma QK-norm (1 + weight)"
-                after = m[7]
+                eps, op = m.eps, _SEPARATE_OP
+                norm = _NORM_NAMES[m.norm_kind]
+                after = m.norm_after_rope
+                if m.copy_q or m.copy_k:
+                    read = " and ".join(n for n, c in (("query", m.copy_q), ("key", m.copy_k)) if c)
+                    copied = f" (the value reads the {read}: the writer takes a copy)"
                 with graph.inserting_before(cache):
                     token = self._emit_separate(graph, site, m, layer)
             else:
@@ -311,7 +351,7 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
             style = "NeoX" if rope.is_neox else "GPT-J"
             steps = (f"RoPE ({rope.form}, {style}) + {norm} (eps={eps:g}) after it" if after
                      else f"{norm} (eps={eps:g}) + RoPE ({rope.form}, {style})")
-            self.fused(layer, f"{steps} + KV-cache update -> {op._opname} (interleaved V)", switched,
+            self.fused(layer, f"{steps} + KV-cache update -> {op._opname} (interleaved V){copied}", switched,
                        interleaved_v=True)
         if changed:
             fx_utils.finish(graph)

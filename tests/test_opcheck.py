@@ -90,14 +90,16 @@ def test_opcheck_layer_level(name, output_scale):
         torch.library.opcheck(getattr(torch.ops.rocm_attn, name).default, args, kwargs, test_utils=UTILS)
 
 
-@pytest.mark.parametrize("flags", [(True,), (False, True)], ids=["gemma_norm", "norm_after_rope"])
+@pytest.mark.parametrize("flags", ["gemma_norm", "norm_after_rope", "gemma4_norm"])
 def test_opcheck_norm_forms(case, flags):
-    """The ``gemma_norm=True`` and ``norm_after_rope=True`` forms of both QK-norm writers
-    (kernel and layer level)."""
+    """The ``gemma_norm=True``, ``norm_after_rope=True`` and ``gemma4_norm=True`` forms of both
+    QK-norm writers (kernel and layer level)."""
     c = case
-    args = list(kernel_level_calls(c)["qk_norm_rope_cos_sin_and_cache"]) + list(flags)
-    torch.library.opcheck(torch.ops.rocm_attn.qk_norm_rope_cos_sin_and_cache.default, tuple(args), test_utils=UTILS)
-    layer = ira.Attention(4, 64, num_kv_heads=2, layer_name=f"opcheck.norm_forms.{len(flags)}")
+    flag = {flags: True}
+    args = kernel_level_calls(c)["qk_norm_rope_cos_sin_and_cache"]
+    torch.library.opcheck(torch.ops.rocm_attn.qk_norm_rope_cos_sin_and_cache.default, tuple(args), flag,
+                          test_utils=UTILS)
+    layer = ira.Attention(4, 64, num_kv_heads=2, layer_name=f"opcheck.norm_forms.{flags}")
     md = ira.build_attention_metadata([3, 1], [0, 17], [[5], [1, 2]], 16)
     layer.kv_cache = ira.allocate_kv_cache(layer.kv_cache_spec(torch.float32), 8).normal_()
     t = 4
@@ -105,4 +107,4 @@ def test_opcheck_norm_forms(case, flags):
     cos, sin, w = torch.randn(t, 64), torch.randn(t, 64), 0.3 * torch.randn(64)
     with ira.set_forward_context(md):
         torch.library.opcheck(torch.ops.rocm_attn.unified_qk_norm_rope_cos_sin_and_kv_cache_update.default,
-                              (q, k, v, w, w, 1e-6, cos, sin, True, layer.layer_name, *flags), test_utils=UTILS)
+                              (q, k, v, w, w, 1e-6, cos, sin, True, layer.layer_name), flag, test_utils=UTILS)

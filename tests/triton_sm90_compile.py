@@ -345,6 +345,9 @@ def _head_512(tk, fingerprint: bool, full: bool) -> int:
             tk.rope_cos_sin_and_cache(q.clone(), k.clone(), v, cos, sin, True, cache, slots, one, one, interleaved)
             tk.qk_norm_rope_cos_sin_and_cache(q.clone(), k.clone(), v, w, w, 1e-6, cos, sin, True, cache, slots,
                                               one, one, interleaved)
+            # Gemma4's full layers: its RMSNorm (weight in fp32, rounded once) at head 512
+            tk.qk_norm_rope_cos_sin_and_cache(q.clone(), k.clone(), v, w, w, 1e-6, cos, sin, True, cache, slots,
+                                              one, one, interleaved, gemma4_norm=True)
             if full:
                 tk.rotary_embedding(pos, q.clone(), k.clone(), D, cos_sin, True)
                 tk.qk_norm_rope_and_cache(qkv, w, w, 1e-6, pos, cos_sin, True, cache, slots, one, one,
@@ -444,6 +447,8 @@ def main() -> int:
             tk.rope_cos_sin_and_cache(q.clone(), k.clone(), v, cos, sin, True, cache, slots, one, one, interleaved)
             tk.qk_norm_rope_cos_sin_and_cache(q.clone(), k.clone(), v, w, w, 1e-6, cos, sin, True, cache, slots,
                                               one, one, interleaved)
+            tk.qk_norm_rope_cos_sin_and_cache(q.clone(), k.clone(), v, w, w, 1e-6, cos, sin, True, cache, slots,
+                                              one, one, interleaved, gemma4_norm=True)
             tk.rope_cos_sin_and_cache(q.clone(), k.clone(), v, cos[:, :64], sin[:, :64], False, cache,
                                       slots[:0], one, one, interleaved)
             # paged attention: a decode batch and a mixed prefill + decode batch

@@ -207,6 +207,15 @@ def rms_norm_heads_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float, dtyp
     return (x * torch.rsqrt(var + eps) * (1 + weight.to(_ACC))).to(dtype).to(_ACC)
 
 
+def rms_norm_heads_gemma4(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """Gemma4's per-head RMSNorm (``Gemma4RMSNorm`` with its scale): statistics of ``x``
+    (float64 here; the model's ``pow(mean + eps, -0.5)`` is the same function as ``rsqrt``),
+    times ``weight`` (not ``1 + weight``), the result rounded to ``dtype`` (its ``.type_as(x)``).
+    Float64 out."""
+    var = x.pow(2).mean(dim=-1, keepdim=True)
+    return (x * torch.rsqrt(var + eps) * weight.to(_ACC)).to(dtype).to(_ACC)
+
+
 def qk_norm_rope_cos_sin_and_cache(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -224,8 +233,10 @@ def qk_norm_rope_cos_sin_and_cache(
     interleaved_v: bool,
     gemma_norm: bool = False,
     norm_after_rope: bool = False,
+    gemma4_norm: bool = False,
 ) -> None:
-    """Per-head RMSNorm (``rms_norm_heads_rounded``; ``gemma_norm``: ``rms_norm_heads_gemma``)
+    """Per-head RMSNorm (``rms_norm_heads_rounded``; ``gemma_norm``: ``rms_norm_heads_gemma``;
+    ``gemma4_norm``: ``rms_norm_heads_gemma4``)
     then RoPE with per-token cos/sin on ``query``/``key`` in place, then the key and ``value``
     into the cache. ``norm_after_rope`` (Hunyuan): RoPE first, rounded to the model dtype,
     then the norm of the rotated heads, rounded.
@@ -234,7 +245,7 @@ def qk_norm_rope_cos_sin_and_cache(
     Norm and rotation run in float64 between the roundings the model's order defines.
     """
     c, s, d = cos.to(_ACC), sin.to(_ACC), value.shape[-1]
-    norm = rms_norm_heads_gemma if gemma_norm else rms_norm_heads_rounded
+    norm = rms_norm_heads_gemma if gemma_norm else rms_norm_heads_gemma4 if gemma4_norm else rms_norm_heads_rounded
     for t, w in ((query, q_weight), (key, k_weight)):
         x = _heads(t, d)
         if norm_after_rope:

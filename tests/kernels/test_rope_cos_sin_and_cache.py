@@ -195,6 +195,71 @@ def test_gemma_norm_writer(provider, block_size, head_size, rot_dim, layout, int
     assert_cache_equal(cache.cpu(), cache_op, dtype)
 
 
+def oracle_norm_gemma4(x, w, eps, dtype):
+    """Gemma4's RMSNorm (``Gemma4RMSNorm``): float64 statistics, times ``w``, rounded to ``dtype`` once."""
+    x = x.to(torch.float64)
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.cpu().to(torch.float64)).to(dtype)
+
+
+# Gemma4's head sizes: 256 (sliding layers), 512 (full layers, cos/sin over the whole head)
+GEMMA4_CASES = [CASES[3], CASES[5], (16, 512, 512, CacheLayout.LBHNC, True, True, torch.float16, "flat")]
+
+
+@pytest.mark.parametrize("block_size,head_size,rot_dim,layout,interleaved_v,is_neox,dtype,form", GEMMA4_CASES)
+@pytest.mark.parametrize("provider", put.providers_for("qk_norm_rope_cos_sin_and_cache"))
+def test_gemma4_norm_writer(provider, block_size, head_size, rot_dim, layout, interleaved_v, is_neox, dtype, form):
+    """``gemma4_norm=True``: the normalized value times ``weight`` in fp32, rounded once
+    (Gemma4's RMSNorm), then RoPE and the cache write. Told apart from transformers' form
+    (the normalized value rounded before the weight) in fp16, and from Gemma's ``1 + weight``."""
+    op = "qk_norm_rope_cos_sin_and_cache"
+    t, hq, hkv, eps = 9, 4, 2, 1e-6
+    seed = 5 * block_size + head_size + rot_dim
+    cache, slots = make_cache(block_size, hkv, head_size, dtype, layout, t, seed)
+    fn = _kernel(provider, op, cache, dtype, head_size, rot_dim, interleaved_v)
+    cache_in = cache.cpu().clone()
+    base, q, k, v = make_qk(t, hq, hkv, head_size, dtype, seed, form)
+    w = (1 + 0.5 * torch.randn(2, head_size, generator=gen(seed + 1))).to(dtype).to(DEV)
+    cos, sin = make_rows(t, rot_dim, dtype, seed + 2)
+    slots = pad_slots(slots)[: t - 2].to(DEV)
+    ks, vs = scales(dtype)
+    heads = [x.cpu().reshape(t, -1, head_size).to(torch.float64) for x in (q, k)]
+    want = [oracle_rope_rows(oracle_norm_gemma4(x, w[i], eps, dtype).to(torch.float64), cos, sin, is_neox).to(dtype)
+            for i, x in enumerate(heads)]
+    gemma = [oracle_rope_rows(oracle_norm_gemma(x, w[i], eps, dtype).to(torch.float64), cos, sin, is_neox).to(dtype)
+             for i, x in enumerate(heads)]
+    hf = [oracle_rope_rows(oracle_norm(x, w[i], eps, dtype), cos, sin, is_neox).to(dtype) for i, x in enumerate(heads)]
+    q_in, k_in = q.clone(), k.clone()
+    fn(q, k, v, w[0], w[1], eps, cos, sin, is_neox, cache, slots, ks, vs, interleaved_v, gemma4_norm=True)
+    tol = 2e-3 if dtype == torch.float16 else 1e-6
+    q, k = q.reshape(t, hq, head_size), k.reshape(t, hkv, head_size)
+    assert not torch.equal(q, q_in.reshape(q.shape)) and not torch.equal(k, k_in.reshape(k.shape))
+    assert rel_err(q, want[0]) < tol and rel_err(k, want[1]) < tol
+    assert rel_err(q, gemma[0]) > 0.1  # w against 1 + w: not a rounding difference
+    if dtype != torch.float32:
+        assert min(_exact_fraction(q, want[0]), _exact_fraction(k, want[1])) > 0.99
+        # transformers' rounding of the normalized value before w: most values differ in the last bit
+        assert _exact_fraction(q, hf[0]) < _exact_fraction(q, want[0])
+    cache_op = cache_in.clone()
+    oracle_write(cache_op, k.cpu(), v.cpu().reshape(t, hkv, head_size), slots.cpu(), ks.cpu(), vs.cpu(),
+                 interleaved_v)
+    assert_cache_equal(cache.cpu(), cache_op, dtype)
+
+
+def test_gemma_and_gemma4_norm_together_are_refused_before_any_write():
+    t, d = 3, 64
+    q, k, v = torch.randn(t, 2, d), torch.randn(t, 1, d), torch.randn(t, 1, d)
+    cache, slots = make_cache(16, 1, d, torch.float32, CacheLayout.LHBNC, t, 3)
+    cache_in, q_in = cache.clone(), q.clone()
+    w, cos, sin = torch.randn(d), torch.randn(t, d), torch.randn(t, d)
+    ks, vs = scales(torch.float32)
+    with pytest.raises(ValueError, match="qk_norm_rope_cos_sin_and_cache: gemma_norm=True and gemma4_norm=True"):
+        torch.ops.rocm_attn.qk_norm_rope_cos_sin_and_cache(q, k, v, w, w, 1e-6, cos, sin, True, cache,
+                                                           pad_slots(slots)[:t], ks, vs, False, gemma_norm=True,
+                                                           gemma4_norm=True)
+    torch.testing.assert_close(cache, cache_in, rtol=0, atol=0, equal_nan=True)  # poisoned: NaN kept
+    assert torch.equal(q, q_in)
+
+
 def oracle_norm_after_rope(x, w, eps, cos, sin, is_neox, dtype, gemma):
     """Hunyuan's order: the rotation rounded to ``dtype``, then the RMSNorm of the rotated
     head (``oracle_norm`` or, ``gemma``, ``oracle_norm_gemma``), rounded to ``dtype``."""

@@ -150,6 +150,80 @@ def test_does_not_fuse_olmo2_norm_over_the_whole_projection():
                for r in c.reasons(PASS)), c.reasons(PASS)
 
 
+_SHARED = "the cached key is the key of layer 'transformers.layers.1' (KV sharing"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fuses_transformers_gemma4_layers(dtype):
+    """Gemma4 normalizes (``Gemma4RMSNorm``: weight in fp32, rounded once) and rotates its q/k
+    tokens-first ``[B, T, H, D]``: the sliding layer (head 256) and the full layer (head 512,
+    V the V-norm of the key projection) each fuse into one writer with ``gemma4_norm``, the
+    full layer's writer on a copy of the key projection (V reads it); the KV-shared layer
+    writes layer 1's key and fuses nothing, in either pass."""
+    sites = pytest.importorskip("transformers_sites")
+    fn, args = sites.gemma4_attention(dtype=dtype)
+    c = capture(fn, *args, dynamic=())
+    assert c.count(PASS) == 2, c.reasons(PASS)
+    assert c.count("rope_kv_cache_fusion") == 0
+    fused = [r for r in c.manager.get_pass(PASS).records if r.fused]
+    assert [r.layer_name for r in fused] == ["transformers.layers.0", "transformers.layers.1"]
+    assert all("Gemma4 QK-norm (weight in fp32)" in r.detail and "tokens_first_neox" in r.detail for r in fused)
+    assert "the writer takes a copy" in fused[1].detail and "copy" not in fused[0].detail
+    assert c.after.count("gemma4_norm=True") == 2 and "gemma_norm" not in c.after
+    assert c.after.count("aten.clone") == c.before.count("aten.clone") + 1
+    assert c.after.count("rocm_attn.unified_kv_cache_update.default(") == 1  # the shared layer's plain copy
+    for name in (PASS, "rope_kv_cache_fusion"):
+        assert len(c.reasons(name)) == 1 and _SHARED in c.reasons(name)[0], c.reasons(name)
+
+
+@pytest.mark.parametrize("variant,dtype,why", [
+    # the K-norm without its weight (as the V-norm): no RMS form, so not QK-norm at all
+    ("scale_free_k_norm", torch.float32, "the rotated k"),
+    # the normalized value rounded before the weight: in bf16 not the function the writer computes
+    ("rounded_before_weight", torch.bfloat16, "the rotated q"),
+])
+def test_does_not_fuse_gemma4_norm_look_alikes(variant, dtype, why):
+    """Norms the Gemma4 writer does not implement stay in the graph: the QK-norm fusion misses,
+    RoPE alone fuses with the cache write."""
+    sites = pytest.importorskip("transformers_sites")
+    c = capture(*_flat(sites.gemma4_attention((0,), dtype, variant)), dynamic=())
+    assert (c.count(PASS), c.count("rope_kv_cache_fusion")) == (0, 1), c.reasons(PASS)
+    assert any(why in r for r in c.reasons(PASS)), c.reasons(PASS)
+    assert c.after.count("aten.pow.Tensor_Scalar(add") == c.before.count("aten.pow.Tensor_Scalar(add")
+
+
+def test_rounded_before_weight_in_fp32_is_gemma4s_function_and_fuses():
+    """In fp32 the rounding is a no-op: the look-alike is Gemma4's norm, and fuses as it."""
+    sites = pytest.importorskip("transformers_sites")
+    c = capture(*_flat(sites.gemma4_attention((0,), torch.float32, "rounded_before_weight")), dynamic=())
+    assert c.count(PASS) == 1 and "gemma4_norm=True" in c.after, c.reasons(PASS)
+
+
+def test_kv_shared_layer_is_not_fused_when_its_target_is_not():
+    """The sharing layer is refused by the site itself: with both fusions off, every cache
+    update that writes an earlier layer's key is named as a sharer (a fusion of it would
+    rotate its target's key a second time)."""
+    from inductor_rocm_attn.passes import matchers
+
+    sites = pytest.importorskip("transformers_sites")
+    reasons = {}
+
+    def user_pass(graph):
+        for cache in matchers.cache_updates(graph):
+            reasons[cache.args[2]] = matchers.layer_site(cache)[1]
+
+    fn, args = sites.gemma4_attention()
+    capture(fn, *args, dynamic=(), user_pass=user_pass, qk_norm_rope_kv_cache_fusion=False,
+            rope_kv_cache_fusion=False)
+    assert reasons["transformers.layers.0"] == reasons["transformers.layers.1"] == ""
+    assert _SHARED in reasons["transformers.layers.2"], reasons
+
+
+def _flat(fn_args):
+    fn, args = fn_args
+    return (fn, *args)
+
+
 class TestSnapshots(TestCase):
     def test_qwen3_op_form(self):
         cfg, block = _block(name="qwen3_op", rope_impl="op", norm_impl="op")
@@ -296,6 +370,99 @@ permute_6 = aten.permute.default(in_13, [1, 0])  float32[256, 128]
 mm_6 = aten.mm.default(reshape_21, permute_6)  float32[10, 128]
 reshape_22 = aten.reshape.default(mm_6, [2, 5, 128])  float32[2, 5, 128]
 add_4 = aten.add.Tensor(add_1, reshape_22)  float32[2, 5, 128]
+return (add_4,)""")
+
+    def test_transformers_gemma4_full_and_kv_shared_layers(self):
+        """Gemma4's full layer (head 512, one KV head, ``attention_k_eq_v``) and the KV-shared
+        layer after it (fp32, B=2, T=5): the K-norm + RoPE + cache write is one writer with
+        ``gemma4_norm`` on a copy of the key projection (the V-norm reads the projection itself),
+        Q normalized and rotated in place; the shared layer's cache update and attention read the
+        writer's key and layer 1's V; its own query keeps its norm and RoPE."""
+        sites = pytest.importorskip("transformers_sites")
+        fn, args = sites.gemma4_attention((1, 2))
+        c = capture(fn, *args, dynamic=())
+        self.assertEqual(c.count(PASS), 1)
+        self.assertExpectedInline(c.after, """\
+in: float32[2, 5, 128]
+in_1: float32[2048, 128]
+in_2: float32[512]
+in_3: float32[2, 5, 512]
+in_4: float32[2, 5, 512]
+in_5: float32[512, 128]
+in_6: float32[512]
+in_7: float32[128, 2048]
+in_8: float32[2048, 128]
+in_9: float32[512]
+in_10: float32[128, 2048]
+reshape = aten.reshape.default(in, [10, 128])  float32[10, 128]
+permute = aten.permute.default(in_1, [1, 0])  float32[128, 2048]
+mm = aten.mm.default(reshape, permute)  float32[10, 2048]
+reshape_1 = aten.reshape.default(mm, [2, 5, 2048])  float32[2, 5, 2048]
+reshape_2 = aten.reshape.default(reshape_1, [2, 5, -1, 512])  float32[2, 5, 4, 512]
+reshape_3 = aten.reshape.default(in, [10, 128])  float32[10, 128]
+permute_1 = aten.permute.default(in_5, [1, 0])  float32[128, 512]
+mm_1 = aten.mm.default(reshape_3, permute_1)  float32[10, 512]
+reshape_4 = aten.reshape.default(mm_1, [2, 5, 512])  float32[2, 5, 512]
+reshape_5 = aten.reshape.default(reshape_4, [2, 5, -1, 512])  float32[2, 5, 1, 512]
+pow = aten.pow.Tensor_Scalar(reshape_5, 2)  float32[2, 5, 1, 512]
+mean = aten.mean.dim(pow, [-1], True)  float32[2, 5, 1, 1]
+add = aten.add.Tensor(mean, 1e-06)  float32[2, 5, 1, 1]
+pow_1 = aten.pow.Tensor_Scalar(add, -0.5)  float32[2, 5, 1, 1]
+mul = aten.mul.Tensor(reshape_5, pow_1)  float32[2, 5, 1, 512]
+permute_2 = aten.permute.default(mul, [0, 2, 1, 3])  float32[2, 1, 5, 512]
+permute_3 = aten.permute.default(permute_2, [0, 2, 1, 3])  float32[2, 5, 1, 512]
+reshape_6 = aten.reshape.default(permute_3, [10, 1, 512])  float32[10, 1, 512]
+reshape_7 = aten.reshape.default(reshape_2, [-1, 4, 512])  float32[10, 4, 512]
+reshape_8 = aten.reshape.default(reshape_5, [-1, 1, 512])  float32[10, 1, 512]
+clone = aten.clone.default(reshape_8)  float32[10, 1, 512]
+reshape_9 = aten.reshape.default(in_3, [-1, 512])  float32[10, 512]
+reshape_10 = aten.reshape.default(in_4, [-1, 512])  float32[10, 512]
+auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_qk_norm_rope_cos_sin_and_kv_cache_update.default, value=reshape_6, q_weight=in_2, k_weight=in_6, eps=1e-06, cos=reshape_9, sin=reshape_10, is_neox=True, layer_name='transformers.layers.1', gemma4_norm=True, _query_base_index=0, _key_base_index=1, _all_bases=[reshape_7, clone])
+getitem = getitem(auto_functionalized_v2, 0)  float32[0]
+getitem_1 = getitem(auto_functionalized_v2, 1)  float32[10, 4, 512]
+getitem_2 = getitem(auto_functionalized_v2, 2)  float32[10, 1, 512]
+empty = aten.empty.memory_format([2, 5, 4, 512], dtype=torch.float32, layout=torch.strided, device=cpu, pin_memory=False)  float32[2, 5, 4, 512]
+auto_functionalized_v2_1 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=getitem_1, key=getitem_2, value=reshape_6, layer_name='transformers.layers.1', kv_cache_dependency=getitem, output_scale=None, _output_base_index=0, _output_size=(10, 4, 512), _output_stride=(2048, 512, 1), _output_storage_offset=0, _all_bases=[empty])
+getitem_3 = getitem(auto_functionalized_v2_1, 1)  float32[2, 5, 4, 512]
+reshape_11 = aten.reshape.default(getitem_3, [2, 5, -1])  float32[2, 5, 2048]
+reshape_12 = aten.reshape.default(reshape_11, [10, 2048])  float32[10, 2048]
+permute_4 = aten.permute.default(in_7, [1, 0])  float32[2048, 128]
+mm_2 = aten.mm.default(reshape_12, permute_4)  float32[10, 128]
+reshape_13 = aten.reshape.default(mm_2, [2, 5, 128])  float32[2, 5, 128]
+add_1 = aten.add.Tensor(in, reshape_13)  float32[2, 5, 128]
+reshape_14 = aten.reshape.default(add_1, [10, 128])  float32[10, 128]
+permute_5 = aten.permute.default(in_8, [1, 0])  float32[128, 2048]
+mm_3 = aten.mm.default(reshape_14, permute_5)  float32[10, 2048]
+reshape_15 = aten.reshape.default(mm_3, [2, 5, 2048])  float32[2, 5, 2048]
+reshape_16 = aten.reshape.default(reshape_15, [2, 5, -1, 512])  float32[2, 5, 4, 512]
+pow_2 = aten.pow.Tensor_Scalar(reshape_16, 2)  float32[2, 5, 4, 512]
+mean_1 = aten.mean.dim(pow_2, [-1], True)  float32[2, 5, 4, 1]
+add_2 = aten.add.Tensor(mean_1, 1e-06)  float32[2, 5, 4, 1]
+pow_3 = aten.pow.Tensor_Scalar(add_2, -0.5)  float32[2, 5, 4, 1]
+mul_1 = aten.mul.Tensor(reshape_16, pow_3)  float32[2, 5, 4, 512]
+mul_2 = aten.mul.Tensor(mul_1, in_9)  float32[2, 5, 4, 512]
+unsqueeze = aten.unsqueeze.default(in_3, 2)  float32[2, 5, 1, 512]
+mul_3 = aten.mul.Tensor(mul_2, unsqueeze)  float32[2, 5, 4, 512]
+slice = aten.slice.Tensor(mul_2, 3, 256, 9223372036854775807)  float32[2, 5, 4, 256]
+neg = aten.neg.default(slice)  float32[2, 5, 4, 256]
+slice_1 = aten.slice.Tensor(mul_2, 3, 0, 256)  float32[2, 5, 4, 256]
+cat = aten.cat.default([neg, slice_1], -1)  float32[2, 5, 4, 512]
+unsqueeze_1 = aten.unsqueeze.default(in_4, 2)  float32[2, 5, 1, 512]
+mul_4 = aten.mul.Tensor(cat, unsqueeze_1)  float32[2, 5, 4, 512]
+add_3 = aten.add.Tensor(mul_3, mul_4)  float32[2, 5, 4, 512]
+reshape_17 = aten.reshape.default(add_3, [10, 4, 512])  float32[10, 4, 512]
+permute_6 = aten.permute.default(permute_2, [0, 2, 1, 3])  float32[2, 5, 1, 512]
+reshape_18 = aten.reshape.default(permute_6, [10, 1, 512])  float32[10, 1, 512]
+unified_kv_cache_update = rocm_attn.unified_kv_cache_update.default(getitem_2, reshape_18, 'transformers.layers.2')  float32[0]
+empty_1 = aten.empty.memory_format([2, 5, 4, 512], dtype=torch.float32, layout=torch.strided, device=cpu, pin_memory=False)  float32[2, 5, 4, 512]
+auto_functionalized_v2_2 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=reshape_17, key=getitem_2, value=reshape_18, layer_name='transformers.layers.2', kv_cache_dependency=unified_kv_cache_update, output_scale=None, _output_base_index=0, _output_size=(10, 4, 512), _output_stride=(2048, 512, 1), _output_storage_offset=0, _all_bases=[empty_1])
+getitem_4 = getitem(auto_functionalized_v2_2, 1)  float32[2, 5, 4, 512]
+reshape_19 = aten.reshape.default(getitem_4, [2, 5, -1])  float32[2, 5, 2048]
+reshape_20 = aten.reshape.default(reshape_19, [10, 2048])  float32[10, 2048]
+permute_7 = aten.permute.default(in_10, [1, 0])  float32[2048, 128]
+mm_4 = aten.mm.default(reshape_20, permute_7)  float32[10, 128]
+reshape_21 = aten.reshape.default(mm_4, [2, 5, 128])  float32[2, 5, 128]
+add_4 = aten.add.Tensor(add_1, reshape_21)  float32[2, 5, 128]
 return (add_4,)""")
 
     def test_qwen3_hf_form_bf16(self):

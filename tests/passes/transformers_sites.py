@@ -233,3 +233,71 @@ def _fp32_rows(positions, d):
     f = positions[..., None].float() * inv
     emb = torch.cat((f, f), dim=-1)
     return emb.cos(), emb.sin()
+
+
+# --- Gemma4: tokens-first QK-norm + RoPE, attention_k_eq_v, a KV-shared layer ------------------
+
+
+def gemma4_config():
+    """Gemma4 text with the released head sizes: layer 0 sliding (head 256, 2 KV heads),
+    layer 1 full (head 512, 1 KV head, ``attention_k_eq_v``: V is the V-norm of the key
+    projection), layer 2 full and KV-shared (it reuses layer 1's K/V)."""
+    return transformers.Gemma4TextConfig(
+        **dict(_COMMON, num_hidden_layers=3, head_dim=256), global_head_dim=512, attention_k_eq_v=True,
+        num_global_key_value_heads=1, num_kv_shared_layers=1, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "full_attention"],
+        hidden_size_per_layer_input=16, vocab_size_per_layer_input=256)
+
+
+class Gemma4NormRoundedBeforeWeight(nn.Module):
+    """A look-alike of ``Gemma4RMSNorm`` the writer does not implement: the normalized value
+    rounded to the model dtype *before* the weight (transformers' Llama order, with Gemma4's
+    ``pow(..., -0.5)``). The same function as Gemma4's in fp32, not in 16-bit dtypes."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        return h.to(x.dtype) * self.weight
+
+
+def gemma4_attention(layers=(0, 1, 2), dtype=torch.float32, variant="plain", seed=0):
+    """``(fn, args)``: the attention modules of the Gemma4 ``layers`` (``gemma4_config``) run in
+    order, each adding its output to the hidden states, with one ``shared_kv_states`` dict (a
+    KV-shared layer reads its target's K/V from it). ``args``: hidden ``[B, T, 128]`` and the
+    model's cos/sin of the sliding and the full layers. ``variant``: "plain";
+    "scale_free_k_norm" (every K-norm without its weight, as the V-norm); "rounded_before_weight"
+    (q/k norms ``Gemma4NormRoundedBeforeWeight``)."""
+    config = gemma4_config()
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="rocm_attn", dtype=dtype).model
+    model.eval()
+    with torch.no_grad():  # the norm weights initialize to ones: make them tell a weight bug apart
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))).to(p))
+    attns = [model.layers[i].self_attn for i in layers]
+    for attn in attns:
+        if variant == "scale_free_k_norm" and hasattr(attn, "k_norm"):
+            attn.k_norm = type(attn.v_norm)(attn.head_dim, eps=attn.v_norm.eps, with_scale=False)
+        elif variant == "rounded_before_weight":
+            attn.q_norm = Gemma4NormRoundedBeforeWeight(attn.q_norm)
+            if hasattr(attn, "k_norm"):
+                attn.k_norm = Gemma4NormRoundedBeforeWeight(attn.k_norm)
+        else:
+            assert variant in ("plain", "scale_free_k_norm"), variant
+    hidden = torch.randn(B, T, config.hidden_size, dtype=dtype)
+    positions = torch.arange(T)[None].expand(B, T)
+    rows = [t for kind in ("sliding_attention", "full_attention") for t in model.rotary_emb(hidden, positions, kind)]
+
+    def fn(hidden, cos_sliding, sin_sliding, cos_full, sin_full):
+        shared = {}
+        for attn in attns:
+            rows = (cos_sliding, sin_sliding) if attn.is_sliding else (cos_full, sin_full)
+            hidden = hidden + attn(hidden, rows, None, shared)[0]
+        return hidden
+
+    return fn, (hidden, *rows)

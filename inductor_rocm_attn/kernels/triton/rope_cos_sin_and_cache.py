@@ -13,6 +13,7 @@ pairs) plus, under partial rotary, the channels past ``rot_dim``; with ``NORM`` 
 normalizes the head (fp32 statistics, the normalized value rounded to the model dtype as
 transformers' ``.to(input_dtype)`` does, then times the weight; with ``GEMMA_NORM`` as
 Gemma's RMSNorm: the normalized value times ``1 + weight`` in fp32, then rounded; with
+``GEMMA4_NORM`` as Gemma4's: times ``weight`` in fp32, then rounded; with
 ``NORM_AFTER_ROPE`` it normalizes the rotated, rounded head instead, as Hunyuan does). It
 rotates with the cos/sin of each half's own channels (``o1 = x1 cos1 - x2 sin1``, ``o2 = x2 cos2 + x1 sin2``),
 rounds once to the model dtype and stores in place. Key programs also scatter the key and
@@ -37,11 +38,13 @@ __all__ = ["rope_cos_sin_and_cache"]
 
 @triton.jit
 def _norm_head(x1, x2, xp, w_ptr, d1, d2, dp, mask_r, mask_p, eps, model_ty,
-               HEAD_SIZE: tl.constexpr, HAS_PASS: tl.constexpr, GEMMA_NORM: tl.constexpr):
+               HEAD_SIZE: tl.constexpr, HAS_PASS: tl.constexpr, GEMMA_NORM: tl.constexpr,
+               GEMMA4_NORM: tl.constexpr):
     """Per-head RMSNorm of the two rotation halves and the pass channels (fp32 ``[BLOCK_T, *]``,
     statistics over the whole head): transformers' form (the normalized value rounded to the
     model dtype, then times the weight) or, with ``GEMMA_NORM``, Gemma's (times ``1 + weight``
-    in fp32, then rounded). fp32 out."""
+    in fp32, then rounded) or, with ``GEMMA4_NORM``, Gemma4's (times ``weight`` in fp32, then
+    rounded). fp32 out."""
     ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
     if HAS_PASS:
         ss += tl.sum(xp * xp, axis=1)
@@ -51,6 +54,9 @@ def _norm_head(x1, x2, xp, w_ptr, d1, d2, dp, mask_r, mask_p, eps, model_ty,
     if GEMMA_NORM:
         x1 = (x1 * inv_rms * (1.0 + w1[None, :])).to(model_ty).to(tl.float32)
         x2 = (x2 * inv_rms * (1.0 + w2[None, :])).to(model_ty).to(tl.float32)
+    elif GEMMA4_NORM:
+        x1 = (x1 * inv_rms * w1[None, :]).to(model_ty).to(tl.float32)
+        x2 = (x2 * inv_rms * w2[None, :]).to(model_ty).to(tl.float32)
     else:
         x1 = (x1 * inv_rms).to(model_ty).to(tl.float32) * w1[None, :]
         x2 = (x2 * inv_rms).to(model_ty).to(tl.float32) * w2[None, :]
@@ -58,6 +64,8 @@ def _norm_head(x1, x2, xp, w_ptr, d1, d2, dp, mask_r, mask_p, eps, model_ty,
         wp = tl.load(w_ptr + dp, mask=mask_p, other=0.0).to(tl.float32)
         if GEMMA_NORM:
             xp = (xp * inv_rms * (1.0 + wp[None, :])).to(model_ty).to(tl.float32)
+        elif GEMMA4_NORM:
+            xp = (xp * inv_rms * wp[None, :]).to(model_ty).to(tl.float32)
         else:
             xp = (xp * inv_rms).to(model_ty).to(tl.float32) * wp[None, :]
     return x1, x2, xp
@@ -78,7 +86,8 @@ def _rope_cos_sin_and_cache_kernel(
     stride_cache_block, stride_cache_group,
     # meta
     NUM_Q_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, ROT_HALF: tl.constexpr,
-    IS_NEOX: tl.constexpr, NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr,
+    IS_NEOX: tl.constexpr, NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, GEMMA4_NORM: tl.constexpr,
+    NORM_AFTER_ROPE: tl.constexpr,
     WRITE_CACHE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, X: tl.constexpr,
     INTERLEAVED_V: tl.constexpr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
@@ -124,7 +133,8 @@ def _rope_cos_sin_and_cache_kernel(
         xp = tl.zeros((BLOCK_T, BLOCK_P), dtype=tl.float32)
     if NORM and not NORM_AFTER_ROPE:
         x1, x2, xp = _norm_head(x1, x2, xp, w_ptr, d1, d2, dp, mask_r, mask_p, eps, model_ty,
-                                HEAD_SIZE=HEAD_SIZE, HAS_PASS=HAS_PASS, GEMMA_NORM=GEMMA_NORM)
+                                HEAD_SIZE=HEAD_SIZE, HAS_PASS=HAS_PASS, GEMMA_NORM=GEMMA_NORM,
+                                GEMMA4_NORM=GEMMA4_NORM)
     # Round once: the cache gets exactly the key stored back.
     o1 = (x1 * cos1 - x2 * sin1).to(model_ty)
     o2 = (x2 * cos2 + x1 * sin2).to(model_ty)
@@ -134,7 +144,8 @@ def _rope_cos_sin_and_cache_kernel(
         # the rotation), the normalized value rounded once more, as the model's RMSNorm does.
         n1, n2, n_p = _norm_head(o1.to(tl.float32), o2.to(tl.float32), op.to(tl.float32), w_ptr, d1, d2, dp,
                                  mask_r, mask_p, eps, model_ty,
-                                 HEAD_SIZE=HEAD_SIZE, HAS_PASS=HAS_PASS, GEMMA_NORM=GEMMA_NORM)
+                                 HEAD_SIZE=HEAD_SIZE, HAS_PASS=HAS_PASS, GEMMA_NORM=GEMMA_NORM,
+                                GEMMA4_NORM=GEMMA4_NORM)
         o1, o2, op = n1.to(model_ty), n2.to(model_ty), n_p.to(model_ty)
     tl.store(base + d1[None, :] * stride_d, o1, mask=mask)
     tl.store(base + d2[None, :] * stride_d, o2, mask=mask)
@@ -169,9 +180,9 @@ def _rope_cos_sin_and_cache_kernel(
 
 def launch(query, key, value, cos, sin, is_neox, kv_cache, slot_mapping, k_scale, v_scale,
            interleaved_v, *, q_weight=None, k_weight=None, eps=0.0, gemma_norm=False, norm_after_rope=False,
-           cfg: WriterConfig | None = None) -> None:
+           gemma4_norm=False, cfg: WriterConfig | None = None) -> None:
     """Launch the kernel: with ``q_weight``/``k_weight`` it normalizes first (``NORM``;
-    ``gemma_norm``: Gemma's form; ``norm_after_rope``: it normalizes the rotated heads instead).
+    ``gemma_norm``: Gemma's form; ``gemma4_norm``: Gemma4's; ``norm_after_rope``: it normalizes the rotated heads instead).
     An empty ``slot_mapping`` rotates only (``kv_cache`` is then not read: it may be any
     tensor, e.g. an empty one of a layer without a cache)."""
     num_tokens = query.shape[0]
@@ -199,7 +210,8 @@ def launch(query, key, value, cos, sin, is_neox, kv_cache, slot_mapping, k_scale
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         cache.stride(0) if write_cache else 0, cache.stride(1) if write_cache else 0,
         NUM_Q_HEADS=num_q_heads, HEAD_SIZE=head_size, ROT_HALF=rot_half, IS_NEOX=bool(is_neox),
-        NORM=norm, GEMMA_NORM=bool(norm and gemma_norm), NORM_AFTER_ROPE=bool(norm and norm_after_rope),
+        NORM=norm, GEMMA_NORM=bool(norm and gemma_norm), GEMMA4_NORM=bool(norm and gemma4_norm),
+        NORM_AFTER_ROPE=bool(norm and norm_after_rope),
         WRITE_CACHE=write_cache,
         INTERLEAVED_V=bool(interleaved_v), BLOCK_T=block_t,
         BLOCK_R=triton.next_power_of_2(rot_half),
