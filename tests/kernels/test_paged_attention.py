@@ -459,6 +459,32 @@ def test_triton_paged_attention_gpu(geom, feat, dtype):
     check_paged("triton", *GPU_BATCH, dtype=dtype, device=GPU, **geom, **feat)
 
 
+# Head size 512 (Gemma4's full-attention layers) with the configs a GPU picks for it: a
+# batch with decodes (long ones split), verify rows (2..8 tokens) and prefills with and
+# without a cached prefix; every cache kind the configs are keyed by.
+GPU_D512 = [
+    ("gqa8_bf16", dict(num_heads=16, num_kv_heads=2)),
+    ("gqa8_fp16_interleaved_lbhnc", dict(num_heads=16, num_kv_heads=2, dtype=torch.float16,
+                                         interleaved_v=True, layout="LBHNC")),
+    ("gqa2_bf16_window_sinks_softcap", dict(num_heads=4, num_kv_heads=2, sliding_window=300,
+                                            sinks=True, softcap=30.0)),
+    ("gqa8_bf16_split64", dict(num_heads=16, num_kv_heads=2, num_splits=64)),
+    ("gqa8_fp8_e4m3_cache", dict(num_heads=16, num_kv_heads=2, cache_dtype=torch.float8_e4m3fn, tol=2e-2)),
+    ("gqa4_fp32", dict(num_heads=8, num_kv_heads=2, dtype=torch.float32)),
+    ("gqa4_fp32_model_bf16_cache", dict(num_heads=8, num_kv_heads=2, dtype=torch.float32,
+                                        cache_dtype=torch.bfloat16, tol=2e-2)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", [c[1] for c in GPU_D512], ids=[c[0] for c in GPU_D512])
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_paged_attention_gpu_head_size_512(provider, kw):
+    kw = {"dtype": torch.bfloat16, **kw}
+    check_paged(provider, [1, 4, 1, 8, 300, 1, 77], [2000, 900, 15, 40, 1200, 1, 0], head_size=512,
+                hints=True, device=GPU, **kw)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("interleaved_v", [False, True])

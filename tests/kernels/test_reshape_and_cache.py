@@ -194,6 +194,26 @@ def test_reshape_and_cache_gpu(provider, dtype, cache_dtype, block_size, layout,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype,cache_dtype", GPU_DTYPES)
+@pytest.mark.parametrize("block_size,layout,interleaved_v", GPU_GEOMETRY[:2])
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_reshape_and_cache_gpu_head_size_512(provider, dtype, cache_dtype, block_size, layout, interleaved_v):
+    """Gemma4's full-attention head size (native refuses it: skipped there)."""
+    t, hkv, d = 100, 2, 512
+    cache, slots = make_cache(block_size, hkv, d, cache_dtype, layout, t, 512 + block_size)
+    fn = _kernel(provider, cache, dtype, d, interleaved_v)
+    expected = cache.cpu().clone()
+    _, k, v = split(make_qkv(t, 4, hkv, d, dtype, 7), 4, hkv, d)
+    k = k.view(t, hkv, d)
+    slots = pad_slots(slots, 3)[: t - 2].to(DEV)
+    ks, vs = scales(dtype, 0.05, 0.03)
+    fn(k, v, cache, slots, ks, vs, interleaved_v)
+    oracle_write(expected, k.cpu(), v.cpu(), slots.cpu(), ks.cpu(), vs.cpu(), interleaved_v)
+    torch.cuda.synchronize()
+    assert_cache_equal(cache.cpu(), expected, cache_dtype, exact=cache_dtype == dtype)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_reshape_and_cache_gpu_int64_cache_offsets(provider):
     """A cache past 2^31 elements: the last block must be written at the right place."""
