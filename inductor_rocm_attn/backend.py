@@ -108,7 +108,10 @@ class RocmAttentionBackend:
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return list(capabilities.HEAD_SIZES)
+        """The head sizes a GPU call of this build is served at: the Triton provider's, which
+        stop at 256 on ROCm (head size 512's configs do not fit AMD's LDS; dispatch refuses
+        it there), every ``capabilities.HEAD_SIZES`` entry elsewhere."""
+        return list(providers.triton_head_sizes(bool(torch.version.hip)))
 
     @classmethod
     def supports_sink(cls) -> bool:

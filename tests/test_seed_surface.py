@@ -29,9 +29,10 @@ def test_names_dtypes_and_geometry():
     for caps in GENERAL:
         assert B.supported_dtypes == list(caps.model_dtypes)
         assert B.supported_kv_cache_dtypes == list(caps.kv_cache_dtypes)
-        assert B.get_supported_head_sizes() == list(caps.head_sizes)
         assert caps.block_sizes is None  # any multiple of 16 ...
         assert tuple(B.supported_kv_cache_layouts()) == caps.layouts
+    assert B.get_supported_head_sizes() == list(TRITON.head_sizes)
+    assert REFERENCE.head_sizes == capabilities.HEAD_SIZES
     assert B.get_supported_kernel_block_sizes() == [MultipleOf(16)]  # ... as the seed answers
     rule = B.get_supported_kernel_block_sizes()[0]
     assert [n for n in (8, 16, 24, 32, 544, 784, 1056, 0, -16) if n in rule] == [16, 32, 544, 784, 1056]
@@ -141,3 +142,13 @@ def test_fp8_query_with_q_scale_rejected_when_it_arrives():
     enc_md = ira.build_attention_metadata([3, 1], [0, 0], [[0], [1]], 16)  # an encoder step: no context
     with pytest.raises(NotImplementedError, match="a q_scale of 0.5 with an fp8 query"):
         enc.impl.forward(enc, q8, c.key, c.value, enc.kv_cache, enc_md, out)
+
+
+@pytest.mark.parametrize("hip", [None, "6.4.0"])
+def test_supported_head_sizes_are_what_a_gpu_call_of_this_build_is_served_at(monkeypatch, hip):
+    # On ROCm the Triton provider stops at 256 (head size 512's configs need more shared
+    # memory than AMD's LDS), so the backend must not offer 512 there: dispatch would refuse it.
+    monkeypatch.setattr(torch.version, "hip", hip)
+    answer = B.get_supported_head_sizes()
+    assert answer == list(providers.triton_head_sizes(hip=bool(hip)))
+    assert (512 in answer) is (hip is None)
