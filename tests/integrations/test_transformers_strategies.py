@@ -1,7 +1,8 @@
 """transformers' other generate strategies on PagedCache: beam search (``reorder_cache``),
 prompt lookup and assisted decoding (``crop`` after a multi-token verify step), several
 return sequences, and the cache's re-batching methods, against eager transformers with its
-own DynamicCache (CPU, fp32, random weights; tolerance as in test_transformers.py)."""
+own DynamicCache (CPU, fp32, random weights; tolerance as in test_transformers.py), on Llama
+and Qwen3 and on models with sliding windows and mixed layer types."""
 
 import copy
 
@@ -268,8 +269,9 @@ def test_prompt_lookup_on_sliding_windows_matches_greedy(sliding):
 
 
 def test_assisted_decoding_on_sliding_windows_matches_greedy(sliding):
-    """The assistant's window is out of reach: transformers 5.17's own sliding-window cache
-    cannot take back draft tokens once past its window (an all-eager run raises there)."""
+    """The assistant's window is out of reach: on transformers 5.17's own sliding-window cache,
+    which keeps the drafts it may take back, an assistant's masks are sized for the window and
+    its draft steps past the window raise (an all-eager run too)."""
     name, ours, eager = sliding
     if name not in ("gemma2", "gpt_oss"):
         pytest.skip("assisted decoding: one model with a soft cap, one with sinks")
