@@ -415,6 +415,10 @@ def test_assistant_model_on_rocm_attn_is_refused_with_what_to_do():
                               "forward drafts tokens for assisted decoding"), message
     assert 'for the assistant_model, load it with attn_implementation="eager" or "sdpa"' in message, message
     assert "the main model keeps rocm_attn with its PagedCache" in message, message
+    # assistant_early_exit drafts with the main model itself, on a cache of transformers' own
+    with pytest.raises(RuntimeError, match="drafts tokens for assisted decoding.*assistant_early_exit is not "
+                                           "supported on rocm_attn"):
+        _greedy(ours, ids, past_key_values=PagedCache(ours, num_blocks=8), assistant_early_exit=1)
     # the advice works: the same assistant on sdpa
     assistant.set_attn_implementation("sdpa")
     cache.reset()
