@@ -503,12 +503,12 @@ def _no_step_message(module) -> str:
                  "only a model given a PagedCache runs on rocm_attn")
     if frame is not None:  # an assistant_model, or the model itself under assistant_early_exit
         return (f"{where}: this forward drafts tokens for assisted decoding, on a cache transformers builds itself "
-                f"(it passes the drafting model no past_key_values, so it cannot get a PagedCache); for the "
+                "(it passes the drafting model no past_key_values, so it cannot get a PagedCache); for the "
                 f"assistant_model, {own_cache} (the main model keeps rocm_attn with its PagedCache); "
                 "assistant_early_exit is not supported on rocm_attn")
     return (f"{where}; pass past_key_values=inductor_rocm_attn.integrations.transformers.PagedCache(model, "
             "num_blocks=...) to the model or to generate() (a transformers DynamicCache cannot be used). A model "
-            f"whose generate() builds its own cache and cannot be handed one (an assisted-decoding assistant): "
+            "whose generate() builds its own cache and cannot be handed one (an assisted-decoding assistant): "
             f"{own_cache}")
 
 

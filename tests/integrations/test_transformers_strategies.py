@@ -427,3 +427,5 @@ def test_assistant_model_on_rocm_attn_is_refused_with_what_to_do():
         ours(ids)  # a forward of its own, no cache
     message = str(raised.value)
     assert "no PagedCache step is active; pass past_key_values=" in message and "drafts tokens" not in message
+    assert 'builds its own cache and cannot be handed one (an assisted-decoding assistant): load it with ' \
+           'attn_implementation="eager" or "sdpa"' in message, message
