@@ -478,11 +478,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     only; ``PagedCache.update`` passes them through) -> (``[B, T, Hq, D]``, None)."""
     _check_call(module, attention_mask, scaling, dropout, sliding_window, softcap, s_aux, is_causal, kwargs)
     if not torch.compiler.is_compiling() and get_forward_context().layers is None:
-        raise RuntimeError(
-            f"rocm_attn attention ({type(module).__name__} layer {module.layer_idx}): no PagedCache step is "
-            "active; pass past_key_values=inductor_rocm_attn.integrations.transformers.PagedCache(model, "
-            "num_blocks=...) to the model or to generate() (a transformers DynamicCache cannot be used)"
-        )
+        raise RuntimeError(_no_step_message(module))
     b, h, t, d = query.shape
     name = layer_name(module)
     q, k, v = _token_rows(query), _token_rows(key), _token_rows(value)
@@ -490,6 +486,30 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     token = torch.ops.rocm_attn.unified_kv_cache_update(k, v, name)
     torch.ops.rocm_attn.unified_attention_with_output(q, k, v, out.view(b * t, h, d), name, token)
     return out, None
+
+
+# The transformers module whose candidate generators run the assistant model's own generate().
+_ASSISTANT_CALLER = "transformers.generation.candidate_generator"
+
+
+def _no_step_message(module) -> str:
+    """Why a rocm_attn forward has no PagedCache step, and what to do (error path only: it
+    walks the caller's frames to tell an assisted-decoding assistant from other callers)."""
+    where = f"rocm_attn attention ({type(module).__name__} layer {module.layer_idx}): no PagedCache step is active"
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") != _ASSISTANT_CALLER:
+        frame = frame.f_back
+    own_cache = ('load it with attn_implementation="eager" or "sdpa" (or call its set_attn_implementation("sdpa")): '
+                 "only a model given a PagedCache runs on rocm_attn")
+    if frame is not None:  # an assistant_model, or the model itself under assistant_early_exit
+        return (f"{where}: this forward drafts tokens for assisted decoding, on a cache transformers builds itself "
+                "(it passes the drafting model no past_key_values, so it cannot get a PagedCache); for the "
+                f"assistant_model, {own_cache} (the main model keeps rocm_attn with its PagedCache); "
+                "assistant_early_exit is not supported on rocm_attn")
+    return (f"{where}; pass past_key_values=inductor_rocm_attn.integrations.transformers.PagedCache(model, "
+            "num_blocks=...) to the model or to generate() (a transformers DynamicCache cannot be used). A model "
+            "whose generate() builds its own cache and cannot be handed one (an assisted-decoding assistant): "
+            f"{own_cache}")
 
 
 # --- the cache --------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """transformers' other generate strategies on PagedCache: beam search (``reorder_cache``),
 prompt lookup and assisted decoding (``crop`` after a multi-token verify step), several
 return sequences, and the cache's re-batching methods, against eager transformers with its
-own DynamicCache (CPU, fp32, random weights; tolerance as in test_transformers.py)."""
+own DynamicCache (CPU, fp32, random weights; tolerance as in test_transformers.py), on Llama
+and Qwen3 and on models with sliding windows and mixed layer types."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -13,7 +15,8 @@ transformers = pytest.importorskip("transformers")
 from inductor_rocm_attn.integrations.transformers import PagedCache  # noqa: E402
 from inductor_rocm_attn.layout import dense_kv  # noqa: E402
 
-from test_transformers import TOL, build, ragged_prompts, rel, twin  # noqa: E402
+from test_transformers import (_SMALL, CONFIGS, MORE_CONFIGS, TOL, build, ragged_prompts, rel,  # noqa: E402
+                              twin)
 
 
 class RecordingCache(PagedCache):
@@ -108,12 +111,9 @@ def test_prompt_lookup_decoding_matches_greedy(models):
     _check_matches_greedy(got, _greedy(eager, ids), cache)
 
 
-def test_assisted_decoding_matches_greedy(models):
-    """The assistant: the main model's weights with a little noise, on eager attention with its
-    own DynamicCache: its drafts of up to 4 tokens are partly accepted, each verified by one
-    multi-token step over the cached context."""
-    _, ours, eager = models
-    assistant = twin(ours, "eager")
+def _noisy_assistant(model, **overrides):
+    """``model``'s weights with a little noise, on eager attention, drafting 4 tokens a step."""
+    assistant = twin(model, "eager", **overrides)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in assistant.parameters():
@@ -121,6 +121,15 @@ def test_assisted_decoding_matches_greedy(models):
     assistant.generation_config.num_assistant_tokens = 4
     assistant.generation_config.num_assistant_tokens_schedule = "constant"
     assistant.generation_config.assistant_confidence_threshold = 0.0
+    return assistant
+
+
+def test_assisted_decoding_matches_greedy(models):
+    """The assistant: the main model's weights with a little noise, on eager attention with its
+    own DynamicCache: its drafts of up to 4 tokens are partly accepted, each verified by one
+    multi-token step over the cached context."""
+    _, ours, eager = models
+    assistant = _noisy_assistant(ours)
     ids = _repetitive_prompt()
     cache = RecordingCache(ours, num_blocks=8, poison=True)
     got = _greedy(ours, ids, past_key_values=cache, assistant_model=assistant)
@@ -157,9 +166,12 @@ def test_cache_methods_match_dynamic_cache_step_by_step():
     given the same calls."""
     ours = build("llama", "rocm_attn")
     eager = twin(ours, "eager")
+    _cache_methods_step_by_step(ours, eager, transformers.DynamicCache(config=eager.config))
+
+
+def _cache_methods_step_by_step(ours, eager, ref):
     ids, mask = ragged_prompts([5, 11, 8])
     cache = PagedCache(ours, num_blocks=32, block_size=16, poison=True)
-    ref = transformers.DynamicCache(config=eager.config)
     g = torch.Generator().manual_seed(5)
     state = {"mask": mask}
 
@@ -200,6 +212,85 @@ def test_cache_methods_match_dynamic_cache_step_by_step():
     step(2)
     both("crop", 0)
     step(1)
+
+
+# --- sliding windows and mixed layer types -----------------------------------------------------
+
+# Windows of 4-5 tokens, crossed by every prompt plus its generated tokens; per model, each
+# layer's window in the paged layers (-1: full attention).
+SLIDING = {
+    "mistral": (CONFIGS["mistral"], 6, [6, 6]),  # config.sliding_window on every layer
+    "gemma2": (CONFIGS["gemma2"], 4, [4, -1]),  # sliding, full (soft cap on both)
+    "gemma3": (MORE_CONFIGS["gemma3"], 4, [4, -1]),
+    "gpt_oss": (MORE_CONFIGS["gpt_oss"], 4, [4, -1]),  # sinks with a window, sinks on full attention
+    "qwen2": (lambda: transformers.Qwen2Config(**_SMALL, num_key_value_heads=2, use_sliding_window=True,
+                                               max_window_layers=1), 4, [-1, 4]),  # full, then sliding
+}
+
+
+@functools.lru_cache(maxsize=None)
+def sliding_models(name):
+    """(ours, its eager twin) of ``SLIDING[name]``, built once for the module's tests."""
+    factory, window, windows = SLIDING[name]
+    config = factory()
+    config.sliding_window = window
+    torch.manual_seed(0)
+    ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="rocm_attn",
+                                                         dtype=torch.float32).eval()
+    layers = PagedCache(ours, num_blocks=1).layers_by_name.values()
+    assert [layer.impl.sliding_window for layer in layers] == windows
+    return ours, twin(ours, "eager")
+
+
+@pytest.mark.parametrize("name", list(SLIDING))
+def test_beam_search_on_sliding_windows_matches_eager(name):
+    """Beams move between rows (copies, frees) while every row is past its window: each copy
+    keeps what its layers' windows see. Eager runs on the cache transformers builds for the
+    model (sliding-window layers where it has them)."""
+    ours, eager = sliding_models(name)
+    ids, mask = ragged_prompts([5, 11])
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, num_beams=3, num_return_sequences=2,
+              eos_token_id=None, output_scores=True, return_dict_in_generate=True)
+    cache = RecordingCache(ours, num_blocks=48, poison=True)
+    got = ours.generate(ids, past_key_values=cache, **kw)
+    want = eager.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert torch.allclose(got.sequences_scores, want.sequences_scores, atol=1e-5, rtol=0)
+    reorders = [idx for what, idx in cache.calls if what == "reorder"]
+    assert any(len(set(idx)) < len(idx) for idx in reorders)  # some row was taken twice
+    assert blocks_in_use(cache) == blocks_held(cache)
+
+
+@pytest.mark.parametrize("name", list(SLIDING))
+def test_prompt_lookup_on_sliding_windows_matches_greedy(name):
+    """Drafts verified and rejected past the window: a crop leaves each layer's window over the
+    tokens that remain."""
+    ours, eager = sliding_models(name)
+    ids = _repetitive_prompt()
+    cache = RecordingCache(ours, num_blocks=8, poison=True)
+    got = _greedy(ours, ids, past_key_values=cache, prompt_lookup_num_tokens=3)
+    _check_matches_greedy(got, _greedy(eager, ids), cache)
+
+
+def test_assisted_decoding_on_sliding_windows_matches_greedy():
+    """Gemma2 (sliding, full). The assistant's window is out of reach: on transformers 5.17's
+    own sliding-window cache, which keeps the drafts it may take back, an assistant's masks are
+    sized for the window and its draft steps past the window raise (an all-eager run too)."""
+    ours, eager = sliding_models("gemma2")
+    assistant = _noisy_assistant(ours, sliding_window=4096)
+    ids = _repetitive_prompt()
+    cache = RecordingCache(ours, num_blocks=8, poison=True)
+    got = _greedy(ours, ids, past_key_values=cache, assistant_model=assistant)
+    _check_matches_greedy(got, _greedy(eager, ids), cache)
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "gpt_oss", "qwen2"])
+def test_cache_methods_on_sliding_windows_step_by_step(name):
+    """Crops back across the window, reorder / repeat / select of rows past it. The reference:
+    eager on a DynamicCache of full layers (its mask applies each layer's window; the sliding
+    layers of DynamicCache(config=...) cannot crop past their window)."""
+    ours, eager = sliding_models(name)
+    _cache_methods_step_by_step(ours, eager, transformers.DynamicCache())
 
 
 def test_crop_removes_each_rows_own_tokens_of_the_columns():
@@ -311,10 +402,33 @@ def test_calls_during_a_step_are_refused_by_name():
     assert cache.row_lengths() == [1, 1] and cache.get_seq_length() == 1
 
 
-def test_assistant_model_on_rocm_attn_is_refused():
-    """The assistant runs its own generate() on a DynamicCache that transformers builds for it:
-    an assistant loaded with attn_implementation="rocm_attn" has no PagedCache step."""
+def test_assistant_model_on_rocm_attn_is_refused_with_what_to_do():
+    """The assistant runs its own generate() on a cache that transformers builds for it (it
+    passes the assistant no past_key_values): loaded with attn_implementation="rocm_attn", it
+    has no PagedCache step, and the error says to load it with eager or sdpa. Any other forward
+    without a step is told to pass a PagedCache."""
     ours = build("llama", "rocm_attn")
     ids = _repetitive_prompt()
-    with pytest.raises(RuntimeError, match="no PagedCache step is active"):
-        _greedy(ours, ids, past_key_values=PagedCache(ours, num_blocks=8), assistant_model=build("llama", "rocm_attn"))
+    assistant = build("llama", "rocm_attn")
+    cache = PagedCache(ours, num_blocks=8)
+    with pytest.raises(RuntimeError) as raised:
+        _greedy(ours, ids, past_key_values=cache, assistant_model=assistant)
+    message = str(raised.value)
+    assert message.startswith("rocm_attn attention (LlamaAttention layer 0): no PagedCache step is active: this "
+                              "forward drafts tokens for assisted decoding"), message
+    assert 'for the assistant_model, load it with attn_implementation="eager" or "sdpa"' in message, message
+    assert "the main model keeps rocm_attn with its PagedCache" in message, message
+    # assistant_early_exit drafts with the main model itself, on a cache of transformers' own
+    with pytest.raises(RuntimeError, match="drafts tokens for assisted decoding.*assistant_early_exit is not "
+                                           "supported on rocm_attn"):
+        _greedy(ours, ids, past_key_values=PagedCache(ours, num_blocks=8), assistant_early_exit=1)
+    # the advice works: the same assistant on sdpa
+    assistant.set_attn_implementation("sdpa")
+    cache.reset()
+    _greedy(ours, ids, past_key_values=cache, assistant_model=assistant)
+    with pytest.raises(RuntimeError) as raised:
+        ours(ids)  # a forward of its own, no cache
+    message = str(raised.value)
+    assert "no PagedCache step is active; pass past_key_values=" in message and "drafts tokens" not in message
+    assert 'builds its own cache and cannot be handed one (an assisted-decoding assistant): load it with ' \
+           'attn_implementation="eager" or "sdpa"' in message, message
