@@ -35,7 +35,7 @@ from inductor_rocm_attn.integrations.batching import generate  # noqa: E402
 from inductor_rocm_attn.integrations.transformers import PagedCache  # noqa: E402
 from inductor_rocm_attn.integrations.transformers_runner import compile_transformers, eager_runner  # noqa: E402
 from test_transformers import NEW_TOKENS, greedy, ragged_prompts  # noqa: E402
-from test_transformers_architectures import STEP_TOKENS, TOL, _errors  # noqa: E402
+from test_transformers_architectures import PAGED_CONFIGS, STEP_TOKENS, TOL, TOL_OF, _errors  # noqa: E402
 
 WINDOW = 6  # every sliding window, shrunk: the prompts and their new tokens cross it
 _BASE = dict(vocab_size=256, num_hidden_layers=2, intermediate_size=128, pad_token_id=0, bos_token_id=1,
@@ -282,12 +282,12 @@ def _eager_reference(eager, prompts):
     return out
 
 
-def _check_served(got, want):
+def _check_served(got, want, tol=TOL):
     assert "mixed" in [s.kind for s in got.steps]  # prefill chunks beside decodes
     for tokens, logits, (want_tokens, want_logits) in zip(got.tokens, got.logits, want):
         assert tokens == want_tokens
         errs = _errors(logits, want_logits)
-        assert len(errs) == NEW_TOKENS and max(errs) < TOL, errs
+        assert len(errs) == NEW_TOKENS and max(errs) < tol, errs
 
 
 @pytest.mark.parametrize("name", list(GEOMETRIES))
@@ -318,6 +318,29 @@ def test_compile_transformers_fuses_every_rope_layer_and_matches_eager(name):
     assert fused == set(runner.layers), ira.fusion_report()  # every layer, in the piece that serves it
     _check_served(generate(runner, _prompts(), NEW_TOKENS, return_logits=True),
                   _eager_reference(_eager(ours), _prompts()))
+
+
+@pytest.mark.compile
+def test_compile_transformers_fuses_gemma4_with_its_released_head_sizes():
+    """Gemma4 (heads of 256 sliding / 512 full, K used as V on the full layers, a KV-shared last
+    layer; ``test_transformers_architectures.py``'s config): under compile_transformers every
+    layer with a key of its own fuses QK-norm + RoPE + cache write (``gemma4_norm``), the
+    KV-shared layer fuses none (it has no key of its own), and the served prompts match eager."""
+    torch.manual_seed(0)
+    config = PAGED_CONFIGS["gemma4_real_heads"]()
+    ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="rocm_attn",
+                                                         dtype=torch.float32).eval()
+    ira.fusion_report().clear()
+    with torch._inductor.config.patch(force_disable_caches=True):  # cold: the passes run
+        runner = compile_transformers(ours, num_blocks=32, capture_sizes=[1, 2, 4, 8, 16], max_num_seqs=8,
+                                      max_num_tokens=STEP_TOKENS, poison=True, graph_backend=RerunGraphBackend())
+    records = [r for r in ira.fusion_report().records if r.pass_name == "qk_norm_rope_kv_cache_fusion"]
+    fused = {layer for r in records if r.fused for layer in (r.serves or (r.layer_name,))}
+    shared = config.num_hidden_layers - config.num_kv_shared_layers
+    own_key = {name for name in runner.layers if int(name.split(".layers.")[1].split(".")[0]) < shared}
+    assert own_key and fused == own_key, ira.fusion_report()
+    _check_served(generate(runner, _prompts(), NEW_TOKENS, return_logits=True),
+                  _eager_reference(_eager(ours), _prompts()), tol=TOL_OF["gemma4_real_heads"])
 
 
 @pytest.mark.parametrize("name", list(RECOMPUTED_ROPE))
