@@ -53,20 +53,27 @@ def models(request):
 # --- beam search --------------------------------------------------------------------------------
 
 
+def _beam_search_matches_eager(ours, eager, ids, mask, **beams):
+    """Greedy beam search through a recording PagedCache and through eager's own cache: the
+    same sequences, scores within 1e-5. Returns the cache and the beam indices it was given."""
+    kw = dict(attention_mask=mask, do_sample=False, eos_token_id=None, output_scores=True,
+              return_dict_in_generate=True, **beams)
+    cache = RecordingCache(ours, num_blocks=48, poison=True)
+    got = ours.generate(ids, past_key_values=cache, **kw)
+    want = eager.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert torch.allclose(got.sequences_scores, want.sequences_scores, atol=1e-5, rtol=0)
+    return cache, [idx for what, idx in cache.calls if what == "reorder"]
+
+
 @pytest.mark.parametrize("num_beams, num_return", [(2, 1), (4, 3)])
 def test_beam_search_matches_eager(models, num_beams, num_return):
     """Ragged left-padded prompts: rows of one prompt share its padding, beams move between
     rows each step (reorder_cache copies a row taken twice, frees one taken by none)."""
     _, ours, eager = models
     ids, mask = ragged_prompts()
-    kw = dict(attention_mask=mask, max_new_tokens=7, do_sample=False, num_beams=num_beams,
-              num_return_sequences=num_return, eos_token_id=None, output_scores=True, return_dict_in_generate=True)
-    cache = RecordingCache(ours, num_blocks=48, poison=True)
-    got = ours.generate(ids, past_key_values=cache, **kw)
-    want = eager.generate(ids, **kw)
-    assert torch.equal(got.sequences, want.sequences)
-    assert torch.allclose(got.sequences_scores, want.sequences_scores, atol=1e-5, rtol=0)
-    reorders = [idx for what, idx in cache.calls if what == "reorder"]
+    cache, reorders = _beam_search_matches_eager(ours, eager, ids, mask, max_new_tokens=7, num_beams=num_beams,
+                                                 num_return_sequences=num_return)
     rows = len(ids) * num_beams
     assert len(reorders) == 7 and all(len(idx) == rows for idx in reorders)
     # beams did move: some row continued another row, and some row was taken twice
@@ -249,14 +256,8 @@ def test_beam_search_on_sliding_windows_matches_eager(name):
     model (sliding-window layers where it has them)."""
     ours, eager = sliding_models(name)
     ids, mask = ragged_prompts([5, 11])
-    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, num_beams=3, num_return_sequences=2,
-              eos_token_id=None, output_scores=True, return_dict_in_generate=True)
-    cache = RecordingCache(ours, num_blocks=48, poison=True)
-    got = ours.generate(ids, past_key_values=cache, **kw)
-    want = eager.generate(ids, **kw)
-    assert torch.equal(got.sequences, want.sequences)
-    assert torch.allclose(got.sequences_scores, want.sequences_scores, atol=1e-5, rtol=0)
-    reorders = [idx for what, idx in cache.calls if what == "reorder"]
+    cache, reorders = _beam_search_matches_eager(ours, eager, ids, mask, max_new_tokens=6, num_beams=3,
+                                                 num_return_sequences=2)
     assert any(len(set(idx)) < len(idx) for idx in reorders)  # some row was taken twice
     assert blocks_in_use(cache) == blocks_held(cache)
 

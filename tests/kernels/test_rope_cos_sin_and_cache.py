@@ -160,23 +160,33 @@ def oracle_norm_gemma(x, w, eps, dtype):
 GEMMA_CASES = [c for c in CASES if c[6] != torch.float32] + [CASES[2]]
 
 
+def _norm_writer_case(provider, block_size, head_size, rot_dim, layout, interleaved_v, dtype, form, seed_mult,
+                      weights):
+    """A QK-norm writer case of 9 tokens, 4 query / 2 KV heads: the kernel, a poisoned cache and
+    its copy, q/k/v of ``form``, per-head weights (``weights``: "0.3" small offsets as Gemma
+    stores them, "1 + 0.5" far from 1), per-token cos/sin, padded slots and scales."""
+    t, hq, hkv, eps = 9, 4, 2, 1e-6
+    seed = seed_mult * block_size + head_size + rot_dim
+    cache, slots = make_cache(block_size, hkv, head_size, dtype, layout, t, seed)
+    fn = _kernel(provider, "qk_norm_rope_cos_sin_and_cache", cache, dtype, head_size, rot_dim, interleaved_v)
+    cache_in = cache.cpu().clone()
+    _, q, k, v = make_qk(t, hq, hkv, head_size, dtype, seed, form)
+    w = torch.randn(2, head_size, generator=gen(seed + 1))
+    w = (0.3 * w if weights == "0.3" else 1 + 0.5 * w).to(dtype).to(DEV)
+    cos, sin = make_rows(t, rot_dim, dtype, seed + 2)
+    slots = pad_slots(slots)[: t - 2].to(DEV)
+    ks, vs = scales(dtype)
+    return t, hq, hkv, eps, fn, cache, cache_in, q, k, v, w, cos, sin, slots, ks, vs
+
+
 @pytest.mark.parametrize("block_size,head_size,rot_dim,layout,interleaved_v,is_neox,dtype,form", GEMMA_CASES)
 @pytest.mark.parametrize("provider", put.providers_for("qk_norm_rope_cos_sin_and_cache"))
 def test_gemma_norm_writer(provider, block_size, head_size, rot_dim, layout, interleaved_v, is_neox, dtype, form):
     """``gemma_norm=True``: the normalized value times ``1 + weight`` rounded once (Gemma's
     RMSNorm), then RoPE and the cache write as without it. The weights are small, as Gemma's
     are (they are stored as offsets from 1)."""
-    op = "qk_norm_rope_cos_sin_and_cache"
-    t, hq, hkv, eps = 9, 4, 2, 1e-6
-    seed = 7 * block_size + head_size + rot_dim
-    cache, slots = make_cache(block_size, hkv, head_size, dtype, layout, t, seed)
-    fn = _kernel(provider, op, cache, dtype, head_size, rot_dim, interleaved_v)
-    cache_in = cache.cpu().clone()
-    base, q, k, v = make_qk(t, hq, hkv, head_size, dtype, seed, form)
-    w = (0.3 * torch.randn(2, head_size, generator=gen(seed + 1))).to(dtype).to(DEV)
-    cos, sin = make_rows(t, rot_dim, dtype, seed + 2)
-    slots = pad_slots(slots)[: t - 2].to(DEV)
-    ks, vs = scales(dtype)
+    t, hq, hkv, eps, fn, cache, cache_in, q, k, v, w, cos, sin, slots, ks, vs = _norm_writer_case(
+        provider, block_size, head_size, rot_dim, layout, interleaved_v, dtype, form, 7, '0.3')
     want = [oracle_rope_rows(oracle_norm_gemma(x.cpu().reshape(t, -1, head_size), w[i], eps, dtype).to(torch.float64),
                              cos, sin, is_neox).to(dtype) for i, x in enumerate((q, k))]
     # the other form on the same inputs: the test tells the two apart
@@ -211,17 +221,8 @@ def test_gemma4_norm_writer(provider, block_size, head_size, rot_dim, layout, in
     """``gemma4_norm=True``: the normalized value times ``weight`` in fp32, rounded once
     (Gemma4's RMSNorm), then RoPE and the cache write. Told apart from transformers' form
     (the normalized value rounded before the weight) in fp16, and from Gemma's ``1 + weight``."""
-    op = "qk_norm_rope_cos_sin_and_cache"
-    t, hq, hkv, eps = 9, 4, 2, 1e-6
-    seed = 5 * block_size + head_size + rot_dim
-    cache, slots = make_cache(block_size, hkv, head_size, dtype, layout, t, seed)
-    fn = _kernel(provider, op, cache, dtype, head_size, rot_dim, interleaved_v)
-    cache_in = cache.cpu().clone()
-    base, q, k, v = make_qk(t, hq, hkv, head_size, dtype, seed, form)
-    w = (1 + 0.5 * torch.randn(2, head_size, generator=gen(seed + 1))).to(dtype).to(DEV)
-    cos, sin = make_rows(t, rot_dim, dtype, seed + 2)
-    slots = pad_slots(slots)[: t - 2].to(DEV)
-    ks, vs = scales(dtype)
+    t, hq, hkv, eps, fn, cache, cache_in, q, k, v, w, cos, sin, slots, ks, vs = _norm_writer_case(
+        provider, block_size, head_size, rot_dim, layout, interleaved_v, dtype, form, 5, '1 + 0.5')
     heads = [x.cpu().reshape(t, -1, head_size).to(torch.float64) for x in (q, k)]
     want = [oracle_rope_rows(oracle_norm_gemma4(x, w[i], eps, dtype).to(torch.float64), cos, sin, is_neox).to(dtype)
             for i, x in enumerate(heads)]
@@ -290,17 +291,8 @@ def test_norm_after_rope_writer(provider, block_size, head_size, rot_dim, layout
     head, each rounded where the model rounds; the cache gets the key stored back. The weights
     are far from 1, so the norm-first order (``w`` before the rotation: it does not commute
     with it) is told apart."""
-    op = "qk_norm_rope_cos_sin_and_cache"
-    t, hq, hkv, eps = 9, 4, 2, 1e-6
-    seed = 3 * block_size + head_size + rot_dim
-    cache, slots = make_cache(block_size, hkv, head_size, dtype, layout, t, seed)
-    fn = _kernel(provider, op, cache, dtype, head_size, rot_dim, interleaved_v)
-    cache_in = cache.cpu().clone()
-    base, q, k, v = make_qk(t, hq, hkv, head_size, dtype, seed, form)
-    w = (1 + 0.5 * torch.randn(2, head_size, generator=gen(seed + 1))).to(dtype).to(DEV)
-    cos, sin = make_rows(t, rot_dim, dtype, seed + 2)
-    slots = pad_slots(slots)[: t - 2].to(DEV)
-    ks, vs = scales(dtype)
+    t, hq, hkv, eps, fn, cache, cache_in, q, k, v, w, cos, sin, slots, ks, vs = _norm_writer_case(
+        provider, block_size, head_size, rot_dim, layout, interleaved_v, dtype, form, 3, '1 + 0.5')
     heads = [x.cpu().reshape(t, -1, head_size) for x in (q, k)]
     want = [oracle_norm_after_rope(x, w[i].cpu(), eps, cos, sin, is_neox, dtype, gemma) for i, x in enumerate(heads)]
     first = oracle_norm_gemma if gemma else oracle_norm
