@@ -11,7 +11,8 @@
 #   peers: FlashInfer beside ours and SDPA (carry [".whl"]: its wheels, installed into .site):
 #   the decode grid with the split-rule A/B, prefill, and verify batches; the tables are
 #   printed last (and kept in $OUT/tables.md)
-#   TEST_FILES=tests/kernels/test_paged_attention.py limits the tests stage to those files
+#   TEST_FILES=tests/kernels/test_paged_attention.py limits the tests stage to those files;
+#   TEST_FILTER="512|gemma4" further to the test ids matching that extended regex
 #   TEST_SHARDS / WRITER_SHARDS: parallel pytest processes (default 6 / 2 for the AITER-op writers)
 #   MEMCHECK_FILTER="dense_paths|plain" limits the memcheck stage to test ids matching it;
 #   MEMCHECK_SHARDS / MEMCHECK_S: its processes and per-process limit (default TEST_SHARDS / TESTS_S)
@@ -63,7 +64,7 @@ run_tests() {
   # .aiter/ is carried; the other files must not see it, or it would be picked before Triton.
   mkdir -p $OUT/tests
   python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider ${TEST_FILES:-tests} 2>/dev/null \
-    | grep '::' > $OUT/tests/ids.txt
+    | grep '::' | grep -E "${TEST_FILTER:-.}" > $OUT/tests/ids.txt
   AITER_OPS='tests/kernels/test_(rope_and_cache|qk_norm_rope_and_cache)\.py'
   grep -Ev "$AITER_OPS" $OUT/tests/ids.txt > $OUT/tests/main.ids
   grep -E "$AITER_OPS" $OUT/tests/ids.txt > $OUT/tests/writers.ids
