@@ -18,11 +18,15 @@ the verify kernel against the prefill kernel on the same batch, a plain decode s
 same batch, SDPA and the FlashInfer peers.
 ``--fp8``: each case with a bf16 and an fp8 e4m3 cache (same geometry, same run): the fp8
 speedup (goal >= 1.8x at B=64 L=4096: half the bytes).
+``--head-size`` / ``--kv-heads``: another geometry (e.g. Gemma4's full layers: ``--head-size 512
+--kv-heads 4``). ``--soft-cap C``: every case also with a logit soft cap of C (Gemma2's 50), timed
+beside the uncapped kernel in the same run and checked against a float32 reference with the cap.
 
     python benchmarks/bench_decode.py [--batch 1 16 64 128] [--ctx 1024 4096 16384] [--sweep]
     python benchmarks/bench_decode.py --peers flashinfer --candidates
     python benchmarks/bench_decode.py --verify 4 --batch 16 64 --ctx 4096 --peers flashinfer
     python benchmarks/bench_decode.py --fp8 --batch 16 64 --ctx 4096 16384
+    python benchmarks/bench_decode.py --head-size 512 --kv-heads 4 --soft-cap 50
 
 Writes benchmarks/results/decode_<date>.json and .md (verify_<date> with --verify; or --out DIR).
 """
@@ -161,10 +165,10 @@ class DecodeCase:
         self.one = torch.ones(1, device="cuda")
         self.b, self.L = b, L
 
-    def run(self, **kw):
+    def run(self, soft_cap: float = 0.0, **kw):
         paged_attention(self.out, self.query, None, None, self.kv_cache, self.qsl, self.seq_lens,
                         self.block_table, self.scale, self.one, self.one, True, -1, None, None,
-                        0.0, INTERLEAVED_V, None, max_query_len=1, max_seq_len=self.L, **kw)
+                        soft_cap, INTERLEAVED_V, None, max_query_len=1, max_seq_len=self.L, **kw)
 
     def gather(self, warps: int = 4):
         """The paged-read peer: every K/V page this case's attention reads, and no math."""
@@ -196,6 +200,14 @@ class DecodeCase:
         v = vd[bt].reshape(self.b, self.L, HKV, D).transpose(1, 2).contiguous()
         return k, v
 
+
+
+def capped_reference(q4, k, v, scale: float, cap: float) -> torch.Tensor:
+    """Decode attention with a logit soft cap, in float32 (SDPA has no soft cap): [B, HQ, 1, D]."""
+    qf = q4.float().reshape(q4.shape[0], HKV, HQ // HKV, -1)  # [B, HKV, G, D]: no K copies
+    s = (qf @ k.float().transpose(-1, -2)) * scale  # [B, HKV, G, L]
+    s = cap * torch.tanh(s / cap)
+    return (s.softmax(-1) @ v.float()).reshape(q4.shape)
 
 
 def write_table(out_dir: str, name: str, lines: list[str]) -> None:
@@ -518,14 +530,18 @@ def bench_verify(args, sms: int, ceiling: float, peers: Peers):
 
 
 def main():
-    global BS, HQ, INTERLEAVED_V
+    global BS, HQ, HKV, D, INTERLEAVED_V
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 128])
     ap.add_argument("--ctx", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--sweep", action="store_true", help="also sweep configs at B=64,L=4096 and splits at B=1")
     ap.add_argument("--sequential", action="store_true",
                     help="place each sequence's blocks in order (diagnostic; default random)")
-    ap.add_argument("--q-heads", type=int, default=HQ, help="query heads (8 KV heads; default 32)")
+    ap.add_argument("--q-heads", type=int, default=HQ, help="query heads (default 32)")
+    ap.add_argument("--kv-heads", type=int, default=HKV, help="KV heads (default 8)")
+    ap.add_argument("--head-size", type=int, default=D, help="head size (default 128)")
+    ap.add_argument("--soft-cap", type=float, default=0.0,
+                    help="also time every case with this logit soft cap (checked against float32)")
     ap.add_argument("--interleaved-v", action="store_true", help="interleaved-V cache interior")
     ap.add_argument("--cfgs", nargs="+", default=None,
                     help="only these decode configs, tile,warps,stages,kind[,splits], e.g. 16,1,3,rows "
@@ -551,7 +567,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     BS = args.block_size
-    HQ = args.q_heads
+    HQ, HKV, D = args.q_heads, args.kv_heads, args.head_size
     INTERLEAVED_V = args.interleaved_v
     dev = torch.cuda.get_device_name()
     sms = launch_target(torch.device("cuda")).num_sms
@@ -578,8 +594,9 @@ def main():
             t_sdpa = graph_time_us(lambda: F.scaled_dot_product_attention(
                 q4, k, v, scale=c.scale, enable_gqa=True))
             t_gather = graph_time_us(c.gather)
-            # the same pages with the decode kernel's tile addressing (standard V only)
-            t_tiles = None if INTERLEAVED_V else graph_time_us(c.gather_tiles)
+            # the same pages with the decode kernel's tile addressing (standard V only; its
+            # one-warp tile is sized for head sizes up to 256)
+            t_tiles = None if INTERLEAVED_V or D > 256 else graph_time_us(c.gather_tiles)
             nbytes = 2 * b * L * HKV * D * 2 + 2 * b * HQ * D * 2
             row = dict(B=b, L=L, splits=splits, triton_us=t_tri, sdpa_us=t_sdpa, gather_us=t_gather,
                        gather_tbs=2 * b * L * HKV * D * 2 / t_gather / 1e6,
@@ -588,6 +605,17 @@ def main():
                        ratio_vs_sdpa=t_tri / t_sdpa, frac_of_ceiling=nbytes / t_tri / 1e6 / ceiling,
                        rel_err_vs_sdpa=err)
             rows.append(row)
+            if args.soft_cap > 0:  # the capped kernel beside the uncapped one, same case
+                cap_ref = capped_reference(q4, k, v, c.scale, args.soft_cap).view(b, HQ, D)
+                c.out.fill_(float("nan"))
+                c.run(soft_cap=args.soft_cap)
+                cap_err = rel_err(c.out, cap_ref)
+                assert cap_err < 1e-2, f"B={b} L={L} soft cap {args.soft_cap:g}: rel err {cap_err:.3e}"
+                t_cap = graph_time_us(lambda: c.run(soft_cap=args.soft_cap))
+                row.update(soft_cap=args.soft_cap, soft_cap_us=t_cap, soft_cap_tbs=nbytes / t_cap / 1e6,
+                           soft_cap_vs_uncapped=t_cap / t_tri, soft_cap_rel_err=cap_err)
+                print(f"  soft cap {args.soft_cap:g}: {t_cap:8.1f} us {row['soft_cap_tbs']:5.2f} TB/s"
+                      f"  x{t_cap / t_tri:.3f} the uncapped  err {cap_err:.1e}", flush=True)
             flashinfer_decode_peers(peers, c, ref.view(b, HQ, D), row)
             fi = [row[k_] for k_ in ("flashinfer_tc_us", "flashinfer_cuda_us") if row.get(k_)]
             row["ratio_vs_best_flashinfer"] = t_tri / min(fi) if fi else None
@@ -652,7 +680,9 @@ def main():
                 peers=peers.names, flashinfer=flashinfer_version() if "flashinfer" in peers.names else None,
                 timing="CUDA-graph replay, do_bench median, L2 flushed")
     name = "decode_" + stamp() + ("_seq" if args.sequential else "") + (f"_bs{BS}" if BS != 16 else "")
-    name += (f"_hq{HQ}" if HQ != 32 else "") + ("_iv" if INTERLEAVED_V else "")
+    name += (f"_hq{HQ}" if HQ != 32 else "") + (f"_hkv{HKV}" if HKV != 8 else "")
+    name += (f"_d{D}" if D != 128 else "") + (f"_cap{args.soft_cap:g}" if args.soft_cap > 0 else "")
+    name += "_iv" if INTERLEAVED_V else ""
     meta = write_json(os.path.join(args.out, name + ".json"),
                       dict(rows=rows, sweep=sweep, margins=margins, k_rows=k_rows, candidates=cands),
                       **meta)["meta"]
@@ -672,6 +702,12 @@ def main():
                      f"{r['ratio_vs_sdpa']:.2f} | {r['gather_tbs']:.2f} | {fmt(r, 'gather_tiles_tbs', '.2f')} | "
                      f"{fmt(r, 'flashinfer_tc_us')} | {fmt(r, 'flashinfer_cuda_us')} | "
                      f"{fmt(r, 'ratio_vs_best_flashinfer', '.2f')} |")
+    if args.soft_cap > 0:
+        lines += ["", f"Logit soft cap {args.soft_cap:g} (checked against float32 with the cap):", "",
+                  "| B | L | uncapped us | capped us | capped / uncapped | capped TB/s |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['B']} | {r['L']} | {r['triton_us']:.1f} | {r['soft_cap_us']:.1f} | "
+                  f"{r['soft_cap_vs_uncapped']:.3f} | {r['soft_cap_tbs']:.2f} |" for r in rows]
     why = sorted({r[k_] for r in rows for k_ in r if k_.endswith("_unavailable")})
     lines += [f"\npeer unavailable: {w}" for w in why]
     lines += candidates_table(cands, rows)
