@@ -7,7 +7,8 @@
 #   (stages: native_build tests model_step memcheck decode decode_grid prefill cache_writers decode_seq
 #    decode_bs64 decode_model_shape decode_stages decode_keys compile_time peers decode_ab
 #    verify native layer_overhead compile_piecewise
-#    decode_fp8; the old names e2e, writers, decode_e2e_shape still work)
+#    decode_fp8 decode_softcap decode_d512 native_writers; the old names e2e, writers,
+#    decode_e2e_shape still work)
 #   peers: FlashInfer beside ours and SDPA (carry [".whl"]: its wheels, installed into .site):
 #   the decode grid with the split-rule A/B, prefill, and verify batches; the tables are
 #   printed last (and kept in $OUT/tables.md)
@@ -113,6 +114,10 @@ run_bench() {
     # fp8 e4m3 cache beside bf16, same cases, same run (goal: >= 1.8x at B=64 L=4096)
     decode_fp8) args="benchmarks/bench_decode.py --fp8 ${FP8_ARGS:---batch 16 64 128 --ctx 4096 16384}";;
     decode_grid) args="benchmarks/bench_decode.py --batch 1 16 64 128 --ctx 1024 4096 16384";;
+    # the logit soft cap (Gemma2's 50) timed beside the uncapped kernel, same cases
+    decode_softcap) args="benchmarks/bench_decode.py --batch 1 16 64 --ctx 4096 --soft-cap 50";;
+    # Gemma4's full-attention geometry: head 512, 32 query / 4 KV heads
+    decode_d512) args="benchmarks/bench_decode.py --head-size 512 --kv-heads 4 ${D512_ARGS:---batch 1 16 64 --ctx 4096 16384}";;
     prefill) args="benchmarks/bench_prefill.py ${PREFILL_ARGS:-}";;
     cache_writers|writers) args="benchmarks/bench_cache_writers.py";;
     compile_time) args="benchmarks/bench_compile_time.py";;
@@ -181,6 +186,11 @@ for st in ${STAGES:-tests model_step decode prefill cache_writers}; do
     native) stage native; mkdir -p $OUT/native
       timeout ${NATIVE_S:-200} python3 benchmarks/bench_native.py --out $OUT/native ${NATIVE_ARGS:-} >>$LOG 2>&1; echo "rc=$?" >>$LOG
       pack native;;
+    # the native writer's launch variants (scatter / tile8 / tile16 / tile32) against Triton's
+    native_writers) stage native_writers; mkdir -p $OUT/native_writers
+      timeout ${NATIVE_S:-200} python3 benchmarks/bench_native.py --out $OUT/native_writers --writer-variants \
+        >>$LOG 2>&1; echo "rc=$?" >>$LOG
+      pack native_writers;;
     # the split-rule A/B alone (B=16 and 128, every L), with FlashInfer where carried
     decode_ab) stage decode_ab; peer_env
       run_peer decode_ab ${BENCH_S:-200} benchmarks/bench_decode.py --batch 16 128 \
