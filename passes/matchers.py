@@ -372,6 +372,14 @@ def unmerge_views(merged) -> None:
             user.replace_input_with(first, dup)
 
 
+def _graph_input(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The placeholder ``node`` only views or copies, else None."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and (
+            node.target in _PURE_VIEWS or node.target in (aten.clone.default, aten.contiguous.default)):
+        node = node.args[0]
+    return node if isinstance(node, torch.fx.Node) and node.op == "placeholder" else None
+
+
 def strip_copies(node: torch.fx.Node) -> torch.fx.Node:
     """What the attention's query / key carries values of (``_strip_copies``)."""
     return _strip_copies(node)
@@ -397,6 +405,12 @@ def match_rope(site: LayerSite, roots: tuple[torch.fx.Node, torch.fx.Node] | Non
                 else:
                     why = why2
     if m is None:
+        graph_input = _graph_input(k_root)
+        if graph_input is not None and not why.startswith("the attention's query"):
+            # A split piece's input: the key was computed before this graph (by a piece before
+            # the split, or by the layer whose KV this one shares), so no RoPE is here to fuse.
+            why = (f"the cached key is an input of this graph ({graph_input.name}), computed outside it "
+                   f"(in an earlier piece, or by the layer whose KV this layer shares): no RoPE here to fuse")
         return None, why
     vv = fx_utils.val(site.value)
     if vv is None or int(vv.shape[-1]) != m.head_size:

@@ -339,6 +339,11 @@ def test_compile_transformers_fuses_gemma4_with_its_released_head_sizes():
     shared = config.num_hidden_layers - config.num_kv_shared_layers
     own_key = {name for name in runner.layers if int(name.split(".layers.")[1].split(".")[0]) < shared}
     assert own_key and fused == own_key, ira.fusion_report()
+    # the KV-shared layer's miss says why: its key is the piece's input, computed by its target
+    shared_misses = [r.detail for r in records if not r.fused
+                     and not own_key & set(r.serves or (r.layer_name,))]
+    assert shared_misses and all("the cached key is an input of this graph" in why for why in shared_misses), \
+        ira.fusion_report()
     _check_served(generate(runner, _prompts(), NEW_TOKENS, return_logits=True),
                   _eager_reference(_eager(ours), _prompts()), tol=TOL_OF["gemma4_real_heads"])
 
