@@ -36,7 +36,6 @@ from inductor_rocm_attn.integrations.transformers import PagedCache  # noqa: E40
 from inductor_rocm_attn.compilation import piecewise as piecewise_module  # noqa: E402
 from inductor_rocm_attn.compilation.trace_cache import trace_key  # noqa: E402
 from inductor_rocm_attn.integrations import transformers_runner as runner_module  # noqa: E402
-from inductor_rocm_attn.integrations.transformers import original_rope_frequencies  # noqa: E402
 from inductor_rocm_attn.integrations.transformers_runner import (compile_transformers, eager_runner,  # noqa: E402
                                                                  step_forward)
 from test_transformers import NEW_TOKENS, greedy, ragged_prompts  # noqa: E402
@@ -455,6 +454,8 @@ def test_recomputed_rope_trace_key_tells_the_trace_without_the_update_apart():
     """The trace cache's key covers each module's instance attributes: the trace
     compile_transformers makes without the frequency update (an instance forward) is never
     the one of the model with its update (compile_piecewise called directly)."""
+    from inductor_rocm_attn.integrations.transformers import original_rope_frequencies
+
     model = _build("Phi-3.5-mini", SHORT_ORIGINAL)
 
     def key():
