@@ -19,6 +19,10 @@ apply:
   are one row, the flattened layout the metadata describes. No cache object and no mask go
   in (``rocm_attn`` registers no mask function, so transformers builds none); the rotary
   embedding, norms, MLPs and lm head run inside the compiled pieces, attention between them.
+  A RoPE whose frequencies transformers recomputes from the forward's longest position
+  (``longrope``, ``dynamic`` NTK: a data-dependent branch) is traced without that update, on
+  its original frequencies (``original_rope_frequencies``): ``max_model_len`` stays within
+  its original length.
 - **Plan.** ``runner.prepare(query_lens, context_lens, block_tables)`` writes the step's
   metadata (positions included: they feed the rotary embedding) into the runner's
   persistent buffers outside any graph; every step up to the largest captured size then

@@ -18,8 +18,11 @@ head or channel shows.
   RoPE (QK-norm too where the model has one) and cache write fuse in the compiled pieces, and
   the served prompts match eager;
 - the RoPEs transformers recomputes from each forward's longest position (``longrope``:
-  Phi-3.5-mini, Phi-4-mini; ``dynamic``: Hunyuan dense's released NTK-alpha RoPE) are refused by
-  ``compile_transformers`` with the error naming the rotary class and the paths that serve them.
+  Phi-3.5-mini, Phi-4-mini; ``dynamic``: Hunyuan dense's released NTK-alpha RoPE) compile on
+  their original frequencies up to their original length (``SHORT_ORIGINAL``: shrunk so the
+  prompts reach it; every layer fuses, the served prompts match eager; ``max_model_len``
+  defaults to it), a longer ``max_model_len`` is refused before any cache is allocated, naming
+  the rotary class and the largest accepted.
 """
 
 import copy
