@@ -518,11 +518,14 @@ def _tensor_refs(model: nn.Module, plan: list) -> list[tuple]:
 def _check_tensors(refs: list[tuple]) -> None:
     for held, key, name, t, ptr, dtype, device in refs:
         if held.get(key) is not t:
+            rope = (" or a buffer registered anew, as transformers' longrope / dynamic RoPE does on an eager "
+                    "forward past its original length: a shorter one registers the compile's frequencies again"
+                    ) if not isinstance(t, nn.Parameter) else ""
             raise ValueError(
                 f"PiecewiseRunner: the model's {name} is not the tensor the runner was compiled with (replaced: "
-                "load_state_dict(..., assign=True) or a new Parameter); the compiled pieces and graphs read the "
-                "compile's tensors: load new weights in place (load_state_dict without assign, or .copy_()) or "
-                "compile the model again")
+                f"load_state_dict(..., assign=True), a new Parameter{rope}); the compiled pieces and graphs read "
+                "the compile's tensors: load new weights in place (load_state_dict without assign, or .copy_()) "
+                "or compile the model again")
         if t.data_ptr() != ptr:
             raise ValueError(
                 f"PiecewiseRunner: the model's {name} moved to new memory since the compile (now {t.dtype} on "

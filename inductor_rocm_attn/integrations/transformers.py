@@ -36,13 +36,17 @@ what the layer was built with from its module, or raise.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import inspect
 import sys
 import weakref
+from typing import Callable
 
 import torch
 from transformers.cache_utils import Cache
+from transformers.modeling_rope_utils import dynamic_rope_update
 from transformers.modeling_utils import AttentionInterface
 
 from ..block_allocator import BlockAllocator
@@ -191,12 +195,14 @@ def _check_layer_types(model: torch.nn.Module, modules: dict[int, torch.nn.Modul
             )
 
 
-def _dynamic_ropes(model: torch.nn.Module) -> list[tuple[str, str, int]]:
-    """``(rotary module class, rope type, limit)`` for each RoPE whose frequencies transformers
-    recomputes from a batch's longest position (``dynamic_rope_update``): "dynamic" (NTK)
-    rescales past ``max_position_embeddings``, "longrope" switches to its long factors past
+def _dynamic_rope_entries(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str | None, str, int]]:
+    """``(rotary module, layer type or None, rope type, limit)`` for each RoPE whose frequencies
+    transformers recomputes from a batch's longest position (``dynamic_rope_update``):
+    "dynamic" (NTK) rescales past ``max_position_embeddings`` (the module's
+    ``original_max_seq_len``), "longrope" switches to its long factors past
     ``original_max_position_embeddings``. Up to ``limit`` positions the frequencies stay the
-    model's original ones."""
+    module's original ones (``original_inv_freq``; a per-layer-type module's
+    ``{layer_type}_original_inv_freq``)."""
     found = []
     for m in model.modules():
         types = getattr(m, "rope_type", None)
@@ -211,29 +217,127 @@ def _dynamic_ropes(model: torch.nn.Module) -> list[tuple[str, str, int]]:
                 limit = params["original_max_position_embeddings"]
             else:
                 limit = m.original_max_seq_len
-            found.append((type(m).__name__, kind, int(limit)))
+            found.append((m, layer_type, kind, int(limit)))
     return found
 
 
-def check_dynamic_rope(model: torch.nn.Module, who: str, max_seq_len: int | None) -> None:
+def _dynamic_ropes(model: torch.nn.Module) -> list[tuple[str, str, int]]:
+    """``(rotary module class, rope type, limit)`` of each ``_dynamic_rope_entries`` entry."""
+    return [(type(m).__name__, kind, limit) for m, _, kind, limit in _dynamic_rope_entries(model)]
+
+
+def dynamic_rope_limit(model: torch.nn.Module) -> tuple[int, str, str] | None:
+    """``(limit, rotary module class, rope type)`` of the dynamic RoPE (``_dynamic_rope_entries``)
+    with the smallest limit; None without one."""
+    ropes = sorted(_dynamic_ropes(model), key=lambda r: r[2])
+    return (ropes[0][2], ropes[0][0], ropes[0][1]) if ropes else None
+
+
+@functools.cache
+def _rope_update_code():
+    """The code object of ``dynamic_rope_update``'s wrapper: every forward it decorates shares it."""
+    return dynamic_rope_update(lambda self, x, position_ids: None).__code__
+
+
+def _undecorated_rope_forward(module: torch.nn.Module) -> Callable | None:
+    """The function ``dynamic_rope_update`` wraps in ``type(module).forward`` (found down the
+    ``__wrapped__`` chain, under ``torch.no_grad`` or other ``functools.wraps`` decorators);
+    None where no such wrapper is found (a rotary class of its own)."""
+    fn, seen = type(module).forward, set()
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        if getattr(fn, "__code__", None) is _rope_update_code():
+            return getattr(fn, "__wrapped__", None)
+        fn = getattr(fn, "__wrapped__", None)
+    return None
+
+
+def check_dynamic_rope(model: torch.nn.Module, who: str, max_seq_len: int, *, traced: bool = False) -> None:
     """Refuse a RoPE whose frequencies follow the batch's longest position (``_dynamic_ropes``)
-    where it would leave its original frequencies: a runner's step holds the tokens of several
+    where it would leave its original frequencies. A runner's step holds the tokens of several
     sequences (and chunks of long prompts), so they would follow the other sequences of the
-    step, not each sequence's own length as in eager transformers. ``max_seq_len``: the longest
-    sequence the runner allows; None (a compiled trace): refused at any length, since the
-    switch is a data-dependent branch Dynamo cannot trace in one graph."""
-    for cls, kind, limit in _dynamic_ropes(model):
-        if max_seq_len is None:
+    step, not each sequence's own length as in eager transformers; a compiled trace
+    (``traced``) cannot take the switch at all (a data-dependent branch): it runs on the
+    original frequencies (``original_rope_frequencies``), which needs transformers'
+    ``dynamic_rope_update`` wrapper to leave out. ``max_seq_len``: the longest sequence the
+    runner allows."""
+    for m, _, kind, limit in _dynamic_rope_entries(model):
+        cls = type(m).__name__
+        if max_seq_len > limit and traced:
             raise NotImplementedError(
-                f"{who}: {cls} uses transformers' {kind!r} RoPE, whose frequencies depend on the longest position "
-                f"of each forward (a data-dependent branch, not traceable in one graph); serve it with eager_runner "
-                f"(sequences of at most {limit} tokens) or PagedCache")
+                f"{who}: {cls} uses transformers' {kind!r} RoPE, whose frequencies change once a forward's longest "
+                f"position passes {limit} (a data-dependent branch, not traceable in one graph); the compiled "
+                f"model keeps its original frequencies, so no sequence may pass {limit} tokens: "
+                f"max_model_len={max_seq_len} here, pass max_model_len <= {limit} (PagedCache serves longer "
+                f"sequences)")
         if max_seq_len > limit:
             raise NotImplementedError(
                 f"{who}: {cls} uses transformers' {kind!r} RoPE, whose frequencies change once a forward's "
                 f"longest position passes {limit}; a step mixes sequences and prompt chunks, so they would follow "
                 f"the step, not each sequence: sequences of up to {max_seq_len} tokens here, at most {limit} "
                 f"supported (fewer cache blocks)")
+        if traced and _undecorated_rope_forward(m) is None:
+            raise NotImplementedError(
+                f"{who}: {cls} uses transformers' {kind!r} RoPE, but its forward is not wrapped by transformers' "
+                f"dynamic_rope_update, so the frequency update (a data-dependent branch, not traceable in one "
+                f"graph) cannot be left out of the trace; serve it with eager_runner (sequences of at most "
+                f"{limit} tokens) or PagedCache")
+        if traced and "forward" in vars(m):  # a hook (accelerate's) the trace's forward would leave out
+            raise NotImplementedError(
+                f"{who}: {cls} uses transformers' {kind!r} RoPE and its instance has a forward of its own (a hook), "
+                f"which the trace would replace to leave out the frequency update; remove it, or serve the model "
+                f"with eager_runner (sequences of at most {limit} tokens) or PagedCache")
+
+
+@contextlib.contextmanager
+def original_rope_frequencies(model: torch.nn.Module):
+    """While tracing a model that ``check_dynamic_rope(..., traced=True)`` accepted: each
+    rotary module with a dynamic RoPE runs its forward without transformers'
+    ``dynamic_rope_update`` (the undecorated function, set as the instance's ``forward``,
+    taking ``layer_type`` as the wrapper does), on its original frequencies, which the update
+    itself picks for a forward within the limit. As that update does, the ``inv_freq``
+    buffer (``{layer_type}_inv_freq``) is registered as the original one (the same tensor: a
+    later eager forward within the limit registers that tensor again, so the compiled
+    runner's buffer checks still find the tensor it was compiled with) and a grown dynamic
+    length is reset: a change that stays, as harmless as the next short eager forward's. The
+    instance ``forward`` is restored on exit (also on error); ``attention_scaling`` is left
+    as it is (the update does not change it within the limit)."""
+    entries = _dynamic_rope_entries(model)
+    modules = {id(m): m for m, *_ in entries}
+    undecorated = {key: _undecorated_rope_forward(m) for key, m in modules.items()}
+    for key, m in modules.items():
+        if undecorated[key] is None:
+            raise NotImplementedError(f"original_rope_frequencies: {type(m).__name__}'s forward is not wrapped by "
+                                      "transformers' dynamic_rope_update")
+    for m, layer_type, kind, limit in entries:  # for dynamic, limit is original_max_seq_len
+        prefix = "" if layer_type is None else f"{layer_type}_"
+        original = getattr(m, f"{prefix}original_inv_freq").to(getattr(m, f"{prefix}inv_freq").device)
+        m.register_buffer(f"{prefix}inv_freq", original, persistent=False)
+        setattr(m, f"{prefix}original_inv_freq", original)
+        if "dynamic" in kind and getattr(m, f"{prefix}max_seq_len_cached", m.max_seq_len_cached) > limit:
+            setattr(m, f"{prefix}max_seq_len_cached", limit)
+    missing = object()
+    saved = {key: m.__dict__.get("forward", missing) for key, m in modules.items()}
+    try:
+        for key, m in modules.items():
+            m.__dict__["forward"] = _without_rope_update(m, undecorated[key])
+        yield
+    finally:
+        for key, m in modules.items():
+            if saved[key] is missing:
+                m.__dict__.pop("forward", None)
+            else:
+                m.__dict__["forward"] = saved[key]
+
+
+def _without_rope_update(module: torch.nn.Module, fn: Callable) -> Callable:
+    """``module``'s forward as ``dynamic_rope_update``'s wrapper calls it, without the update."""
+
+    def forward(x, position_ids, layer_type=None):
+        kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+        return fn(module, x, position_ids, **kwargs)
+
+    return forward
 
 
 def learned_position_limit(model: torch.nn.Module) -> int | None:

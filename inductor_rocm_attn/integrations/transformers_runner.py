@@ -19,6 +19,10 @@ apply:
   are one row, the flattened layout the metadata describes. No cache object and no mask go
   in (``rocm_attn`` registers no mask function, so transformers builds none); the rotary
   embedding, norms, MLPs and lm head run inside the compiled pieces, attention between them.
+  A RoPE whose frequencies transformers recomputes from the forward's longest position
+  (``longrope``, ``dynamic`` NTK: a data-dependent branch) is traced without that update, on
+  its original frequencies (``original_rope_frequencies``): ``max_model_len`` stays within
+  its original length.
 - **Plan.** ``runner.prepare(query_lens, context_lens, block_tables)`` writes the step's
   metadata (positions included: they feed the rotary embedding) into the runner's
   persistent buffers outside any graph; every step up to the largest captured size then
@@ -45,7 +49,8 @@ from ..forward_context import set_forward_context
 from ..metadata import AttentionMetadata, build_attention_metadata
 from ..validation import check_positive_int, check_token_ids, vocab_size_of
 from .transformers import (check_dynamic_rope, check_every_layer_attends, check_model, check_placement,
-                           learned_position_limit, model_placement, paged_layers)
+                           dynamic_rope_limit, learned_position_limit, model_placement, original_rope_frequencies,
+                           paged_layers)
 
 __all__ = ["EagerRunner", "compile_transformers", "eager_runner", "step_forward"]
 
@@ -61,9 +66,20 @@ def step_forward(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor
     return forward
 
 
-def _default_max_model_len(model, num_blocks: int, block_size: int) -> int:
-    limit = getattr(model.config, "max_position_embeddings", None) or num_blocks * block_size
-    return min(limit, num_blocks * block_size)
+def _default_max_model_len(model, num_blocks: int, block_size: int,
+                           progress: Callable[[str], None] | None = None) -> int:
+    """The smallest of the model's ``max_position_embeddings``, what the cache holds and the
+    original length of a RoPE transformers recomputes past it (``dynamic_rope_limit``; said
+    through ``progress`` where that one decides)."""
+    limit = min(getattr(model.config, "max_position_embeddings", None) or num_blocks * block_size,
+                num_blocks * block_size)
+    rope = dynamic_rope_limit(model)
+    if rope is None or rope[0] >= limit:
+        return limit
+    if progress is not None:
+        progress(f"max_model_len defaults to {rope[0]}, the original length of {rope[1]}'s {rope[2]!r} RoPE "
+                 "(compiled on its original frequencies)")
+    return rope[0]
 
 
 def compile_transformers(
@@ -100,7 +116,11 @@ def compile_transformers(
             gets ``num_blocks`` blocks of ``block_size`` tokens). ``poison``: NaN-filled (tests).
         max_model_len: longest sequence (block-table width; whole-step decode graphs are
             captured for it); default the smaller of the model's ``max_position_embeddings``
-            and what the cache holds.
+            and what the cache holds, and, for a RoPE whose frequencies transformers
+            recomputes from a forward's longest position (``longrope``, ``dynamic`` NTK), at
+            most its original length (``original_max_position_embeddings``; for dynamic
+            NTK, ``max_position_embeddings``). Such a RoPE is compiled on its original
+            frequencies, so a larger ``max_model_len`` is refused.
         k_scale, v_scale: per-tensor cache scales of every layer, for an fp8 ``kv_cache_dtype``
             (as for ``PagedCache``); ``runner.layers``' ``_k_scale`` / ``_v_scale`` buffers hold
             them.
@@ -115,7 +135,6 @@ def compile_transformers(
 
     check_model(model, "compile_transformers")
     check_every_layer_attends(model, "compile_transformers")
-    check_dynamic_rope(model, "compile_transformers", None)
     if model.training:
         raise ValueError("compile_transformers: the model is in training mode; call model.eval() first")
     check_positive_int("compile_transformers", "num_blocks", num_blocks)
@@ -128,7 +147,10 @@ def compile_transformers(
         trace_cache=trace_cache, compile_threads=compile_threads, graph_backend=graph_backend,
         progress=progress)
     check_block_size(block_size, "compile_transformers")
-    max_model_len = max_model_len or _default_max_model_len(model, num_blocks, block_size)
+    if max_model_len is None:
+        max_model_len = _default_max_model_len(model, num_blocks, block_size, progress)
+    # Before anything is allocated: the trace runs such a RoPE on its original frequencies.
+    check_dynamic_rope(model, "compile_transformers", max_model_len, traced=True)
     positions = learned_position_limit(model)
     if positions is not None and max_model_len > positions:  # the embedding's index would run past it
         raise ValueError(f"compile_transformers: max_model_len {max_model_len} is above the {positions} positions of "
@@ -136,14 +158,15 @@ def compile_transformers(
     layers = paged_layers(model, num_blocks, block_size=block_size, cache_layout=cache_layout,
                           kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, poison=poison,
                           max_seq_len=max_model_len, who="compile_transformers")
-    return compile_piecewise(
-        model, capture_sizes, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
-        max_model_len=max_model_len,
-        use_cuda_graphs=use_cuda_graphs, plugin=plugin, capture=capture, graph_backend=graph_backend,
-        decode_graphs=decode_graphs, mixed_graphs=mixed_graphs, piecewise_graphs=piecewise_graphs,
-        forward=step_forward(model), layers=layers, progress=progress, trace_cache=trace_cache,
-        compile_threads=compile_threads,
-    )
+    with original_rope_frequencies(model):
+        return compile_piecewise(
+            model, capture_sizes, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
+            max_model_len=max_model_len,
+            use_cuda_graphs=use_cuda_graphs, plugin=plugin, capture=capture, graph_backend=graph_backend,
+            decode_graphs=decode_graphs, mixed_graphs=mixed_graphs, piecewise_graphs=piecewise_graphs,
+            forward=step_forward(model), layers=layers, progress=progress, trace_cache=trace_cache,
+            compile_threads=compile_threads,
+        )
 
 
 def _check_step_limits(who: str, max_num_seqs, max_num_tokens) -> None:

@@ -530,7 +530,8 @@ def test_dynamic_rope_served_only_below_its_switch(kind):
     step with a long one (or a long prompt's first chunk) was rotated with the wrong
     frequencies, silently (longrope: logits 2.2 off eager, tokens differ). eager_runner serves
     sequences up to the switch (exact) and refuses a cache that holds longer ones;
-    compile_transformers refuses (the switch is a data-dependent branch Dynamo cannot trace)."""
+    compile_transformers (which traces the original frequencies: the switch is a
+    data-dependent branch Dynamo cannot trace) refuses a max_model_len past it."""
     from inductor_rocm_attn.integrations.batching import generate
     from inductor_rocm_attn.integrations.transformers_runner import compile_transformers, eager_runner
 
@@ -541,8 +542,9 @@ def test_dynamic_rope_served_only_below_its_switch(kind):
     with pytest.raises(NotImplementedError, match=rf"eager_runner: {cls} uses transformers' '{kind}' RoPE, .* "
                                                   r"sequences of up to 64 tokens here, at most 32 supported"):
         eager_runner(model, num_blocks=4)
-    with pytest.raises(NotImplementedError, match=rf"compile_transformers: {cls} uses transformers' '{kind}' RoPE"):
-        compile_transformers(model, num_blocks=2)
+    with pytest.raises(NotImplementedError, match=rf"compile_transformers: {cls} uses transformers' '{kind}' RoPE, "
+                                                  r".* max_model_len=33 here, pass max_model_len <= 32"):
+        compile_transformers(model, num_blocks=4, max_model_len=33)
     eager = twin(model, "eager")
     runner = eager_runner(model, num_blocks=2, max_num_seqs=4, max_num_tokens=8, poison=True)
     prompts = [ids[mask.bool()].tolist() for ids, mask in zip(*ragged_prompts([5, 24]))]

@@ -18,8 +18,11 @@ head or channel shows.
   RoPE (QK-norm too where the model has one) and cache write fuse in the compiled pieces, and
   the served prompts match eager;
 - the RoPEs transformers recomputes from each forward's longest position (``longrope``:
-  Phi-3.5-mini, Phi-4-mini; ``dynamic``: Hunyuan dense's released NTK-alpha RoPE) are refused by
-  ``compile_transformers`` with the error naming the rotary class and the paths that serve them.
+  Phi-3.5-mini, Phi-4-mini; ``dynamic``: Hunyuan dense's released NTK-alpha RoPE) compile on
+  their original frequencies up to their original length (``SHORT_ORIGINAL``: shrunk so the
+  prompts reach it; every layer fuses, the served prompts match eager; ``max_model_len``
+  defaults to it), a longer ``max_model_len`` is refused before any cache is allocated, naming
+  the rotary class and the largest accepted.
 """
 
 import copy
@@ -33,7 +36,11 @@ import inductor_rocm_attn as ira  # noqa: E402
 from inductor_rocm_attn.compilation import RerunGraphBackend  # noqa: E402
 from inductor_rocm_attn.integrations.batching import generate  # noqa: E402
 from inductor_rocm_attn.integrations.transformers import PagedCache  # noqa: E402
-from inductor_rocm_attn.integrations.transformers_runner import compile_transformers, eager_runner  # noqa: E402
+from inductor_rocm_attn.compilation import piecewise as piecewise_module  # noqa: E402
+from inductor_rocm_attn.compilation.trace_cache import trace_key  # noqa: E402
+from inductor_rocm_attn.integrations import transformers_runner as runner_module  # noqa: E402
+from inductor_rocm_attn.integrations.transformers_runner import (compile_transformers, eager_runner,  # noqa: E402
+                                                                 step_forward)
 from test_transformers import NEW_TOKENS, greedy, ragged_prompts  # noqa: E402
 from test_transformers_architectures import PAGED_CONFIGS, STEP_TOKENS, TOL, TOL_OF, _errors  # noqa: E402
 
@@ -235,10 +242,22 @@ GEOMETRIES = {
 # QK-norm and a linearly scaled global RoPE beside the local one; 20 of 80 channels rotated in
 # heads-first q/k; yarn with sinks and eight query heads per KV head
 COMPILED = ["gemma-3-4b", "pythia-2.8b", "gpt-oss-20b"]
-# RoPEs whose frequencies follow each forward's longest position: not traceable in one graph
-RECOMPUTED_ROPE = {"Phi-3.5-mini": ("Phi3RotaryEmbedding", "longrope"),
-                   "Phi-4-mini": ("Phi3RotaryEmbedding", "longrope"),
-                   "Hunyuan-7B": ("HunYuanDenseV1RotaryEmbedding", "dynamic")}
+# RoPEs whose frequencies follow each forward's longest position (rotary class, RoPE, its
+# original length): compiled on their original frequencies, up to that length
+RECOMPUTED_ROPE = {"Phi-3.5-mini": ("Phi3RotaryEmbedding", "longrope", 4096),
+                   "Phi-4-mini": ("Phi3RotaryEmbedding", "longrope", 4096),
+                   "Hunyuan-7B": ("HunYuanDenseV1RotaryEmbedding", "dynamic", 32768)}
+ORIGINAL_LEN = 19  # the longest prompt (11 tokens) and its new tokens but the last: the cache holds 19
+# Phi-3.5-mini's and Hunyuan-7B's RoPEs with their original length shrunk to ORIGINAL_LEN
+SHORT_ORIGINAL = {
+    "Phi-3.5-mini": lambda: transformers.Phi3Config(**_heads(2, 2, 96), max_position_embeddings=131072,
+                                                    original_max_position_embeddings=ORIGINAL_LEN,
+                                                    rope_scaling=_longrope(96)),
+    "Hunyuan-7B": lambda: transformers.HunYuanDenseV1Config(**_heads(8, 2, 128, hidden=256),
+                                                            max_position_embeddings=ORIGINAL_LEN,
+                                                            rope_scaling={"rope_type": "dynamic", "alpha": 1000.0,
+                                                                          "factor": 1.0}),
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -250,9 +269,9 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _build(name):
+def _build(name, geometries=GEOMETRIES):
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(GEOMETRIES[name](), attn_implementation="rocm_attn",
+    model = transformers.AutoModelForCausalLM.from_config(geometries[name](), attn_implementation="rocm_attn",
                                                           dtype=torch.float32).eval()
     with torch.no_grad():  # constants at init (norm weights one, biases zero) would hide a misplaced one
         for param_name, p in model.named_parameters():
@@ -348,11 +367,149 @@ def test_compile_transformers_fuses_gemma4_with_its_released_head_sizes():
                   _eager_reference(_eager(ours), _prompts()), tol=TOL_OF["gemma4_real_heads"])
 
 
+def _rotary(model):
+    return model.model.rotary_emb
+
+
+def _fail(why):
+    def fail(*args, **kwargs):
+        raise AssertionError(why)
+    return fail
+
+
 @pytest.mark.parametrize("name", list(RECOMPUTED_ROPE))
-def test_recomputed_ropes_are_refused_by_compile_transformers(name):
-    cls, kind = RECOMPUTED_ROPE[name]
+def test_recomputed_ropes_past_their_original_length_are_refused_before_allocating(name, monkeypatch):
+    """compile_transformers traces such a RoPE on its original frequencies: a max_model_len
+    past its original length is refused, naming the rotary class, the RoPE, the value and
+    the largest accepted, before any cache is allocated."""
+    cls, kind, limit = RECOMPUTED_ROPE[name]
+    monkeypatch.setattr(runner_module, "paged_layers", _fail("a cache was allocated"))
     with pytest.raises(NotImplementedError, match=rf"^compile_transformers: {cls} uses transformers' '{kind}' RoPE, "
-                                                  r"whose frequencies depend on the longest position .* serve it "
-                                                  r"with eager_runner \(sequences of at most \d+ tokens\) or "
-                                                  r"PagedCache"):
-        compile_transformers(_build(name), num_blocks=4)
+                                                  rf"whose frequencies change once a forward's longest position "
+                                                  rf"passes {limit} .* max_model_len={limit + 1} here, pass "
+                                                  rf"max_model_len <= {limit} \(PagedCache serves longer"):
+        compile_transformers(_build(name), num_blocks=4, max_model_len=limit + 1)
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("name", list(SHORT_ORIGINAL))
+def test_recomputed_rope_compile_defaults_to_its_original_length_and_restores_its_forward(name, monkeypatch):
+    """Without max_model_len the default is capped at the RoPE's original length (longrope:
+    below max_position_embeddings, said through progress; dynamic NTK: that length is
+    max_position_embeddings). While compile_piecewise runs, the rotary module's forward is the
+    function transformers' dynamic_rope_update wraps, on the original frequencies: past the
+    limit it switches nothing. The class's forward is back after a compile that raises."""
+    kind = _rotary(_build(name, SHORT_ORIGINAL)).rope_type
+    model = _build(name, SHORT_ORIGINAL)
+    rotary = _rotary(model)
+    x, positions = torch.zeros(1, 3, 8), torch.tensor([[0, 1, 2 * ORIGINAL_LEN]])
+    freqs = positions[0, :, None].float() * rotary.original_inv_freq
+    want_cos = torch.cat((freqs, freqs), dim=-1).cos() * rotary.attention_scaling  # original frequencies
+    seen = {}
+
+    def compile_piecewise(model, capture_sizes, **kwargs):
+        seen["max_model_len"] = kwargs["max_model_len"]
+        seen["instance forward"] = "forward" in vars(rotary)
+        seen["cos"] = rotary(x, positions)[0][0]
+        seen["no update"] = rotary.inv_freq is rotary.original_inv_freq
+        raise _Stop
+
+    monkeypatch.setattr(piecewise_module, "compile_piecewise", compile_piecewise)
+    said = []
+    with pytest.raises(_Stop):
+        compile_transformers(model, num_blocks=4, progress=said.append)  # the cache holds 64 tokens
+    assert seen["max_model_len"] == ORIGINAL_LEN
+    capped = [m for m in said if m.startswith("max_model_len defaults to")]
+    assert capped == ([f"max_model_len defaults to {ORIGINAL_LEN}, the original length of {type(rotary).__name__}'s "
+                       f"'longrope' RoPE (compiled on its original frequencies)"] if kind == "longrope" else [])
+    assert seen["instance forward"] and seen["no update"]
+    torch.testing.assert_close(seen["cos"], want_cos, rtol=0, atol=1e-6)
+    assert "forward" not in vars(rotary)
+    # the class's forward again: past the limit, transformers' update switches the frequencies
+    assert not torch.allclose(rotary(x, positions)[0][0], want_cos, atol=1e-3)
+    assert rotary.inv_freq is not rotary.original_inv_freq
+
+
+@pytest.mark.parametrize("name", list(RECOMPUTED_ROPE))
+def test_recomputed_rope_without_transformers_update_wrapper_is_refused(name):
+    """A rotary class whose forward is not transformers' dynamic_rope_update wrapper (a class
+    of its own), or an instance with a forward of its own (a hook), cannot have the update
+    left out of the trace: refused, naming the class."""
+    cls, kind, limit = RECOMPUTED_ROPE[name]
+    model = _build(name)
+    rotary = _rotary(model)
+    rotary.forward = lambda x, position_ids: type(rotary).forward(rotary, x, position_ids)
+    with pytest.raises(NotImplementedError, match=rf"^compile_transformers: {cls} uses transformers' '{kind}' RoPE "
+                                                  r"and its instance has a forward of its own \(a hook\)"):
+        compile_transformers(model, num_blocks=4)
+    del rotary.forward
+    rotary.__class__ = type(cls, (type(rotary),), {"forward": lambda self, x, position_ids: None})
+    with pytest.raises(NotImplementedError, match=rf"^compile_transformers: {cls} uses transformers' '{kind}' RoPE, "
+                                                  r"but its forward is not wrapped by transformers' "
+                                                  r"dynamic_rope_update"):
+        compile_transformers(model, num_blocks=4)
+
+
+def test_recomputed_rope_trace_key_tells_the_trace_without_the_update_apart():
+    """The trace cache's key covers each module's instance attributes: the trace
+    compile_transformers makes without the frequency update (an instance forward) is never
+    the one of the model with its update (compile_piecewise called directly)."""
+    from inductor_rocm_attn.integrations.transformers import original_rope_frequencies
+
+    model = _build("Phi-3.5-mini", SHORT_ORIGINAL)
+
+    def key():
+        return trace_key(model, [], step_forward(model), {})[0]
+
+    with_update = key()
+    with original_rope_frequencies(model):
+        without_update = key()
+        assert key() == without_update
+    assert without_update != with_update
+    assert key() == with_update
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", list(SHORT_ORIGINAL))
+def test_compile_transformers_serves_recomputed_ropes_within_their_original_length(name):
+    """Longrope (short and long factors far apart) and dynamic NTK-alpha RoPEs compile on their
+    original frequencies: max_model_len defaults to the original length, which the longest
+    prompt and its new tokens reach; every layer fuses and the served prompts match eager.
+    An eager forward of the model past that length registers other frequencies: the compiled
+    pieces keep reading the compile's (a step serves as before), the runner's full buffer
+    check (generate) refuses naming the buffer, and a shorter eager forward registers the
+    compile's frequencies again."""
+    ours = _build(name, SHORT_ORIGINAL)
+    rotary = _rotary(ours)
+    ira.fusion_report().clear()
+    with torch._inductor.config.patch(force_disable_caches=True):  # cold: the passes run
+        runner = compile_transformers(ours, num_blocks=32, capture_sizes=[1, 2, 4, 8, 16], max_num_seqs=8,
+                                      max_num_tokens=STEP_TOKENS, poison=True, graph_backend=RerunGraphBackend())
+    assert runner.max_model_len == ORIGINAL_LEN and "forward" not in vars(rotary)
+    records = [r for r in ira.fusion_report().records
+               if r.pass_name in ("rope_kv_cache_fusion", "qk_norm_rope_kv_cache_fusion")]
+    fused = {layer for r in records if r.fused for layer in (r.serves or (r.layer_name,))}
+    assert fused == set(runner.layers), ira.fusion_report()
+    prompts = _prompts()
+    assert max(map(len, prompts)) + NEW_TOKENS - 1 == ORIGINAL_LEN
+    served = generate(runner, prompts, NEW_TOKENS, return_logits=True)
+    _check_served(served, _eager_reference(_eager(ours), prompts))
+
+    step = [5, 6, 7, 8]
+    before = runner(torch.tensor(step), runner.prepare([4], [0], [[0]])).clone()
+    long_ids = torch.randint(3, 256, (1, 2 * ORIGINAL_LEN))
+    greedy(ours, long_ids, torch.ones_like(long_ids), past_key_values=PagedCache(ours, num_blocks=8))
+    assert rotary.inv_freq is not rotary.original_inv_freq  # transformers' update: other frequencies
+    assert torch.equal(runner(torch.tensor(step), runner.prepare([4], [0], [[0]])), before)
+    with pytest.raises(ValueError, match=r"model's model.rotary_emb.inv_freq is not the tensor the runner was "
+                                         r"compiled with .* a buffer registered anew, as transformers' longrope / "
+                                         r"dynamic RoPE does"):
+        generate(runner, prompts, NEW_TOKENS)
+    short_ids = long_ids[:, :5]
+    greedy(ours, short_ids, torch.ones_like(short_ids), past_key_values=PagedCache(ours, num_blocks=8))
+    again = generate(runner, prompts, NEW_TOKENS, return_logits=True)
+    assert again.tokens == served.tokens
+    assert all(torch.equal(a, b) for x, y in zip(again.logits, served.logits) for a, b in zip(x, y))
