@@ -248,11 +248,16 @@ RECOMPUTED_ROPE = {"Phi-3.5-mini": ("Phi3RotaryEmbedding", "longrope", 4096),
                    "Phi-4-mini": ("Phi3RotaryEmbedding", "longrope", 4096),
                    "Hunyuan-7B": ("HunYuanDenseV1RotaryEmbedding", "dynamic", 32768)}
 ORIGINAL_LEN = 19  # the longest prompt (11 tokens) and its new tokens but the last: the cache holds 19
-# Phi-3.5-mini's and Hunyuan-7B's RoPEs with their original length shrunk to ORIGINAL_LEN
+# Phi-3.5-mini's, Phi-4-mini's (partial rotary) and Hunyuan-7B's RoPEs with their original
+# length shrunk to ORIGINAL_LEN
 SHORT_ORIGINAL = {
     "Phi-3.5-mini": lambda: transformers.Phi3Config(**_heads(2, 2, 96), max_position_embeddings=131072,
                                                     original_max_position_embeddings=ORIGINAL_LEN,
                                                     rope_scaling=_longrope(96)),
+    "Phi-4-mini": lambda: transformers.Phi3Config(**_heads(6, 2, 128), partial_rotary_factor=0.75,
+                                                  max_position_embeddings=131072,
+                                                  original_max_position_embeddings=ORIGINAL_LEN,
+                                                  rope_scaling=_longrope(96)),
     "Hunyuan-7B": lambda: transformers.HunYuanDenseV1Config(**_heads(8, 2, 128, hidden=256),
                                                             max_position_embeddings=ORIGINAL_LEN,
                                                             rope_scaling={"rope_type": "dynamic", "alpha": 1000.0,
