@@ -110,15 +110,19 @@ def _launch_name(label, fn, sig, consts, options) -> str:
     return f"{label} | {fn.__name__} | {const} | {types} | {opts}"
 
 
-def _sass_fingerprint(kernel, name: str) -> dict:
-    """sha256 of the kernel's SASS (addresses, instructions and control words), with the
-    kernel's symbol name replaced; plus its instruction count."""
+def _cuobjdump(kernel, flag: str) -> str:
+    """What Triton's bundled ``cuobjdump <flag>`` prints for the compiled kernel's cubin."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def _sass_fingerprint(kernel, name: str) -> dict:
+    """sha256 of the kernel's SASS (addresses, instructions and control words), with the
+    kernel's symbol name replaced; plus its instruction count."""
+    sass = _cuobjdump(kernel, "-sass")
     lines = [ln.strip().replace(name, "KERNEL") for ln in sass.splitlines()
              if ln.strip().startswith("/*")]
     n = sum(1 for ln in lines if re.match(r"/\*[0-9a-f]{4,}\*/", ln))
@@ -143,12 +147,7 @@ def _resources(kernel, name: str) -> dict:
     """What one compiled launch holds per thread and per program: registers, stack (local
     memory: > 0 means ptxas spilled, our kernels keep no local arrays) and shared memory
     (Triton's dynamic share plus the cubin's static one), from ``cuobjdump -res-usage``."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
+    usage = _cuobjdump(kernel, "-res-usage")
     line = usage[usage.index(f"Function {name}:"):]
     field = {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", line.splitlines()[1])}
     return {"regs": field["REG"], "stack": field["STACK"] + field["LOCAL"],
