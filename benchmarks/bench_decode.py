@@ -567,6 +567,10 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     BS = args.block_size
+    if args.soft_cap < 0:
+        ap.error(f"--soft-cap {args.soft_cap:g}: a logit soft cap must be > 0 (0: no capped run)")
+    if args.kv_heads < 1 or args.q_heads % args.kv_heads:
+        ap.error(f"--q-heads {args.q_heads} is not a multiple of --kv-heads {args.kv_heads}")
     HQ, HKV, D = args.q_heads, args.kv_heads, args.head_size
     INTERLEAVED_V = args.interleaved_v
     dev = torch.cuda.get_device_name()
