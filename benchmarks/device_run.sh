@@ -18,7 +18,8 @@
 #   MEMCHECK_FILTER="dense_paths|plain" limits the memcheck stage to test ids matching it;
 #   MEMCHECK_SHARDS / MEMCHECK_S: its processes and per-process limit (default TEST_SHARDS / TESTS_S)
 #   FP8_ARGS replaces decode_fp8's arguments (e.g. "--batch 64 --ctx 4096 --fp8-cfgs 16,1,4,rows3 16,1,3,rows3,2")
-#   NATIVE_ARGS passes bench_native.py arguments (e.g. "--variants all --batch 1 16 64 --ctx 4096")
+#   NATIVE_ARGS passes bench_native.py arguments (e.g. "--variants all --batch 1 16 64 --ctx 4096"),
+#   WRITER_ARGS more of them to native_writers (e.g. "--tokens 1 128 8192 --warm-l2")
 #   stage transformers: benchmarks/bench_transformers.py; TRANSFORMERS_ARGS="--model llama-3.2-1b"
 #   passes it arguments, TRANSFORMERS_DEADLINE_S / TRANSFORMERS_S its deadline and time limit
 set -u
@@ -189,7 +190,7 @@ for st in ${STAGES:-tests model_step decode prefill cache_writers}; do
     # the native writer's launch variants (scatter / tile8 / tile16 / tile32) against Triton's
     native_writers) stage native_writers; mkdir -p $OUT/native_writers
       timeout ${NATIVE_S:-200} python3 benchmarks/bench_native.py --out $OUT/native_writers --writer-variants \
-        >>$LOG 2>&1; echo "rc=$?" >>$LOG
+        ${WRITER_ARGS:-} >>$LOG 2>&1; echo "rc=$?" >>$LOG
       pack native_writers;;
     # the split-rule A/B alone (B=16 and 128, every L), with FlashInfer where carried
     decode_ab) stage decode_ab; peer_env

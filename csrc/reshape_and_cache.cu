@@ -369,18 +369,16 @@ int launch_write(const CacheWriteParams& p, WriterVariant variant, void* stream)
 
 }  // namespace
 
-// The launch rule. Candidates for the H200 A/B (benchmarks/bench_native.py --writer-variants):
-// scatter up to a few hundred tokens (decode batches: no tile of mostly idle threads, no
-// barrier), tile16 or tile32 above (prefill: 16-byte V stores, more bytes in flight a thread).
-// Thresholds: kAuto takes scatter for num_tokens <= kScatterMaxTokens and tile32 from
-// kTile32MinTokens on, tile16 between.
-constexpr int32_t kScatterMaxTokens = 0;
-constexpr int32_t kTile32MinTokens = 0x7fffffff;
+// The launch rule, from the H200 A/B (bench_native.py --writer-variants, bf16, 8 KV heads,
+// d 128, block 16; us, history 2026-12-05_1411_*): scatter wins at T = 16 / 64 (6.9 / 6.8 vs
+// tile16 7.9 / 7.9), tile8/16 from T = 256 (8.7 / 8.9 vs scatter 10.1; scatter 4.5x slower at
+// 4096), tile16 at 4096 / 16384 (17.1 / 44.5 vs tile8 17.6 / 48.9, tile32 18.2 / 47.8).
+// So scatter up to kScatterMaxTokens (between the measured 64 and 256), tile16 above; tile32
+// never won and is only reached by name.
+constexpr int32_t kScatterMaxTokens = 128;
 
 WriterVariant writer_variant_for(int32_t num_tokens) {
-  if (num_tokens <= kScatterMaxTokens) return WriterVariant::kScatter;
-  if (num_tokens >= kTile32MinTokens) return WriterVariant::kTile32;
-  return WriterVariant::kTile16;
+  return num_tokens <= kScatterMaxTokens ? WriterVariant::kScatter : WriterVariant::kTile16;
 }
 
 int reshape_and_cache(const CacheWriteParams& p, void* stream) {
