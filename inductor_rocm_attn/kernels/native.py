@@ -411,8 +411,9 @@ NARROW_GRID_SPLIT_RULE = "wave"
 
 # How several KV splits are merged: "reduce", a second kernel; "last_split", the last split
 # CTA of each (sequence, KV head, head chunk) to finish, through the ticket counters the Triton
-# decode uses (kernels/merge_counters.py), with no second launch. "reduce" stays the default
-# until "last_split" is measured on a GPU (bench_native.py --variants default last_split).
+# decode uses (kernels/merge_counters.py), with no second launch. "reduce" is the default: on
+# the H200 "last_split" was slower at every B (L=4096, B = 1 / 16 / 64: 27.2 / 99.7 / 278.5 us
+# against 21.4 / 86.6 / 270.3; benchmarks/results/history/2026-12-05_1411_*).
 SPLIT_MERGES = ("reduce", "last_split")
 DEFAULT_SPLIT_MERGE = "reduce"
 
