@@ -665,16 +665,23 @@ def main():
                 if args.cfgs:  # tile,warps,stages,kind[,splits]
                     runs = [parse_cfg(spec) for spec in args.cfgs]
                 for cfg, sp in runs:
-                    try:
+                    try:  # each config checked against SDPA before it is timed
+                        c.out.fill_(float("nan"))
+                        c.run(decode_cfg=cfg, num_splits=sp)
+                        s_err = float((c.out.float() - ref.view(b, HQ, D).float()).norm() / ref.float().norm())
+                        if not s_err < 1e-2:
+                            raise AssertionError(f"rel err {s_err:.3e} against SDPA")
                         t = graph_time_us(lambda: c.run(decode_cfg=cfg, num_splits=sp))
                     except Exception as e:  # e.g. out of shared memory
-                        print(f"  cfg {cfg} splits {sp}: {type(e).__name__}")
+                        print(f"  cfg {cfg} splits {sp}: {type(e).__name__}: {str(e)[:200]}")
+                        sweep.append(dict(B=b, L=L, cfg=dataclasses.asdict(cfg), splits=sp,
+                                          error=f"{type(e).__name__}: {str(e)[:500]}"))
                         continue
                     sweep.append(dict(B=b, L=L, cfg=dataclasses.asdict(cfg), splits=sp, us=t,
-                                      tbs=nbytes / t / 1e6))
+                                      tbs=nbytes / t / 1e6, rel_err_vs_sdpa=s_err))
                     print(f"  cfg tile={cfg.tile_n} warps={cfg.num_warps} stages={cfg.num_stages} "
-                          f"kind={cfg.kind} splits={sp}: {t:7.1f} us {nbytes / t / 1e6:5.2f} TB/s",
-                          flush=True)
+                          f"kind={cfg.kind} splits={sp}: {t:7.1f} us {nbytes / t / 1e6:5.2f} TB/s "
+                          f"err {s_err:.1e}", flush=True)
             del c, k, v
             torch.cuda.empty_cache()
     meta = dict(read_ceiling_tbs=ceiling, dtype="bf16", heads=f"{HQ}/{HKV}", head_size=D,

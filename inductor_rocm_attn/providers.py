@@ -305,14 +305,22 @@ _WRITERS_RUN1 = "benchmarks/results/history/2026-12-02_1602_writers_first_versio
 # On ROCm nothing is measured yet: REGISTRY order (aiter first when usable) stands there.
 _NATIVE_VS_TRITON = ("benchmarks/results/history/2026-12-04_2011_native_query_loads_memcheck_h200/"
                      "native_20261204_201443.json")
+_NATIVE_WRITER = ("benchmarks/results/history/2026-12-05_1432_native_writer_rule_memcheck_softcap_d512_h200/"
+                  "native_writer_variants.json")
+# The cache writer for the same case, the native launcher's choice ("auto") against Triton, us:
+#   T       1     16    64    128   256   1024  4096  8192  16384  32768
+#   native  6.75  6.78  7.14  8.00  8.93  18.98 17.09 26.50 44.48  81.66
+#   triton  5.06  5.50  5.92  6.75  8.03  18.14 16.00 26.43 47.78  91.20
 
 PREFERENCES: tuple[Preference, ...] = (
     # Native (csrc) against Triton on the H200 (bf16, 32/8 heads, d128, block 16): decode
-    # 1.02-1.30x Triton's time at every B in {1, 16, 64, 128} x L in {1024, 4096, 16384}; the
-    # cache writer 1.2-1.4x at T = 1 / 256 / 16384 (the single-tile kernel before the writer
-    # variants, which are not measured yet). Triton first for both.
+    # 1.02-1.30x Triton's time at every B in {1, 16, 64, 128} x L in {1024, 4096, 16384}:
+    # Triton first. The cache writer (table above): Triton first below 16384 tokens (native
+    # 1.18-1.34x up to 128, 1.00-1.11x from 256 to 8192), native from 16384 (0.93x; 0.90x at
+    # 32768: 16-byte V stores of whole token groups).
     Preference("cuda", "paged_attention", ("triton",), evidence=_NATIVE_VS_TRITON),
-    Preference("cuda", "reshape_and_cache", ("triton",), evidence=_NATIVE_VS_TRITON),
+    Preference("cuda", "reshape_and_cache", ("triton",), max_tokens=16384, evidence=_NATIVE_WRITER),
+    Preference("cuda", "reshape_and_cache", ("native",), min_tokens=16384, evidence=_NATIVE_WRITER),
     # Ours is faster at every measured size.
     Preference("cuda", "rope_and_cache", ("triton",), evidence=_WRITERS_RUN1),
     # Ours is 1.2-4x faster up to 4096 tokens (no other GPU provider takes the op now).
