@@ -236,15 +236,19 @@ def decode_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.
                 # (1.79x bf16) against 173.7 with one split; B=128 keeps one (263.4 vs 326.8).
                 tuned = DecodeConfig(16, 1, 3, "rows3", fp8_fp16_dot=True, one_split_ctas_per_sm=4)
         elif head_size > 256:
-            # Head size 512 (Gemma4's full-attention layers), chosen to compile for sm_90
-            # without spills and within shared memory (tests/triton_sm90_compile.py; not yet
-            # run on a GPU): 8 warps keep the [16, 512] fp32 accumulator at 32 values a
-            # thread. 16-bit cache: 124-128 registers, 178 KB (4 warps took 168-240). fp8: a
-            # 16-key tile, 118-128 registers, 65 KB (32 keys spilled 16 bytes, the heuristic
-            # below's 64 more). fp32: 16 keys, 2 stages, K gathered as a tile (k_rows=0):
-            # 128 registers, 130 KB (K read as packet rows spilled 2 KB a thread).
+            # Head size 512 (Gemma4's full-attention layers). 16-bit cache: a 16-key tile over
+            # 4 warps, 3 stages (168-240 registers, no spills on sm_90). Swept on an H100
+            # (32/4 heads, bf16, L=4096, 20 configs; benchmarks/results/history/
+            # 2026-12-05_1454_*): B = 1 / 16 / 64 30.1 / 216.0 / 747.0 us (2.88 TB/s, 95% of
+            # that GPU's read ceiling) against 42.3 / 314.1 / 1090.9 for the first choice
+            # (32 keys, 8 warps, 178 KB), the fastest at every B; 8 or 16 warps and 32-key
+            # tiles were slower. fp8 and fp32 caches: chosen to compile for sm_90 without
+            # spills and within shared memory (tests/triton_sm90_compile.py), not timed. fp8:
+            # a 16-key tile, 8 warps, 118-128 registers, 65 KB (32 keys spilled 16 bytes).
+            # fp32: 16 keys, 2 stages, K gathered as a tile (k_rows=0): 128 registers, 130 KB
+            # (K read as packet rows spilled 2 KB a thread).
             tuned = {1: DecodeConfig(16, 8, 3, "rows", fp8_fp16_dot=True),
-                     2: DecodeConfig(32, 8, 3, "rows")}.get(elem, DecodeConfig(16, 8, 2, "rows", k_rows=0))
+                     2: DecodeConfig(16, 4, 3, "rows")}.get(elem, DecodeConfig(16, 8, 2, "rows", k_rows=0))
         else:
             tile = 64 if head_size * elem <= 256 else 32
             if elem == 1:
