@@ -46,9 +46,9 @@ import sys
 import torch
 import torch.nn.functional as F
 import triton
-import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import common  # noqa: E402
 from inductor_rocm_attn.kernels import native  # noqa: E402
 from inductor_rocm_attn.kernels.triton import paged_attention as triton_paged_attention  # noqa: E402
 from inductor_rocm_attn.kernels.triton import reshape_and_cache as triton_reshape_and_cache  # noqa: E402
@@ -65,35 +65,11 @@ _WARM_CALLS = 32  # calls in one graph: one replay's launch cost spread over the
 
 
 def graph_time_us(fn) -> float:
-    """Median time of one CUDA-graph replay of ``fn``: L2 flushed before each (the default),
-    or, with ``WARM_L2``, one call of a graph of ``_WARM_CALLS`` back-to-back calls."""
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    calls = _WARM_CALLS if WARM_L2 else 1
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    torch.cuda.synchronize()
-    if not WARM_L2:
-        return triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median") * 1e3
-    times = []
-    for _ in range(5):
-        g.replay()
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+    """Median time of one call of ``fn`` from a CUDA graph: one call a replay, L2 flushed
+    before each (the default), or, with ``WARM_L2``, ``_WARM_CALLS`` back-to-back calls."""
+    if WARM_L2:
+        return common.graph_time_us(fn, calls=_WARM_CALLS, flush_l2=False, replays=20)
+    return common.graph_time_us(fn)
 
 
 class DecodeCase:
