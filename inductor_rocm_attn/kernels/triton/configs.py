@@ -331,12 +331,14 @@ def verify_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.
     base = decode_config(head_size, gqa, block_size, cache_dtype, interpret, interleaved_v)
     if interpret:
         return base
-    if base.fp8_fp16_dot:  # decode's fp8 config; the verify kernel keeps bf16 dots and the
-        # generic fp8 tile it was tested with (head size 512: the 16-bit cache's decode tile,
-        # which compiles for sm_90 without spills; a tile of 64 keys did not fit)
-        base = (DecodeConfig(32, 8, 3, "rows", one_loop_max_tiles=ONE_LOOP_MAX_TILES) if head_size > 256
-                else DecodeConfig(128 if head_size <= 128 else 64, 4, 3, "rows",
-                                  one_loop_max_tiles=ONE_LOOP_MAX_TILES))
+    if head_size > 256 and cache_dtype.itemsize <= 2:
+        # Head size 512, 16-bit and fp8 caches (bf16 dots): 32-key tiles over 8 warps, which
+        # compile for sm_90 without spills. Decode's 16-key 4-warp tile spills here (32 rows
+        # of 8 queries x GQA: 255 registers + 16 bytes of stack); a 64-key tile did not fit.
+        base = DecodeConfig(32, 8, 3, "rows", one_loop_max_tiles=ONE_LOOP_MAX_TILES)
+    elif base.fp8_fp16_dot:  # decode's fp8 config; the verify kernel keeps bf16 dots and the
+        # generic fp8 tile it was tested with
+        base = DecodeConfig(128 if head_size <= 128 else 64, 4, 3, "rows", one_loop_max_tiles=ONE_LOOP_MAX_TILES)
     warps = max(base.num_warps, min(4, verify_rows(gqa, q_max, head_size) // 16))
     if head_size > 256 and cache_dtype.itemsize == 4:
         warps = 16  # 32 fp32 rows of 512: 8 warps spilled on sm_90, 16 take 128 registers
