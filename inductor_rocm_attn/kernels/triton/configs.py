@@ -367,7 +367,7 @@ def prefill_config(head_size: int, gqa: int, block_size: int, dtype: torch.dtype
         return tuned
     if head_size > 256:
         # Head size 512, chosen to compile for sm_90 without spills (tests/triton_sm90_compile.py;
-        # not yet run on a GPU): a [32, 512] fp32 accumulator over 8 warps, 16-key tiles
+        # its GPU tests pass, not timed): a [32, 512] fp32 accumulator over 8 warps, 16-key tiles
         # (184-230 registers, 82-98 KB of shared memory; 64 x 32 spilled with 4 or 8 warps,
         # 32 x 32 with 8 warps took 248 registers). fp32: 16 rows, the context's K gathered as a tile
         # (k_rows=0) and the new tokens' K/V through pointers (through TMA it spilled 2-8 KB).
