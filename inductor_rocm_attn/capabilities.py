@@ -99,6 +99,7 @@ FEATURES = (
     "sliding_window", "alibi", "sinks", "logits_soft_cap", "output_scale", "non_causal",
     "partial_rotary",  # RoPE over fewer channels than the head
     "prefill",  # a paged_attention call that may hold sequences with query_len > 1
+    "strided_channels",  # a cache write whose key/value head channels are not contiguous
 )
 
 

@@ -135,9 +135,13 @@ def _reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, int
     op = "rocm_attn.reshape_and_cache"
     validation.check_cache_write(op, key, value, kv_cache, slot_mapping, k_scale, v_scale)
     validation.check_written(op, dict(kv_cache=kv_cache), dict(key=key, value=value))
+    # Native reads a head's channels as one dense vector: a strided key/value goes to a
+    # provider that takes any strides, whatever the size-based preference says.
+    strided = any(t.numel() > 1 and t.stride(2) != 1 for t in (key, value))
     _, fn = providers.select(
         "reshape_and_cache", device=key.device, head_size=key.shape[2], dtype=key.dtype,
         kv_cache=kv_cache, interleaved_v=interleaved_v, num_tokens=key.shape[0],
+        features=("strided_channels",) if strided else (),
     )
     fn(key, value, kv_cache, slot_mapping, k_scale, v_scale, interleaved_v)
 

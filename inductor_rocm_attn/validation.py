@@ -391,9 +391,6 @@ def check_cache_write(op: str, key: torch.Tensor, value: torch.Tensor, kv_cache:
     check_dtype(op, "key", key, capabilities.MODEL_DTYPES)
     if value.dtype != key.dtype:
         raise ValueError(f"{op}: key dtype {key.dtype} != value dtype {value.dtype}")
-    # every provider's writer reads a head's channels as one dense vector (native requires it;
-    # a size-dependent choice of provider must not change what is accepted)
-    check_channel_stride(op, key=key, value=value)
     check_kv_cache(op, kv_cache, key.shape[1], key.shape[2])
     check_scales(op, k_scale=k_scale, v_scale=v_scale)
     check_slot_mapping(op, slot_mapping, kv_cache, key.shape[0])

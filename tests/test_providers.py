@@ -246,6 +246,10 @@ def test_cache_writer_goes_to_native_only_where_it_measured_faster():
     for other in ({"head_size": 256}, {"block_size": 64}):
         assert providers.choose("reshape_and_cache", platform="cuda", num_tokens=65536, unavailable=usable,
                                 **{**q, **other}) == "triton"
+    # A key/value with strided head channels (native reads them dense): Triton at every size.
+    assert providers.choose("reshape_and_cache", platform="cuda", num_tokens=65536, unavailable=usable,
+                            features=("strided_channels",), **q) == "triton"
+    assert "strided_channels" not in providers.get("native").caps.features
     # ROCm: nothing measured, declaration order.
     assert providers.preference_order("reshape_and_cache", platform="rocm", num_tokens=65536) == NAMES
 
