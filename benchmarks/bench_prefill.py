@@ -12,6 +12,7 @@ in the same run, over the same values in its own NHD pages (prefix and new token
 checked against SDPA; a "peer unavailable: <reason>" row where it cannot run.
 
     python benchmarks/bench_prefill.py [--prefix 0 4096] [--sweep] [--peers flashinfer]
+    python benchmarks/bench_prefill.py --head-size 512 --kv-heads 4 --batch 1  # Gemma4 full layers
 
 Writes benchmarks/results/prefill_<date>.json and .md (or --out DIR).
 """
@@ -159,6 +160,7 @@ def flashinfer_prefill_peers(c: PrefillCase, ref, flops: float, row: dict):
 
 
 def main():
+    global HQ, HKV, D
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--new", type=int, default=4096)
@@ -168,13 +170,20 @@ def main():
                     help="also time the default config with these changes (A/B in one run)")
     ap.add_argument("--peers", nargs="*", default=[], choices=("flashinfer",),
                     help="also time these peers on every case (same values, their own layout)")
+    ap.add_argument("--q-heads", type=int, default=HQ, help=f"query heads (default {HQ})")
+    ap.add_argument("--kv-heads", type=int, default=HKV, help=f"KV heads (default {HKV})")
+    ap.add_argument("--head-size", type=int, default=D,
+                    help=f"head size (default {D}; e.g. 512 for Gemma4's full-attention layers)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
+    if args.kv_heads < 1 or args.q_heads % args.kv_heads:
+        ap.error(f"--q-heads {args.q_heads} is not a multiple of --kv-heads {args.kv_heads}")
+    HQ, HKV, D = args.q_heads, args.kv_heads, args.head_size
     dev = torch.cuda.get_device_name()
     print(f"# {dev}, torch {torch.__version__}, triton {triton.__version__}")
     b, n = args.batch, args.new
     rows, sweep, variants = [], [], []
-    # Anchor: SDPA dense causal, N tokens, 32 heads (same FLOPs as the no-prefix case).
+    # Anchor: SDPA dense causal, N tokens, HQ heads (same FLOPs as the no-prefix case).
     g = torch.Generator(device="cuda").manual_seed(1)
     qa, ka, va = (torch.randn(b, HQ, n, D, generator=g, device="cuda", dtype=DTYPE) for _ in range(3))
     t_anchor = graph_time_ms(lambda: F.scaled_dot_product_attention(qa, ka, va, is_causal=True))
@@ -245,13 +254,14 @@ def main():
                 sdpa_dense_anchor_ms=t_anchor, sdpa_dense_anchor_tflops=anchor_tfs,
                 default_config=dataclasses.asdict(prefill_config(D, HQ // HKV, BS, DTYPE)),
                 timing="CUDA-graph replay, do_bench median")
-    name = f"prefill_{stamp()}"
+    name = f"prefill_{stamp()}" + (f"_hq{HQ}" if HQ != 32 else "") + (f"_hkv{HKV}" if HKV != 8 else "")
+    name += f"_d{D}" if D != 128 else ""
     meta = write_json(os.path.join(args.out, name + ".json"),
                       dict(rows=rows, sweep=sweep, variants=variants), **meta)["meta"]
     lines = [f"# Prefix prefill, {dev} ({meta['date']})", "",
              f"`{meta['command']}`; torch {meta['torch']}, triton {meta['triton']}; bf16, causal, "
              f"heads {HQ}/{HKV}, d={D}, block {BS}, B={b}, {n} new tokens; {meta['timing']}. "
-             f"SDPA dense causal anchor (32 heads, N={n}): {anchor_tfs:.0f} TFLOP/s.", "",
+             f"SDPA dense causal anchor ({HQ} heads, N={n}): {anchor_tfs:.0f} TFLOP/s.", "",
              "| prefix | Triton ms | Triton TFLOP/s | SDPA same case ms | SDPA TFLOP/s | Triton / SDPA dense anchor "
              "| FlashInfer fa3 ms | fa3 TFLOP/s | Triton / fa3 | FlashInfer fa2 TFLOP/s |",
              "|---|---|---|---|---|---|---|---|---|---|"]

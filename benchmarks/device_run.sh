@@ -7,7 +7,7 @@
 #   (stages: native_build tests model_step memcheck decode decode_grid prefill cache_writers decode_seq
 #    decode_bs64 decode_model_shape decode_stages decode_keys compile_time peers decode_ab
 #    verify native layer_overhead compile_piecewise
-#    decode_fp8 decode_softcap decode_d512 native_writers; the old names e2e, writers,
+#    decode_fp8 decode_softcap decode_d512 prefill_d512 native_writers; the old names e2e, writers,
 #    decode_e2e_shape still work)
 #   peers: FlashInfer beside ours and SDPA (carry [".whl"]: its wheels, installed into .site):
 #   the decode grid with the split-rule A/B, prefill, and verify batches; the tables are
@@ -120,6 +120,8 @@ run_bench() {
     # Gemma4's full-attention geometry: head 512, 32 query / 4 KV heads
     decode_d512) args="benchmarks/bench_decode.py --head-size 512 --kv-heads 4 ${D512_ARGS:---batch 1 16 64 --ctx 4096 16384}";;
     prefill) args="benchmarks/bench_prefill.py ${PREFILL_ARGS:-}";;
+    # Gemma4's full-attention geometry in prefill: head 512, 32 query / 4 KV heads, B=1
+    prefill_d512) args="benchmarks/bench_prefill.py --head-size 512 --kv-heads 4 --batch 1 ${PREFILL_D512_ARGS:-}";;
     cache_writers|writers) args="benchmarks/bench_cache_writers.py";;
     compile_time) args="benchmarks/bench_compile_time.py";;
     # compile_piecewise (what serving uses): cold and warm starts, trace cache off and on
