@@ -317,7 +317,7 @@ PREFERENCES: tuple[Preference, ...] = (
     # 1.02-1.30x Triton's time at every B in {1, 16, 64, 128} x L in {1024, 4096, 16384}:
     # Triton first. The cache writer (table above): Triton first below 16384 tokens (native
     # 1.18-1.34x up to 128, 1.00-1.11x from 256 to 8192), native from 16384 (0.93x; 0.90x at
-    # 32768: 16-byte V stores of whole token groups).
+    # 32768).
     Preference("cuda", "paged_attention", ("triton",), evidence=_NATIVE_VS_TRITON),
     Preference("cuda", "reshape_and_cache", ("triton",), max_tokens=16384, evidence=_NATIVE_WRITER),
     Preference("cuda", "reshape_and_cache", ("native",), min_tokens=16384, evidence=_NATIVE_WRITER),
