@@ -195,7 +195,7 @@ def test_encoder_key_head_size_must_be_the_query_s():
                                          r"\[T, Hkv, D\] \(one T, one D\) expected, got \(5, 4, 64\), \(5, 2, 32\)"):
         torch.ops.rocm_attn.encoder_attention(q, k, v, torch.tensor([0, 5], dtype=torch.int32), 5, 0.125)
 
-def test_strided_index_tensors_and_channels():
+def test_strided_index_tensors_and_channels(monkeypatch):
     c = _case()
     every_other = torch.stack([c.slot_mapping, c.slot_mapping], 1)[:, 0]  # stride 2
     before = snapshot(c.kv_cache)
@@ -212,6 +212,20 @@ def test_strided_index_tensors_and_channels():
     torch.ops.rocm_attn.reshape_and_cache(c.key, c.value.transpose(1, 2).contiguous().transpose(1, 2),
                                           c.kv_cache, c.slot_mapping, c.k_scale, c.v_scale, False)
     assert torch.equal(c.kv_cache.view(torch.uint8), want.view(torch.uint8))
+    # ... and asks dispatch for a provider that takes strided channels (native does not)
+    from inductor_rocm_attn import providers
+    asked = []
+
+    def select(op, **call):
+        asked.append(call.get("features", ()))
+        return real_select(op, **call)
+
+    real_select = providers.select
+    monkeypatch.setattr(providers, "select", select)
+    torch.ops.rocm_attn.reshape_and_cache(c.key, c.value, want, c.slot_mapping, c.k_scale, c.v_scale, False)
+    torch.ops.rocm_attn.reshape_and_cache(c.key.transpose(1, 2).contiguous().transpose(1, 2), c.value,
+                                          want, c.slot_mapping, c.k_scale, c.v_scale, False)
+    assert asked == [(), ("strided_channels",)]
     table = torch.cat([c.block_table, c.block_table], 1)[:, ::2]
     _attn_rejected(c, r"rocm_attn\.paged_attention: block_table must have unit stride", block_table=table)
 

@@ -221,16 +221,14 @@ def _dynamic_rope_entries(model: torch.nn.Module) -> list[tuple[torch.nn.Module,
     return found
 
 
-def _dynamic_ropes(model: torch.nn.Module) -> list[tuple[str, str, int]]:
-    """``(rotary module class, rope type, limit)`` of each ``_dynamic_rope_entries`` entry."""
-    return [(type(m).__name__, kind, limit) for m, _, kind, limit in _dynamic_rope_entries(model)]
-
-
 def dynamic_rope_limit(model: torch.nn.Module) -> tuple[int, str, str] | None:
     """``(limit, rotary module class, rope type)`` of the dynamic RoPE (``_dynamic_rope_entries``)
     with the smallest limit; None without one."""
-    ropes = sorted(_dynamic_ropes(model), key=lambda r: r[2])
-    return (ropes[0][2], ropes[0][0], ropes[0][1]) if ropes else None
+    entries = _dynamic_rope_entries(model)
+    if not entries:
+        return None
+    m, _, kind, limit = min(entries, key=lambda e: e[3])
+    return limit, type(m).__name__, kind
 
 
 @functools.cache
@@ -253,7 +251,7 @@ def _undecorated_rope_forward(module: torch.nn.Module) -> Callable | None:
 
 
 def check_dynamic_rope(model: torch.nn.Module, who: str, max_seq_len: int, *, traced: bool = False) -> None:
-    """Refuse a RoPE whose frequencies follow the batch's longest position (``_dynamic_ropes``)
+    """Refuse a RoPE whose frequencies follow the batch's longest position (``_dynamic_rope_entries``)
     where it would leave its original frequencies. A runner's step holds the tokens of several
     sequences (and chunks of long prompts), so they would follow the other sequences of the
     step, not each sequence's own length as in eager transformers; a compiled trace
