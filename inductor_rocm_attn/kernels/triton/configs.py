@@ -242,12 +242,13 @@ def decode_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.
             # 2026-12-05_1454_*): B = 1 / 16 / 64 30.1 / 216.0 / 747.0 us (2.88 TB/s, 95% of
             # that GPU's read ceiling) against 42.3 / 314.1 / 1090.9 for the first choice
             # (32 keys, 8 warps, 178 KB), the fastest at every B; 8 or 16 warps and 32-key
-            # tiles were slower. fp8 and fp32 caches: chosen to compile for sm_90 without
-            # spills and within shared memory (tests/triton_sm90_compile.py), not timed. fp8:
-            # a 16-key tile, 8 warps, 118-128 registers, 65 KB (32 keys spilled 16 bytes).
-            # fp32: 16 keys, 2 stages, K gathered as a tile (k_rows=0): 128 registers, 130 KB
-            # (K read as packet rows spilled 2 KB a thread).
-            tuned = {1: DecodeConfig(16, 8, 3, "rows", fp8_fp16_dot=True),
+            # tiles were slower. fp8 cache (fp16 dots): the same tile over 4 warps, from an
+            # H100 A/B (history 2026-12-05_1615_*): B = 16 / 64, L=4096 145.0 / 499.8 us =
+            # 1.48x / 1.51x the bf16 cache, against 201.2 / 725.9 over 8 warps (32 keys
+            # spilled 16 bytes). fp32 cache: chosen to compile for sm_90 without spills
+            # (tests/triton_sm90_compile.py), not timed: 16 keys, 2 stages, K gathered as a
+            # tile (k_rows=0): 128 registers, 130 KB (K read as packet rows spilled 2 KB a thread).
+            tuned = {1: DecodeConfig(16, 4, 3, "rows", fp8_fp16_dot=True),
                      2: DecodeConfig(16, 4, 3, "rows")}.get(elem, DecodeConfig(16, 8, 2, "rows", k_rows=0))
         else:
             tile = 64 if head_size * elem <= 256 else 32
