@@ -470,6 +470,8 @@ GPU_D512 = [
                                             sinks=True, softcap=30.0)),
     ("gqa8_bf16_split64", dict(num_heads=16, num_kv_heads=2, num_splits=64)),
     ("gqa8_fp8_e4m3_cache", dict(num_heads=16, num_kv_heads=2, cache_dtype=torch.float8_e4m3fn, tol=2e-2)),
+    ("gqa8_fp8_e5m2_cache_split64", dict(num_heads=16, num_kv_heads=2, cache_dtype=torch.float8_e5m2,
+                                         num_splits=64, tol=2e-2)),
     ("gqa4_fp32", dict(num_heads=8, num_kv_heads=2, dtype=torch.float32)),
     ("gqa4_fp32_model_bf16_cache", dict(num_heads=8, num_kv_heads=2, dtype=torch.float32,
                                         cache_dtype=torch.bfloat16, tol=2e-2)),
