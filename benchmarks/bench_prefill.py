@@ -166,6 +166,8 @@ def main():
     ap.add_argument("--new", type=int, default=4096)
     ap.add_argument("--prefix", type=int, nargs="+", default=[0, 4096])
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--cfgs", nargs="+", default=None, metavar="BM,BN,WARPS,STAGES[,K_ROWS]",
+                    help="with --sweep: these configs instead of the built-in list (e.g. head 512)")
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
                     help="also time the default config with these changes (A/B in one run)")
     ap.add_argument("--peers", nargs="*", default=[], choices=("flashinfer",),
@@ -179,6 +181,7 @@ def main():
     if args.kv_heads < 1 or args.q_heads % args.kv_heads:
         ap.error(f"--q-heads {args.q_heads} is not a multiple of --kv-heads {args.kv_heads}")
     HQ, HKV, D = args.q_heads, args.kv_heads, args.head_size
+    sweep_cfgs = [tuple(int(x) for x in c.split(",")) for c in args.cfgs] if args.cfgs else SWEEP
     dev = torch.cuda.get_device_name()
     print(f"# {dev}, torch {torch.__version__}, triton {triton.__version__}")
     b, n = args.batch, args.new
@@ -235,18 +238,22 @@ def main():
             print(f"  variant {name}: {t:.3f} ms {flops / (t * 1e-3) / 1e12:4.0f} TFLOP/s  "
                   f"err {v_err:.1e}", flush=True)
         if args.sweep:
-            for tiles in SWEEP:
+            for tiles in sweep_cfgs:
                 cfg = PrefillConfig(*tiles)
-                try:
+                try:  # each config's output checked against SDPA before it is timed
+                    c.out.fill_(float("nan"))
+                    c.run(prefill_cfg=cfg)
+                    s_err = float((got.float() - ref.float()).norm() / ref.float().norm())
                     t = graph_time_ms(lambda: c.run(prefill_cfg=cfg))
                 except Exception as e:  # noqa: BLE001  (e.g. out of shared memory)
-                    print(f"  cfg {cfg}: {type(e).__name__}")
+                    print(f"  cfg {cfg}: {type(e).__name__}: {str(e)[:200]}")
+                    sweep.append(dict(prefix=p, cfg=dataclasses.asdict(cfg), error=f"{type(e).__name__}: {str(e)[:300]}"))
                     continue
                 sweep.append(dict(prefix=p, cfg=dataclasses.asdict(cfg), ms=t,
-                                  tflops=flops / (t * 1e-3) / 1e12))
+                                  tflops=flops / (t * 1e-3) / 1e12, rel_err_vs_sdpa=s_err))
                 print(f"  cfg BM={cfg.block_m} BN={cfg.block_n} warps={cfg.num_warps} "
-                      f"stages={cfg.num_stages}: {t:.3f} ms "
-                      f"{flops / (t * 1e-3) / 1e12:4.0f} TFLOP/s", flush=True)
+                      f"stages={cfg.num_stages} k_rows={cfg.k_rows}: {t:.3f} ms "
+                      f"{flops / (t * 1e-3) / 1e12:4.0f} TFLOP/s  err {s_err:.1e}", flush=True)
         del c, q, k, v, ref
         torch.cuda.empty_cache()
     meta = dict(dtype="bf16", heads=f"{HQ}/{HKV}", head_size=D, block_size=BS, causal=True,
