@@ -160,10 +160,11 @@ SM90_MAX_SMEM = 232448
 
 
 def compile_launches(label: str, fingerprint: bool = False, resources: bool = False,
-                     spills_ok: bool = False) -> int:
+                     spills_ok: bool = False, stack_budget: dict[str, int] | None = None) -> int:
     """Compile every launch recorded since the last call. ``resources``: also print each
-    launch's registers / stack / shared memory, and fail one that spills (stack > 0; unless
-    ``spills_ok``) or needs more shared memory than sm_90 has."""
+    launch's registers / stack / shared memory, and fail one that spills (stack > 0, or more
+    than ``stack_budget[kernel name]`` bytes; unless ``spills_ok``) or needs more shared
+    memory than sm_90 has."""
     failures = 0
     seen = set()
     for fn, args, kwargs in _LAUNCHES:
@@ -181,7 +182,8 @@ def compile_launches(label: str, fingerprint: bool = False, resources: bool = Fa
                 use = _resources(kernel, fn.__name__)
                 short = ",".join(f"{fn.arg_names[i[0]]}={v}" for i, v in sorted(consts.items())
                                  if fn.arg_names[i[0]] in _SHORT)
-                over = (use["stack"] > 0 and not spills_ok) or use["smem"] > SM90_MAX_SMEM
+                allowed = (stack_budget or {}).get(fn.__name__, 0)
+                over = (use["stack"] > allowed and not spills_ok) or use["smem"] > SM90_MAX_SMEM
                 print(f"{'FAIL' if over else 'res '} {fn.__name__}: {use['regs']} regs, stack "
                       f"{use['stack']} B, smem {use['smem']} B ({short} {options})", flush=True)
                 failures += over
@@ -307,7 +309,9 @@ def _paged(tk, cache, qlens, clens, dtype, H, D, interleaved, **knobs) -> None:
 
 def _head_512(tk, fingerprint: bool, full: bool) -> int:
     """Head size 512 (Gemma4's full-attention layers; 16 query / 2 KV heads here, GQA 8) with
-    the default launch configs, checked for spills and shared memory (``SM90_MAX_SMEM``).
+    the default launch configs, checked for spills and shared memory (``SM90_MAX_SMEM``); the
+    16-bit prefill and encoder launches may spill up to 128 bytes a thread (their tuned tile
+    does, measured faster than the tiles that do not).
 
     The default run: every config head size 512 has (16-bit, fp8 and fp32 caches) and every
     attention kernel (decode with its splits merged by the last split and by the reduce
@@ -395,8 +399,12 @@ def _head_512(tk, fingerprint: bool, full: bool) -> int:
             if not full:  # the choice only: these launches spill (see the docstring)
                 _LAUNCHES.clear()
                 continue
+        # The 16-bit prefill tile (32 rows x 16 keys over 4 warps) spills 8-80 bytes a thread
+        # and was measured faster than every spill-free tile (configs.prefill_config): bounded.
+        budget = {} if dtype == torch.float32 else {"_prefix_prefill_kernel": 128, "_encoder_attention_kernel": 128}
         failures += compile_launches(label, fingerprint, resources=True,
-                                     spills_ok=dtype == torch.float32 and cache_dtype != dtype)
+                                     spills_ok=dtype == torch.float32 and cache_dtype != dtype,
+                                     stack_budget=budget)
     return failures
 
 

@@ -153,7 +153,7 @@ def test_head_size_512_configs():
                                                                 one_loop_max_tiles=ONE_LOOP_MAX_TILES)
         v = verify_config(512, 8, 16, dtype, q_max=8)
         assert (v.tile_n, v.num_warps, v.num_stages, v.fp8_fp16_dot) == (32, 8, 3, False)
-        assert prefill_config(512, 8, 16, dtype) == PrefillConfig(32, 16, 8, 2)
+        assert prefill_config(512, 8, 16, dtype) == PrefillConfig(32, 16, 4, 2)
     fp8 = decode_config(512, 8, 16, torch.float8_e4m3fn)
     assert (fp8.tile_n, fp8.num_warps, fp8.fp8_fp16_dot) == (16, 4, True)
     assert decode_config(512, 8, 16, torch.float32) == DecodeConfig(16, 8, 2, "rows", k_rows=0,

@@ -367,14 +367,17 @@ def prefill_config(head_size: int, gqa: int, block_size: int, dtype: torch.dtype
     if tuned is not None:
         return tuned
     if head_size > 256:
-        # Head size 512, chosen to compile for sm_90 without spills (tests/triton_sm90_compile.py;
-        # its GPU tests pass, not timed): a [32, 512] fp32 accumulator over 8 warps, 16-key tiles
-        # (184-230 registers, 82-98 KB of shared memory; 64 x 32 spilled with 4 or 8 warps,
-        # 32 x 32 with 8 warps took 248 registers). fp32: 16 rows, the context's K gathered as a tile
-        # (k_rows=0) and the new tokens' K/V through pointers (through TMA it spilled 2-8 KB).
+        # Head size 512 (Gemma4's full-attention layers). 16-bit: 32 rows x 16 keys over 4 warps,
+        # the fastest of an H100 sweep (32/4 heads, B=1, 4096 new tokens, causal; history
+        # 2026-12-05_1629_*): 111 / 107 TFLOP/s with no prefix / a 4096-token prefix, SDPA 112 /
+        # 108 in the same run, against 59 / 57 for the same tile over 8 warps and 105 / 91 for
+        # 32 x 32 over 8 warps (the fastest tile that does not spill). It spills 56 bytes a
+        # thread on sm_90 (tests/triton_sm90_compile.py allows that launch this much).
+        # fp32: 16 rows, the context's K gathered as a tile (k_rows=0) and the new tokens' K/V
+        # through pointers (through TMA it spilled 2-8 KB): chosen to compile, not timed.
         if dtype == torch.float32:
             return PrefillConfig(16, 16, 8, 2, k_rows=0, dense_tma=False)
-        return PrefillConfig(32, 16, 8, 2)
+        return PrefillConfig(32, 16, 4, 2)
     if dtype == torch.float32:
         return PrefillConfig(64, 32, 4, 2) if head_size <= 128 else PrefillConfig(32, 32, 4, 2)
     if head_size <= 64:
