@@ -100,3 +100,13 @@ def test_encoder_attention_padding_rows_gpu(provider, seq_lens, pad_rows, causal
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_encoder_attention_gpu(provider, kw, dtype):
     check_encoder(provider, [700, 1, 0, 333, 1030], dtype=dtype, device=GPU, head_size=128, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_encoder_attention_gpu_head_size_512(provider, causal):
+    """Head size 512 takes prefill's head-512 tile (configs.prefill_config: 32 x 16 over 4
+    warps, a bounded spill on sm_90): ragged sequences, an empty one, GQA 8."""
+    check_encoder(provider, [700, 1, 0, 333], dtype=torch.bfloat16, device=GPU, head_size=512,
+                  num_heads=16, num_kv_heads=2, causal=causal)
