@@ -492,6 +492,18 @@ def bench_verify(args, sms: int, ceiling: float, peers: Peers):
                                    vcfg, None, num_seqs=b, num_kv_heads=HKV,
                                    head_chunks=triton.cdiv(q_len * HQ // HKV, rows_), max_ctx=L,
                                    num_sms=sms))
+            for spec in args.cfgs or ():  # verify configs of one's own: checked, then timed
+                vcfg_, splits_ = parse_cfg(spec)
+                run = lambda: vc.run(verify_cfg=vcfg_, num_splits=splits_)  # noqa: E731
+                try:
+                    vc.out.fill_(float("nan"))
+                    run()
+                    err = rel_err(vc.as_bhqd(vc.out), ref)
+                    assert err < TOL, f"rel err {err:.3e}"
+                    row.setdefault("verify_cfgs", {})[spec] = dict(us=graph_time_us(run), err=err)
+                except Exception as e:  # noqa: BLE001  (a config that fails is a result)
+                    row.setdefault("verify_cfgs", {})[spec] = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
+                print(f"  verify cfg {spec}: {row['verify_cfgs'][spec]}", flush=True)
             c.out.fill_(float("nan"))
             c.run()  # a plain decode step of the same batch (one query token per sequence)
             row["decode_step_us"] = graph_time_us(c.run)
