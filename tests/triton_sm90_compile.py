@@ -310,8 +310,8 @@ def _paged(tk, cache, qlens, clens, dtype, H, D, interleaved, **knobs) -> None:
 def _head_512(tk, fingerprint: bool, full: bool) -> int:
     """Head size 512 (Gemma4's full-attention layers; 16 query / 2 KV heads here, GQA 8) with
     the default launch configs, checked for spills and shared memory (``SM90_MAX_SMEM``); the
-    16-bit prefill and encoder launches may spill up to 128 bytes a thread (their tuned tile
-    does, measured faster than the tiles that do not).
+    16-bit prefill and encoder launches may spill up to 128 bytes a thread, verify 32 (their
+    tuned tiles do, measured faster than the tiles that do not).
 
     The default run: every config head size 512 has (16-bit, fp8 and fp32 caches) and every
     attention kernel (decode with its splits merged by the last split and by the reduce
@@ -399,9 +399,11 @@ def _head_512(tk, fingerprint: bool, full: bool) -> int:
             if not full:  # the choice only: these launches spill (see the docstring)
                 _LAUNCHES.clear()
                 continue
-        # The 16-bit prefill tile (32 rows x 16 keys over 4 warps) spills 8-80 bytes a thread
-        # and was measured faster than every spill-free tile (configs.prefill_config): bounded.
-        budget = {} if dtype == torch.float32 else {"_prefix_prefill_kernel": 128, "_encoder_attention_kernel": 128}
+        # The 16-bit prefill tile (32 rows x 16 keys over 4 warps) spills 8-80 bytes a thread,
+        # the verify tile (16 keys over 4 warps) 8; both were measured faster than every
+        # spill-free tile (configs.prefill_config, configs.verify_config): bounded.
+        budget = {} if dtype == torch.float32 else {"_prefix_prefill_kernel": 128, "_encoder_attention_kernel": 128,
+                                                    "_paged_verify_kernel": 32}
         failures += compile_launches(label, fingerprint, resources=True,
                                      spills_ok=dtype == torch.float32 and cache_dtype != dtype,
                                      stack_budget=budget)

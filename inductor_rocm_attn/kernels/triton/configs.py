@@ -333,10 +333,12 @@ def verify_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.
     if interpret:
         return base
     if head_size > 256 and cache_dtype.itemsize <= 2:
-        # Head size 512, 16-bit and fp8 caches (bf16 dots): 32-key tiles over 8 warps, which
-        # compile for sm_90 without spills. Decode's 16-key 4-warp tile spills here (32 rows
-        # of 8 queries x GQA: 255 registers + 16 bytes of stack); a 64-key tile did not fit.
-        base = DecodeConfig(32, 8, 3, "rows", one_loop_max_tiles=ONE_LOOP_MAX_TILES)
+        # Head size 512, 16-bit and fp8 caches (bf16 dots): decode's 16-key tile over 4 warps
+        # with 2 stages. H100 sweep (32/4 heads, 4 query tokens, L=4096; history
+        # 2026-12-05_1638_*): B = 16 / 64 297.2 / 931.6 us against 398.4 / 1290.5 for 32-key
+        # tiles over 8 warps and 399-1602 for the other tiles; it spills 8 bytes a thread on
+        # sm_90 (32 rows of 512 channels; tests/triton_sm90_compile.py bounds it), 3 stages 16.
+        base = DecodeConfig(16, 4, 2, "rows", one_loop_max_tiles=ONE_LOOP_MAX_TILES)
     elif base.fp8_fp16_dot:  # decode's fp8 config; the verify kernel keeps bf16 dots and the
         # generic fp8 tile it was tested with
         base = DecodeConfig(128 if head_size <= 128 else 64, 4, 3, "rows", one_loop_max_tiles=ONE_LOOP_MAX_TILES)
