@@ -216,7 +216,10 @@ class PiecewiseRunner:
         the decode graph (``decode_graphs=True``), any other step, or a decode step without
         a decode graph, for the mixed graph (``mixed_graphs=True``). ``whole_step``: False
         plans for the piecewise graphs instead; ``"mixed"`` takes the mixed graph also for a
-        decode-only step (a check, and a benchmark of what the decode graph saves)."""
+        decode-only step (a check, and a benchmark of what the decode graph saves). A step that
+        no whole-step graph fits (its size has none, or more sequences than the graph holds) is
+        planned for the piecewise graphs, with True and with ``"mixed"`` alike: same results,
+        attention eager between the pieces; ``replays_whole_step(metadata)`` tells which."""
         check_free("PiecewiseRunner.prepare", self._layers.values())
         if not hasattr(query_lens, "__len__"):  # sum() below would consume a generator
             raise TypeError(f"PiecewiseRunner.prepare: query_lens must be a sequence of ints (one per sequence), "
