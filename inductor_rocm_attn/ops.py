@@ -219,9 +219,10 @@ def _rope_and_cache(positions, query, key, value, kv_cache, slot_mapping, cos_si
     op = "rocm_attn.rope_and_cache"
     head_size = value.shape[-1]
     validation.check_rotary(op, positions, query, key, head_size, cos_sin_cache)
-    validation.check_cache_write(op, key, value, kv_cache, slot_mapping, k_scale, v_scale)
-    # query [T, Hq, D] or [T, Hq * D] (check_rotary), key [T, Hkv, D] (check_cache_write)
-    validation.check_gqa(op, query.shape[1] if query.dim() == 3 else query.shape[1] // head_size, key.shape[1])
+    # query and key [T, H, D] or [T, H * D] (check_rotary); the cache write reads the key by heads
+    key_heads = key if key.dim() == 3 else key.view(key.shape[0], key.shape[1] // head_size, head_size)
+    validation.check_cache_write(op, key_heads, value, kv_cache, slot_mapping, k_scale, v_scale)
+    validation.check_gqa(op, query.shape[1] if query.dim() == 3 else query.shape[1] // head_size, key_heads.shape[1])
     validation.check_written(op, dict(query=query, key=key, kv_cache=kv_cache),
                              dict(value=value, cos_sin_cache=cos_sin_cache))
     _, fn = providers.select(

@@ -82,6 +82,32 @@ def test_rope_and_cache(provider, block_size, head_size, rot_dim, layout, interl
     assert_cache_equal(cache.cpu(), cache_want, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_op_takes_query_and_key_as_rows_of_heads(dtype):
+    """The op (``torch.ops.rocm_attn.rope_and_cache``) takes q and k as ``[T, H * D]`` rows, as
+    ``rotary_embedding`` and the cos/sin writers do and every provider is called here: the
+    2-D slices of a fused qkv projection; a key whose heads disagree with the value's is refused."""
+    t, hq, hkv, d, block_size = 9, 4, 2, 64, 16
+    cache, slots = make_cache(block_size, hkv, d, dtype, CacheLayout.LBHNC, t, seed=3)
+    cache_want = cache.cpu().clone()
+    qkv = make_qkv(t, hq, hkv, d, dtype, seed=4, pad_cols=8)
+    qkv_in = qkv.cpu().clone()
+    positions = torch.randint(0, 1000, (t,), generator=gen(5)).to(DEV)
+    cos_sin = make_cos_sin(1024, 32, torch.float32)  # partial rotary
+    slots = pad_slots(slots)[: t - 1].to(DEV)
+    ks, vs = scales(dtype)
+    q, k, v = split(qkv, hq, hkv, d)
+    assert q.dim() == 2 and k.dim() == 2 and not k.is_contiguous()
+    torch.ops.rocm_attn.rope_and_cache(positions, q, k, v, cache, slots, cos_sin, False, ks, vs, True)
+    want = _expect(qkv_in, positions, cos_sin, False, hq, hkv, d)
+    assert rel_err(qkv[:, : want.shape[1]], want) < round_tol(dtype)
+    cache_want = _cache_of(cache_want, qkv, slots, ks, vs, True, hq, hkv, d)
+    assert_cache_equal(cache.cpu(), cache_want, dtype)
+    with pytest.raises(ValueError, match=r"^rocm_attn\.rope_and_cache: key and value must both be"):
+        torch.ops.rocm_attn.rope_and_cache(positions, q, qkv[:, : 3 * d], v, cache, slots, cos_sin, False, ks, vs,
+                                           True)  # 3 key heads for a value of 2
+
+
 @pytest.mark.parametrize("block_size,block_t,dtype,interleaved_v,layout", PREFILL_TILES)
 def test_triton_prefill_tiles(block_size, block_t, dtype, interleaved_v, layout):
     """Tiles of consecutive slots take the contiguous-store path (``WriterConfig.block_t``)."""
