@@ -163,6 +163,43 @@ def test_builder_device_string_names_the_builder():
         ira.build_attention_metadata([2], [0], [[0]], BS, "bogus")
 
 
+@pytest.mark.parametrize("same_shape", [False, True])
+def test_metadata_of_refilled_buffers_is_refused(same_shape):
+    """Metadata built into MetadataBuffers holds views of them: a later build into the same
+    buffers overwrites its tensors with another step. Run again after that (a step used twice,
+    or one kept past the next build), it was taken on the memo of its earlier check (CPU) or its
+    builder's plan (GPU): the cache update wrote the other step's slots (another sequence's
+    block), then the attention failed on the mix of the two steps with a shape error."""
+    s = stepped_layer("state_refill")
+    buffers = ira.MetadataBuffers(4, 16, 4, "cpu")
+    g = s.g
+    old = ira.build_attention_metadata(s.query_lens, s.context_lens, s.tables, BS, buffers=buffers)
+    with ira.set_forward_context(old):
+        s.layer(*qkv(s.num_tokens, g))  # checked and memoized on the metadata
+    # another step into the same buffers: a new sequence in a free block (of the same shape,
+    # or of another)
+    free = s.alloc._free[0]
+    lens = [1, 1, 1] if same_shape else [3]
+    newer = ira.build_attention_metadata(lens, [0] * len(lens), [[free]] * len(lens) if not same_shape
+                                         else [[free], [s.alloc._free[1]], [s.alloc._free[2]]], BS,
+                                         buffers=buffers, num_padded_tokens=s.num_tokens if same_shape else None)
+    before = snapshot(s.layer.kv_cache)
+    for ops in ("forward", "attention alone"):
+        with pytest.raises(ValueError, match=r"rocm_attn\.unified_\w+: the step's metadata was built into "
+                                             r"MetadataBuffers that a later build_attention_metadata\(\.\.\., "
+                                             r"buffers=\.\.\.\) refilled"), ira.set_forward_context(old):
+            q, k, v = qkv(s.num_tokens, g)
+            if ops == "forward":
+                s.layer(q, k, v)
+            else:
+                out = torch.full((s.num_tokens, H, D), float("nan"))
+                torch.ops.rocm_attn.unified_attention_with_output(q.view(-1, H, D), k.view(-1, HKV, D),
+                                                                  v.view(-1, HKV, D), out, s.layer.layer_name)
+        assert unchanged(before, s.layer.kv_cache), "a step of refilled buffers wrote the cache"
+    with ira.set_forward_context(newer):  # the buffers' latest step runs
+        s.layer(*qkv(newer.slot_mapping.shape[0], g))
+
+
 @pytest.mark.parametrize("field", ["query_lens", "context_lens", "block_tables"])
 @pytest.mark.parametrize("kind", ["dict", "set", "generator"])
 def test_builder_per_sequence_arguments_must_be_sequences(field, kind):
@@ -527,6 +564,7 @@ def test_eager_runner_whole_step_is_checked_as_the_piecewise_runner_s():
     with pytest.raises(ValueError, match=r"EagerRunner\.prepare: whole_step='bogus'; expected True, False or 'mixed'"):
         runner.prepare([2], [0], [[1]], whole_step="bogus")
     runner.prepare([2], [0], [[1]], whole_step="mixed")  # the runners' API: taken, no graphs here
+
 
 
 # --- hand-built metadata: a written block must not be another sequence's context -------------------
