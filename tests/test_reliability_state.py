@@ -567,6 +567,17 @@ def test_eager_runner_whole_step_is_checked_as_the_piecewise_runner_s():
 
 
 
+def test_eager_runner_prepare_refuses_block_ids_past_its_caches():
+    # the piecewise runner's prepare() refuses them; the eager runner's planned the step and
+    # left the refusal to the first layer's check when the step ran
+    from inductor_rocm_attn.integrations.transformers_runner import eager_runner
+
+    runner = eager_runner(_tiny_transformers_model(), num_blocks=4)
+    with pytest.raises(IndexError, match=r"build_attention_metadata: block_tables\[0\]\[0\] = 4 is outside the cache "
+                                         r"\(num_blocks 4: valid block ids 0\.\.3\)"):
+        runner.prepare([2], [0], [[4]])
+    runner.prepare([2], [0], [[3]])
+
 # --- hand-built metadata: a written block must not be another sequence's context -------------------
 
 

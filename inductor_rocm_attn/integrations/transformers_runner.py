@@ -195,12 +195,14 @@ class EagerRunner:
     def prepare(self, query_lens: Sequence[int], context_lens: Sequence[int],
                 block_tables: Sequence[Sequence[int]], *, whole_step: bool | str = True) -> AttentionMetadata:
         """The step's metadata (``whole_step``: taken for a ``PiecewiseRunner``'s API; no graphs
-        here), within the runner's step limits and, for a model with learned positions, its
-        ``max_model_len`` (an index past the embedding is a device-side assert on a GPU)."""
+        here), within the runner's step limits, its block ids inside the caches, and, for a
+        model with learned positions, within its ``max_model_len`` (an index past the embedding
+        is a device-side assert on a GPU)."""
         check_free("EagerRunner.prepare", self.layers.values())
         if whole_step is not True and whole_step is not False and whole_step != MIXED:  # as PiecewiseRunner's
             raise ValueError(f"EagerRunner.prepare: whole_step={whole_step!r:.60}; expected True, False or {MIXED!r}")
-        md = build_attention_metadata(query_lens, context_lens, block_tables, self.block_size, self.device)
+        md = build_attention_metadata(query_lens, context_lens, block_tables, self.block_size, self.device,
+                                      num_blocks=min(layer.kv_cache.shape[0] for layer in self.layers.values()))
         for got, what, limit_name in ((len(query_lens), "sequences", "max_num_seqs"),
                                       (md.num_actual_tokens, "tokens", "max_num_tokens"),
                                       (md.max_seq_len, "tokens in its longest sequence", "max_model_len")):
