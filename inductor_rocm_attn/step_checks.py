@@ -407,8 +407,14 @@ def check_qkv(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 def cache_shape(op: str, layer, kv_cache: torch.Tensor) -> torch.Size:
-    """The cache's logical shape; a clear error when the layer has none bound yet."""
+    """The cache's logical shape; a clear error when the layer has none bound yet, or one of
+    another rank."""
     shape = kv_cache.shape
+    if len(shape) != 4 and kv_cache.numel():  # bound, but not a cache
+        raise ValueError(
+            f"{op}: layer {getattr(layer, 'layer_name', layer)!r} has a KV cache of shape {tuple(shape)}; a cache has "
+            "the logical shape [num_blocks, 2, block_size, num_kv_heads * head_size] (bind_kv_caches, or "
+            "allocate_kv_cache(layer.kv_cache_spec(dtype), num_blocks), makes one)")
     if len(shape) != 4:
         raise RuntimeError(
             f"{op}: layer {getattr(layer, 'layer_name', layer)!r} has no KV cache bound: call "
