@@ -578,6 +578,23 @@ def test_eager_runner_prepare_refuses_block_ids_past_its_caches():
         runner.prepare([2], [0], [[4]])
     runner.prepare([2], [0], [[3]])
 
+
+def test_compile_transformers_refuses_a_max_model_len_past_its_cache(monkeypatch):
+    # taken: the runner sized its block-table buffers for it (max_num_seqs x max_model_len /
+    # block_size entries; 10**9 tokens: 16 GB, the process was killed for memory) although no
+    # sequence can outgrow the cache
+    from inductor_rocm_attn.integrations import transformers_runner
+
+    def allocated(*args, **kwargs):
+        raise AssertionError("the caches were allocated before the refusal")
+
+    monkeypatch.setattr(transformers_runner, "paged_layers", allocated)
+    model = _tiny_transformers_model()
+    for max_model_len in (65, 10**9):
+        with pytest.raises(ValueError, match=rf"compile_transformers: max_model_len {max_model_len} is more than the "
+                                             r"paged KV cache holds \(num_blocks 4 x block_size 16 = 64 tokens\)"):
+            transformers_runner.compile_transformers(model, num_blocks=4, max_model_len=max_model_len)
+
 # --- hand-built metadata: a written block must not be another sequence's context -------------------
 
 

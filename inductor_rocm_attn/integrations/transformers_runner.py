@@ -120,7 +120,8 @@ def compile_transformers(
             recomputes from a forward's longest position (``longrope``, ``dynamic`` NTK), at
             most its original length (``original_max_position_embeddings``; for dynamic
             NTK, ``max_position_embeddings``). Such a RoPE is compiled on its original
-            frequencies, so a larger ``max_model_len`` is refused.
+            frequencies, so a larger ``max_model_len`` is refused; so is one past what the
+            cache holds (``num_blocks * block_size``).
         k_scale, v_scale: per-tensor cache scales of every layer, for an fp8 ``kv_cache_dtype``
             (as for ``PagedCache``); ``runner.layers``' ``_k_scale`` / ``_v_scale`` buffers hold
             them.
@@ -155,6 +156,10 @@ def compile_transformers(
     if positions is not None and max_model_len > positions:  # the embedding's index would run past it
         raise ValueError(f"compile_transformers: max_model_len {max_model_len} is above the {positions} positions of "
                          f"{type(model).__name__}'s learned position embedding (max_position_embeddings)")
+    if max_model_len > num_blocks * block_size:  # the buffers are sized for it: no sequence can outgrow the cache
+        raise ValueError(f"compile_transformers: max_model_len {max_model_len} is more than the paged KV cache holds "
+                         f"(num_blocks {num_blocks} x block_size {block_size} = {num_blocks * block_size} tokens); "
+                         "pass max_model_len <= that (the default) or more num_blocks")
     layers = paged_layers(model, num_blocks, block_size=block_size, cache_layout=cache_layout,
                           kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, poison=poison,
                           max_seq_len=max_model_len, who="compile_transformers")
