@@ -200,6 +200,27 @@ def test_metadata_of_refilled_buffers_is_refused(same_shape):
         s.layer(*qkv(newer.slot_mapping.shape[0], g))
 
 
+
+def test_a_graph_stand_in_replays_the_metadata_it_captured_after_a_refill():
+    """RerunGraphBackend replays Python under the metadata it captured, reading each new step
+    through its views as a real graph reads the same addresses: that metadata stays valid
+    after later builds refill the buffers (others built before the refill do not)."""
+    from inductor_rocm_attn.compilation.graph_backends import RerunGraphBackend
+
+    s = stepped_layer("state_replay")
+    buffers = ira.MetadataBuffers(4, 16, 4, "cpu")
+    lens = [1, 1, 1]
+    tables = [[b] for b in s.alloc._free[:3]]
+    captured = ira.build_attention_metadata(lens, [0, 0, 0], tables, BS, buffers=buffers)
+    q, k, v = qkv(3, s.g)
+    with ira.set_forward_context(captured):
+        graph, _ = RerunGraphBackend().capture_step(s.layer, (q, k, v))
+    other = ira.build_attention_metadata(lens, [0, 0, 0], tables, BS, buffers=buffers)
+    ira.build_attention_metadata(lens, [1, 1, 1], tables, BS, buffers=buffers)  # the step the replay reads
+    graph.replay()
+    with pytest.raises(ValueError, match=r"refilled with another step"), ira.set_forward_context(other):
+        s.layer(q, k, v)
+
 @pytest.mark.parametrize("field", ["query_lens", "context_lens", "block_tables"])
 @pytest.mark.parametrize("kind", ["dict", "set", "generator"])
 def test_builder_per_sequence_arguments_must_be_sequences(field, kind):
