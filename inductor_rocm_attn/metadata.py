@@ -365,12 +365,17 @@ class MetadataBuffers:
         self._replayed: list[PlanBounds] = []  # plans of captured steps a graph stand-in replays
 
     def now_holds(self, md: AttentionMetadata) -> None:
-        """``md`` was just built into these buffers: the step they held before is gone, and
-        with it its metadata's memoized checks (its next use is checked, and refused)."""
+        """``md`` was just built into these buffers (``fill`` released the step before)."""
+        self._plan, self._holder = md.plan, weakref.ref(md)
+
+    def _release(self) -> None:
+        """The step the buffers held is about to be overwritten: its metadata's memoized checks
+        go (its next use is checked, and refused), and no metadata is current until the
+        builder hands over the next (a build that fails after the fill leaves none)."""
         old = self._holder() if self._holder is not None else None
         if old is not None and not self._kept(old.plan):
             old._checked.clear()  # in place: a copy.copy of the metadata shares the memo
-        self._plan, self._holder = md.plan, weakref.ref(md)
+        self._plan = self._holder = None
 
     def _kept(self, plan: PlanBounds | None) -> bool:
         return any(p is plan for p in self._replayed)
@@ -400,6 +405,7 @@ class MetadataBuffers:
                  "the blocks of max_model_len")) if n > limit]
             raise ValueError(f"MetadataBuffers: the step does not fit the buffers it was sized for: "
                              f"{'; '.join(over)}")
+        self._release()
         self.query_start_loc[: b + 1].copy_(query_start_loc, non_blocking=True)
         self.seq_lens[:b].copy_(seq_lens, non_blocking=True)
         self.block_table[:b, :w].copy_(block_table, non_blocking=True)

@@ -221,6 +221,24 @@ def test_a_graph_stand_in_replays_the_metadata_it_captured_after_a_refill():
     with pytest.raises(ValueError, match=r"refilled with another step"), ira.set_forward_context(other):
         s.layer(q, k, v)
 
+
+def test_a_build_refused_after_its_fill_leaves_no_step_current():
+    # the fill overwrote the buffers before the builder refused the step (buffers replaced by
+    # hand): the metadata built before them must not run on what the refused build left
+    s = stepped_layer("state_refused_fill")
+    buffers = ira.MetadataBuffers(4, 16, 4, "cpu")
+    tables = [[b] for b in s.alloc._free[:3]]
+    earlier = ira.build_attention_metadata([1, 1, 1], [0, 0, 0], tables, BS, buffers=buffers)
+    with ira.set_forward_context(earlier):
+        s.layer(*qkv(3, s.g))
+    buffers.slot_mapping = torch.full((32,), -1, dtype=torch.int64)[::2]
+    with pytest.raises(ValueError, match=r"build_attention_metadata: slot_mapping must have unit stride"):
+        ira.build_attention_metadata([2, 1], [0, 0], tables[:2], BS, buffers=buffers)
+    before = snapshot(s.layer.kv_cache)
+    with pytest.raises(ValueError, match=r"refilled with another step"), ira.set_forward_context(earlier):
+        s.layer(*qkv(3, s.g))
+    assert unchanged(before, s.layer.kv_cache)
+
 @pytest.mark.parametrize("field", ["query_lens", "context_lens", "block_tables"])
 @pytest.mark.parametrize("kind", ["dict", "set", "generator"])
 def test_builder_per_sequence_arguments_must_be_sequences(field, kind):
