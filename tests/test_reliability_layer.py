@@ -636,6 +636,26 @@ def test_attention_op_refuses_an_output_it_cannot_write_alone(case):
     assert unchanged(before, out, key, s.layer.kv_cache)
 
 
+@pytest.mark.parametrize("layout", ["LHBNC", "LBHNC"])
+@pytest.mark.parametrize("decode", [True, False])
+def test_attention_op_refuses_an_output_at_the_cache_s_address(layout, decode):
+    # The layer-level attention compared a caller's output with key/value only (the kernel-level
+    # paged_attention compares it with the cache too): an output starting where the cache starts
+    # was taken, and the step's attention rows were written over cached keys.
+    s = stepped_layer(layout=layout)
+    md = ira.build_attention_metadata([1] * 3, [21, 8, 2], s.tables, BS) if decode else s.md
+    t = md.num_actual_tokens
+    q, k, v = (x.view(t, -1, D) for x in qkv(t, s.g))
+    cache = s.layer.kv_cache
+    out = cache.as_strided((t, H, D), (H * D, D, 1))  # starts at the cache's address
+    assert out.data_ptr() == cache.data_ptr()
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=r"rocm_attn\.unified_attention_with_output: output and kv_cache are the same "
+                                         r"memory"), ira.set_forward_context(md):
+        torch.ops.rocm_attn.unified_attention_with_output(q, k, v, out, s.layer.layer_name, None)
+    assert unchanged(before, cache)
+
+
 @pytest.mark.parametrize("op", ["cos_sin_cache", "cos_sin"])
 @pytest.mark.parametrize("case", ["key is query", "value is key", "expanded query"])
 def test_fused_rope_layer_ops_refuse_aliased_or_expanded_rotated_tensors(op, case):
