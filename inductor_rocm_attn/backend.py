@@ -242,14 +242,19 @@ def _check_output_scale(op: str, output_scale: torch.Tensor, x: torch.Tensor, x_
 
 
 def _check_output(op: str, output: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-                  reads_kv: bool) -> None:
-    """The attention's output: not an expanded view (its rows would share memory) nor, when the
-    kernels read them (``reads_kv``: a query longer than one token), the memory of the key/value;
-    the common case (a contiguous output of a decode step) in one flag read."""
-    if output.is_contiguous() and not (reads_kv and key is not None and output.data_ptr() in
-                                       (key.data_ptr(), value.data_ptr())):
+                  reads_kv: bool, kv_cache: torch.Tensor | None = None, cache_ptr: int = 0) -> None:
+    """The attention's output: not an expanded view (its rows would share memory), not the memory
+    of the KV cache it reads (``kv_cache`` at ``cache_ptr``; None: a layer without one) nor, when
+    the kernels read them (``reads_kv``: a query longer than one token), of the key/value; the
+    common case (a contiguous output of a decode step) in a flag read and a pointer compare."""
+    ptr = output.data_ptr()
+    if output.is_contiguous() and (kv_cache is None or ptr != cache_ptr) and not (
+            reads_kv and key is not None and ptr in (key.data_ptr(), value.data_ptr())):
         return  # a contiguous tensor has no expanded (stride-0) dim of size > 1
-    validation.check_written(op, dict(output=output), dict(key=key, value=value) if reads_kv else {})
+    read = dict(key=key, value=value) if reads_kv else {}
+    if kv_cache is not None:
+        read["kv_cache"] = kv_cache
+    validation.check_written(op, dict(output=output), read)
 
 
 class RocmAttentionImpl:
@@ -379,14 +384,17 @@ class RocmAttentionImpl:
         return True
 
     def _signature(self, op: str, x: torch.Tensor, kv_cache: torch.Tensor, num_tokens: int, *extra,
-                   interleaved_v: bool | None = None) -> tuple:
-        """``interleaved_v``: the V interior the call will have (None: the layer's now)."""
+                   interleaved_v: bool | None = None, cache_ptr: int | None = None) -> tuple:
+        """``interleaved_v``: the V interior the call will have (None: the layer's now);
+        ``cache_ptr``: ``kv_cache.data_ptr()`` where the caller has it."""
         device = x.device
         # The token range picks among providers where a measured preference says so.
         bucket = providers.token_bucket(op, device, num_tokens) if op in _SIZED_OPS else 0
         if interleaved_v is None:
             interleaved_v = self.interleaved_v
-        return (op, device, x.dtype, kv_cache.data_ptr(), kv_cache.dtype, interleaved_v, bucket, *extra)
+        if cache_ptr is None:
+            cache_ptr = kv_cache.data_ptr()
+        return (op, device, x.dtype, cache_ptr, kv_cache.dtype, interleaved_v, bucket, *extra)
 
     def _resolve(self, sig: tuple, op: str, x: torch.Tensor, kv_cache: torch.Tensor | None,
                  num_tokens: int, features=(), interleaved_v: bool | None = None, *, caller: str):
@@ -770,8 +778,9 @@ class RocmAttentionImpl:
             if key is not None and (key.dim() != 3 or value.dim() != 3):
                 key, value = self._kv_rows(op, key, value)
             t = step_checks.check_attention_call(op, layer, query, key, value, output, kv_cache, md, h, hkv, d)
+        cache_ptr = kv_cache.data_ptr()
         if made is None or made[1] is not output:  # an output of the caller's (Attention.forward makes its own)
-            _check_output(op, output, key, value, md.max_query_len > 1)
+            _check_output(op, output, key, value, md.max_query_len > 1, kv_cache, cache_ptr)
         n = md.num_actual_tokens
         if n != t:  # padded step: rows past n are not ours to touch
             out_n, query = output[:n], query[:n]
@@ -788,7 +797,7 @@ class RocmAttentionImpl:
             _check_output_scale(op, output_scale, query)
         prefill = md.max_query_len > 1  # a decode-only step may go to a provider without prefill
         sig = self._signature("paged_attention", query, kv_cache, n, output.dtype, output_scale is None,
-                              causal, interleaved_v, prefill)
+                              causal, interleaved_v, prefill, cache_ptr=cache_ptr)
         fn = self._kernels.get(sig)
         if fn is None:
             self._check_query_scale(query, op)

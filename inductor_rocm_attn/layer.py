@@ -110,6 +110,9 @@ class Attention(nn.Module):
             impl = self.__dict__.get("impl")
             if impl is not None:  # a new tensor: its version count starts again
                 impl._scales_checked = -1
+        if name == "kv_cache" and not isinstance(value, torch.Tensor):  # every call would fail on its .shape
+            raise TypeError(f"Attention {self.__dict__.get('layer_name', '')!r}: kv_cache must be a tensor (a cache from "
+                            f"bind_kv_caches or allocate_kv_cache), got {type(value).__name__}")
         if name == "kv_cache" and "kv_cache" in self.__dict__:
             check_free(f"Attention {self.__dict__.get('layer_name', '')!r}: binding a KV cache", [self], rebind=True)
         super().__setattr__(name, value)

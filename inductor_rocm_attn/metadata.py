@@ -13,6 +13,7 @@ index tensors back (``step_checks.check_step_metadata``).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Mapping
 from typing import Sequence
 
@@ -40,6 +41,10 @@ class PlanBounds:
     ``tensors``: the index tensor objects it built, whose types, dtypes, shapes and layout
     it checked on ``device``; the layers skip those checks for metadata holding exactly
     these objects (``step_checks._builder_tensors``).
+
+    ``buffers``: the ``MetadataBuffers`` the step was written into (None: tensors of its own).
+    Their next fill overwrites the step's tensors, so the layers refuse the step once another
+    was built into them (``MetadataBuffers.check_current``).
     """
 
     block_size: int
@@ -52,6 +57,7 @@ class PlanBounds:
     device: torch.device | None = None
     context_tokens: int = 0  # cached tokens the step's sequences attend to besides their new ones
     tensors: tuple = dataclasses.field(default=(), compare=False, repr=False)
+    buffers: "MetadataBuffers | None" = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass
@@ -287,7 +293,7 @@ def build_attention_metadata(
         block_size=block_size, num_tokens=n, max_query_len=max_query_len, max_seq_len=max_seq_len,
         max_block_id=max_block, max_position=max(positions, default=-1),
         tensor_ptrs=plan_tensor_ptrs(tensors), device=device, context_tokens=sum(seq_lens) - qsl[-1],
-        tensors=tuple(tensors[name] for name in _INDEX_NAMES),
+        tensors=tuple(tensors[name] for name in _INDEX_NAMES), buffers=buffers,
     )
     md = AttentionMetadata(
         num_actual_tokens=n,
@@ -304,6 +310,8 @@ def build_attention_metadata(
     # layer (only buffers replaced by hand could fail them).
     from .step_checks import check_step_tensors  # step_checks imports this module
     check_step_tensors(_OP, md, device, "query_start_loc")
+    if buffers is not None:
+        buffers.now_holds(md)
     return md
 
 
@@ -331,6 +339,12 @@ class MetadataBuffers:
     ``fill`` copies a step's host tensors into the leading part of each buffer and returns
     views of exactly the step's size; the addresses never change, so graphs captured on
     these views read each new step's values.
+
+    The buffers hold one step: metadata built into them before the latest build would read
+    the latest step's values through its views, and the layers refuse it (``check_current``).
+    A graph stand-in that replays Python under the metadata it captured
+    (``RerunGraphBackend``), as a real graph reads each new step at the same addresses, keeps
+    that metadata valid with ``keep_for_replay``.
     """
 
     def __init__(self, max_num_seqs: int, max_num_tokens: int, max_blocks_per_seq: int,
@@ -346,6 +360,40 @@ class MetadataBuffers:
         self.block_table = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
+        self._plan: PlanBounds | None = None  # the plan of the step the buffers hold
+        self._holder = None  # weak reference to that step's metadata
+        self._replayed: list[PlanBounds] = []  # plans of captured steps a graph stand-in replays
+
+    def now_holds(self, md: AttentionMetadata) -> None:
+        """``md`` was just built into these buffers (``fill`` released the step before)."""
+        self._plan, self._holder = md.plan, weakref.ref(md)
+
+    def _release(self) -> None:
+        """The step the buffers held is about to be overwritten: its metadata's memoized checks
+        go (its next use is checked, and refused), and no metadata is current until the
+        builder hands over the next (a build that fails after the fill leaves none)."""
+        old = self._holder() if self._holder is not None else None
+        if old is not None and not self._kept(old.plan):
+            old._checked.clear()  # in place: a copy.copy of the metadata shares the memo
+        self._plan = self._holder = None
+
+    def _kept(self, plan: PlanBounds | None) -> bool:
+        return any(p is plan for p in self._replayed)
+
+    def keep_for_replay(self, md: AttentionMetadata) -> None:
+        """A graph stand-in replays Python under ``md`` (captured from these buffers) after later
+        fills, reading each new step through its views as a real graph does: it stays valid."""
+        if md.plan is not None and md.plan.buffers is self and not self._kept(md.plan):
+            self._replayed.append(md.plan)
+
+    def check_current(self, op: str, plan: PlanBounds) -> None:
+        """Refuse a step (its ``plan``) these buffers no longer hold."""
+        if plan is self._plan or self._kept(plan):
+            return
+        raise ValueError(
+            f"{op}: the step's metadata was built into MetadataBuffers that a later "
+            "build_attention_metadata(..., buffers=...) refilled with another step; its tensors now hold that "
+            "step's values. Build each step's metadata right before the step runs")
 
     def fill(self, *, query_start_loc, seq_lens, block_table, slot_mapping, positions) -> dict:
         b, t, w = seq_lens.shape[0], slot_mapping.shape[0], block_table.shape[1]
@@ -357,6 +405,7 @@ class MetadataBuffers:
                  "the blocks of max_model_len")) if n > limit]
             raise ValueError(f"MetadataBuffers: the step does not fit the buffers it was sized for: "
                              f"{'; '.join(over)}")
+        self._release()
         self.query_start_loc[: b + 1].copy_(query_start_loc, non_blocking=True)
         self.seq_lens[:b].copy_(seq_lens, non_blocking=True)
         self.block_table[:b, :w].copy_(block_table, non_blocking=True)

@@ -80,6 +80,9 @@ def _builder_tensors(md, plan) -> bool:
 
 def _check_step(op: str, md, num_tokens: int, device: torch.device, num_blocks: int | None,
                 block_size: int | None) -> None:
+    plan = md.plan
+    if plan is not None and plan.buffers is not None:  # views of buffers that a later step refills
+        plan.buffers.check_current(op, plan)
     has_cache = num_blocks is not None
     where = "the KV cache" if has_cache else "the query"
     if has_cache and md.block_size != block_size:
@@ -87,7 +90,6 @@ def _check_step(op: str, md, num_tokens: int, device: torch.device, num_blocks: 
             f"{op}: metadata built for block_size {md.block_size}, but the layer's KV cache has block_size "
             f"{block_size}; build the step's metadata with block_size={block_size}"
         )
-    plan = md.plan
     # A step planned by the builder is checked in two parts: what does not depend on the layer
     # (the tensors' types, dtypes, shapes, layout) once, by the builder; here only the rest.
     planned = plan is not None and plan.block_size == md.block_size and _builder_tensors(md, plan)
@@ -405,8 +407,14 @@ def check_qkv(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 def cache_shape(op: str, layer, kv_cache: torch.Tensor) -> torch.Size:
-    """The cache's logical shape; a clear error when the layer has none bound yet."""
+    """The cache's logical shape; a clear error when the layer has none bound yet, or one of
+    another rank."""
     shape = kv_cache.shape
+    if len(shape) != 4 and kv_cache.numel():  # bound, but not a cache
+        raise ValueError(
+            f"{op}: layer {getattr(layer, 'layer_name', layer)!r} has a KV cache of shape {tuple(shape)}; a cache has "
+            "the logical shape [num_blocks, 2, block_size, num_kv_heads * head_size] (bind_kv_caches, or "
+            "allocate_kv_cache(layer.kv_cache_spec(dtype), num_blocks), makes one)")
     if len(shape) != 4:
         raise RuntimeError(
             f"{op}: layer {getattr(layer, 'layer_name', layer)!r} has no KV cache bound: call "

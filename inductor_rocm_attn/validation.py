@@ -667,6 +667,9 @@ def check_rotary(op: str, positions: torch.Tensor, query: torch.Tensor, key: tor
             f"{op}: cos_sin_cache must be [max_position, rot_dim] with an even rot_dim <= "
             f"head_size {head_size}, got {tuple(cos_sin_cache.shape)}"
         )
+    if positions.dim() != 1 or (query.dim() and positions.shape[0] != query.shape[0]):  # before the rows it counts
+        raise ValueError(f"{op}: positions must be [num_tokens], one entry per query token "
+                         f"({query.shape[0] if query.dim() else '?'}), got {tuple(positions.shape)}")
     for name, t in (("query", query), ("key", key)):
         if t is None:
             continue

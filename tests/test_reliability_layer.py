@@ -188,6 +188,30 @@ def test_layer_without_a_bound_cache():
         layer(*qkv(3, torch.Generator().manual_seed(0)))
 
 
+
+@pytest.mark.parametrize("value", [None, [0.0], "cache"])
+def test_a_kv_cache_that_is_not_a_tensor_is_refused_when_assigned(value):
+    # taken, then every call of the layer failed with "'NoneType' object has no attribute 'shape'"
+    layer = ira.Attention(H, D, num_kv_heads=HKV, layer_name=f"rel.not_a_tensor.{type(value).__name__}")
+    bound = layer.kv_cache
+    with pytest.raises(TypeError, match=rf"Attention 'rel\.not_a_tensor\.\w+': kv_cache must be a tensor \(a cache "
+                                        rf"from bind_kv_caches or allocate_kv_cache\), got {type(value).__name__}"):
+        layer.kv_cache = value
+    assert layer.kv_cache is bound
+
+
+def test_a_bound_cache_of_another_rank_is_named_as_such():
+    # a cache of another rank was reported as no cache at all ("has no KV cache bound")
+    layer = ira.Attention(H, D, num_kv_heads=HKV, layer_name="rel.rank3")
+    layer.kv_cache = torch.zeros(NUM_BLOCKS, 2, BS * HKV * D)
+    before = snapshot(layer.kv_cache)
+    md = ira.build_attention_metadata([3], [0], [[0]], BS)
+    with pytest.raises(ValueError, match=r"rocm_attn\.unified_kv_cache_update: layer 'rel\.rank3' has a KV cache of "
+                                         r"shape \(8, 2, 2048\); a cache has the logical shape \[num_blocks, 2, "
+                                         r"block_size, num_kv_heads \* head_size\]"), ira.set_forward_context(md):
+        layer(*qkv(3, torch.Generator().manual_seed(0)))
+    assert unchanged(before, layer.kv_cache)
+
 def test_each_layer_op_checks_the_metadata_alone():
     # Called by hand, the attention op (no cache update before it) checks the step too, and
     # leaves its output untouched.
@@ -610,6 +634,26 @@ def test_attention_op_refuses_an_output_it_cannot_write_alone(case):
             ira.set_forward_context(s.md):
         torch.ops.rocm_attn.unified_attention_with_output(q, key, v, out, s.layer.layer_name, None)
     assert unchanged(before, out, key, s.layer.kv_cache)
+
+
+@pytest.mark.parametrize("layout", ["LHBNC", "LBHNC"])
+@pytest.mark.parametrize("decode", [True, False])
+def test_attention_op_refuses_an_output_at_the_cache_s_address(layout, decode):
+    # The layer-level attention compared a caller's output with key/value only (the kernel-level
+    # paged_attention compares it with the cache too): an output starting where the cache starts
+    # was taken, and the step's attention rows were written over cached keys.
+    s = stepped_layer(layout=layout)
+    md = ira.build_attention_metadata([1] * 3, [21, 8, 2], s.tables, BS) if decode else s.md
+    t = md.num_actual_tokens
+    q, k, v = (x.view(t, -1, D) for x in qkv(t, s.g))
+    cache = s.layer.kv_cache
+    out = cache.as_strided((t, H, D), (H * D, D, 1))  # starts at the cache's address
+    assert out.data_ptr() == cache.data_ptr()
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=r"rocm_attn\.unified_attention_with_output: output and kv_cache are the same "
+                                         r"memory"), ira.set_forward_context(md):
+        torch.ops.rocm_attn.unified_attention_with_output(q, k, v, out, s.layer.layer_name, None)
+    assert unchanged(before, cache)
 
 
 @pytest.mark.parametrize("op", ["cos_sin_cache", "cos_sin"])

@@ -1,6 +1,8 @@
 """Kernel-level ops check their index tensors and devices on every call, before writing
 (issue 14, items 2-4): each rejected call leaves its outputs and caches byte-identical."""
 
+import re
+
 import pytest
 import torch
 
@@ -135,6 +137,26 @@ def test_rotary_position_outside_the_table(pos):
         torch.ops.rocm_attn.rotary_embedding(positions, q, k, D, _cos_sin(), True)
     assert unchanged(before, q, k)
 
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (3,), (5,)])
+@pytest.mark.parametrize("op", ["rotary_embedding", "rope_and_cache"])
+def test_rotary_positions_of_another_token_count_are_named(op, shape):
+    # a positions tensor that is not one entry per query token was reported as a bad query
+    # ("query (4, 4, 64) must be [num_tokens, ...] with num_tokens = 2"), naming neither it
+    # nor its shape
+    c = _case()
+    q, k, v = c.query.clone(), c.key.clone(), c.value.clone()
+    positions = torch.zeros(shape, dtype=torch.int64)
+    before = snapshot(q, k, c.kv_cache)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.{op}: positions must be \[num_tokens\], one entry per query "
+                                         rf"token \({q.shape[0]}\), got {re.escape(str(shape))}"):
+        if op == "rotary_embedding":
+            torch.ops.rocm_attn.rotary_embedding(positions, q, k, D, _cos_sin(), True)
+        else:
+            torch.ops.rocm_attn.rope_and_cache(positions, q, k, v, c.kv_cache, c.slot_mapping, _cos_sin(), True,
+                                               c.k_scale, c.v_scale, False)
+    assert unchanged(before, q, k, c.kv_cache)
 
 def test_rope_and_cache_position_outside_the_table():
     c = _case()

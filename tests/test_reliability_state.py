@@ -163,6 +163,82 @@ def test_builder_device_string_names_the_builder():
         ira.build_attention_metadata([2], [0], [[0]], BS, "bogus")
 
 
+@pytest.mark.parametrize("same_shape", [False, True])
+def test_metadata_of_refilled_buffers_is_refused(same_shape):
+    """Metadata built into MetadataBuffers holds views of them: a later build into the same
+    buffers overwrites its tensors with another step. Run again after that (a step used twice,
+    or one kept past the next build), it was taken on the memo of its earlier check (CPU) or its
+    builder's plan (GPU): the cache update wrote the other step's slots (another sequence's
+    block), then the attention failed on the mix of the two steps with a shape error."""
+    s = stepped_layer("state_refill")
+    buffers = ira.MetadataBuffers(4, 16, 4, "cpu")
+    g = s.g
+    old = ira.build_attention_metadata(s.query_lens, s.context_lens, s.tables, BS, buffers=buffers)
+    with ira.set_forward_context(old):
+        s.layer(*qkv(s.num_tokens, g))  # checked and memoized on the metadata
+    # another step into the same buffers: a new sequence in a free block (of the same shape,
+    # or of another)
+    free = s.alloc._free[0]
+    lens = [1, 1, 1] if same_shape else [3]
+    newer = ira.build_attention_metadata(lens, [0] * len(lens), [[free]] * len(lens) if not same_shape
+                                         else [[free], [s.alloc._free[1]], [s.alloc._free[2]]], BS,
+                                         buffers=buffers, num_padded_tokens=s.num_tokens if same_shape else None)
+    before = snapshot(s.layer.kv_cache)
+    for ops in ("forward", "attention alone"):
+        with pytest.raises(ValueError, match=r"rocm_attn\.unified_\w+: the step's metadata was built into "
+                                             r"MetadataBuffers that a later build_attention_metadata\(\.\.\., "
+                                             r"buffers=\.\.\.\) refilled"), ira.set_forward_context(old):
+            q, k, v = qkv(s.num_tokens, g)
+            if ops == "forward":
+                s.layer(q, k, v)
+            else:
+                out = torch.full((s.num_tokens, H, D), float("nan"))
+                torch.ops.rocm_attn.unified_attention_with_output(q.view(-1, H, D), k.view(-1, HKV, D),
+                                                                  v.view(-1, HKV, D), out, s.layer.layer_name)
+        assert unchanged(before, s.layer.kv_cache), "a step of refilled buffers wrote the cache"
+    with ira.set_forward_context(newer):  # the buffers' latest step runs
+        s.layer(*qkv(newer.slot_mapping.shape[0], g))
+
+
+
+def test_a_graph_stand_in_replays_the_metadata_it_captured_after_a_refill():
+    """RerunGraphBackend replays Python under the metadata it captured, reading each new step
+    through its views as a real graph reads the same addresses: that metadata stays valid
+    after later builds refill the buffers (others built before the refill do not)."""
+    from inductor_rocm_attn.compilation.graph_backends import RerunGraphBackend
+
+    s = stepped_layer("state_replay")
+    buffers = ira.MetadataBuffers(4, 16, 4, "cpu")
+    lens = [1, 1, 1]
+    tables = [[b] for b in s.alloc._free[:3]]
+    captured = ira.build_attention_metadata(lens, [0, 0, 0], tables, BS, buffers=buffers)
+    q, k, v = qkv(3, s.g)
+    with ira.set_forward_context(captured):
+        graph, _ = RerunGraphBackend().capture_step(s.layer, (q, k, v))
+    other = ira.build_attention_metadata(lens, [0, 0, 0], tables, BS, buffers=buffers)
+    ira.build_attention_metadata(lens, [1, 1, 1], tables, BS, buffers=buffers)  # the step the replay reads
+    graph.replay()
+    with pytest.raises(ValueError, match=r"refilled with another step"), ira.set_forward_context(other):
+        s.layer(q, k, v)
+
+
+def test_a_build_refused_after_its_fill_leaves_no_step_current():
+    # the fill overwrote the buffers before the builder refused the step (buffers replaced by
+    # hand): the metadata built before them must not run on what the refused build left
+    s = stepped_layer("state_refused_fill")
+    buffers = ira.MetadataBuffers(4, 16, 4, "cpu")
+    tables = [[b] for b in s.alloc._free[:3]]
+    earlier = ira.build_attention_metadata([1, 1, 1], [0, 0, 0], tables, BS, buffers=buffers)
+    with ira.set_forward_context(earlier):
+        s.layer(*qkv(3, s.g))
+    buffers.slot_mapping = torch.full((32,), -1, dtype=torch.int64)[::2]
+    with pytest.raises(ValueError, match=r"build_attention_metadata: slot_mapping must have unit stride"):
+        ira.build_attention_metadata([2, 1], [0, 0], tables[:2], BS, buffers=buffers)
+    before = snapshot(s.layer.kv_cache)
+    with pytest.raises(ValueError, match=r"refilled with another step"), ira.set_forward_context(earlier):
+        s.layer(*qkv(3, s.g))
+    assert unchanged(before, s.layer.kv_cache)
+
 @pytest.mark.parametrize("field", ["query_lens", "context_lens", "block_tables"])
 @pytest.mark.parametrize("kind", ["dict", "set", "generator"])
 def test_builder_per_sequence_arguments_must_be_sequences(field, kind):
@@ -528,6 +604,35 @@ def test_eager_runner_whole_step_is_checked_as_the_piecewise_runner_s():
         runner.prepare([2], [0], [[1]], whole_step="bogus")
     runner.prepare([2], [0], [[1]], whole_step="mixed")  # the runners' API: taken, no graphs here
 
+
+
+def test_eager_runner_prepare_refuses_block_ids_past_its_caches():
+    # the piecewise runner's prepare() refuses them; the eager runner's planned the step and
+    # left the refusal to the first layer's check when the step ran
+    from inductor_rocm_attn.integrations.transformers_runner import eager_runner
+
+    runner = eager_runner(_tiny_transformers_model(), num_blocks=4)
+    with pytest.raises(IndexError, match=r"build_attention_metadata: block_tables\[0\]\[0\] = 4 is outside the cache "
+                                         r"\(num_blocks 4: valid block ids 0\.\.3\)"):
+        runner.prepare([2], [0], [[4]])
+    runner.prepare([2], [0], [[3]])
+
+
+def test_compile_transformers_refuses_a_max_model_len_past_its_cache(monkeypatch):
+    # taken: the runner sized its block-table buffers for it (max_num_seqs x max_model_len /
+    # block_size entries; 10**9 tokens: 16 GB, the process was killed for memory) although no
+    # sequence can outgrow the cache
+    from inductor_rocm_attn.integrations import transformers_runner
+
+    def allocated(*args, **kwargs):
+        raise AssertionError("the caches were allocated before the refusal")
+
+    monkeypatch.setattr(transformers_runner, "paged_layers", allocated)
+    model = _tiny_transformers_model()
+    for max_model_len in (65, 10**9):
+        with pytest.raises(ValueError, match=rf"compile_transformers: max_model_len {max_model_len} is more than the "
+                                             r"paged KV cache holds \(num_blocks 4 x block_size 16 = 64 tokens\)"):
+            transformers_runner.compile_transformers(model, num_blocks=4, max_model_len=max_model_len)
 
 # --- hand-built metadata: a written block must not be another sequence's context -------------------
 

@@ -99,6 +99,10 @@ class RerunGraphBackend:
         g = self._Graph()
         g.fn, g.bind, g.args = fn, bind, args
         g.ctx = forward_context.get_forward_context()
+        md = g.ctx.attn_metadata
+        if md is not None and md.plan is not None and md.plan.buffers is not None:
+            # replays run under this metadata after later steps refilled its buffers
+            md.plan.buffers.keep_for_replay(md)
         g.out = fn(*args)
         return g, g.out
 

@@ -120,7 +120,8 @@ def compile_transformers(
             recomputes from a forward's longest position (``longrope``, ``dynamic`` NTK), at
             most its original length (``original_max_position_embeddings``; for dynamic
             NTK, ``max_position_embeddings``). Such a RoPE is compiled on its original
-            frequencies, so a larger ``max_model_len`` is refused.
+            frequencies, so a larger ``max_model_len`` is refused; so is one past what the
+            cache holds (``num_blocks * block_size``).
         k_scale, v_scale: per-tensor cache scales of every layer, for an fp8 ``kv_cache_dtype``
             (as for ``PagedCache``); ``runner.layers``' ``_k_scale`` / ``_v_scale`` buffers hold
             them.
@@ -155,6 +156,10 @@ def compile_transformers(
     if positions is not None and max_model_len > positions:  # the embedding's index would run past it
         raise ValueError(f"compile_transformers: max_model_len {max_model_len} is above the {positions} positions of "
                          f"{type(model).__name__}'s learned position embedding (max_position_embeddings)")
+    if max_model_len > num_blocks * block_size:  # the buffers are sized for it: no sequence can outgrow the cache
+        raise ValueError(f"compile_transformers: max_model_len {max_model_len} is more than the paged KV cache holds "
+                         f"(num_blocks {num_blocks} x block_size {block_size} = {num_blocks * block_size} tokens); "
+                         "pass max_model_len <= that (the default) or more num_blocks")
     layers = paged_layers(model, num_blocks, block_size=block_size, cache_layout=cache_layout,
                           kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, poison=poison,
                           max_seq_len=max_model_len, who="compile_transformers")
@@ -195,12 +200,14 @@ class EagerRunner:
     def prepare(self, query_lens: Sequence[int], context_lens: Sequence[int],
                 block_tables: Sequence[Sequence[int]], *, whole_step: bool | str = True) -> AttentionMetadata:
         """The step's metadata (``whole_step``: taken for a ``PiecewiseRunner``'s API; no graphs
-        here), within the runner's step limits and, for a model with learned positions, its
-        ``max_model_len`` (an index past the embedding is a device-side assert on a GPU)."""
+        here), within the runner's step limits, its block ids inside the caches, and, for a
+        model with learned positions, within its ``max_model_len`` (an index past the embedding
+        is a device-side assert on a GPU)."""
         check_free("EagerRunner.prepare", self.layers.values())
         if whole_step is not True and whole_step is not False and whole_step != MIXED:  # as PiecewiseRunner's
             raise ValueError(f"EagerRunner.prepare: whole_step={whole_step!r:.60}; expected True, False or {MIXED!r}")
-        md = build_attention_metadata(query_lens, context_lens, block_tables, self.block_size, self.device)
+        md = build_attention_metadata(query_lens, context_lens, block_tables, self.block_size, self.device,
+                                      num_blocks=min(layer.kv_cache.shape[0] for layer in self.layers.values()))
         for got, what, limit_name in ((len(query_lens), "sequences", "max_num_seqs"),
                                       (md.num_actual_tokens, "tokens", "max_num_tokens"),
                                       (md.max_seq_len, "tokens in its longest sequence", "max_model_len")):
