@@ -167,9 +167,9 @@ def test_builder_device_string_names_the_builder():
 def test_metadata_of_refilled_buffers_is_refused(same_shape):
     """Metadata built into MetadataBuffers holds views of them: a later build into the same
     buffers overwrites its tensors with another step. Run again after that (a step used twice,
-    or one kept past the next build), it was taken on the memo of its earlier check (CPU) or its
-    builder's plan (GPU): the cache update wrote the other step's slots (another sequence's
-    block), then the attention failed on the mix of the two steps with a shape error."""
+    or one kept past the next build), it is refused before anything is written, although its
+    earlier check is memoized on it (CPU) and its builder's plan vouches for its tensors (GPU):
+    it would write the other step's slots (another sequence's block)."""
     s = stepped_layer("state_refill")
     buffers = ira.MetadataBuffers(4, 16, 4, "cpu")
     g = s.g
@@ -199,6 +199,28 @@ def test_metadata_of_refilled_buffers_is_refused(same_shape):
     with ira.set_forward_context(newer):  # the buffers' latest step runs
         s.layer(*qkv(newer.slot_mapping.shape[0], g))
 
+
+
+def test_whole_step_metadata_of_refilled_buffers_is_refused():
+    """The whole-step planner's metadata (``plan_step``: the builder's, in the graph's fixed
+    shapes) is what the layers run: after a later plan into the same buffers it is refused,
+    although its earlier check is memoized on it."""
+    from inductor_rocm_attn.compilation.step_graphs import MIXED, StepShape, plan_step
+
+    s = stepped_layer("state_refill_plan")
+    buffers = ira.MetadataBuffers(4, 16, 4, "cpu")
+    shape = StepShape(MIXED, 8, 4, 8)
+    plan = dict(buffers=buffers, block_size=BS, max_model_len=64, device=torch.device("cpu"))
+    old = plan_step(shape, s.query_lens, s.context_lens, s.tables, **plan)
+    with ira.set_forward_context(old):
+        s.layer(*qkv(shape.num_tokens, s.g))  # checked and memoized on the metadata
+    newer = plan_step(shape, [2], [0], [[s.alloc._free[0]]], **plan)
+    before = snapshot(s.layer.kv_cache)
+    with pytest.raises(ValueError, match=r"refilled with another step"), ira.set_forward_context(old):
+        s.layer(*qkv(shape.num_tokens, s.g))
+    assert unchanged(before, s.layer.kv_cache), "a step of refilled buffers wrote the cache"
+    with ira.set_forward_context(newer):  # the buffers' latest step runs
+        s.layer(*qkv(shape.num_tokens, s.g))
 
 
 def test_a_graph_stand_in_replays_the_metadata_it_captured_after_a_refill():

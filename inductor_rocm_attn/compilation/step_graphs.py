@@ -89,7 +89,9 @@ def plan_step(shape: StepShape, query_lens: Sequence[int], context_lens: Sequenc
         list(query_lens) + [0] * pad, list(context_lens) + [0] * pad,
         list(block_tables) + [[]] * pad, block_size, device, num_padded_tokens=shape.num_tokens,
         buffers=buffers, num_blocks=num_blocks)
-    return _fixed(md, shape, buffers, max_model_len, md.num_actual_tokens)
+    md = _fixed(md, shape, buffers, max_model_len, md.num_actual_tokens)
+    buffers.now_holds(md)  # the metadata the caller runs: the next fill clears its memoized checks
+    return md
 
 
 def dummy_step(shape: StepShape, *, buffers: MetadataBuffers, max_model_len: int,
