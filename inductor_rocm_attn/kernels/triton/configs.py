@@ -327,8 +327,8 @@ def verify_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.
                   q_max: int = VERIFY_MAX_QUERY_LEN) -> DecodeConfig:
     """The verify kernel's config: the decode config of the shape (its tile, stages and K
     read), with a warp per 16 rows (up to 4) so that a warp's share of the score and
-    accumulator tiles stays what a decode warp holds. Not measured yet (bench_decode.py
-    --verify)."""
+    accumulator tiles stays what a decode warp holds. Timed with ``bench_decode.py --verify``
+    (benchmarks/results/README.md, the verify rows)."""
     base = decode_config(head_size, gqa, block_size, cache_dtype, interpret, interleaved_v)
     if interpret:
         return base
