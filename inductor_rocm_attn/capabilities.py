@@ -29,6 +29,10 @@ SUPPORTED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "
 
 
 class AttentionType(str, enum.Enum):
+    """A layer's attention type (``Attention(attn_type=...)``, the enum or its string value):
+    DECODER, ENCODER and ENCODER_ONLY are supported; ENCODER_DECODER is refused with the
+    reason (``_UNSUPPORTED_ATTENTION_TYPES``)."""
+
     DECODER = "decoder"
     ENCODER = "encoder"
     ENCODER_ONLY = "encoder_only"

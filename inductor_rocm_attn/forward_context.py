@@ -116,6 +116,8 @@ def registered_layers() -> dict[str, "Attention"]:
 
 
 def get_forward_context() -> ForwardContext:
+    """The current step's context (its metadata, layer table and profiling flag); outside
+    ``set_forward_context`` / ``profiling_run`` an empty one (``attn_metadata`` None)."""
     return _current
 
 

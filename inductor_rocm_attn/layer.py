@@ -210,6 +210,7 @@ class Attention(nn.Module):
 
 
 def attention_layers(model: nn.Module) -> list[Attention]:
+    """Every ``Attention`` module of ``model``, in ``model.modules()`` order."""
     return [m for m in model.modules() if isinstance(m, Attention)]
 
 

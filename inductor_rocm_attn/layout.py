@@ -51,6 +51,9 @@ __all__ = [
 
 
 class CacheLayout(str, enum.Enum):
+    """Physical order of a layer's paged KV cache (``Attention(cache_layout=...)``, the enum or
+    its string); the logical shape is the same for both (docs/design.md, "KV-cache layouts")."""
+
     LHBNC = "LHBNC"  # [layer][head group K|V][block][token][channel]: groups contiguous
     LBHNC = "LBHNC"  # [layer][block][head group K|V][token][channel]: blocks contiguous
 
