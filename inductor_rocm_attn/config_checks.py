@@ -32,7 +32,7 @@ def check_impl_config(op: str, num_heads, head_size, scale, num_kv_heads, alibi_
     validation.check_positive_finite(op, "q_scale", q_scale)
     if attn_type in capabilities.ENCODER_TYPES and kv_cache_dtype.startswith("fp8"):
         raise NotImplementedError(
-            f"{op}: kv_cache_dtype {kv_cache_dtype!r} on an attn_type={attn_type.value!r} layer is not "
+            f"{op}: kv_cache_dtype {kv_cache_dtype!r} on a {attn_type.value} layer is not "
             f"supported: {capabilities.ENCODER_FP8_KV_CACHE_REASON} (an encoder layer has no KV "
             "cache); use 'auto'"
         )
