@@ -656,6 +656,22 @@ def test_compile_transformers_refuses_a_max_model_len_past_its_cache(monkeypatch
                                              r"paged KV cache holds \(num_blocks 4 x block_size 16 = 64 tokens\)"):
             transformers_runner.compile_transformers(model, num_blocks=4, max_model_len=max_model_len)
 
+
+def test_compile_piecewise_block_table_width_is_bounded_by_the_caches():
+    # a max_model_len far past the caches sized the runner's block-table buffers for it
+    # (max_num_seqs x max_model_len / block_size entries: 10**9 tokens would be 16 GB); no
+    # sequence can hold more blocks than the caches have
+    from inductor_rocm_attn.compilation import compile_piecewise
+    from inductor_rocm_attn.models import TinyDecoder, qwen3_config
+
+    model = TinyDecoder(qwen3_config(num_layers=1), name="state.wide_model_len").eval()
+    ira.bind_kv_caches(model, 6, torch.float32, poison=True)
+    runner = compile_piecewise(model, [2], max_model_len=10**9, plugin=False)
+    assert runner.buffers.block_table.shape[1] == 6
+    md = runner.prepare([1, 1], [0, 0], [[1], [5]])  # a step that fits runs
+    assert torch.isfinite(runner(torch.tensor([1, 2]), md)).all()
+
+
 # --- hand-built metadata: a written block must not be another sequence's context -------------------
 
 

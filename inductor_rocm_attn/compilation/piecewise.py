@@ -115,8 +115,13 @@ class PiecewiseRunner:
         self.block_size = layers[0].block_size
         if any(layer.block_size != self.block_size for layer in layers):
             raise ValueError("compile_piecewise: all attention layers must share one block size")
+        # Block-table width: max_model_len's blocks, but never more than the bound caches
+        # have (no sequence can hold more), so a large max_model_len allocates nothing extra.
+        counts = [layer.kv_cache.shape[0] for layer in layers
+                  if isinstance(layer.kv_cache, torch.Tensor) and layer.kv_cache.dim() == 4]
+        width = -(-max_model_len // self.block_size)
         self.buffers = MetadataBuffers(max_num_seqs, self.max_num_tokens,
-                                       -(-max_model_len // self.block_size), device)
+                                       min([width, *counts]), device)
         self.input_ids = torch.zeros(self.max_num_tokens, dtype=torch.long, device=device)
         self.stats = CompileStats()
         self._layers = {layer.layer_name: layer for layer in layers}
@@ -587,7 +592,8 @@ def compile_piecewise(
         max_num_seqs: sequences per step (metadata buffer size; default ``max(capture_sizes)``).
         max_num_tokens: tokens per step, also for steps above the captured sizes that run
             without graphs (default ``max(capture_sizes)``).
-        max_model_len: longest sequence (block-table width).
+        max_model_len: longest sequence (block-table width, at most the bound caches' block
+            count; whole-step decode graphs plan their KV splits for it).
         use_cuda_graphs: default: when the model's parameters are on a CUDA/HIP device.
         plugin: run the plugin's passes in the piece compiles (default: on; False: off; a
             post pass the user installed runs either way).
