@@ -645,8 +645,10 @@ def _share_fused_key(site: LayerSite) -> None:
                                  if fx_utils.auto_functionalized_op(u) is rocm.unified_attention_with_output.default)}
         for key in keys:
             v = fx_utils.val(key)
-            if key is not site.key and v is not None and len(v.shape) == len(shape) and all(
-                    same_size(a, b) for a, b in zip(v.shape, shape)):
+            # only a key that carries the same values: that layer's attention may read a key
+            # of its own, which must keep its values (and every other use of it)
+            if (key is not site.key and _strip_copies(key) is root and v is not None and len(v.shape) == len(shape)
+                    and all(same_size(a, b) for a, b in zip(v.shape, shape))):
                 key.replace_all_uses_with(site.key)
 
 

@@ -660,3 +660,86 @@ slice_1 = aten.slice.Tensor(reshape_13, 1, 0, 8)  float32[10, 8]
 unsqueeze_1 = aten.unsqueeze.default(slice_1, 2)  float32[10, 8, 1]
 cat_1 = aten.cat.default([unsqueeze_1, unsqueeze_1], 2)  float32[10, 8, 2]
 auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_rope_cos_sin_and_kv_cache_update.default, value=reshape_9, cos=reshape_14, sin=reshape_15, is_neox=False, layer_name=L, _query_base_index=0, _key_base_index=1, _all_bases=[reshape_10, reshape_11])""")
+
+
+# --- a layer caching another layer's rotated key, its attention reading a key of its own -------
+
+
+def _shared_key_layer_block(names):
+    """Layer 0 rotates its q/k (fuses); layer 1 caches layer 0's rotated key but its attention
+    reads a key of its own (``k1``, also returned): the fusion must leave ``k1`` alone."""
+    from inductor_rocm_attn.passes import forms
+
+    rocm = torch.ops.rocm_attn
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=g) / 8
+
+    def fn(hidden, cache, positions):
+        t = hidden.shape[0]
+        q, k, v = (x.reshape(t, -1, 32) for x in (hidden @ w).split([128, 64, 64], -1))
+        q_rot, k_rot = forms.rope_neox_hf(q, cache, positions), forms.rope_neox_hf(k, cache, positions)
+        out0 = _attend(q_rot, k_rot, v, names[0])
+        k1 = k * 0.5 + 1
+        out1 = torch.empty(t, 4, 32)
+        token = rocm.unified_kv_cache_update(k_rot, v, names[1])
+        rocm.unified_attention_with_output(q_rot, k1, v, out1, names[1], token)
+        return out0, out1, k1
+    return fn
+
+
+@pytest.mark.compile
+def test_layer_caching_a_fused_key_keeps_its_own_attention_key():
+    import inductor_rocm_attn as ira
+    from inductor_rocm_attn import compilation
+    from inductor_rocm_attn.layout import dense_kv
+
+    g = torch.Generator().manual_seed(1)
+    hidden, positions = torch.randn(5, 64, generator=g), torch.randperm(5, generator=g)
+    cache = torch.cat([torch.randn(64, 16, generator=g).cos(), torch.randn(64, 16, generator=g).sin()], -1)
+    tag = f"shared_key{next(_ids)}"
+    layers = {w: [ira.Attention(4, 32, num_kv_heads=2, layer_name=f"{tag}_{w}.{i}.attn") for i in range(2)]
+              for w in ("eager", "compiled")}
+    for layer in (*layers["eager"], *layers["compiled"]):
+        layer.kv_cache = ira.allocate_kv_cache(layer.kv_cache_spec(torch.float32), 4).fill_(float("nan"))
+    md = ira.build_attention_metadata([5], [0], [[2, 1]], layers["eager"][0].block_size)
+    report = compilation.fusion_report()
+    report.clear()
+    torch._dynamo.reset()
+    with torch.no_grad(), ira.set_forward_context(md):
+        want = _shared_key_layer_block([l.layer_name for l in layers["eager"]])(hidden, cache, positions)
+        with compilation.plugin():
+            fn = _shared_key_layer_block([l.layer_name for l in layers["compiled"]])
+            got = torch.compile(fn, backend="inductor", fullgraph=True)(hidden, cache, positions)
+    torch._dynamo.reset()
+    for name, a, b in zip(("out0", "out1", "k1"), got, want):
+        assert (a - b).abs().max() < 1e-5, name
+    for le, lc in zip(layers["eager"], layers["compiled"]):
+        for a, b in zip(dense_kv(le.kv_cache, 2, le.interleaved_v), dense_kv(lc.kv_cache, 2, lc.interleaved_v)):
+            rows = lambda x: x.reshape(-1, 2, 32)[md.slot_mapping]  # noqa: E731
+            assert (rows(a) - rows(b)).abs().max() < 1e-5
+    records = {r.layer_name: r for r in report.records if r.pass_name == PASS}
+    assert records[layers["compiled"][0].layer_name].fused
+    assert not records[layers["compiled"][1].layer_name].fused
+
+
+class TestSharedKeySnapshots(TestCase):
+    def test_layer_caching_a_fused_key_keeps_its_own_attention_key_after(self):
+        g = torch.Generator().manual_seed(1)
+        cache = torch.cat([torch.randn(64, 16, generator=g).cos(), torch.randn(64, 16, generator=g).sin()], -1)
+        c = capture(_shared_key_layer_block(["snap_shared.0.attn", "snap_shared.1.attn"]),
+                    torch.randn(5, 64), cache, torch.arange(5), dynamic=())
+        self.assertEqual(c.count(PASS), 1)
+        rows = [ln for ln in c.after.splitlines() if "rocm_attn." in ln or ln.startswith(("mul", "add", "getitem"))]
+        self.assertExpectedInline("\n".join(rows), """\
+getitem = getitem(split_with_sizes, 1)  float32[5, 64]
+getitem_1 = getitem(split_with_sizes, 2)  float32[5, 64]
+auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_rope_and_kv_cache_update.default, positions=in_3, value=reshape_1, cos_sin_cache=in_2, is_neox=True, layer_name='snap_shared.0.attn', _query_base_index=0, _query_slice_dim=1, _query_slice_start=0, _query_slice_end=128, _key_base_index=0, _key_slice_dim=1, _key_slice_start=128, _key_slice_end=192, _all_bases=[mm])
+getitem_2 = getitem(auto_functionalized_v2, 0)  float32[0]
+getitem_3 = getitem(auto_functionalized_v2, 1)  float32[5, 256]
+auto_functionalized_v2_1 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=reshape_2, key=reshape_3, value=reshape_4, layer_name='snap_shared.0.attn', kv_cache_dependency=getitem_2, output_scale=None, _output_base_index=0, _all_bases=[empty])
+getitem_4 = getitem(auto_functionalized_v2_1, 1)  float32[5, 4, 32]
+mul = aten.mul.Tensor(reshape, 0.5)  float32[5, 2, 32]
+add = aten.add.Tensor(mul, 1)  float32[5, 2, 32]
+unified_kv_cache_update = rocm_attn.unified_kv_cache_update.default(reshape_3, reshape_4, 'snap_shared.1.attn')  float32[0]
+auto_functionalized_v2_2 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=reshape_2, key=add, value=reshape_4, layer_name='snap_shared.1.attn', kv_cache_dependency=unified_kv_cache_update, output_scale=None, _output_base_index=0, _all_bases=[empty_1])
+getitem_5 = getitem(auto_functionalized_v2_2, 1)  float32[5, 4, 32]""")
