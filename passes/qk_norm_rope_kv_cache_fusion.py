@@ -355,4 +355,6 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
                        interleaved_v=True)
         if changed:
             fx_utils.finish(graph)
+            if matchers.copy_shared_view_bases(graph):
+                fx_utils.finish(graph)
 

@@ -743,3 +743,66 @@ add = aten.add.Tensor(mul, 1)  float32[5, 2, 32]
 unified_kv_cache_update = rocm_attn.unified_kv_cache_update.default(reshape_3, reshape_4, 'snap_shared.1.attn')  float32[0]
 auto_functionalized_v2_2 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=reshape_2, key=add, value=reshape_4, layer_name='snap_shared.1.attn', kv_cache_dependency=unified_kv_cache_update, output_scale=None, _output_base_index=0, _all_bases=[empty_1])
 getitem_5 = getitem(auto_functionalized_v2_2, 1)  float32[5, 4, 32]""")
+
+
+# --- q/k that view storage something else reads (one `cat`, a pointwise result) ---------------
+
+
+def _view_base_block(variant):
+    """q (and k) views of a tensor the graph computes (not an extern kernel's output) whose
+    other columns or rows something else reads: the value, or the other of q/k."""
+    from inductor_rocm_attn.passes import forms
+
+    g = torch.Generator().manual_seed(0)
+    w, wk = torch.randn(64, 256, generator=g) / 8, torch.randn(64, 64, generator=g) / 8
+
+    def build(name):
+        def fn(hidden, cache, positions):
+            t = hidden.shape[0]
+            qkv = hidden @ w
+            k, v = (hidden @ wk).reshape(t, 2, 32), qkv[:, 192:].reshape(t, 2, 32)
+            if variant == "q_and_v_of_one_pointwise":
+                big = qkv * 1.5
+                q, v = big[:, :128].reshape(t, 4, 32), big[:, 192:].reshape(t, 2, 32)
+            elif variant == "q_and_k_rows_of_one_cat":
+                big = torch.cat([qkv, qkv], 0)
+                q, k = big[t:, :128].reshape(t, 4, 32), big[:t, 128:192].reshape(t, 2, 32)
+            elif variant == "q_and_v_of_one_cat":
+                big = torch.cat([qkv, qkv], 1)
+                q, v = big[:, :128].reshape(t, 4, 32), big[:, 192:256].reshape(t, 2, 32)
+            return _attend(forms.rope_neox_hf(q, cache, positions), forms.rope_neox_hf(k, cache, positions), v, name)
+        return fn
+    return build
+
+
+_VIEW_BASES = ["q_and_v_of_one_pointwise", "q_and_k_rows_of_one_cat", "q_and_v_of_one_cat"]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("variant", _VIEW_BASES)
+def test_qk_viewing_storage_read_elsewhere_matches_eager(variant):
+    """The fused writer gets a copy of such a view (Inductor reinplaced the view base and the
+    attention read NaN) and still fuses."""
+    g = torch.Generator().manual_seed(2)
+    cache = torch.cat([torch.randn(64, 16, generator=g).cos(), torch.randn(64, 16, generator=g).sin()], -1)
+    diff, records = _compiled_matches_eager(_view_base_block(variant), torch.randn(5, 64, generator=g), cache,
+                                            torch.randperm(5, generator=g))
+    assert [r.fused for r in records if r.pass_name == PASS] == [True]
+    assert diff < 1e-5
+
+
+class TestViewBaseSnapshots(TestCase):
+    def test_view_of_a_pointwise_result_read_elsewhere_is_copied(self):
+        g = torch.Generator().manual_seed(2)
+        cache = torch.cat([torch.randn(64, 16, generator=g).cos(), torch.randn(64, 16, generator=g).sin()], -1)
+        c = capture(_view_base_block("q_and_v_of_one_pointwise")("snap_view_base.attn"), torch.randn(5, 64), cache,
+                    torch.arange(5), dynamic=())
+        self.assertEqual(c.count(PASS), 1)
+        rows = [ln for ln in c.after.splitlines() if ln.startswith(("mul", "slice", "clone", "auto_functionalized"))]
+        self.assertExpectedInline("\n".join(rows), """\
+mul = aten.mul.Tensor(mm, 1.5)  float32[5, 256]
+slice = aten.slice.Tensor(mul, 1, 0, 128)  float32[5, 128]
+slice_1 = aten.slice.Tensor(mul, 1, 192, 9223372036854775807)  float32[5, 64]
+clone = aten.clone.default(reshape)  float32[5, 4, 32]
+auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_rope_and_kv_cache_update.default, positions=in_4, value=reshape_2, cos_sin_cache=in_3, is_neox=True, layer_name='snap_view_base.attn', _query_base_index=0, _key_base_index=1, _all_bases=[clone, reshape_1])
+auto_functionalized_v2_1 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=getitem_1, key=getitem_2, value=reshape_2, layer_name='snap_view_base.attn', kv_cache_dependency=getitem, output_scale=None, _output_base_index=0, _all_bases=[empty])""")
