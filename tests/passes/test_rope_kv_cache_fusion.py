@@ -806,3 +806,29 @@ slice_1 = aten.slice.Tensor(mul, 1, 192, 9223372036854775807)  float32[5, 64]
 clone = aten.clone.default(reshape)  float32[5, 4, 32]
 auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_rope_and_kv_cache_update.default, positions=in_4, value=reshape_2, cos_sin_cache=in_3, is_neox=True, layer_name='snap_view_base.attn', _query_base_index=0, _key_base_index=1, _all_bases=[clone, reshape_1])
 auto_functionalized_v2_1 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=getitem_1, key=getitem_2, value=reshape_2, layer_name='snap_view_base.attn', kv_cache_dependency=getitem, output_scale=None, _output_base_index=0, _all_bases=[empty])""")
+
+
+@pytest.mark.compile
+def test_clamped_fused_qkv_split_in_three_dims_matches_eager():
+    """DBRX's attention: the fused ``[B, T, W]`` projection clamped (``clip_qkv``), then split
+    into q, k and v: q and k are two bases viewing the clamp's result, which v reads too (the
+    K cache held garbage and the output was wrong before the writer got copies)."""
+    from inductor_rocm_attn.passes import forms
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 256, generator=g) / 8
+
+    def build(name):
+        def fn(hidden, cos, sin):
+            t = hidden.shape[0]
+            qkv = torch.nn.functional.linear(hidden.unsqueeze(0), w.t()).clamp(min=-0.5, max=0.5)
+            q, k, v = (x.view(1, t, -1, 32) for x in qkv.split([128, 64, 64], dim=2))
+            q_rot, k_rot = (forms.rope_neox_transformers(x, cos, sin).reshape(t, -1, 32) for x in (q, k))
+            return _attend(q_rot, k_rot, v.reshape(t, 2, 32), name)
+        return fn
+
+    angles = torch.randn(1, 5, 16, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    diff, records = _compiled_matches_eager(build, torch.randn(5, 64, generator=g), cos, sin)
+    assert [r.fused for r in records if r.pass_name == PASS] == [True]
+    assert diff < 1e-5
