@@ -596,7 +596,8 @@ def emit_in_place(graph: torch.fx.Graph, op, kwargs: dict, site: LayerSite, q_in
     then split), that tensor is the one base, q and k its slices, and the attention reads
     q, k and v as slices of the op's result: Inductor reinplaces one base per storage, so
     this leaves no copy. Otherwise q and k are two bases (each reinplaced when nothing reads
-    it afterwards; a graph input is never mutated in place, so it is copied).
+    it afterwards; a graph input is never mutated in place, so it is copied); a base that views
+    storage something else reads is copied once the graph is tidied (``copy_shared_view_bases``).
     """
     kwargs = dict(kwargs)
     _share_fused_key(site)
@@ -632,6 +633,60 @@ def emit_in_place(graph: torch.fx.Graph, op, kwargs: dict, site: LayerSite, q_in
     return token
 
 
+_IN_PLACE_WRITERS = (rocm.unified_rope_and_kv_cache_update.default, rocm.unified_rope_cos_sin_and_kv_cache_update.default,
+                     rocm.unified_qk_norm_rope_cos_sin_and_kv_cache_update.default)
+
+
+def copy_shared_view_bases(graph: torch.fx.Graph) -> bool:
+    """Give a fused in-place writer emitted with q and k as two bases (``emit_in_place``) a
+    copy of each base that views storage anything else reads (the other base, the value, another
+    view, a second writer); returns whether it changed the graph. Run after dead-code
+    elimination, when the unfused RoPE no longer reads q/k. auto_functionalized_v2 takes one
+    base per storage (Dynamo passes a mutated view as its base plus view arguments), and
+    Inductor miscompiled a view base whose storage is read elsewhere (q a view of a ``cat`` or of
+    a pointwise result whose other columns are the value: NaN attention output); a copy is a
+    storage of its own."""
+    changed = False
+    for node in list(graph.find_nodes(op="call_function", target=_AUTO_FUNCTIONALIZED_V2)):
+        if node.args[0] not in _IN_PLACE_WRITERS or "_query_slice_dim" in node.kwargs:
+            continue
+        bases = list(node.kwargs["_all_bases"])
+        shared = [_storage_read_elsewhere(b, node) for b in bases]
+        if not any(shared):
+            continue
+        with graph.inserting_before(node):
+            bases = [fx_utils.call(graph, aten.clone.default, (b,)) if s else b for b, s in zip(bases, shared)]
+        node.update_kwarg("_all_bases", bases)
+        changed = True
+    return changed
+
+
+def _storage_read_elsewhere(base: torch.fx.Node, writer: torch.fx.Node) -> bool:
+    """Whether ``base`` views (through ``_ALIASING`` ops) storage, not a graph input's, that a
+    node other than ``writer`` reading ``base`` itself reads: any use of any view of its storage
+    root that reads data."""
+    root = _storage_root(base)
+    if root is base or root.op == "placeholder":  # a graph input is copied, never written in place
+        return False
+    stack, seen = [root], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for user in n.users:
+            if user.op == "call_function" and user.target in _ALIASING:
+                stack.append(user)
+            elif not (user is writer and n is base) and user.target not in _METADATA_READS:
+                return True
+    return False
+
+
+# Ops that read only a tensor's sizes or strides, never its data
+_METADATA_READS = frozenset({aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
+                             aten.sym_storage_offset.default})
+
+
 def _share_fused_key(site: LayerSite) -> None:
     """Point the later layers that cache this layer's rotated key (KV sharing) at the key the
     attention reads, so that they read the fused writer's key too: left on their own view
@@ -645,8 +700,10 @@ def _share_fused_key(site: LayerSite) -> None:
                                  if fx_utils.auto_functionalized_op(u) is rocm.unified_attention_with_output.default)}
         for key in keys:
             v = fx_utils.val(key)
-            if key is not site.key and v is not None and len(v.shape) == len(shape) and all(
-                    same_size(a, b) for a, b in zip(v.shape, shape)):
+            # only a key that carries the same values: that layer's attention may read a key
+            # of its own, which must keep its values (and every other use of it)
+            if (key is not site.key and _strip_copies(key) is root and v is not None and len(v.shape) == len(shape)
+                    and all(same_size(a, b) for a, b in zip(v.shape, shape))):
                 key.replace_all_uses_with(site.key)
 
 

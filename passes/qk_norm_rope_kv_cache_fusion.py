@@ -77,7 +77,8 @@ def _match_norm(root: torch.fx.Node, which: str, rank: int = 3, op_form: bool = 
     v = fx_utils.val(root)
     if v is None or v.dim() != rank:
         shape = "[T, heads, head_size]" if rank == 3 else "[B, T, heads, head_size]"
-        return None, None, None, None, f"{which}-norm output is not a {shape} tensor"
+        return None, None, None, None, (f"{which}-norm output is not a {shape} tensor (the rotated {which} comes "
+                                        f"from {matchers.producer(root)})")
     if root.op == "call_function" and root.target is rocm.rms_norm.default:
         if not op_form:
             return None, None, None, None, (f"the {which}-norm is rocm_attn.rms_norm, which rounds once; the "
@@ -355,4 +356,6 @@ class QKNormRopeKVCacheFusionPass(FusionPass):
                        interleaved_v=True)
         if changed:
             fx_utils.finish(graph)
+            if matchers.copy_shared_view_bases(graph):
+                fx_utils.finish(graph)
 

@@ -102,3 +102,5 @@ class RopeKVCacheFusionPass(FusionPass):
             self.fused(layer, f"RoPE ({rope.form}, {style}) + KV-cache update -> {op._opname}")
         if changed:
             fx_utils.finish(graph)
+            if matchers.copy_shared_view_bases(graph):
+                fx_utils.finish(graph)

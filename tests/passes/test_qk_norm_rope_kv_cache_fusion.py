@@ -596,3 +596,35 @@ def test_fuses_with_static_token_count(num_tokens):
     cfg, block = _block()
     c = capture(block.to(torch.bfloat16), *block_inputs(cfg, num_tokens, torch.bfloat16), dynamic=())
     assert c.count(PASS) == 1, c.reasons(PASS)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("norm", ["rms_norm_hf", "rms_norm_gemma", "rms_norm_gemma4"])
+def test_qk_viewing_a_scaled_fused_qkv_matches_eager(norm):
+    """q, k and v views of one pointwise result (a scaled ``[B, T, W]`` fused projection, split
+    in three): the writer normalizes and rotates copies of q and k (before, Inductor wrote the
+    view bases in place and the K cache and the output were wrong or NaN)."""
+    from test_rope_kv_cache_fusion import _attend, _compiled_matches_eager
+
+    from inductor_rocm_attn.passes import forms
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(64, 256, generator=g) / 8
+    q_weight, k_weight = torch.randn(32, generator=g) * 0.2 + 1, torch.randn(32, generator=g) * 0.2 + 1
+    rms = getattr(forms, norm)
+
+    def build(name):
+        def fn(hidden, cos, sin):
+            t = hidden.shape[0]
+            qkv = (hidden.unsqueeze(0) @ w) * 1.5
+            q, k, v = (x.view(1, t, -1, 32) for x in qkv.split([128, 64, 64], dim=-1))
+            q, k = rms(q, q_weight, 1e-6), rms(k, k_weight, 1e-6)
+            q_rot, k_rot = (forms.rope_neox_transformers(x, cos, sin).reshape(t, -1, 32) for x in (q, k))
+            return _attend(q_rot, k_rot, v.reshape(t, 2, 32), name)
+        return fn
+
+    angles = torch.randn(1, 5, 16, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    diff, records = _compiled_matches_eager(build, torch.randn(5, 64, generator=g), cos, sin)
+    assert [r.fused for r in records if r.pass_name == PASS] == [True]
+    assert diff < 1e-5

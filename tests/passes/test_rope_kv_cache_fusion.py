@@ -660,3 +660,175 @@ slice_1 = aten.slice.Tensor(reshape_13, 1, 0, 8)  float32[10, 8]
 unsqueeze_1 = aten.unsqueeze.default(slice_1, 2)  float32[10, 8, 1]
 cat_1 = aten.cat.default([unsqueeze_1, unsqueeze_1], 2)  float32[10, 8, 2]
 auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_rope_cos_sin_and_kv_cache_update.default, value=reshape_9, cos=reshape_14, sin=reshape_15, is_neox=False, layer_name=L, _query_base_index=0, _key_base_index=1, _all_bases=[reshape_10, reshape_11])""")
+
+
+# --- a layer caching another layer's rotated key, its attention reading a key of its own -------
+
+
+def _shared_key_layer_block(names):
+    """Layer 0 rotates its q/k (fuses); layer 1 caches layer 0's rotated key but its attention
+    reads a key of its own (``k1``, also returned): the fusion must leave ``k1`` alone."""
+    from inductor_rocm_attn.passes import forms
+
+    rocm = torch.ops.rocm_attn
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=g) / 8
+
+    def fn(hidden, cache, positions):
+        t = hidden.shape[0]
+        q, k, v = (x.reshape(t, -1, 32) for x in (hidden @ w).split([128, 64, 64], -1))
+        q_rot, k_rot = forms.rope_neox_hf(q, cache, positions), forms.rope_neox_hf(k, cache, positions)
+        out0 = _attend(q_rot, k_rot, v, names[0])
+        k1 = k * 0.5 + 1
+        out1 = torch.empty(t, 4, 32)
+        token = rocm.unified_kv_cache_update(k_rot, v, names[1])
+        rocm.unified_attention_with_output(q_rot, k1, v, out1, names[1], token)
+        return out0, out1, k1
+    return fn
+
+
+@pytest.mark.compile
+def test_layer_caching_a_fused_key_keeps_its_own_attention_key():
+    import inductor_rocm_attn as ira
+    from inductor_rocm_attn import compilation
+    from inductor_rocm_attn.layout import dense_kv
+
+    g = torch.Generator().manual_seed(1)
+    hidden, positions = torch.randn(5, 64, generator=g), torch.randperm(5, generator=g)
+    cache = torch.cat([torch.randn(64, 16, generator=g).cos(), torch.randn(64, 16, generator=g).sin()], -1)
+    tag = f"shared_key{next(_ids)}"
+    layers = {w: [ira.Attention(4, 32, num_kv_heads=2, layer_name=f"{tag}_{w}.{i}.attn") for i in range(2)]
+              for w in ("eager", "compiled")}
+    for layer in (*layers["eager"], *layers["compiled"]):
+        layer.kv_cache = ira.allocate_kv_cache(layer.kv_cache_spec(torch.float32), 4).fill_(float("nan"))
+    md = ira.build_attention_metadata([5], [0], [[2, 1]], layers["eager"][0].block_size)
+    report = compilation.fusion_report()
+    report.clear()
+    torch._dynamo.reset()
+    with torch.no_grad(), ira.set_forward_context(md):
+        want = _shared_key_layer_block([l.layer_name for l in layers["eager"]])(hidden, cache, positions)
+        with compilation.plugin():
+            fn = _shared_key_layer_block([l.layer_name for l in layers["compiled"]])
+            got = torch.compile(fn, backend="inductor", fullgraph=True)(hidden, cache, positions)
+    torch._dynamo.reset()
+    for name, a, b in zip(("out0", "out1", "k1"), got, want):
+        assert (a - b).abs().max() < 1e-5, name
+    for le, lc in zip(layers["eager"], layers["compiled"]):
+        for a, b in zip(dense_kv(le.kv_cache, 2, le.interleaved_v), dense_kv(lc.kv_cache, 2, lc.interleaved_v)):
+            rows = lambda x: x.reshape(-1, 2, 32)[md.slot_mapping]  # noqa: E731
+            assert (rows(a) - rows(b)).abs().max() < 1e-5
+    records = {r.layer_name: r for r in report.records if r.pass_name == PASS}
+    assert records[layers["compiled"][0].layer_name].fused
+    assert not records[layers["compiled"][1].layer_name].fused
+
+
+class TestSharedKeySnapshots(TestCase):
+    def test_layer_caching_a_fused_key_keeps_its_own_attention_key_after(self):
+        g = torch.Generator().manual_seed(1)
+        cache = torch.cat([torch.randn(64, 16, generator=g).cos(), torch.randn(64, 16, generator=g).sin()], -1)
+        c = capture(_shared_key_layer_block(["snap_shared.0.attn", "snap_shared.1.attn"]),
+                    torch.randn(5, 64), cache, torch.arange(5), dynamic=())
+        self.assertEqual(c.count(PASS), 1)
+        rows = [ln for ln in c.after.splitlines() if "rocm_attn." in ln or ln.startswith(("mul", "add", "getitem"))]
+        self.assertExpectedInline("\n".join(rows), """\
+getitem = getitem(split_with_sizes, 1)  float32[5, 64]
+getitem_1 = getitem(split_with_sizes, 2)  float32[5, 64]
+auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_rope_and_kv_cache_update.default, positions=in_3, value=reshape_1, cos_sin_cache=in_2, is_neox=True, layer_name='snap_shared.0.attn', _query_base_index=0, _query_slice_dim=1, _query_slice_start=0, _query_slice_end=128, _key_base_index=0, _key_slice_dim=1, _key_slice_start=128, _key_slice_end=192, _all_bases=[mm])
+getitem_2 = getitem(auto_functionalized_v2, 0)  float32[0]
+getitem_3 = getitem(auto_functionalized_v2, 1)  float32[5, 256]
+auto_functionalized_v2_1 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=reshape_2, key=reshape_3, value=reshape_4, layer_name='snap_shared.0.attn', kv_cache_dependency=getitem_2, output_scale=None, _output_base_index=0, _all_bases=[empty])
+getitem_4 = getitem(auto_functionalized_v2_1, 1)  float32[5, 4, 32]
+mul = aten.mul.Tensor(reshape, 0.5)  float32[5, 2, 32]
+add = aten.add.Tensor(mul, 1)  float32[5, 2, 32]
+unified_kv_cache_update = rocm_attn.unified_kv_cache_update.default(reshape_3, reshape_4, 'snap_shared.1.attn')  float32[0]
+auto_functionalized_v2_2 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=reshape_2, key=add, value=reshape_4, layer_name='snap_shared.1.attn', kv_cache_dependency=unified_kv_cache_update, output_scale=None, _output_base_index=0, _all_bases=[empty_1])
+getitem_5 = getitem(auto_functionalized_v2_2, 1)  float32[5, 4, 32]""")
+
+
+# --- q/k that view storage something else reads (one `cat`, a pointwise result) ---------------
+
+
+def _view_base_block(variant):
+    """q (and k) views of a tensor the graph computes (not an extern kernel's output) whose
+    other columns or rows something else reads: the value, or the other of q/k."""
+    from inductor_rocm_attn.passes import forms
+
+    g = torch.Generator().manual_seed(0)
+    w, wk = torch.randn(64, 256, generator=g) / 8, torch.randn(64, 64, generator=g) / 8
+
+    def build(name):
+        def fn(hidden, cache, positions):
+            t = hidden.shape[0]
+            qkv = hidden @ w
+            k, v = (hidden @ wk).reshape(t, 2, 32), qkv[:, 192:].reshape(t, 2, 32)
+            if variant == "q_and_v_of_one_pointwise":
+                big = qkv * 1.5
+                q, v = big[:, :128].reshape(t, 4, 32), big[:, 192:].reshape(t, 2, 32)
+            elif variant == "q_and_k_rows_of_one_cat":
+                big = torch.cat([qkv, qkv], 0)
+                q, k = big[t:, :128].reshape(t, 4, 32), big[:t, 128:192].reshape(t, 2, 32)
+            elif variant == "q_and_v_of_one_cat":
+                big = torch.cat([qkv, qkv], 1)
+                q, v = big[:, :128].reshape(t, 4, 32), big[:, 192:256].reshape(t, 2, 32)
+            return _attend(forms.rope_neox_hf(q, cache, positions), forms.rope_neox_hf(k, cache, positions), v, name)
+        return fn
+    return build
+
+
+_VIEW_BASES = ["q_and_v_of_one_pointwise", "q_and_k_rows_of_one_cat", "q_and_v_of_one_cat"]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("variant", _VIEW_BASES)
+def test_qk_viewing_storage_read_elsewhere_matches_eager(variant):
+    """The fused writer gets a copy of such a view (Inductor reinplaced the view base and the
+    attention read NaN) and still fuses."""
+    g = torch.Generator().manual_seed(2)
+    cache = torch.cat([torch.randn(64, 16, generator=g).cos(), torch.randn(64, 16, generator=g).sin()], -1)
+    diff, records = _compiled_matches_eager(_view_base_block(variant), torch.randn(5, 64, generator=g), cache,
+                                            torch.randperm(5, generator=g))
+    assert [r.fused for r in records if r.pass_name == PASS] == [True]
+    assert diff < 1e-5
+
+
+class TestViewBaseSnapshots(TestCase):
+    def test_view_of_a_pointwise_result_read_elsewhere_is_copied(self):
+        g = torch.Generator().manual_seed(2)
+        cache = torch.cat([torch.randn(64, 16, generator=g).cos(), torch.randn(64, 16, generator=g).sin()], -1)
+        c = capture(_view_base_block("q_and_v_of_one_pointwise")("snap_view_base.attn"), torch.randn(5, 64), cache,
+                    torch.arange(5), dynamic=())
+        self.assertEqual(c.count(PASS), 1)
+        rows = [ln for ln in c.after.splitlines() if ln.startswith(("mul", "slice", "clone", "auto_functionalized"))]
+        self.assertExpectedInline("\n".join(rows), """\
+mul = aten.mul.Tensor(mm, 1.5)  float32[5, 256]
+slice = aten.slice.Tensor(mul, 1, 0, 128)  float32[5, 128]
+slice_1 = aten.slice.Tensor(mul, 1, 192, 9223372036854775807)  float32[5, 64]
+clone = aten.clone.default(reshape)  float32[5, 4, 32]
+auto_functionalized_v2 = auto_functionalized_v2(rocm_attn.unified_rope_and_kv_cache_update.default, positions=in_4, value=reshape_2, cos_sin_cache=in_3, is_neox=True, layer_name='snap_view_base.attn', _query_base_index=0, _key_base_index=1, _all_bases=[clone, reshape_1])
+auto_functionalized_v2_1 = auto_functionalized_v2(rocm_attn.unified_attention_with_output.default, query=getitem_1, key=getitem_2, value=reshape_2, layer_name='snap_view_base.attn', kv_cache_dependency=getitem, output_scale=None, _output_base_index=0, _all_bases=[empty])""")
+
+
+@pytest.mark.compile
+def test_clamped_fused_qkv_split_in_three_dims_matches_eager():
+    """DBRX's attention: the fused ``[B, T, W]`` projection clamped (``clip_qkv``), then split
+    into q, k and v: q and k are two bases viewing the clamp's result, which v reads too (the
+    K cache held garbage and the output was wrong before the writer got copies)."""
+    from inductor_rocm_attn.passes import forms
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 256, generator=g) / 8
+
+    def build(name):
+        def fn(hidden, cos, sin):
+            t = hidden.shape[0]
+            qkv = torch.nn.functional.linear(hidden.unsqueeze(0), w.t()).clamp(min=-0.5, max=0.5)
+            q, k, v = (x.view(1, t, -1, 32) for x in qkv.split([128, 64, 64], dim=2))
+            q_rot, k_rot = (forms.rope_neox_transformers(x, cos, sin).reshape(t, -1, 32) for x in (q, k))
+            return _attend(q_rot, k_rot, v.reshape(t, 2, 32), name)
+        return fn
+
+    angles = torch.randn(1, 5, 16, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    diff, records = _compiled_matches_eager(build, torch.randn(5, 64, generator=g), cos, sin)
+    assert [r.fused for r in records if r.pass_name == PASS] == [True]
+    assert diff < 1e-5
