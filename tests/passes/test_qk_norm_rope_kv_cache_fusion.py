@@ -604,7 +604,7 @@ def test_qk_viewing_a_scaled_fused_qkv_matches_eager(norm):
     """q, k and v views of one pointwise result (a scaled ``[B, T, W]`` fused projection, split
     in three): the writer normalizes and rotates copies of q and k (before, Inductor wrote the
     view bases in place and the K cache and the output were wrong or NaN)."""
-    from test_rope_kv_cache_fusion import _attend, _compiled_matches_eager
+    from test_rope_kv_cache_fusion import _attend, _fused_once_matches_eager
 
     from inductor_rocm_attn.passes import forms
 
@@ -623,8 +623,4 @@ def test_qk_viewing_a_scaled_fused_qkv_matches_eager(norm):
             return _attend(q_rot, k_rot, v.reshape(t, 2, 32), name)
         return fn
 
-    angles = torch.randn(1, 5, 16, generator=g)
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    diff, records = _compiled_matches_eager(build, torch.randn(5, 64, generator=g), cos, sin)
-    assert [r.fused for r in records if r.pass_name == PASS] == [True]
-    assert diff < 1e-5
+    _fused_once_matches_eager(build, g, PASS)

@@ -527,6 +527,16 @@ def _compiled_matches_eager(build, *inputs, hq=4, hkv=2, d=32):
     return float(max(diffs)), [r for r in report.records if r.layer_name == layers[1].layer_name]
 
 
+def _fused_once_matches_eager(build, g, pass_name):
+    """``build``'s function of (hidden [5, 64], cos, sin) with NeoX cos/sin rows, compiled with
+    the plugin: ``pass_name`` fuses its one layer and the result matches eager."""
+    angles = torch.randn(1, 5, 16, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    diff, records = _compiled_matches_eager(build, torch.randn(5, 64, generator=g), cos, sin)
+    assert [r.fused for r in records if r.pass_name == pass_name] == [True]
+    assert diff < 1e-5
+
+
 def _attend(q, k, v, name):
     out = torch.empty(q.shape[0], 4, 32)
     token = torch.ops.rocm_attn.unified_kv_cache_update(k, v, name)
@@ -827,8 +837,4 @@ def test_clamped_fused_qkv_split_in_three_dims_matches_eager():
             return _attend(q_rot, k_rot, v.reshape(t, 2, 32), name)
         return fn
 
-    angles = torch.randn(1, 5, 16, generator=g)
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    diff, records = _compiled_matches_eager(build, torch.randn(5, 64, generator=g), cos, sin)
-    assert [r.fused for r in records if r.pass_name == PASS] == [True]
-    assert diff < 1e-5
+    _fused_once_matches_eager(build, g, PASS)
