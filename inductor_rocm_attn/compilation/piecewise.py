@@ -115,16 +115,15 @@ class PiecewiseRunner:
         self.block_size = layers[0].block_size
         if any(layer.block_size != self.block_size for layer in layers):
             raise ValueError("compile_piecewise: all attention layers must share one block size")
+        self._layers = {layer.layer_name: layer for layer in layers}
         # Block-table width: max_model_len's blocks, but never more than the bound caches
         # have (no sequence can hold more), so a large max_model_len allocates nothing extra.
-        counts = [layer.kv_cache.shape[0] for layer in layers
-                  if isinstance(layer.kv_cache, torch.Tensor) and layer.kv_cache.dim() == 4]
         width = -(-max_model_len // self.block_size)
+        blocks = self._num_cache_blocks()
         self.buffers = MetadataBuffers(max_num_seqs, self.max_num_tokens,
-                                       min([width, *counts]), device)
+                                       width if blocks is None else min(width, blocks), device)
         self.input_ids = torch.zeros(self.max_num_tokens, dtype=torch.long, device=device)
         self.stats = CompileStats()
-        self._layers = {layer.layer_name: layer for layer in layers}
         # What layer names resolve through during this runner's steps: its layers, and the
         # slot aliases of shared pieces (bound as those run).
         self.layer_table: dict[str, Any] = dict(self._layers)

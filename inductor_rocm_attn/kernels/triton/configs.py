@@ -244,8 +244,8 @@ def decode_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.
             # (32 keys, 8 warps, 178 KB), the fastest at every B; 8 or 16 warps and 32-key
             # tiles were slower. fp8 cache (fp16 dots): the same tile over 4 warps, from an
             # H100 A/B (history 2026-12-05_1615_*): B = 16 / 64, L=4096 145.0 / 499.8 us =
-            # 1.48x / 1.51x the bf16 cache, against 201.2 / 725.9 over 8 warps (32 keys
-            # spilled 16 bytes). fp32 cache: chosen to compile for sm_90 without spills
+            # 1.48x / 1.51x the bf16 cache, against 201.2 / 725.9 over 8 warps (a 32-key
+            # tile spilled 16 bytes). fp32 cache: chosen to compile for sm_90 without spills
             # (tests/triton_sm90_compile.py), not timed: 16 keys, 2 stages, K gathered as a
             # tile (k_rows=0): 128 registers, 130 KB (K read as packet rows spilled 2 KB a thread).
             tuned = {1: DecodeConfig(16, 4, 3, "rows", fp8_fp16_dot=True),
@@ -337,7 +337,7 @@ def verify_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.
         # with 2 stages. H100 sweep (32/4 heads, 4 query tokens, L=4096; history
         # 2026-12-05_1638_*): B = 16 / 64 297.2 / 931.6 us against 398.4 / 1290.5 for 32-key
         # tiles over 8 warps and 399-1602 for the other tiles; it spills 8 bytes a thread on
-        # sm_90 (32 rows of 512 channels; tests/triton_sm90_compile.py bounds it), 3 stages 16.
+        # sm_90 (32 rows of 512 channels; tests/triton_sm90_compile.py bounds it; 3 stages: 16).
         base = DecodeConfig(16, 4, 2, "rows", one_loop_max_tiles=ONE_LOOP_MAX_TILES)
     elif base.fp8_fp16_dot:  # decode's fp8 config; the verify kernel keeps bf16 dots and the
         # generic fp8 tile it was tested with
