@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from inductor_rocm_attn.kernels.triton.configs import (
-    DECODE_KINDS, LAST_SPLIT_MAX_SPLITS, MAX_SPLITS, MIN_SPLIT_TOKENS, ONE_LOOP_MAX_TILES,
+    D512_PROGRAMS_PER_SM, DECODE_KINDS, LAST_SPLIT_MAX_SPLITS, MAX_SPLITS, MIN_SPLIT_TOKENS, ONE_LOOP_MAX_TILES,
     DecodeConfig, PrefillConfig, decode_config, decode_plan, num_kv_splits, prefill_config,
     reduce_num_warps, split_merge_of, verify_config, verify_rows, writer_block_t, writer_num_warps,
 )
@@ -128,6 +128,17 @@ def test_split_rule_variants():
         DecodeConfig(16, 1, 3, "rows3", programs_per_sm=0)
 
 
+def test_head_size_512_splits_for_two_programs_per_sm():
+    """Gemma4's full layers (32/4 heads, head 512) on 132 SMs: B=1 keeps 64 splits, B=16
+    takes 4 (256 programs: one wave of 2 an SM), B=64 one (H100: 196.5 / 706.3 us against
+    210.5 / 724.0 with 8 programs an SM's 16 / 4 splits); head 128 keeps its rule."""
+    plan = dict(num_kv_heads=4, head_chunks=1, max_ctx=4096, num_sms=132)
+    for cfg in (decode_config(512, 8, 16, torch.bfloat16), verify_config(512, 8, 16, torch.bfloat16, q_max=4)):
+        assert [decode_plan(cfg, None, num_seqs=b, **plan)[1] for b in (1, 16, 64, 128)] == [64, 4, 1, 1]
+    d128 = decode_config(128, 4, 16, torch.bfloat16)
+    assert decode_plan(d128, None, num_seqs=16, **dict(plan, num_kv_heads=8))[1] == 8
+
+
 def test_verify_config_rules():
     """Verify rows are (query token, GQA head) pairs, 16..64 a program; a warp per 16 rows
     on top of the decode config of the shape."""
@@ -146,12 +157,14 @@ def test_head_size_512_configs():
     """Head size 512 has configs of its own, chosen so that every launch compiles for sm_90
     without spills and within shared memory (tests/triton_sm90_compile.py checks the compiled
     launches); the head sizes up to 256 keep theirs. 16-bit decode: the fastest of an H100
-    sweep (16-key tiles, 4 warps); verify the same tile with 2 stages (an H100 sweep)."""
+    sweep (16-key tiles, 4 warps); verify the same tile with 2 stages (an H100 sweep); both
+    split for 2 programs an SM (an H100 split sweep)."""
     for dtype in (torch.bfloat16, torch.float16):
-        assert decode_config(512, 8, 16, dtype) == DecodeConfig(16, 4, 3, "rows",
-                                                                one_loop_max_tiles=ONE_LOOP_MAX_TILES)
+        assert decode_config(512, 8, 16, dtype) == DecodeConfig(
+            16, 4, 3, "rows", one_loop_max_tiles=ONE_LOOP_MAX_TILES, programs_per_sm=D512_PROGRAMS_PER_SM)
         v = verify_config(512, 8, 16, dtype, q_max=8)
         assert (v.tile_n, v.num_warps, v.num_stages, v.fp8_fp16_dot) == (16, 4, 2, False)
+        assert v.programs_per_sm == D512_PROGRAMS_PER_SM
         assert prefill_config(512, 8, 16, dtype) == PrefillConfig(32, 16, 4, 2)
     fp8 = decode_config(512, 8, 16, torch.float8_e4m3fn)
     assert (fp8.tile_n, fp8.num_warps, fp8.fp8_fp16_dot) == (16, 4, True)

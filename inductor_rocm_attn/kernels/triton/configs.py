@@ -90,6 +90,9 @@ MAX_SPLITS = 64
 # L=4096 81.9 us rounded down vs 90.3 up, L=16384 261.3 vs 298.6, L=1024 33.2 vs 33.1;
 # B=128 identical (one split either way).
 SPLIT_PROGRAMS_PER_SM = 8
+# Head size 512 at 16 bits: a program of 4 warps takes up to 240 registers a thread, so an
+# SM holds 2; more splits than fill those slots only queue (decode and verify configs).
+D512_PROGRAMS_PER_SM = 2
 SPLITS_ROUND_DOWN = True
 # A split of at most this many tiles runs a tuned "rows3"/"keys3" config as one masked loop:
 # three loops would each start their software pipeline cold (B=1: 17.5 vs 18.1 us).
@@ -248,8 +251,13 @@ def decode_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.
             # tile spilled 16 bytes). fp32 cache: chosen to compile for sm_90 without spills
             # (tests/triton_sm90_compile.py), not timed: 16 keys, 2 stages, K gathered as a
             # tile (k_rows=0): 128 registers, 130 KB (K read as packet rows spilled 2 KB a thread).
+            # 16-bit cache: KV splits for 2 programs an SM (what one SM holds at 4 warps of up
+            # to 240 registers), not 8: H100 split sweep (history 2026-12-05_1843_*): B=16
+            # 4 splits 196.5 us against 210.5 with 16, B=64 one split 706.3 against 724.0 with
+            # 4 (B=1 keeps 64: 30.2 us, 32 splits 27.6).
             tuned = {1: DecodeConfig(16, 4, 3, "rows", fp8_fp16_dot=True),
-                     2: DecodeConfig(16, 4, 3, "rows")}.get(elem, DecodeConfig(16, 8, 2, "rows", k_rows=0))
+                     2: DecodeConfig(16, 4, 3, "rows", programs_per_sm=D512_PROGRAMS_PER_SM),
+                     }.get(elem, DecodeConfig(16, 8, 2, "rows", k_rows=0))
         else:
             tile = 64 if head_size * elem <= 256 else 32
             if elem == 1:
@@ -338,7 +346,10 @@ def verify_config(head_size: int, gqa: int, block_size: int, cache_dtype: torch.
         # 2026-12-05_1638_*): B = 16 / 64 297.2 / 931.6 us against 398.4 / 1290.5 for 32-key
         # tiles over 8 warps and 399-1602 for the other tiles; it spills 8 bytes a thread on
         # sm_90 (32 rows of 512 channels; tests/triton_sm90_compile.py bounds it; 3 stages: 16).
-        base = DecodeConfig(16, 4, 2, "rows", one_loop_max_tiles=ONE_LOOP_MAX_TILES)
+        # Splits for 2 programs an SM, as decode's: B=16 4 splits 239.1 us against 293.2 with
+        # 16 (3 splits 295.9, 5 354.7: a second wave; history 2026-12-05_1843_*).
+        base = DecodeConfig(16, 4, 2, "rows", one_loop_max_tiles=ONE_LOOP_MAX_TILES,
+                            programs_per_sm=D512_PROGRAMS_PER_SM)
     elif base.fp8_fp16_dot:  # decode's fp8 config; the verify kernel keeps bf16 dots and the
         # generic fp8 tile it was tested with
         base = DecodeConfig(128 if head_size <= 128 else 64, 4, 3, "rows", one_loop_max_tiles=ONE_LOOP_MAX_TILES)
