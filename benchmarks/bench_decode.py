@@ -49,7 +49,7 @@ from common import graph_time_us, launched_kernels, residency, stamp, write_json
 from peers import FlashInferDecode, PeerUnavailable, flashinfer_version, nhd_pages  # noqa: E402
 from inductor_rocm_attn.kernels.triton import paged_attention  # noqa: E402  (the function)
 from inductor_rocm_attn.kernels.triton.configs import (  # noqa: E402
-    DecodeConfig, decode_config, decode_plan, num_kv_splits, verify_config, verify_rows)
+    DecodeConfig, decode_config, decode_plan, verify_config, verify_rows)
 from inductor_rocm_attn.kernels.triton.paged_attention import launch_target  # noqa: E402
 from inductor_rocm_attn.kernels.triton.paged_decode import _paged_decode_kernel  # noqa: E402
 from inductor_rocm_attn.kernels.triton.paged_verify import _paged_verify_kernel  # noqa: E402
@@ -624,7 +624,9 @@ def main():
             c.run()
             err = float((c.out.float() - ref.view(b, HQ, D).float()).norm() / ref.float().norm())
             assert err < 1e-2, f"B={b} L={L}: triton vs SDPA rel err {err:.3e}"
-            splits = num_kv_splits(b, HKV, 1, L, sms)
+            # the split count the launch runs with (the default config's own split rule)
+            splits = decode_plan(default_decode_config(), None, num_seqs=b, num_kv_heads=HKV,
+                                 head_chunks=1, max_ctx=L, num_sms=sms)[1]
             t_tri = graph_time_us(c.run)
             try:  # the peer as users would call it: the whole batch in one call
                 t_sdpa = graph_time_us(lambda: F.scaled_dot_product_attention(
