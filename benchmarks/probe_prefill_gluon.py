@@ -9,26 +9,36 @@ as q [B*L, Hq, D], k/v [B*L, Hkv, D], causal, 32/8 heads, d=128, bf16):
 - a load partition (1 warp, 24 registers) brings the row block's Q tile and then every K
   and V tile of its causal range through TMA into a ring of ``STAGES`` shared-memory buffers;
   K and V of a stage each have a ready mbarrier (the TMA's byte count), the stage one empty
-  mbarrier;
-- the default partition (8 warps, two warpgroups of 64 rows each: BLOCK_M = 128) computes
-  S = Q K^T with an async wgmma from shared memory, the online softmax in fp32 with exp2
-  (scale folded into one FMA), P in bf16 as a register operand, O += P V with a second
-  wgmma, and releases the stage once that wgmma has completed in both warpgroups. The key
-  loop is split: tiles left of the diagonal run unmasked, only the diagonal tiles mask.
-  ``PIPE=1`` issues the next tile's QK^T before this tile's softmax (FA3's intra-warpgroup
-  overlap; two S tiles live in registers).
+  mbarrier (one arrival per consumer partition);
+- two consumer warpgroups compute the 128-row block, 64 rows each (``BLOCK_M = 128``, an
+  NVMMA v3 layout over 4 warps a warpgroup): S = Q K^T by async wgmma from shared memory, the
+  online softmax in fp32 with exp2 (scale folded into one FMA), P in bf16 as the register
+  operand of O += P V, the second wgmma. The key loop is split: tiles left of the diagonal
+  run unmasked, only the diagonal tiles mask. A stage is released once the wgmmas that read
+  it are done. ``SPLIT=0``: both warpgroups are the 8-warp default partition, whose
+  mbarrier arrive is one thread's, so a thread barrier of both warpgroups precedes each
+  release; ``SPLIT=1``: each warpgroup is its own 4-warp partition (240 registers each) and
+  releases the stages on its own (FA3's layout, without its warpgroup ping-pong).
+  ``PIPE=1`` is FA3's intra-warpgroup overlap: tile j's S and tile j-1's P V are issued
+  together, tile j's softmax runs while P V of j-1 is on the tensor cores.
 - Row blocks run longest first (grid axis 1 counts the diagonal down), the 4 query heads of
   a KV head next to each other (grid axis 0) so their K/V tiles share L2.
 
-A length that is not a multiple of BLOCK_M works: TMA zero-fills past the packed tensor,
-keys of the next sequence are masked by causality for every valid row, rows past the
-sequence are not stored.
+A config is ``BLOCK_N,STAGES,PIPE,SPLIT``. A length that is not a multiple of BLOCK_M works:
+TMA zero-fills past the packed tensor, keys of the next sequence are masked by causality for
+every valid row, rows past the sequence are not stored.
 
 ``--compile-only`` compiles each config for sm_90 on a machine without a GPU and prints its
-registers, spills (stack) and shared memory. On a GPU each config runs in a subprocess
-(``--one``; a device fault loses only that row): NaN-poisoned output checked against an
-fp32 reference (B=2 x 512, B=2 x 300, the timed case), then timed with CUDA-graph replay
-next to SDPA and the project's ``paged_attention``. Writes ``probe_prefill_gluon_<stamp>.json``.
+registers, spills (stack), shared memory and the partitions' setmaxnreg budgets. On a GPU
+each config runs in a subprocess (``--one``; a fault or a hang loses only that row): output
+NaN-poisoned, checked against a float64 reference (B=2 x 512, B=2 x 300) and an fp32 SDPA
+reference (the timed case) on fresh inputs, max abs error at most 2e-2 (or within 1.25x
+SDPA-bf16's own error on the same inputs); then timed with CUDA-graph replay next to SDPA
+and the project's ``paged_attention`` on the same data. TFLOP/s count 4 * B * Hq * D * L^2 / 2.
+Writes ``probe_prefill_gluon_<stamp>.json``:
+
+    python benchmarks/probe_prefill_gluon.py --compile-only     # no GPU needed
+    python benchmarks/probe_prefill_gluon.py                     # Hopper: checks, timings
 """
 
 from __future__ import annotations
@@ -52,8 +62,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 HQ, HKV, D, DTYPE = 32, 8, 128, torch.bfloat16
 BLOCK_M, NUM_WARPS = 128, 8
 LOAD_REGS = gl.constexpr(24)  # the load partition only issues TMA copies
-CONSUMER_REGS = gl.constexpr(240)  # the second consumer warpgroup (SPLIT=1), as the first gets
-MAX_REGS = 168  # 12 warps (8 + the load warp's warpgroup) x 32 x 168 <= 64K registers
+CONSUMER_REGS = gl.constexpr(240)  # the second consumer warpgroup's partition (SPLIT=1)
+# 12 warps (two consumer warpgroups, the load warp padded to a warpgroup) x 32 x 168 = 64512
+# registers: the default partition gets what the others leave, 240 a thread
+MAX_REGS = 168
 DEFAULT_CFGS = ["128,2,0,0", "128,2,1,0", "128,2,0,1", "128,2,1,1", "128,3,1,1", "64,3,1,1"]
 TOL = 2e-2
 
@@ -386,9 +398,11 @@ def checked_error(name: str, make_call, b: int, n: int, seed: int, ref_dtype) ->
     sdpa_out = torch.empty_like(q)
     sdpa_call(q, k, v, sdpa_out, b, n)()
     sdpa_err = (sdpa_out.double() - ref.double()).abs().max().item()
-    ok = err <= TOL  # False for NaN
+    # bf16 output rounding alone is up to 0.016 where |out| >= 4 (a first row is one V row):
+    # within SDPA's own error on the same inputs passes too. False for NaN.
+    ok = err <= TOL or err <= 1.25 * sdpa_err
     print(f"  check {name} B={b} L={n}: max abs err {err:.3e} (sdpa bf16 {sdpa_err:.3e}) "
-          f"{'ok' if ok else 'FAIL: above ' + str(TOL)}", flush=True)
+          f"{'ok' if ok else f'FAIL: above {TOL} and 1.25x sdpa'}", flush=True)
     return dict(case=f"B={b} L={n}", max_abs_err=err, sdpa_max_abs_err=sdpa_err, ok=ok)
 
 
