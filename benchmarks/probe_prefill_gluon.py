@@ -18,7 +18,9 @@ as q [B*L, Hq, D], k/v [B*L, Hkv, D], causal, 32/8 heads, d=128, bf16):
   it are done. ``SPLIT=0``: both warpgroups are the 8-warp default partition, whose
   mbarrier arrive is one thread's, so a thread barrier of both warpgroups precedes each
   release; ``SPLIT=1``: each warpgroup is its own 4-warp partition (240 registers each) and
-  releases the stages on its own (FA3's layout, without its warpgroup ping-pong).
+  releases the stages on its own; ``SPLIT=2``: as 1, and the two take turns issuing their
+  wgmmas (two mbarriers), so one's softmax runs under the other's matrix products (FA3's
+  warpgroup ping-pong).
   ``PIPE=1`` is FA3's intra-warpgroup overlap: tile j's S and tile j-1's P V are issued
   together, tile j's softmax runs while P V of j-1 is on the tensor cores.
 - Row blocks run longest first (grid axis 1 counts the diagonal down), the 4 query heads of
@@ -66,7 +68,7 @@ CONSUMER_REGS = gl.constexpr(240)  # the second consumer warpgroup's partition (
 # 12 warps (two consumer warpgroups, the load warp padded to a warpgroup) x 32 x 168 = 64512
 # registers: the default partition gets what the others leave, 240 a thread
 MAX_REGS = 168
-DEFAULT_CFGS = ["128,2,0,0", "128,2,1,0", "128,2,0,1", "128,2,1,1", "128,3,1,1", "64,3,1,1"]
+DEFAULT_CFGS = ["128,2,0,0", "128,2,1,0", "128,2,0,1", "128,2,1,1", "128,2,1,2", "128,3,1,2", "64,3,1,1"]
 TOL = 2e-2
 
 
@@ -112,6 +114,20 @@ def _release(kv_empty, j, STAGES: gl.constexpr, SYNC: gl.constexpr):
 
 
 @gluon.jit
+def _my_turn(turn_mine, j, PING: gl.constexpr, PHASE0: gl.constexpr):
+    """Ping-pong: wait until the other consumer warpgroup has issued its wgmmas of round ``j``
+    (the first warpgroup's first round passes: a fresh barrier's phase "before 0" is done)."""
+    if PING:
+        mbarrier.wait(turn_mine, (j & 1) ^ PHASE0)
+
+
+@gluon.jit
+def _pass_turn(turn_other, PING: gl.constexpr):
+    if PING:
+        mbarrier.arrive(turn_other, count=1)
+
+
+@gluon.jit
 def _softmax(qk, m_i, l_i, j, row0, qk_scale, MASK: gl.constexpr, BLOCK_N: gl.constexpr,
              s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Online softmax of key tile ``j``'s S (unscaled): the new max and sum, P as the bf16
@@ -131,10 +147,12 @@ def _softmax(qk, m_i, l_i, j, row0, qk_scale, MASK: gl.constexpr, BLOCK_N: gl.co
 
 
 @gluon.jit
-def _serial_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, m_i, l_i, acc, j, row0, qk_scale, s_zero,
-                 MASK: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SYNC: gl.constexpr,
-                 s_layout: gl.constexpr, o_layout: gl.constexpr):
+def _serial_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, m_i, l_i, acc, j, row0, qk_scale,
+                 s_zero, MASK: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SYNC: gl.constexpr,
+                 PING: gl.constexpr, PHASE0: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    _my_turn(turn.index(PHASE0 ^ 1), j, PING, PHASE0)
     qk = _issue_qk(q_rows, k_bufs, k_ready, j, STAGES, s_zero)
+    _pass_turn(turn.index(PHASE0), PING)
     qk, _ = warpgroup_mma_wait(0, deps=(qk, q_rows))
     m_i, l_i, p, alpha = _softmax(qk, m_i, l_i, j, row0, qk_scale, MASK, BLOCK_N, s_layout, o_layout)
     acc = _issue_pv(p, acc * alpha, v_bufs, v_ready, j, STAGES)
@@ -144,13 +162,15 @@ def _serial_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, m_i, l_i, a
 
 
 @gluon.jit
-def _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, m_i, l_i, acc, p, j, row0, qk_scale, s_zero,
-                  MASK: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SYNC: gl.constexpr,
-                  s_layout: gl.constexpr, o_layout: gl.constexpr):
+def _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, m_i, l_i, acc, p, j, row0, qk_scale,
+                  s_zero, MASK: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SYNC: gl.constexpr,
+                  PING: gl.constexpr, PHASE0: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Tile ``j``'s S and tile j-1's P V in flight together; tile j's softmax runs while P V
     of j-1 is still on the tensor cores (FA3's intra-warpgroup overlap)."""
+    _my_turn(turn.index(PHASE0 ^ 1), j, PING, PHASE0)
     qk = _issue_qk(q_rows, k_bufs, k_ready, j, STAGES, s_zero)
     acc = _issue_pv(p, acc, v_bufs, v_ready, j - 1, STAGES)
+    _pass_turn(turn.index(PHASE0), PING)
     qk, _ = warpgroup_mma_wait(1, deps=(qk, q_rows))  # groups retire in order: S of j is done
     m_i, l_i, p_next, alpha = _softmax(qk, m_i, l_i, j, row0, qk_scale, MASK, BLOCK_N, s_layout, o_layout)
     # P of j-1 is a register operand of the wgmma in flight: kept alive until it is done
@@ -160,13 +180,16 @@ def _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, m_i, l_i, 
 
 
 @gluon.jit
-def _compute_partition(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, out_ptr, stride_ot,
+def _compute_partition(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn, out_ptr, stride_ot,
                        row0, q_len, out_row, out_col, n_full, n_tiles, qk_scale,
                        ROWS: gl.constexpr, ROW_OFF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD: gl.constexpr,
-                       STAGES: gl.constexpr, PIPE: gl.constexpr, SYNC: gl.constexpr,
+                       STAGES: gl.constexpr, PIPE: gl.constexpr, SYNC: gl.constexpr, PING: gl.constexpr,
                        s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Rows ``row0 + ROW_OFF`` .. ``+ ROWS`` of the row block: every key tile's S, softmax and
-    P V, then the normalized output stored (rows past the sequence are not)."""
+    P V, then the normalized output stored (rows past the sequence are not). ``PING``: the
+    two consumer partitions take turns issuing their wgmmas (``turn``: the first warpgroup
+    waits on barrier 0 and signals barrier 1, the second the other way round)."""
+    PHASE0: gl.constexpr = 1 if ROW_OFF == 0 else 0
     row0 = row0 + ROW_OFF
     q_rows = q_smem.slice(ROW_OFF, ROWS)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
@@ -176,27 +199,31 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty
     mbarrier.wait(q_bar, 0)
     if PIPE:
         # tile 0's softmax alone (masked: exact for a full tile too), then one tile behind
+        _my_turn(turn.index(PHASE0 ^ 1), 0, PING, PHASE0)
         qk = _issue_qk(q_rows, k_bufs, k_ready, 0, STAGES, s_zero)
+        _pass_turn(turn.index(PHASE0), PING)
         qk, _ = warpgroup_mma_wait(0, deps=(qk, q_rows))
         m_i, l_i, p, alpha = _softmax(qk, m_i, l_i, 0, row0, qk_scale, True, BLOCK_N, s_layout, o_layout)
         for j in range(1, n_full):
-            m_i, l_i, acc, p = _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, m_i, l_i, acc, p,
-                                             j, row0, qk_scale, s_zero, False, BLOCK_N, STAGES, SYNC,
-                                             s_layout, o_layout)
+            m_i, l_i, acc, p = _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, m_i, l_i,
+                                             acc, p, j, row0, qk_scale, s_zero, False, BLOCK_N, STAGES, SYNC,
+                                             PING, PHASE0, s_layout, o_layout)
         for j in range(gl.maximum(n_full, 1), n_tiles):
-            m_i, l_i, acc, p = _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, m_i, l_i, acc, p,
-                                             j, row0, qk_scale, s_zero, True, BLOCK_N, STAGES, SYNC,
-                                             s_layout, o_layout)
+            m_i, l_i, acc, p = _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, m_i, l_i,
+                                             acc, p, j, row0, qk_scale, s_zero, True, BLOCK_N, STAGES, SYNC,
+                                             PING, PHASE0, s_layout, o_layout)
         acc = _issue_pv(p, acc, v_bufs, v_ready, n_tiles - 1, STAGES)
         acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p, v_bufs.index((n_tiles - 1) % STAGES)))
         _release(kv_empty, n_tiles - 1, STAGES, SYNC)
     else:
         for j in range(0, n_full):
-            m_i, l_i, acc = _serial_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, m_i, l_i, acc, j, row0,
-                                         qk_scale, s_zero, False, BLOCK_N, STAGES, SYNC, s_layout, o_layout)
+            m_i, l_i, acc = _serial_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, m_i, l_i, acc, j,
+                                         row0, qk_scale, s_zero, False, BLOCK_N, STAGES, SYNC, PING, PHASE0,
+                                         s_layout, o_layout)
         for j in range(n_full, n_tiles):
-            m_i, l_i, acc = _serial_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, m_i, l_i, acc, j, row0,
-                                         qk_scale, s_zero, True, BLOCK_N, STAGES, SYNC, s_layout, o_layout)
+            m_i, l_i, acc = _serial_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, m_i, l_i, acc, j,
+                                         row0, qk_scale, s_zero, True, BLOCK_N, STAGES, SYNC, PING, PHASE0,
+                                         s_layout, o_layout)
     acc = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
@@ -207,10 +234,14 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty
 @gluon.jit
 def _causal_gluon_kernel(q_desc, k_desc, v_desc, out_ptr, stride_ot, seq_len, qk_scale,
                          NUM_HEADS: gl.constexpr, GQA: gl.constexpr, HEAD: gl.constexpr, BLOCK_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, SPLIT: gl.constexpr):
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, SPLIT: gl.constexpr,
+                         PING: gl.constexpr):
     """``SPLIT=0``: one default partition of 8 warps (two warpgroups, 64 rows each) computes
     all 128 rows; ``SPLIT=1``: the default partition (4 warps) and a 4-warp worker partition
-    compute 64 rows each and release the K/V stages independently (no cross-warpgroup sync)."""
+    compute 64 rows each and release the K/V stages independently (no cross-warpgroup sync);
+    ``PING`` (with ``SPLIT``): they issue their wgmmas in turn, each one's softmax under the
+    other's matrix products (FA3's warpgroup ping-pong)."""
+    gl.static_assert(PING <= SPLIT, "ping-pong needs the two consumer partitions (SPLIT)")
     gl.static_assert(BLOCK_M % BLOCK_N == 0, "a row block's diagonal must be whole key tiles")
     ROWS: gl.constexpr = BLOCK_M // (SPLIT + 1)
     gl.static_assert(ROWS == 16 * gl.num_warps(), "16 rows a warp, 4 warps a warpgroup")
@@ -236,7 +267,10 @@ def _causal_gluon_kernel(q_desc, k_desc, v_desc, out_ptr, stride_ot, seq_len, qk
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -247,33 +281,34 @@ def _causal_gluon_kernel(q_desc, k_desc, v_desc, out_ptr, stride_ot, seq_len, qk
                  seq_start + row0, head * HEAD, seq_start, (head // GQA) * HEAD, n_tiles, BLOCK_N, STAGES)
     if SPLIT:
         gl.warp_specialize([
-            (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, out_ptr, stride_ot,
+            (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn, out_ptr, stride_ot,
                                   row0, seq_len, seq_start, head * HEAD, n_full, n_tiles, qk_scale,
-                                  ROWS, 0, BLOCK_N, HEAD, STAGES, PIPE, False, s_layout, o_layout)),
+                                  ROWS, 0, BLOCK_N, HEAD, STAGES, PIPE, False, PING, s_layout, o_layout)),
             (_load_partition, load_args),
-            (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, out_ptr, stride_ot,
+            (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn, out_ptr, stride_ot,
                                   row0, seq_len, seq_start, head * HEAD, n_full, n_tiles, qk_scale,
-                                  ROWS, ROWS, BLOCK_N, HEAD, STAGES, PIPE, False, s_layout, o_layout)),
+                                  ROWS, ROWS, BLOCK_N, HEAD, STAGES, PIPE, False, PING, s_layout, o_layout)),
         ], [1, gl.num_warps()], [LOAD_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
-            (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, out_ptr, stride_ot,
+            (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn, out_ptr, stride_ot,
                                   row0, seq_len, seq_start, head * HEAD, n_full, n_tiles, qk_scale,
-                                  ROWS, 0, BLOCK_N, HEAD, STAGES, PIPE, True, s_layout, o_layout)),
+                                  ROWS, 0, BLOCK_N, HEAD, STAGES, PIPE, True, False, s_layout, o_layout)),
             (_load_partition, load_args),
         ], [1], [LOAD_REGS])
 
 
 def parse_cfg(text: str) -> tuple[int, int, int, int]:
     """``BLOCK_N,STAGES,PIPE,SPLIT`` checked: BLOCK_N a power of two in 16..BLOCK_M, 1..4
-    stages, PIPE and SPLIT 0/1."""
+    stages, PIPE 0/1, SPLIT 0 (one 8-warp consumer partition), 1 (two 4-warp ones) or 2 (two,
+    in ping-pong)."""
     try:
         bn, stages, pipe, split = (int(x) for x in text.split(","))
     except ValueError:
         raise SystemExit(f"probe_prefill_gluon: config {text!r} is not BLOCK_N,STAGES,PIPE,SPLIT (four ints)")
-    if bn not in (16, 32, 64, 128) or not 1 <= stages <= 4 or pipe not in (0, 1) or split not in (0, 1):
+    if bn not in (16, 32, 64, 128) or not 1 <= stages <= 4 or pipe not in (0, 1) or split not in (0, 1, 2):
         raise SystemExit(f"probe_prefill_gluon: config {text!r} unsupported: BLOCK_N in 16/32/64/128 "
-                         f"(a divisor of BLOCK_M={BLOCK_M}), STAGES in 1..4, PIPE 0 or 1, SPLIT 0 or 1")
+                         f"(a divisor of BLOCK_M={BLOCK_M}), STAGES in 1..4, PIPE 0 or 1, SPLIT 0, 1 or 2")
     return bn, stages, pipe, split
 
 
@@ -283,13 +318,13 @@ def _smem_layout(block):
 
 def _constexprs(bn: int, stages: int, pipe: int, split: int) -> dict:
     return dict(NUM_HEADS=HQ, GQA=HQ // HKV, HEAD=D, BLOCK_M=BLOCK_M, BLOCK_N=bn, STAGES=stages, PIPE=pipe,
-                SPLIT=split)
+                SPLIT=min(split, 1), PING=split == 2)
 
 
 def _options(split: int) -> dict:
     """Launch options: the default partition's warps (all 128 rows, or the first consumer
     warpgroup's 64) and the register cap the partitions' setmaxnreg budgets start from."""
-    return dict(num_warps=NUM_WARPS // (split + 1), maxnreg=MAX_REGS)
+    return dict(num_warps=NUM_WARPS if split == 0 else NUM_WARPS // 2, maxnreg=MAX_REGS)
 
 
 def compile_sm90(bn: int, stages: int, pipe: int, split: int) -> dict:
