@@ -449,22 +449,31 @@ def timed(call, flops: float) -> dict:
 
 
 def run_one(cfg: str, b: int, n: int) -> dict:
-    """Check one config on the small cases and the timed case, then time it."""
+    """Check one config on the small cases and the timed case, then time it (a wrong result
+    is timed too, its row marked: whether a fix is worth it shows in the time)."""
     bn, stages, pipe, split = parse_cfg(cfg)
     row = dict(name=f"gluon {cfg}", block_n=bn, stages=stages, pipe=pipe, split=split)
-    make = lambda q, k, v, out, _b, _n: launcher(q, k, v, out, _n, bn, stages, pipe, split)  # noqa: E731
-    checks = [checked_error(cfg, lambda q, k, v, o: make(q, k, v, o, 2, 512), 2, 512, 1, torch.float64),
-              checked_error(cfg, lambda q, k, v, o: make(q, k, v, o, 2, 300), 2, 300, 2, torch.float64),
-              checked_error(cfg, lambda q, k, v, o: make(q, k, v, o, b, n), b, n, 3, torch.float32)]
-    row["checks"] = checks
-    if not all(c["ok"] for c in checks):
-        row["error"] = "wrong result: " + ", ".join(f"{c['case']} err {c['max_abs_err']:.3e}" for c in checks
-                                                   if not c["ok"])
-        return row
+
+    def check(nseq, length, seed, ref_dtype):
+        return checked_error(cfg, lambda q, k, v, o: launcher(q, k, v, o, length, bn, stages, pipe, split),
+                             nseq, length, seed, ref_dtype)
+
+    row["checks"] = [check(2, 512, 1, torch.float64), check(2, 300, 2, torch.float64), check(b, n, 3, torch.float32)]
+    wrong = [c for c in row["checks"] if not c["ok"]]
+    if wrong:
+        row["error"] = "wrong result: " + ", ".join(f"{c['case']} err {c['max_abs_err']:.3e}" for c in wrong)
     q, k, v = inputs(b, n, 5)
     out = torch.empty_like(q)
     row.update(timed(launcher(q, k, v, out, n, bn, stages, pipe, split), 4 * b * HQ * D * n * n / 2))
     return row
+
+
+def echo_checks(stdout) -> None:
+    """Print a config subprocess's check lines (``stdout``: its captured output, if any)."""
+    if isinstance(stdout, bytes):
+        stdout = stdout.decode(errors="replace")
+    sys.stdout.write("".join(ln + "\n" for ln in (stdout or "").splitlines() if ln.startswith("  check")))
+    sys.stdout.flush()
 
 
 def drive(args) -> int:
@@ -478,11 +487,14 @@ def drive(args) -> int:
     def show(row):
         if "us" in row:
             err = max((c["max_abs_err"] for c in row.get("checks", [])), default=float("nan"))
-            print(f"{row['name']:>28}: {row['us']:8.1f} us {row['tflops']:5.0f} TFLOP/s  max err {err:.2e}",
+            bad = f"  {row['error']}" if "error" in row else ""
+            print(f"{row['name']:>28}: {row['us']:8.1f} us {row['tflops']:5.0f} TFLOP/s  max err {err:.2e}{bad}",
                   flush=True)
         else:
             print(f"{row['name']:>28}: failed: {row.get('error')}", flush=True)
 
+    for cfg in args.cfgs:  # a typo stops the run before any GPU time is spent
+        parse_cfg(cfg)
     if not args.no_peers:
         for name, make in (("sdpa", sdpa_call), ("paged_attention (default)", paged_call)):
             q, k, v = inputs(b, n, 5)
@@ -499,19 +511,19 @@ def drive(args) -> int:
             rows.append(row)
             show(row)
     for cfg in args.cfgs:
-        parse_cfg(cfg)
         cmd = [sys.executable, os.path.abspath(__file__), "--one", cfg, "--batch", str(b), "--new", str(n)]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             got = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-            sys.stdout.write("".join(ln + "\n" for ln in p.stdout.splitlines() if ln.startswith("  check")))
+            echo_checks(p.stdout)
             if got:
                 row = json.loads(got[-1][len("RESULT "):])
             else:
                 tail = (p.stderr.strip() or p.stdout.strip()).splitlines()
                 row = dict(name=f"gluon {cfg}", error=f"exit {p.returncode}: " + (tail[-1][:300] if tail else ""))
                 print(p.stderr[-3000:], file=sys.stderr)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as e:
+            echo_checks(e.stdout)  # the checks that finished before the hang
             row = dict(name=f"gluon {cfg}", error=f"timed out after {args.timeout} s (a hang: barrier phases?)")
         rows.append(row)
         show(row)
@@ -580,7 +592,7 @@ def main() -> int:
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 (no GPU needed), print resources")
     ap.add_argument("--one", metavar="CFG", help="check and time one config in this process (what the driver runs)")
     ap.add_argument("--no-peers", action="store_true", help="only the probe configs (no SDPA, no paged_attention)")
-    ap.add_argument("--timeout", type=int, default=90, help="seconds a config's subprocess may take")
+    ap.add_argument("--timeout", type=int, default=45, help="seconds a config's subprocess may take")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
     if args.compile_only:
