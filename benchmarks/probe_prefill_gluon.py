@@ -242,6 +242,7 @@ def _causal_gluon_kernel(q_desc, k_desc, v_desc, out_ptr, stride_ot, seq_len, qk
     ``PING`` (with ``SPLIT``): they issue their wgmmas in turn, each one's softmax under the
     other's matrix products (FA3's warpgroup ping-pong)."""
     gl.static_assert(PING <= SPLIT, "ping-pong needs the two consumer partitions (SPLIT)")
+    gl.static_assert(STAGES >= 1 + PIPE, "PIPE reads tile j's K while tile j-1's stage is held")
     gl.static_assert(BLOCK_M % BLOCK_N == 0, "a row block's diagonal must be whole key tiles")
     ROWS: gl.constexpr = BLOCK_M // (SPLIT + 1)
     gl.static_assert(ROWS == 16 * gl.num_warps(), "16 rows a warp, 4 warps a warpgroup")
@@ -309,6 +310,9 @@ def parse_cfg(text: str) -> tuple[int, int, int, int]:
     if bn not in (16, 32, 64, 128) or not 1 <= stages <= 4 or pipe not in (0, 1) or split not in (0, 1, 2):
         raise SystemExit(f"probe_prefill_gluon: config {text!r} unsupported: BLOCK_N in 16/32/64/128 "
                          f"(a divisor of BLOCK_M={BLOCK_M}), STAGES in 1..4, PIPE 0 or 1, SPLIT 0, 1 or 2")
+    if pipe and stages < 2:
+        raise SystemExit(f"probe_prefill_gluon: config {text!r} unsupported: PIPE=1 needs STAGES >= 2 (tile j's K "
+                         f"is loaded while tile j-1's V is still being read)")
     return bn, stages, pipe, split
 
 
@@ -564,15 +568,16 @@ def compile_only(cfgs) -> int:
     """One line per config: registers, stack, shared memory, the partitions' setmaxnreg
     budgets. Exit 1 when one fails, spills or needs more shared memory than sm_90 has;
     3 when this machine cannot compile Gluon for sm_90 at all."""
+    parsed = [parse_cfg(cfg) for cfg in cfgs]
     why = toolchain_problem()
     if why is not None:
         print(f"SKIP: triton {triton.__version__} cannot compile Gluon for sm_90 here: {why}")
         return 3
     bad = 0
     print(f"{'BLOCK_N,STAGES,PIPE,SPLIT':>26} {'regs':>5} {'stack B':>8} {'smem B':>8}  setmaxnreg")
-    for cfg in cfgs:
+    for cfg, parsed_cfg in zip(cfgs, parsed):
         try:
-            r = compile_sm90(*parse_cfg(cfg))
+            r = compile_sm90(*parsed_cfg)
         except Exception as e:  # noqa: BLE001 - one line per config, then the next
             bad += 1
             print(f"{cfg:>26} FAIL {root_cause(e)}", flush=True)
