@@ -22,7 +22,8 @@ as q [B*L, Hq, D], k/v [B*L, Hkv, D], causal, 32/8 heads, d=128, bf16):
   wgmmas (two mbarriers), so one's softmax runs under the other's matrix products (FA3's
   warpgroup ping-pong).
   ``PIPE=1`` is FA3's intra-warpgroup overlap: tile j's S and tile j-1's P V are issued
-  together, tile j's softmax runs while P V of j-1 is on the tensor cores.
+  together, tile j's softmax runs while P V of j-1 is on the tensor cores (needs 2+ stages:
+  tile j's K lands while tile j-1's stage is still held).
 - Row blocks run longest first (grid axis 1 counts the diagonal down), the 4 query heads of
   a KV head next to each other (grid axis 0) so their K/V tiles share L2.
 
@@ -41,6 +42,7 @@ Writes ``probe_prefill_gluon_<stamp>.json``:
 
     python benchmarks/probe_prefill_gluon.py --compile-only     # no GPU needed
     python benchmarks/probe_prefill_gluon.py                     # Hopper: checks, timings
+    STAGES=probe_gluon bash benchmarks/device_run.sh              # the same in one device call
 """
 
 from __future__ import annotations
