@@ -7,7 +7,7 @@
 #   (stages: native_build tests model_step memcheck decode decode_grid prefill cache_writers decode_seq
 #    decode_bs64 decode_model_shape decode_stages decode_keys compile_time peers decode_ab
 #    verify native layer_overhead compile_piecewise
-#    decode_fp8 decode_softcap decode_d512 prefill_d512 native_writers; the old names e2e, writers,
+#    decode_fp8 decode_softcap decode_d512 prefill_d512 native_writers probe_gluon; the old names e2e, writers,
 #    decode_e2e_shape still work)
 #   peers: FlashInfer beside ours and SDPA (carry [".whl"]: its wheels, installed into .site):
 #   the decode grid with the split-rule A/B, prefill, and verify batches; the tables are
@@ -198,6 +198,12 @@ for st in ${STAGES:-tests model_step decode prefill cache_writers}; do
     decode_ab) stage decode_ab; peer_env
       run_peer decode_ab ${BENCH_S:-200} benchmarks/bench_decode.py --batch 16 128 \
         --ctx 1024 4096 16384 --peers flashinfer --candidates; pack decode_ab;;
+    # explicit FA3-style warp specialization in Gluon, each config checked and timed in its own
+    # process, beside SDPA and our prefill (GLUON_ARGS: e.g. "--cfgs 128,2,1,2 64,3,1,2")
+    probe_gluon) stage probe_gluon; mkdir -p $OUT/probe_gluon
+      timeout ${GLUON_S:-480} python3 benchmarks/probe_prefill_gluon.py --out $OUT/probe_gluon ${GLUON_ARGS:-} \
+        >>$LOG 2>&1; echo "rc=$?" >>$LOG
+      pack probe_gluon;;
     verify) stage verify; peer_env
       run_peer verify ${BENCH_S:-150} benchmarks/bench_decode.py --verify 4 --batch 16 64 \
         --ctx 4096 --peers flashinfer; pack verify;;
