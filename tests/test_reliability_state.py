@@ -5,6 +5,9 @@ lists, a layer's attributes, the forward context, the builder's buffers) and ass
 error naming the function, the bad value and what is supported, with the state as before.
 """
 
+import copy
+import dataclasses
+
 import pytest
 import torch
 
@@ -199,6 +202,31 @@ def test_metadata_of_refilled_buffers_is_refused(same_shape):
     with ira.set_forward_context(newer):  # the buffers' latest step runs
         s.layer(*qkv(newer.slot_mapping.shape[0], g))
 
+
+
+@pytest.mark.parametrize("derive", ["dataclasses.replace", "copy.copy, then a field set"])
+def test_copy_of_metadata_of_refilled_buffers_is_refused(derive):
+    """A copy of metadata built into MetadataBuffers (``dataclasses.replace``, or ``copy.copy``
+    with a field set anew: a memo of its own) reads the same buffers. Checked and memoized on
+    the copy, then run again after a later build refilled the buffers, it ran on the new step's
+    values without a check: it wrote the cache at the new step's slots."""
+    s = stepped_layer("state_refill_copy")
+    buffers = ira.MetadataBuffers(4, 16, 4, "cpu")
+    old = ira.build_attention_metadata(s.query_lens, s.context_lens, s.tables, BS, buffers=buffers)
+    if derive == "dataclasses.replace":
+        derived = dataclasses.replace(old, causal=True)
+    else:
+        derived = copy.copy(old)
+        derived.causal = True
+    with ira.set_forward_context(derived):
+        s.layer(*qkv(s.num_tokens, s.g))  # checked and memoized on the copy
+    ira.build_attention_metadata([2], [0], [[s.alloc._free[0]]], BS, buffers=buffers)
+    before = snapshot(s.layer.kv_cache)
+    with pytest.raises(ValueError, match=r"rocm_attn\.unified_kv_cache_update: the step's metadata was built into "
+                                         r"MetadataBuffers that a later build_attention_metadata"), \
+            ira.set_forward_context(derived):
+        s.layer(*qkv(s.num_tokens, s.g))
+    assert unchanged(before, s.layer.kv_cache), "a copy of a refilled step wrote the cache"
 
 
 def test_whole_step_metadata_of_refilled_buffers_is_refused():
