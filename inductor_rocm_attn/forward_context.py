@@ -9,6 +9,10 @@ A layer runs only inside a context: ``set_forward_context(metadata)`` for a step
 which writes no cache and zero-fills the attention output. A layer called outside both
 raises, so a forgotten context never passes for a profiling run.
 
+The context is per thread (a ``contextvars.ContextVar``; asyncio tasks get their own too): two
+threads stepping two models at once each read their own step's metadata, and a thread that
+entered no context gets the error above, not another thread's step.
+
 A name resolves through the step's own layer table when the context carries one (a cache
 object that owns its layers, e.g. the transformers integration's ``PagedCache``: two caches
 of one model, or a model and its ``copy.deepcopy``, never share state), else through the
@@ -23,6 +27,7 @@ layers are the model's own modules or owned by a cache object.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import itertools
 import weakref
@@ -53,7 +58,10 @@ class ForwardContext:
 # original name -> the name of its latest registered copy (``register_copy``)
 _LATEST_COPY: dict[str, str] = {}
 
-_current = ForwardContext()
+# the current step's context, per thread (and asyncio task): a global would hand one thread's
+# step to the layers another thread runs meanwhile
+_current: "contextvars.ContextVar[ForwardContext]" = contextvars.ContextVar(
+    "rocm_attn_forward_context", default=ForwardContext())
 SLOT_PREFIX = "__rocm_attn_slot"  # the slot aliases of shared compiled code (compilation.dedup)
 
 
@@ -91,7 +99,7 @@ def latest_copy_name(name: str) -> str:
 
 
 def get_layer(name: str) -> "Attention":
-    table = _current.layers
+    table = _current.get().layers
     if table is not None:
         try:
             return table[name]
@@ -117,8 +125,9 @@ def registered_layers() -> dict[str, "Attention"]:
 
 def get_forward_context() -> ForwardContext:
     """The current step's context (its metadata, layer table and profiling flag); outside
-    ``set_forward_context`` / ``profiling_run`` an empty one (``attn_metadata`` None)."""
-    return _current
+    ``set_forward_context`` / ``profiling_run`` an empty one (``attn_metadata`` None). Per
+    thread: another thread's context is not this one's."""
+    return _current.get()
 
 
 @contextlib.contextmanager
@@ -147,13 +156,13 @@ def set_forward_context(attn_metadata: "AttentionMetadata | None", *, profiling:
                         f"build_attention_metadata), got {type(attn_metadata).__name__}")
     if layers is not None:
         _check_layer_table(layers)
-    global _current
-    prev = _current
-    _current = ForwardContext(attn_metadata, extra, layers, profiling)
+    ctx = ForwardContext(attn_metadata, extra, layers, profiling)
+    prev = _current.get()
+    _current.set(ctx)
     try:
-        yield _current
+        yield ctx
     finally:
-        _current = prev
+        _current.set(prev)
 
 
 def _check_layer_table(layers) -> None:

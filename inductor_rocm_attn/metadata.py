@@ -342,6 +342,9 @@ class MetadataBuffers:
 
     The buffers hold one step: metadata built into them before the latest build would read
     the latest step's values through its views, and the layers refuse it (``check_current``).
+    Every metadata object a layer checked against the buffers' step (the builder's, and copies
+    of it: ``dataclasses.replace``, ``copy.copy``) is noted (``note_checked``), so the next fill
+    drops each one's memoized checks and its next use is checked, and refused, again.
     A graph stand-in that replays Python under the metadata it captured
     (``RerunGraphBackend``), as a real graph reads each new step at the same addresses, keeps
     that metadata valid with ``keep_for_replay``.
@@ -362,6 +365,7 @@ class MetadataBuffers:
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
         self._plan: PlanBounds | None = None  # the plan of the step the buffers hold
         self._holder = None  # weak reference to that step's metadata
+        self._checked_by: list[weakref.ref] = []  # metadata whose checks of that step are memoized
         self._replayed: list[PlanBounds] = []  # plans of captured steps a graph stand-in replays
 
     def now_holds(self, md: AttentionMetadata) -> None:
@@ -372,10 +376,17 @@ class MetadataBuffers:
         """The step the buffers held is about to be overwritten: its metadata's memoized checks
         go (its next use is checked, and refused), and no metadata is current until the
         builder hands over the next (a build that fails after the fill leaves none)."""
-        old = self._holder() if self._holder is not None else None
-        if old is not None and not self._kept(old.plan):
-            old._checked.clear()  # in place: a copy.copy of the metadata shares the memo
+        for ref in [self._holder, *self._checked_by]:
+            old = ref() if ref is not None else None
+            if old is not None and not self._kept(old.plan):
+                old._checked.clear()  # in place: a copy.copy of the metadata shares the memo
         self._plan = self._holder = None
+        self._checked_by = []
+
+    def note_checked(self, md: AttentionMetadata) -> None:
+        """A layer checked ``md`` (built into these buffers) and memoizes it: the next fill drops
+        that memo. ``md`` may be a copy of the builder's metadata with a memo of its own."""
+        self._checked_by.append(weakref.ref(md))
 
     def _kept(self, plan: PlanBounds | None) -> bool:
         return any(p is plan for p in self._replayed)

@@ -83,6 +83,7 @@ def _check_step(op: str, md, num_tokens: int, device: torch.device, num_blocks: 
     plan = md.plan
     if plan is not None and plan.buffers is not None:  # views of buffers that a later step refills
         plan.buffers.check_current(op, plan)
+        plan.buffers.note_checked(md)  # the memo the caller sets goes at the buffers' next fill
     has_cache = num_blocks is not None
     where = "the KV cache" if has_cache else "the query"
     if has_cache and md.block_size != block_size:

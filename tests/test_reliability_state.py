@@ -5,11 +5,16 @@ lists, a layer's attributes, the forward context, the builder's buffers) and ass
 error naming the function, the bad value and what is supported, with the state as before.
 """
 
+import copy
+import dataclasses
+import threading
+
 import pytest
 import torch
 
 import inductor_rocm_attn as ira
 from inductor_rocm_attn.forward_context import get_forward_context, registered_layers
+from inductor_rocm_attn.layout import dense_kv
 
 from reliability_steps import BS, D, H, HKV, _names, qkv, snapshot, stepped_layer, unchanged
 
@@ -28,6 +33,50 @@ def test_profiling_flag_must_be_a_bool():
             pass
     assert get_forward_context() is before
 
+
+def test_forward_context_is_per_thread():
+    """Two threads, each stepping its own layer: thread A enters its step's context, thread B
+    then enters another's while A's layer runs. With one process-wide context A's layer ran
+    under B's step, silently: it wrote its keys into B's block of A's cache (and a context
+    left out of order was restored for the other thread). A thread outside any context is
+    told so, whatever another thread runs."""
+    a, b = stepped_layer("state_thread_a"), stepped_layer("state_thread_b")
+    block_a, block_b = a.alloc._free[:2]  # free blocks of A's cache: poisoned, never written
+    md_a = ira.build_attention_metadata([2], [0], [[block_a]], BS)
+    md_b = ira.build_attention_metadata([2], [0], [[block_b]], BS)
+    a_in, b_in, b_done = threading.Event(), threading.Event(), threading.Event()
+    seen, errors = {}, []
+
+    def thread_a():
+        with ira.set_forward_context(md_a):
+            a_in.set()
+            b_in.wait(10)
+            seen["a"] = get_forward_context().attn_metadata
+            a.layer(*qkv(2, a.g))
+
+    def thread_b():
+        a_in.wait(10)
+        with ira.set_forward_context(md_b):
+            b_in.set()
+            b_done.wait(10)
+        try:  # outside any context of its own while A is inside one
+            b.layer(*qkv(2, b.g))
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    before_b = snapshot(a.layer.kv_cache[block_b])
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for t in threads:
+        t.start()
+    threads[0].join(10)
+    b_done.set()
+    threads[1].join(10)
+    k, _ = dense_kv(a.layer.kv_cache, HKV, False)  # [blocks, block_size, HKV, D]
+    assert unchanged(before_b, a.layer.kv_cache[block_b]), "thread A's layer wrote at thread B's slots"
+    assert k[block_a, :2].isfinite().all(), "thread A's step did not write its own slots"
+    assert seen["a"] is md_a
+    assert len(errors) == 1 and "called outside a forward context" in errors[0]
+    assert get_forward_context().attn_metadata is None
 
 def test_register_flag_must_be_a_bool():
     with pytest.raises(TypeError, match=r"Attention: register must be True or False, got 'no'"):
@@ -199,6 +248,31 @@ def test_metadata_of_refilled_buffers_is_refused(same_shape):
     with ira.set_forward_context(newer):  # the buffers' latest step runs
         s.layer(*qkv(newer.slot_mapping.shape[0], g))
 
+
+
+@pytest.mark.parametrize("derive", ["dataclasses.replace", "copy.copy, then a field set"])
+def test_copy_of_metadata_of_refilled_buffers_is_refused(derive):
+    """A copy of metadata built into MetadataBuffers (``dataclasses.replace``, or ``copy.copy``
+    with a field set anew: a memo of its own) reads the same buffers. Checked and memoized on
+    the copy, then run again after a later build refilled the buffers, it ran on the new step's
+    values without a check: it wrote the cache at the new step's slots."""
+    s = stepped_layer("state_refill_copy")
+    buffers = ira.MetadataBuffers(4, 16, 4, "cpu")
+    old = ira.build_attention_metadata(s.query_lens, s.context_lens, s.tables, BS, buffers=buffers)
+    if derive == "dataclasses.replace":
+        derived = dataclasses.replace(old, causal=True)
+    else:
+        derived = copy.copy(old)
+        derived.causal = True
+    with ira.set_forward_context(derived):
+        s.layer(*qkv(s.num_tokens, s.g))  # checked and memoized on the copy
+    ira.build_attention_metadata([2], [0], [[s.alloc._free[0]]], BS, buffers=buffers)
+    before = snapshot(s.layer.kv_cache)
+    with pytest.raises(ValueError, match=r"rocm_attn\.unified_kv_cache_update: the step's metadata was built into "
+                                         r"MetadataBuffers that a later build_attention_metadata"), \
+            ira.set_forward_context(derived):
+        s.layer(*qkv(s.num_tokens, s.g))
+    assert unchanged(before, s.layer.kv_cache), "a copy of a refilled step wrote the cache"
 
 
 def test_whole_step_metadata_of_refilled_buffers_is_refused():
