@@ -57,8 +57,10 @@ def static_ineligibility(device_type: str, device_index: int, query_dtype: torch
                 f"(an fp8 or mixed-dtype cache runs the Triton kernel)")
     if head_size not in HEAD_SIZES:
         return f"head size {head_size} (supported: {', '.join(map(str, HEAD_SIZES))})"
-    if block_size < 8 or BLOCK_N % block_size:
-        return f"block size {block_size} (supported: a divisor of {BLOCK_N} of at least 8)"
+    min_block = 8 * 128 // head_size  # a K chunk of the gather (8 keys at d128, 16 at d64) in one page
+    if block_size < min_block or BLOCK_N % block_size:
+        return (f"block size {block_size} at head size {head_size} (supported: a divisor of {BLOCK_N} "
+                f"of at least {min_block})")
     if not causal:
         return "non-causal attention"
     for flag, what in ((sliding_window, "a sliding window"), (soft_cap, "a logits soft cap"),
@@ -81,10 +83,13 @@ def _tma_problem(name: str, t: torch.Tensor, head_size: int) -> str | None:
 
 
 def tensor_ineligibility(output: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                         value: torch.Tensor) -> str | None:
+                         value: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
     """None when the launch's tensors suit the kernel (TMA-readable query/key/value, contiguous
-    output channels), else why not: strides and alignment only."""
+    output channels, a 16-byte aligned cache: the gather's packets), else why not: strides and
+    alignment only."""
     head_size = query.shape[2]
+    if kv_cache.data_ptr() % 16:
+        return f"the KV cache is not 16-byte aligned (address % 16 = {kv_cache.data_ptr() % 16})"
     for name, t in (("query", query), ("key", key), ("value", value)):
         problem = _tma_problem(name, t, head_size)
         if problem is not None:
@@ -104,5 +109,5 @@ def prefill_kernel_for(output, query, key, value, kv_cache, causal, sliding_wind
         logits_soft_cap > 0, alibi_slopes is not None, sinks is not None, output_scale is not None,
         interpreting)
     if reason is None:
-        reason = tensor_ineligibility(output, query, key, value)
+        reason = tensor_ineligibility(output, query, key, value, kv_cache)
     return reason

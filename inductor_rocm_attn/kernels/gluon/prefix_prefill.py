@@ -72,44 +72,47 @@ def _find_seq(cu_ptr, num_seqs, vblock, BLOCK_M: gl.constexpr):
 # --- load partition --------------------------------------------------------------------------
 
 @gluon.jit
-def _gather_k(k_buf, kc_ptr, bt_row, kv_off, stride_kcb, ctx_len, key0,
+def _gather_k(k_buf, kc_head, bt_row, stride_kcb, ctx_len, key0,
               BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
               LOAD_WARPS: gl.constexpr, MASKED: gl.constexpr):
     """K of context keys key0 .. key0 + BLOCK_N into the ``[BLOCK_N, HEAD]`` stage by cp.async,
-    one 16-byte packet (8 channels of a token) per thread and chunk. ``MASKED``: keys past
-    the context are not read (their rows stay as they were: the consumer masks their S)."""
+    in chunks of ``CH`` keys that lie in one page (``BLOCK_SIZE % CH == 0``): one block-table
+    read per chunk (a scalar), one 16-byte packet (8 channels of a token) per thread, whose
+    offset inside the chunk is the same for every chunk. ``MASKED`` (the partial last tile):
+    chunks wholly past the context are not read; the rest of a partly used chunk is its
+    page's stale slots, whose S the consumer masks."""
     TPW_C: gl.constexpr = HEAD // 8
     TPW_R: gl.constexpr = 32 // TPW_C
     CH: gl.constexpr = TPW_R * LOAD_WARPS
+    gl.static_assert(BLOCK_SIZE % CH == 0, "a K chunk lies in one page")
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_R, TPW_C], [LOAD_WARPS, 1], [1, 0])
     rows = gl.arange(0, CH, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
     # page interior [HEAD // 8, BLOCK_SIZE, 8]: channel c of slot t at (c // 8) * BLOCK_SIZE * 8 + t * 8 + c % 8
-    col_off = gl.expand_dims((cols // 8) * (BLOCK_SIZE * 8) + cols % 8, 0)
+    in_chunk = gl.expand_dims(rows * 8, 1) + gl.expand_dims((cols // 8) * (BLOCK_SIZE * 8) + cols % 8, 0)
     for c in gl.static_range(BLOCK_N // CH):
-        key = key0 + c * CH + rows
+        k0 = key0 + c * CH
         if MASKED:
-            ok = key < ctx_len
-            blk = gl.load(bt_row + key // BLOCK_SIZE, mask=ok, other=0)
+            if k0 < ctx_len:
+                blk = gl.load(bt_row + k0 // BLOCK_SIZE).to(gl.int64)
+                base = kc_head + (blk * stride_kcb + (k0 % BLOCK_SIZE) * 8)
+                async_copy.async_copy_global_to_shared(k_buf.slice(c * CH, CH), base + in_chunk)
         else:
-            blk = gl.load(bt_row + key // BLOCK_SIZE)
-        row_off = blk.to(gl.int64) * stride_kcb + kv_off + (key % BLOCK_SIZE) * 8
-        ptrs = kc_ptr + (gl.expand_dims(row_off, 1) + col_off)
-        if MASKED:
-            async_copy.async_copy_global_to_shared(k_buf.slice(c * CH, CH), ptrs, mask=gl.expand_dims(ok, 1))
-        else:
-            async_copy.async_copy_global_to_shared(k_buf.slice(c * CH, CH), ptrs)
+            blk = gl.load(bt_row + k0 // BLOCK_SIZE).to(gl.int64)
+            base = kc_head + (blk * stride_kcb + (k0 % BLOCK_SIZE) * 8)
+            async_copy.async_copy_global_to_shared(k_buf.slice(c * CH, CH), base + in_chunk)
 
 
 @gluon.jit
-def _v_key_offsets(bt_row, stride_vcb, kv_off, ctx_len, key0, layout: gl.constexpr,
+def _v_key_offsets(bt_row, stride_vcb, ctx_len, key0, layout: gl.constexpr,
                    BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
                    INTERLEAVED_V: gl.constexpr, MASKED: gl.constexpr):
-    """Per key of the tile: its offset in the V cache (channel 0) and whether it is context."""
+    """Per key of the tile: its offset in the V cache (channel 0), and (``MASKED``) whether its
+    16-byte packet (8 keys, one page) holds a context key."""
     keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    ok = keys < ctx_len
+    packet_ok = (keys // 8) * 8 < ctx_len
     if MASKED:
-        blk = gl.load(bt_row + keys // BLOCK_SIZE, mask=ok, other=0)
+        blk = gl.load(bt_row + keys // BLOCK_SIZE, mask=packet_ok, other=0)
     else:
         blk = gl.load(bt_row + keys // BLOCK_SIZE)
     # 8 consecutive keys (a packet) share a page: block sizes are multiples of 8
@@ -119,35 +122,76 @@ def _v_key_offsets(bt_row, stride_vcb, kv_off, ctx_len, key0, layout: gl.constex
         off = (slot // 8) * (HEAD * 8) + slot % 8
     else:  # [HEAD, BLOCK_SIZE]
         off = slot
-    return blk.to(gl.int64) * stride_vcb + kv_off + off, ok
+    key_off = blk.to(gl.int64) * stride_vcb + off
+    # runs of 8 keys are 8 contiguous elements starting 16-byte aligned (page and head strides
+    # are multiples of 8, the cache 16-byte aligned): one cp.async packet each
+    return gl.max_contiguous(gl.multiple_of(key_off, [8]), [8]), packet_ok
 
 
 @gluon.jit
-def _gather_vt(vt_buf, vc_ptr, bt_row, kv_off, stride_vcb, ctx_len, key0,
+def _gather_vt(vt_buf, vc_head, bt_row, stride_vcb, ctx_len, key0,
                BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
                LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr, MASKED: gl.constexpr):
-    """V of context keys key0 .. key0 + BLOCK_N into the ``[HEAD, BLOCK_N]`` view of the stage:
-    cp.async packets of 8 keys of one channel; ``MASKED`` (the partial last tile): plain
-    masked loads, keys past the context as zeros, stored to shared memory."""
+    """V of context keys key0 .. key0 + BLOCK_N into the ``[HEAD, BLOCK_N]`` view of the stage
+    by cp.async, packets of 8 keys of one channel. ``MASKED`` (the partial last tile): packets
+    wholly past the context are zero-filled; the stale slots of the packet the context ends
+    in are zeroed afterwards (``_zero_stale_v``)."""
     TPW_C: gl.constexpr = BLOCK_N // 8
     TPW_R: gl.constexpr = 32 // TPW_C
     CH: gl.constexpr = TPW_R * LOAD_WARPS
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_R, TPW_C], [LOAD_WARPS, 1], [1, 0])
-    key_off, ok = _v_key_offsets(bt_row, stride_vcb, kv_off, ctx_len, key0, layout, BLOCK_N, HEAD,
-                                 BLOCK_SIZE, INTERLEAVED_V, MASKED)
+    key_off, packet_ok = _v_key_offsets(bt_row, stride_vcb, ctx_len, key0, layout, BLOCK_N, HEAD,
+                                        BLOCK_SIZE, INTERLEAVED_V, MASKED)
     key_off = gl.expand_dims(key_off, 0)
+    packet_ok = gl.expand_dims(packet_ok, 0)
     chans = gl.arange(0, CH, layout=gl.SliceLayout(1, layout))
     if INTERLEAVED_V:
         CH_STRIDE: gl.constexpr = 8
     else:
         CH_STRIDE: gl.constexpr = BLOCK_SIZE
     for c in gl.static_range(HEAD // CH):
-        ptrs = vc_ptr + (gl.expand_dims((c * CH + chans) * CH_STRIDE, 1) + key_off)
+        ptrs = vc_head + (gl.expand_dims((c * CH + chans) * CH_STRIDE, 1) + key_off)
         if MASKED:
-            vals = gl.load(ptrs, mask=gl.expand_dims(ok, 0), other=0.0)
-            vt_buf.slice(c * CH, CH).store(vals)
+            async_copy.async_copy_global_to_shared(vt_buf.slice(c * CH, CH), ptrs, mask=packet_ok)
         else:
             async_copy.async_copy_global_to_shared(vt_buf.slice(c * CH, CH), ptrs)
+
+
+@gluon.jit
+def _zero_stale_v(vt_buf, ctx_len, key0, BLOCK_N: gl.constexpr, HEAD: gl.constexpr, LOAD_WARPS: gl.constexpr):
+    """Zero the ``[HEAD, BLOCK_N]`` V tile's columns of keys past the context (landed: the
+    caller waited for its copies). Their P is 0, but 0 * a stale NaN would be NaN."""
+    TPW_C: gl.constexpr = BLOCK_N // 8
+    TPW_R: gl.constexpr = 32 // TPW_C
+    CH: gl.constexpr = TPW_R * LOAD_WARPS
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_R, TPW_C], [LOAD_WARPS, 1], [1, 0])
+    keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    ok = gl.expand_dims(keys < ctx_len, 0)
+    for c in gl.static_range(HEAD // CH):
+        part = vt_buf.slice(c * CH, CH)
+        v = part.load(layout)
+        part.store(gl.where(ok, v, gl.zeros_like(v)))
+
+
+@gluon.jit
+def _gather_v_tail(v_buf, v_head, stride_vt, row0, rows_left,
+                   BLOCK_N: gl.constexpr, HEAD: gl.constexpr, LOAD_WARPS: gl.constexpr):
+    """V of new tokens ``row0 ..`` (rows of ``value``; ``v_head``: its KV head's channel 0) into the ``[BLOCK_N, HEAD]`` stage by
+    cp.async, rows from ``rows_left`` on (past the sequence: the next sequence's tokens or
+    graph padding, which may hold NaN) zero-filled: their P is 0, but 0 * NaN is NaN."""
+    TPW_C: gl.constexpr = HEAD // 8
+    TPW_R: gl.constexpr = 32 // TPW_C
+    CH: gl.constexpr = TPW_R * LOAD_WARPS
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_R, TPW_C], [LOAD_WARPS, 1], [1, 0])
+    rows = gl.arange(0, CH, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
+    in_chunk = gl.expand_dims(rows * stride_vt, 1) + gl.expand_dims(cols, 0)
+    # 8 channels of a row are a 16-byte packet (the row stride is a multiple of 8: eligibility)
+    in_chunk = gl.max_contiguous(gl.multiple_of(in_chunk, [1, 8]), [1, 8])
+    for c in gl.static_range(BLOCK_N // CH):
+        base = v_head + (row0 + c * CH).to(gl.int64) * stride_vt
+        ok = gl.expand_dims(c * CH + rows < rows_left, 1)
+        async_copy.async_copy_global_to_shared(v_buf.slice(c * CH, CH), base + in_chunk, mask=ok)
 
 
 @gluon.jit
@@ -161,37 +205,39 @@ def _publish_cp_async(bar):
 
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                    kc_ptr, vc_ptr, bt_row, kv_head, stride_kcb, stride_kch, stride_vcb, stride_vch,
-                    q_row, q_col, kv_row, kv_col, ctx_len, n_ctx, n_new,
+                    kc_head, vc_head, bt_row, stride_kcb, stride_vcb, v_head, stride_vt,
+                    q_row, q_col, kv_row, kv_col, ctx_len, q_len, n_ctx, n_new,
                     BLOCK_N: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr,
                     BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr,
                     VT_LAYOUT: gl.constexpr):
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
-    k_off = kv_head * stride_kch
-    v_off = kv_head * stride_vch
     n_ctx_full = ctx_len // BLOCK_N
     for j in range(n_ctx_full):  # whole context tiles: no masks
         s = j % STAGES
         # a fresh mbarrier reads as if its phase before 0 completed: the first round passes
         mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
-        _gather_k(k_bufs.index(s), kc_ptr, bt_row, k_off, stride_kcb, ctx_len, j * BLOCK_N,
+        _gather_k(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N,
                   BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, False)
         _publish_cp_async(k_ready.index(s))
         vt = v_bufs.index(s)._reinterpret(v_bufs.dtype, [HEAD, BLOCK_N], VT_LAYOUT)
-        _gather_vt(vt, vc_ptr, bt_row, v_off, stride_vcb, ctx_len, j * BLOCK_N,
+        _gather_vt(vt, vc_head, bt_row, stride_vcb, ctx_len, j * BLOCK_N,
                    BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, False)
         _publish_cp_async(v_ready.index(s))
     for j in range(n_ctx_full, n_ctx):  # the partial last context tile (at most one)
         s = j % STAGES
         mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
-        _gather_k(k_bufs.index(s), kc_ptr, bt_row, k_off, stride_kcb, ctx_len, j * BLOCK_N,
+        _gather_k(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N,
                   BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, True)
         _publish_cp_async(k_ready.index(s))
         vt = v_bufs.index(s)._reinterpret(v_bufs.dtype, [HEAD, BLOCK_N], VT_LAYOUT)
-        _gather_vt(vt, vc_ptr, bt_row, v_off, stride_vcb, ctx_len, j * BLOCK_N,
+        _gather_vt(vt, vc_head, bt_row, stride_vcb, ctx_len, j * BLOCK_N,
                    BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, True)
-        fence_async_shared()  # this thread's plain stores before the wgmma's async-proxy reads
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        gl.thread_barrier()  # every thread's packets landed before any zeroing
+        _zero_stale_v(vt, ctx_len, j * BLOCK_N, BLOCK_N, HEAD, LOAD_WARPS)
+        fence_async_shared()  # this thread's stores before the wgmma's async-proxy reads
         gl.thread_barrier()
         mbarrier.arrive(v_ready.index(s), count=1)
     for i in range(n_new):  # the new tokens, by TMA
@@ -200,8 +246,14 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_rea
         mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv_row + i * BLOCK_N, kv_col], k_ready.index(s), k_bufs.index(s))
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [kv_row + i * BLOCK_N, kv_col], v_ready.index(s), v_bufs.index(s))
+        if (i + 1) * BLOCK_N <= q_len:
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [kv_row + i * BLOCK_N, kv_col], v_ready.index(s),
+                                            v_bufs.index(s))
+        else:  # the tile reaches past the sequence: those V rows must be zeros
+            _gather_v_tail(v_bufs.index(s), v_head, stride_vt, kv_row + i * BLOCK_N, q_len - i * BLOCK_N,
+                           BLOCK_N, HEAD, LOAD_WARPS)
+            _publish_cp_async(v_ready.index(s))
 
 
 # --- consumer partitions ---------------------------------------------------------------------
@@ -235,8 +287,8 @@ def _issue_pv(p, acc, v_bufs, v_ready, j, STAGES: gl.constexpr, VT: gl.constexpr
               BLOCK_N: gl.constexpr, VT_LAYOUT: gl.constexpr):
     """O += P V of key tile ``j`` (async) once its V has landed."""
     mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
-    if VT:
-        fence_async_shared()
+    # context V and a new-token tail tile's V came by cp.async (generic proxy)
+    fence_async_shared()
     return warpgroup_mma(p, _v_operand(v_bufs, j, STAGES, VT, HEAD, BLOCK_N, VT_LAYOUT), acc, is_async=True)
 
 
@@ -330,8 +382,8 @@ def _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, m_i,
 
 
 @gluon.jit
-def _compute_partition(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn, out_ptr, stride_ot,
-                       stride_oh, out_row, head, q_tile_row, q_len, ctx_len, n_ctx, n_new, qk_scale,
+def _compute_partition(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn, out_base, stride_ot,
+                       q_tile_row, q_len, ctx_len, n_ctx, n_new, qk_scale,
                        ROWS: gl.constexpr, ROW_OFF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        HEAD: gl.constexpr, STAGES: gl.constexpr, VT_LAYOUT: gl.constexpr,
                        s_layout: gl.constexpr, o_layout: gl.constexpr):
@@ -358,30 +410,37 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty
     acc = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
     r = q_tile_row + ROW_OFF + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
-    offs = gl.expand_dims((out_row + r).to(gl.int64) * stride_ot, 1) + gl.expand_dims(head * stride_oh + cols, 0)
-    gl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(r < q_len, 1))
+    offs = gl.expand_dims(r.to(gl.int64) * stride_ot, 1) + gl.expand_dims(cols, 0)
+    gl.store(out_base + offs, acc.to(out_base.dtype.element_ty), mask=gl.expand_dims(r < q_len, 1))
 
 
 @gluon.jit
 def _gluon_prefix_prefill_kernel(
-    q_desc, k_desc, v_desc, out_ptr, kc_ptr, vc_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    qk_scale, num_seqs, stride_ot, stride_oh, stride_kcb, stride_kch, stride_vcb, stride_vch, stride_bt,
+    q_desc, k_desc, v_desc, v_ptr, out_ptr, kc_ptr, vc_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    qk_scale, num_seqs, stride_vt, stride_ot, stride_oh, stride_kcb, stride_kch, stride_vcb, stride_vch, stride_bt,
     NUM_HEADS: gl.constexpr, GQA: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr,
-    LOAD_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, INTERLEAVED_V: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    INTERLEAVED_V: gl.constexpr,
     SHORT_QUERY_MAX: gl.constexpr,
 ):
     """Grid ``((num_tokens // BLOCK_M + num_seqs) * NUM_HEADS,)``: program ``pid`` is query
     head ``pid % NUM_HEADS`` (a KV head's query heads adjacent: they share its K/V tiles in
     L2) of virtual row block ``pid // NUM_HEADS`` (``_find_seq``); each sequence's row blocks
     run last first (a later block sees more keys). Blocks without rows of a prefill sequence
-    (padding, an empty, decode or verify sequence, a spare block) return at once."""
+    (padding, an empty, decode or verify sequence, a spare block) return at once.
+
+    Partitions: the default one (``num_warps`` = 4 warps) loads, with what the consumers leave
+    of the register pool (3 x 168 - 2 x ``CONSUMER_REGS`` = 24 at 240: the load code is
+    address arithmetic only); two 4-warp consumer partitions compute 64 rows each. Values
+    computed before the split stay live in the default partition's registers: with a
+    consumer there it spilled at 240."""
     gl.static_assert(BLOCK_M % BLOCK_N == 0, "a row block's diagonal must be whole key tiles")
     gl.static_assert(STAGES >= 2, "tile j's K is loaded while tile j-1's stage is held")
     gl.static_assert(BLOCK_SIZE % 8 == 0, "a V packet (8 keys) lies in one page")
     gl.static_assert(BLOCK_N % BLOCK_SIZE == 0 or BLOCK_SIZE % BLOCK_N == 0, "pages tile the key tiles")
     ROWS: gl.constexpr = BLOCK_M // 2
     gl.static_assert(ROWS == 16 * gl.num_warps(), "16 rows a warp, 4 warps a consumer warpgroup")
+    LOAD_WARPS: gl.constexpr = gl.num_warps()  # the default partition loads
     pid = gl.program_id(0)
     head = pid % NUM_HEADS
     vblock = pid // NUM_HEADS
@@ -401,6 +460,7 @@ def _gluon_prefix_prefill_kernel(
     # key tiles of the new tokens up to the block's diagonal, none wholly past the sequence
     n_new = gl.minimum(q_tile_row // BLOCK_N + BLOCK_M // BLOCK_N, (q_len + BLOCK_N - 1) // BLOCK_N)
     bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
+    out_base = out_ptr + (q_start.to(gl.int64) * stride_ot + head * stride_oh)  # the sequence's row 0, this head
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -425,17 +485,18 @@ def _gluon_prefix_prefill_kernel(
     fence_async_shared()  # the initialized barriers visible to the TMA unit
 
     gl.warp_specialize([
-        (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn, out_ptr, stride_ot,
-                              stride_oh, q_start, head, q_tile_row, q_len, ctx_len, n_ctx, n_new, qk_scale,
-                              ROWS, 0, BLOCK_M, BLOCK_N, HEAD, STAGES, VT_LAYOUT, s_layout, o_layout)),
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                           kc_ptr, vc_ptr, bt_row, kv_head, stride_kcb, stride_kch, stride_vcb, stride_vch,
-                           q_start + q_tile_row, head * HEAD, q_start, kv_head * HEAD, ctx_len, n_ctx, n_new,
+                           kc_ptr + kv_head * stride_kch, vc_ptr + kv_head * stride_vch, bt_row, stride_kcb,
+                           stride_vcb, v_ptr + kv_head * HEAD, stride_vt, q_start + q_tile_row, head * HEAD,
+                           q_start, kv_head * HEAD, ctx_len, q_len, n_ctx, n_new,
                            BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, VT_LAYOUT)),
-        (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn, out_ptr, stride_ot,
-                              stride_oh, q_start, head, q_tile_row, q_len, ctx_len, n_ctx, n_new, qk_scale,
+        (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn, out_base, stride_ot,
+                              q_tile_row, q_len, ctx_len, n_ctx, n_new, qk_scale,
+                              ROWS, 0, BLOCK_M, BLOCK_N, HEAD, STAGES, VT_LAYOUT, s_layout, o_layout)),
+        (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn, out_base, stride_ot,
+                              q_tile_row, q_len, ctx_len, n_ctx, n_new, qk_scale,
                               ROWS, ROWS, BLOCK_M, BLOCK_N, HEAD, STAGES, VT_LAYOUT, s_layout, o_layout)),
-    ], [LOAD_WARPS, gl.num_warps()], [LOAD_REGS, CONSUMER_REGS])
+    ], [gl.num_warps(), gl.num_warps()], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 # --- host side -------------------------------------------------------------------------------
@@ -447,15 +508,14 @@ NUM_WARPS = 4  # the default partition: the first consumer warpgroup
 @dataclasses.dataclass(frozen=True)
 class GluonPrefillConfig:
     """Launch config. The default is the probe's fastest (``128,3,1,2``: 128-key tiles, three
-    stages, intra-warpgroup overlap, ping-pong) with a 4-warp load partition for the gather.
-    Registers: 3 warpgroups x 128 threads x ``maxnreg`` (168) = 64512 of 65536; the second
-    consumer partition and the load partition get ``consumer_regs`` / ``load_regs`` by
-    setmaxnreg, the default partition what they leave."""
+    stages, intra-warpgroup overlap, ping-pong), with the load partition grown to 4 warps for
+    the context gather. Registers: 3 warpgroups x 128 threads x ``maxnreg`` (168) = 64512 of
+    65536, shared out by setmaxnreg: each consumer ``consumer_regs``, the load partition
+    what they leave (24, FA3's split). Compiled for sm_90: no spills (every dtype, block
+    size, V interior and head size the GPU tests run)."""
 
     block_n: int = 128
     stages: int = 3
-    load_warps: int = 4
-    load_regs: int = 24
     consumer_regs: int = 240
     maxnreg: int = 168
 
@@ -470,8 +530,8 @@ def _smem_layout(block, dtype):
 def _constexprs(num_heads: int, gqa: int, head_size: int, block_size: int, interleaved_v: bool,
                 short_query_max: int, cfg: GluonPrefillConfig) -> dict:
     return dict(NUM_HEADS=num_heads, GQA=gqa, HEAD=head_size, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M,
-                BLOCK_N=cfg.block_n, STAGES=cfg.stages, LOAD_WARPS=cfg.load_warps, LOAD_REGS=cfg.load_regs,
-                CONSUMER_REGS=cfg.consumer_regs, INTERLEAVED_V=bool(interleaved_v),
+                BLOCK_N=cfg.block_n, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
+                INTERLEAVED_V=bool(interleaved_v),
                 SHORT_QUERY_MAX=max(int(short_query_max), 1))
 
 
@@ -500,8 +560,8 @@ def launch(output, query, key, value, kc, vc, block_table, seq_lens, query_start
                               [cfg.block_n, head_size], kv_layout)
     grid = ((num_tokens // BLOCK_M + num_seqs) * num_heads,)
     _gluon_prefix_prefill_kernel[grid](
-        q_desc, k_desc, v_desc, output, kc, vc, block_table, seq_lens, query_start_loc,
-        float(scale) * _LOG2E, num_seqs, output.stride(0), output.stride(1),
+        q_desc, k_desc, v_desc, value, output, kc, vc, block_table, seq_lens, query_start_loc,
+        float(scale) * _LOG2E, num_seqs, value.stride(0), output.stride(0), output.stride(1),
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), block_table.stride(0),
         **_constexprs(num_heads, num_heads // num_kv_heads, head_size, block_size, interleaved_v, short_query_max,
                       cfg),
@@ -530,15 +590,16 @@ def compile_sm90(dtype=torch.bfloat16, head_size: int = 128, num_heads: int = 32
     def desc(rows):
         return f"tensordesc<{ty}[{rows},{head_size}],{_smem_layout([rows, head_size], dtype)!r}>"
 
-    sig = dict(q_desc=desc(BLOCK_M), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), out_ptr=f"*{ty}",
+    sig = dict(q_desc=desc(BLOCK_M), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), v_ptr=f"*{ty}",
+               out_ptr=f"*{ty}",
                kc_ptr=f"*{ty}", vc_ptr=f"*{ty}", block_table_ptr="*i32", seq_lens_ptr="*i32",
                query_start_loc_ptr="*i32", qk_scale="fp32", num_seqs="i32")
-    for name in ("stride_ot", "stride_oh", "stride_kcb", "stride_kch", "stride_vcb", "stride_vch", "stride_bt"):
+    for name in ("stride_vt", "stride_ot", "stride_oh", "stride_kcb", "stride_kch", "stride_vcb", "stride_vch", "stride_bt"):
         sig[name] = "i32"
     consts = _constexprs(num_heads, gqa, head_size, block_size, interleaved_v, short_query_max, cfg)
     sig.update({k: "constexpr" for k in consts})
     sig = {name: sig[name] for name in fn.arg_names}
-    aligned = ("out_ptr", "kc_ptr", "vc_ptr", "block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr",
+    aligned = ("v_ptr", "stride_vt", "out_ptr", "kc_ptr", "vc_ptr", "block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr",
                "stride_ot", "stride_oh", "stride_kcb", "stride_kch", "stride_vcb", "stride_vch", "stride_bt")
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     kernel = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
