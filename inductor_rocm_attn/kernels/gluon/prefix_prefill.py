@@ -35,6 +35,7 @@ shared memory through the async proxy; cp.async wrote it through the generic one
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -523,8 +524,9 @@ class GluonPrefillConfig:
 DEFAULT_CONFIG = GluonPrefillConfig()
 
 
-def _smem_layout(block, dtype):
-    return gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[dtype])
+@functools.cache
+def _smem_layout(block: tuple, dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
 
 
 def _constexprs(num_heads: int, gqa: int, head_size: int, block_size: int, interleaved_v: bool,
@@ -550,8 +552,8 @@ def launch(output, query, key, value, kc, vc, block_table, seq_lens, query_start
     num_seqs = seq_lens.shape[0]
     block_size = kc.shape[3]
     dtype = query.dtype
-    q_layout = _smem_layout([BLOCK_M, head_size], dtype)
-    kv_layout = _smem_layout([cfg.block_n, head_size], dtype)
+    q_layout = _smem_layout((BLOCK_M, head_size), dtype)
+    kv_layout = _smem_layout((cfg.block_n, head_size), dtype)
     q_desc = TensorDescriptor(query, [num_tokens, num_heads * head_size], [query.stride(0), 1],
                               [BLOCK_M, head_size], q_layout)
     k_desc = TensorDescriptor(key, [key.shape[0], num_kv_heads * head_size], [key.stride(0), 1],
@@ -588,7 +590,7 @@ def compile_sm90(dtype=torch.bfloat16, head_size: int = 128, num_heads: int = 32
     ty = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
     def desc(rows):
-        return f"tensordesc<{ty}[{rows},{head_size}],{_smem_layout([rows, head_size], dtype)!r}>"
+        return f"tensordesc<{ty}[{rows},{head_size}],{_smem_layout((rows, head_size), dtype)!r}>"
 
     sig = dict(q_desc=desc(BLOCK_M), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), v_ptr=f"*{ty}",
                out_ptr=f"*{ty}",
