@@ -298,7 +298,8 @@ def main():
         del c, q, k, v, ref
         torch.cuda.empty_cache()
     meta = dict(dtype="bf16", heads=f"{HQ}/{HKV}", head_size=D, block_size=BS, causal=True,
-                kernels=args.kernels, peers=args.peers, flashinfer=flashinfer_version() if "flashinfer" in args.peers else None,
+                kernels=args.kernels, peers=args.peers,
+                flashinfer=flashinfer_version() if "flashinfer" in args.peers else None,
                 sdpa_dense_anchor_ms=t_anchor, sdpa_dense_anchor_tflops=anchor_tfs,
                 default_config=dataclasses.asdict(prefill_config(D, HQ // HKV, BS, DTYPE)),
                 timing="CUDA-graph replay, do_bench median")

@@ -196,10 +196,11 @@ def _run_gluon(monkeypatch, query_lens, context_lens, *, num_heads=8, num_kv_hea
 
 
 @hopper_only
-@pytest.mark.parametrize("ctx", [0, 1, 15, 16, 17, 127, 128, 300, 4100])
-@pytest.mark.parametrize("qlen", [200, 384])
+@pytest.mark.parametrize("ctx,qlen", [(0, 200), (1, 384), (15, 200), (16, 384), (17, 200), (127, 129),
+                                      (128, 384), (300, 200), (4100, 384)])
 def test_gluon_prefill_cached_prefix_lengths(monkeypatch, ctx, qlen):
-    """No prefix, and prefixes ending inside a page, on a page edge and on a key-tile edge."""
+    """No prefix, and prefixes ending inside a page, on a page edge and on a key-tile edge,
+    with new-token counts that end inside a row block or on its edge."""
     _run_gluon(monkeypatch, [qlen], [ctx])
 
 

@@ -177,9 +177,10 @@ def _zero_stale_v(vt_buf, ctx_len, key0, BLOCK_N: gl.constexpr, HEAD: gl.constex
 @gluon.jit
 def _gather_v_tail(v_buf, v_head, stride_vt, row0, rows_left,
                    BLOCK_N: gl.constexpr, HEAD: gl.constexpr, LOAD_WARPS: gl.constexpr):
-    """V of new tokens ``row0 ..`` (rows of ``value``; ``v_head``: its KV head's channel 0) into the ``[BLOCK_N, HEAD]`` stage by
-    cp.async, rows from ``rows_left`` on (past the sequence: the next sequence's tokens or
-    graph padding, which may hold NaN) zero-filled: their P is 0, but 0 * NaN is NaN."""
+    """V of new tokens ``row0 ..`` (rows of ``value``; ``v_head``: its KV head's channel 0)
+    into the ``[BLOCK_N, HEAD]`` stage by cp.async, rows from ``rows_left`` on (past the
+    sequence: the next sequence's tokens or graph padding, which may hold NaN) zero-filled:
+    their P is 0, but 0 * NaN is NaN."""
     TPW_C: gl.constexpr = HEAD // 8
     TPW_R: gl.constexpr = 32 // TPW_C
     CH: gl.constexpr = TPW_R * LOAD_WARPS
@@ -596,12 +597,14 @@ def compile_sm90(dtype=torch.bfloat16, head_size: int = 128, num_heads: int = 32
                out_ptr=f"*{ty}",
                kc_ptr=f"*{ty}", vc_ptr=f"*{ty}", block_table_ptr="*i32", seq_lens_ptr="*i32",
                query_start_loc_ptr="*i32", qk_scale="fp32", num_seqs="i32")
-    for name in ("stride_vt", "stride_ot", "stride_oh", "stride_kcb", "stride_kch", "stride_vcb", "stride_vch", "stride_bt"):
+    for name in ("stride_vt", "stride_ot", "stride_oh", "stride_kcb", "stride_kch", "stride_vcb", "stride_vch",
+                 "stride_bt"):
         sig[name] = "i32"
     consts = _constexprs(num_heads, gqa, head_size, block_size, interleaved_v, short_query_max, cfg)
     sig.update({k: "constexpr" for k in consts})
     sig = {name: sig[name] for name in fn.arg_names}
-    aligned = ("v_ptr", "stride_vt", "out_ptr", "kc_ptr", "vc_ptr", "block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr",
+    aligned = ("v_ptr", "stride_vt", "out_ptr", "kc_ptr", "vc_ptr", "block_table_ptr", "seq_lens_ptr",
+               "query_start_loc_ptr",
                "stride_ot", "stride_oh", "stride_kcb", "stride_kch", "stride_vcb", "stride_vch", "stride_bt")
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     kernel = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),

@@ -32,7 +32,8 @@ from ..merge_counters import merge_counters as _merge_counters
 from ..gluon.eligibility import prefill_kernel_for as _gluon_ineligibility
 from .attention_common import TL_DTYPES
 from .configs import (
-    DEFAULT_PREFILL_KERNEL, PREFILL_KERNELS, INTERPRETER_TARGET, VERIFY_MAX_QUERY_LEN, DecodeConfig, LaunchTarget, PrefillConfig,
+    DEFAULT_PREFILL_KERNEL, PREFILL_KERNELS,
+    INTERPRETER_TARGET, VERIFY_MAX_QUERY_LEN, DecodeConfig, LaunchTarget, PrefillConfig,
     decode_config, decode_plan, interpreting, prefill_config, reduce_num_warps, split_merge_of,
     verify_config, verify_rows,
 )
