@@ -26,6 +26,8 @@ from attention_checks import TOL, seed
 from inductor_rocm_attn.kernels.gluon import eligibility
 
 pa_mod = importlib.import_module("inductor_rocm_attn.kernels.triton.paged_attention")
+# per-row bar of tests/test_oracle_sweep_kernels.py: a few units of the 16-bit rounding
+ROW_TOL = {torch.float16: 3 * 2.0 ** -11, torch.bfloat16: 2 * 2.0 ** -8}
 
 
 def _hopper() -> bool:
@@ -191,8 +193,9 @@ def _run_gluon(monkeypatch, query_lens, context_lens, *, num_heads=8, num_kv_hea
     ref = cases.dense_oracle(c, scale=scale, causal=True)
     err = cases.rel_err(got, ref)
     assert err < TOL[dtype], f"rel err {err:.3e} (seed {seed_})"
-    rows = cases.row_rel_err(got, ref)
-    assert rows.max() < 4 * TOL[dtype], f"worst row rel err {rows.max():.3e} (seed {seed_})"
+    rows = cases.row_rel_err(got, ref)  # every (token, head) row, at the oracle sweeps' bar
+    worst = divmod(int(rows.argmax()), rows.shape[1])
+    assert rows.max() < ROW_TOL[dtype], f"row (token, head) {worst} rel err {rows.max():.3e} (seed {seed_})"
 
 
 @hopper_only
