@@ -146,6 +146,25 @@ def test_gluon_prefill_ineligible_launch_runs_triton_with_one_warning(monkeypatc
         assert err < TOL[torch.float16], err
 
 
+def test_gluon_prefill_not_consulted_by_default(monkeypatch):
+    """Without ROCM_ATTN_PREFILL_KERNEL / prefill_kernel= the launch never asks about Gluon:
+    the default stays the Triton prefill, at no extra host cost."""
+    if pa_mod.DEFAULT_PREFILL_KERNEL != "triton":
+        pytest.skip("ROCM_ATTN_PREFILL_KERNEL is set in this environment")
+
+    def asked(*a, **k):
+        raise AssertionError("the Gluon eligibility was consulted")
+
+    monkeypatch.setattr(pa_mod, "_gluon_ineligibility", asked)
+    c = cases.make_paged_case([20, 1], [5, 7], dtype=torch.float16, device="cuda" if _hopper() else "cpu",
+                              seed=seed())
+    out = cases.poison(torch.empty_like(c.query))
+    args, kw, scale = _args(c, out)
+    pa_mod.paged_attention(*args, **kw)
+    err = cases.rel_err(out.double().cpu(), cases.dense_oracle(c, scale=scale, causal=True))
+    assert err < TOL[torch.float16], err
+
+
 # --- GPU --------------------------------------------------------------------------------------
 
 def _run_gluon(monkeypatch, query_lens, context_lens, *, num_heads=8, num_kv_heads=2, head_size=128,
