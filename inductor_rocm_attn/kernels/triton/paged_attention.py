@@ -140,7 +140,8 @@ def paged_attention(
     ``prefill_kernel`` (default ``configs.DEFAULT_PREFILL_KERNEL``, from
     ``ROCM_ATTN_PREFILL_KERNEL``): ``"triton"`` or ``"gluon"``, the warp-specialized Gluon
     prefill (NVIDIA sm_90) for launches it covers (``kernels/gluon/eligibility.py``), the
-    Triton kernel for the others with one warning per reason.
+    Triton kernel for the others with one warning per reason (a given ``prefill_cfg``, a
+    Triton config, runs the Triton kernel).
     """
     if prefill_kernel is not None and prefill_kernel not in PREFILL_KERNELS:
         raise ValueError(f"paged_attention: prefill_kernel={prefill_kernel!r}; supported: {PREFILL_KERNELS}")
