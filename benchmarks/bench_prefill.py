@@ -7,11 +7,18 @@ and made contiguous), then times both as CUDA-graph replays (``common.graph_time
 do_bench median, L2 flushed). FLOPs counted causally: 4 * B * H * D * (N * P + N * (N + 1) / 2) for N new tokens
 and prefix P. SDPA's dense causal 4096 run (same FLOPs as the no-prefix case) is the anchor.
 
+``--kernels triton gluon``: A/B of the prefill kernels in the same run on every case: the
+Triton prefill (the default, the ``triton`` columns) and the opt-in warp-specialized Gluon
+prefill (``paged_attention(prefill_kernel="gluon")``, NVIDIA sm_90 only), each checked
+against SDPA before it is timed; a Gluon launch that falls back to Triton is reported as
+unavailable, not timed.
+
 ``--peers flashinfer``: FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (fa3, and fa2)
 in the same run, over the same values in its own NHD pages (prefix and new tokens; ``peers.py``),
 checked against SDPA; a "peer unavailable: <reason>" row where it cannot run.
 
     python benchmarks/bench_prefill.py [--prefix 0 4096] [--sweep] [--peers flashinfer]
+    python benchmarks/bench_prefill.py --kernels triton gluon  # Gluon vs Triton prefill (Hopper)
     python benchmarks/bench_prefill.py --head-size 512 --kv-heads 4 --batch 1  # Gemma4 full layers
 
 Writes benchmarks/results/prefill_<date>.json and .md (or --out DIR).
@@ -23,6 +30,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -159,6 +167,35 @@ def flashinfer_prefill_peers(c: PrefillCase, ref, flops: float, row: dict):
     del pages
 
 
+def gluon_prefill_row(c: PrefillCase, ref, flops: float, row: dict) -> None:
+    """The Gluon prefill on the case (output NaN-poisoned, checked against SDPA, then timed);
+    fills ``row``'s ``gluon_*`` fields, or ``gluon_unavailable`` with the reason."""
+    got = c.out.view(c.b, c.n, HQ, D).transpose(1, 2)
+    try:
+        c.out.fill_(float("nan"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            c.run(prefill_kernel="gluon")
+        torch.cuda.synchronize()
+        fallback = [str(w.message) for w in caught if "prefill kernel 'gluon'" in str(w.message)]
+        if fallback:  # the Triton prefill ran: not a Gluon timing
+            raise RuntimeError(fallback[0])
+        err = float((got.float() - ref.float()).norm() / ref.float().norm())
+        row["gluon_rel_err_vs_sdpa"] = err
+        if not err < 1e-2:  # NaN fails too
+            raise RuntimeError(f"output differs from SDPA (rel err {err:.2e})")
+        t = graph_time_ms(lambda: c.run(prefill_kernel="gluon"))
+    except Exception as e:  # noqa: BLE001 - a kernel that cannot run or is wrong is a result
+        row["gluon_ms"] = None
+        row["gluon_unavailable"] = f"{type(e).__name__}: {e}"[:300]
+        print(f"  gluon prefill unavailable: {row['gluon_unavailable']}", flush=True)
+        return
+    row.update(gluon_ms=t, gluon_tflops=flops / (t * 1e-3) / 1e12)
+    row["ratio_gluon_over_triton"] = row["gluon_tflops"] / row["triton_tflops"]
+    print(f"  gluon prefill: {t:.3f} ms {row['gluon_tflops']:4.0f} TFLOP/s (x{row['ratio_gluon_over_triton']:.2f} "
+          f"of Triton)  err {err:.1e}", flush=True)
+
+
 def main():
     global HQ, HKV, D
     ap = argparse.ArgumentParser()
@@ -170,6 +207,8 @@ def main():
                     help="with --sweep: these configs instead of the built-in list (e.g. head 512)")
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
                     help="also time the default config with these changes (A/B in one run)")
+    ap.add_argument("--kernels", nargs="+", default=["triton"], choices=("triton", "gluon"),
+                    help="prefill kernels to time on every case (triton always runs: it is the reference row)")
     ap.add_argument("--peers", nargs="*", default=[], choices=("flashinfer",),
                     help="also time these peers on every case (same values, their own layout)")
     ap.add_argument("--q-heads", type=int, default=HQ, help=f"query heads (default {HQ})")
@@ -216,6 +255,8 @@ def main():
                    sdpa_tflops=sdpa_tfs, ratio_vs_sdpa_same_case=tri_tfs / sdpa_tfs,
                    ratio_vs_sdpa_dense_anchor=tri_tfs / anchor_tfs, rel_err_vs_sdpa=err)
         rows.append(row)
+        if "gluon" in args.kernels:
+            gluon_prefill_row(c, ref, flops, row)
         if "flashinfer" in args.peers:
             flashinfer_prefill_peers(c, ref, flops, row)
         print(f"prefix={p:5d}: triton {t_tri:.3f} ms {tri_tfs:4.0f} TFLOP/s | SDPA same case {t_sdpa:.3f} ms "
@@ -257,7 +298,8 @@ def main():
         del c, q, k, v, ref
         torch.cuda.empty_cache()
     meta = dict(dtype="bf16", heads=f"{HQ}/{HKV}", head_size=D, block_size=BS, causal=True,
-                peers=args.peers, flashinfer=flashinfer_version() if "flashinfer" in args.peers else None,
+                kernels=args.kernels, peers=args.peers,
+                flashinfer=flashinfer_version() if "flashinfer" in args.peers else None,
                 sdpa_dense_anchor_ms=t_anchor, sdpa_dense_anchor_tflops=anchor_tfs,
                 default_config=dataclasses.asdict(prefill_config(D, HQ // HKV, BS, DTYPE)),
                 timing="CUDA-graph replay, do_bench median")
@@ -270,17 +312,21 @@ def main():
              f"heads {HQ}/{HKV}, d={D}, block {BS}, B={b}, {n} new tokens; {meta['timing']}. "
              f"SDPA dense causal anchor ({HQ} heads, N={n}): {anchor_tfs:.0f} TFLOP/s.", "",
              "| prefix | Triton ms | Triton TFLOP/s | SDPA same case ms | SDPA TFLOP/s | Triton / SDPA dense anchor "
-             "| FlashInfer fa3 ms | fa3 TFLOP/s | Triton / fa3 | FlashInfer fa2 TFLOP/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| FlashInfer fa3 ms | fa3 TFLOP/s | Triton / fa3 | FlashInfer fa2 TFLOP/s "
+             "| Gluon ms | Gluon TFLOP/s | Gluon / Triton |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda r, k_, f: format(r[k_], f) if r.get(k_) else "-"  # noqa: E731
     for r in rows:
         lines.append(f"| {r['prefix']} | {r['triton_ms']:.3f} | {r['triton_tflops']:.0f} | {r['sdpa_ms']:.3f} | "
                      f"{r['sdpa_tflops']:.0f} | {r['ratio_vs_sdpa_dense_anchor']:.2f} | "
                      f"{fmt(r, 'flashinfer_fa3_ms', '.3f')} | {fmt(r, 'flashinfer_fa3_tflops', '.0f')} | "
                      f"{fmt(r, 'flashinfer_fa3_ratio_triton_over_peer', '.2f')} | "
-                     f"{fmt(r, 'flashinfer_fa2_tflops', '.0f')} |")
+                     f"{fmt(r, 'flashinfer_fa2_tflops', '.0f')} | {fmt(r, 'gluon_ms', '.3f')} | "
+                     f"{fmt(r, 'gluon_tflops', '.0f')} | {fmt(r, 'ratio_gluon_over_triton', '.2f')} |")
     lines += [f"\npeer unavailable: {w}" for w in sorted(
-        {r[k_] for r in rows for k_ in r if k_.endswith("_unavailable")})]
+        {r[k_] for r in rows for k_ in r if k_.endswith("_unavailable") and k_ != "gluon_unavailable"})]
+    lines += [f"\ngluon prefill unavailable: {w}" for w in sorted(
+        {r["gluon_unavailable"] for r in rows if r.get("gluon_unavailable")})]
     md = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, name + ".md"), "w") as f:
         f.write(md)

@@ -51,6 +51,16 @@ if DEFAULT_SPLIT_MERGE not in SPLIT_MERGES:  # at import: on a CPU no decode con
     raise ValueError(f"inductor_rocm_attn: environment variable ROCM_ATTN_SPLIT_MERGE={DEFAULT_SPLIT_MERGE!r}: "
                      f"expected one of {SPLIT_MERGES}, or unset")
 
+# Which kernel runs the prefill part of paged_attention: "triton" (_prefix_prefill_kernel, the
+# default) or "gluon" (kernels/gluon/prefix_prefill.py: warp-specialized, NVIDIA sm_90 only,
+# opt-in; a launch it does not cover runs the Triton kernel, with one warning per reason).
+# Read once, at import; paged_attention(prefill_kernel=...) overrides it per call.
+PREFILL_KERNELS = ("triton", "gluon")
+DEFAULT_PREFILL_KERNEL = os.environ.get("ROCM_ATTN_PREFILL_KERNEL", "triton")
+if DEFAULT_PREFILL_KERNEL not in PREFILL_KERNELS:
+    raise ValueError(f"inductor_rocm_attn: environment variable ROCM_ATTN_PREFILL_KERNEL={DEFAULT_PREFILL_KERNEL!r}: "
+                     f"expected one of {PREFILL_KERNELS}, or unset")
+
 # --- knobs (the defaults of the config fields below) -----------------------------------------
 
 # How cache tiles read K (attention_common._load_paged_kv): 0 = a [HEAD, TILE_N] gather (a

@@ -18,6 +18,7 @@ Configs (tiles, warps, loop kinds, knobs) come from ``configs.py``.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import triton
@@ -28,8 +29,10 @@ from ...layout import cache_x, fp8_max, is_fp8_dtype, k_view, v_view
 # the buffers through this module).
 from ..merge_counters import _MERGE_COUNTERS, _RETIRED_COUNTERS  # noqa: F401
 from ..merge_counters import merge_counters as _merge_counters
+from ..gluon.eligibility import prefill_kernel_for as _gluon_ineligibility
 from .attention_common import TL_DTYPES
 from .configs import (
+    DEFAULT_PREFILL_KERNEL, PREFILL_KERNELS,
     INTERPRETER_TARGET, VERIFY_MAX_QUERY_LEN, DecodeConfig, LaunchTarget, PrefillConfig,
     decode_config, decode_plan, interpreting, prefill_config, reduce_num_warps, split_merge_of,
     verify_config, verify_rows,
@@ -111,6 +114,7 @@ def paged_attention(
     target: LaunchTarget | None = None,
     verify_cfg: DecodeConfig | None = None,
     verify_max_query_len: int | None = None,
+    prefill_kernel: str | None = None,
 ) -> None:
     """Chunked prefill + paged decode over the cache (semantics: ``reference.paged_attention``).
 
@@ -132,8 +136,15 @@ def paged_attention(
     ``decode_cfg``/``prefill_cfg``/``verify_cfg`` replace the tuned ``configs.decode_config`` /
     ``prefill_config`` / ``verify_config``; ``target`` the queried
     ``launch_target(query.device)``; ``verify_max_query_len`` (default
-    ``configs.VERIFY_MAX_QUERY_LEN``; <= 1: no verify launch) the verify kernel's longest query.
+    ``configs.VERIFY_MAX_QUERY_LEN``; <= 1: no verify launch) the verify kernel's longest query;
+    ``prefill_kernel`` (default ``configs.DEFAULT_PREFILL_KERNEL``, from
+    ``ROCM_ATTN_PREFILL_KERNEL``): ``"triton"`` or ``"gluon"``, the warp-specialized Gluon
+    prefill (NVIDIA sm_90) for launches it covers (``kernels/gluon/eligibility.py``), the
+    Triton kernel for the others with one warning per reason (a given ``prefill_cfg``, a
+    Triton config, runs the Triton kernel).
     """
+    if prefill_kernel is not None and prefill_kernel not in PREFILL_KERNELS:
+        raise ValueError(f"paged_attention: prefill_kernel={prefill_kernel!r}; supported: {PREFILL_KERNELS}")
     num_tokens, num_heads, head_size = query.shape
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
@@ -249,6 +260,14 @@ def paged_attention(
     # --- prefix prefill: sequences with query_len > q_max -------------------------------------
     if max_query_len is not None and max_query_len <= q_max:
         return
+    if (prefill_kernel or DEFAULT_PREFILL_KERNEL) == "gluon" and prefill_cfg is None:
+        reason = _gluon_ineligibility(output, query, key, value, kv_cache, causal, sliding_window,
+                                      alibi_slopes, sinks, logits_soft_cap, output_scale, interpret)
+        if reason is None:
+            _gluon_launch()(output, query, key, value, kc, vc, block_table, seq_lens, query_start_loc,
+                            scale, interleaved_v, q_max)
+            return
+        _warn_triton_prefill(reason)
     pcfg = prefill_cfg or prefill_config(head_size, gqa, block_size, compute, interpret)
     block_m, block_n = pcfg.block_m, pcfg.block_n
     has_new = key is not None
@@ -270,6 +289,24 @@ def paged_attention(
         K_ROWS=pcfg.k_rows, SHORT_QUERY_MAX=q_max,
         num_warps=pcfg.num_warps, num_stages=pcfg.num_stages, **common,
     )
+
+
+@functools.cache
+def _gluon_launch():
+    """The Gluon prefill's launcher (imported on first use: Gluon only where it runs)."""
+    from ..gluon.prefix_prefill import launch
+    return launch
+
+
+_WARNED_REASONS: set[str] = set()
+
+
+def _warn_triton_prefill(reason: str) -> None:
+    """The Gluon prefill was asked for but does not cover this launch: say why, once per reason."""
+    if reason not in _WARNED_REASONS:
+        _WARNED_REASONS.add(reason)
+        warnings.warn(f"paged_attention: prefill kernel 'gluon' (ROCM_ATTN_PREFILL_KERNEL or prefill_kernel=) "
+                      f"does not cover this launch ({reason}); the Triton prefill runs it", stacklevel=3)
 
 
 def _launch_verify(q_max, output, query, key, value, kc, vc, block_table, seq_lens,

@@ -1,0 +1,626 @@
+"""Warp-specialized prefix prefill in Gluon (NVIDIA Hopper, sm_90 only).
+
+The prefill part of the Triton provider's ``paged_attention`` (``kernels/triton/
+prefix_prefill.py``) for the common case: 16-bit query and cache of one dtype, causal, no
+window / soft cap / sinks / ALiBi / output scale, new K/V given (``eligibility.py`` says why
+a launch is not covered; those run the Triton kernel). Same grid semantics: one
+program per (virtual 128-row block of the varlen batch, query head); sequences with
+``query_len <= SHORT_QUERY_MAX`` belong to the decode/verify kernels and are skipped, as are
+padding blocks. Everything per sequence is read on the device (capturable).
+
+Per program, FA3-style (``benchmarks/probe_prefill_gluon.py`` measured the structure on the
+dense part: 508 TFLOP/s against SDPA's 504 on an H100):
+
+- a load partition (``LOAD_WARPS`` warps) brings Q by TMA, then every key tile into a ring
+  of ``STAGES`` shared-memory stages: first the cached context, gathered page by page with
+  cp.async (16-byte packets: a K packet is 8 channels of one token, a row chunk of the
+  ``[keys, D]`` tile; a V packet is 8 tokens of one channel, so context V fills a
+  ``[D, keys]`` tile, the stage's bytes reinterpreted), then the new tokens by TMA from
+  ``key``/``value`` (``[keys, D]``). A stage's K and V each have a ready mbarrier, the stage
+  one empty mbarrier (one arrival per consumer partition). cp.async arrivals are tracked on
+  the ready mbarrier (``async_copy.mbarrier_arrive``); the last context tile, when partial,
+  loads V with masked loads (keys past the context are zeros, not stale cache slots: 0 * NaN
+  would poison the row);
+- two consumer warpgroups (64 rows each) run S = Q K^T and O += P V as async wgmma with the
+  online softmax in fp32 (exp2, scale folded in) between them, tile j's S in flight with
+  tile j-1's P V (``PIPE``), taking turns at the tensor cores (ping-pong). The context phase
+  reads V through the transposed ``[D, keys]`` view, the new-token phase directly; the phase
+  boundary drains the pipeline once. Only the partial last context tile and the diagonal
+  tiles mask.
+
+The consumers fence the async proxy after each cp.async-filled stage lands (the wgmma reads
+shared memory through the async proxy; cp.async wrote it through the generic one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+_LOG2E = 1.4426950408889634
+
+
+# --- program -> (sequence, row block) ------------------------------------------------------
+
+@gluon.jit
+def _find_seq(cu_ptr, num_seqs, vblock, BLOCK_M: gl.constexpr):
+    """The largest sequence s whose first virtual block ``cu[s] // BLOCK_M + s`` is <= vblock
+    (the Triton kernels' varlen grid: ``attention_common._find_seq``)."""
+    lo = 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        v = gl.load(cu_ptr + mid).to(gl.int32) // BLOCK_M + mid
+        if v <= vblock:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+# --- load partition --------------------------------------------------------------------------
+
+@gluon.jit
+def _gather_k(k_buf, kc_head, bt_row, stride_kcb, ctx_len, key0,
+              BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+              LOAD_WARPS: gl.constexpr, MASKED: gl.constexpr):
+    """K of context keys key0 .. key0 + BLOCK_N into the ``[BLOCK_N, HEAD]`` stage by cp.async,
+    in chunks of ``CH`` keys that lie in one page (``BLOCK_SIZE % CH == 0``): one block-table
+    read per chunk (a scalar), one 16-byte packet (8 channels of a token) per thread, whose
+    offset inside the chunk is the same for every chunk. ``MASKED`` (the partial last tile):
+    chunks wholly past the context are not read; the rest of a partly used chunk is its
+    page's stale slots, whose S the consumer masks."""
+    TPW_C: gl.constexpr = HEAD // 8
+    TPW_R: gl.constexpr = 32 // TPW_C
+    CH: gl.constexpr = TPW_R * LOAD_WARPS
+    gl.static_assert(BLOCK_SIZE % CH == 0, "a K chunk lies in one page")
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_R, TPW_C], [LOAD_WARPS, 1], [1, 0])
+    rows = gl.arange(0, CH, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
+    # page interior [HEAD // 8, BLOCK_SIZE, 8]: channel c of slot t at (c // 8) * BLOCK_SIZE * 8 + t * 8 + c % 8
+    in_chunk = gl.expand_dims(rows * 8, 1) + gl.expand_dims((cols // 8) * (BLOCK_SIZE * 8) + cols % 8, 0)
+    for c in gl.static_range(BLOCK_N // CH):
+        k0 = key0 + c * CH
+        if MASKED:
+            if k0 < ctx_len:
+                blk = gl.load(bt_row + k0 // BLOCK_SIZE).to(gl.int64)
+                base = kc_head + (blk * stride_kcb + (k0 % BLOCK_SIZE) * 8)
+                async_copy.async_copy_global_to_shared(k_buf.slice(c * CH, CH), base + in_chunk)
+        else:
+            blk = gl.load(bt_row + k0 // BLOCK_SIZE).to(gl.int64)
+            base = kc_head + (blk * stride_kcb + (k0 % BLOCK_SIZE) * 8)
+            async_copy.async_copy_global_to_shared(k_buf.slice(c * CH, CH), base + in_chunk)
+
+
+@gluon.jit
+def _v_key_offsets(bt_row, stride_vcb, ctx_len, key0, layout: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                   INTERLEAVED_V: gl.constexpr, MASKED: gl.constexpr):
+    """Per key of the tile: its offset in the V cache (channel 0), and (``MASKED``) whether its
+    16-byte packet (8 keys, one page) holds a context key."""
+    keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    packet_ok = (keys // 8) * 8 < ctx_len
+    if MASKED:
+        blk = gl.load(bt_row + keys // BLOCK_SIZE, mask=packet_ok, other=0)
+    else:
+        blk = gl.load(bt_row + keys // BLOCK_SIZE)
+    # 8 consecutive keys (a packet) share a page: block sizes are multiples of 8
+    blk = gl.max_constancy(blk, [8])
+    slot = keys % BLOCK_SIZE
+    if INTERLEAVED_V:  # [BLOCK_SIZE // 8, HEAD, 8]
+        off = (slot // 8) * (HEAD * 8) + slot % 8
+    else:  # [HEAD, BLOCK_SIZE]
+        off = slot
+    key_off = blk.to(gl.int64) * stride_vcb + off
+    # runs of 8 keys are 8 contiguous elements starting 16-byte aligned (page and head strides
+    # are multiples of 8, the cache 16-byte aligned): one cp.async packet each
+    return gl.max_contiguous(gl.multiple_of(key_off, [8]), [8]), packet_ok
+
+
+@gluon.jit
+def _gather_vt(vt_buf, vc_head, bt_row, stride_vcb, ctx_len, key0,
+               BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+               LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr, MASKED: gl.constexpr):
+    """V of context keys key0 .. key0 + BLOCK_N into the ``[HEAD, BLOCK_N]`` view of the stage
+    by cp.async, packets of 8 keys of one channel. ``MASKED`` (the partial last tile): packets
+    wholly past the context are zero-filled; the stale slots of the packet the context ends
+    in are zeroed afterwards (``_zero_stale_v``)."""
+    TPW_C: gl.constexpr = BLOCK_N // 8
+    TPW_R: gl.constexpr = 32 // TPW_C
+    CH: gl.constexpr = TPW_R * LOAD_WARPS
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_R, TPW_C], [LOAD_WARPS, 1], [1, 0])
+    key_off, packet_ok = _v_key_offsets(bt_row, stride_vcb, ctx_len, key0, layout, BLOCK_N, HEAD,
+                                        BLOCK_SIZE, INTERLEAVED_V, MASKED)
+    key_off = gl.expand_dims(key_off, 0)
+    packet_ok = gl.expand_dims(packet_ok, 0)
+    chans = gl.arange(0, CH, layout=gl.SliceLayout(1, layout))
+    if INTERLEAVED_V:
+        CH_STRIDE: gl.constexpr = 8
+    else:
+        CH_STRIDE: gl.constexpr = BLOCK_SIZE
+    for c in gl.static_range(HEAD // CH):
+        ptrs = vc_head + (gl.expand_dims((c * CH + chans) * CH_STRIDE, 1) + key_off)
+        if MASKED:
+            async_copy.async_copy_global_to_shared(vt_buf.slice(c * CH, CH), ptrs, mask=packet_ok)
+        else:
+            async_copy.async_copy_global_to_shared(vt_buf.slice(c * CH, CH), ptrs)
+
+
+@gluon.jit
+def _zero_stale_v(vt_buf, ctx_len, key0, BLOCK_N: gl.constexpr, HEAD: gl.constexpr, LOAD_WARPS: gl.constexpr):
+    """Zero the ``[HEAD, BLOCK_N]`` V tile's columns of keys past the context (landed: the
+    caller waited for its copies). Their P is 0, but 0 * a stale NaN would be NaN."""
+    TPW_C: gl.constexpr = BLOCK_N // 8
+    TPW_R: gl.constexpr = 32 // TPW_C
+    CH: gl.constexpr = TPW_R * LOAD_WARPS
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_R, TPW_C], [LOAD_WARPS, 1], [1, 0])
+    keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    ok = gl.expand_dims(keys < ctx_len, 0)
+    for c in gl.static_range(HEAD // CH):
+        part = vt_buf.slice(c * CH, CH)
+        v = part.load(layout)
+        part.store(gl.where(ok, v, gl.zeros_like(v)))
+
+
+@gluon.jit
+def _gather_v_tail(v_buf, v_head, stride_vt, row0, rows_left,
+                   BLOCK_N: gl.constexpr, HEAD: gl.constexpr, LOAD_WARPS: gl.constexpr):
+    """V of new tokens ``row0 ..`` (rows of ``value``; ``v_head``: its KV head's channel 0)
+    into the ``[BLOCK_N, HEAD]`` stage by cp.async, rows from ``rows_left`` on (past the
+    sequence: the next sequence's tokens or graph padding, which may hold NaN) zero-filled:
+    their P is 0, but 0 * NaN is NaN."""
+    TPW_C: gl.constexpr = HEAD // 8
+    TPW_R: gl.constexpr = 32 // TPW_C
+    CH: gl.constexpr = TPW_R * LOAD_WARPS
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_R, TPW_C], [LOAD_WARPS, 1], [1, 0])
+    rows = gl.arange(0, CH, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
+    in_chunk = gl.expand_dims(rows * stride_vt, 1) + gl.expand_dims(cols, 0)
+    # 8 channels of a row are a 16-byte packet (the row stride is a multiple of 8: eligibility)
+    in_chunk = gl.max_contiguous(gl.multiple_of(in_chunk, [1, 8]), [1, 8])
+    for c in gl.static_range(BLOCK_N // CH):
+        base = v_head + (row0 + c * CH).to(gl.int64) * stride_vt
+        ok = gl.expand_dims(c * CH + rows < rows_left, 1)
+        async_copy.async_copy_global_to_shared(v_buf.slice(c * CH, CH), base + in_chunk, mask=ok)
+
+
+@gluon.jit
+def _publish_cp_async(bar):
+    """Every thread's cp.async so far counts on ``bar`` (each thread's tracking arrive adds a
+    pending arrival), then one arrival completes the phase once they have all landed."""
+    async_copy.mbarrier_arrive(bar)
+    gl.thread_barrier()  # all tracking arrives registered before the one that can complete it
+    mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
+                    kc_head, vc_head, bt_row, stride_kcb, stride_vcb, v_head, stride_vt,
+                    q_row, q_col, kv_row, kv_col, ctx_len, q_len, n_ctx, n_new,
+                    BLOCK_N: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr,
+                    BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr,
+                    VT_LAYOUT: gl.constexpr):
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
+    n_ctx_full = ctx_len // BLOCK_N
+    for j in range(n_ctx_full):  # whole context tiles: no masks
+        s = j % STAGES
+        # a fresh mbarrier reads as if its phase before 0 completed: the first round passes
+        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+        _gather_k(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N,
+                  BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, False)
+        _publish_cp_async(k_ready.index(s))
+        vt = v_bufs.index(s)._reinterpret(v_bufs.dtype, [HEAD, BLOCK_N], VT_LAYOUT)
+        _gather_vt(vt, vc_head, bt_row, stride_vcb, ctx_len, j * BLOCK_N,
+                   BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, False)
+        _publish_cp_async(v_ready.index(s))
+    for j in range(n_ctx_full, n_ctx):  # the partial last context tile (at most one)
+        s = j % STAGES
+        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+        _gather_k(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N,
+                  BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, True)
+        _publish_cp_async(k_ready.index(s))
+        vt = v_bufs.index(s)._reinterpret(v_bufs.dtype, [HEAD, BLOCK_N], VT_LAYOUT)
+        _gather_vt(vt, vc_head, bt_row, stride_vcb, ctx_len, j * BLOCK_N,
+                   BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, True)
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        gl.thread_barrier()  # every thread's packets landed before any zeroing
+        _zero_stale_v(vt, ctx_len, j * BLOCK_N, BLOCK_N, HEAD, LOAD_WARPS)
+        fence_async_shared()  # this thread's stores before the wgmma's async-proxy reads
+        gl.thread_barrier()
+        mbarrier.arrive(v_ready.index(s), count=1)
+    for i in range(n_new):  # the new tokens, by TMA
+        j = n_ctx + i
+        s = j % STAGES
+        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row + i * BLOCK_N, kv_col], k_ready.index(s), k_bufs.index(s))
+        if (i + 1) * BLOCK_N <= q_len:
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [kv_row + i * BLOCK_N, kv_col], v_ready.index(s),
+                                            v_bufs.index(s))
+        else:  # the tile reaches past the sequence: those V rows must be zeros
+            _gather_v_tail(v_bufs.index(s), v_head, stride_vt, kv_row + i * BLOCK_N, q_len - i * BLOCK_N,
+                           BLOCK_N, HEAD, LOAD_WARPS)
+            _publish_cp_async(v_ready.index(s))
+
+
+# --- consumer partitions ---------------------------------------------------------------------
+
+@gluon.jit
+def _issue_qk(q_rows, k_bufs, k_ready, j, STAGES: gl.constexpr, FENCE: gl.constexpr, BLOCK_N: gl.constexpr,
+              s_layout: gl.constexpr):
+    """S of key tile ``j`` (async) once its K has landed."""
+    ROWS: gl.constexpr = q_rows.shape[0]
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)  # not read (use_acc=False)
+    s = j % STAGES
+    mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+    if FENCE:  # filled by cp.async (generic proxy): visible to the wgmma's async proxy
+        fence_async_shared()
+    return warpgroup_mma(q_rows, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _v_operand(v_bufs, j, STAGES: gl.constexpr, VT: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr,
+               VT_LAYOUT: gl.constexpr):
+    """Stage of tile ``j`` as the ``[keys, HEAD]`` B operand: context V lies ``[HEAD, keys]``."""
+    buf = v_bufs.index(j % STAGES)
+    if VT:
+        return buf._reinterpret(v_bufs.dtype, [HEAD, BLOCK_N], VT_LAYOUT).permute((1, 0))
+    else:
+        return buf
+
+
+@gluon.jit
+def _issue_pv(p, acc, v_bufs, v_ready, j, STAGES: gl.constexpr, VT: gl.constexpr, HEAD: gl.constexpr,
+              BLOCK_N: gl.constexpr, VT_LAYOUT: gl.constexpr):
+    """O += P V of key tile ``j`` (async) once its V has landed."""
+    mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
+    # context V and a new-token tail tile's V came by cp.async (generic proxy)
+    fence_async_shared()
+    return warpgroup_mma(p, _v_operand(v_bufs, j, STAGES, VT, HEAD, BLOCK_N, VT_LAYOUT), acc, is_async=True)
+
+
+@gluon.jit
+def _my_turn(turn_mine, j, PHASE0: gl.constexpr):
+    """Ping-pong: wait until the other consumer warpgroup has issued its wgmmas of round ``j``
+    (the first warpgroup's first round passes: a fresh barrier's phase "before 0" is done)."""
+    mbarrier.wait(turn_mine, (j & 1) ^ PHASE0)
+
+
+@gluon.jit
+def _softmax(qk, m_i, l_i, col0, rows, cap, qk_scale, MASK: gl.constexpr, CTX: gl.constexpr,
+             BLOCK_N: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Online softmax of one key tile's S (unscaled): the new max and sum, P (fp32) and the
+    factor that rescales O. ``MASK``: key ``col0 + c`` is visible to row r when
+    ``col0 + c <= cap`` (``CTX``, the partial last context tile: cap is the last context key)
+    or ``col0 + c <= rows[r]`` (the new tokens' diagonal: rows are the rows' positions)."""
+    if MASK:
+        cols = gl.expand_dims(col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
+        if CTX:
+            qk = gl.where(cols <= cap, qk, float("-inf"))
+        else:
+            qk = gl.where(cols <= gl.expand_dims(rows, 1), qk, float("-inf"))
+    # every row sees a key in the first tile it meets, so m_new is finite from then on
+    m_new = gl.maximum(m_i, gl.max(qk, 1))
+    m_scaled = m_new * qk_scale
+    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_scaled, 1))
+    alpha = gl.exp2(m_i * qk_scale - m_scaled)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return m_new, l_i, p, gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+
+
+@gluon.jit
+def _p_operand(p, DTYPE: gl.constexpr, o_layout: gl.constexpr):
+    return gl.convert_layout(p.to(DTYPE), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+
+
+@gluon.jit
+def _phase(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, m_i, l_i, acc, base, n_tiles, n_plain,
+           rows, cap, qk_scale, DTYPE: gl.constexpr, VT: gl.constexpr, BLOCK_N: gl.constexpr,
+           HEAD: gl.constexpr, STAGES: gl.constexpr, PHASE0: gl.constexpr, VT_LAYOUT: gl.constexpr,
+           s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Key tiles ``base .. base + n_tiles`` of one kind (context: ``VT``, or new tokens), the
+    first ``n_plain`` unmasked: the first tile's S and softmax alone, then tile j's S in
+    flight with tile j-1's P V, then the last P V drained. Stage and phase counters run over
+    the whole key sequence (``base``); one ping-pong turn per tile."""
+    FENCE: gl.constexpr = VT
+    # tile 0 masked (exact for a whole tile too)
+    _my_turn(turn.index(PHASE0 ^ 1), base, PHASE0)
+    qk = _issue_qk(q_rows, k_bufs, k_ready, base, STAGES, FENCE, BLOCK_N, s_layout)
+    mbarrier.arrive(turn.index(PHASE0), count=1)
+    qk, _ = warpgroup_mma_wait(0, deps=(qk, q_rows))
+    m_i, l_i, p, alpha = _softmax(qk, m_i, l_i, 0, rows, cap, qk_scale, True, VT, BLOCK_N, s_layout, o_layout)
+    acc = acc * alpha
+    p = _p_operand(p, DTYPE, o_layout)
+    for i in range(1, n_plain):
+        m_i, l_i, acc, p = _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, m_i, l_i, acc,
+                                         p, base, i, rows, cap, qk_scale, DTYPE, False, VT, BLOCK_N, HEAD,
+                                         STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout)
+    for i in range(gl.maximum(n_plain, 1), n_tiles):
+        m_i, l_i, acc, p = _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, m_i, l_i, acc,
+                                         p, base, i, rows, cap, qk_scale, DTYPE, True, VT, BLOCK_N, HEAD,
+                                         STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout)
+    last = base + n_tiles - 1
+    acc = _issue_pv(p, acc, v_bufs, v_ready, last, STAGES, VT, HEAD, BLOCK_N, VT_LAYOUT)
+    acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p, v_bufs.index(last % STAGES)))
+    mbarrier.arrive(kv_empty.index(last % STAGES), count=1)
+    return m_i, l_i, acc
+
+
+@gluon.jit
+def _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, m_i, l_i, acc, p, base, i, rows, cap,
+                  qk_scale, DTYPE: gl.constexpr, MASK: gl.constexpr, VT: gl.constexpr, BLOCK_N: gl.constexpr,
+                  HEAD: gl.constexpr, STAGES: gl.constexpr, PHASE0: gl.constexpr, VT_LAYOUT: gl.constexpr,
+                  s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Tile j = base + i: its S and tile j-1's P V in flight together; its softmax runs while
+    P V of j-1 is still on the tensor cores (FA3's intra-warpgroup overlap)."""
+    j = base + i
+    _my_turn(turn.index(PHASE0 ^ 1), j, PHASE0)
+    qk = _issue_qk(q_rows, k_bufs, k_ready, j, STAGES, VT, BLOCK_N, s_layout)
+    acc = _issue_pv(p, acc, v_bufs, v_ready, j - 1, STAGES, VT, HEAD, BLOCK_N, VT_LAYOUT)
+    mbarrier.arrive(turn.index(PHASE0), count=1)
+    qk, _ = warpgroup_mma_wait(1, deps=(qk, q_rows))  # groups retire in order: S of j is done
+    m_i, l_i, p_next, alpha = _softmax(qk, m_i, l_i, i * BLOCK_N, rows, cap, qk_scale, MASK, VT, BLOCK_N, s_layout,
+                                       o_layout)
+    p_next = _p_operand(p_next, DTYPE, o_layout)
+    # P of j-1 is a register operand of the wgmma in flight: kept alive until it is done
+    acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p, v_bufs.index((j - 1) % STAGES)))
+    mbarrier.arrive(kv_empty.index((j - 1) % STAGES), count=1)
+    return m_i, l_i, acc * alpha, p_next
+
+
+@gluon.jit
+def _compute_partition(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn, out_base, stride_ot,
+                       q_tile_row, q_len, ctx_len, n_ctx, n_new, qk_scale,
+                       ROWS: gl.constexpr, ROW_OFF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       HEAD: gl.constexpr, STAGES: gl.constexpr, VT_LAYOUT: gl.constexpr,
+                       s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Rows ``q_tile_row + ROW_OFF .. + ROWS`` of the row block: the context phase, the
+    new-token phase, the normalized output stored (rows past the sequence are not). The two
+    consumer partitions take turns issuing their wgmmas (``turn``: the first warpgroup waits
+    on barrier 0 and signals barrier 1, the second the other way round)."""
+    PHASE0: gl.constexpr = 1 if ROW_OFF == 0 else 0
+    DTYPE: gl.constexpr = q_smem.dtype
+    q_rows = q_smem.slice(ROW_OFF, ROWS)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([ROWS, HEAD], gl.float32, o_layout)
+    # new-token positions of this warpgroup's rows (the causal diagonal's mask)
+    rows = q_tile_row + ROW_OFF + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    mbarrier.wait(q_bar, 0)
+    if n_ctx > 0:
+        m_i, l_i, acc = _phase(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, m_i, l_i, acc, 0, n_ctx,
+                               ctx_len // BLOCK_N, rows, ctx_len - 1, qk_scale, DTYPE, True,
+                               BLOCK_N, HEAD, STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout)
+    m_i, l_i, acc = _phase(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, m_i, l_i, acc, n_ctx, n_new,
+                           q_tile_row // BLOCK_N, rows, 0, qk_scale, DTYPE, False,
+                           BLOCK_N, HEAD, STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout)
+    acc = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
+    r = q_tile_row + ROW_OFF + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
+    offs = gl.expand_dims(r.to(gl.int64) * stride_ot, 1) + gl.expand_dims(cols, 0)
+    gl.store(out_base + offs, acc.to(out_base.dtype.element_ty), mask=gl.expand_dims(r < q_len, 1))
+
+
+@gluon.jit
+def _gluon_prefix_prefill_kernel(
+    q_desc, k_desc, v_desc, v_ptr, out_ptr, kc_ptr, vc_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    qk_scale, num_seqs, stride_vt, stride_ot, stride_oh, stride_kcb, stride_kch, stride_vcb, stride_vch, stride_bt,
+    NUM_HEADS: gl.constexpr, GQA: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    INTERLEAVED_V: gl.constexpr,
+    SHORT_QUERY_MAX: gl.constexpr,
+):
+    """Grid ``((num_tokens // BLOCK_M + num_seqs) * NUM_HEADS,)``: program ``pid`` is query
+    head ``pid % NUM_HEADS`` (a KV head's query heads adjacent: they share its K/V tiles in
+    L2) of virtual row block ``pid // NUM_HEADS`` (``_find_seq``); each sequence's row blocks
+    run last first (a later block sees more keys). Blocks without rows of a prefill sequence
+    (padding, an empty, decode or verify sequence, a spare block) return at once.
+
+    Partitions: the default one (``num_warps`` = 4 warps) loads, with what the consumers leave
+    of the register pool (3 x 168 - 2 x ``CONSUMER_REGS`` = 24 at 240: the load code is
+    address arithmetic only); two 4-warp consumer partitions compute 64 rows each. Values
+    computed before the split stay live in the default partition's registers: with a
+    consumer there it spilled at 240."""
+    gl.static_assert(BLOCK_M % BLOCK_N == 0, "a row block's diagonal must be whole key tiles")
+    gl.static_assert(STAGES >= 2, "tile j's K is loaded while tile j-1's stage is held")
+    gl.static_assert(BLOCK_SIZE % 8 == 0, "a V packet (8 keys) lies in one page")
+    gl.static_assert(BLOCK_N % BLOCK_SIZE == 0 or BLOCK_SIZE % BLOCK_N == 0, "pages tile the key tiles")
+    ROWS: gl.constexpr = BLOCK_M // 2
+    gl.static_assert(ROWS == 16 * gl.num_warps(), "16 rows a warp, 4 warps a consumer warpgroup")
+    LOAD_WARPS: gl.constexpr = gl.num_warps()  # the default partition loads
+    pid = gl.program_id(0)
+    head = pid % NUM_HEADS
+    vblock = pid // NUM_HEADS
+    seq = _find_seq(query_start_loc_ptr, num_seqs, vblock, BLOCK_M)
+    q_start = gl.load(query_start_loc_ptr + seq).to(gl.int32)
+    q_len = gl.load(query_start_loc_ptr + seq + 1).to(gl.int32) - q_start
+    tile = vblock - (q_start // BLOCK_M + seq)
+    n_blocks = (q_len + BLOCK_M - 1) // BLOCK_M
+    if (tile < 0) | (tile >= n_blocks) | (q_len <= SHORT_QUERY_MAX):
+        return
+    tile = n_blocks - 1 - tile  # last first
+    seq_len = gl.load(seq_lens_ptr + seq).to(gl.int32)
+    ctx_len = seq_len - q_len
+    kv_head = head // GQA
+    q_tile_row = tile * BLOCK_M
+    n_ctx = (ctx_len + BLOCK_N - 1) // BLOCK_N
+    # key tiles of the new tokens up to the block's diagonal, none wholly past the sequence
+    n_new = gl.minimum(q_tile_row // BLOCK_N + BLOCK_M // BLOCK_N, (q_len + BLOCK_N - 1) // BLOCK_N)
+    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
+    out_base = out_ptr + (q_start.to(gl.int64) * stride_ot + head * stride_oh)  # the sequence's row 0, this head
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                       instr_shape=[16, HEAD, 16])
+    VT_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD, BLOCK_N], q_desc.dtype)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer partition
+    fence_async_shared()  # the initialized barriers visible to the TMA unit
+
+    gl.warp_specialize([
+        (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
+                           kc_ptr + kv_head * stride_kch, vc_ptr + kv_head * stride_vch, bt_row, stride_kcb,
+                           stride_vcb, v_ptr + kv_head * HEAD, stride_vt, q_start + q_tile_row, head * HEAD,
+                           q_start, kv_head * HEAD, ctx_len, q_len, n_ctx, n_new,
+                           BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, VT_LAYOUT)),
+        (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn, out_base, stride_ot,
+                              q_tile_row, q_len, ctx_len, n_ctx, n_new, qk_scale,
+                              ROWS, 0, BLOCK_M, BLOCK_N, HEAD, STAGES, VT_LAYOUT, s_layout, o_layout)),
+        (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn, out_base, stride_ot,
+                              q_tile_row, q_len, ctx_len, n_ctx, n_new, qk_scale,
+                              ROWS, ROWS, BLOCK_M, BLOCK_N, HEAD, STAGES, VT_LAYOUT, s_layout, o_layout)),
+    ], [gl.num_warps(), gl.num_warps()], [CONSUMER_REGS, CONSUMER_REGS])
+
+
+# --- host side -------------------------------------------------------------------------------
+
+BLOCK_M = 128  # two consumer warpgroups of 64 rows
+NUM_WARPS = 4  # the default partition: the first consumer warpgroup
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonPrefillConfig:
+    """Launch config. The default is the probe's fastest (``128,3,1,2``: 128-key tiles, three
+    stages, intra-warpgroup overlap, ping-pong), with the load partition grown to 4 warps for
+    the context gather. Registers: 3 warpgroups x 128 threads x ``maxnreg`` (168) = 64512 of
+    65536, shared out by setmaxnreg: each consumer ``consumer_regs``, the load partition
+    what they leave (24, FA3's split). Compiled for sm_90: no spills (every dtype, block
+    size, V interior and head size the GPU tests run)."""
+
+    block_n: int = 128
+    stages: int = 3
+    consumer_regs: int = 240
+    maxnreg: int = 168
+
+
+DEFAULT_CONFIG = GluonPrefillConfig()
+
+
+@functools.cache
+def _smem_layout(block: tuple, dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
+
+
+def _constexprs(num_heads: int, gqa: int, head_size: int, block_size: int, interleaved_v: bool,
+                short_query_max: int, cfg: GluonPrefillConfig) -> dict:
+    return dict(NUM_HEADS=num_heads, GQA=gqa, HEAD=head_size, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M,
+                BLOCK_N=cfg.block_n, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
+                INTERLEAVED_V=bool(interleaved_v),
+                SHORT_QUERY_MAX=max(int(short_query_max), 1))
+
+
+def _options(cfg: GluonPrefillConfig) -> dict:
+    return dict(num_warps=NUM_WARPS, maxnreg=cfg.maxnreg)
+
+
+def launch(output, query, key, value, kc, vc, block_table, seq_lens, query_start_loc, scale: float,
+           interleaved_v: bool, short_query_max: int, cfg: GluonPrefillConfig = DEFAULT_CONFIG) -> None:
+    """The prefill of every sequence with query_len > ``short_query_max`` (and > 1): the same
+    programs and results as the Triton ``_prefix_prefill_kernel`` launch of ``paged_attention``
+    for a launch ``eligibility.prefill_kernel_for`` finds eligible. kc/vc: ``layout.k_view`` /
+    ``layout.v_view`` of the cache."""
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = key.shape[1]
+    num_seqs = seq_lens.shape[0]
+    block_size = kc.shape[3]
+    dtype = query.dtype
+    q_layout = _smem_layout((BLOCK_M, head_size), dtype)
+    kv_layout = _smem_layout((cfg.block_n, head_size), dtype)
+    q_desc = TensorDescriptor(query, [num_tokens, num_heads * head_size], [query.stride(0), 1],
+                              [BLOCK_M, head_size], q_layout)
+    k_desc = TensorDescriptor(key, [key.shape[0], num_kv_heads * head_size], [key.stride(0), 1],
+                              [cfg.block_n, head_size], kv_layout)
+    v_desc = TensorDescriptor(value, [value.shape[0], num_kv_heads * head_size], [value.stride(0), 1],
+                              [cfg.block_n, head_size], kv_layout)
+    grid = ((num_tokens // BLOCK_M + num_seqs) * num_heads,)
+    _gluon_prefix_prefill_kernel[grid](
+        q_desc, k_desc, v_desc, value, output, kc, vc, block_table, seq_lens, query_start_loc,
+        float(scale) * _LOG2E, num_seqs, value.stride(0), output.stride(0), output.stride(1),
+        kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), block_table.stride(0),
+        **_constexprs(num_heads, num_heads // num_kv_heads, head_size, block_size, interleaved_v, short_query_max,
+                      cfg),
+        **_options(cfg))
+
+
+# --- compile for sm_90 without a GPU (tests, the config's resource budget) --------------------
+
+def compile_sm90(dtype=torch.bfloat16, head_size: int = 128, num_heads: int = 32, gqa: int = 4,
+                 block_size: int = 16, interleaved_v: bool = False, short_query_max: int = 1,
+                 cfg: GluonPrefillConfig = DEFAULT_CONFIG) -> dict:
+    """Compile the kernel for sm_90 (frontend, optimizer, ptxas; no driver): registers, stack
+    (spills), shared memory, the setmaxnreg budgets, and the number of 16-byte cp.async in the
+    PTX (a gather that lost its vectorization would show none)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = _gluon_prefix_prefill_kernel
+    ty = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+    def desc(rows):
+        return f"tensordesc<{ty}[{rows},{head_size}],{_smem_layout((rows, head_size), dtype)!r}>"
+
+    sig = dict(q_desc=desc(BLOCK_M), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), v_ptr=f"*{ty}",
+               out_ptr=f"*{ty}",
+               kc_ptr=f"*{ty}", vc_ptr=f"*{ty}", block_table_ptr="*i32", seq_lens_ptr="*i32",
+               query_start_loc_ptr="*i32", qk_scale="fp32", num_seqs="i32")
+    for name in ("stride_vt", "stride_ot", "stride_oh", "stride_kcb", "stride_kch", "stride_vcb", "stride_vch",
+                 "stride_bt"):
+        sig[name] = "i32"
+    consts = _constexprs(num_heads, gqa, head_size, block_size, interleaved_v, short_query_max, cfg)
+    sig.update({k: "constexpr" for k in consts})
+    sig = {name: sig[name] for name in fn.arg_names}
+    aligned = ("v_ptr", "stride_vt", "out_ptr", "kc_ptr", "vc_ptr", "block_table_ptr", "seq_lens_ptr",
+               "query_start_loc_ptr",
+               "stride_ot", "stride_oh", "stride_kcb", "stride_kch", "stride_vcb", "stride_vch", "stride_bt")
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    kernel = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                            options=_options(cfg))
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    line = usage[usage.index(f"Function {fn.__name__}:"):].splitlines()[1]
+    field = {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", line)}
+    ptx = kernel.asm["ptx"]
+    return dict(regs=field["REG"], stack=field["STACK"] + field["LOCAL"],
+                smem=kernel.metadata.shared + field["SHARED"],
+                setmaxnreg=sorted(set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))),
+                cp_async_16=len(re.findall(r"cp\.async\.cg\.shared\.global(?:\.L2::\w+)?\s*\[[^\]]*\],\s*\[[^\]]*\],"
+                                           r"\s*0x10", ptx)),
+                cp_async_small=len(re.findall(r"cp\.async\.ca\.shared\.global", ptx)),
+                ptx=ptx)

@@ -1,0 +1,119 @@
+"""Compile the Gluon prefix prefill (``kernels/gluon/prefix_prefill.py``) for sm_90 without a GPU.
+
+One line per launch variant: registers, stack (spills), shared memory, the partitions'
+setmaxnreg budgets, and the 16-byte / smaller cp.async counts of the gather. A variant
+FAILs when it does not compile, spills, needs more shared memory than sm_90 has, or has a
+gather that lost its 16-byte packets. Exit 1 on a FAIL, 3 when this machine cannot compile
+Gluon for sm_90 at all (no ptxas...). Run without ``TRITON_INTERPRET``; used by
+tests/test_triton_sm90_compile.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
+SM90_SMEM = 232448  # bytes of shared memory a block may use on sm_90
+
+# (label, compile_sm90 keywords): the default config's launch (the bench's shape), then the
+# other V interior, dtype, block size, GQA and head size the GPU tests run
+VARIANTS = [
+    ("bf16 d128 bs16 gqa4 standard V", dict()),
+    ("fp16 d128 bs32 gqa8 interleaved V", dict(dtype=torch.float16, block_size=32, gqa=8, num_heads=8,
+                                               interleaved_v=True)),
+    ("bf16 d64 bs16 gqa1 interleaved V", dict(head_size=64, gqa=1, num_heads=8, interleaved_v=True)),
+]
+
+
+def compile_launch() -> dict:
+    """``launch()`` itself on CPU tensors (the kernel call intercepted, nothing runs), its
+    arguments compiled for sm_90 as a real launch would pass them: the host side and the
+    kernel signature agree (``compile_sm90`` builds its own signature)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as triton_compile
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from inductor_rocm_attn.kernels.gluon import prefix_prefill as pp
+    from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache, k_view, v_view
+
+    fn = pp._gluon_prefix_prefill_kernel
+    seen = []
+    fn.run = lambda *args, grid=None, warmup=False, **kw: seen.append((args, kw, grid))
+    try:
+        t, hq, hkv, d, bs = 300, 8, 2, 128, 16
+        q = torch.randn(t, hq, d, dtype=torch.bfloat16)
+        k, v = (torch.randn(t, hkv, d, dtype=torch.bfloat16) for _ in range(2))
+        cache = allocate_kv_cache(KVCacheSpec(bs, hkv, d, torch.bfloat16, CacheLayout.LBHNC), 40, "cpu")
+        pp.launch(torch.empty_like(q), q, k, v, k_view(cache, hkv), v_view(cache, hkv, True),
+                  torch.zeros(2, 20, dtype=torch.int32), torch.tensor([200, 250], dtype=torch.int32),
+                  torch.tensor([0, 100, 300], dtype=torch.int32), d ** -0.5, True, 8)
+    finally:
+        del fn.run
+    (args, kw, grid), = seen
+    values = dict(zip(fn.arg_names, args))
+    values.update({n: kw[n] for n in fn.arg_names if n in kw})
+    ty = {torch.bfloat16: "bf16", torch.int32: "i32"}
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        v = values[name]  # a parameter the launch does not pass fails here
+        if fn.params[i].is_constexpr:
+            sig[name], consts[name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[name] = "*" + ty[v.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, TensorDescriptor):
+            sig[name] = f"tensordesc<{ty[v.base.dtype]}[{','.join(map(str, v.block_shape))}],{v.layout!r}>"
+        elif isinstance(v, float):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    options = {k_: kw[k_] for k_ in ("num_warps", "maxnreg")}
+    kernel = triton_compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+    return dict(grid=grid, shared=kernel.metadata.shared)
+
+
+def main() -> int:
+    try:
+        from inductor_rocm_attn.kernels.gluon.prefix_prefill import compile_sm90
+    except Exception as e:  # noqa: BLE001 - no Gluon here at all
+        print(f"SKIP: the Gluon prefill does not import: {type(e).__name__}: {e}")
+        return 3
+    bad = 0
+    for label, kw in VARIANTS:
+        try:
+            r = compile_sm90(**kw)
+        except Exception as e:  # noqa: BLE001 - one line per variant
+            text = str(e)
+            if "ptxas" in text and ("not found" in text or "No such file" in text):
+                print(f"SKIP: cannot compile for sm_90 here: {text.strip().splitlines()[-1][:300]}")
+                return 3
+            bad += 1
+            print(f"{label}: FAIL {type(e).__name__}: {text.strip().splitlines()[-1][:300] if text.strip() else ''}")
+            continue
+        problems = [p for p, bad_ in (("spills", r["stack"] > 0), ("shared memory over 227 KB", r["smem"] > SM90_SMEM),
+                                      ("gather not in 16-byte cp.async", r["cp_async_16"] == 0 or r["cp_async_small"]))
+                    if bad_]
+        bad += bool(problems)
+        print(f"{label}: regs {r['regs']} stack {r['stack']} B smem {r['smem']} B setmaxnreg "
+              f"{','.join(r['setmaxnreg'])} cp.async 16 B x{r['cp_async_16']}"
+              + (f"  FAIL ({', '.join(problems)})" if problems else ""), flush=True)
+    try:
+        r = compile_launch()
+        print(f"launch() of a varlen batch (LBHNC, interleaved V): grid {r['grid']}, compiles for sm_90", flush=True)
+    except Exception as e:  # noqa: BLE001
+        bad += 1
+        text = str(e).strip()
+        print(f"launch() arguments: FAIL {type(e).__name__}: {text.splitlines()[-1][:300] if text else ''}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

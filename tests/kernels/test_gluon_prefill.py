@@ -1,0 +1,272 @@
+"""The Gluon prefix prefill (``kernels/gluon``: NVIDIA sm_90 only, opt-in).
+
+CPU (no Gluon interpreter): the eligibility rules, the ``ROCM_ATTN_PREFILL_KERNEL`` /
+``prefill_kernel=`` choice and the fall-back to the Triton prefill (run in the interpreter).
+GPU (``gpu``, skipped off Hopper): the full ``paged_attention`` with ``prefill_kernel="gluon"``
+on fresh random inputs against the float64 oracle (``cases.dense_oracle``), the output NaN-
+poisoned between guard rows, the cache's unused slots and blocks NaN (``cases.poison``), and
+the Gluon launch counted, so a silent fall-back to Triton fails the test. Every test name
+contains ``gluon`` (``-k gluon`` selects them all). That the kernel compiles for sm_90 without
+spills: ``tests/test_triton_sm90_compile.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import cases
+from attention_checks import TOL, seed
+from inductor_rocm_attn.kernels.gluon import eligibility
+
+pa_mod = importlib.import_module("inductor_rocm_attn.kernels.triton.paged_attention")
+# per-row bar of tests/test_oracle_sweep_kernels.py: a few units of the 16-bit rounding
+ROW_TOL = {torch.float16: 3 * 2.0 ** -11, torch.bfloat16: 2 * 2.0 ** -8}
+
+
+def _hopper() -> bool:
+    return (torch.cuda.is_available() and torch.version.hip is None
+            and torch.cuda.get_device_capability() == (9, 0))
+
+
+def hopper_only(fn):
+    """A GPU test that needs NVIDIA sm_90 (skipped elsewhere)."""
+    fn = pytest.mark.skipif(not _hopper(), reason="the Gluon prefill is NVIDIA sm_90 only")(fn)
+    return pytest.mark.gpu(fn)
+
+
+def _ineligible(**changes):
+    """``static_ineligibility`` of a covered launch with ``changes`` (a CUDA sm_90 device is
+    assumed only by the checks that come after the static ones)."""
+    kw = dict(device_type="cuda", device_index=0, query_dtype=torch.bfloat16, key_dtype=torch.bfloat16,
+              cache_dtype=torch.bfloat16, head_size=128, block_size=16, causal=True, sliding_window=False,
+              soft_cap=False, alibi=False, sinks=False, output_scale=False, interpreting=False)
+    kw.update(changes)
+    return eligibility.static_ineligibility(**kw)
+
+
+@pytest.mark.parametrize("changes,expect", [
+    (dict(interpreting=True), "TRITON_INTERPRET"),
+    (dict(key_dtype=None), "no new key/value"),
+    (dict(query_dtype=torch.float32, key_dtype=torch.float32, cache_dtype=torch.float32), "query dtype"),
+    (dict(cache_dtype=torch.float8_e4m3fn), "not one dtype"),
+    (dict(key_dtype=torch.float16), "not one dtype"),
+    (dict(head_size=96), "head size 96"),
+    (dict(head_size=256), "head size 256"),
+    (dict(block_size=4), "block size 4"),
+    (dict(block_size=48), "block size 48"),
+    (dict(block_size=256), "block size 256"),
+    (dict(block_size=8, head_size=64), "block size 8 at head size 64"),
+    (dict(causal=False), "non-causal"),
+    (dict(sliding_window=True), "sliding window"),
+    (dict(soft_cap=True), "soft cap"),
+    (dict(alibi=True), "ALiBi"),
+    (dict(sinks=True), "sinks"),
+    (dict(output_scale=True), "output scale"),
+    (dict(device_type="cpu"), "not an NVIDIA GPU"),
+])
+def test_gluon_prefill_static_ineligibility_names_the_reason(changes, expect):
+    reason = _ineligible(**changes)
+    assert reason is not None and expect in reason, reason
+
+
+def test_gluon_prefill_tensor_ineligibility():
+    """TMA needs [tokens, heads * head_size] views with 16-byte rows: a query sliced out of a
+    fused qkv row is fine, a query whose heads are not adjacent is not."""
+    qkv = torch.randn(10, 4 + 2 + 2, 128, dtype=torch.bfloat16)
+    q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+    out = torch.empty(10, 4, 128, dtype=torch.bfloat16)
+    cache = torch.empty(4, 2, 16, 2 * 128, dtype=torch.bfloat16)
+    assert eligibility.tensor_ineligibility(out, q, k, v, cache) is None
+    shifted = torch.empty(4 * 2 * 16 * 256 + 1, dtype=torch.bfloat16)[1:].view(4, 2, 16, 256)
+    assert "KV cache is not 16-byte aligned" in eligibility.tensor_ineligibility(out, q, k, v, shifted)
+    q_t = torch.randn(4, 10, 128, dtype=torch.bfloat16).transpose(0, 1)
+    assert "query is not TMA-readable" in eligibility.tensor_ineligibility(out, q_t, k, v, cache)
+    odd = torch.randn(10 * 2 * 128 + 1, dtype=torch.bfloat16)[1:].view(10, 2, 128)
+    assert "key is not TMA-readable" in eligibility.tensor_ineligibility(out, q, odd, v, cache)
+    out_t = torch.empty(10, 128, 4, dtype=torch.bfloat16).transpose(1, 2)
+    assert "output channels" in eligibility.tensor_ineligibility(out_t, q, k, v, cache)
+
+
+@pytest.mark.parametrize("value,ok", [("triton", True), ("gluon", True), ("Gluon", False), ("", False)])
+def test_gluon_prefill_env_var_is_checked_at_import(value, ok):
+    """ROCM_ATTN_PREFILL_KERNEL is read once, at import; anything but triton/gluon raises,
+    naming the variable, the value and the choices."""
+    code = ("from inductor_rocm_attn.kernels.triton import configs\n"
+            "print(configs.DEFAULT_PREFILL_KERNEL)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "ROCM_ATTN_PREFILL_KERNEL": value})
+    if ok:
+        assert r.returncode == 0 and r.stdout.strip() == value, r.stderr[-2000:]
+    else:
+        assert r.returncode != 0, r.stdout
+        assert "ROCM_ATTN_PREFILL_KERNEL" in r.stderr and repr(value) in r.stderr and "'gluon'" in r.stderr
+
+
+def _args(c, out, *, sliding_window=-1, hints=True):
+    scale = c.query.shape[2] ** -0.5
+    kw = dict(max_query_len=c.max_query_len, max_seq_len=max(c.seq_lens.tolist())) if hints else {}
+    return ((out, c.query, c.key, c.value, c.kv_cache, c.query_start_loc, c.seq_lens, c.block_table, scale,
+             c.k_scale, c.v_scale, True, sliding_window, None, None, 0.0, c.interleaved_v, None), kw, scale)
+
+
+def test_gluon_prefill_bad_keyword_refused_before_any_write():
+    c = cases.make_paged_case([5, 1], [3, 4], dtype=torch.float16, seed=seed())
+    out = cases.poison(torch.empty_like(c.query))
+    args, kw, _ = _args(c, out)
+    with pytest.raises(ValueError, match=r"paged_attention: prefill_kernel='fast'; supported: \('triton', 'gluon'\)"):
+        pa_mod.paged_attention(*args, **kw, prefill_kernel="fast")
+    assert torch.isnan(out.float()).all()
+
+
+def test_gluon_prefill_ineligible_launch_runs_triton_with_one_warning(monkeypatch):
+    """prefill_kernel="gluon" where the kernel cannot run (here: the interpreter on CPU) runs
+    the Triton prefill, right, and warns once per reason."""
+    if not pa_mod.interpreting():
+        pytest.skip("CPU interpreter case (on a GPU: test_gluon_prefill_ineligible_on_gpu_runs_triton)")
+    monkeypatch.setattr(pa_mod, "_WARNED_REASONS", set())
+    c = cases.make_paged_case([20, 1, 9], [5, 7, 0], dtype=torch.float16, seed=seed())
+    for attempt in range(2):
+        out = cases.poison(torch.empty_like(c.query))
+        args, kw, scale = _args(c, out)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pa_mod.paged_attention(*args, **kw, prefill_kernel="gluon")
+        msgs = [str(w.message) for w in caught if "prefill kernel 'gluon'" in str(w.message)]
+        assert len(msgs) == (1 if attempt == 0 else 0), msgs
+        if attempt == 0:
+            assert "TRITON_INTERPRET" in msgs[0] and "Triton prefill runs it" in msgs[0]
+        err = cases.rel_err(out.double(), cases.dense_oracle(c, scale=scale, causal=True))
+        assert err < TOL[torch.float16], err
+
+
+def test_gluon_prefill_not_consulted_by_default(monkeypatch):
+    """Without ROCM_ATTN_PREFILL_KERNEL / prefill_kernel= the launch never asks about Gluon:
+    the default stays the Triton prefill, at no extra host cost."""
+    if pa_mod.DEFAULT_PREFILL_KERNEL != "triton":
+        pytest.skip("ROCM_ATTN_PREFILL_KERNEL is set in this environment")
+
+    def asked(*a, **k):
+        raise AssertionError("the Gluon eligibility was consulted")
+
+    monkeypatch.setattr(pa_mod, "_gluon_ineligibility", asked)
+    c = cases.make_paged_case([20, 1], [5, 7], dtype=torch.float16, device="cuda" if _hopper() else "cpu",
+                              seed=seed())
+    out = cases.poison(torch.empty_like(c.query))
+    args, kw, scale = _args(c, out)
+    pa_mod.paged_attention(*args, **kw)
+    err = cases.rel_err(out.double().cpu(), cases.dense_oracle(c, scale=scale, causal=True))
+    assert err < TOL[torch.float16], err
+
+
+# --- GPU --------------------------------------------------------------------------------------
+
+def _run_gluon(monkeypatch, query_lens, context_lens, *, num_heads=8, num_kv_heads=2, head_size=128,
+               block_size=16, dtype=torch.bfloat16, layout="LHBNC", interleaved_v=False, hints=True,
+               pad_rows=0, index_dtype=torch.int32):
+    """One fresh random case through ``paged_attention(prefill_kernel="gluon")``: the Gluon
+    launch must happen (counted) and the result match the float64 oracle."""
+    seed_ = seed()
+    c = cases.make_paged_case(query_lens, context_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                              head_size=head_size, block_size=block_size, dtype=dtype, layout=layout,
+                              interleaved_v=interleaved_v, device="cuda", seed=seed_)
+    if index_dtype != torch.int32:
+        c.query_start_loc, c.seq_lens, c.block_table = (
+            x.to(index_dtype) for x in (c.query_start_loc, c.seq_lens, c.block_table))
+    t = c.query.shape[0]
+    if pad_rows:  # graph padding: rows past query_start_loc[-1] must stay untouched
+        g = torch.Generator(device="cuda").manual_seed(seed_)
+        c.query, c.key, c.value = (
+            torch.cat([x, torch.randn(pad_rows, *x.shape[1:], generator=g, device="cuda").to(dtype)])
+            for x in (c.query, c.key, c.value))
+    guarded = cases.Guarded(c.query.shape, dtype, "cuda")
+    out = guarded.t
+    args, kw, scale = _args(c, out, hints=hints)
+    launches = []
+    real = pa_mod._gluon_launch()
+
+    def counted(*a, **k):
+        launches.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(pa_mod, "_gluon_launch", lambda: counted)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pa_mod.paged_attention(*args, **kw, prefill_kernel="gluon")
+    torch.cuda.synchronize()
+    fallbacks = [str(w.message) for w in caught if "prefill kernel 'gluon'" in str(w.message)]
+    assert not fallbacks, fallbacks
+    assert launches == [1], f"the Gluon prefill did not run (seed {seed_})"
+    guarded.assert_intact()
+    if pad_rows:
+        assert torch.isnan(out[t:].float()).all(), f"padding rows were written (seed {seed_})"
+    got = out[:t].double().cpu()
+    assert not torch.isnan(got).any(), (f"unwritten or NaN rows (seed {seed_}): "
+                                        f"{torch.isnan(got).any(-1).any(-1).nonzero().flatten()[:10].tolist()}")
+    ref = cases.dense_oracle(c, scale=scale, causal=True)
+    err = cases.rel_err(got, ref)
+    assert err < TOL[dtype], f"rel err {err:.3e} (seed {seed_})"
+    rows = cases.row_rel_err(got, ref)  # every (token, head) row, at the oracle sweeps' bar
+    worst = divmod(int(rows.argmax()), rows.shape[1])
+    assert rows.max() < ROW_TOL[dtype], f"row (token, head) {worst} rel err {rows.max():.3e} (seed {seed_})"
+
+
+@hopper_only
+@pytest.mark.parametrize("ctx,qlen", [(0, 200), (1, 384), (15, 200), (16, 384), (17, 200), (127, 129),
+                                      (128, 384), (300, 200), (4100, 384)])
+def test_gluon_prefill_cached_prefix_lengths(monkeypatch, ctx, qlen):
+    """No prefix, and prefixes ending inside a page, on a page edge and on a key-tile edge,
+    with new-token counts that end inside a row block or on its edge."""
+    _run_gluon(monkeypatch, [qlen], [ctx])
+
+
+@hopper_only
+@pytest.mark.parametrize("hints", [True, False], ids=["verify", "no_hints"])
+def test_gluon_prefill_mixed_batch(monkeypatch, hints):
+    """Decode (1), verify-sized (2..8, the verify kernel's with hints, else the prefill's) and
+    long sequences in one launch, query lengths 1..300 (none a multiple of 128 but one),
+    contexts from none to several pages; graph-padding rows past the batch."""
+    _run_gluon(monkeypatch, [1, 300, 2, 129, 5, 1, 128, 37, 8, 255],
+               [40, 17, 3, 0, 100, 0, 260, 1, 16, 33], hints=hints, pad_rows=70)
+
+
+@hopper_only
+@pytest.mark.parametrize("dtype,interleaved_v,block_size,layout,gqa,head_size,index_dtype", [
+    (torch.float16, False, 16, "LHBNC", 4, 128, torch.int32),
+    (torch.float16, True, 32, "LBHNC", 8, 128, torch.int32),
+    (torch.bfloat16, True, 16, "LBHNC", 1, 128, torch.int64),
+    (torch.bfloat16, False, 32, "LBHNC", 8, 128, torch.int32),
+    (torch.float16, False, 32, "LHBNC", 1, 128, torch.int32),
+    (torch.bfloat16, True, 16, "LHBNC", 4, 128, torch.int32),
+    (torch.bfloat16, False, 16, "LHBNC", 4, 64, torch.int32),
+    (torch.float16, True, 32, "LBHNC", 8, 64, torch.int32),
+], ids=lambda v: str(v).replace("torch.", ""))
+def test_gluon_prefill_variants(monkeypatch, dtype, interleaved_v, block_size, layout, gqa, head_size, index_dtype):
+    """fp16/bf16, standard/interleaved V, block sizes 16/32, both cache layouts, GQA 1/4/8,
+    head sizes 128/64, int32/int64 index tensors, on a varlen batch with prefixes."""
+    _run_gluon(monkeypatch, [300, 1, 130, 17, 64], [137, 40, 0, 1, 300], num_heads=8, num_kv_heads=8 // gqa,
+               head_size=head_size, block_size=block_size, dtype=dtype, layout=layout,
+               interleaved_v=interleaved_v, index_dtype=index_dtype)
+
+
+@hopper_only
+def test_gluon_prefill_ineligible_on_gpu_runs_triton(monkeypatch):
+    """A sliding window is not covered: prefill_kernel="gluon" runs the Triton prefill (one
+    warning), with the right result."""
+    monkeypatch.setattr(pa_mod, "_WARNED_REASONS", set())
+    c = cases.make_paged_case([200, 1, 40], [60, 9, 0], num_heads=8, num_kv_heads=2, head_size=128,
+                              dtype=torch.bfloat16, device="cuda", seed=seed())
+    guarded = cases.Guarded(c.query.shape, torch.bfloat16, "cuda")
+    args, kw, scale = _args(c, guarded.t, sliding_window=50)
+    with pytest.warns(UserWarning, match=r"prefill kernel 'gluon'.*a sliding window.*Triton prefill runs it"):
+        pa_mod.paged_attention(*args, **kw, prefill_kernel="gluon")
+    torch.cuda.synchronize()
+    guarded.assert_intact()
+    err = cases.rel_err(guarded.t.double().cpu(), cases.dense_oracle(c, scale=scale, causal=True, sliding_window=50))
+    assert err < TOL[torch.bfloat16], err
