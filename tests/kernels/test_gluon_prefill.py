@@ -94,9 +94,10 @@ def test_gluon_prefill_tensor_ineligibility():
     assert "output channels" in eligibility.tensor_ineligibility(out_t, q, k, v, cache)
 
 
-@pytest.mark.parametrize("value,ok", [("triton", True), ("gluon", True), ("Gluon", False), ("", False)])
+@pytest.mark.parametrize("value,ok", [("auto", True), ("triton", True), ("gluon", True), ("Gluon", False),
+                                      ("", False)])
 def test_gluon_prefill_env_var_is_checked_at_import(value, ok):
-    """ROCM_ATTN_PREFILL_KERNEL is read once, at import; anything but triton/gluon raises,
+    """ROCM_ATTN_PREFILL_KERNEL is read once, at import; anything but auto/triton/gluon raises,
     naming the variable, the value and the choices."""
     code = ("from inductor_rocm_attn.kernels.triton import configs\n"
             "print(configs.DEFAULT_PREFILL_KERNEL)")
@@ -120,7 +121,7 @@ def test_gluon_prefill_bad_keyword_refused_before_any_write():
     c = cases.make_paged_case([5, 1], [3, 4], dtype=torch.float16, seed=seed())
     out = cases.poison(torch.empty_like(c.query))
     args, kw, _ = _args(c, out)
-    with pytest.raises(ValueError, match=r"paged_attention: prefill_kernel='fast'; supported: \('triton', 'gluon'\)"):
+    with pytest.raises(ValueError, match=r"paged_attention: prefill_kernel='fast'; supported: \('auto', 'triton', 'gluon'\)"):
         pa_mod.paged_attention(*args, **kw, prefill_kernel="fast")
     assert torch.isnan(out.float()).all()
 
@@ -146,11 +147,15 @@ def test_gluon_prefill_ineligible_launch_runs_triton_with_one_warning(monkeypatc
         assert err < TOL[torch.float16], err
 
 
-def test_gluon_prefill_not_consulted_by_default(monkeypatch):
-    """Without ROCM_ATTN_PREFILL_KERNEL / prefill_kernel= the launch never asks about Gluon:
-    the default stays the Triton prefill, at no extra host cost."""
-    if pa_mod.DEFAULT_PREFILL_KERNEL != "triton":
-        pytest.skip("ROCM_ATTN_PREFILL_KERNEL is set in this environment")
+def test_gluon_prefill_default_is_auto_and_triton_never_consults_it(monkeypatch):
+    """The default is "auto"; prefill_kernel="triton", and any choice under the interpreter,
+    never ask about Gluon (no extra host cost), and give the right result."""
+    code = ("import os; os.environ.pop('ROCM_ATTN_PREFILL_KERNEL', None)\n"
+            "from inductor_rocm_attn.kernels.triton import configs\n"
+            "print(configs.DEFAULT_PREFILL_KERNEL)")
+    env = {k: v for k, v in os.environ.items() if k != "ROCM_ATTN_PREFILL_KERNEL"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "auto", r.stderr[-2000:]
 
     def asked(*a, **k):
         raise AssertionError("the Gluon eligibility was consulted")
@@ -158,11 +163,43 @@ def test_gluon_prefill_not_consulted_by_default(monkeypatch):
     monkeypatch.setattr(pa_mod, "_gluon_ineligibility", asked)
     c = cases.make_paged_case([20, 1], [5, 7], dtype=torch.float16, device="cuda" if _hopper() else "cpu",
                               seed=seed())
-    out = cases.poison(torch.empty_like(c.query))
-    args, kw, scale = _args(c, out)
-    pa_mod.paged_attention(*args, **kw)
-    err = cases.rel_err(out.double().cpu(), cases.dense_oracle(c, scale=scale, causal=True))
-    assert err < TOL[torch.float16], err
+    choices = ["triton"] + (["auto"] if pa_mod.interpreting() else [])
+    for choice in choices:
+        out = cases.poison(torch.empty_like(c.query))
+        args, kw, scale = _args(c, out)
+        pa_mod.paged_attention(*args, **kw, prefill_kernel=choice)
+        err = cases.rel_err(out.double().cpu(), cases.dense_oracle(c, scale=scale, causal=True))
+        assert err < TOL[torch.float16], err
+
+
+def test_gluon_prefill_auto_falls_back_silently(monkeypatch):
+    """"auto" takes the Gluon prefill only where it covers the launch under the Triton release
+    it was tested with, and otherwise runs the Triton prefill without a warning; "gluon" takes
+    it under any release and warns once per reason it cannot."""
+    from inductor_rocm_attn.kernels.gluon import eligibility
+    import triton
+
+    monkeypatch.setattr(pa_mod, "_WARNED_REASONS", set())
+    launch = (None,) * 12  # the eligibility is replaced below: the launch's tensors are not read
+    covered = lambda *a: None  # noqa: E731
+    monkeypatch.setattr(pa_mod, "_gluon_ineligibility", covered)
+    eligibility.auto_problem.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning from auto, whichever kernel it takes
+            assert pa_mod._gluon_prefill_runs("auto", False, *launch) is triton.__version__.startswith("3.6.")
+            monkeypatch.setattr(triton, "__version__", "9.9.0")
+            eligibility.auto_problem.cache_clear()
+            assert "Triton 9.9.0" in eligibility.auto_problem()
+            assert pa_mod._gluon_prefill_runs("auto", False, *launch) is False
+            assert pa_mod._gluon_prefill_runs("gluon", False, *launch) is True  # any release when asked
+            assert pa_mod._gluon_prefill_runs("auto", True, *launch) is False  # the interpreter
+            monkeypatch.setattr(pa_mod, "_gluon_ineligibility", lambda *a: "a sliding window")
+            assert pa_mod._gluon_prefill_runs("auto", False, *launch) is False
+        with pytest.warns(UserWarning, match=r"prefill kernel 'gluon'.*\(a sliding window\)"):
+            assert pa_mod._gluon_prefill_runs("gluon", False, *launch) is False
+    finally:
+        eligibility.auto_problem.cache_clear()
 
 
 # --- GPU --------------------------------------------------------------------------------------
@@ -270,3 +307,27 @@ def test_gluon_prefill_ineligible_on_gpu_runs_triton(monkeypatch):
     guarded.assert_intact()
     err = cases.rel_err(guarded.t.double().cpu(), cases.dense_oracle(c, scale=scale, causal=True, sliding_window=50))
     assert err < TOL[torch.bfloat16], err
+
+
+@hopper_only
+def test_gluon_prefill_auto_takes_it_by_default_on_hopper(monkeypatch):
+    """With no choice given (the default "auto", Triton 3.6) an eligible launch on sm_90 runs
+    the Gluon prefill, silently, with the right result."""
+    if pa_mod.DEFAULT_PREFILL_KERNEL != "auto":
+        pytest.skip("ROCM_ATTN_PREFILL_KERNEL is set in this environment")
+    c = cases.make_paged_case([200, 1, 40], [60, 9, 0], num_heads=8, num_kv_heads=2, head_size=128,
+                              dtype=torch.bfloat16, device="cuda", seed=seed())
+    launches = []
+    real = pa_mod._gluon_launch()
+    monkeypatch.setattr(pa_mod, "_gluon_launch", lambda: lambda *a, **k: (launches.append(1), real(*a, **k)))
+    guarded = cases.Guarded(c.query.shape, torch.bfloat16, "cuda")
+    args, kw, scale = _args(c, guarded.t)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pa_mod.paged_attention(*args, **kw)
+    torch.cuda.synchronize()
+    assert launches == [1]
+    guarded.assert_intact()
+    err = cases.rel_err(guarded.t.double().cpu(), cases.dense_oracle(c, scale=scale, causal=True))
+    assert err < TOL[torch.bfloat16], err
+

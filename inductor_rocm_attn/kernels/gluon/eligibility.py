@@ -13,11 +13,27 @@ import functools
 
 import torch
 
-__all__ = ["prefill_kernel_for", "static_ineligibility", "tensor_ineligibility", "BLOCK_N", "HEAD_SIZES"]
+__all__ = ["prefill_kernel_for", "static_ineligibility", "tensor_ineligibility", "auto_problem", "BLOCK_N",
+           "HEAD_SIZES", "TESTED_TRITON"]
 
 BLOCK_N = 128  # the kernel's key tile (prefix_prefill.DEFAULT_CONFIG.block_n)
 HEAD_SIZES = (64, 128)
 _DTYPES = (torch.bfloat16, torch.float16)
+
+
+# Gluon is Triton's experimental layer: its API changes between releases. The default ("auto")
+# takes the kernel only under the Triton release its GPU tests, memcheck and benchmarks ran on.
+TESTED_TRITON = ("3.6.",)
+
+
+@functools.cache
+def auto_problem() -> str | None:
+    """None when the default ("auto") may take the Gluon prefill with this Triton, else why not."""
+    import triton
+
+    if triton.__version__.startswith(TESTED_TRITON):
+        return None
+    return f"Triton {triton.__version__} (the Gluon prefill is tested with {', '.join(v + 'x' for v in TESTED_TRITON)})"
 
 
 @functools.cache

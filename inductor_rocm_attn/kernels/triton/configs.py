@@ -51,12 +51,14 @@ if DEFAULT_SPLIT_MERGE not in SPLIT_MERGES:  # at import: on a CPU no decode con
     raise ValueError(f"inductor_rocm_attn: environment variable ROCM_ATTN_SPLIT_MERGE={DEFAULT_SPLIT_MERGE!r}: "
                      f"expected one of {SPLIT_MERGES}, or unset")
 
-# Which kernel runs the prefill part of paged_attention: "triton" (_prefix_prefill_kernel, the
-# default) or "gluon" (kernels/gluon/prefix_prefill.py: warp-specialized, NVIDIA sm_90 only,
-# opt-in; a launch it does not cover runs the Triton kernel, with one warning per reason).
-# Read once, at import; paged_attention(prefill_kernel=...) overrides it per call.
-PREFILL_KERNELS = ("triton", "gluon")
-DEFAULT_PREFILL_KERNEL = os.environ.get("ROCM_ATTN_PREFILL_KERNEL", "triton")
+# Which kernel runs the prefill part of paged_attention: "auto" (the default: the Gluon kernel,
+# kernels/gluon/prefix_prefill.py, warp-specialized, NVIDIA sm_90 only, where it covers the
+# launch and the Triton it was tested with is installed; the Triton kernel everywhere else,
+# silently), "gluon" (the Gluon kernel where it covers the launch; elsewhere the Triton kernel,
+# with one warning per reason) or "triton" (_prefix_prefill_kernel always). Read once, at
+# import; paged_attention(prefill_kernel=...) overrides it per call.
+PREFILL_KERNELS = ("auto", "triton", "gluon")
+DEFAULT_PREFILL_KERNEL = os.environ.get("ROCM_ATTN_PREFILL_KERNEL", "auto")
 if DEFAULT_PREFILL_KERNEL not in PREFILL_KERNELS:
     raise ValueError(f"inductor_rocm_attn: environment variable ROCM_ATTN_PREFILL_KERNEL={DEFAULT_PREFILL_KERNEL!r}: "
                      f"expected one of {PREFILL_KERNELS}, or unset")

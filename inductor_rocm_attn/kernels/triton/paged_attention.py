@@ -29,6 +29,7 @@ from ...layout import cache_x, fp8_max, is_fp8_dtype, k_view, v_view
 # the buffers through this module).
 from ..merge_counters import _MERGE_COUNTERS, _RETIRED_COUNTERS  # noqa: F401
 from ..merge_counters import merge_counters as _merge_counters
+from ..gluon.eligibility import auto_problem as _gluon_auto_problem
 from ..gluon.eligibility import prefill_kernel_for as _gluon_ineligibility
 from .attention_common import TL_DTYPES
 from .configs import (
@@ -138,10 +139,11 @@ def paged_attention(
     ``launch_target(query.device)``; ``verify_max_query_len`` (default
     ``configs.VERIFY_MAX_QUERY_LEN``; <= 1: no verify launch) the verify kernel's longest query;
     ``prefill_kernel`` (default ``configs.DEFAULT_PREFILL_KERNEL``, from
-    ``ROCM_ATTN_PREFILL_KERNEL``): ``"triton"`` or ``"gluon"``, the warp-specialized Gluon
-    prefill (NVIDIA sm_90) for launches it covers (``kernels/gluon/eligibility.py``), the
-    Triton kernel for the others with one warning per reason (a given ``prefill_cfg``, a
-    Triton config, runs the Triton kernel).
+    ``ROCM_ATTN_PREFILL_KERNEL``): ``"auto"`` (the warp-specialized Gluon prefill, NVIDIA
+    sm_90, for launches it covers (``kernels/gluon/eligibility.py``) under the Triton version
+    it was tested with; the Triton kernel for the others), ``"gluon"`` (the same, with one
+    warning per reason a launch runs the Triton kernel, and any Triton version) or
+    ``"triton"``. A given ``prefill_cfg``, a Triton config, runs the Triton kernel.
     """
     if prefill_kernel is not None and prefill_kernel not in PREFILL_KERNELS:
         raise ValueError(f"paged_attention: prefill_kernel={prefill_kernel!r}; supported: {PREFILL_KERNELS}")
@@ -260,14 +262,13 @@ def paged_attention(
     # --- prefix prefill: sequences with query_len > q_max -------------------------------------
     if max_query_len is not None and max_query_len <= q_max:
         return
-    if (prefill_kernel or DEFAULT_PREFILL_KERNEL) == "gluon" and prefill_cfg is None:
-        reason = _gluon_ineligibility(output, query, key, value, kv_cache, causal, sliding_window,
-                                      alibi_slopes, sinks, logits_soft_cap, output_scale, interpret)
-        if reason is None:
-            _gluon_launch()(output, query, key, value, kc, vc, block_table, seq_lens, query_start_loc,
-                            scale, interleaved_v, q_max)
-            return
-        _warn_triton_prefill(reason)
+    choice = prefill_kernel or DEFAULT_PREFILL_KERNEL
+    if choice != "triton" and prefill_cfg is None and _gluon_prefill_runs(
+            choice, interpret, output, query, key, value, kv_cache, causal, sliding_window,
+            alibi_slopes, sinks, logits_soft_cap, output_scale):
+        _gluon_launch()(output, query, key, value, kc, vc, block_table, seq_lens, query_start_loc,
+                        scale, interleaved_v, q_max)
+        return
     pcfg = prefill_cfg or prefill_config(head_size, gqa, block_size, compute, interpret)
     block_m, block_n = pcfg.block_m, pcfg.block_n
     has_new = key is not None
@@ -296,6 +297,24 @@ def _gluon_launch():
     """The Gluon prefill's launcher (imported on first use: Gluon only where it runs)."""
     from ..gluon.prefix_prefill import launch
     return launch
+
+
+def _gluon_prefill_runs(choice: str, interpret: bool, *launch) -> bool:
+    """Whether the Gluon prefill runs this launch (``choice`` "auto" or "gluon"; ``launch``:
+    ``eligibility.prefill_kernel_for``'s arguments but the last). "auto" takes it where it
+    covers the launch under the Triton release it was tested with, else runs the Triton
+    kernel silently; "gluon" takes it wherever it covers the launch, else warns once per reason."""
+    if interpret:
+        reason = "TRITON_INTERPRET=1 (Gluon kernels have no interpreter)"
+    else:
+        reason = _gluon_ineligibility(*launch, interpret)
+        if reason is None and choice == "auto":
+            reason = _gluon_auto_problem()
+    if reason is None:
+        return True
+    if choice == "gluon":
+        _warn_triton_prefill(reason)
+    return False
 
 
 _WARNED_REASONS: set[str] = set()
