@@ -5,7 +5,7 @@ kernel with a name bound to two types in the branches of a runtime ``if`` passed
 failed on the H200). ``triton_sm90_compile.py`` intercepts every launch of the public
 wrappers and compiles it for sm_90 (frontend, optimizer, ptxas; no driver needed). The
 Gluon prefill probe (``benchmarks/probe_prefill_gluon.py``) is compiled the same way, by its
-own ``--compile-only``, the opt-in Gluon prefix prefill (``kernels/gluon``) by
+own ``--compile-only``, the Gluon prefix prefill (``kernels/gluon``) by
 ``gluon_sm90_compile.py``.
 """
 
@@ -18,14 +18,22 @@ import pytest
 pytest.importorskip("triton")
 
 
-def test_kernels_compile_for_sm90():
+def _run_compile_script(script: str, *args: str, timeout: int, pythonpath: bool = False) -> None:
+    """Run one compile-check script without TRITON_INTERPRET: skip when it says this machine
+    cannot compile for sm_90 (exit 3), else it must pass and print no FAIL line."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = os.path.join(os.path.dirname(__file__), "triton_sm90_compile.py")
-    p = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=900)
+    if pythonpath:  # a script that imports the package from this checkout
+        root = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    p = subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=timeout)
     if p.returncode == 3:
         pytest.skip(p.stdout.strip()[-300:])
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     assert "FAIL" not in p.stdout
+
+
+def test_kernels_compile_for_sm90():
+    _run_compile_script(os.path.join(os.path.dirname(__file__), "triton_sm90_compile.py"), timeout=900)
 
 
 def test_gluon_prefill_probe_compiles_for_sm90_without_spills():
@@ -33,28 +41,15 @@ def test_gluon_prefill_probe_compiles_for_sm90_without_spills():
     no spills and fits sm_90's shared memory (about 10 s of ptxas), so the GPU run it is meant
     for does not start with a kernel that cannot build."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "probe_prefill_gluon.py")
-    p = subprocess.run([sys.executable, script, "--compile-only"], env=env, capture_output=True, text=True,
-                       timeout=300)
-    if p.returncode == 3:
-        pytest.skip(p.stdout.strip()[-300:])
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
-    assert "FAIL" not in p.stdout
+    _run_compile_script(os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "probe_prefill_gluon.py"),
+                        "--compile-only", timeout=300)
 
 
 def test_gluon_prefix_prefill_compiles_for_sm90_without_spills():
-    """The Gluon prefix prefill (kernels/gluon, opt-in) compiles for sm_90 with no spills, fits
+    """The Gluon prefix prefill (kernels/gluon) compiles for sm_90 with no spills, fits
     sm_90's shared memory and gathers the paged context in 16-byte cp.async packets, for the
     default config and the other V interior / dtype / block size / head size the GPU tests run
-    (about 15 s of ptxas): the lead's GPU run must not start with a kernel that cannot build."""
+    (about 15 s of ptxas): a GPU run does not start with a kernel that cannot build."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.join(os.path.dirname(__file__), os.pardir)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(root), env.get("PYTHONPATH")) if p)
-    script = os.path.join(os.path.dirname(__file__), "gluon_sm90_compile.py")
-    p = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=300)
-    if p.returncode == 3:
-        pytest.skip(p.stdout.strip()[-300:])
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
-    assert "FAIL" not in p.stdout
+    _run_compile_script(os.path.join(os.path.dirname(__file__), "gluon_sm90_compile.py"), timeout=300,
+                        pythonpath=True)

@@ -80,7 +80,7 @@ class _Seq:
         return self.cached < self.prompt_len
 
 
-def _num_cache_blocks(runner) -> int:
+def num_cache_blocks(runner) -> int:
     """The fewest blocks of the runner's layers' caches (every layer shares the block ids)."""
     return min(layer.kv_cache.shape[0] for layer in runner.layers.values())
 
@@ -160,7 +160,7 @@ def _generate(runner, prompts, max_new_tokens, *, max_tokens_per_step, max_seqs_
     limits = {"max_tokens_per_step": (max_tokens_per_step, runner.max_num_tokens,
                                       "the runner's max_num_tokens"),
               "max_seqs_per_step": (max_seqs_per_step, runner.max_num_seqs, "the runner's max_num_seqs"),
-              "num_blocks": (num_blocks, _num_cache_blocks(runner), "the blocks of the runner's caches")}
+              "num_blocks": (num_blocks, num_cache_blocks(runner), "the blocks of the runner's caches")}
     for name, (value, most, what) in limits.items():
         if value is None:
             continue
@@ -170,7 +170,7 @@ def _generate(runner, prompts, max_new_tokens, *, max_tokens_per_step, max_seqs_
     budget = runner.max_num_tokens if max_tokens_per_step is None else max_tokens_per_step
     max_seqs = min(runner.max_num_seqs if max_seqs_per_step is None else max_seqs_per_step,
                    budget)  # every sequence decodes each step
-    blocks = _num_cache_blocks(runner) if num_blocks is None else num_blocks
+    blocks = num_cache_blocks(runner) if num_blocks is None else num_blocks
     if on_step is not None and not callable(on_step):
         raise TypeError(f"generate: on_step must be callable or None, got {type(on_step).__name__}")
     waiting = []

@@ -48,6 +48,7 @@ from ..config_checks import check_runner_config
 from ..forward_context import set_forward_context
 from ..metadata import AttentionMetadata, build_attention_metadata
 from ..validation import check_positive_int, check_token_ids, vocab_size_of
+from .batching import num_cache_blocks
 from .transformers import (check_dynamic_rope, check_every_layer_attends, check_model, check_placement,
                            dynamic_rope_limit, learned_position_limit, model_placement, original_rope_frequencies,
                            paged_layers)
@@ -207,7 +208,7 @@ class EagerRunner:
         if whole_step is not True and whole_step is not False and whole_step != MIXED:  # as PiecewiseRunner's
             raise ValueError(f"EagerRunner.prepare: whole_step={whole_step!r:.60}; expected True, False or {MIXED!r}")
         md = build_attention_metadata(query_lens, context_lens, block_tables, self.block_size, self.device,
-                                      num_blocks=min(layer.kv_cache.shape[0] for layer in self.layers.values()))
+                                      num_blocks=num_cache_blocks(self))
         for got, what, limit_name in ((len(query_lens), "sequences", "max_num_seqs"),
                                       (md.num_actual_tokens, "tokens", "max_num_tokens"),
                                       (md.max_seq_len, "tokens in its longest sequence", "max_model_len")):

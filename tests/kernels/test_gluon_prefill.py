@@ -1,4 +1,4 @@
-"""The Gluon prefix prefill (``kernels/gluon``: NVIDIA sm_90 only, opt-in).
+"""The Gluon prefix prefill (``kernels/gluon``: NVIDIA sm_90 only; the default prefill there).
 
 CPU (no Gluon interpreter): the eligibility rules, the ``ROCM_ATTN_PREFILL_KERNEL`` /
 ``prefill_kernel=`` choice and the fall-back to the Triton prefill (run in the interpreter).

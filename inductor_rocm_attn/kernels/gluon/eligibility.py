@@ -14,11 +14,12 @@ import functools
 import torch
 
 __all__ = ["prefill_kernel_for", "static_ineligibility", "tensor_ineligibility", "auto_problem", "BLOCK_N",
-           "HEAD_SIZES", "TESTED_TRITON"]
+           "HEAD_SIZES", "TESTED_TRITON", "INTERPRETER_REASON"]
 
 BLOCK_N = 128  # the kernel's key tile (prefix_prefill.DEFAULT_CONFIG.block_n)
 HEAD_SIZES = (64, 128)
 _DTYPES = (torch.bfloat16, torch.float16)
+INTERPRETER_REASON = "TRITON_INTERPRET=1 (Gluon kernels have no interpreter)"
 
 
 # Gluon is Triton's experimental layer: its API changes between releases. The default ("auto")
@@ -63,7 +64,7 @@ def static_ineligibility(device_type: str, device_index: int, query_dtype: torch
     """None when the Gluon prefill covers a launch with these static properties, else the
     first reason it does not (``key_dtype`` None: no new K/V given). Cached per key."""
     if interpreting:
-        return "TRITON_INTERPRET=1 (Gluon kernels have no interpreter)"
+        return INTERPRETER_REASON
     if key_dtype is None:
         return "no new key/value tensors (the kernel reads the new tokens from key/value)"
     if query_dtype not in _DTYPES:

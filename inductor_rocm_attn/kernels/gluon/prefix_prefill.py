@@ -38,7 +38,6 @@ import dataclasses
 import functools
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -569,58 +568,3 @@ def launch(output, query, key, value, kc, vc, block_table, seq_lens, query_start
         **_constexprs(num_heads, num_heads // num_kv_heads, head_size, block_size, interleaved_v, short_query_max,
                       cfg),
         **_options(cfg))
-
-
-# --- compile for sm_90 without a GPU (tests, the config's resource budget) --------------------
-
-def compile_sm90(dtype=torch.bfloat16, head_size: int = 128, num_heads: int = 32, gqa: int = 4,
-                 block_size: int = 16, interleaved_v: bool = False, short_query_max: int = 1,
-                 cfg: GluonPrefillConfig = DEFAULT_CONFIG) -> dict:
-    """Compile the kernel for sm_90 (frontend, optimizer, ptxas; no driver): registers, stack
-    (spills), shared memory, the setmaxnreg budgets, and the number of 16-byte cp.async in the
-    PTX (a gather that lost its vectorization would show none)."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    fn = _gluon_prefix_prefill_kernel
-    ty = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-
-    def desc(rows):
-        return f"tensordesc<{ty}[{rows},{head_size}],{_smem_layout((rows, head_size), dtype)!r}>"
-
-    sig = dict(q_desc=desc(BLOCK_M), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), v_ptr=f"*{ty}",
-               out_ptr=f"*{ty}",
-               kc_ptr=f"*{ty}", vc_ptr=f"*{ty}", block_table_ptr="*i32", seq_lens_ptr="*i32",
-               query_start_loc_ptr="*i32", qk_scale="fp32", num_seqs="i32")
-    for name in ("stride_vt", "stride_ot", "stride_oh", "stride_kcb", "stride_kch", "stride_vcb", "stride_vch",
-                 "stride_bt"):
-        sig[name] = "i32"
-    consts = _constexprs(num_heads, gqa, head_size, block_size, interleaved_v, short_query_max, cfg)
-    sig.update({k: "constexpr" for k in consts})
-    sig = {name: sig[name] for name in fn.arg_names}
-    aligned = ("v_ptr", "stride_vt", "out_ptr", "kc_ptr", "vc_ptr", "block_table_ptr", "seq_lens_ptr",
-               "query_start_loc_ptr",
-               "stride_ot", "stride_oh", "stride_kcb", "stride_kch", "stride_vcb", "stride_vch", "stride_bt")
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    kernel = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                            options=_options(cfg))
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    line = usage[usage.index(f"Function {fn.__name__}:"):].splitlines()[1]
-    field = {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", line)}
-    ptx = kernel.asm["ptx"]
-    return dict(regs=field["REG"], stack=field["STACK"] + field["LOCAL"],
-                smem=kernel.metadata.shared + field["SHARED"],
-                setmaxnreg=sorted(set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))),
-                cp_async_16=len(re.findall(r"cp\.async\.cg\.shared\.global(?:\.L2::\w+)?\s*\[[^\]]*\],\s*\[[^\]]*\],"
-                                           r"\s*0x10", ptx)),
-                cp_async_small=len(re.findall(r"cp\.async\.ca\.shared\.global", ptx)),
-                ptx=ptx)

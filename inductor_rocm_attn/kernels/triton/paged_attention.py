@@ -29,6 +29,7 @@ from ...layout import cache_x, fp8_max, is_fp8_dtype, k_view, v_view
 # the buffers through this module).
 from ..merge_counters import _MERGE_COUNTERS, _RETIRED_COUNTERS  # noqa: F401
 from ..merge_counters import merge_counters as _merge_counters
+from ..gluon.eligibility import INTERPRETER_REASON as _GLUON_INTERPRETER_REASON
 from ..gluon.eligibility import auto_problem as _gluon_auto_problem
 from ..gluon.eligibility import prefill_kernel_for as _gluon_ineligibility
 from .attention_common import TL_DTYPES
@@ -305,7 +306,7 @@ def _gluon_prefill_runs(choice: str, interpret: bool, *launch) -> bool:
     covers the launch under the Triton release it was tested with, else runs the Triton
     kernel silently; "gluon" takes it wherever it covers the launch, else warns once per reason."""
     if interpret:
-        reason = "TRITON_INTERPRET=1 (Gluon kernels have no interpreter)"
+        reason = _GLUON_INTERPRETER_REASON  # asks nothing more: no host cost on a CPU
     else:
         reason = _gluon_ineligibility(*launch, interpret)
         if reason is None and choice == "auto":
