@@ -325,12 +325,16 @@ def test_plugin_flags_are_checked_before_any_is_applied():
         flags = dict(manager.flags)
         with pytest.raises(TypeError, match=r"enable: rope_kv_cache_fusion must be True or False, got 'false'"):
             ira.enable(rope_kv_cache_fusion="false")
-        with pytest.raises(KeyError, match=r"enable: unknown pass 'rope_fusion'"):
+        # an unknown keyword was a KeyError: a TypeError naming enable() and its options, as for any function
+        with pytest.raises(TypeError, match=r"enable\(\) got an unexpected keyword argument 'rope_fusion'; its options "
+                                            r"are the fusion passes: attn_quant_fusion, .*rope_kv_cache_fusion"):
             ira.enable(rope_kv_cache_fusion=False, rope_fusion=False)
+        with pytest.raises(KeyError, match=r"set_pass_flag: unknown pass 'rope_fusion'"):
+            plugin.set_pass_flag("rope_fusion", False)
         with pytest.raises(TypeError, match=r"set_pass_flag: attn_quant_fusion must be True or False, got 0"):
             plugin.set_pass_flag("attn_quant_fusion", 0)
         # plugin() on an enabled plugin read the flags' values back first: a bare KeyError('rope_fusion')
-        with pytest.raises(KeyError, match=r"plugin: unknown pass 'rope_fusion'"):
+        with pytest.raises(TypeError, match=r"plugin\(\) got an unexpected keyword argument 'rope_fusion'"):
             with ira.plugin(rope_fusion=False):
                 pass
         with pytest.raises(TypeError, match=r"plugin: rope_kv_cache_fusion must be True or False, got 'no'"):
