@@ -731,18 +731,25 @@ def test_compile_transformers_refuses_a_max_model_len_past_its_cache(monkeypatch
             transformers_runner.compile_transformers(model, num_blocks=4, max_model_len=max_model_len)
 
 
-def test_compile_piecewise_block_table_width_is_bounded_by_the_caches():
-    # a max_model_len far past the caches sized the runner's block-table buffers for it
-    # (max_num_seqs x max_model_len / block_size entries: 10**9 tokens would be 16 GB); no
-    # sequence can hold more blocks than the caches have
+def test_compile_piecewise_max_model_len_within_the_caches():
+    # a max_model_len past what the bound caches hold was accepted (the block table clipped to
+    # the caches' blocks, the decode graphs planning KV splits for a length no sequence can
+    # reach, a step between the two lengths refused by the builder's table width): refused now,
+    # before the trace, as compile_transformers refuses it; the default is capped at the caches
     from inductor_rocm_attn.compilation import compile_piecewise
     from inductor_rocm_attn.models import TinyDecoder, qwen3_config
 
-    model = TinyDecoder(qwen3_config(num_layers=1), name="state.wide_model_len").eval()
+    model = TinyDecoder(qwen3_config(num_layers=2), name="state.wide_model_len").eval()
     ira.bind_kv_caches(model, 6, torch.float32, poison=True)
-    runner = compile_piecewise(model, [2], max_model_len=10**9, plugin=False)
-    assert runner.buffers.block_table.shape[1] == 6
-    md = runner.prepare([1, 1], [0, 0], [[1], [5]])  # a step that fits runs
+    ira.bind_kv_caches(model.layers[1], 5, torch.float32, poison=True)  # the smaller cache counts
+    for bad in (10**9, 81):
+        with pytest.raises(ValueError, match=rf"compile_piecewise: max_model_len {bad} is more than the bound KV caches "
+                                             r"hold \(5 blocks x block_size 16 = 80 tokens, the smallest layer cache\); "
+                                             r"pass max_model_len <= 80 \(or leave it out: min\(4096, 80\)\)"):
+            compile_piecewise(model, [2], max_model_len=bad, plugin=False)
+    runner = compile_piecewise(model, [2], plugin=False)  # the default: 4096 capped at the caches
+    assert runner.max_model_len == 80 and runner.buffers.block_table.shape[1] == 5
+    md = runner.prepare([1, 1], [0, 0], [[1], [4]])  # a step that fits runs
     assert torch.isfinite(runner(torch.tensor([1, 2]), md)).all()
 
 
