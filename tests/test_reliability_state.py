@@ -8,6 +8,7 @@ error naming the function, the bad value and what is supported, with the state a
 import copy
 import dataclasses
 import threading
+import warnings
 
 import pytest
 import torch
@@ -827,3 +828,49 @@ def test_a_kv_sharing_layer_s_v_layout_switch_is_refused():
         sharer.set_interleaved_v_cache(True)
     assert not sharer.impl.interleaved_v
     assert target.set_interleaved_v_cache(True) and target.interleaved_v
+
+
+# --- one layer writing its cache twice in one step --------------------------------------------------
+
+_SECOND_WRITE = r"this layer writes its KV cache a second time in one forward context"
+
+
+def test_a_layer_called_at_two_depths_of_one_step_warns():
+    # one Attention module serving two depths (a looped model): the second call overwrote the
+    # step's slots with the second depth's keys, and the next step read those for the first
+    # depth too, silently; it warns now, naming the layer (once per layer), and a step run
+    # again in a context of its own (the way to re-run a step) does not
+    s = stepped_layer("state_two_depths")
+    q, k, v = qkv(s.num_tokens, s.g)
+    with ira.set_forward_context(s.md):
+        s.layer(q, k, v)
+        with pytest.warns(UserWarning, match=rf"rocm_attn\.unified_kv_cache_update \(layer '{s.layer.layer_name}'\): "
+                                             rf"{_SECOND_WRITE}.*one layer \(its own name and cache\) per depth"):
+            s.layer(q, 2 * k, 2 * v)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*" + _SECOND_WRITE)
+        for _ in range(2):  # the step again, each run in its own context
+            with ira.set_forward_context(s.md):
+                s.layer(q, k, v)
+        with ira.set_forward_context(s.md):  # a fused writer's second write is one too
+            with pytest.raises(UserWarning, match=rf"unified_rope_and_kv_cache_update .*{_SECOND_WRITE}"):
+                for _ in range(2):
+                    t = s.num_tokens
+                    torch.ops.rocm_attn.unified_rope_and_kv_cache_update(
+                        s.md.positions, q.view(t, H, D).clone(), k.view(t, HKV, D).clone(), v.view(t, HKV, D),
+                        torch.randn(64, D, generator=s.g), True, s.layer.layer_name)
+
+
+def test_a_runner_s_capture_runs_each_warm_up_in_a_context_of_its_own():
+    """The capture's warm-up and capture runs of one size each enter the step's context anew:
+    no layer writes twice in one context."""
+    from inductor_rocm_attn.compilation import RerunGraphBackend, compile_piecewise
+    from inductor_rocm_attn.models import TinyDecoder, qwen3_config
+
+    model = TinyDecoder(qwen3_config(num_layers=1), name="state.capture_contexts").eval()
+    ira.bind_kv_caches(model, 8, torch.float32, poison=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*" + _SECOND_WRITE)
+        runner = compile_piecewise(model, [2], plugin=False, graph_backend=RerunGraphBackend(),
+                                   piecewise_graphs=True)
+    assert runner._captured

@@ -399,16 +399,18 @@ class PiecewiseRunner:
             t1 = time.perf_counter()
             md = self._dummy_metadata(size)
             args = self._args(size)
-            with set_forward_context(md, layers=self.layer_table):
-                with backend.warmup():
-                    for _ in range(num_warmup):
-                        self._mode = Mode.EAGER
-                        self.split_gm(*args)
-                self._mode, self._size = Mode.CAPTURE, size
-                try:
-                    self.split_gm(*args)
-                finally:
+            # a context per run: a layer writes its cache once per forward context
+            with backend.warmup():
+                for _ in range(num_warmup):
                     self._mode = Mode.EAGER
+                    with set_forward_context(md, layers=self.layer_table):
+                        self.split_gm(*args)
+            self._mode, self._size = Mode.CAPTURE, size
+            try:
+                with set_forward_context(md, layers=self.layer_table):
+                    self.split_gm(*args)
+            finally:
+                self._mode = Mode.EAGER
             pieces.add(size)
             self._say(f"captured size {size} in {time.perf_counter() - t1:.1f} s")
         self._capture_whole_steps(num_warmup)
@@ -491,10 +493,11 @@ class PiecewiseRunner:
             md = dummy_step(shape, buffers=self.buffers, max_model_len=self.max_model_len,
                             block_size=self.block_size)
             args = self._args(shape.num_tokens)
-            with set_forward_context(md, layers=self.layer_table):
-                with backend.warmup():
-                    for _ in range(num_warmup):
+            with backend.warmup():  # a context per run: a layer writes its cache once per forward context
+                for _ in range(num_warmup):
+                    with set_forward_context(md, layers=self.layer_table):
                         self.split_gm(*args)
+            with set_forward_context(md, layers=self.layer_table):
                 graph = backend.capture_step(self.split_gm, args)
             (self._step_graphs if shape.kind == DECODE else self._mixed_graphs)[shape.num_tokens] = graph
             self._shapes[(shape.kind, shape.num_tokens)] = shape
