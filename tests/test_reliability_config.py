@@ -385,6 +385,9 @@ _GENERATE_CASES = [
     (dict(prompts=[3, 4]), TypeError, r"prompt 0 must be a list of token ids or a 1-D integer tensor, got int 3"),
     (dict(prompts=["ab"]), TypeError, r"prompt 0 must be a list of token ids or a 1-D integer tensor, got str 'ab'"),
     (dict(on_step=5), TypeError, r"on_step must be callable or None, got int"),
+    # "generate: empty prompt" named none of the prompts
+    (dict(prompts=[[3, 4], torch.tensor([], dtype=torch.long)]), ValueError,
+     r"prompt 1 is empty; every prompt needs at least one token id"),
     # unordered: a set's ids ran in hash order, a dict of prompts gave its keys as prompts
     (dict(prompts=[{5, 3, 4}]), TypeError, r"prompt 0 is a set, which has no token order"),
     (dict(prompts=[{3: 1, 4: 1}]), TypeError, r"prompt 0 is a dict, which has no token order"),
