@@ -20,7 +20,9 @@ import warnings
 import torch
 
 from . import providers, validation
-from .forward_context import get_forward_context, get_layer
+from .forward_context import _current, get_forward_context, get_layer
+
+_current_context = _current.get  # the step's context (forward_context.get_forward_context, one call less)
 
 NAMESPACE = "rocm_attn"
 _lib = torch.library.Library(NAMESPACE, "DEF")
@@ -423,17 +425,15 @@ def _step(op: str, layer_name: str):
 
 
 def _write_step(op: str, layer_name: str):
-    """``_step`` of an op that writes the layer's cache: (layer, metadata, the context to mark
-    with ``_wrote`` once the write is done, or None). A layer's second write in one forward
+    """``_step`` of an op that writes the layer's cache: (layer, metadata, context); pass the
+    last two to ``_wrote`` once the write is done. A layer's second write in one forward
     context warns: right when a step is run again on the same inputs (an eager and a compiled
     run compared in one context, ``opcheck``), it is wrong when one ``Attention`` module serves
     two depths of a model: the second call overwrites the step's slots, and the first depth's
     keys and values, which its attention read, are lost to every later step, silently."""
     layer, metadata = _step(op, layer_name)
-    if metadata is None:
-        return layer, metadata, None
-    ctx = get_forward_context()
-    if layer.impl._written_ctx is ctx:
+    ctx = _current_context()
+    if metadata is not None and layer.impl._written_ctx is ctx:
         warnings.warn(
             f"{op} (layer {layer_name!r}): this layer writes its KV cache a second time in one forward context, "
             "so the step's slots keep this call's keys and values. Right for a step run again on the same inputs; "
@@ -443,10 +443,13 @@ def _write_step(op: str, layer_name: str):
     return layer, metadata, ctx
 
 
-def _wrote(layer, ctx) -> None:
-    """The layer wrote its cache in the context ``ctx`` (None: it wrote nothing)."""
-    if ctx is not None and layer.impl.uses_kv_cache:
-        layer.impl._written_ctx = ctx
+def _wrote(layer, metadata, ctx) -> None:
+    """After a cache-update op: the layer wrote the step ``metadata`` (its impl records the
+    metadata of every write; a layer without a cache of its own, or a profiling run, wrote
+    nothing) in the context ``ctx``."""
+    impl = layer.impl
+    if metadata is not None and impl._written_step is metadata:
+        impl._written_ctx = ctx
 
 
 @_impl("unified_kv_cache_update")
@@ -454,7 +457,7 @@ def _unified_kv_cache_update(key, value, layer_name, output_scale=None):
     layer, metadata, ctx = _write_step("rocm_attn.unified_kv_cache_update", layer_name)
     if metadata is not None:  # profiling run: nothing to cache
         layer.impl.update_kv_cache(layer, key, value, layer.kv_cache, metadata, output_scale)
-        _wrote(layer, ctx)
+        _wrote(layer, metadata, ctx)
     return _token(key)
 
 
@@ -486,7 +489,7 @@ def _unified_rope_and_kv_cache_update(positions, query, key, value, cos_sin_cach
     layer.impl.do_rope_and_kv_cache_update(
         layer, positions, query, key, value, cos_sin_cache, is_neox, layer.kv_cache, metadata, op, output_scale
     )
-    _wrote(layer, ctx)
+    _wrote(layer, metadata, ctx)
     return _token(key)
 
 
@@ -512,7 +515,7 @@ def _unified_qk_norm_rope_and_kv_cache_update(qkv, q_weight, k_weight, eps, posi
         layer, qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, layer.kv_cache, metadata, op=op,
         output_scale=output_scale,
     )
-    _wrote(layer, ctx)
+    _wrote(layer, metadata, ctx)
     return q, k, _token(k)
 
 
@@ -533,7 +536,7 @@ def _unified_rope_cos_sin_and_kv_cache_update(query, key, value, cos, sin, is_ne
     layer, metadata, ctx = _write_step("rocm_attn.unified_rope_cos_sin_and_kv_cache_update", layer_name)
     layer.impl.do_rope_cos_sin_and_kv_cache_update(layer, query, key, value, cos, sin, is_neox,
                                                    layer.kv_cache, metadata, output_scale)
-    _wrote(layer, ctx)
+    _wrote(layer, metadata, ctx)
     return _token(key)
 
 
@@ -556,7 +559,7 @@ def _unified_qk_norm_rope_cos_sin_and_kv_cache_update(query, key, value, q_weigh
     layer.impl.do_qk_norm_rope_cos_sin_kv_cache_update(layer, query, key, value, q_weight, k_weight, eps, cos,
                                                        sin, is_neox, layer.kv_cache, metadata, gemma_norm,
                                                        norm_after_rope, output_scale, gemma4_norm=gemma4_norm)
-    _wrote(layer, ctx)
+    _wrote(layer, metadata, ctx)
     return _token(key)
 
 
