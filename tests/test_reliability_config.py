@@ -203,6 +203,16 @@ def test_block_allocator_arguments():
     alloc = ira.BlockAllocator(4, BS)
     with pytest.raises(ValueError, match=r"BlockAllocator.allocate: num_new_tokens must be an int >= 0, got -3"):
         alloc.allocate("a", -3)
+    # Python's "unhashable type: 'list'" named no method; free's KeyError named none either
+    for method, args in (("allocate", (1,)), ("free", ()), ("truncate", (0,)), ("block_table", ()), ("num_tokens", ())):
+        with pytest.raises(TypeError, match=rf"BlockAllocator\.{method}: seq_id must be hashable \(e\.g\. an int or a "
+                                            r"str\), got list \['a'\]"):
+            getattr(alloc, method)(["a"], *args)
+    alloc.allocate("a", 3)
+    alloc.free("a")
+    with pytest.raises(KeyError, match=r"BlockAllocator\.free: unknown sequence 'a' \(never allocated, or freed already\)"):
+        alloc.free("a")
+    assert alloc.num_free_blocks == 4
 
 
 def test_bind_kv_caches_dtype():
