@@ -874,3 +874,20 @@ def test_a_runner_s_capture_runs_each_warm_up_in_a_context_of_its_own():
         runner = compile_piecewise(model, [2], plugin=False, graph_backend=RerunGraphBackend(),
                                    piecewise_graphs=True)
     assert runner._captured
+
+
+@pytest.mark.parametrize("enter, name", [("set", "layer"), ("set", "Layers"), ("set", "profilng"), ("profiling", "layer")])
+def test_forward_context_refuses_a_misspelt_keyword(enter, name):
+    # set_forward_context(md, layer=table) kept the table as an "extra" and resolved the step's
+    # layer names through the registry instead, silently; other extras are still kept
+    s = stepped_layer("state_ctx_kw")
+    table = {s.layer.layer_name: s.layer}
+    call = (lambda **kw: ira.set_forward_context(s.md, **kw)) if enter == "set" else ira.profiling_run
+    with pytest.raises(TypeError, match=rf"set_forward_context\(\) got an unexpected keyword argument '{name}'; did "
+                                        r"you mean '(layers|profiling)'\? \(its keywords: attn_metadata, profiling, "
+                                        r"layers; other keywords are kept in the context's extra"):
+        with call(**{name: table}):
+            pass
+    assert get_forward_context().attn_metadata is None
+    with ira.set_forward_context(s.md, layers=table, virtual_engine=0, dp_metadata=None) as ctx:
+        assert ctx.extra == {"virtual_engine": 0, "dp_metadata": None}
