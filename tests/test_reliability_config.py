@@ -640,6 +640,27 @@ def test_bind_kv_caches_refused_keeps_every_layer_s_cache():
     assert target.kv_cache is old
 
 
+@pytest.mark.parametrize("entry", ["bind_kv_caches", "allocate_kv_cache", "build_attention_metadata",
+                                   "MetadataBuffers"])
+def test_a_gpu_this_process_lacks_is_named(entry):
+    # torch's "Torch not compiled with CUDA enabled" (an AssertionError) or "invalid device ordinal", raised at the
+    # first allocation, named neither the call nor the device
+    import inductor_rocm_attn.layout as layout
+
+    bad = f"cuda:{torch.cuda.device_count()}"  # no GPU here: any cuda device; else one past the last
+    layer = _layer(f"gpu_missing.{entry}")
+    call = {
+        "bind_kv_caches": lambda: ira.bind_kv_caches(layer, 4, torch.float32, bad),
+        "allocate_kv_cache": lambda: ira.allocate_kv_cache(layer.kv_cache_spec(torch.float32), 4, bad),
+        "build_attention_metadata": lambda: ira.build_attention_metadata([1], [0], [[0]], BS, bad),
+        "MetadataBuffers": lambda: ira.MetadataBuffers(2, 8, 2, bad),
+    }[entry]
+    why = layout._gpu_unavailable(torch.cuda.device_count())
+    with pytest.raises(ValueError, match=rf"{entry}: device '{bad}': " + re.escape(why)):
+        call()
+    assert layer.kv_cache.dim() != 4  # nothing bound
+
+
 def _flag_calls(value):
     """(what, call, check that the refused call changed nothing) for each flag of the public
     API that a value of the wrong type reaches."""
