@@ -112,7 +112,7 @@ def piecewise_child(args) -> None:
     torch.manual_seed(0)
     with torch.device(args.device):
         model = TinyDecoder(cfg).to(dtype=dtype).eval()
-    ira.bind_kv_caches(model, 64, dtype, args.device)
+    ira.bind_kv_caches(model, -(-2304 // cfg.block_size), dtype, args.device)  # max_model_len's blocks
     profiler = cProfile.Profile() if args.profile_out else None
     t0, cpu0 = time.perf_counter(), time.process_time()
     if profiler:

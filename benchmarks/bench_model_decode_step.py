@@ -197,7 +197,7 @@ def main():
     max_len = CTX + 256
 
     if args.compile_only:  # warm compile in a second process over the same caches
-        model = build(args, device, dtype, args.num_blocks or 64)
+        model = build(args, device, dtype, num_blocks)  # the first process's caches: max_len fits them
         t0 = time.perf_counter()
         runner, compile_s, capture_s = compile_runner(model, args, max_len, capture=device.type == "cuda")
         print(json.dumps({"warm_compile_s": compile_s, "warm_capture_s": capture_s,

@@ -311,6 +311,9 @@ class RocmAttentionImpl:
         # The metadata of the last step this layer wrote its cache for: a layer sharing the cache
         # reads it only after this layer wrote the same step.
         self._written_step = None
+        # The forward context this layer last wrote its cache in (ops._write_step): a second
+        # write in the same context is refused.
+        self._written_ctx = None
         # (metadata, key, value, cache, tokens) the cache update of this layer's current call
         # checked and wrote; the attention of the same call (same objects) skips those checks.
         self._just_written: tuple | None = None
@@ -334,7 +337,7 @@ class RocmAttentionImpl:
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_written_step"] = None  # a record of the last step, not configuration
+        state["_written_step"] = state["_written_ctx"] = None  # records of the last step, not configuration
         return state
 
     def __setstate__(self, state):  # a copy (deepcopy, unpickling) is live too

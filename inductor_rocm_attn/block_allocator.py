@@ -42,7 +42,7 @@ class BlockAllocator:
         a caller that edits it changes nothing here)."""
         if not _is_int(num_new_tokens) or num_new_tokens < 0:
             raise ValueError(f"BlockAllocator.allocate: num_new_tokens must be an int >= 0, got {num_new_tokens!r}")
-        table = self._tables.get(seq_id, [])
+        table = self._table(seq_id, "allocate", [])
         length = self._lengths.get(seq_id, 0) + num_new_tokens
         need = self.blocks_needed(length) - len(table)
         if need > len(self._free):  # refused: the sequence (if any) keeps its blocks and length
@@ -57,16 +57,17 @@ class BlockAllocator:
         return list(table)
 
     def free(self, seq_id) -> None:
-        table = self._tables.pop(seq_id, None)
+        table = self._table(seq_id, "free")
         if table is None:
-            raise KeyError(f"BlockAllocator: unknown sequence {seq_id!r}")
+            raise KeyError(f"BlockAllocator.free: unknown sequence {seq_id!r} (never allocated, or freed already)")
+        del self._tables[seq_id]
         self._lengths.pop(seq_id, None)
         self._free.extend(reversed(table))
 
     def truncate(self, seq_id, num_tokens: int) -> None:
         """Shrink ``seq_id`` to its first ``num_tokens`` tokens (at most its length), handing
         back the blocks it no longer needs; 0 frees it. Undoes ``allocate`` calls exactly."""
-        length = self._lengths.get(seq_id)
+        length = self._lengths.get(seq_id) if self._table(seq_id, "truncate") is not None else None
         if length is None:
             raise KeyError(f"BlockAllocator.truncate: unknown sequence {seq_id!r}")
         if not _is_int(num_tokens) or not 0 <= num_tokens <= length:
@@ -83,10 +84,21 @@ class BlockAllocator:
 
     def block_table(self, seq_id) -> list[int]:
         """``seq_id``'s block table (a copy, as ``allocate`` returns)."""
-        table = self._tables.get(seq_id)
+        table = self._table(seq_id, "block_table")
         if table is None:
             raise KeyError(f"BlockAllocator.block_table: unknown sequence {seq_id!r} (allocate it first)")
         return list(table)
 
     def num_tokens(self, seq_id) -> int:
+        """``seq_id``'s tokens (0 for a sequence not allocated yet, or freed)."""
+        self._table(seq_id, "num_tokens")
         return self._lengths.get(seq_id, 0)
+
+    def _table(self, seq_id, method: str, default=None):
+        """``seq_id``'s table (``default`` if it has none); a sequence id that cannot be a key
+        (a list) names the method, not Python's "unhashable type"."""
+        try:
+            return self._tables.get(seq_id, default)
+        except TypeError:
+            raise TypeError(f"BlockAllocator.{method}: seq_id must be hashable (e.g. an int or a str), got "
+                            f"{type(seq_id).__name__} {seq_id!r:.40}") from None

@@ -138,7 +138,12 @@ def set_forward_context(attn_metadata: "AttentionMetadata | None", *, profiling:
     ``profiling=True`` with ``attn_metadata=None``: a profiling run (no cache writes, zero
     attention output), as ``profiling_run()``. ``layers`` (name -> ``Attention``, checked here): the
     table layer names resolve through during the step, instead of the registry of live layers.
+    Other keywords are kept in the context's ``extra`` for the caller's own use (the seed's
+    forward context carries such fields); one that looks like a misspelt ``layers`` or
+    ``profiling`` is refused.
     """
+    if extra:
+        _check_extra(extra)
     check_bool("set_forward_context", "profiling", profiling)  # "no" would make this step a profiling run
     if attn_metadata is None:
         if not profiling:
@@ -163,6 +168,25 @@ def set_forward_context(attn_metadata: "AttentionMetadata | None", *, profiling:
         yield ctx
     finally:
         _current.set(prev)
+
+
+def _check_extra(extra: dict) -> None:
+    """A keyword meant as ``layers`` or ``profiling`` but misspelt (``layer=table``) would be
+    kept as an extra and ignored: the step would resolve names through the registry instead of
+    the table, or not be a profiling run, silently."""
+    import difflib
+
+    for name in extra:
+        close = difflib.get_close_matches(name, _KEYWORDS, n=1, cutoff=0.7)
+        if close:
+            raise TypeError(f"set_forward_context() got an unexpected keyword argument {name!r}; did you mean "
+                            f"{close[0]!r}? (its keywords: attn_metadata, profiling, layers; other keywords are kept "
+                            "in the context's extra, for the caller's own use)")
+
+
+# the keywords whose misspelling changes the step silently (the seed's fields, e.g. dp_metadata or
+# virtual_engine, are not close to them)
+_KEYWORDS = ("layers", "profiling")
 
 
 def _check_layer_table(layers) -> None:

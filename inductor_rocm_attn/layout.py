@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import numbers
 
 import torch
@@ -199,11 +200,29 @@ def as_cache_layout(layout, op: str) -> CacheLayout:
 
 
 def as_device(device, op: str) -> torch.device:
-    """``device`` as a ``torch.device``; a ValueError naming ``op`` when it is not one."""
+    """``device`` as a ``torch.device``; a ValueError naming ``op`` when it is not one, or is a
+    GPU this process does not have (torch's own error, raised at the first allocation, named
+    neither the call nor the device: "Torch not compiled with CUDA enabled")."""
     try:
-        return torch.device(device)
+        parsed = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"{op}: device {device!r} is not a torch device (e.g. 'cpu', 'cuda', 'cuda:1')") from None
+    if parsed.type == "cuda":
+        why = _gpu_unavailable(parsed.index)
+        if why is not None:
+            raise ValueError(f"{op}: device {str(device)!r}: {why}")
+    return parsed
+
+
+@functools.cache
+def _gpu_unavailable(index: int | None) -> str | None:
+    """Why ``cuda[:index]`` cannot be used in this process, or None (asked once per index)."""
+    if not torch.cuda.is_available():
+        return f"this process sees no CUDA/ROCm GPU (torch {torch.__version__}); use 'cpu'"
+    count = torch.cuda.device_count()
+    if index is not None and index >= count:
+        return f"there are {count} GPUs here (cuda:0 .. cuda:{count - 1})"
+    return None
 
 
 def allocate_kv_cache(

@@ -15,10 +15,14 @@ writes, so a scale the attention would refuse is refused before the cache change
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from . import providers, validation
-from .forward_context import get_forward_context, get_layer
+from .forward_context import _current, get_forward_context, get_layer
+
+_current_context = _current.get  # the step's context (forward_context.get_forward_context, one call less)
 
 NAMESPACE = "rocm_attn"
 _lib = torch.library.Library(NAMESPACE, "DEF")
@@ -420,11 +424,40 @@ def _step(op: str, layer_name: str):
     return layer, metadata
 
 
+def _write_step(op: str, layer_name: str):
+    """``_step`` of an op that writes the layer's cache: (layer, metadata, context); pass the
+    last two to ``_wrote`` once the write is done. A layer's second write in one forward
+    context warns: right when a step is run again on the same inputs (an eager and a compiled
+    run compared in one context, ``opcheck``), it is wrong when one ``Attention`` module serves
+    two depths of a model: the second call overwrites the step's slots, and the first depth's
+    keys and values, which its attention read, are lost to every later step, silently."""
+    layer, metadata = _step(op, layer_name)
+    ctx = _current_context()
+    if metadata is not None and layer.impl._written_ctx is ctx:
+        warnings.warn(
+            f"{op} (layer {layer_name!r}): this layer writes its KV cache a second time in one forward context, "
+            "so the step's slots keep this call's keys and values. Right for a step run again on the same inputs; "
+            "wrong for one Attention module called at two depths of a model, which needs one layer (its own name "
+            "and cache) per depth. Enter `inductor_rocm_attn.set_forward_context(metadata)` anew for each run of "
+            "a step", stacklevel=2)
+    return layer, metadata, ctx
+
+
+def _wrote(layer, metadata, ctx) -> None:
+    """After a cache-update op: the layer wrote the step ``metadata`` (its impl records the
+    metadata of every write; a layer without a cache of its own, or a profiling run, wrote
+    nothing) in the context ``ctx``."""
+    impl = layer.impl
+    if metadata is not None and impl._written_step is metadata:
+        impl._written_ctx = ctx
+
+
 @_impl("unified_kv_cache_update")
 def _unified_kv_cache_update(key, value, layer_name, output_scale=None):
-    layer, metadata = _step("rocm_attn.unified_kv_cache_update", layer_name)
+    layer, metadata, ctx = _write_step("rocm_attn.unified_kv_cache_update", layer_name)
     if metadata is not None:  # profiling run: nothing to cache
         layer.impl.update_kv_cache(layer, key, value, layer.kv_cache, metadata, output_scale)
+        _wrote(layer, metadata, ctx)
     return _token(key)
 
 
@@ -452,10 +485,11 @@ def _unified_rope_and_kv_cache_update(positions, query, key, value, cos_sin_cach
                                       output_scale=None):
     """Rotates ``query``/``key`` in place (declared mutated) and writes the cache."""
     op = "rocm_attn.unified_rope_and_kv_cache_update"
-    layer, metadata = _step(op, layer_name)
+    layer, metadata, ctx = _write_step(op, layer_name)
     layer.impl.do_rope_and_kv_cache_update(
         layer, positions, query, key, value, cos_sin_cache, is_neox, layer.kv_cache, metadata, op, output_scale
     )
+    _wrote(layer, metadata, ctx)
     return _token(key)
 
 
@@ -471,7 +505,7 @@ def _unified_qk_norm_rope_and_kv_cache_update(qkv, q_weight, k_weight, eps, posi
                                               is_neox, num_heads, num_kv_heads, head_size, layer_name,
                                               output_scale=None):
     op = "rocm_attn.unified_qk_norm_rope_and_kv_cache_update"
-    layer, metadata = _step(op, layer_name)
+    layer, metadata, ctx = _write_step(op, layer_name)
     impl = layer.impl
     if num_heads != impl.num_heads or num_kv_heads != impl.num_kv_heads or head_size != impl.head_size:
         # the fake kernel shapes q and k from these; the layer's own give the real ones
@@ -481,6 +515,7 @@ def _unified_qk_norm_rope_and_kv_cache_update(qkv, q_weight, k_weight, eps, posi
         layer, qkv, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox, layer.kv_cache, metadata, op=op,
         output_scale=output_scale,
     )
+    _wrote(layer, metadata, ctx)
     return q, k, _token(k)
 
 
@@ -498,9 +533,10 @@ def _unified_qk_norm_rope_and_kv_cache_update_fake(qkv, q_weight, k_weight, eps,
 @_impl("unified_rope_cos_sin_and_kv_cache_update")
 def _unified_rope_cos_sin_and_kv_cache_update(query, key, value, cos, sin, is_neox, layer_name, output_scale=None):
     """Rotates ``query``/``key`` in place with the model's per-token cos/sin and writes the cache."""
-    layer, metadata = _step("rocm_attn.unified_rope_cos_sin_and_kv_cache_update", layer_name)
+    layer, metadata, ctx = _write_step("rocm_attn.unified_rope_cos_sin_and_kv_cache_update", layer_name)
     layer.impl.do_rope_cos_sin_and_kv_cache_update(layer, query, key, value, cos, sin, is_neox,
                                                    layer.kv_cache, metadata, output_scale)
+    _wrote(layer, metadata, ctx)
     return _token(key)
 
 
@@ -519,10 +555,11 @@ def _unified_qk_norm_rope_cos_sin_and_kv_cache_update(query, key, value, q_weigh
     """Normalizes and rotates ``query``/``key`` in place (``norm_after_rope``: rotates, then
     normalizes) and writes the cache (interleaved V)."""
     _check_one_norm_form("rocm_attn.unified_qk_norm_rope_cos_sin_and_kv_cache_update", gemma_norm, gemma4_norm)
-    layer, metadata = _step("rocm_attn.unified_qk_norm_rope_cos_sin_and_kv_cache_update", layer_name)
+    layer, metadata, ctx = _write_step("rocm_attn.unified_qk_norm_rope_cos_sin_and_kv_cache_update", layer_name)
     layer.impl.do_qk_norm_rope_cos_sin_kv_cache_update(layer, query, key, value, q_weight, k_weight, eps, cos,
                                                        sin, is_neox, layer.kv_cache, metadata, gemma_norm,
                                                        norm_after_rope, output_scale, gemma4_norm=gemma4_norm)
+    _wrote(layer, metadata, ctx)
     return _token(key)
 
 

@@ -203,6 +203,16 @@ def test_block_allocator_arguments():
     alloc = ira.BlockAllocator(4, BS)
     with pytest.raises(ValueError, match=r"BlockAllocator.allocate: num_new_tokens must be an int >= 0, got -3"):
         alloc.allocate("a", -3)
+    # Python's "unhashable type: 'list'" named no method; free's KeyError named none either
+    for method, args in (("allocate", (1,)), ("free", ()), ("truncate", (0,)), ("block_table", ()), ("num_tokens", ())):
+        with pytest.raises(TypeError, match=rf"BlockAllocator\.{method}: seq_id must be hashable \(e\.g\. an int or a "
+                                            r"str\), got list \['a'\]"):
+            getattr(alloc, method)(["a"], *args)
+    alloc.allocate("a", 3)
+    alloc.free("a")
+    with pytest.raises(KeyError, match=r"BlockAllocator\.free: unknown sequence 'a' \(never allocated, or freed already\)"):
+        alloc.free("a")
+    assert alloc.num_free_blocks == 4
 
 
 def test_bind_kv_caches_dtype():
@@ -325,12 +335,16 @@ def test_plugin_flags_are_checked_before_any_is_applied():
         flags = dict(manager.flags)
         with pytest.raises(TypeError, match=r"enable: rope_kv_cache_fusion must be True or False, got 'false'"):
             ira.enable(rope_kv_cache_fusion="false")
-        with pytest.raises(KeyError, match=r"enable: unknown pass 'rope_fusion'"):
+        # an unknown keyword was a KeyError: a TypeError naming enable() and its options, as for any function
+        with pytest.raises(TypeError, match=r"enable\(\) got an unexpected keyword argument 'rope_fusion'; its options "
+                                            r"are the fusion passes: attn_quant_fusion, .*rope_kv_cache_fusion"):
             ira.enable(rope_kv_cache_fusion=False, rope_fusion=False)
+        with pytest.raises(KeyError, match=r"set_pass_flag: unknown pass 'rope_fusion'"):
+            plugin.set_pass_flag("rope_fusion", False)
         with pytest.raises(TypeError, match=r"set_pass_flag: attn_quant_fusion must be True or False, got 0"):
             plugin.set_pass_flag("attn_quant_fusion", 0)
         # plugin() on an enabled plugin read the flags' values back first: a bare KeyError('rope_fusion')
-        with pytest.raises(KeyError, match=r"plugin: unknown pass 'rope_fusion'"):
+        with pytest.raises(TypeError, match=r"plugin\(\) got an unexpected keyword argument 'rope_fusion'"):
             with ira.plugin(rope_fusion=False):
                 pass
         with pytest.raises(TypeError, match=r"plugin: rope_kv_cache_fusion must be True or False, got 'no'"):
@@ -381,6 +395,9 @@ _GENERATE_CASES = [
     (dict(prompts=[3, 4]), TypeError, r"prompt 0 must be a list of token ids or a 1-D integer tensor, got int 3"),
     (dict(prompts=["ab"]), TypeError, r"prompt 0 must be a list of token ids or a 1-D integer tensor, got str 'ab'"),
     (dict(on_step=5), TypeError, r"on_step must be callable or None, got int"),
+    # "generate: empty prompt" named none of the prompts
+    (dict(prompts=[[3, 4], torch.tensor([], dtype=torch.long)]), ValueError,
+     r"prompt 1 is empty; every prompt needs at least one token id"),
     # unordered: a set's ids ran in hash order, a dict of prompts gave its keys as prompts
     (dict(prompts=[{5, 3, 4}]), TypeError, r"prompt 0 is a set, which has no token order"),
     (dict(prompts=[{3: 1, 4: 1}]), TypeError, r"prompt 0 is a dict, which has no token order"),
@@ -621,6 +638,27 @@ def test_bind_kv_caches_refused_keeps_every_layer_s_cache():
     with pytest.raises(ValueError, match=r"bind_kv_caches: device 'gpu' is not a torch device"):
         ira.bind_kv_caches(model[:1], 8, torch.float32, "gpu")
     assert target.kv_cache is old
+
+
+@pytest.mark.parametrize("entry", ["bind_kv_caches", "allocate_kv_cache", "build_attention_metadata",
+                                   "MetadataBuffers"])
+def test_a_gpu_this_process_lacks_is_named(entry):
+    # torch's "Torch not compiled with CUDA enabled" (an AssertionError) or "invalid device ordinal", raised at the
+    # first allocation, named neither the call nor the device
+    import inductor_rocm_attn.layout as layout
+
+    bad = f"cuda:{torch.cuda.device_count()}"  # no GPU here: any cuda device; else one past the last
+    layer = _layer(f"gpu_missing.{entry}")
+    call = {
+        "bind_kv_caches": lambda: ira.bind_kv_caches(layer, 4, torch.float32, bad),
+        "allocate_kv_cache": lambda: ira.allocate_kv_cache(layer.kv_cache_spec(torch.float32), 4, bad),
+        "build_attention_metadata": lambda: ira.build_attention_metadata([1], [0], [[0]], BS, bad),
+        "MetadataBuffers": lambda: ira.MetadataBuffers(2, 8, 2, bad),
+    }[entry]
+    why = layout._gpu_unavailable(torch.cuda.device_count())
+    with pytest.raises(ValueError, match=rf"{entry}: device '{bad}': " + re.escape(why)):
+        call()
+    assert layer.kv_cache.dim() != 4  # nothing bound
 
 
 def _flag_calls(value):

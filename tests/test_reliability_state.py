@@ -8,6 +8,7 @@ error naming the function, the bad value and what is supported, with the state a
 import copy
 import dataclasses
 import threading
+import warnings
 
 import pytest
 import torch
@@ -731,18 +732,25 @@ def test_compile_transformers_refuses_a_max_model_len_past_its_cache(monkeypatch
             transformers_runner.compile_transformers(model, num_blocks=4, max_model_len=max_model_len)
 
 
-def test_compile_piecewise_block_table_width_is_bounded_by_the_caches():
-    # a max_model_len far past the caches sized the runner's block-table buffers for it
-    # (max_num_seqs x max_model_len / block_size entries: 10**9 tokens would be 16 GB); no
-    # sequence can hold more blocks than the caches have
+def test_compile_piecewise_max_model_len_within_the_caches():
+    # a max_model_len past what the bound caches hold was accepted (the block table clipped to
+    # the caches' blocks, the decode graphs planning KV splits for a length no sequence can
+    # reach, a step between the two lengths refused by the builder's table width): refused now,
+    # before the trace, as compile_transformers refuses it; the default is capped at the caches
     from inductor_rocm_attn.compilation import compile_piecewise
     from inductor_rocm_attn.models import TinyDecoder, qwen3_config
 
-    model = TinyDecoder(qwen3_config(num_layers=1), name="state.wide_model_len").eval()
+    model = TinyDecoder(qwen3_config(num_layers=2), name="state.wide_model_len").eval()
     ira.bind_kv_caches(model, 6, torch.float32, poison=True)
-    runner = compile_piecewise(model, [2], max_model_len=10**9, plugin=False)
-    assert runner.buffers.block_table.shape[1] == 6
-    md = runner.prepare([1, 1], [0, 0], [[1], [5]])  # a step that fits runs
+    ira.bind_kv_caches(model.layers[1], 5, torch.float32, poison=True)  # the smaller cache counts
+    for bad in (10**9, 81):
+        with pytest.raises(ValueError, match=rf"compile_piecewise: max_model_len {bad} is more than the bound KV caches "
+                                             r"hold \(5 blocks x block_size 16 = 80 tokens, the smallest layer cache\); "
+                                             r"pass max_model_len <= 80 \(or leave it out: min\(4096, 80\)\)"):
+            compile_piecewise(model, [2], max_model_len=bad, plugin=False)
+    runner = compile_piecewise(model, [2], plugin=False)  # the default: 4096 capped at the caches
+    assert runner.max_model_len == 80 and runner.buffers.block_table.shape[1] == 5
+    md = runner.prepare([1, 1], [0, 0], [[1], [4]])  # a step that fits runs
     assert torch.isfinite(runner(torch.tensor([1, 2]), md)).all()
 
 
@@ -820,3 +828,66 @@ def test_a_kv_sharing_layer_s_v_layout_switch_is_refused():
         sharer.set_interleaved_v_cache(True)
     assert not sharer.impl.interleaved_v
     assert target.set_interleaved_v_cache(True) and target.interleaved_v
+
+
+# --- one layer writing its cache twice in one step --------------------------------------------------
+
+_SECOND_WRITE = r"this layer writes its KV cache a second time in one forward context"
+
+
+def test_a_layer_called_at_two_depths_of_one_step_warns():
+    # one Attention module serving two depths (a looped model): the second call overwrote the
+    # step's slots with the second depth's keys, and the next step read those for the first
+    # depth too, silently; it warns now, naming the layer (once per layer), and a step run
+    # again in a context of its own (the way to re-run a step) does not
+    s = stepped_layer("state_two_depths")
+    q, k, v = qkv(s.num_tokens, s.g)
+    with ira.set_forward_context(s.md):
+        s.layer(q, k, v)
+        with pytest.warns(UserWarning, match=rf"rocm_attn\.unified_kv_cache_update \(layer '{s.layer.layer_name}'\): "
+                                             rf"{_SECOND_WRITE}.*one layer \(its own name and cache\) per depth"):
+            s.layer(q, 2 * k, 2 * v)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*" + _SECOND_WRITE)
+        for _ in range(2):  # the step again, each run in its own context
+            with ira.set_forward_context(s.md):
+                s.layer(q, k, v)
+        with ira.set_forward_context(s.md):  # a fused writer's second write is one too
+            with pytest.raises(UserWarning, match=rf"unified_rope_and_kv_cache_update .*{_SECOND_WRITE}"):
+                for _ in range(2):
+                    t = s.num_tokens
+                    torch.ops.rocm_attn.unified_rope_and_kv_cache_update(
+                        s.md.positions, q.view(t, H, D).clone(), k.view(t, HKV, D).clone(), v.view(t, HKV, D),
+                        torch.randn(64, D, generator=s.g), True, s.layer.layer_name)
+
+
+def test_a_runner_s_capture_runs_each_warm_up_in_a_context_of_its_own():
+    """The capture's warm-up and capture runs of one size each enter the step's context anew:
+    no layer writes twice in one context."""
+    from inductor_rocm_attn.compilation import RerunGraphBackend, compile_piecewise
+    from inductor_rocm_attn.models import TinyDecoder, qwen3_config
+
+    model = TinyDecoder(qwen3_config(num_layers=1), name="state.capture_contexts").eval()
+    ira.bind_kv_caches(model, 8, torch.float32, poison=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*" + _SECOND_WRITE)
+        runner = compile_piecewise(model, [2], plugin=False, graph_backend=RerunGraphBackend(),
+                                   piecewise_graphs=True)
+    assert runner._captured
+
+
+@pytest.mark.parametrize("enter, name", [("set", "layer"), ("set", "Layers"), ("set", "profilng"), ("profiling", "layer")])
+def test_forward_context_refuses_a_misspelt_keyword(enter, name):
+    # set_forward_context(md, layer=table) kept the table as an "extra" and resolved the step's
+    # layer names through the registry instead, silently; other extras are still kept
+    s = stepped_layer("state_ctx_kw")
+    table = {s.layer.layer_name: s.layer}
+    call = (lambda **kw: ira.set_forward_context(s.md, **kw)) if enter == "set" else ira.profiling_run
+    with pytest.raises(TypeError, match=rf"set_forward_context\(\) got an unexpected keyword argument '{name}'; did "
+                                        r"you mean '(layers|profiling)'\? \(its keywords: attn_metadata, profiling, "
+                                        r"layers; other keywords are kept in the context's extra"):
+        with call(**{name: table}):
+            pass
+    assert get_forward_context().attn_metadata is None
+    with ira.set_forward_context(s.md, layers=table, virtual_engine=0, dp_metadata=None) as ctx:
+        assert ctx.extra == {"virtual_engine": 0, "dp_metadata": None}

@@ -44,7 +44,7 @@ never see each other's bindings.
 Example::
 
     runner = compile_piecewise(model, capture_sizes=[1, 2, 4, 8], max_num_seqs=8,
-                               max_model_len=4096)
+                               max_model_len=4096)   # at most what the bound caches hold
     md = runner.prepare(query_lens, context_lens, block_tables)   # plan -> buffers
     logits = runner(input_ids, md)                                # [num_tokens, vocab]
 """
@@ -76,6 +76,9 @@ from .step_graphs import DECODE, MIXED, StepShape, dummy_step, plan_step, step_s
 
 __all__ = ["compile_piecewise", "PiecewiseRunner", "CompileStats", "plugin_context"]
 
+# compile_piecewise's max_model_len when none is given (capped at what the bound caches hold)
+DEFAULT_MAX_MODEL_LEN = 4096
+
 # === the runner ==============================================================================
 
 
@@ -89,7 +92,7 @@ class PiecewiseRunner:
     """
 
     def __init__(self, model: nn.Module, *, capture_sizes: Sequence[int], max_num_seqs: int,
-                 max_num_tokens: int, max_model_len: int, use_cuda_graphs: bool,
+                 max_num_tokens: int, max_model_len: int | None, use_cuda_graphs: bool,
                  plugin: bool | None, device: torch.device, decode_graphs: bool = False,
                  mixed_graphs: bool = False, piecewise_graphs: bool | None = None,
                  forward: Callable | None = None, layers: Mapping[str, Any] | None = None,
@@ -100,7 +103,6 @@ class PiecewiseRunner:
         self.forward = forward
         self.progress = progress
         self.device = device
-        self.max_model_len = max_model_len
         self.decode_graphs = decode_graphs
         self.mixed_graphs = mixed_graphs
         # Piecewise graphs: by default only where whole-step graphs leave steps uncovered.
@@ -116,12 +118,10 @@ class PiecewiseRunner:
         if any(layer.block_size != self.block_size for layer in layers):
             raise ValueError("compile_piecewise: all attention layers must share one block size")
         self._layers = {layer.layer_name: layer for layer in layers}
-        # Block-table width: max_model_len's blocks, but never more than the bound caches
-        # have (no sequence can hold more), so a large max_model_len allocates nothing extra.
-        width = -(-max_model_len // self.block_size)
-        blocks = self._num_cache_blocks()
+        self.max_model_len = self._checked_max_model_len(max_model_len)
+        # Block-table width: max_model_len's blocks (within the bound caches' count, checked above)
         self.buffers = MetadataBuffers(max_num_seqs, self.max_num_tokens,
-                                       width if blocks is None else min(width, blocks), device)
+                                       -(-self.max_model_len // self.block_size), device)
         self.input_ids = torch.zeros(self.max_num_tokens, dtype=torch.long, device=device)
         self.stats = CompileStats()
         # What layer names resolve through during this runner's steps: its layers, and the
@@ -252,6 +252,21 @@ class PiecewiseRunner:
         self._step_shape, self._step_md = shape, (md if shape is not None else None)
         self._prepared = md
         return md
+
+    def _checked_max_model_len(self, max_model_len: int | None) -> int:
+        """``max_model_len``, or its default (``DEFAULT_MAX_MODEL_LEN`` tokens, at most what the
+        bound caches hold); one given that is more than the caches hold is refused: no sequence
+        could reach it, and the whole-step decode graphs would plan their KV splits for it."""
+        blocks = self._num_cache_blocks()
+        capacity = None if blocks is None else blocks * self.block_size
+        if max_model_len is None:
+            return DEFAULT_MAX_MODEL_LEN if capacity is None else min(DEFAULT_MAX_MODEL_LEN, capacity)
+        if capacity is not None and max_model_len > capacity:
+            raise ValueError(f"compile_piecewise: max_model_len {max_model_len} is more than the bound KV caches hold "
+                             f"({blocks} blocks x block_size {self.block_size} = {capacity} tokens, the smallest "
+                             f"layer cache); pass max_model_len <= {capacity} (or leave it out: "
+                             f"min({DEFAULT_MAX_MODEL_LEN}, {capacity})) or bind larger caches")
+        return max_model_len
 
     def _num_cache_blocks(self) -> int | None:
         """The fewest blocks of the bound caches: the builder rejects a block id at or past it
@@ -384,16 +399,18 @@ class PiecewiseRunner:
             t1 = time.perf_counter()
             md = self._dummy_metadata(size)
             args = self._args(size)
-            with set_forward_context(md, layers=self.layer_table):
-                with backend.warmup():
-                    for _ in range(num_warmup):
-                        self._mode = Mode.EAGER
-                        self.split_gm(*args)
-                self._mode, self._size = Mode.CAPTURE, size
-                try:
-                    self.split_gm(*args)
-                finally:
+            # a context per run: a layer writes its cache once per forward context
+            with backend.warmup():
+                for _ in range(num_warmup):
                     self._mode = Mode.EAGER
+                    with set_forward_context(md, layers=self.layer_table):
+                        self.split_gm(*args)
+            self._mode, self._size = Mode.CAPTURE, size
+            try:
+                with set_forward_context(md, layers=self.layer_table):
+                    self.split_gm(*args)
+            finally:
+                self._mode = Mode.EAGER
             pieces.add(size)
             self._say(f"captured size {size} in {time.perf_counter() - t1:.1f} s")
         self._capture_whole_steps(num_warmup)
@@ -476,10 +493,11 @@ class PiecewiseRunner:
             md = dummy_step(shape, buffers=self.buffers, max_model_len=self.max_model_len,
                             block_size=self.block_size)
             args = self._args(shape.num_tokens)
-            with set_forward_context(md, layers=self.layer_table):
-                with backend.warmup():
-                    for _ in range(num_warmup):
+            with backend.warmup():  # a context per run: a layer writes its cache once per forward context
+                for _ in range(num_warmup):
+                    with set_forward_context(md, layers=self.layer_table):
                         self.split_gm(*args)
+            with set_forward_context(md, layers=self.layer_table):
                 graph = backend.capture_step(self.split_gm, args)
             (self._step_graphs if shape.kind == DECODE else self._mixed_graphs)[shape.num_tokens] = graph
             self._shapes[(shape.kind, shape.num_tokens)] = shape
@@ -564,7 +582,7 @@ def compile_piecewise(
     *,
     max_num_seqs: int | None = None,
     max_num_tokens: int | None = None,
-    max_model_len: int = 4096,
+    max_model_len: int | None = None,
     use_cuda_graphs: bool | None = None,
     plugin: bool | None = None,
     capture: bool = True,
@@ -591,8 +609,9 @@ def compile_piecewise(
         max_num_seqs: sequences per step (metadata buffer size; default ``max(capture_sizes)``).
         max_num_tokens: tokens per step, also for steps above the captured sizes that run
             without graphs (default ``max(capture_sizes)``).
-        max_model_len: longest sequence (block-table width, at most the bound caches' block
-            count; whole-step decode graphs plan their KV splits for it).
+        max_model_len: longest sequence (block-table width; whole-step decode graphs plan
+            their KV splits for it); at most what the bound caches hold (blocks x block size:
+            more is refused); default: 4096, or the caches' capacity where that is less.
         use_cuda_graphs: default: when the model's parameters are on a CUDA/HIP device.
         plugin: run the plugin's passes in the piece compiles (default: on; False: off; a
             post pass the user installed runs either way).
@@ -632,7 +651,7 @@ def compile_piecewise(
     """
     sizes = check_runner_config(
         "compile_piecewise", capture_sizes=capture_sizes, max_num_seqs=max_num_seqs,
-        max_num_tokens=max_num_tokens, max_model_len=max_model_len,
+        max_num_tokens=max_num_tokens, max_model_len=1 if max_model_len is None else max_model_len,
         flags=dict(capture=capture, decode_graphs=decode_graphs, mixed_graphs=mixed_graphs),
         optional_flags=dict(use_cuda_graphs=use_cuda_graphs, plugin=plugin, piecewise_graphs=piecewise_graphs),
         trace_cache=trace_cache, compile_threads=compile_threads, graph_backend=graph_backend,

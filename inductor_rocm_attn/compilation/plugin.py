@@ -44,14 +44,19 @@ def is_enabled() -> bool:
     return _manager is not None and config.post_grad_custom_post_pass is _manager
 
 
-def _check_flags(op: str, flags: dict) -> None:
+def _check_flags(op: str, flags: dict, *, keywords: bool = True) -> None:
     """Every flag names a fusion pass and is True or False, checked before any is applied (a
-    string such as "false" would otherwise turn a pass on)."""
+    string such as "false" would otherwise turn a pass on). ``keywords``: the flags came as
+    keyword arguments (``enable``, ``plugin``), so an unknown one is a ``TypeError`` as for any
+    function; a pass name given as a value (``set_pass_flag``) is a ``KeyError``."""
     from inductor_rocm_attn.passes.pass_manager import PASS_CLASSES
 
     names = [cls.name for cls in PASS_CLASSES]
     for name, on in flags.items():
-        if name not in names:  # KeyError, as PassManager.set_flag raises it
+        if name not in names:
+            if keywords:
+                raise TypeError(f"{op}() got an unexpected keyword argument {name!r}; its options are the fusion "
+                                f"passes: {', '.join(sorted(names))} (each True or False)")
             raise KeyError(f"{op}: unknown pass {name!r}; passes: {sorted(names)}")
         check_bool(op, name, on)
 
@@ -106,7 +111,7 @@ def set_pass_flag(name: str, enabled: bool) -> None:
     """Turn one pass on or off (the manager's uuid changes, so the next compile recompiles)."""
     if _manager is None:
         raise RuntimeError("rocm_attn: the plugin is not enabled")
-    _check_flags("set_pass_flag", {name: enabled})
+    _check_flags("set_pass_flag", {name: enabled}, keywords=False)
     _manager.set_flag(name, enabled)
 
 

@@ -177,8 +177,9 @@ def _generate(runner, prompts, max_new_tokens, *, max_tokens_per_step, max_seqs_
     for i, p in enumerate(prompts):
         ids = _prompt_ids(i, p)
         waiting.append(_Seq(i, ids, len(ids)))
-    if any(s.prompt_len == 0 for s in waiting):
-        raise ValueError("generate: empty prompt")
+    empty = next((s.rid for s in waiting if s.prompt_len == 0), None)
+    if empty is not None:
+        raise ValueError(f"generate: prompt {empty} is empty; every prompt needs at least one token id")
     vocab = vocab_size_of(getattr(runner, "model", None))
     max_len = getattr(runner, "max_model_len", None)
     for s in waiting:  # the embedding's own error names no prompt and no vocabulary

@@ -316,7 +316,7 @@ def test_refusals():
     for bad in (0, 2.5):
         with pytest.raises(ValueError, match=rf"max_new_tokens must be an int >= 1, got {bad}"):
             generate(runner, [[3, 4]], bad)
-    with pytest.raises(ValueError, match="empty prompt"):
+    with pytest.raises(ValueError, match=r"prompt 0 is empty"):
         generate(runner, [[]], 2)
     for bad in (256, -1):  # vocab_size 256
         with pytest.raises(ValueError, match=rf"prompt 1 holds token id {bad}, outside the model's vocabulary \[0, 256\)"):

@@ -123,7 +123,31 @@ def test_gluon_prefill_bad_keyword_refused_before_any_write():
     args, kw, _ = _args(c, out)
     with pytest.raises(ValueError, match=r"paged_attention: prefill_kernel='fast'; supported: \('auto', 'triton', 'gluon'\)"):
         pa_mod.paged_attention(*args, **kw, prefill_kernel="fast")
+    # a value of another kind was a ValueError; gluon with a Triton config ran the Triton prefill silently
+    with pytest.raises(TypeError, match=r"paged_attention: prefill_kernel must be one of \('auto', 'triton', 'gluon'\) "
+                                        r"or None, got int 1"):
+        pa_mod.paged_attention(*args, **kw, prefill_kernel=1)
+    cfg = pa_mod.prefill_config(c.query.shape[2], 2, c.kv_cache.shape[2], torch.float16, pa_mod.interpreting())
+    with pytest.raises(ValueError, match=r"paged_attention: prefill_kernel='gluon' with a prefill_cfg, a config of the "
+                                         r"Triton prefill \(which would run instead\); give one or the other"):
+        pa_mod.paged_attention(*args, **kw, prefill_kernel="gluon", prefill_cfg=cfg)
     assert torch.isnan(out.float()).all()
+
+
+def test_gluon_prefill_env_with_a_triton_config_warns(monkeypatch):
+    """ROCM_ATTN_PREFILL_KERNEL=gluon and a prefill_cfg (a Triton config) run the Triton prefill
+    with the config, as any other reason it runs, with one warning (it ran silently)."""
+    monkeypatch.setattr(pa_mod, "DEFAULT_PREFILL_KERNEL", "gluon")
+    monkeypatch.setattr(pa_mod, "_WARNED_REASONS", set())
+    c = cases.make_paged_case([20, 1], [5, 7], dtype=torch.float16, seed=seed())
+    out = cases.poison(torch.empty_like(c.query))
+    args, kw, scale = _args(c, out)
+    cfg = pa_mod.prefill_config(c.query.shape[2], 2, c.kv_cache.shape[2], torch.float16, pa_mod.interpreting())
+    with pytest.warns(UserWarning, match=r"prefill kernel 'gluon' .* does not cover this launch \(a prefill_cfg, a "
+                                         r"Triton prefill config, was given\); the Triton prefill runs it"):
+        pa_mod.paged_attention(*args, **kw, prefill_cfg=cfg)
+    err = cases.rel_err(out.double(), cases.dense_oracle(c, scale=scale, causal=True))
+    assert err < TOL[torch.float16], err
 
 
 def test_gluon_prefill_ineligible_launch_runs_triton_with_one_warning(monkeypatch):

@@ -144,10 +144,18 @@ def paged_attention(
     sm_90, for launches it covers (``kernels/gluon/eligibility.py``) under the Triton version
     it was tested with; the Triton kernel for the others), ``"gluon"`` (the same, with one
     warning per reason a launch runs the Triton kernel, and any Triton version) or
-    ``"triton"``. A given ``prefill_cfg``, a Triton config, runs the Triton kernel.
+    ``"triton"``. A given ``prefill_cfg``, a Triton config, runs the Triton kernel (with
+    ``prefill_kernel="gluon"`` it is refused; with ``ROCM_ATTN_PREFILL_KERNEL=gluon`` it warns).
     """
-    if prefill_kernel is not None and prefill_kernel not in PREFILL_KERNELS:
-        raise ValueError(f"paged_attention: prefill_kernel={prefill_kernel!r}; supported: {PREFILL_KERNELS}")
+    if prefill_kernel is not None:
+        if not isinstance(prefill_kernel, str):
+            raise TypeError(f"paged_attention: prefill_kernel must be one of {PREFILL_KERNELS} or None, got "
+                            f"{type(prefill_kernel).__name__} {prefill_kernel!r:.40}")
+        if prefill_kernel not in PREFILL_KERNELS:
+            raise ValueError(f"paged_attention: prefill_kernel={prefill_kernel!r}; supported: {PREFILL_KERNELS}")
+        if prefill_kernel == "gluon" and prefill_cfg is not None:  # the Triton kernel's config: gluon never ran
+            raise ValueError("paged_attention: prefill_kernel='gluon' with a prefill_cfg, a config of the Triton "
+                             "prefill (which would run instead); give one or the other")
     num_tokens, num_heads, head_size = query.shape
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
@@ -264,6 +272,8 @@ def paged_attention(
     if max_query_len is not None and max_query_len <= q_max:
         return
     choice = prefill_kernel or DEFAULT_PREFILL_KERNEL
+    if choice == "gluon" and prefill_cfg is not None:  # ROCM_ATTN_PREFILL_KERNEL=gluon: as any reason, said once
+        _warn_triton_prefill("a prefill_cfg, a Triton prefill config, was given")
     if choice != "triton" and prefill_cfg is None and _gluon_prefill_runs(
             choice, interpret, output, query, key, value, kv_cache, causal, sliding_window,
             alibi_slopes, sinks, logits_soft_cap, output_scale):
