@@ -27,6 +27,9 @@ as q [B*L, Hq, D], k/v [B*L, Hkv, D], causal, 32/8 heads, d=128, bf16):
 - Row blocks run longest first (grid axis 1 counts the diagonal down), the 4 query heads of
   a KV head next to each other (grid axis 0) so their K/V tiles share L2.
 
+The shared memory and its mbarriers are the library kernel's (``allocate_pipeline`` of
+``inductor_rocm_attn/kernels/gluon/prefix_prefill.py``, imported from this checkout).
+
 A config is ``BLOCK_N,STAGES,PIPE,SPLIT``. A length that is not a multiple of BLOCK_M works:
 TMA zero-fills past the packed tensor, keys of the next sequence are masked by causality for
 every valid row, rows past the sequence are not stored.
@@ -59,9 +62,11 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
+from inductor_rocm_attn.kernels.gluon.prefix_prefill import allocate_pipeline  # noqa: E402
 
 HQ, HKV, D, DTYPE = 32, 8, 128, torch.bfloat16
 BLOCK_M, NUM_WARPS = 128, 8
@@ -263,22 +268,10 @@ def _causal_gluon_kernel(q_desc, k_desc, v_desc, out_ptr, stride_ot, seq_len, qk
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                        instr_shape=[16, HEAD, 16])
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    mbarrier.init(turn.index(0), count=1)
-    mbarrier.init(turn.index(1), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=SPLIT + 1)  # one arrival per consumer partition
-    fence_async_shared()  # the initialized barriers visible to the TMA unit
+    # the library kernel's shared memory and mbarriers; a stage is released by each consumer
+    # partition (SPLIT + 1 of them)
+    q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn = allocate_pipeline(q_desc, k_desc, v_desc,
+                                                                                         STAGES, SPLIT + 1)
 
     load_args = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                  seq_start + row0, head * HEAD, seq_start, (head // GQA) * HEAD, n_tiles, BLOCK_N, STAGES)

@@ -67,28 +67,57 @@ def compile_sm90(dtype=torch.bfloat16, head_size: int = 128, num_heads: int = 32
                             options=pp._options(cfg))
     ptx = kernel.asm["ptx"]
     return dict(**_resources(kernel, fn.__name__),
-                setmaxnreg=sorted(set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))),
+                setmaxnreg=setmaxnreg_budgets(ptx),
                 cp_async_16=len(re.findall(r"cp\.async\.cg\.shared\.global(?:\.L2::\w+)?\s*\[[^\]]*\],\s*\[[^\]]*\],"
                                            r"\s*0x10", ptx)),
                 cp_async_small=len(re.findall(r"cp\.async\.ca\.shared\.global", ptx)))
 
 
-def compile_launch() -> dict:
-    """``launch()`` itself on CPU tensors (the kernel call intercepted, nothing runs), its
-    arguments compiled for sm_90 as a real launch would pass them: the host side and the
-    kernel signature agree (``compile_sm90`` builds its own signature)."""
+def setmaxnreg_budgets(ptx: str) -> list[str]:
+    """The register budgets the partitions' setmaxnreg instructions set, sorted."""
+    return sorted(set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))
+
+
+def specialize_launch(module, call) -> tuple:
+    """Run ``call`` (which launches ``module._gluon_prefix_prefill_kernel`` once, on CPU
+    tensors: the launch is intercepted, nothing runs) and compile that launch for sm_90 as the
+    GPU would: its arguments through Triton's own binder (the types, ``tt.divisibility`` and
+    constexpr-1 specialization a real launch keys its cache on), then frontend, optimizer and
+    ptxas. Returns the compiled kernel, (signature, constexprs, attributes, options) and the grid."""
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
+    from triton.compiler import make_backend
     from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import create_function_from_signature
 
-    from inductor_rocm_attn.kernels.gluon import prefix_prefill as pp
-    from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache, k_view, v_view
-
-    fn = pp._gluon_prefix_prefill_kernel
+    fn = module._gluon_prefix_prefill_kernel
     seen = []
     fn.run = lambda *args, grid=None, warmup=False, **kw: seen.append((args, kw, grid))
     try:
+        call()
+    finally:
+        del fn.run
+    (args, kw, grid), = seen
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    # what JITFunction.run does before it compiles, minus the driver
+    kw = dict(kw, debug=kw.get("debug", fn.debug) or knobs.runtime.debug,
+              instrumentation_mode=knobs.compilation.instrumentation_mode)
+    bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kw)
+    options, sig, consts, attrs = fn._pack_args(backend, kw, bound, specialization, options)
+    kernel = triton_compile(GluonASTSource(fn, sig, consts, attrs), target=target, options=options.__dict__)
+    return kernel, (sig, consts, attrs, options), grid
+
+
+def compile_launch() -> dict:
+    """``launch()`` itself on CPU tensors, compiled for sm_90 as a real launch would pass its
+    arguments (``specialize_launch``): the host side and the kernel signature agree
+    (``compile_sm90`` builds its own signature)."""
+    from inductor_rocm_attn.kernels.gluon import prefix_prefill as pp
+    from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache, k_view, v_view
+
+    def call():
         t, hq, hkv, d, bs = 300, 8, 2, 128, 16
         q = torch.randn(t, hq, d, dtype=torch.bfloat16)
         k, v = (torch.randn(t, hkv, d, dtype=torch.bfloat16) for _ in range(2))
@@ -96,30 +125,8 @@ def compile_launch() -> dict:
         pp.launch(torch.empty_like(q), q, k, v, k_view(cache, hkv), v_view(cache, hkv, True),
                   torch.zeros(2, 20, dtype=torch.int32), torch.tensor([200, 250], dtype=torch.int32),
                   torch.tensor([0, 100, 300], dtype=torch.int32), d ** -0.5, True, 8)
-    finally:
-        del fn.run
-    (args, kw, grid), = seen
-    values = dict(zip(fn.arg_names, args))
-    values.update({n: kw[n] for n in fn.arg_names if n in kw})
-    ty = {torch.bfloat16: "bf16", torch.int32: "i32"}
-    sig, consts, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
-        v = values[name]  # a parameter the launch does not pass fails here
-        if fn.params[i].is_constexpr:
-            sig[name], consts[name] = "constexpr", v
-        elif isinstance(v, torch.Tensor):
-            sig[name] = "*" + ty[v.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(v, TensorDescriptor):
-            sig[name] = f"tensordesc<{ty[v.base.dtype]}[{','.join(map(str, v.block_shape))}],{v.layout!r}>"
-        elif isinstance(v, float):
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-            if v % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    options = {k_: kw[k_] for k_ in ("num_warps", "maxnreg")}
-    kernel = triton_compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+
+    kernel, _, grid = specialize_launch(pp, call)
     return dict(grid=grid, shared=kernel.metadata.shared)
 
 

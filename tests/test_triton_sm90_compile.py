@@ -6,7 +6,9 @@ failed on the H200). ``triton_sm90_compile.py`` intercepts every launch of the p
 wrappers and compiles it for sm_90 (frontend, optimizer, ptxas; no driver needed). The
 Gluon prefill probe (``benchmarks/probe_prefill_gluon.py``) is compiled the same way, by its
 own ``--compile-only``, the Gluon prefix prefill (``kernels/gluon``) by
-``gluon_sm90_compile.py``.
+``gluon_sm90_compile.py``. ``gluon_sm90_sass.py`` fingerprints the Gluon prefill's SASS for
+every specialization (a refactor runs it before and after: ``--save`` / ``--compare``, about
+4 minutes of ptxas, so not run here); its ``--self-check`` is.
 """
 
 import os
@@ -53,3 +55,13 @@ def test_gluon_prefix_prefill_compiles_for_sm90_without_spills():
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     _run_compile_script(os.path.join(os.path.dirname(__file__), "gluon_sm90_compile.py"), timeout=300,
                         pythonpath=True)
+
+
+def test_gluon_sass_check_tells_a_changed_kernel():
+    """``gluon_sm90_sass.py``'s fingerprint (what its ``--compare`` calls identical) equals the
+    library kernel's for an unchanged copy of the module in another file, and differs for a
+    copy with one character of the load partition changed (about 15 s of ptxas): the check a
+    kernel refactor relies on can fail, and a moved kernel does not fail it."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    _run_compile_script(os.path.join(os.path.dirname(__file__), "gluon_sm90_sass.py"), "--self-check",
+                        timeout=300, pythonpath=True)

@@ -69,6 +69,34 @@ def _find_seq(cu_ptr, num_seqs, vblock, BLOCK_M: gl.constexpr):
     return lo
 
 
+# --- shared memory of the pipeline (also the probe's, benchmarks/probe_prefill_gluon.py) -----
+
+@gluon.jit
+def allocate_pipeline(q_desc, k_desc, v_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """A row block's shared memory, allocated and its mbarriers initialized: the Q tile, a
+    ring of ``STAGES`` K and V stages (each the shape and layout of its descriptor's block),
+    Q's ready mbarrier, a stage's K and V ready mbarriers (one arrival each), a stage's empty
+    mbarrier (one arrival per consumer partition: ``CONSUMERS``) and the consumers'
+    two ping-pong turn mbarriers (one arrival each)."""
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=CONSUMERS)
+    fence_async_shared()  # the initialized barriers visible to the TMA unit
+    return q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn
+
+
 # --- load partition --------------------------------------------------------------------------
 
 @gluon.jit
@@ -205,6 +233,37 @@ def _publish_cp_async(bar):
 
 
 @gluon.jit
+def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, kc_head, vc_head, bt_row, stride_kcb,
+                       stride_vcb, ctx_len, j,
+                       BLOCK_N: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr,
+                       BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr,
+                       VT_LAYOUT: gl.constexpr, PARTIAL: gl.constexpr):
+    """Context key tile ``j`` into its stage: K and V gathered by cp.async, each published on
+    its ready mbarrier. ``PARTIAL`` (the last tile, keys past the context): only the chunks
+    and packets that hold context keys are read, and V's stale slots are zeroed once its
+    packets landed, before V is published."""
+    s = j % STAGES
+    # a fresh mbarrier reads as if its phase before 0 completed: the first round passes
+    mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+    _gather_k(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N,
+              BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, PARTIAL)
+    _publish_cp_async(k_ready.index(s))
+    vt = v_bufs.index(s)._reinterpret(v_bufs.dtype, [HEAD, BLOCK_N], VT_LAYOUT)
+    _gather_vt(vt, vc_head, bt_row, stride_vcb, ctx_len, j * BLOCK_N,
+               BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, PARTIAL)
+    if PARTIAL:
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        gl.thread_barrier()  # every thread's packets landed before any zeroing
+        _zero_stale_v(vt, ctx_len, j * BLOCK_N, BLOCK_N, HEAD, LOAD_WARPS)
+        fence_async_shared()  # this thread's stores before the wgmma's async-proxy reads
+        gl.thread_barrier()
+        mbarrier.arrive(v_ready.index(s), count=1)
+    else:
+        _publish_cp_async(v_ready.index(s))
+
+
+@gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                     kc_head, vc_head, bt_row, stride_kcb, stride_vcb, v_head, stride_vt,
                     q_row, q_col, kv_row, kv_col, ctx_len, q_len, n_ctx, n_new,
@@ -215,32 +274,13 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_rea
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
     n_ctx_full = ctx_len // BLOCK_N
     for j in range(n_ctx_full):  # whole context tiles: no masks
-        s = j % STAGES
-        # a fresh mbarrier reads as if its phase before 0 completed: the first round passes
-        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
-        _gather_k(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N,
-                  BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, False)
-        _publish_cp_async(k_ready.index(s))
-        vt = v_bufs.index(s)._reinterpret(v_bufs.dtype, [HEAD, BLOCK_N], VT_LAYOUT)
-        _gather_vt(vt, vc_head, bt_row, stride_vcb, ctx_len, j * BLOCK_N,
-                   BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, False)
-        _publish_cp_async(v_ready.index(s))
+        _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, kc_head, vc_head, bt_row, stride_kcb,
+                           stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V,
+                           VT_LAYOUT, False)
     for j in range(n_ctx_full, n_ctx):  # the partial last context tile (at most one)
-        s = j % STAGES
-        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
-        _gather_k(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N,
-                  BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, True)
-        _publish_cp_async(k_ready.index(s))
-        vt = v_bufs.index(s)._reinterpret(v_bufs.dtype, [HEAD, BLOCK_N], VT_LAYOUT)
-        _gather_vt(vt, vc_head, bt_row, stride_vcb, ctx_len, j * BLOCK_N,
-                   BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, True)
-        async_copy.commit_group()
-        async_copy.wait_group(0)
-        gl.thread_barrier()  # every thread's packets landed before any zeroing
-        _zero_stale_v(vt, ctx_len, j * BLOCK_N, BLOCK_N, HEAD, LOAD_WARPS)
-        fence_async_shared()  # this thread's stores before the wgmma's async-proxy reads
-        gl.thread_barrier()
-        mbarrier.arrive(v_ready.index(s), count=1)
+        _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, kc_head, vc_head, bt_row, stride_kcb,
+                           stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V,
+                           VT_LAYOUT, True)
     for i in range(n_new):  # the new tokens, by TMA
         j = n_ctx + i
         s = j % STAGES
@@ -468,22 +508,9 @@ def _gluon_prefix_prefill_kernel(
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                        instr_shape=[16, HEAD, 16])
     VT_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD, BLOCK_N], q_desc.dtype)
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    mbarrier.init(turn.index(0), count=1)
-    mbarrier.init(turn.index(1), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer partition
-    fence_async_shared()  # the initialized barriers visible to the TMA unit
+    # two consumer partitions release each stage
+    q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn = allocate_pipeline(q_desc, k_desc, v_desc,
+                                                                                         STAGES, 2)
 
     gl.warp_specialize([
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
