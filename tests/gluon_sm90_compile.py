@@ -5,8 +5,9 @@ setmaxnreg budgets, and the 16-byte / smaller cp.async counts of the gather. A v
 FAILs when it does not compile, spills, needs more shared memory than sm_90 has, or has a
 gather that lost its 16-byte packets. Exit 1 on a FAIL, 3 when this machine cannot compile
 Gluon for sm_90 at all (no ptxas...). Run without ``TRITON_INTERPRET``; used by
-tests/test_triton_sm90_compile.py. ``--variants``: every named context-gather variant
-(``prefix_prefill.SWEEP_VARIANTS``) instead, with its count of load-partition thread barriers.
+tests/test_triton_sm90_compile.py. ``--variants [NAME ...] [--bench-shape-only]``: the named
+context-gather variants (``prefix_prefill.SWEEP_VARIANTS``, default all) instead, with their
+counts of load-partition thread barriers.
 """
 
 from __future__ import annotations
@@ -133,15 +134,18 @@ def compile_launch() -> dict:
     return dict(grid=grid, shared=kernel.metadata.shared)
 
 
-def variant_cases():
-    """(label, compile_sm90 keywords) of every named context-gather variant
-    (``prefix_prefill.SWEEP_VARIANTS``) at the shapes of ``VARIANTS`` and at block size 32 (a
-    variant that does not cover a shape, ``_check_variant``, is left out)."""
+def variant_cases(names=(), bench_shape_only: bool = False):
+    """(label, compile_sm90 keywords) of the named context-gather variants (``names``, default
+    all of ``prefix_prefill.SWEEP_VARIANTS``) at the shapes of ``VARIANTS`` and at block size 32
+    (``bench_shape_only``: the first, the benchmark's), a variant that does not cover a shape
+    (``_check_variant``) left out."""
     from inductor_rocm_attn.kernels.gluon import prefix_prefill as pp
 
     shapes = VARIANTS + [("bf16 d128 bs32 gqa4 standard V", dict(block_size=32))]
+    shapes = shapes[:1] if bench_shape_only else shapes
     out = []
-    for name, cfg in pp.SWEEP_VARIANTS.items():
+    for name in names or pp.SWEEP_VARIANTS:
+        cfg = pp.SWEEP_VARIANTS[name]
         for label, kw in shapes:
             try:
                 pp._check_variant(cfg, kw.get("head_size", 128), kw.get("block_size", 16))
@@ -152,14 +156,16 @@ def variant_cases():
 
 
 def main() -> int:
-    variants = "--variants" in sys.argv[1:]
+    argv = sys.argv[1:]
+    variants = "--variants" in argv
+    names = [a for a in argv if not a.startswith("--")]
     try:
         from inductor_rocm_attn.kernels.gluon import prefix_prefill  # noqa: F401
     except Exception as e:  # noqa: BLE001 - no Gluon here at all
         print(f"SKIP: the Gluon prefill does not import: {type(e).__name__}: {e}")
         return 3
     bad = 0
-    for label, kw in (variant_cases() if variants else VARIANTS):
+    for label, kw in (variant_cases(names, "--bench-shape-only" in argv) if variants else VARIANTS):
         try:
             r = compile_sm90(**kw)
         except Exception as e:  # noqa: BLE001 - one line per variant
