@@ -235,7 +235,7 @@ def _prefix_prefill():
 @pytest.mark.parametrize("changes,expect", [
     (dict(load_warps=2), "load_warps=2 (supported: 4, 8)"),
     (dict(load_warps=12), "load_warps=12 (supported: 4, 8)"),
-    (dict(gather="pages"), "gather='pages' (supported: 'chunks', 'tile')"),
+    (dict(gather="pages"), "gather='pages' (supported: 'chunks', 'tile', 'tile_k')"),
     (dict(publish="once"), "publish='once' (supported: 'separate', 'joint')"),
     (dict(consumer_regs=236), "consumer_regs=236 (a multiple of 8 in 24..256)"),
     (dict(load_warps=8), "maxnreg=168: 16 warps x 32 x 168 registers exceed 65536"),
@@ -259,7 +259,8 @@ def test_gluon_prefill_sweep_variants_are_valid_and_default_unchanged():
         4, "chunks", "separate")
     assert pp.DEFAULT_CONFIG.load_regs() == 24
     assert pp._options(pp.DEFAULT_CONFIG) == dict(num_warps=4, maxnreg=168)
-    assert pp._variant_constexprs(pp.DEFAULT_CONFIG) == dict(GATHER_TILE=False, JOINT_PUBLISH=False)
+    assert pp._variant_constexprs(pp.DEFAULT_CONFIG) == dict(GATHER_TILE_K=False, GATHER_TILE_V=False,
+                                                             JOINT_PUBLISH=False)
     for name, cfg in pp.SWEEP_VARIANTS.items():
         assert cfg.load_regs() >= 24 and (cfg.load_warps + 8) * 32 * cfg.maxnreg <= 65536, name
 

@@ -136,7 +136,7 @@ def _gather_k(k_buf, kc_head, bt_row, stride_kcb, ctx_len, key0,
 def _gather_k_tile(k_buf, kc_head, bt_row, stride_kcb, ctx_len, key0,
                    BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
                    LOAD_WARPS: gl.constexpr, MASKED: gl.constexpr):
-    """``GATHER_TILE`` variant of ``_gather_k``: the whole ``[BLOCK_N, HEAD]`` stage in one
+    """``GATHER_TILE_K`` variant of ``_gather_k``: the whole ``[BLOCK_N, HEAD]`` stage in one
     cp.async op, a thread per key (its page read once, its ``HEAD // 8`` packets at fixed
     offsets from one address). One op per tile: the chunked gather's copies are writes to
     slices of a dynamically indexed stage, which Triton's shared-memory barrier analysis
@@ -218,7 +218,7 @@ def _gather_vt(vt_buf, vc_head, bt_row, stride_vcb, ctx_len, key0,
 def _gather_vt_tile(vt_buf, vc_head, bt_row, stride_vcb, ctx_len, key0,
                     BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
                     LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr, MASKED: gl.constexpr):
-    """``GATHER_TILE`` variant of ``_gather_vt``: the whole ``[HEAD, BLOCK_N]`` view in one
+    """``GATHER_TILE_V`` variant of ``_gather_vt``: the whole ``[HEAD, BLOCK_N]`` view in one
     cp.async op (same packets, same per-thread key offsets, no barrier between chunks)."""
     TPW_C: gl.constexpr = BLOCK_N // 8
     TPW_R: gl.constexpr = 32 // TPW_C
@@ -289,15 +289,16 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, kc_head, vc_h
                        stride_vcb, ctx_len, j,
                        BLOCK_N: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr,
                        BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr,
-                       VT_LAYOUT: gl.constexpr, PARTIAL: gl.constexpr, GATHER_TILE: gl.constexpr,
-                       JOINT_PUBLISH: gl.constexpr):
+                       VT_LAYOUT: gl.constexpr, PARTIAL: gl.constexpr, GATHER_TILE_K: gl.constexpr,
+                       GATHER_TILE_V: gl.constexpr, JOINT_PUBLISH: gl.constexpr):
     """Context key tile ``j`` into its stage: K and V gathered by cp.async, each published on
     its ready mbarrier. ``PARTIAL`` (the last tile, keys past the context): only the chunks
     and packets that hold context keys are read, and V's stale slots are zeroed once its
     packets landed, before V is published.
 
-    Variants (``GluonPrefillConfig``; the default is neither): ``GATHER_TILE``, K and V each
-    in one cp.async op (``_gather_k_tile``, ``_gather_vt_tile``); ``JOINT_PUBLISH``, one thread
+    Variants (``GluonPrefillConfig``; the default is none): ``GATHER_TILE_K`` /
+    ``GATHER_TILE_V``, K / V in one cp.async op (``_gather_k_tile``, ``_gather_vt_tile``);
+    ``JOINT_PUBLISH``, one thread
     barrier publishes K and V together after both were issued: each thread's tracking arrive
     on ``k_ready`` follows its K packets, the one on ``v_ready`` its V packets, and the single
     thread barrier puts every tracking arrive before the two completing arrivals (K is
@@ -305,7 +306,7 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, kc_head, vc_h
     s = j % STAGES
     # a fresh mbarrier reads as if its phase before 0 completed: the first round passes
     mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
-    if GATHER_TILE:
+    if GATHER_TILE_K:
         _gather_k_tile(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N,
                        BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, PARTIAL)
     else:
@@ -316,7 +317,7 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, kc_head, vc_h
     else:
         _publish_cp_async(k_ready.index(s))
     vt = v_bufs.index(s)._reinterpret(v_bufs.dtype, [HEAD, BLOCK_N], VT_LAYOUT)
-    if GATHER_TILE:
+    if GATHER_TILE_V:
         _gather_vt_tile(vt, vc_head, bt_row, stride_vcb, ctx_len, j * BLOCK_N,
                         BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, PARTIAL)
     else:
@@ -347,18 +348,19 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_rea
                     q_row, q_col, kv_row, kv_col, ctx_len, q_len, n_ctx, n_new,
                     BLOCK_N: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr,
                     BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr,
-                    VT_LAYOUT: gl.constexpr, GATHER_TILE: gl.constexpr, JOINT_PUBLISH: gl.constexpr):
+                    VT_LAYOUT: gl.constexpr, GATHER_TILE_K: gl.constexpr, GATHER_TILE_V: gl.constexpr,
+                    JOINT_PUBLISH: gl.constexpr):
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
     n_ctx_full = ctx_len // BLOCK_N
     for j in range(n_ctx_full):  # whole context tiles: no masks
         _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, kc_head, vc_head, bt_row, stride_kcb,
                            stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V,
-                           VT_LAYOUT, False, GATHER_TILE, JOINT_PUBLISH)
+                           VT_LAYOUT, False, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH)
     for j in range(n_ctx_full, n_ctx):  # the partial last context tile (at most one)
         _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, kc_head, vc_head, bt_row, stride_kcb,
                            stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V,
-                           VT_LAYOUT, True, GATHER_TILE, JOINT_PUBLISH)
+                           VT_LAYOUT, True, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH)
     for i in range(n_new):  # the new tokens, by TMA
         j = n_ctx + i
         s = j % STAGES
@@ -540,7 +542,8 @@ def _gluon_prefix_prefill_kernel(
     NUM_HEADS: gl.constexpr, GQA: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     INTERLEAVED_V: gl.constexpr,
-    SHORT_QUERY_MAX: gl.constexpr, GATHER_TILE: gl.constexpr, JOINT_PUBLISH: gl.constexpr,
+    SHORT_QUERY_MAX: gl.constexpr, GATHER_TILE_K: gl.constexpr, GATHER_TILE_V: gl.constexpr,
+    JOINT_PUBLISH: gl.constexpr,
 ):
     """Grid ``((num_tokens // BLOCK_M + num_seqs) * NUM_HEADS,)``: program ``pid`` is query
     head ``pid % NUM_HEADS`` (a KV head's query heads adjacent: they share its K/V tiles in
@@ -595,8 +598,8 @@ def _gluon_prefix_prefill_kernel(
                            kc_ptr + kv_head * stride_kch, vc_ptr + kv_head * stride_vch, bt_row, stride_kcb,
                            stride_vcb, v_ptr + kv_head * HEAD, stride_vt, q_start + q_tile_row, head * HEAD,
                            q_start, kv_head * HEAD, ctx_len, q_len, n_ctx, n_new,
-                           BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, VT_LAYOUT, GATHER_TILE,
-                           JOINT_PUBLISH)),
+                           BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, VT_LAYOUT, GATHER_TILE_K,
+                           GATHER_TILE_V, JOINT_PUBLISH)),
         (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn, out_base, stride_ot,
                               q_tile_row, q_len, ctx_len, n_ctx, n_new, qk_scale,
                               ROWS, 0, BLOCK_M, BLOCK_N, HEAD, STAGES, VT_LAYOUT, s_layout, o_layout)),
@@ -628,9 +631,9 @@ class GluonPrefillConfig:
       the load partition keeps ``maxnreg + (maxnreg - consumer_regs) * 8 / load_warps``
       registers (rounded down to 8), which must be >= 24: ``consumer_regs=232, maxnreg=128``;
     - ``gather``: ``"chunks"`` (K in chunks of keys of one page, V in chunks of channels, one
-      cp.async op each) or ``"tile"`` (K and V each one cp.async op for the whole tile, a
+      cp.async op each), ``"tile"`` (K and V each one cp.async op for the whole tile, a
       thread per key for K: no thread barrier between the chunks, one block-table read a
-      thread and tile for K);
+      thread and tile for K) or ``"tile_k"`` (K so, V in chunks);
     - ``publish``: ``"separate"`` (K published once its packets are issued, then V) or
       ``"joint"`` (one thread barrier publishes both after V is issued)."""
 
@@ -646,8 +649,8 @@ class GluonPrefillConfig:
         bad = []
         if self.load_warps not in (4, 8):
             bad.append(f"load_warps={self.load_warps} (supported: 4, 8)")
-        if self.gather not in ("chunks", "tile"):
-            bad.append(f"gather={self.gather!r} (supported: 'chunks', 'tile')")
+        if self.gather not in ("chunks", "tile", "tile_k"):
+            bad.append(f"gather={self.gather!r} (supported: 'chunks', 'tile', 'tile_k')")
         if self.publish not in ("separate", "joint"):
             bad.append(f"publish={self.publish!r} (supported: 'separate', 'joint')")
         if self.consumer_regs % 8 or not 24 <= self.consumer_regs <= 256:
@@ -687,6 +690,7 @@ SWEEP_VARIANTS = {
     "load8_joint": GluonPrefillConfig(**_LOAD8, consumer_regs=232, publish="joint"),
     "tile": GluonPrefillConfig(gather="tile", consumer_regs=232),
     "tile_r224": GluonPrefillConfig(gather="tile", consumer_regs=224),
+    "tile_k": GluonPrefillConfig(gather="tile_k", consumer_regs=232),
     "tile_joint": GluonPrefillConfig(gather="tile", consumer_regs=232, publish="joint"),
     "load8_tile": GluonPrefillConfig(**_LOAD8, gather="tile", consumer_regs=224),
     "load8_tile_joint": GluonPrefillConfig(**_LOAD8, gather="tile", consumer_regs=224, publish="joint"),
@@ -710,7 +714,8 @@ def _constexprs(num_heads: int, gqa: int, head_size: int, block_size: int, inter
 def _variant_constexprs(cfg: GluonPrefillConfig) -> dict:
     """The context-gather variant's constexprs (``tests/gluon_sm90_sass.py`` leaves them out of a
     specialization's name at the default's values)."""
-    return dict(GATHER_TILE=cfg.gather == "tile", JOINT_PUBLISH=cfg.publish == "joint")
+    return dict(GATHER_TILE_K=cfg.gather in ("tile", "tile_k"), GATHER_TILE_V=cfg.gather == "tile",
+                JOINT_PUBLISH=cfg.publish == "joint")
 
 
 def _options(cfg: GluonPrefillConfig) -> dict:
@@ -723,7 +728,7 @@ def _check_variant(cfg: GluonPrefillConfig, head_size: int, block_size: int) -> 
     if cfg.gather == "chunks" and block_size % chunk:
         raise ValueError(f"Gluon prefill: load_warps={cfg.load_warps} with gather='chunks' gathers K in chunks of "
                          f"{chunk} keys at head size {head_size}, more than a block of {block_size}; "
-                         f"supported: gather='tile', or block sizes that are multiples of {chunk}")
+                         f"supported: gather='tile' or 'tile_k', or block sizes that are multiples of {chunk}")
 
 
 def launch(output, query, key, value, kc, vc, block_table, seq_lens, query_start_loc, scale: float,
