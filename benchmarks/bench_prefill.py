@@ -14,6 +14,12 @@ default ``auto`` runs there), each checked against SDPA before it is timed; a Gl
 that falls back to Triton (another GPU, head size 512...) is reported as unavailable, not
 timed. ``--kernels triton``: the Triton rows only.
 
+``--gluon-cfgs default tile load_warps=8,maxnreg=128,consumer_regs=232 ...``: the Gluon
+prefill under each config (a name of ``prefix_prefill.SWEEP_VARIANTS`` or ``field=value,...``
+changes of its default ``GluonPrefillConfig``) on every case, in the same run: output
+NaN-poisoned, checked against SDPA, then timed (the ``gluon_cfgs`` rows of the JSON); a
+config that fails to build, run or match is a row with its error, not a timing.
+
 ``--peers flashinfer``: FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (fa3, and fa2)
 in the same run, over the same values in its own NHD pages (prefix and new tokens; ``peers.py``),
 checked against SDPA; a "peer unavailable: <reason>" row where it cannot run.
@@ -21,6 +27,7 @@ checked against SDPA; a "peer unavailable: <reason>" row where it cannot run.
     python benchmarks/bench_prefill.py [--prefix 0 4096] [--sweep] [--peers flashinfer]
     python benchmarks/bench_prefill.py --kernels triton gluon  # Gluon vs Triton prefill (Hopper)
     python benchmarks/bench_prefill.py --head-size 512 --kv-heads 4 --batch 1  # Gemma4 full layers
+    python benchmarks/bench_prefill.py --kernels triton --gluon-cfgs all  # every Gluon variant (Hopper)
 
 Writes benchmarks/results/prefill_<date>.json and .md (or --out DIR).
 """
@@ -197,6 +204,72 @@ def gluon_prefill_row(c: PrefillCase, ref, flops: float, row: dict) -> None:
           f"of Triton)  err {err:.1e}", flush=True)
 
 
+def gluon_config(spec: str):
+    """A ``GluonPrefillConfig`` from a ``SWEEP_VARIANTS`` name or ``field=value,...`` changes of
+    the default (values converted to the field's type)."""
+    from inductor_rocm_attn.kernels.gluon import prefix_prefill as pp
+
+    if spec in pp.SWEEP_VARIANTS:
+        return pp.SWEEP_VARIANTS[spec]
+    types = {f.name: type(getattr(pp.DEFAULT_CONFIG, f.name)) for f in dataclasses.fields(pp.GluonPrefillConfig)}
+    changes = {}
+    for item in spec.split(","):
+        name, eq, value = item.partition("=")
+        if not eq or name not in types:
+            raise ValueError(f"--gluon-cfgs: {spec!r} is neither a variant ({', '.join(pp.SWEEP_VARIANTS)}) nor "
+                             f"field=value changes of GluonPrefillConfig (fields: {', '.join(types)})")
+        changes[name] = types[name](value)
+    return dataclasses.replace(pp.DEFAULT_CONFIG, **changes)
+
+
+def gluon_cfg_rows(c: PrefillCase, ref, flops: float, specs: list[str], out: list) -> None:
+    """The Gluon prefill under each config of ``specs`` (``gluon_config``) on the case: the
+    launch ``paged_attention`` makes, with the config; output NaN-poisoned, checked against
+    SDPA, then timed. Appends one row a config to ``out``."""
+    import functools
+    import importlib
+
+    pa_mod = importlib.import_module("inductor_rocm_attn.kernels.triton.paged_attention")
+    got = c.out.view(c.b, c.n, HQ, D).transpose(1, 2)
+    real = pa_mod._gluon_launch
+    for spec in specs:
+        row = dict(prefix=c.prefix, cfg=spec)
+        try:
+            cfg = gluon_config(spec)
+            row["config"] = dataclasses.asdict(cfg)
+            launches = []
+
+            def launch(*a, _cfg=cfg, **k):
+                launches.append(1)
+                return real()(*a, **k, cfg=_cfg)
+
+            pa_mod._gluon_launch = lambda: launch
+            try:
+                c.out.fill_(float("nan"))
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    c.run(prefill_kernel="gluon")
+                torch.cuda.synchronize()
+                fallback = [str(w.message) for w in caught if "prefill kernel 'gluon'" in str(w.message)]
+                if fallback or not launches:  # the Triton prefill ran: not a Gluon timing
+                    raise RuntimeError(fallback[0] if fallback else "the Gluon prefill did not run")
+                err = float((got.float() - ref.float()).norm() / ref.float().norm())
+                row["rel_err_vs_sdpa"] = err
+                if not err < 1e-2:  # NaN fails too
+                    raise RuntimeError(f"output differs from SDPA (rel err {err:.2e})")
+                t = graph_time_ms(lambda: c.run(prefill_kernel="gluon"))
+            finally:
+                pa_mod._gluon_launch = real
+        except Exception as e:  # noqa: BLE001 - a config that cannot build, run or match is a result
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+            print(f"  gluon cfg {spec}: {row['error']}", flush=True)
+            out.append(row)
+            continue
+        row.update(ms=t, tflops=flops / (t * 1e-3) / 1e12)
+        print(f"  gluon cfg {spec}: {t:.3f} ms {row['tflops']:4.0f} TFLOP/s  err {err:.1e}", flush=True)
+        out.append(row)
+
+
 def main():
     global HQ, HKV, D
     ap = argparse.ArgumentParser()
@@ -211,6 +284,10 @@ def main():
     ap.add_argument("--kernels", nargs="+", default=["triton", "gluon"], choices=("triton", "gluon"),
                     help="prefill kernels to time on every case (default both: the Gluon prefill is the "
                          "default on sm_90; triton always runs: it is the reference row)")
+    ap.add_argument("--gluon-cfgs", nargs="+", default=[], metavar="NAME|FIELD=VALUE,...",
+                    help="also time the Gluon prefill under these configs (names of prefix_prefill.SWEEP_VARIANTS, "
+                         "'all' for every one, or field=value changes of GluonPrefillConfig), each checked "
+                         "against SDPA first (NVIDIA sm_90)")
     ap.add_argument("--peers", nargs="*", default=[], choices=("flashinfer",),
                     help="also time these peers on every case (same values, their own layout)")
     ap.add_argument("--q-heads", type=int, default=HQ, help=f"query heads (default {HQ})")
@@ -223,10 +300,20 @@ def main():
         ap.error(f"--q-heads {args.q_heads} is not a multiple of --kv-heads {args.kv_heads}")
     HQ, HKV, D = args.q_heads, args.kv_heads, args.head_size
     sweep_cfgs = [tuple(int(x) for x in c.split(",")) for c in args.cfgs] if args.cfgs else SWEEP
+    gluon_specs = list(args.gluon_cfgs)
+    if "all" in gluon_specs:
+        from inductor_rocm_attn.kernels.gluon.prefix_prefill import SWEEP_VARIANTS
+
+        gluon_specs = [s for s in gluon_specs if s != "all"] + [s for s in SWEEP_VARIANTS if s not in gluon_specs]
+    for spec in gluon_specs:  # a misspelt config fails before anything runs
+        try:
+            gluon_config(spec)
+        except (ValueError, TypeError) as e:
+            ap.error(str(e))
     dev = torch.cuda.get_device_name()
     print(f"# {dev}, torch {torch.__version__}, triton {triton.__version__}")
     b, n = args.batch, args.new
-    rows, sweep, variants = [], [], []
+    rows, sweep, variants, gluon_cfgs = [], [], [], []
     # Anchor: SDPA dense causal, N tokens, HQ heads (same FLOPs as the no-prefix case).
     g = torch.Generator(device="cuda").manual_seed(1)
     qa, ka, va = (torch.randn(b, HQ, n, D, generator=g, device="cuda", dtype=DTYPE) for _ in range(3))
@@ -259,6 +346,8 @@ def main():
         rows.append(row)
         if "gluon" in args.kernels:
             gluon_prefill_row(c, ref, flops, row)
+        if gluon_specs:
+            gluon_cfg_rows(c, ref, flops, gluon_specs, gluon_cfgs)
         if "flashinfer" in args.peers:
             flashinfer_prefill_peers(c, ref, flops, row)
         print(f"prefix={p:5d}: triton {t_tri:.3f} ms {tri_tfs:4.0f} TFLOP/s | SDPA same case {t_sdpa:.3f} ms "
@@ -308,7 +397,7 @@ def main():
     name = f"prefill_{stamp()}" + (f"_hq{HQ}" if HQ != 32 else "") + (f"_hkv{HKV}" if HKV != 8 else "")
     name += f"_d{D}" if D != 128 else ""
     meta = write_json(os.path.join(args.out, name + ".json"),
-                      dict(rows=rows, sweep=sweep, variants=variants), **meta)["meta"]
+                      dict(rows=rows, sweep=sweep, variants=variants, gluon_cfgs=gluon_cfgs), **meta)["meta"]
     lines = [f"# Prefix prefill, {dev} ({meta['date']})", "",
              f"`{meta['command']}`; torch {meta['torch']}, triton {meta['triton']}; bf16, causal, "
              f"heads {HQ}/{HKV}, d={D}, block {BS}, B={b}, {n} new tokens; {meta['timing']}. "
@@ -329,6 +418,11 @@ def main():
         {r[k_] for r in rows for k_ in r if k_.endswith("_unavailable") and k_ != "gluon_unavailable"})]
     lines += [f"\ngluon prefill unavailable: {w}" for w in sorted(
         {r["gluon_unavailable"] for r in rows if r.get("gluon_unavailable")})]
+    if gluon_cfgs:
+        lines += ["", "| prefix | Gluon config | ms | TFLOP/s | rel err vs SDPA |", "|---|---|---|---|---|"]
+        lines += [f"| {r['prefix']} | {r['cfg']} | " + (f"{r['ms']:.3f} | {r['tflops']:.0f} | {r['rel_err_vs_sdpa']:.1e} |"
+                                                         if "ms" in r else f"{r['error']} | - | - |")
+                  for r in gluon_cfgs]
     md = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, name + ".md"), "w") as f:
         f.write(md)

@@ -5,7 +5,9 @@ setmaxnreg budgets, and the 16-byte / smaller cp.async counts of the gather. A v
 FAILs when it does not compile, spills, needs more shared memory than sm_90 has, or has a
 gather that lost its 16-byte packets. Exit 1 on a FAIL, 3 when this machine cannot compile
 Gluon for sm_90 at all (no ptxas...). Run without ``TRITON_INTERPRET``; used by
-tests/test_triton_sm90_compile.py.
+tests/test_triton_sm90_compile.py. ``--variants [NAME ...] [--bench-shape-only]``: the named
+context-gather variants (``prefix_prefill.SWEEP_VARIANTS``, default all) instead, with their
+counts of load-partition thread barriers.
 """
 
 from __future__ import annotations
@@ -34,17 +36,18 @@ VARIANTS = [
 
 
 def compile_sm90(dtype=torch.bfloat16, head_size: int = 128, num_heads: int = 32, gqa: int = 4,
-                 block_size: int = 16, interleaved_v: bool = False, short_query_max: int = 1) -> dict:
-    """Compile the kernel's default config for sm_90 (frontend, optimizer, ptxas; no driver):
-    registers, stack (spills), shared memory, the setmaxnreg budgets, and the number of 16-byte
-    cp.async in the PTX (a gather that lost its vectorization would show none)."""
+                 block_size: int = 16, interleaved_v: bool = False, short_query_max: int = 1, cfg=None) -> dict:
+    """Compile the kernel for sm_90 under ``cfg`` (default: ``DEFAULT_CONFIG``; frontend,
+    optimizer, ptxas; no driver): registers, stack (spills), shared memory, the setmaxnreg
+    budgets, the number of 16-byte cp.async in the PTX (a gather that lost its vectorization
+    would show none) and of the load partition's thread barriers (``bar.sync 0``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from inductor_rocm_attn.kernels.gluon import prefix_prefill as pp
 
-    fn, cfg = pp._gluon_prefix_prefill_kernel, pp.DEFAULT_CONFIG
+    fn, cfg = pp._gluon_prefix_prefill_kernel, cfg or pp.DEFAULT_CONFIG
     ty = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
     def desc(rows):
@@ -70,7 +73,8 @@ def compile_sm90(dtype=torch.bfloat16, head_size: int = 128, num_heads: int = 32
                 setmaxnreg=setmaxnreg_budgets(ptx),
                 cp_async_16=len(re.findall(r"cp\.async\.cg\.shared\.global(?:\.L2::\w+)?\s*\[[^\]]*\],\s*\[[^\]]*\],"
                                            r"\s*0x10", ptx)),
-                cp_async_small=len(re.findall(r"cp\.async\.ca\.shared\.global", ptx)))
+                cp_async_small=len(re.findall(r"cp\.async\.ca\.shared\.global", ptx)),
+                load_bar_sync=len(re.findall(r"\bbar\.sync\s+0\s*,", ptx)))
 
 
 def setmaxnreg_budgets(ptx: str) -> list[str]:
@@ -130,14 +134,38 @@ def compile_launch() -> dict:
     return dict(grid=grid, shared=kernel.metadata.shared)
 
 
+def variant_cases(names=(), bench_shape_only: bool = False):
+    """(label, compile_sm90 keywords) of the named context-gather variants (``names``, default
+    all of ``prefix_prefill.SWEEP_VARIANTS``) at the shapes of ``VARIANTS`` and at block size 32
+    (``bench_shape_only``: the first, the benchmark's), a variant that does not cover a shape
+    (``_check_variant``) left out."""
+    from inductor_rocm_attn.kernels.gluon import prefix_prefill as pp
+
+    shapes = VARIANTS + [("bf16 d128 bs32 gqa4 standard V", dict(block_size=32))]
+    shapes = shapes[:1] if bench_shape_only else shapes
+    out = []
+    for name in names or pp.SWEEP_VARIANTS:
+        cfg = pp.SWEEP_VARIANTS[name]
+        for label, kw in shapes:
+            try:
+                pp._check_variant(cfg, kw.get("head_size", 128), kw.get("block_size", 16))
+            except ValueError:
+                continue
+            out.append((f"{name}: {label}", dict(kw, cfg=cfg)))
+    return out
+
+
 def main() -> int:
+    argv = sys.argv[1:]
+    variants = "--variants" in argv
+    names = [a for a in argv if not a.startswith("--")]
     try:
         from inductor_rocm_attn.kernels.gluon import prefix_prefill  # noqa: F401
     except Exception as e:  # noqa: BLE001 - no Gluon here at all
         print(f"SKIP: the Gluon prefill does not import: {type(e).__name__}: {e}")
         return 3
     bad = 0
-    for label, kw in VARIANTS:
+    for label, kw in (variant_cases(names, "--bench-shape-only" in argv) if variants else VARIANTS):
         try:
             r = compile_sm90(**kw)
         except Exception as e:  # noqa: BLE001 - one line per variant
@@ -154,7 +182,10 @@ def main() -> int:
         bad += bool(problems)
         print(f"{label}: regs {r['regs']} stack {r['stack']} B smem {r['smem']} B setmaxnreg "
               f"{','.join(r['setmaxnreg'])} cp.async 16 B x{r['cp_async_16']}"
+              + (f" bar.sync(load) x{r['load_bar_sync']}" if variants else "")
               + (f"  FAIL ({', '.join(problems)})" if problems else ""), flush=True)
+    if variants:
+        return 1 if bad else 0
     try:
         r = compile_launch()
         print(f"launch() of a varlen batch (LBHNC, interleaved V): grid {r['grid']}, compiles for sm_90", flush=True)

@@ -121,8 +121,14 @@ def launch_case(pp, dtype, head_size: int, interleaved_v: bool, block_size: int,
 
 def spec_name(fn, sig: dict, consts: dict, attrs: dict, options) -> str:
     """A specialization's name from parameter names and values only (stable when the kernel's
-    parameters move): constexprs, argument types with their attributes, options."""
-    const = ",".join(f"{fn.arg_names[p[0]]}={v!r}" for p, v in sorted(consts.items()))
+    parameters move): constexprs, argument types with their attributes, options. The
+    context-gather variants' constexprs (``_variant_constexprs``) are left out at the default
+    config's values: the default's names are those of the kernel before the variants."""
+    from inductor_rocm_attn.kernels.gluon import prefix_prefill as pp
+
+    default = pp._variant_constexprs(pp.DEFAULT_CONFIG)
+    const = ",".join(f"{fn.arg_names[p[0]]}={v!r}" for p, v in sorted(consts.items())
+                     if default.get(fn.arg_names[p[0]], object()) != v)
     div = {fn.arg_names[p[0]] for p, a in attrs.items() if a}
     types = ",".join(f"{k}:{v}{'/16' if k in div else ''}" for k, v in sig.items() if v != "constexpr")
     opts = f"num_warps={options.num_warps},maxnreg={options.maxnreg},num_stages={options.num_stages}"

@@ -12,6 +12,7 @@ spills: ``tests/test_triton_sm90_compile.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import subprocess
@@ -226,13 +227,71 @@ def test_gluon_prefill_auto_falls_back_silently(monkeypatch):
         eligibility.auto_problem.cache_clear()
 
 
+def _prefix_prefill():
+    """The Gluon kernel module (imports where Triton has Gluon; the CPU tests skip elsewhere)."""
+    return pytest.importorskip("inductor_rocm_attn.kernels.gluon.prefix_prefill")
+
+
+@pytest.mark.parametrize("changes,expect", [
+    (dict(load_warps=2), "load_warps=2 (supported: 4, 8)"),
+    (dict(load_warps=12), "load_warps=12 (supported: 4, 8)"),
+    (dict(gather="pages"), "gather='pages' (supported: 'chunks', 'tile', 'tile_k')"),
+    (dict(publish="once"), "publish='once' (supported: 'separate', 'joint')"),
+    (dict(consumer_regs=236), "consumer_regs=236 (a multiple of 8 in 24..256)"),
+    (dict(load_warps=8), "maxnreg=168: 16 warps x 32 x 168 registers exceed 65536"),
+    (dict(load_warps=8, maxnreg=128), "consumer_regs=240 with maxnreg=128 leaves the 8 load warps 16 registers"),
+    (dict(consumer_regs=248), "consumer_regs=248 with maxnreg=168 leaves the 4 load warps 8 registers"),
+])
+def test_gluon_prefill_config_refuses_bad_variants(changes, expect):
+    """A config the kernel cannot run as asked (a load partition that is not whole warpgroups,
+    a register split Triton would silently drop setmaxnreg for) is refused when it is made."""
+    pp = _prefix_prefill()
+    with pytest.raises(ValueError, match=r"GluonPrefillConfig: .*" + expect.replace("(", r"\(").replace(")", r"\)")):
+        dataclasses.replace(pp.DEFAULT_CONFIG, **changes)
+
+
+def test_gluon_prefill_sweep_variants_are_valid_and_default_unchanged():
+    """Every named variant is a valid config; the default's fields are the kernel's defaults
+    (4 load warps, the chunked gather, K and V published separately)."""
+    pp = _prefix_prefill()
+    assert pp.SWEEP_VARIANTS["default"] is pp.DEFAULT_CONFIG
+    assert (pp.DEFAULT_CONFIG.load_warps, pp.DEFAULT_CONFIG.gather, pp.DEFAULT_CONFIG.publish) == (
+        4, "chunks", "separate")
+    assert pp.DEFAULT_CONFIG.load_regs() == 24
+    assert pp._options(pp.DEFAULT_CONFIG) == dict(num_warps=4, maxnreg=168)
+    assert pp._variant_constexprs(pp.DEFAULT_CONFIG) == dict(GATHER_TILE_K=False, GATHER_TILE_V=False,
+                                                             JOINT_PUBLISH=False)
+    for name, cfg in pp.SWEEP_VARIANTS.items():
+        assert cfg.load_regs() >= 24 and (cfg.load_warps + 8) * 32 * cfg.maxnreg <= 65536, name
+
+
+def test_gluon_prefill_variant_refuses_uncovered_block_size_before_any_write():
+    """8 load warps gather K in chunks of 32 keys at head size 64: a 16-token page is refused
+    by launch() with the reason, before the kernel runs; the tile gather covers it."""
+    pp = _prefix_prefill()
+    from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache, k_view, v_view
+
+    q = torch.randn(40, 4, 64, dtype=torch.bfloat16)
+    k, v = (torch.randn(40, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    cache = allocate_kv_cache(KVCacheSpec(16, 2, 64, torch.bfloat16, CacheLayout.LHBNC), 8, "cpu")
+    out = cases.poison(torch.empty_like(q))
+    with pytest.raises(ValueError, match=r"Gluon prefill: load_warps=8 with gather='chunks' gathers K in chunks of "
+                                         r"32 keys at head size 64, more than a block of 16"):
+        pp.launch(out, q, k, v, k_view(cache, 2), v_view(cache, 2, False), torch.zeros(1, 8, dtype=torch.int32),
+                  torch.tensor([40], dtype=torch.int32), torch.tensor([0, 40], dtype=torch.int32), 0.125, False, 8,
+                  cfg=pp.SWEEP_VARIANTS["load8"])
+    assert torch.isnan(out.float()).all()
+    pp._check_variant(pp.SWEEP_VARIANTS["load8_tile"], 64, 16)  # covered
+
+
 # --- GPU --------------------------------------------------------------------------------------
 
 def _run_gluon(monkeypatch, query_lens, context_lens, *, num_heads=8, num_kv_heads=2, head_size=128,
                block_size=16, dtype=torch.bfloat16, layout="LHBNC", interleaved_v=False, hints=True,
-               pad_rows=0, index_dtype=torch.int32):
+               pad_rows=0, index_dtype=torch.int32, cfg=None):
     """One fresh random case through ``paged_attention(prefill_kernel="gluon")``: the Gluon
-    launch must happen (counted) and the result match the float64 oracle."""
+    launch must happen (counted) and the result match the float64 oracle. ``cfg``: the
+    launch's ``GluonPrefillConfig`` (default: the kernel's)."""
     seed_ = seed()
     c = cases.make_paged_case(query_lens, context_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
                               head_size=head_size, block_size=block_size, dtype=dtype, layout=layout,
@@ -254,7 +313,7 @@ def _run_gluon(monkeypatch, query_lens, context_lens, *, num_heads=8, num_kv_hea
 
     def counted(*a, **k):
         launches.append(1)
-        return real(*a, **k)
+        return real(*a, **k) if cfg is None else real(*a, **k, cfg=cfg)
 
     monkeypatch.setattr(pa_mod, "_gluon_launch", lambda: counted)
     with warnings.catch_warnings(record=True) as caught:
@@ -314,6 +373,39 @@ def test_gluon_prefill_variants(monkeypatch, dtype, interleaved_v, block_size, l
     _run_gluon(monkeypatch, [300, 1, 130, 17, 64], [137, 40, 0, 1, 300], num_heads=8, num_kv_heads=8 // gqa,
                head_size=head_size, block_size=block_size, dtype=dtype, layout=layout,
                interleaved_v=interleaved_v, index_dtype=index_dtype)
+
+
+def _sweep_variant_names():
+    try:
+        from inductor_rocm_attn.kernels.gluon.prefix_prefill import SWEEP_VARIANTS
+    except Exception:  # noqa: BLE001 - no Gluon here: the GPU tests skip anyway
+        return ["default"]
+    return list(SWEEP_VARIANTS)
+
+
+@hopper_only
+@pytest.mark.parametrize("variant", _sweep_variant_names())
+@pytest.mark.parametrize("dtype,interleaved_v,block_size,layout,gqa,head_size", [
+    (torch.bfloat16, False, 16, "LHBNC", 4, 128),  # the benchmark's shape
+    (torch.float16, True, 32, "LBHNC", 8, 128),
+    (torch.bfloat16, True, 16, "LHBNC", 1, 64),
+], ids=lambda v: str(v).replace("torch.", ""))
+def test_gluon_prefill_sweep_variant(monkeypatch, variant, dtype, interleaved_v, block_size, layout, gqa, head_size):
+    """Every context-gather variant of the GPU sweep (``SWEEP_VARIANTS``: load warps, one-op
+    tile gather, joint K/V publication) against the float64 oracle: prefixes ending inside a
+    page, on a page edge, inside a key tile and 4100 keys long (the ring wraps many times),
+    decode and short sequences, new-token tails. A variant that does not cover the shape
+    (``_check_variant``) is skipped."""
+    from inductor_rocm_attn.kernels.gluon import prefix_prefill as pp
+
+    cfg = pp.SWEEP_VARIANTS[variant]
+    try:
+        pp._check_variant(cfg, head_size, block_size)
+    except ValueError as e:
+        pytest.skip(str(e))
+    _run_gluon(monkeypatch, [300, 1, 130, 17, 64, 200], [137, 40, 0, 1, 300, 4100], num_heads=8,
+               num_kv_heads=8 // gqa, head_size=head_size, block_size=block_size, dtype=dtype, layout=layout,
+               interleaved_v=interleaved_v, cfg=cfg)
 
 
 @hopper_only

@@ -49,6 +49,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 _LOG2E = 1.4426950408889634
+CONSUMER_WARPS = gl.constexpr(4)  # a consumer partition: one warpgroup, 64 rows
 
 
 # --- program -> (sequence, row block) ------------------------------------------------------
@@ -132,6 +133,34 @@ def _gather_k(k_buf, kc_head, bt_row, stride_kcb, ctx_len, key0,
 
 
 @gluon.jit
+def _gather_k_tile(k_buf, kc_head, bt_row, stride_kcb, ctx_len, key0,
+                   BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                   LOAD_WARPS: gl.constexpr, MASKED: gl.constexpr):
+    """``GATHER_TILE_K`` variant of ``_gather_k``: the whole ``[BLOCK_N, HEAD]`` stage in one
+    cp.async op, a thread per key (its page read once, its ``HEAD // 8`` packets at fixed
+    offsets from one address). One op per tile: the chunked gather's copies are writes to
+    slices of a dynamically indexed stage, which Triton's shared-memory barrier analysis
+    separates with a thread barrier each. ``MASKED``: keys past the context are zero-filled
+    (their block-table entries are not read)."""
+    WARPS_R: gl.constexpr = BLOCK_N // 32 if LOAD_WARPS > BLOCK_N // 32 else LOAD_WARPS
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [WARPS_R, LOAD_WARPS // WARPS_R], [1, 0])
+    keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
+    if MASKED:
+        ok = keys < ctx_len
+        blk = gl.load(bt_row + keys // BLOCK_SIZE, mask=ok, other=0)
+    else:
+        blk = gl.load(bt_row + keys // BLOCK_SIZE)
+    # page interior [HEAD // 8, BLOCK_SIZE, 8]: channel c of slot t at (c // 8) * BLOCK_SIZE * 8 + t * 8 + c % 8
+    key_off = blk.to(gl.int64) * stride_kcb + (keys % BLOCK_SIZE) * 8
+    offs = gl.expand_dims(key_off, 1) + gl.expand_dims((cols // 8) * (BLOCK_SIZE * 8) + cols % 8, 0)
+    if MASKED:
+        async_copy.async_copy_global_to_shared(k_buf, kc_head + offs, mask=gl.expand_dims(ok, 1))
+    else:
+        async_copy.async_copy_global_to_shared(k_buf, kc_head + offs)
+
+
+@gluon.jit
 def _v_key_offsets(bt_row, stride_vcb, ctx_len, key0, layout: gl.constexpr,
                    BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
                    INTERLEAVED_V: gl.constexpr, MASKED: gl.constexpr):
@@ -186,6 +215,29 @@ def _gather_vt(vt_buf, vc_head, bt_row, stride_vcb, ctx_len, key0,
 
 
 @gluon.jit
+def _gather_vt_tile(vt_buf, vc_head, bt_row, stride_vcb, ctx_len, key0,
+                    BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                    LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr, MASKED: gl.constexpr):
+    """``GATHER_TILE_V`` variant of ``_gather_vt``: the whole ``[HEAD, BLOCK_N]`` view in one
+    cp.async op (same packets, same per-thread key offsets, no barrier between chunks)."""
+    TPW_C: gl.constexpr = BLOCK_N // 8
+    TPW_R: gl.constexpr = 32 // TPW_C
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_R, TPW_C], [LOAD_WARPS, 1], [1, 0])
+    key_off, packet_ok = _v_key_offsets(bt_row, stride_vcb, ctx_len, key0, layout, BLOCK_N, HEAD,
+                                        BLOCK_SIZE, INTERLEAVED_V, MASKED)
+    chans = gl.arange(0, HEAD, layout=gl.SliceLayout(1, layout))
+    if INTERLEAVED_V:
+        CH_STRIDE: gl.constexpr = 8
+    else:
+        CH_STRIDE: gl.constexpr = BLOCK_SIZE
+    ptrs = vc_head + (gl.expand_dims(chans * CH_STRIDE, 1) + gl.expand_dims(key_off, 0))
+    if MASKED:
+        async_copy.async_copy_global_to_shared(vt_buf, ptrs, mask=gl.expand_dims(packet_ok, 0))
+    else:
+        async_copy.async_copy_global_to_shared(vt_buf, ptrs)
+
+
+@gluon.jit
 def _zero_stale_v(vt_buf, ctx_len, key0, BLOCK_N: gl.constexpr, HEAD: gl.constexpr, LOAD_WARPS: gl.constexpr):
     """Zero the ``[HEAD, BLOCK_N]`` V tile's columns of keys past the context (landed: the
     caller waited for its copies). Their P is 0, but 0 * a stale NaN would be NaN."""
@@ -237,20 +289,40 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, kc_head, vc_h
                        stride_vcb, ctx_len, j,
                        BLOCK_N: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr,
                        BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr,
-                       VT_LAYOUT: gl.constexpr, PARTIAL: gl.constexpr):
+                       VT_LAYOUT: gl.constexpr, PARTIAL: gl.constexpr, GATHER_TILE_K: gl.constexpr,
+                       GATHER_TILE_V: gl.constexpr, JOINT_PUBLISH: gl.constexpr):
     """Context key tile ``j`` into its stage: K and V gathered by cp.async, each published on
     its ready mbarrier. ``PARTIAL`` (the last tile, keys past the context): only the chunks
     and packets that hold context keys are read, and V's stale slots are zeroed once its
-    packets landed, before V is published."""
+    packets landed, before V is published.
+
+    Variants (``GluonPrefillConfig``; the default is none): ``GATHER_TILE_K`` /
+    ``GATHER_TILE_V``, K / V in one cp.async op (``_gather_k_tile``, ``_gather_vt_tile``);
+    ``JOINT_PUBLISH``, one thread
+    barrier publishes K and V together after both were issued: each thread's tracking arrive
+    on ``k_ready`` follows its K packets, the one on ``v_ready`` its V packets, and the single
+    thread barrier puts every tracking arrive before the two completing arrivals (K is
+    published once V is issued, not once K is)."""
     s = j % STAGES
     # a fresh mbarrier reads as if its phase before 0 completed: the first round passes
     mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
-    _gather_k(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N,
-              BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, PARTIAL)
-    _publish_cp_async(k_ready.index(s))
+    if GATHER_TILE_K:
+        _gather_k_tile(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N,
+                       BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, PARTIAL)
+    else:
+        _gather_k(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N,
+                  BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, PARTIAL)
+    if JOINT_PUBLISH:
+        async_copy.mbarrier_arrive(k_ready.index(s))  # this thread's K packets (and earlier ones)
+    else:
+        _publish_cp_async(k_ready.index(s))
     vt = v_bufs.index(s)._reinterpret(v_bufs.dtype, [HEAD, BLOCK_N], VT_LAYOUT)
-    _gather_vt(vt, vc_head, bt_row, stride_vcb, ctx_len, j * BLOCK_N,
-               BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, PARTIAL)
+    if GATHER_TILE_V:
+        _gather_vt_tile(vt, vc_head, bt_row, stride_vcb, ctx_len, j * BLOCK_N,
+                        BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, PARTIAL)
+    else:
+        _gather_vt(vt, vc_head, bt_row, stride_vcb, ctx_len, j * BLOCK_N,
+                   BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, PARTIAL)
     if PARTIAL:
         async_copy.commit_group()
         async_copy.wait_group(0)
@@ -258,6 +330,13 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, kc_head, vc_h
         _zero_stale_v(vt, ctx_len, j * BLOCK_N, BLOCK_N, HEAD, LOAD_WARPS)
         fence_async_shared()  # this thread's stores before the wgmma's async-proxy reads
         gl.thread_barrier()
+        if JOINT_PUBLISH:  # every K tracking arrive registered (the barriers above)
+            mbarrier.arrive(k_ready.index(s), count=1)
+        mbarrier.arrive(v_ready.index(s), count=1)
+    elif JOINT_PUBLISH:
+        async_copy.mbarrier_arrive(v_ready.index(s))
+        gl.thread_barrier()  # all tracking arrives (K's and V's) registered before the completing ones
+        mbarrier.arrive(k_ready.index(s), count=1)
         mbarrier.arrive(v_ready.index(s), count=1)
     else:
         _publish_cp_async(v_ready.index(s))
@@ -269,18 +348,19 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_rea
                     q_row, q_col, kv_row, kv_col, ctx_len, q_len, n_ctx, n_new,
                     BLOCK_N: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr,
                     BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr,
-                    VT_LAYOUT: gl.constexpr):
+                    VT_LAYOUT: gl.constexpr, GATHER_TILE_K: gl.constexpr, GATHER_TILE_V: gl.constexpr,
+                    JOINT_PUBLISH: gl.constexpr):
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
     n_ctx_full = ctx_len // BLOCK_N
     for j in range(n_ctx_full):  # whole context tiles: no masks
         _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, kc_head, vc_head, bt_row, stride_kcb,
                            stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V,
-                           VT_LAYOUT, False)
+                           VT_LAYOUT, False, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH)
     for j in range(n_ctx_full, n_ctx):  # the partial last context tile (at most one)
         _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, kc_head, vc_head, bt_row, stride_kcb,
                            stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V,
-                           VT_LAYOUT, True)
+                           VT_LAYOUT, True, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH)
     for i in range(n_new):  # the new tokens, by TMA
         j = n_ctx + i
         s = j % STAGES
@@ -462,7 +542,8 @@ def _gluon_prefix_prefill_kernel(
     NUM_HEADS: gl.constexpr, GQA: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     INTERLEAVED_V: gl.constexpr,
-    SHORT_QUERY_MAX: gl.constexpr,
+    SHORT_QUERY_MAX: gl.constexpr, GATHER_TILE_K: gl.constexpr, GATHER_TILE_V: gl.constexpr,
+    JOINT_PUBLISH: gl.constexpr,
 ):
     """Grid ``((num_tokens // BLOCK_M + num_seqs) * NUM_HEADS,)``: program ``pid`` is query
     head ``pid % NUM_HEADS`` (a KV head's query heads adjacent: they share its K/V tiles in
@@ -470,9 +551,9 @@ def _gluon_prefix_prefill_kernel(
     run last first (a later block sees more keys). Blocks without rows of a prefill sequence
     (padding, an empty, decode or verify sequence, a spare block) return at once.
 
-    Partitions: the default one (``num_warps`` = 4 warps) loads, with what the consumers leave
-    of the register pool (3 x 168 - 2 x ``CONSUMER_REGS`` = 24 at 240: the load code is
-    address arithmetic only); two 4-warp consumer partitions compute 64 rows each. Values
+    Partitions: the default one (``num_warps`` = ``LOAD_WARPS``, 4 by default) loads, with what
+    the consumers leave of the register pool (3 x 168 - 2 x ``CONSUMER_REGS`` = 24 at 240: the
+    load code is address arithmetic only); two 4-warp consumer partitions compute 64 rows each. Values
     computed before the split stay live in the default partition's registers: with a
     consumer there it spilled at 240."""
     gl.static_assert(BLOCK_M % BLOCK_N == 0, "a row block's diagonal must be whole key tiles")
@@ -480,7 +561,7 @@ def _gluon_prefix_prefill_kernel(
     gl.static_assert(BLOCK_SIZE % 8 == 0, "a V packet (8 keys) lies in one page")
     gl.static_assert(BLOCK_N % BLOCK_SIZE == 0 or BLOCK_SIZE % BLOCK_N == 0, "pages tile the key tiles")
     ROWS: gl.constexpr = BLOCK_M // 2
-    gl.static_assert(ROWS == 16 * gl.num_warps(), "16 rows a warp, 4 warps a consumer warpgroup")
+    gl.static_assert(ROWS == 16 * CONSUMER_WARPS, "16 rows a warp, 4 warps a consumer warpgroup")
     LOAD_WARPS: gl.constexpr = gl.num_warps()  # the default partition loads
     pid = gl.program_id(0)
     head = pid % NUM_HEADS
@@ -503,9 +584,9 @@ def _gluon_prefix_prefill_kernel(
     bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
     out_base = out_ptr + (q_start.to(gl.int64) * stride_ot + head * stride_oh)  # the sequence's row 0, this head
 
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                        instr_shape=[16, HEAD, 16])
     VT_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD, BLOCK_N], q_desc.dtype)
     # two consumer partitions release each stage
@@ -517,20 +598,21 @@ def _gluon_prefix_prefill_kernel(
                            kc_ptr + kv_head * stride_kch, vc_ptr + kv_head * stride_vch, bt_row, stride_kcb,
                            stride_vcb, v_ptr + kv_head * HEAD, stride_vt, q_start + q_tile_row, head * HEAD,
                            q_start, kv_head * HEAD, ctx_len, q_len, n_ctx, n_new,
-                           BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, VT_LAYOUT)),
+                           BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, VT_LAYOUT, GATHER_TILE_K,
+                           GATHER_TILE_V, JOINT_PUBLISH)),
         (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn, out_base, stride_ot,
                               q_tile_row, q_len, ctx_len, n_ctx, n_new, qk_scale,
                               ROWS, 0, BLOCK_M, BLOCK_N, HEAD, STAGES, VT_LAYOUT, s_layout, o_layout)),
         (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn, out_base, stride_ot,
                               q_tile_row, q_len, ctx_len, n_ctx, n_new, qk_scale,
                               ROWS, ROWS, BLOCK_M, BLOCK_N, HEAD, STAGES, VT_LAYOUT, s_layout, o_layout)),
-    ], [gl.num_warps(), gl.num_warps()], [CONSUMER_REGS, CONSUMER_REGS])
+    ], [CONSUMER_WARPS, CONSUMER_WARPS], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 # --- host side -------------------------------------------------------------------------------
 
 BLOCK_M = 128  # two consumer warpgroups of 64 rows
-NUM_WARPS = 4  # the default partition: the first consumer warpgroup
+NUM_WARPS = 4  # the default partition: the load warps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -540,15 +622,79 @@ class GluonPrefillConfig:
     the context gather. Registers: 3 warpgroups x 128 threads x ``maxnreg`` (168) = 64512 of
     65536, shared out by setmaxnreg: each consumer ``consumer_regs``, the load partition
     what they leave (24, FA3's split). Compiled for sm_90: no spills (every dtype, block
-    size, V interior and head size the GPU tests run)."""
+    size, V interior and head size the GPU tests run).
+
+    Context-gather variants for a GPU sweep (``SWEEP_VARIANTS``; the defaults are today's code):
+
+    - ``load_warps``: warps of the load partition, 4 or 8 (a multiple of a warpgroup: the
+      partitions' setmaxnreg is per warpgroup). 8 warps (512 threads) need ``maxnreg`` <= 128;
+      the load partition keeps ``maxnreg + (maxnreg - consumer_regs) * 8 / load_warps``
+      registers (rounded down to 8), which must be >= 24: ``consumer_regs=232, maxnreg=128``;
+    - ``gather``: ``"chunks"`` (K in chunks of keys of one page, V in chunks of channels, one
+      cp.async op each), ``"tile"`` (K and V each one cp.async op for the whole tile, a
+      thread per key for K: no thread barrier between the chunks, one block-table read a
+      thread and tile for K) or ``"tile_k"`` (K so, V in chunks);
+    - ``publish``: ``"separate"`` (K published once its packets are issued, then V) or
+      ``"joint"`` (one thread barrier publishes both after V is issued)."""
 
     block_n: int = 128
     stages: int = 3
     consumer_regs: int = 240
     maxnreg: int = 168
+    load_warps: int = NUM_WARPS
+    gather: str = "chunks"
+    publish: str = "separate"
+
+    def __post_init__(self):
+        bad = []
+        if self.load_warps not in (4, 8):
+            bad.append(f"load_warps={self.load_warps} (supported: 4, 8)")
+        if self.gather not in ("chunks", "tile", "tile_k"):
+            bad.append(f"gather={self.gather!r} (supported: 'chunks', 'tile', 'tile_k')")
+        if self.publish not in ("separate", "joint"):
+            bad.append(f"publish={self.publish!r} (supported: 'separate', 'joint')")
+        if self.consumer_regs % 8 or not 24 <= self.consumer_regs <= 256:
+            bad.append(f"consumer_regs={self.consumer_regs} (a multiple of 8 in 24..256)")
+        if not bad:
+            warps = self.load_warps + 2 * CONSUMER_WARPS.value
+            if warps * 32 * self.maxnreg > 65536:
+                bad.append(f"maxnreg={self.maxnreg}: {warps} warps x 32 x {self.maxnreg} registers exceed 65536")
+            elif self.load_regs() < 24:
+                bad.append(f"consumer_regs={self.consumer_regs} with maxnreg={self.maxnreg} leaves the "
+                           f"{self.load_warps} load warps {self.load_regs()} registers (< 24: no setmaxnreg at all)")
+        if bad:
+            raise ValueError("GluonPrefillConfig: " + "; ".join(bad))
+
+    def load_regs(self) -> int:
+        """The load partition's setmaxnreg budget (Triton's rule: what the consumers leave of
+        ``maxnreg`` x all warps, per load thread, rounded down to 8)."""
+        consumers = 2 * CONSUMER_WARPS.value
+        return (self.maxnreg * self.load_warps + (self.maxnreg - self.consumer_regs) * consumers) \
+            // self.load_warps // 8 * 8
 
 
 DEFAULT_CONFIG = GluonPrefillConfig()
+
+# named context-gather variants for the GPU sweep (benchmarks/bench_prefill.py --gluon-cfgs) and
+# their correctness test (tests/kernels/test_gluon_prefill.py). The one-op tile gather keeps a
+# thread's swizzled shared-memory offsets live: at 24 load registers it spills, so its
+# variants give the load partition more (consumer_regs 232: 40 at 4 load warps; 224: 56 at 4,
+# 32 at 8); "regs224" is the chunked gather at 224 consumer registers, the control for that
+# (232 spills 8 bytes with the chunked gather at fp16, head 128, block 32, interleaved V).
+_LOAD8 = dict(load_warps=8, maxnreg=128)
+SWEEP_VARIANTS = {
+    "default": DEFAULT_CONFIG,
+    "regs224": GluonPrefillConfig(consumer_regs=224),
+    "joint": GluonPrefillConfig(publish="joint"),
+    "load8": GluonPrefillConfig(**_LOAD8, consumer_regs=232),
+    "load8_joint": GluonPrefillConfig(**_LOAD8, consumer_regs=232, publish="joint"),
+    "tile": GluonPrefillConfig(gather="tile", consumer_regs=232),
+    "tile_r224": GluonPrefillConfig(gather="tile", consumer_regs=224),
+    "tile_k": GluonPrefillConfig(gather="tile_k", consumer_regs=232),
+    "tile_joint": GluonPrefillConfig(gather="tile", consumer_regs=232, publish="joint"),
+    "load8_tile": GluonPrefillConfig(**_LOAD8, gather="tile", consumer_regs=224),
+    "load8_tile_joint": GluonPrefillConfig(**_LOAD8, gather="tile", consumer_regs=224, publish="joint"),
+}
 
 
 @functools.cache
@@ -561,11 +707,28 @@ def _constexprs(num_heads: int, gqa: int, head_size: int, block_size: int, inter
     return dict(NUM_HEADS=num_heads, GQA=gqa, HEAD=head_size, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M,
                 BLOCK_N=cfg.block_n, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
                 INTERLEAVED_V=bool(interleaved_v),
-                SHORT_QUERY_MAX=max(int(short_query_max), 1))
+                SHORT_QUERY_MAX=max(int(short_query_max), 1),
+                **_variant_constexprs(cfg))
+
+
+def _variant_constexprs(cfg: GluonPrefillConfig) -> dict:
+    """The context-gather variant's constexprs (``tests/gluon_sm90_sass.py`` leaves them out of a
+    specialization's name at the default's values)."""
+    return dict(GATHER_TILE_K=cfg.gather in ("tile", "tile_k"), GATHER_TILE_V=cfg.gather == "tile",
+                JOINT_PUBLISH=cfg.publish == "joint")
 
 
 def _options(cfg: GluonPrefillConfig) -> dict:
-    return dict(num_warps=NUM_WARPS, maxnreg=cfg.maxnreg)
+    return dict(num_warps=cfg.load_warps, maxnreg=cfg.maxnreg)
+
+
+def _check_variant(cfg: GluonPrefillConfig, head_size: int, block_size: int) -> None:
+    """A variant's limits that depend on the launch (the default has none)."""
+    chunk = 32 // (head_size // 8) * cfg.load_warps  # _gather_k's keys a chunk
+    if cfg.gather == "chunks" and block_size % chunk:
+        raise ValueError(f"Gluon prefill: load_warps={cfg.load_warps} with gather='chunks' gathers K in chunks of "
+                         f"{chunk} keys at head size {head_size}, more than a block of {block_size}; "
+                         f"supported: gather='tile' or 'tile_k', or block sizes that are multiples of {chunk}")
 
 
 def launch(output, query, key, value, kc, vc, block_table, seq_lens, query_start_loc, scale: float,
@@ -579,6 +742,8 @@ def launch(output, query, key, value, kc, vc, block_table, seq_lens, query_start
     num_seqs = seq_lens.shape[0]
     block_size = kc.shape[3]
     dtype = query.dtype
+    if cfg is not DEFAULT_CONFIG:
+        _check_variant(cfg, head_size, block_size)
     q_layout = _smem_layout((BLOCK_M, head_size), dtype)
     kv_layout = _smem_layout((cfg.block_n, head_size), dtype)
     q_desc = TensorDescriptor(query, [num_tokens, num_heads * head_size], [query.stride(0), 1],
