@@ -175,23 +175,30 @@ def flashinfer_prefill_peers(c: PrefillCase, ref, flops: float, row: dict):
     del pages
 
 
+def checked_gluon_run(c: PrefillCase, ref) -> float:
+    """Run the case's launch with ``prefill_kernel="gluon"`` on a NaN-poisoned output; its
+    relative error against SDPA's ``ref``. Raises when the Triton prefill ran instead (the
+    launcher's warning) or the output differs."""
+    got = c.out.view(c.b, c.n, HQ, D).transpose(1, 2)
+    c.out.fill_(float("nan"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c.run(prefill_kernel="gluon")
+    torch.cuda.synchronize()
+    fallback = [str(w.message) for w in caught if "prefill kernel 'gluon'" in str(w.message)]
+    if fallback:  # the Triton prefill ran: not a Gluon timing
+        raise RuntimeError(fallback[0])
+    err = float((got.float() - ref.float()).norm() / ref.float().norm())
+    if not err < 1e-2:  # NaN fails too
+        raise RuntimeError(f"output differs from SDPA (rel err {err:.2e})")
+    return err
+
+
 def gluon_prefill_row(c: PrefillCase, ref, flops: float, row: dict) -> None:
     """The Gluon prefill on the case (output NaN-poisoned, checked against SDPA, then timed);
     fills ``row``'s ``gluon_*`` fields, or ``gluon_unavailable`` with the reason."""
-    got = c.out.view(c.b, c.n, HQ, D).transpose(1, 2)
     try:
-        c.out.fill_(float("nan"))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            c.run(prefill_kernel="gluon")
-        torch.cuda.synchronize()
-        fallback = [str(w.message) for w in caught if "prefill kernel 'gluon'" in str(w.message)]
-        if fallback:  # the Triton prefill ran: not a Gluon timing
-            raise RuntimeError(fallback[0])
-        err = float((got.float() - ref.float()).norm() / ref.float().norm())
-        row["gluon_rel_err_vs_sdpa"] = err
-        if not err < 1e-2:  # NaN fails too
-            raise RuntimeError(f"output differs from SDPA (rel err {err:.2e})")
+        err = row["gluon_rel_err_vs_sdpa"] = checked_gluon_run(c, ref)
         t = graph_time_ms(lambda: c.run(prefill_kernel="gluon"))
     except Exception as e:  # noqa: BLE001 - a kernel that cannot run or is wrong is a result
         row["gluon_ms"] = None
@@ -226,11 +233,9 @@ def gluon_cfg_rows(c: PrefillCase, ref, flops: float, specs: list[str], out: lis
     """The Gluon prefill under each config of ``specs`` (``gluon_config``) on the case: the
     launch ``paged_attention`` makes, with the config; output NaN-poisoned, checked against
     SDPA, then timed. Appends one row a config to ``out``."""
-    import functools
     import importlib
 
     pa_mod = importlib.import_module("inductor_rocm_attn.kernels.triton.paged_attention")
-    got = c.out.view(c.b, c.n, HQ, D).transpose(1, 2)
     real = pa_mod._gluon_launch
     for spec in specs:
         row = dict(prefix=c.prefix, cfg=spec)
@@ -245,18 +250,9 @@ def gluon_cfg_rows(c: PrefillCase, ref, flops: float, specs: list[str], out: lis
 
             pa_mod._gluon_launch = lambda: launch
             try:
-                c.out.fill_(float("nan"))
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    c.run(prefill_kernel="gluon")
-                torch.cuda.synchronize()
-                fallback = [str(w.message) for w in caught if "prefill kernel 'gluon'" in str(w.message)]
-                if fallback or not launches:  # the Triton prefill ran: not a Gluon timing
-                    raise RuntimeError(fallback[0] if fallback else "the Gluon prefill did not run")
-                err = float((got.float() - ref.float()).norm() / ref.float().norm())
-                row["rel_err_vs_sdpa"] = err
-                if not err < 1e-2:  # NaN fails too
-                    raise RuntimeError(f"output differs from SDPA (rel err {err:.2e})")
+                err = row["rel_err_vs_sdpa"] = checked_gluon_run(c, ref)
+                if not launches:  # the Triton prefill ran: not a timing of this config
+                    raise RuntimeError("the Gluon prefill did not run")
                 t = graph_time_ms(lambda: c.run(prefill_kernel="gluon"))
             finally:
                 pa_mod._gluon_launch = real
