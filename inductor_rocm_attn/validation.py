@@ -652,6 +652,9 @@ def check_positions_tensor(op: str, positions: torch.Tensor, num_tokens: int, co
     if positions.dim() != 1 or positions.shape[0] != num_tokens:
         raise ValueError(f"{op}: positions must be [num_tokens] = [{num_tokens}], got {tuple(positions.shape)}")
     check_index_layout(op, positions=positions, cos_sin_cache=cos_sin_cache)
+    if cos_sin_cache.shape[0] == 0:  # every position would be outside it (read out of bounds on a GPU)
+        raise ValueError(f"{op}: cos_sin_cache has no rows (shape {tuple(cos_sin_cache.shape)}); it needs a row "
+                         "per position, [max_position, rot_dim]")
     if _want_index_checks(positions):
         check_positions(op, positions, cos_sin_cache.shape[0])
 

@@ -158,6 +158,30 @@ def test_rotary_positions_of_another_token_count_are_named(op, shape):
                                                c.k_scale, c.v_scale, False)
     assert unchanged(before, q, k, c.kv_cache)
 
+@pytest.mark.parametrize("op", ["rotary_embedding", "rope_and_cache", "qk_norm_rope_and_cache"])
+def test_an_empty_cos_sin_table_is_named(op):
+    # a table without rows holds no position: the range error read "valid: 0..-1", and a GPU
+    # launch without index checks would have read outside it
+    c = _case()
+    t = c.query.shape[0]
+    q, k, v = c.query.clone(), c.key.clone(), c.value.clone()
+    qkv = torch.randn(t, (4 + 2 * 2) * D)
+    q_out, k_out = torch.full((t, 4, D), 3.0), torch.full((t, 2, D), 3.0)
+    positions, table = torch.zeros(t, dtype=torch.int64), _cos_sin(rows=0)
+    before = snapshot(q, k, q_out, k_out, c.kv_cache)
+    with pytest.raises(ValueError, match=rf"rocm_attn\.{op}: cos_sin_cache has no rows \(shape \(0, {D}\)\)"):
+        if op == "rotary_embedding":
+            torch.ops.rocm_attn.rotary_embedding(positions, q, k, D, table, True)
+        elif op == "rope_and_cache":
+            torch.ops.rocm_attn.rope_and_cache(positions, q, k, v, c.kv_cache, c.slot_mapping, table, True,
+                                               c.k_scale, c.v_scale, False)
+        else:
+            torch.ops.rocm_attn.qk_norm_rope_and_cache(qkv, torch.ones(D), torch.ones(D), 1e-6, positions, table,
+                                                       True, c.kv_cache, c.slot_mapping, c.k_scale, c.v_scale, True,
+                                                       4, 2, D, q_out, k_out)
+    assert unchanged(before, q, k, q_out, k_out, c.kv_cache)
+
+
 def test_rope_and_cache_position_outside_the_table():
     c = _case()
     q, k, v = c.query.clone(), c.key.clone(), c.value.clone()
