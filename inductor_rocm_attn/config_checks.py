@@ -90,6 +90,11 @@ def _check_layers(op: str, layers) -> None:
            next((f"{name!r}: {type(v).__name__}" for name, v in layers.items() if not isinstance(v, Attention)), None))
     if bad is not None:
         raise TypeError(f"{op}: layers must be a mapping of layer name -> Attention (e.g. runner.layers), got {bad}")
+    # the traced ops name a layer by its layer_name: a key of another name would be ignored
+    misnamed = next(((name, v.layer_name) for name, v in layers.items() if name != v.layer_name), None)
+    if misnamed is not None:
+        raise ValueError(f"{op}: layers key {misnamed[0]!r} maps to the layer named {misnamed[1]!r}; the keys are "
+                         "the layers' layer_name (the name the traced ops use), e.g. runner.layers")
 
 
 def check_runner_config(op: str, *, capture_sizes, max_num_seqs, max_num_tokens, max_model_len,

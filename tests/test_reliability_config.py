@@ -270,6 +270,15 @@ def test_compile_piecewise_config(kw, exc, message):
         compile_piecewise(model, **args)
 
 
+def test_compile_piecewise_layers_keyed_by_their_names():
+    """The traced ops name a layer by its layer_name: a mapping key of another name was ignored."""
+    from inductor_rocm_attn.compilation import compile_piecewise
+
+    with pytest.raises(ValueError, match=r"compile_piecewise: layers key 'wrong' maps to the layer named "
+                                         r"'cfg\.runner_key'; the keys are the layers' layer_name"):
+        compile_piecewise(torch.nn.Linear(2, 2), [1, 2], capture=False, layers={"wrong": _layer("runner_key")})
+
+
 def test_compile_piecewise_refuses_a_model_without_parameters():
     from inductor_rocm_attn.compilation import compile_piecewise
 
