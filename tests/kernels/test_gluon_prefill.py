@@ -205,7 +205,9 @@ def test_gluon_prefill_auto_falls_back_silently(monkeypatch):
     import triton
 
     monkeypatch.setattr(pa_mod, "_WARNED_REASONS", set())
-    launch = (None,) * 12  # the eligibility is replaced below: the launch's tensors are not read
+    # the eligibility is replaced below: of the launch's tensors only the cache's block size is read
+    launch = (None,) * 4 + (torch.empty(1, 2, 16, 8),) + (None,) * 7
+    launch_bs64 = (None,) * 4 + (torch.empty(1, 2, 64, 8),) + (None,) * 7
     covered = lambda *a: None  # noqa: E731
     monkeypatch.setattr(pa_mod, "_gluon_ineligibility", covered)
     eligibility.auto_problem.cache_clear()
@@ -213,9 +215,16 @@ def test_gluon_prefill_auto_falls_back_silently(monkeypatch):
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no warning from auto, whichever kernel it takes
             assert pa_mod._gluon_prefill_runs("auto", False, *launch) is triton.__version__.startswith("3.6.")
+            monkeypatch.setattr(triton, "__version__", "3.6.0")
+            eligibility.auto_problem.cache_clear()
+            assert pa_mod._gluon_prefill_runs("auto", False, *launch) is True
+            # block sizes the GPU tests have not run the kernel at: the default leaves them to Triton
+            assert "block size 64" in eligibility.auto_problem(64)
+            assert pa_mod._gluon_prefill_runs("auto", False, *launch_bs64) is False
+            assert pa_mod._gluon_prefill_runs("gluon", False, *launch_bs64) is True
             monkeypatch.setattr(triton, "__version__", "9.9.0")
             eligibility.auto_problem.cache_clear()
-            assert "Triton 9.9.0" in eligibility.auto_problem()
+            assert "Triton 9.9.0" in eligibility.auto_problem(16)
             assert pa_mod._gluon_prefill_runs("auto", False, *launch) is False
             assert pa_mod._gluon_prefill_runs("gluon", False, *launch) is True  # any release when asked
             assert pa_mod._gluon_prefill_runs("auto", True, *launch) is False  # the interpreter

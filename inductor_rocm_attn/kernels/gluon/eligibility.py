@@ -14,7 +14,7 @@ import functools
 import torch
 
 __all__ = ["prefill_kernel_for", "static_ineligibility", "tensor_ineligibility", "auto_problem", "BLOCK_N",
-           "HEAD_SIZES", "TESTED_TRITON", "INTERPRETER_REASON"]
+           "HEAD_SIZES", "TESTED_TRITON", "AUTO_BLOCK_SIZES", "INTERPRETER_REASON"]
 
 BLOCK_N = 128  # the kernel's key tile (prefix_prefill.DEFAULT_CONFIG.block_n)
 HEAD_SIZES = (64, 128)
@@ -23,18 +23,26 @@ INTERPRETER_REASON = "TRITON_INTERPRET=1 (Gluon kernels have no interpreter)"
 
 
 # Gluon is Triton's experimental layer: its API changes between releases. The default ("auto")
-# takes the kernel only under the Triton release its GPU tests, memcheck and benchmarks ran on.
+# takes the kernel only under the Triton release its GPU tests, memcheck and benchmarks ran on,
+# and at the block sizes its GPU tests ran (64 and 128 compile, without a GPU run yet: taken
+# when asked for, prefill_kernel="gluon").
 TESTED_TRITON = ("3.6.",)
+AUTO_BLOCK_SIZES = (16, 32)
 
 
 @functools.cache
-def auto_problem() -> str | None:
-    """None when the default ("auto") may take the Gluon prefill with this Triton, else why not."""
+def auto_problem(block_size: int) -> str | None:
+    """None when the default ("auto") may take the Gluon prefill with this Triton at this cache
+    block size (a launch the kernel covers), else why not."""
     import triton
 
-    if triton.__version__.startswith(TESTED_TRITON):
-        return None
-    return f"Triton {triton.__version__} (the Gluon prefill is tested with {', '.join(v + 'x' for v in TESTED_TRITON)})"
+    if not triton.__version__.startswith(TESTED_TRITON):
+        return (f"Triton {triton.__version__} (the Gluon prefill is tested with "
+                f"{', '.join(v + 'x' for v in TESTED_TRITON)})")
+    if block_size not in AUTO_BLOCK_SIZES:
+        return (f"block size {block_size} (the default takes the Gluon prefill at block sizes "
+                f"{', '.join(map(str, AUTO_BLOCK_SIZES))}, those its GPU tests ran)")
+    return None
 
 
 @functools.cache

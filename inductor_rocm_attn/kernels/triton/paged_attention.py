@@ -310,17 +310,18 @@ def _gluon_launch():
     return launch
 
 
-def _gluon_prefill_runs(choice: str, interpret: bool, *launch) -> bool:
-    """Whether the Gluon prefill runs this launch (``choice`` "auto" or "gluon"; ``launch``:
+def _gluon_prefill_runs(choice: str, interpret: bool, output, query, key, value, kv_cache, *features) -> bool:
+    """Whether the Gluon prefill runs this launch (``choice`` "auto" or "gluon"; the rest:
     ``eligibility.prefill_kernel_for``'s arguments but the last). "auto" takes it where it
-    covers the launch under the Triton release it was tested with, else runs the Triton
-    kernel silently; "gluon" takes it wherever it covers the launch, else warns once per reason."""
+    covers the launch under the Triton release and at the block sizes it was tested with, else
+    runs the Triton kernel silently; "gluon" takes it wherever it covers the launch, else warns
+    once per reason."""
     if interpret:
         reason = _GLUON_INTERPRETER_REASON  # asks nothing more: no host cost on a CPU
     else:
-        reason = _gluon_ineligibility(*launch, interpret)
+        reason = _gluon_ineligibility(output, query, key, value, kv_cache, *features, interpret)
         if reason is None and choice == "auto":
-            reason = _gluon_auto_problem()
+            reason = _gluon_auto_problem(kv_cache.shape[2])
     if reason is None:
         return True
     if choice == "gluon":
