@@ -375,9 +375,15 @@ def test_gluon_prefill_mixed_batch(monkeypatch, hints):
     (torch.bfloat16, True, 16, "LHBNC", 4, 128, torch.int32),
     (torch.bfloat16, False, 16, "LHBNC", 4, 64, torch.int32),
     (torch.float16, True, 32, "LBHNC", 8, 64, torch.int32),
+    # block sizes 64 / 128: eligible, left out of the default (eligibility.AUTO_BLOCK_SIZES)
+    # until these have run on a GPU
+    (torch.bfloat16, False, 64, "LHBNC", 4, 128, torch.int32),
+    (torch.float16, True, 128, "LBHNC", 8, 128, torch.int32),
+    (torch.bfloat16, True, 64, "LHBNC", 4, 64, torch.int32),
+    (torch.float16, False, 128, "LBHNC", 1, 64, torch.int32),
 ], ids=lambda v: str(v).replace("torch.", ""))
 def test_gluon_prefill_variants(monkeypatch, dtype, interleaved_v, block_size, layout, gqa, head_size, index_dtype):
-    """fp16/bf16, standard/interleaved V, block sizes 16/32, both cache layouts, GQA 1/4/8,
+    """fp16/bf16, standard/interleaved V, block sizes 16-128, both cache layouts, GQA 1/4/8,
     head sizes 128/64, int32/int64 index tensors, on a varlen batch with prefixes."""
     _run_gluon(monkeypatch, [300, 1, 130, 17, 64], [137, 40, 0, 1, 300], num_heads=8, num_kv_heads=8 // gqa,
                head_size=head_size, block_size=block_size, dtype=dtype, layout=layout,
