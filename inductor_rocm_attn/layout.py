@@ -238,10 +238,19 @@ def allocate_kv_cache(
     check_spec(spec, "allocate_kv_cache")
     device = as_device(device, "allocate_kv_cache")
     nb, g, bs, hd = spec.logical_shape(num_blocks)
-    if spec.layout == CacheLayout.LBHNC:
-        return torch.empty((nb, g, bs, hd), dtype=spec.dtype, device=device)
-    # LHBNC: allocate [2, num_blocks, ...] and present it in logical order.
-    return torch.empty((g, nb, bs, hd), dtype=spec.dtype, device=device).transpose(0, 1)
+    try:
+        if spec.layout == CacheLayout.LBHNC:
+            return torch.empty((nb, g, bs, hd), dtype=spec.dtype, device=device)
+        # LHBNC: allocate [2, num_blocks, ...] and present it in logical order.
+        return torch.empty((g, nb, bs, hd), dtype=spec.dtype, device=device).transpose(0, 1)
+    except RuntimeError as e:  # the allocator's message names neither the call nor the cache's geometry
+        size = nb * g * bs * hd * spec.dtype.itemsize
+        # a GPU's OutOfMemoryError keeps its class (callers catch it); the CPU allocator's RuntimeError
+        # becomes a MemoryError, as the block allocator's "out of blocks"
+        exc = torch.OutOfMemoryError if isinstance(e, torch.OutOfMemoryError) else MemoryError
+        raise exc(f"allocate_kv_cache: {num_blocks} blocks of {bs} tokens x {hd} channels x 2 "
+                          f"({spec.dtype}) = {size / 2**30:.2f} GiB could not be allocated on {device}; "
+                          f"use fewer blocks ({type(e).__name__}: {str(e).strip()[:200]})") from e
 
 
 def cache_layout_of(kv_cache: torch.Tensor, op: str = "rocm_attn") -> CacheLayout:

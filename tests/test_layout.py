@@ -157,6 +157,24 @@ def test_allocate_kv_cache_refuses_an_unknown_layout_and_device():
         allocate_kv_cache(KVCacheSpec(16, 2, 64, torch.float16), 4, "gpu")
 
 
+@pytest.mark.parametrize("failure", [RuntimeError("DefaultCPUAllocator: can't allocate memory"),
+                                     torch.OutOfMemoryError("CUDA out of memory")])
+def test_allocate_kv_cache_names_a_cache_it_cannot_allocate(monkeypatch, failure):
+    """The allocator's own error named neither the call nor the cache's size; a GPU's
+    OutOfMemoryError keeps its class, the CPU allocator's RuntimeError is a MemoryError."""
+    import inductor_rocm_attn.layout as layout_mod
+
+    def fail(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(layout_mod.torch, "empty", fail)
+    expected = torch.OutOfMemoryError if isinstance(failure, torch.OutOfMemoryError) else MemoryError
+    with pytest.raises(expected, match=r"allocate_kv_cache: 1000 blocks of 16 tokens x 128 channels x 2 "
+                                       r"\(torch\.float16\) = 0\.01 GiB could not be allocated on cpu; use fewer "
+                                       r"blocks \((OutOfMemoryError|RuntimeError): "):
+        allocate_kv_cache(KVCacheSpec(16, 2, 64, torch.float16), 1000)
+
+
 def test_dense_kv_checks_the_cache_and_its_heads():
     """dense_kv read any 4-D tensor through the cache views: a tensor of other strides (not a
     cache) came back as other elements, a non-dividing head count or a 3-D slice failed with
