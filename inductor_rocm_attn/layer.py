@@ -1,8 +1,9 @@
 """The ``Attention`` layer a model author drops in, and KV-cache binding for a model.
 
 ``forward`` emits exactly the layer-level ops the fusion passes look for:
-``unified_kv_cache_update`` (returns a dependency token) then
-``unified_attention_with_output`` (takes it), so write-before-read survives compilation.
+``unified_kv_cache_update`` (returns a dependency token; not emitted by a layer that writes
+no cache: an encoder layer, a KV-sharing one) then ``unified_attention_with_output`` (takes
+it), so write-before-read survives compilation.
 """
 
 from __future__ import annotations

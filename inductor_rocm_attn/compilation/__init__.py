@@ -3,8 +3,10 @@
 - ``plugin``: ``enable()`` / ``disable()`` / ``plugin()`` / ``fusion_report()``, the
   ``ROCM_ATTN_PLUGIN`` switch: our pass manager as Inductor's post-grad custom pass.
 - ``piecewise``: ``compile_piecewise`` / ``PiecewiseRunner``: split the model at attention
-  (``split``), compile each distinct piece once (``dedup``), capture one CUDA/HIP graph per
-  piece per size (``graph_backends``), run attention eagerly between the graphs. A model
+  (``split``), compile each distinct piece once (``dedup``) and, on a GPU, capture per size
+  CUDA/HIP graphs (``graph_backends``) of whole steps, attention inside (``decode_graphs``,
+  ``mixed_graphs``: the default), or of each piece with attention eagerly between them
+  (``piecewise_graphs``). A model
   whose layers live elsewhere passes ``forward=`` and ``layers=`` (transformers models:
   ``integrations.transformers_runner.compile_transformers``).
 
