@@ -112,10 +112,10 @@ def check_runner_config(op: str, *, capture_sizes, max_num_seqs, max_num_tokens,
     for size in sizes:
         if not validation.is_int(size) or size <= 0:
             raise ValueError(f"{op}: capture_sizes must hold positive ints, got {size!r} in {sizes!r}")
-    for name, value in (("max_num_seqs", max_num_seqs), ("max_num_tokens", max_num_tokens)):
-        if value is not None:
+    for name, value in (("max_num_seqs", max_num_seqs), ("max_num_tokens", max_num_tokens),
+                        ("max_model_len", max_model_len)):
+        if value is not None:  # None: the caller's default
             validation.check_positive_int(op, name, value)
-    validation.check_positive_int(op, "max_model_len", max_model_len)
     top = max(sizes)
     if max_num_tokens is not None and max_num_tokens < top:
         raise ValueError(f"{op}: max_num_tokens {max_num_tokens} is below the largest capture size {top}; "

@@ -249,8 +249,8 @@ def allocate_kv_cache(
         # becomes a MemoryError, as the block allocator's "out of blocks"
         exc = torch.OutOfMemoryError if isinstance(e, torch.OutOfMemoryError) else MemoryError
         raise exc(f"allocate_kv_cache: {num_blocks} blocks of {bs} tokens x {hd} channels x 2 "
-                          f"({spec.dtype}) = {size / 2**30:.2f} GiB could not be allocated on {device}; "
-                          f"use fewer blocks ({type(e).__name__}: {str(e).strip()[:200]})") from e
+                  f"({spec.dtype}) = {size / 2**30:.2f} GiB could not be allocated on {device}; "
+                  f"use fewer blocks ({type(e).__name__}: {str(e).strip()[:200]})") from e
 
 
 def cache_layout_of(kv_cache: torch.Tensor, op: str = "rocm_attn") -> CacheLayout:

@@ -651,7 +651,7 @@ def compile_piecewise(
     """
     sizes = check_runner_config(
         "compile_piecewise", capture_sizes=capture_sizes, max_num_seqs=max_num_seqs,
-        max_num_tokens=max_num_tokens, max_model_len=1 if max_model_len is None else max_model_len,
+        max_num_tokens=max_num_tokens, max_model_len=max_model_len,
         flags=dict(capture=capture, decode_graphs=decode_graphs, mixed_graphs=mixed_graphs),
         optional_flags=dict(use_cuda_graphs=use_cuda_graphs, plugin=plugin, piecewise_graphs=piecewise_graphs),
         trace_cache=trace_cache, compile_threads=compile_threads, graph_backend=graph_backend,

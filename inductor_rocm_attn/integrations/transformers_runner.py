@@ -143,7 +143,7 @@ def compile_transformers(
     # Before paged_layers allocates every layer's cache (compile_piecewise checks them again).
     check_runner_config(
         "compile_transformers", capture_sizes=capture_sizes, max_num_seqs=max_num_seqs,
-        max_num_tokens=max_num_tokens, max_model_len=1 if max_model_len is None else max_model_len,
+        max_num_tokens=max_num_tokens, max_model_len=max_model_len,
         flags=dict(capture=capture, decode_graphs=decode_graphs, mixed_graphs=mixed_graphs, poison=poison),
         optional_flags=dict(use_cuda_graphs=use_cuda_graphs, plugin=plugin, piecewise_graphs=piecewise_graphs),
         trace_cache=trace_cache, compile_threads=compile_threads, graph_backend=graph_backend,
