@@ -73,10 +73,12 @@ def _find_seq(cu_ptr, num_seqs, vblock, BLOCK_M: gl.constexpr):
 # --- shared memory of the pipeline (also the probe's, benchmarks/probe_prefill_gluon.py) -----
 
 @gluon.jit
-def allocate_pipeline(q_desc, k_desc, v_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+def allocate_pipeline(q_desc, k_desc, v_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                      READY_ARRIVALS: gl.constexpr = 1):
     """A row block's shared memory, allocated and its mbarriers initialized: the Q tile, a
     ring of ``STAGES`` K and V stages (each the shape and layout of its descriptor's block),
-    Q's ready mbarrier, a stage's K and V ready mbarriers (one arrival each), a stage's empty
+    Q's ready mbarrier, a stage's K and V ready mbarriers (``READY_ARRIVALS`` arrivals each:
+    1, or every load thread for ``publish="noinc"``), a stage's empty
     mbarrier (one arrival per consumer partition: ``CONSUMERS``) and the consumers'
     two ping-pong turn mbarriers (one arrival each)."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
@@ -91,8 +93,8 @@ def allocate_pipeline(q_desc, k_desc, v_desc, STAGES: gl.constexpr, CONSUMERS: g
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
     for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_ready.index(i), count=READY_ARRIVALS)
+        mbarrier.init(v_ready.index(i), count=READY_ARRIVALS)
         mbarrier.init(kv_empty.index(i), count=CONSUMERS)
     fence_async_shared()  # the initialized barriers visible to the TMA unit
     return q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn
@@ -290,7 +292,7 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, kc_head, vc_h
                        BLOCK_N: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr,
                        BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr,
                        VT_LAYOUT: gl.constexpr, PARTIAL: gl.constexpr, GATHER_TILE_K: gl.constexpr,
-                       GATHER_TILE_V: gl.constexpr, JOINT_PUBLISH: gl.constexpr):
+                       GATHER_TILE_V: gl.constexpr, JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr):
     """Context key tile ``j`` into its stage: K and V gathered by cp.async, each published on
     its ready mbarrier. ``PARTIAL`` (the last tile, keys past the context): only the chunks
     and packets that hold context keys are read, and V's stale slots are zeroed once its
@@ -302,7 +304,9 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, kc_head, vc_h
     barrier publishes K and V together after both were issued: each thread's tracking arrive
     on ``k_ready`` follows its K packets, the one on ``v_ready`` its V packets, and the single
     thread barrier puts every tracking arrive before the two completing arrivals (K is
-    published once V is issued, not once K is)."""
+    published once V is issued, not once K is); ``NOINC_PUBLISH``, the ready mbarriers count
+    an arrival per load thread: each thread's non-incrementing tracking arrive is its arrival,
+    once its packets landed, so no thread barrier publishes a tile."""
     s = j % STAGES
     # a fresh mbarrier reads as if its phase before 0 completed: the first round passes
     mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
@@ -312,7 +316,9 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, kc_head, vc_h
     else:
         _gather_k(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N,
                   BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, PARTIAL)
-    if JOINT_PUBLISH:
+    if NOINC_PUBLISH:  # this thread's arrival, once its K packets (and earlier ones) landed
+        async_copy.mbarrier_arrive(k_ready.index(s), increment_count=False)
+    elif JOINT_PUBLISH:
         async_copy.mbarrier_arrive(k_ready.index(s))  # this thread's K packets (and earlier ones)
     else:
         _publish_cp_async(k_ready.index(s))
@@ -332,7 +338,12 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, kc_head, vc_h
         gl.thread_barrier()
         if JOINT_PUBLISH:  # every K tracking arrive registered (the barriers above)
             mbarrier.arrive(k_ready.index(s), count=1)
-        mbarrier.arrive(v_ready.index(s), count=1)
+        if NOINC_PUBLISH:  # every load thread's arrival at once: all their packets landed
+            mbarrier.arrive(v_ready.index(s), count=LOAD_WARPS * 32)
+        else:
+            mbarrier.arrive(v_ready.index(s), count=1)
+    elif NOINC_PUBLISH:
+        async_copy.mbarrier_arrive(v_ready.index(s), increment_count=False)
     elif JOINT_PUBLISH:
         async_copy.mbarrier_arrive(v_ready.index(s))
         gl.thread_barrier()  # all tracking arrives (K's and V's) registered before the completing ones
@@ -349,32 +360,39 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_rea
                     BLOCK_N: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr,
                     BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr,
                     VT_LAYOUT: gl.constexpr, GATHER_TILE_K: gl.constexpr, GATHER_TILE_V: gl.constexpr,
-                    JOINT_PUBLISH: gl.constexpr):
+                    JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr):
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
     n_ctx_full = ctx_len // BLOCK_N
     for j in range(n_ctx_full):  # whole context tiles: no masks
         _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, kc_head, vc_head, bt_row, stride_kcb,
                            stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V,
-                           VT_LAYOUT, False, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH)
+                           VT_LAYOUT, False, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH)
     for j in range(n_ctx_full, n_ctx):  # the partial last context tile (at most one)
         _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, kc_head, vc_head, bt_row, stride_kcb,
                            stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V,
-                           VT_LAYOUT, True, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH)
+                           VT_LAYOUT, True, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH)
     for i in range(n_new):  # the new tokens, by TMA
         j = n_ctx + i
         s = j % STAGES
         mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv_row + i * BLOCK_N, kv_col], k_ready.index(s), k_bufs.index(s))
+        if NOINC_PUBLISH:  # the expect was one arrival of the load threads' count
+            mbarrier.arrive(k_ready.index(s), count=LOAD_WARPS * 32 - 1)
         if (i + 1) * BLOCK_N <= q_len:
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(v_desc, [kv_row + i * BLOCK_N, kv_col], v_ready.index(s),
                                             v_bufs.index(s))
+            if NOINC_PUBLISH:
+                mbarrier.arrive(v_ready.index(s), count=LOAD_WARPS * 32 - 1)
         else:  # the tile reaches past the sequence: those V rows must be zeros
             _gather_v_tail(v_bufs.index(s), v_head, stride_vt, kv_row + i * BLOCK_N, q_len - i * BLOCK_N,
                            BLOCK_N, HEAD, LOAD_WARPS)
-            _publish_cp_async(v_ready.index(s))
+            if NOINC_PUBLISH:
+                async_copy.mbarrier_arrive(v_ready.index(s), increment_count=False)
+            else:
+                _publish_cp_async(v_ready.index(s))
 
 
 # --- consumer partitions ---------------------------------------------------------------------
@@ -543,7 +561,7 @@ def _gluon_prefix_prefill_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     INTERLEAVED_V: gl.constexpr,
     SHORT_QUERY_MAX: gl.constexpr, GATHER_TILE_K: gl.constexpr, GATHER_TILE_V: gl.constexpr,
-    JOINT_PUBLISH: gl.constexpr,
+    JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr,
 ):
     """Grid ``((num_tokens // BLOCK_M + num_seqs) * NUM_HEADS,)``: program ``pid`` is query
     head ``pid % NUM_HEADS`` (a KV head's query heads adjacent: they share its K/V tiles in
@@ -590,8 +608,9 @@ def _gluon_prefix_prefill_kernel(
                                                        instr_shape=[16, HEAD, 16])
     VT_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD, BLOCK_N], q_desc.dtype)
     # two consumer partitions release each stage
+    READY_ARRIVALS: gl.constexpr = LOAD_WARPS * 32 if NOINC_PUBLISH else 1
     q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn = allocate_pipeline(q_desc, k_desc, v_desc,
-                                                                                         STAGES, 2)
+                                                                                         STAGES, 2, READY_ARRIVALS)
 
     gl.warp_specialize([
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
@@ -599,7 +618,7 @@ def _gluon_prefix_prefill_kernel(
                            stride_vcb, v_ptr + kv_head * HEAD, stride_vt, q_start + q_tile_row, head * HEAD,
                            q_start, kv_head * HEAD, ctx_len, q_len, n_ctx, n_new,
                            BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, VT_LAYOUT, GATHER_TILE_K,
-                           GATHER_TILE_V, JOINT_PUBLISH)),
+                           GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH)),
         (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn, out_base, stride_ot,
                               q_tile_row, q_len, ctx_len, n_ctx, n_new, qk_scale,
                               ROWS, 0, BLOCK_M, BLOCK_N, HEAD, STAGES, VT_LAYOUT, s_layout, o_layout)),
@@ -634,8 +653,12 @@ class GluonPrefillConfig:
       cp.async op each), ``"tile"`` (K and V each one cp.async op for the whole tile, a
       thread per key for K: no thread barrier between the chunks, one block-table read a
       thread and tile for K) or ``"tile_k"`` (K so, V in chunks);
-    - ``publish``: ``"separate"`` (K published once its packets are issued, then V) or
-      ``"joint"`` (one thread barrier publishes both after V is issued)."""
+    - ``publish``: ``"separate"`` (K published once its packets are issued, then V: a thread
+      barrier each), ``"joint"`` (one thread barrier publishes both after V is issued) or
+      ``"noinc"`` (no thread barrier: the ready mbarriers count an arrival per load thread,
+      each thread's own once its packets landed, cp.async's non-incrementing arrive, as
+      CUTLASS's cp.async pipelines publish; for a tile loaded by TMA the expect is one of the
+      arrivals and the issuing thread makes the rest)."""
 
     block_n: int = 128
     stages: int = 3
@@ -651,8 +674,8 @@ class GluonPrefillConfig:
             bad.append(f"load_warps={self.load_warps} (supported: 4, 8)")
         if self.gather not in ("chunks", "tile", "tile_k"):
             bad.append(f"gather={self.gather!r} (supported: 'chunks', 'tile', 'tile_k')")
-        if self.publish not in ("separate", "joint"):
-            bad.append(f"publish={self.publish!r} (supported: 'separate', 'joint')")
+        if self.publish not in ("separate", "joint", "noinc"):
+            bad.append(f"publish={self.publish!r} (supported: 'separate', 'joint', 'noinc')")
         if self.consumer_regs % 8 or not 24 <= self.consumer_regs <= 256:
             bad.append(f"consumer_regs={self.consumer_regs} (a multiple of 8 in 24..256)")
         if not bad:
@@ -694,6 +717,9 @@ SWEEP_VARIANTS = {
     "tile_joint": GluonPrefillConfig(gather="tile", consumer_regs=232, publish="joint"),
     "load8_tile": GluonPrefillConfig(**_LOAD8, gather="tile", consumer_regs=224),
     "load8_tile_joint": GluonPrefillConfig(**_LOAD8, gather="tile", consumer_regs=224, publish="joint"),
+    "noinc": GluonPrefillConfig(publish="noinc"),
+    "tile_noinc": GluonPrefillConfig(gather="tile", consumer_regs=232, publish="noinc"),
+    "load8_tile_noinc": GluonPrefillConfig(**_LOAD8, gather="tile", consumer_regs=224, publish="noinc"),
 }
 
 
@@ -715,7 +741,7 @@ def _variant_constexprs(cfg: GluonPrefillConfig) -> dict:
     """The context-gather variant's constexprs (``tests/gluon_sm90_sass.py`` leaves them out of a
     specialization's name at the default's values)."""
     return dict(GATHER_TILE_K=cfg.gather in ("tile", "tile_k"), GATHER_TILE_V=cfg.gather == "tile",
-                JOINT_PUBLISH=cfg.publish == "joint")
+                JOINT_PUBLISH=cfg.publish == "joint", NOINC_PUBLISH=cfg.publish == "noinc")
 
 
 def _options(cfg: GluonPrefillConfig) -> dict:
