@@ -267,7 +267,7 @@ def gluon_cfg_rows(c: PrefillCase, ref, flops: float, specs: list[str], out: lis
 
 
 def main():
-    global HQ, HKV, D
+    global HQ, HKV, D, BS
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--new", type=int, default=4096)
@@ -290,11 +290,15 @@ def main():
     ap.add_argument("--kv-heads", type=int, default=HKV, help=f"KV heads (default {HKV})")
     ap.add_argument("--head-size", type=int, default=D,
                     help=f"head size (default {D}; e.g. 512 for Gemma4's full-attention layers)")
+    ap.add_argument("--block-size", type=int, default=BS, choices=(16, 32, 64, 128),
+                    help=f"cache block size (default {BS}; FlashInfer's prebuilt modules are for 16 only)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
+    if any(p % args.block_size for p in args.prefix):
+        ap.error(f"--prefix {args.prefix}: each must be a multiple of --block-size {args.block_size}")
     if args.kv_heads < 1 or args.q_heads % args.kv_heads:
         ap.error(f"--q-heads {args.q_heads} is not a multiple of --kv-heads {args.kv_heads}")
-    HQ, HKV, D = args.q_heads, args.kv_heads, args.head_size
+    HQ, HKV, D, BS = args.q_heads, args.kv_heads, args.head_size, args.block_size
     sweep_cfgs = [tuple(int(x) for x in c.split(",")) for c in args.cfgs] if args.cfgs else SWEEP
     gluon_specs = list(args.gluon_cfgs)
     if "all" in gluon_specs:
@@ -398,6 +402,7 @@ def main():
                 timing="CUDA-graph replay, do_bench median")
     name = f"prefill_{stamp()}" + (f"_hq{HQ}" if HQ != 32 else "") + (f"_hkv{HKV}" if HKV != 8 else "")
     name += f"_d{D}" if D != 128 else ""
+    name += f"_bs{BS}" if BS != 16 else ""
     meta = write_json(os.path.join(args.out, name + ".json"),
                       dict(rows=rows, sweep=sweep, variants=variants, gluon_cfgs=gluon_cfgs), **meta)["meta"]
     lines = [f"# Prefix prefill, {dev} ({meta['date']})", "",
