@@ -236,6 +236,52 @@ def test_gluon_prefill_auto_falls_back_silently(monkeypatch):
         eligibility.auto_problem.cache_clear()
 
 
+def test_gluon_prefill_build_failure_under_auto_warns_once_and_runs_triton(monkeypatch):
+    """A Gluon prefill that fails to build or launch (a ptxas or driver it was not tested with)
+    under the default "auto": one warning naming the error, the Triton prefill gives the right
+    result for that launch and every later one (the Gluon kernel is not tried again); asked
+    for explicitly ("gluon"), the error propagates with the output untouched."""
+    monkeypatch.setattr(pa_mod, "_GLUON_AUTO_FAILURE", [])
+    tries = []
+
+    def broken(*a, **k):
+        tries.append(1)
+        raise RuntimeError("PTXAS error: Internal Triton PTX codegen error\nptxas fatal   : setmaxnreg unsupported")
+
+    monkeypatch.setattr(pa_mod, "_gluon_launch", lambda: broken)
+    # the launch covered (the interpreter, the device and the Triton release aside)
+    real_runs = pa_mod._gluon_prefill_runs
+    monkeypatch.setattr(pa_mod, "_gluon_ineligibility", lambda *a: None)
+    monkeypatch.setattr(pa_mod, "_gluon_auto_problem", lambda block_size: None)
+    monkeypatch.setattr(pa_mod, "_gluon_prefill_runs", lambda choice, interpret, *rest: real_runs(choice, False, *rest))
+    c = cases.make_paged_case([20, 1, 9], [5, 7, 0], dtype=torch.float16, device="cuda" if _hopper() else "cpu",
+                              seed=seed())
+    for attempt in range(2):
+        out = cases.poison(torch.empty_like(c.query))
+        args, kw, scale = _args(c, out)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pa_mod.paged_attention(*args, **kw, prefill_kernel="auto")
+        msgs = [str(w.message) for w in caught if "Gluon prefill" in str(w.message)]
+        assert len(msgs) == (1 if attempt == 0 else 0), msgs
+        if attempt == 0:
+            assert "failed to build or launch (RuntimeError: ptxas fatal   : setmaxnreg unsupported)" in msgs[0]
+            assert "the Triton prefill runs this launch and every later one" in msgs[0]
+        err = cases.rel_err(out.double().cpu(), cases.dense_oracle(c, scale=scale, causal=True))
+        assert err < TOL[torch.float16], err
+    assert tries == [1]
+    out = cases.poison(torch.empty_like(c.query))
+    args, kw, scale = _args(c, out)
+    with pytest.raises(RuntimeError, match="setmaxnreg unsupported"):
+        pa_mod.paged_attention(*args, **kw, prefill_kernel="gluon")
+    assert tries == [1, 1]
+    # the decode sequence ran before the prefill was reached; the prefill rows are untouched
+    rows = torch.arange(c.query.shape[0], device=out.device)
+    first, second = int(c.query_start_loc[1]), int(c.query_start_loc[2])
+    prefill_rows = (rows < first) | (rows >= second)
+    assert torch.isnan(out[prefill_rows].float()).all()
+
+
 def _prefix_prefill():
     """The Gluon kernel module (imports where Triton has Gluon; the CPU tests skip elsewhere)."""
     return pytest.importorskip("inductor_rocm_attn.kernels.gluon.prefix_prefill")

@@ -276,9 +276,9 @@ def paged_attention(
         _warn_triton_prefill("a prefill_cfg, a Triton prefill config, was given")
     if choice != "triton" and prefill_cfg is None and _gluon_prefill_runs(
             choice, interpret, output, query, key, value, kv_cache, causal, sliding_window,
-            alibi_slopes, sinks, logits_soft_cap, output_scale):
-        _gluon_launch()(output, query, key, value, kc, vc, block_table, seq_lens, query_start_loc,
-                        scale, interleaved_v, q_max)
+            alibi_slopes, sinks, logits_soft_cap, output_scale) and _run_gluon(
+            choice, output, query, key, value, kc, vc, block_table, seq_lens, query_start_loc,
+            scale, interleaved_v, q_max):
         return
     pcfg = prefill_cfg or prefill_config(head_size, gqa, block_size, compute, interpret)
     block_m, block_n = pcfg.block_m, pcfg.block_n
@@ -310,12 +310,40 @@ def _gluon_launch():
     return launch
 
 
+# Why the Gluon prefill failed to build or launch under "auto" (the first failure; the default
+# then leaves every launch of this process to the Triton prefill).
+_GLUON_AUTO_FAILURE: list[str] = []
+
+
+def _run_gluon(choice: str, *args) -> bool:
+    """Run the Gluon prefill on ``args`` (its ``launch``'s); True when it ran. Under "auto" the
+    caller did not ask for it: a failure to build or launch it (a ptxas, driver or GPU it was
+    not tested with) is not theirs, so it warns once, naming the error, and the Triton prefill
+    runs this launch and every later one. Asked for ("gluon"), the error propagates. Nothing
+    is written when the launch raises: the compile and the launch checks come first."""
+    try:
+        _gluon_launch()(*args)
+        return True
+    except Exception as e:  # noqa: BLE001 - any build/launch failure; the fallback re-raises a real fault
+        if choice != "auto":
+            raise
+        why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
+        _GLUON_AUTO_FAILURE.append(why)
+        warnings.warn(f"paged_attention: the Gluon prefill (the default on sm_90) failed to build or launch "
+                      f"({why}); the Triton prefill runs this launch and every later one in this process "
+                      f"(ROCM_ATTN_PREFILL_KERNEL=triton says so explicitly; =gluon raises the error)",
+                      stacklevel=3)
+        return False
+
+
 def _gluon_prefill_runs(choice: str, interpret: bool, output, query, key, value, kv_cache, *features) -> bool:
     """Whether the Gluon prefill runs this launch (``choice`` "auto" or "gluon"; the rest:
     ``eligibility.prefill_kernel_for``'s arguments but the last). "auto" takes it where it
-    covers the launch under the Triton release and at the block sizes it was tested with, else
-    runs the Triton kernel silently; "gluon" takes it wherever it covers the launch, else warns
-    once per reason."""
+    covers the launch under the Triton release and at the block sizes it was tested with, and
+    it has not failed to build in this process (``_run_gluon``), else runs the Triton kernel
+    silently; "gluon" takes it wherever it covers the launch, else warns once per reason."""
+    if choice == "auto" and _GLUON_AUTO_FAILURE:
+        return False
     if interpret:
         reason = _GLUON_INTERPRETER_REASON  # asks nothing more: no host cost on a CPU
     else:
