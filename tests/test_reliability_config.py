@@ -365,6 +365,23 @@ def test_plugin_flags_are_checked_before_any_is_applied():
             ira.disable()
 
 
+def test_set_pass_flag_with_the_plugin_off_names_the_flag_and_the_fix():
+    """With the plugin off, set_pass_flag("rope_fusion", ...) (a misspelt pass) said only "the
+    plugin is not enabled": an unknown name is refused first, and a known one names the call
+    and enable()."""
+    import importlib
+
+    plugin = importlib.import_module("inductor_rocm_attn.compilation.plugin")
+    if plugin.is_enabled():
+        pytest.skip("the plugin is enabled in this process")
+    with pytest.raises(KeyError, match=r"set_pass_flag: unknown pass 'rope_fusion'"):
+        plugin.set_pass_flag("rope_fusion", False)
+    with pytest.raises(RuntimeError, match=r"set_pass_flag\('rope_kv_cache_fusion', False\): the plugin is not "
+                                           r"enabled; call enable\(\) first"):
+        plugin.set_pass_flag("rope_kv_cache_fusion", False)
+    assert not plugin.is_enabled()
+
+
 class _NoStepRunner:
     """A runner's limits and caches (8 blocks of 16 tokens); any step it is asked to plan fails
     the test: generate() must refuse its arguments before the first step."""

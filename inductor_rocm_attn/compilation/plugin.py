@@ -108,10 +108,12 @@ def disable() -> None:
 
 
 def set_pass_flag(name: str, enabled: bool) -> None:
-    """Turn one pass on or off (the manager's uuid changes, so the next compile recompiles)."""
-    if _manager is None:
-        raise RuntimeError("rocm_attn: the plugin is not enabled")
+    """Turn one pass on or off (the manager's uuid changes, so the next compile recompiles).
+    An unknown name is refused first, whether or not the plugin is on."""
     _check_flags("set_pass_flag", {name: enabled}, keywords=False)
+    if _manager is None:
+        raise RuntimeError(f"rocm_attn: set_pass_flag({name!r}, {enabled!r}): the plugin is not enabled; "
+                           f"call enable() first (enable({name}={enabled!r}) sets the flag as it enables)")
     _manager.set_flag(name, enabled)
 
 
