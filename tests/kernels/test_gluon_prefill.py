@@ -292,6 +292,7 @@ def _prefix_prefill():
     (dict(load_warps=12), "load_warps=12 (supported: 4, 8)"),
     (dict(gather="pages"), "gather='pages' (supported: 'chunks', 'tile', 'tile_k')"),
     (dict(publish="once"), "publish='once' (supported: 'separate', 'joint', 'noinc')"),
+    (dict(release="early"), "release='early' (supported: 'joint', 'split')"),
     (dict(consumer_regs=236), "consumer_regs=236 (a multiple of 8 in 24..256)"),
     (dict(load_warps=8), "maxnreg=168: 16 warps x 32 x 168 registers exceed 65536"),
     (dict(load_warps=8, maxnreg=128), "consumer_regs=240 with maxnreg=128 leaves the 8 load warps 16 registers"),
@@ -315,7 +316,8 @@ def test_gluon_prefill_sweep_variants_are_valid_and_default_unchanged():
     assert pp.DEFAULT_CONFIG.load_regs() == 24
     assert pp._options(pp.DEFAULT_CONFIG) == dict(num_warps=4, maxnreg=168)
     assert pp._variant_constexprs(pp.DEFAULT_CONFIG) == dict(GATHER_TILE_K=False, GATHER_TILE_V=False,
-                                                             JOINT_PUBLISH=False, NOINC_PUBLISH=False)
+                                                             JOINT_PUBLISH=False, NOINC_PUBLISH=False,
+                                                             SPLIT_RELEASE=False)
     for name, cfg in pp.SWEEP_VARIANTS.items():
         assert cfg.load_regs() >= 24 and (cfg.load_warps + 8) * 32 * cfg.maxnreg <= 65536, name
 
@@ -453,7 +455,7 @@ def _sweep_variant_names():
 ], ids=lambda v: str(v).replace("torch.", ""))
 def test_gluon_prefill_sweep_variant(monkeypatch, variant, dtype, interleaved_v, block_size, layout, gqa, head_size):
     """Every context-gather variant of the GPU sweep (``SWEEP_VARIANTS``: load warps, one-op
-    tile gather, joint or per-thread K/V publication) against the float64 oracle: prefixes ending inside a
+    tile gather, joint or per-thread K/V publication, K released before V) against the float64 oracle: prefixes ending inside a
     page, on a page edge, inside a key tile and 4100 keys long (the ring wraps many times),
     decode and short sequences, new-token tails. A variant that does not cover the shape
     (``_check_variant``) is skipped."""

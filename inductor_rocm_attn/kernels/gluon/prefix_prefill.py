@@ -287,12 +287,13 @@ def _publish_cp_async(bar):
 
 
 @gluon.jit
-def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, kc_head, vc_head, bt_row, stride_kcb,
+def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row, stride_kcb,
                        stride_vcb, ctx_len, j,
                        BLOCK_N: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr,
                        BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr,
                        VT_LAYOUT: gl.constexpr, PARTIAL: gl.constexpr, GATHER_TILE_K: gl.constexpr,
-                       GATHER_TILE_V: gl.constexpr, JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr):
+                       GATHER_TILE_V: gl.constexpr, JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr,
+                       SPLIT_RELEASE: gl.constexpr):
     """Context key tile ``j`` into its stage: K and V gathered by cp.async, each published on
     its ready mbarrier. ``PARTIAL`` (the last tile, keys past the context): only the chunks
     and packets that hold context keys are read, and V's stale slots are zeroed once its
@@ -306,7 +307,9 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, kc_head, vc_h
     thread barrier puts every tracking arrive before the two completing arrivals (K is
     published once V is issued, not once K is); ``NOINC_PUBLISH``, the ready mbarriers count
     an arrival per load thread: each thread's non-incrementing tracking arrive is its arrival,
-    once its packets landed, so no thread barrier publishes a tile."""
+    once its packets landed, so no thread barrier publishes a tile; ``SPLIT_RELEASE``, K's
+    buffer waits on ``kv_empty`` (released once both consumers' S of the tile is done), V's on
+    ``v_empty`` (once their P V is), not both on ``kv_empty``."""
     s = j % STAGES
     # a fresh mbarrier reads as if its phase before 0 completed: the first round passes
     mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
@@ -323,6 +326,8 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, kc_head, vc_h
     else:
         _publish_cp_async(k_ready.index(s))
     vt = v_bufs.index(s)._reinterpret(v_bufs.dtype, [HEAD, BLOCK_N], VT_LAYOUT)
+    if SPLIT_RELEASE:
+        mbarrier.wait(v_empty.index(s), ((j // STAGES) & 1) ^ 1)
     if GATHER_TILE_V:
         _gather_vt_tile(vt, vc_head, bt_row, stride_vcb, ctx_len, j * BLOCK_N,
                         BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, PARTIAL)
@@ -354,24 +359,26 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, kc_head, vc_h
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, v_empty,
                     kc_head, vc_head, bt_row, stride_kcb, stride_vcb, v_head, stride_vt,
                     q_row, q_col, kv_row, kv_col, ctx_len, q_len, n_ctx, n_new,
                     BLOCK_N: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr,
                     BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr,
                     VT_LAYOUT: gl.constexpr, GATHER_TILE_K: gl.constexpr, GATHER_TILE_V: gl.constexpr,
-                    JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr):
+                    JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr, SPLIT_RELEASE: gl.constexpr):
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
     n_ctx_full = ctx_len // BLOCK_N
     for j in range(n_ctx_full):  # whole context tiles: no masks
-        _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, kc_head, vc_head, bt_row, stride_kcb,
+        _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row, stride_kcb,
                            stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V,
-                           VT_LAYOUT, False, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH)
+                           VT_LAYOUT, False, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH,
+                           SPLIT_RELEASE)
     for j in range(n_ctx_full, n_ctx):  # the partial last context tile (at most one)
-        _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, kc_head, vc_head, bt_row, stride_kcb,
+        _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row, stride_kcb,
                            stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V,
-                           VT_LAYOUT, True, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH)
+                           VT_LAYOUT, True, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH,
+                           SPLIT_RELEASE)
     for i in range(n_new):  # the new tokens, by TMA
         j = n_ctx + i
         s = j % STAGES
@@ -380,6 +387,8 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_rea
         tma.async_copy_global_to_shared(k_desc, [kv_row + i * BLOCK_N, kv_col], k_ready.index(s), k_bufs.index(s))
         if NOINC_PUBLISH:  # the expect was one arrival of the load threads' count
             mbarrier.arrive(k_ready.index(s), count=LOAD_WARPS * 32 - 1)
+        if SPLIT_RELEASE:
+            mbarrier.wait(v_empty.index(s), ((j // STAGES) & 1) ^ 1)
         if (i + 1) * BLOCK_N <= q_len:
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(v_desc, [kv_row + i * BLOCK_N, kv_col], v_ready.index(s),
@@ -466,10 +475,10 @@ def _p_operand(p, DTYPE: gl.constexpr, o_layout: gl.constexpr):
 
 
 @gluon.jit
-def _phase(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, m_i, l_i, acc, base, n_tiles, n_plain,
+def _phase(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_i, l_i, acc, base, n_tiles, n_plain,
            rows, cap, qk_scale, DTYPE: gl.constexpr, VT: gl.constexpr, BLOCK_N: gl.constexpr,
            HEAD: gl.constexpr, STAGES: gl.constexpr, PHASE0: gl.constexpr, VT_LAYOUT: gl.constexpr,
-           s_layout: gl.constexpr, o_layout: gl.constexpr):
+           s_layout: gl.constexpr, o_layout: gl.constexpr, SPLIT_RELEASE: gl.constexpr):
     """Key tiles ``base .. base + n_tiles`` of one kind (context: ``VT``, or new tokens), the
     first ``n_plain`` unmasked: the first tile's S and softmax alone, then tile j's S in
     flight with tile j-1's P V, then the last P V drained. Stage and phase counters run over
@@ -480,29 +489,33 @@ def _phase(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, m_i, l_i, a
     qk = _issue_qk(q_rows, k_bufs, k_ready, base, STAGES, FENCE, BLOCK_N, s_layout)
     mbarrier.arrive(turn.index(PHASE0), count=1)
     qk, _ = warpgroup_mma_wait(0, deps=(qk, q_rows))
+    if SPLIT_RELEASE:  # S done: this consumer is through with the tile's K
+        mbarrier.arrive(kv_empty.index(base % STAGES), count=1)
     m_i, l_i, p, alpha = _softmax(qk, m_i, l_i, 0, rows, cap, qk_scale, True, VT, BLOCK_N, s_layout, o_layout)
     acc = acc * alpha
     p = _p_operand(p, DTYPE, o_layout)
     for i in range(1, n_plain):
-        m_i, l_i, acc, p = _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, m_i, l_i, acc,
+        m_i, l_i, acc, p = _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_i,
+                                         l_i, acc,
                                          p, base, i, rows, cap, qk_scale, DTYPE, False, VT, BLOCK_N, HEAD,
-                                         STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout)
+                                         STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE)
     for i in range(gl.maximum(n_plain, 1), n_tiles):
-        m_i, l_i, acc, p = _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, m_i, l_i, acc,
+        m_i, l_i, acc, p = _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_i,
+                                         l_i, acc,
                                          p, base, i, rows, cap, qk_scale, DTYPE, True, VT, BLOCK_N, HEAD,
-                                         STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout)
+                                         STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE)
     last = base + n_tiles - 1
     acc = _issue_pv(p, acc, v_bufs, v_ready, last, STAGES, VT, HEAD, BLOCK_N, VT_LAYOUT)
     acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p, v_bufs.index(last % STAGES)))
-    mbarrier.arrive(kv_empty.index(last % STAGES), count=1)
+    mbarrier.arrive(v_empty.index(last % STAGES), count=1)
     return m_i, l_i, acc
 
 
 @gluon.jit
-def _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, m_i, l_i, acc, p, base, i, rows, cap,
+def _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_i, l_i, acc, p, base, i, rows, cap,
                   qk_scale, DTYPE: gl.constexpr, MASK: gl.constexpr, VT: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD: gl.constexpr, STAGES: gl.constexpr, PHASE0: gl.constexpr, VT_LAYOUT: gl.constexpr,
-                  s_layout: gl.constexpr, o_layout: gl.constexpr):
+                  s_layout: gl.constexpr, o_layout: gl.constexpr, SPLIT_RELEASE: gl.constexpr):
     """Tile j = base + i: its S and tile j-1's P V in flight together; its softmax runs while
     P V of j-1 is still on the tensor cores (FA3's intra-warpgroup overlap)."""
     j = base + i
@@ -511,21 +524,23 @@ def _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, m_i,
     acc = _issue_pv(p, acc, v_bufs, v_ready, j - 1, STAGES, VT, HEAD, BLOCK_N, VT_LAYOUT)
     mbarrier.arrive(turn.index(PHASE0), count=1)
     qk, _ = warpgroup_mma_wait(1, deps=(qk, q_rows))  # groups retire in order: S of j is done
+    if SPLIT_RELEASE:  # this consumer is through with tile j's K
+        mbarrier.arrive(kv_empty.index(j % STAGES), count=1)
     m_i, l_i, p_next, alpha = _softmax(qk, m_i, l_i, i * BLOCK_N, rows, cap, qk_scale, MASK, VT, BLOCK_N, s_layout,
                                        o_layout)
     p_next = _p_operand(p_next, DTYPE, o_layout)
     # P of j-1 is a register operand of the wgmma in flight: kept alive until it is done
     acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p, v_bufs.index((j - 1) % STAGES)))
-    mbarrier.arrive(kv_empty.index((j - 1) % STAGES), count=1)
+    mbarrier.arrive(v_empty.index((j - 1) % STAGES), count=1)
     return m_i, l_i, acc * alpha, p_next
 
 
 @gluon.jit
-def _compute_partition(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn, out_base, stride_ot,
+def _compute_partition(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, v_empty, turn, out_base, stride_ot,
                        q_tile_row, q_len, ctx_len, n_ctx, n_new, qk_scale,
                        ROWS: gl.constexpr, ROW_OFF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        HEAD: gl.constexpr, STAGES: gl.constexpr, VT_LAYOUT: gl.constexpr,
-                       s_layout: gl.constexpr, o_layout: gl.constexpr):
+                       s_layout: gl.constexpr, o_layout: gl.constexpr, SPLIT_RELEASE: gl.constexpr):
     """Rows ``q_tile_row + ROW_OFF .. + ROWS`` of the row block: the context phase, the
     new-token phase, the normalized output stored (rows past the sequence are not). The two
     consumer partitions take turns issuing their wgmmas (``turn``: the first warpgroup waits
@@ -540,12 +555,14 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty
     rows = q_tile_row + ROW_OFF + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     mbarrier.wait(q_bar, 0)
     if n_ctx > 0:
-        m_i, l_i, acc = _phase(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, m_i, l_i, acc, 0, n_ctx,
+        m_i, l_i, acc = _phase(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_i, l_i, acc,
+                               0, n_ctx,
                                ctx_len // BLOCK_N, rows, ctx_len - 1, qk_scale, DTYPE, True,
-                               BLOCK_N, HEAD, STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout)
-    m_i, l_i, acc = _phase(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, m_i, l_i, acc, n_ctx, n_new,
+                               BLOCK_N, HEAD, STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE)
+    m_i, l_i, acc = _phase(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_i, l_i, acc,
+                           n_ctx, n_new,
                            q_tile_row // BLOCK_N, rows, 0, qk_scale, DTYPE, False,
-                           BLOCK_N, HEAD, STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout)
+                           BLOCK_N, HEAD, STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE)
     acc = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
     r = q_tile_row + ROW_OFF + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
@@ -561,7 +578,7 @@ def _gluon_prefix_prefill_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     INTERLEAVED_V: gl.constexpr,
     SHORT_QUERY_MAX: gl.constexpr, GATHER_TILE_K: gl.constexpr, GATHER_TILE_V: gl.constexpr,
-    JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr,
+    JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr, SPLIT_RELEASE: gl.constexpr,
 ):
     """Grid ``((num_tokens // BLOCK_M + num_seqs) * NUM_HEADS,)``: program ``pid`` is query
     head ``pid % NUM_HEADS`` (a KV head's query heads adjacent: they share its K/V tiles in
@@ -611,20 +628,29 @@ def _gluon_prefix_prefill_kernel(
     READY_ARRIVALS: gl.constexpr = LOAD_WARPS * 32 if NOINC_PUBLISH else 1
     q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn = allocate_pipeline(q_desc, k_desc, v_desc,
                                                                                          STAGES, 2, READY_ARRIVALS)
+    if SPLIT_RELEASE:  # kv_empty releases a stage's K, v_empty its V (one arrival per consumer each)
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(v_empty.index(i), count=2)
+    else:
+        v_empty = kv_empty
 
     gl.warp_specialize([
-        (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
+        (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, v_empty,
                            kc_ptr + kv_head * stride_kch, vc_ptr + kv_head * stride_vch, bt_row, stride_kcb,
                            stride_vcb, v_ptr + kv_head * HEAD, stride_vt, q_start + q_tile_row, head * HEAD,
                            q_start, kv_head * HEAD, ctx_len, q_len, n_ctx, n_new,
                            BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, VT_LAYOUT, GATHER_TILE_K,
-                           GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH)),
-        (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn, out_base, stride_ot,
+                           GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH, SPLIT_RELEASE)),
+        (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, v_empty, turn, out_base,
+                              stride_ot,
                               q_tile_row, q_len, ctx_len, n_ctx, n_new, qk_scale,
-                              ROWS, 0, BLOCK_M, BLOCK_N, HEAD, STAGES, VT_LAYOUT, s_layout, o_layout)),
-        (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn, out_base, stride_ot,
+                              ROWS, 0, BLOCK_M, BLOCK_N, HEAD, STAGES, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE)),
+        (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, v_empty, turn, out_base,
+                              stride_ot,
                               q_tile_row, q_len, ctx_len, n_ctx, n_new, qk_scale,
-                              ROWS, ROWS, BLOCK_M, BLOCK_N, HEAD, STAGES, VT_LAYOUT, s_layout, o_layout)),
+                              ROWS, ROWS, BLOCK_M, BLOCK_N, HEAD, STAGES, VT_LAYOUT, s_layout, o_layout,
+                              SPLIT_RELEASE)),
     ], [CONSUMER_WARPS, CONSUMER_WARPS], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -658,7 +684,10 @@ class GluonPrefillConfig:
       ``"noinc"`` (no thread barrier: the ready mbarriers count an arrival per load thread,
       each thread's own once its packets landed, cp.async's non-incrementing arrive, as
       CUTLASS's cp.async pipelines publish; for a tile loaded by TMA the expect is one of the
-      arrivals and the issuing thread makes the rest)."""
+      arrivals and the issuing thread makes the rest);
+    - ``release``: ``"joint"`` (a stage's K and V are released together, once both consumers'
+      P V of the tile is done) or ``"split"`` (K once their S is done, V after P V, as
+      FlashInfer's FA3 does: the load partition may refill K a softmax earlier)."""
 
     block_n: int = 128
     stages: int = 3
@@ -667,6 +696,7 @@ class GluonPrefillConfig:
     load_warps: int = NUM_WARPS
     gather: str = "chunks"
     publish: str = "separate"
+    release: str = "joint"
 
     def __post_init__(self):
         bad = []
@@ -676,6 +706,8 @@ class GluonPrefillConfig:
             bad.append(f"gather={self.gather!r} (supported: 'chunks', 'tile', 'tile_k')")
         if self.publish not in ("separate", "joint", "noinc"):
             bad.append(f"publish={self.publish!r} (supported: 'separate', 'joint', 'noinc')")
+        if self.release not in ("joint", "split"):
+            bad.append(f"release={self.release!r} (supported: 'joint', 'split')")
         if self.consumer_regs % 8 or not 24 <= self.consumer_regs <= 256:
             bad.append(f"consumer_regs={self.consumer_regs} (a multiple of 8 in 24..256)")
         if not bad:
@@ -720,6 +752,9 @@ SWEEP_VARIANTS = {
     "noinc": GluonPrefillConfig(publish="noinc"),
     "tile_noinc": GluonPrefillConfig(gather="tile", consumer_regs=232, publish="noinc"),
     "load8_tile_noinc": GluonPrefillConfig(**_LOAD8, gather="tile", consumer_regs=224, publish="noinc"),
+    "split": GluonPrefillConfig(release="split"),
+    "load8_split": GluonPrefillConfig(**_LOAD8, consumer_regs=224, release="split"),
+    "tile_noinc_split": GluonPrefillConfig(gather="tile", consumer_regs=232, publish="noinc", release="split"),
 }
 
 
@@ -741,7 +776,8 @@ def _variant_constexprs(cfg: GluonPrefillConfig) -> dict:
     """The context-gather variant's constexprs (``tests/gluon_sm90_sass.py`` leaves them out of a
     specialization's name at the default's values)."""
     return dict(GATHER_TILE_K=cfg.gather in ("tile", "tile_k"), GATHER_TILE_V=cfg.gather == "tile",
-                JOINT_PUBLISH=cfg.publish == "joint", NOINC_PUBLISH=cfg.publish == "noinc")
+                JOINT_PUBLISH=cfg.publish == "joint", NOINC_PUBLISH=cfg.publish == "noinc",
+                SPLIT_RELEASE=cfg.release == "split")
 
 
 def _options(cfg: GluonPrefillConfig) -> dict:
