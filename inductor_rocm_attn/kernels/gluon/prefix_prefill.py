@@ -301,8 +301,8 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
 
     Variants (``GluonPrefillConfig``; the default is none): ``GATHER_TILE_K`` /
     ``GATHER_TILE_V``, K / V in one cp.async op (``_gather_k_tile``, ``_gather_vt_tile``);
-    ``JOINT_PUBLISH``, one thread
-    barrier publishes K and V together after both were issued: each thread's tracking arrive
+    ``JOINT_PUBLISH``, one thread barrier publishes K and V together after both were issued:
+    each thread's tracking arrive
     on ``k_ready`` follows its K packets, the one on ``v_ready`` its V packets, and the single
     thread barrier puts every tracking arrive before the two completing arrivals (K is
     published once V is issued, not once K is); ``NOINC_PUBLISH``, the ready mbarriers count
@@ -482,7 +482,9 @@ def _phase(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_
     """Key tiles ``base .. base + n_tiles`` of one kind (context: ``VT``, or new tokens), the
     first ``n_plain`` unmasked: the first tile's S and softmax alone, then tile j's S in
     flight with tile j-1's P V, then the last P V drained. Stage and phase counters run over
-    the whole key sequence (``base``); one ping-pong turn per tile."""
+    the whole key sequence (``base``); one ping-pong turn per tile. ``SPLIT_RELEASE``: a
+    tile's K is released on ``kv_empty`` once its S is done, its V on ``v_empty`` after P V
+    (otherwise ``v_empty`` is ``kv_empty``: both after P V)."""
     FENCE: gl.constexpr = VT
     # tile 0 masked (exact for a whole tile too)
     _my_turn(turn.index(PHASE0 ^ 1), base, PHASE0)
@@ -512,8 +514,8 @@ def _phase(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_
 
 
 @gluon.jit
-def _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_i, l_i, acc, p, base, i, rows, cap,
-                  qk_scale, DTYPE: gl.constexpr, MASK: gl.constexpr, VT: gl.constexpr, BLOCK_N: gl.constexpr,
+def _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_i, l_i, acc, p, base, i, rows,
+                  cap, qk_scale, DTYPE: gl.constexpr, MASK: gl.constexpr, VT: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD: gl.constexpr, STAGES: gl.constexpr, PHASE0: gl.constexpr, VT_LAYOUT: gl.constexpr,
                   s_layout: gl.constexpr, o_layout: gl.constexpr, SPLIT_RELEASE: gl.constexpr):
     """Tile j = base + i: its S and tile j-1's P V in flight together; its softmax runs while
@@ -624,8 +626,8 @@ def _gluon_prefix_prefill_kernel(
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                        instr_shape=[16, HEAD, 16])
     VT_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD, BLOCK_N], q_desc.dtype)
-    # two consumer partitions release each stage
     READY_ARRIVALS: gl.constexpr = LOAD_WARPS * 32 if NOINC_PUBLISH else 1
+    # two consumer partitions release each stage
     q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn = allocate_pipeline(q_desc, k_desc, v_desc,
                                                                                          STAGES, 2, READY_ARRIVALS)
     if SPLIT_RELEASE:  # kv_empty releases a stage's K, v_empty its V (one arrival per consumer each)
@@ -773,8 +775,8 @@ def _constexprs(num_heads: int, gqa: int, head_size: int, block_size: int, inter
 
 
 def _variant_constexprs(cfg: GluonPrefillConfig) -> dict:
-    """The context-gather variant's constexprs (``tests/gluon_sm90_sass.py`` leaves them out of a
-    specialization's name at the default's values)."""
+    """The variant's constexprs (gather, publication, release; ``tests/gluon_sm90_sass.py``
+    leaves them out of a specialization's name at the default's values)."""
     return dict(GATHER_TILE_K=cfg.gather in ("tile", "tile_k"), GATHER_TILE_V=cfg.gather == "tile",
                 JOINT_PUBLISH=cfg.publish == "joint", NOINC_PUBLISH=cfg.publish == "noinc",
                 SPLIT_RELEASE=cfg.release == "split")

@@ -324,7 +324,7 @@ def _run_gluon(choice: str, *args) -> bool:
     try:
         _gluon_launch()(*args)
         return True
-    except Exception as e:  # noqa: BLE001 - any build/launch failure; the fallback re-raises a real fault
+    except Exception as e:  # noqa: BLE001 - any build/launch failure (a CUDA fault resurfaces at the Triton launch)
         if choice != "auto":
             raise
         why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
