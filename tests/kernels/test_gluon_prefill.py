@@ -214,7 +214,7 @@ def test_gluon_prefill_auto_falls_back_silently(monkeypatch):
     monkeypatch.setattr(pa_mod, "_WARNED_REASONS", set())
     # the eligibility is replaced below: of the launch's tensors only the cache's block size is read
     launch = (None,) * 4 + (torch.empty(1, 2, 16, 8),) + (None,) * 7
-    launch_bs64 = (None,) * 4 + (torch.empty(1, 2, 64, 8),) + (None,) * 7
+    launch_bs8 = (None,) * 4 + (torch.empty(1, 2, 8, 8),) + (None,) * 7
     covered = lambda *a: None  # noqa: E731
     monkeypatch.setattr(pa_mod, "_gluon_ineligibility", covered)
     eligibility.auto_problem.cache_clear()
@@ -226,9 +226,11 @@ def test_gluon_prefill_auto_falls_back_silently(monkeypatch):
             eligibility.auto_problem.cache_clear()
             assert pa_mod._gluon_prefill_runs("auto", False, *launch) is True
             # block sizes the GPU tests have not run the kernel at: the default leaves them to Triton
-            assert "block size 64" in eligibility.auto_problem(64)
-            assert pa_mod._gluon_prefill_runs("auto", False, *launch_bs64) is False
-            assert pa_mod._gluon_prefill_runs("gluon", False, *launch_bs64) is True
+            assert "block size 8" in eligibility.auto_problem(8)
+            assert pa_mod._gluon_prefill_runs("auto", False, *launch_bs8) is False
+            assert pa_mod._gluon_prefill_runs("gluon", False, *launch_bs8) is True
+            for block_size in (16, 32, 64, 128):
+                assert eligibility.auto_problem(block_size) is None
             monkeypatch.setattr(triton, "__version__", "9.9.0")
             eligibility.auto_problem.cache_clear()
             assert "Triton 9.9.0" in eligibility.auto_problem(16)
@@ -421,8 +423,8 @@ def test_gluon_prefill_mixed_batch(monkeypatch, hints):
     (torch.bfloat16, True, 16, "LHBNC", 4, 128, torch.int32),
     (torch.bfloat16, False, 16, "LHBNC", 4, 64, torch.int32),
     (torch.float16, True, 32, "LBHNC", 8, 64, torch.int32),
-    # block sizes 64 / 128: eligible, left out of the default (eligibility.AUTO_BLOCK_SIZES)
-    # until these have run on a GPU
+    # block sizes 64 / 128 (in the default's eligibility.AUTO_BLOCK_SIZES since these rows ran
+    # under memcheck on an H100)
     (torch.bfloat16, False, 64, "LHBNC", 4, 128, torch.int32),
     (torch.float16, True, 128, "LBHNC", 8, 128, torch.int32),
     (torch.bfloat16, True, 64, "LHBNC", 4, 64, torch.int32),
