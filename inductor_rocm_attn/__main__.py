@@ -34,12 +34,40 @@ def _info() -> int:
         print(f"  {'':<10} {provider.summary}; kernels in {provider.module}")
         print(f"  {'':<10} ops: {', '.join(caps.ops)}; head sizes {caps.head_sizes}; "
               f"block sizes {caps.block_sizes or 'any multiple of 16'}")
+    print(f"prefill kernel (Triton provider): {_prefill_kernel()}")
     print("measured preferences (elsewhere the order above):")
     for r in providers.PREFERENCES:
         upper = "" if r.max_tokens is None else f" < {r.max_tokens}"
         tokens = "any tokens" if r.min_tokens == 0 and not upper else f"{r.min_tokens} <= tokens{upper}"
         print(f"  {r.platform}: {r.op}, {tokens}: {', '.join(r.first)} first ({r.evidence})")
     return 0
+
+
+def _prefill_kernel() -> str:
+    """Which prefill kernel the Triton provider's ``paged_attention`` runs here
+    (``ROCM_ATTN_PREFILL_KERNEL``, design.md "The Gluon prefill"); reads no Triton kernel."""
+    import os
+
+    from .kernels.gluon import eligibility
+
+    choice = os.environ.get("ROCM_ATTN_PREFILL_KERNEL", "auto")
+    if choice not in ("auto", "gluon", "triton"):
+        return (f"ROCM_ATTN_PREFILL_KERNEL={choice!r} is not one of auto, gluon, triton: the Triton kernels "
+                f"raise ValueError when imported")
+    if choice == "triton":
+        return "the Triton prefill (ROCM_ATTN_PREFILL_KERNEL=triton)"
+    if not torch.cuda.is_available():
+        why = "no CUDA GPU visible to torch"
+    else:
+        why = eligibility.unavailable_reason("cuda", torch.cuda.current_device())
+    if why is None and choice == "auto":
+        why = eligibility.auto_problem(eligibility.AUTO_BLOCK_SIZES[0])  # the Triton release
+    if why is not None:
+        return f"the Triton prefill (ROCM_ATTN_PREFILL_KERNEL={choice}; the Gluon prefill: {why})"
+    blocks = "/".join(map(str, eligibility.AUTO_BLOCK_SIZES)) if choice == "auto" else "any it covers"
+    return (f"the Gluon prefill where it covers the launch (16-bit caches, head "
+            f"{'/'.join(map(str, eligibility.HEAD_SIZES))}, block sizes {blocks}, causal, no window, soft cap, "
+            f"ALiBi, sinks or output scale), the Triton prefill elsewhere (ROCM_ATTN_PREFILL_KERNEL={choice})")
 
 
 def _demo(args) -> int:

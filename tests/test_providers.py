@@ -93,6 +93,35 @@ def test_info_lists_every_provider_with_its_reason(capsys):
         assert f"{rule.platform}: {rule.op}," in out
 
 
+def test_info_says_which_prefill_kernel_runs(monkeypatch):
+    """``info``'s prefill line follows ROCM_ATTN_PREFILL_KERNEL and the Gluon prefill's
+    availability here (device, module, the Triton release under "auto")."""
+    from inductor_rocm_attn.__main__ import _prefill_kernel
+    from inductor_rocm_attn.kernels.gluon import eligibility
+
+    monkeypatch.delenv("ROCM_ATTN_PREFILL_KERNEL", raising=False)
+    if not torch.cuda.is_available():
+        assert _prefill_kernel() == ("the Triton prefill (ROCM_ATTN_PREFILL_KERNEL=auto; the Gluon prefill: "
+                                     "no CUDA GPU visible to torch)")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(eligibility, "unavailable_reason", lambda device_type, index: None)
+    monkeypatch.setattr(eligibility, "auto_problem", lambda block_size: None)
+    line = _prefill_kernel()
+    assert line.startswith("the Gluon prefill where it covers the launch") and "block sizes 16/32/64/128" in line
+    monkeypatch.setattr(eligibility, "auto_problem", lambda block_size: "Triton 9.9.0 (tested with 3.6.x)")
+    assert _prefill_kernel() == ("the Triton prefill (ROCM_ATTN_PREFILL_KERNEL=auto; the Gluon prefill: "
+                                 "Triton 9.9.0 (tested with 3.6.x))")
+    monkeypatch.setenv("ROCM_ATTN_PREFILL_KERNEL", "gluon")  # any Triton release when asked for
+    assert "block sizes any it covers" in _prefill_kernel()
+    monkeypatch.setattr(eligibility, "unavailable_reason", lambda device_type, index: "device capability (8, 0)")
+    assert _prefill_kernel().endswith("the Gluon prefill: device capability (8, 0))")
+    monkeypatch.setenv("ROCM_ATTN_PREFILL_KERNEL", "triton")
+    assert _prefill_kernel() == "the Triton prefill (ROCM_ATTN_PREFILL_KERNEL=triton)"
+    monkeypatch.setenv("ROCM_ATTN_PREFILL_KERNEL", "fast")
+    assert "ROCM_ATTN_PREFILL_KERNEL='fast' is not one of auto, gluon, triton" in _prefill_kernel()
+
+
 # --- selection ------------------------------------------------------------------------------
 
 

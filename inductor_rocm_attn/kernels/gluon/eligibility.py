@@ -13,7 +13,8 @@ import functools
 
 import torch
 
-__all__ = ["prefill_kernel_for", "static_ineligibility", "tensor_ineligibility", "auto_problem", "BLOCK_N",
+__all__ = ["prefill_kernel_for", "static_ineligibility", "tensor_ineligibility", "auto_problem",
+           "unavailable_reason", "BLOCK_N",
            "HEAD_SIZES", "TESTED_TRITON", "AUTO_BLOCK_SIZES", "INTERPRETER_REASON"]
 
 BLOCK_N = 128  # the kernel's key tile (prefix_prefill.DEFAULT_CONFIG.block_n)
@@ -92,10 +93,13 @@ def static_ineligibility(device_type: str, device_index: int, query_dtype: torch
                        (alibi, "ALiBi slopes"), (sinks, "attention sinks"), (output_scale, "an output scale")):
         if flag:
             return what
-    problem = _device_problem(device_type, device_index)
-    if problem is not None:
-        return problem
-    return _gluon_problem()
+    return unavailable_reason(device_type, device_index)
+
+
+def unavailable_reason(device_type: str, device_index: int) -> str | None:
+    """None when the Gluon prefill can run on this device (an NVIDIA sm_90 GPU, the kernel
+    module imports), else why not."""
+    return _device_problem(device_type, device_index) or _gluon_problem()
 
 
 def _tma_problem(name: str, t: torch.Tensor, head_size: int) -> str | None:
