@@ -11,7 +11,9 @@ compile, so Triton compiles and caches the diagnostic kernel under its own key):
 - ``no_load``: the load partition publishes each context stage without copying anything
   into it (the consumers compute on whatever the stage holds): the consumers' own rate;
 - ``no_math``: the consumers wait for each stage and release it without their wgmmas (the
-  softmax still runs, on zeros): the load partition's rate, with the ping-pong kept.
+  softmax still runs, on zeros): the load partition's rate, with the ping-pong kept;
+- ``no_fence``: the consumers' async-proxy fences left out (the wgmma may read a cp.async
+  stage before its bytes are visible to the async proxy: what the fences cost).
 
 Cases: B=32 x 128 new tokens with a 4096-token prefix (the context phase nearly alone) and
 B=4 x 4096 new tokens without a prefix (the dense phase alone); bf16, causal, 32/8 heads,
@@ -27,16 +29,16 @@ import subprocess
 import sys
 
 CASES = [(32, 128, 4096), (4, 4096, 0)]
-MODES = ("real", "no_load", "no_math")
+MODES = ("real", "no_load", "no_math", "no_fence")
 
 
 def _patch(mode: str) -> None:
     """Replace the kernel module's context loader (``no_load``) or its wgmma issue helpers
     (``no_math``) before anything compiles."""
-    global gl, mbarrier  # the replacements' globals: Gluon resolves names there at compile time
+    global gl, mbarrier, warpgroup_mma, pp  # the replacements' globals: Gluon resolves names there
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma
 
     from inductor_rocm_attn.kernels.gluon import prefix_prefill as pp
 
@@ -68,6 +70,25 @@ def _patch(mode: str) -> None:
                       BLOCK_N: gl.constexpr, VT_LAYOUT: gl.constexpr):
             mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
             return acc
+
+        pp._issue_qk = _issue_qk
+        pp._issue_pv = _issue_pv
+    elif mode == "no_fence":
+        @gluon.jit
+        def _issue_qk(q_rows, k_bufs, k_ready, j, STAGES: gl.constexpr, FENCE: gl.constexpr,
+                      BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+            ROWS: gl.constexpr = q_rows.shape[0]
+            s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+            s = j % STAGES
+            mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+            return warpgroup_mma(q_rows, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+
+        @gluon.jit
+        def _issue_pv(p, acc, v_bufs, v_ready, j, STAGES: gl.constexpr, VT: gl.constexpr, HEAD: gl.constexpr,
+                      BLOCK_N: gl.constexpr, VT_LAYOUT: gl.constexpr):
+            mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
+            return warpgroup_mma(p, pp._v_operand(v_bufs, j, STAGES, VT, HEAD, BLOCK_N, VT_LAYOUT), acc,
+                                 is_async=True)
 
         pp._issue_qk = _issue_qk
         pp._issue_pv = _issue_pv
