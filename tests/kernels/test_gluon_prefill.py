@@ -290,7 +290,7 @@ def _prefix_prefill():
 @pytest.mark.parametrize("changes,expect", [
     (dict(load_warps=2), "load_warps=2 (supported: 4, 8)"),
     (dict(load_warps=12), "load_warps=12 (supported: 4, 8)"),
-    (dict(gather="pages"), "gather='pages' (supported: 'chunks', 'tile', 'tile_k')"),
+    (dict(gather="rows"), "gather='rows' (supported: 'chunks', 'tile', 'tile_k', 'pages')"),
     (dict(publish="once"), "publish='once' (supported: 'separate', 'joint', 'noinc')"),
     (dict(release="early"), "release='early' (supported: 'joint', 'split')"),
     (dict(consumer_regs=236), "consumer_regs=236 (a multiple of 8 in 24..256)"),

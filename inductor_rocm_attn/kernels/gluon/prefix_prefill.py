@@ -137,15 +137,23 @@ def _gather_k(k_buf, kc_head, bt_row, stride_kcb, ctx_len, key0,
 @gluon.jit
 def _gather_k_tile(k_buf, kc_head, bt_row, stride_kcb, ctx_len, key0,
                    BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                   LOAD_WARPS: gl.constexpr, MASKED: gl.constexpr):
+                   LOAD_WARPS: gl.constexpr, MASKED: gl.constexpr, PAGE_MAJOR: gl.constexpr = False):
     """``GATHER_TILE_K`` variant of ``_gather_k``: the whole ``[BLOCK_N, HEAD]`` stage in one
     cp.async op, a thread per key (its page read once, its ``HEAD // 8`` packets at fixed
     offsets from one address). One op per tile: the chunked gather's copies are writes to
     slices of a dynamically indexed stage, which Triton's shared-memory barrier analysis
     separates with a thread barrier each. ``MASKED``: keys past the context are zero-filled
-    (their block-table entries are not read)."""
-    WARPS_R: gl.constexpr = BLOCK_N // 32 if LOAD_WARPS > BLOCK_N // 32 else LOAD_WARPS
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [WARPS_R, LOAD_WARPS // WARPS_R], [1, 0])
+    (their block-table entries are not read). ``PAGE_MAJOR`` (``gather="pages"``): a warp's
+    lanes on consecutive keys of one page first (the page interior's order), so a warp's
+    packets are whole 128-byte lines of one page, not 32-byte pieces of 16 lines."""
+    if PAGE_MAJOR:
+        TPW_K: gl.constexpr = BLOCK_SIZE if BLOCK_SIZE < 32 else 32
+        TPW_C: gl.constexpr = 32 // TPW_K
+        WARPS_C: gl.constexpr = HEAD // 8 // TPW_C if LOAD_WARPS > HEAD // 8 // TPW_C else LOAD_WARPS
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_K, TPW_C], [LOAD_WARPS // WARPS_C, WARPS_C], [1, 0])
+    else:
+        WARPS_R: gl.constexpr = BLOCK_N // 32 if LOAD_WARPS > BLOCK_N // 32 else LOAD_WARPS
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [WARPS_R, LOAD_WARPS // WARPS_R], [1, 0])
     keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
     if MASKED:
@@ -219,12 +227,25 @@ def _gather_vt(vt_buf, vc_head, bt_row, stride_vcb, ctx_len, key0,
 @gluon.jit
 def _gather_vt_tile(vt_buf, vc_head, bt_row, stride_vcb, ctx_len, key0,
                     BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                    LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr, MASKED: gl.constexpr):
+                    LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr, MASKED: gl.constexpr,
+                    PAGE_MAJOR: gl.constexpr = False):
     """``GATHER_TILE_V`` variant of ``_gather_vt``: the whole ``[HEAD, BLOCK_N]`` view in one
-    cp.async op (same packets, same per-thread key offsets, no barrier between chunks)."""
-    TPW_C: gl.constexpr = BLOCK_N // 8
-    TPW_R: gl.constexpr = 32 // TPW_C
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_R, TPW_C], [LOAD_WARPS, 1], [1, 0])
+    cp.async op (same packets, same per-thread key offsets, no barrier between chunks).
+    ``PAGE_MAJOR`` (``gather="pages"``): a warp's lanes on the packets of one page in the page
+    interior's order (standard V: a channel's packets, then the next channels; interleaved V:
+    consecutive channels of one packet row), whole 128-byte lines of one page."""
+    if PAGE_MAJOR:
+        if INTERLEAVED_V:
+            TPW_C: gl.constexpr = 1
+        else:
+            TPW_C: gl.constexpr = BLOCK_SIZE // 8 if BLOCK_SIZE < BLOCK_N else BLOCK_N // 8
+        TPW_R: gl.constexpr = 32 // TPW_C
+        WARPS_R: gl.constexpr = HEAD // TPW_R if LOAD_WARPS > HEAD // TPW_R else LOAD_WARPS
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_R, TPW_C], [WARPS_R, LOAD_WARPS // WARPS_R], [1, 0])
+    else:
+        TPW_C: gl.constexpr = BLOCK_N // 8
+        TPW_R: gl.constexpr = 32 // TPW_C
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_R, TPW_C], [LOAD_WARPS, 1], [1, 0])
     key_off, packet_ok = _v_key_offsets(bt_row, stride_vcb, ctx_len, key0, layout, BLOCK_N, HEAD,
                                         BLOCK_SIZE, INTERLEAVED_V, MASKED)
     chans = gl.arange(0, HEAD, layout=gl.SliceLayout(1, layout))
@@ -315,7 +336,7 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
     mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
     if GATHER_TILE_K:
         _gather_k_tile(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N,
-                       BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, PARTIAL)
+                       BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, PARTIAL, GATHER_TILE_K == 2)
     else:
         _gather_k(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N,
                   BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, PARTIAL)
@@ -330,7 +351,7 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
         mbarrier.wait(v_empty.index(s), ((j // STAGES) & 1) ^ 1)
     if GATHER_TILE_V:
         _gather_vt_tile(vt, vc_head, bt_row, stride_vcb, ctx_len, j * BLOCK_N,
-                        BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, PARTIAL)
+                        BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, PARTIAL, GATHER_TILE_V == 2)
     else:
         _gather_vt(vt, vc_head, bt_row, stride_vcb, ctx_len, j * BLOCK_N,
                    BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, PARTIAL)
@@ -680,7 +701,9 @@ class GluonPrefillConfig:
     - ``gather``: ``"chunks"`` (K in chunks of keys of one page, V in chunks of channels, one
       cp.async op each), ``"tile"`` (K and V each one cp.async op for the whole tile, a
       thread per key for K: no thread barrier between the chunks, one block-table read a
-      thread and tile for K) or ``"tile_k"`` (K so, V in chunks);
+      thread and tile for K), ``"tile_k"`` (K so, V in chunks) or ``"pages"`` (K and V each one
+      op, a warp's lanes in a page's order: whole 128-byte lines of one page a warp, where the
+      others read 32-byte pieces of 8 to 16 lines);
     - ``publish``: ``"separate"`` (K published once its packets are issued, then V: a thread
       barrier each), ``"joint"`` (one thread barrier publishes both after V is issued) or
       ``"noinc"`` (no thread barrier: the ready mbarriers count an arrival per load thread,
@@ -704,8 +727,8 @@ class GluonPrefillConfig:
         bad = []
         if self.load_warps not in (4, 8):
             bad.append(f"load_warps={self.load_warps} (supported: 4, 8)")
-        if self.gather not in ("chunks", "tile", "tile_k"):
-            bad.append(f"gather={self.gather!r} (supported: 'chunks', 'tile', 'tile_k')")
+        if self.gather not in ("chunks", "tile", "tile_k", "pages"):
+            bad.append(f"gather={self.gather!r} (supported: 'chunks', 'tile', 'tile_k', 'pages')")
         if self.publish not in ("separate", "joint", "noinc"):
             bad.append(f"publish={self.publish!r} (supported: 'separate', 'joint', 'noinc')")
         if self.release not in ("joint", "split"):
@@ -757,6 +780,8 @@ SWEEP_VARIANTS = {
     "split": GluonPrefillConfig(release="split"),
     "load8_split": GluonPrefillConfig(**_LOAD8, consumer_regs=224, release="split"),
     "tile_noinc_split": GluonPrefillConfig(gather="tile", consumer_regs=232, publish="noinc", release="split"),
+    "pages": GluonPrefillConfig(gather="pages", consumer_regs=224),
+    "pages_noinc": GluonPrefillConfig(gather="pages", consumer_regs=224, publish="noinc"),
 }
 
 
@@ -777,7 +802,9 @@ def _constexprs(num_heads: int, gqa: int, head_size: int, block_size: int, inter
 def _variant_constexprs(cfg: GluonPrefillConfig) -> dict:
     """The variant's constexprs (gather, publication, release; ``tests/gluon_sm90_sass.py``
     leaves them out of a specialization's name at the default's values)."""
-    return dict(GATHER_TILE_K=cfg.gather in ("tile", "tile_k"), GATHER_TILE_V=cfg.gather == "tile",
+    pages = cfg.gather == "pages"  # 2: the tile gathers with page-major lanes
+    return dict(GATHER_TILE_K=2 if pages else cfg.gather in ("tile", "tile_k"),
+                GATHER_TILE_V=2 if pages else cfg.gather == "tile",
                 JOINT_PUBLISH=cfg.publish == "joint", NOINC_PUBLISH=cfg.publish == "noinc",
                 SPLIT_RELEASE=cfg.release == "split")
 
