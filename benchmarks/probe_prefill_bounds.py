@@ -2,7 +2,7 @@
 of its context work taken out, so the other side runs alone. Timing only: the outputs of the
 diagnostic kernels are wrong by construction and are not checked (the real kernel is).
 
-    python benchmarks/probe_prefill_bounds.py [--out DIR]
+    python benchmarks/probe_prefill_bounds.py [--modes real no_load ...] [--context-only] [--out DIR]
 
 Modes, each in its own process (the kernel module's functions are replaced before its first
 compile, so Triton compiles and caches the diagnostic kernel under its own key):
@@ -96,15 +96,15 @@ def _patch(mode: str) -> None:
         raise ValueError(f"mode {mode!r} (supported: {', '.join(MODES)})")
 
 
-def _child(mode: str) -> None:
-    """One mode over every case: prints one JSON line a case."""
+def _child(mode: str, cases) -> None:
+    """One mode over ``cases``: prints one JSON line a case."""
     import torch
 
     sys.path.insert(0, os.path.dirname(__file__))
     import bench_prefill as bp
 
     _patch(mode)
-    for b, n, p in CASES:
+    for b, n, p in cases:
         c = bp.PrefillCase(b, n, p, seed=p + 3)
         flops = 4 * b * bp.HQ * bp.D * (n * p + n * (n + 1) / 2)
         row = dict(mode=mode, B=b, new=n, prefix=p)
@@ -125,33 +125,40 @@ def _child(mode: str) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    ap.add_argument("--context-only", action="store_true", help="only the context-heavy case")
     ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    cases = CASES[:1] if args.context_only else CASES
     if args.child:
-        _child(args.child)
+        _child(args.child, cases)
         return
     sys.path.insert(0, os.path.dirname(__file__))
     import torch
     from common import stamp, write_json
 
     rows = []
-    for mode in MODES:
-        proc = subprocess.run([sys.executable, __file__, "--child", mode], capture_output=True, text=True)
+    for mode in args.modes:
+        child = [sys.executable, __file__, "--child", mode] + (["--context-only"] if args.context_only else [])
+        proc = subprocess.run(child, capture_output=True, text=True)
         got = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
-        if proc.returncode or len(got) < len(CASES):
+        for r in got:
+            print(f"{mode} B={r['B']} new={r['new']} prefix={r['prefix']}: "
+                  f"{r.get('error') or format(r['tflops'], '.0f') + ' TFLOP/s'}", flush=True)
+        if proc.returncode or len(got) < len(cases):
             print(f"{mode}: exit {proc.returncode}\n{proc.stderr[-2000:]}", flush=True)
         rows += got
     print(f"# {torch.cuda.get_device_name()}: Gluon prefill, TFLOP/s (ms)")
-    print("| mode | " + " | ".join(f"B={b} new={n} prefix={p}" for b, n, p in CASES) + " |")
-    print("|---|" + "---|" * len(CASES))
-    for mode in MODES:
+    print("| mode | " + " | ".join(f"B={b} new={n} prefix={p}" for b, n, p in cases) + " |")
+    print("|---|" + "---|" * len(cases))
+    for mode in args.modes:
         cells = []
-        for b, n, p in CASES:
+        for b, n, p in cases:
             r = next((r for r in rows if r["mode"] == mode and (r["B"], r["new"], r["prefix"]) == (b, n, p)), None)
             cells.append("-" if r is None else r.get("error") or f"{r['tflops']:.0f} ({r['ms']:.3f})")
         print(f"| {mode} | " + " | ".join(cells) + " |", flush=True)
     write_json(os.path.join(args.out, f"probe_prefill_bounds_{stamp()}.json"), dict(rows=rows),
-               dtype="bf16", heads="32/8", head_size=128, block_size=16, modes=list(MODES),
+               dtype="bf16", heads="32/8", head_size=128, block_size=16, modes=args.modes,
                timing="CUDA-graph replay, do_bench median; no_load / no_math outputs are wrong by design")
 
 
