@@ -43,6 +43,7 @@ def compile_sm90(dtype=torch.bfloat16, head_size: int = 128, num_heads: int = 32
     would show none) and of the load partition's thread barriers (``bar.sync 0``)."""
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from inductor_rocm_attn.kernels.gluon import prefix_prefill as pp
@@ -59,6 +60,9 @@ def compile_sm90(dtype=torch.bfloat16, head_size: int = 128, num_heads: int = 32
     for name in ("stride_vt", "stride_ot", "stride_oh", "stride_kcb", "stride_kch", "stride_vcb", "stride_vch",
                  "stride_bt"):
         sig[name] = "i32"
+    if cfg.v_load == "tma":  # the V cache's TMA descriptor (prefix_prefill._v_cache_descriptor)
+        v_box = gl.NVMMASharedLayout(swizzle_byte_width=2 * block_size, element_bitwidth=16, rank=2)
+        sig["vc_ptr"] = f"tensordesc<{ty}[{head_size},{block_size}],{v_box!r}>"
     consts = pp._constexprs(num_heads, gqa, head_size, block_size, interleaved_v, short_query_max, cfg)
     sig.update({k: "constexpr" for k in consts})
     sig = {name: sig[name] for name in fn.arg_names}
@@ -148,7 +152,8 @@ def variant_cases(names=(), bench_shape_only: bool = False):
         cfg = pp.SWEEP_VARIANTS[name]
         for label, kw in shapes:
             try:
-                pp._check_variant(cfg, kw.get("head_size", 128), kw.get("block_size", 16))
+                pp._check_variant(cfg, kw.get("head_size", 128), kw.get("block_size", 16),
+                                  kw.get("interleaved_v", False))
             except ValueError:
                 continue
             out.append((f"{name}: {label}", dict(kw, cfg=cfg)))

@@ -293,6 +293,8 @@ def _prefix_prefill():
     (dict(gather="rows"), "gather='rows' (supported: 'chunks', 'tile', 'tile_k', 'pages')"),
     (dict(publish="once"), "publish='once' (supported: 'separate', 'joint', 'noinc')"),
     (dict(release="early"), "release='early' (supported: 'joint', 'split')"),
+    (dict(v_load="bulk"), "v_load='bulk' (supported: 'gather', 'tma')"),
+    (dict(v_load="tma", publish="noinc"), "v_load='tma' with publish='noinc' (supported: publish='separate')"),
     (dict(consumer_regs=236), "consumer_regs=236 (a multiple of 8 in 24..256)"),
     (dict(load_warps=8), "maxnreg=168: 16 warps x 32 x 168 registers exceed 65536"),
     (dict(load_warps=8, maxnreg=128), "consumer_regs=240 with maxnreg=128 leaves the 8 load warps 16 registers"),
@@ -317,7 +319,8 @@ def test_gluon_prefill_sweep_variants_are_valid_and_default_unchanged():
     assert pp._options(pp.DEFAULT_CONFIG) == dict(num_warps=4, maxnreg=168)
     assert pp._variant_constexprs(pp.DEFAULT_CONFIG) == dict(GATHER_TILE_K=False, GATHER_TILE_V=False,
                                                              JOINT_PUBLISH=False, NOINC_PUBLISH=False,
-                                                             SPLIT_RELEASE=False)
+                                                             SPLIT_RELEASE=False, V_TMA=False)
+    assert pp.DEFAULT_CONFIG.v_load == "gather"
     for name, cfg in pp.SWEEP_VARIANTS.items():
         assert cfg.load_regs() >= 24 and (cfg.load_warps + 8) * 32 * cfg.maxnreg <= 65536, name
 
@@ -339,6 +342,16 @@ def test_gluon_prefill_variant_refuses_uncovered_block_size_before_any_write():
                   cfg=pp.SWEEP_VARIANTS["load8"])
     assert torch.isnan(out.float()).all()
     pp._check_variant(pp.SWEEP_VARIANTS["load8_tile"], 64, 16)  # covered
+    # V by TMA: the standard V interior at blocks 16-64 only
+    with pytest.raises(ValueError, match=r"v_load='tma' with interleaved V at block size 16; supported: standard V "
+                                         r"at block sizes 16, 32, 64"):
+        pp.launch(out, q, k, v, k_view(cache, 2), v_view(cache, 2, True), torch.zeros(1, 8, dtype=torch.int32),
+                  torch.tensor([40], dtype=torch.int32), torch.tensor([0, 40], dtype=torch.int32), 0.125, True, 8,
+                  cfg=pp.SWEEP_VARIANTS["v_tma"])
+    assert torch.isnan(out.float()).all()
+    with pytest.raises(ValueError, match=r"v_load='tma' with standard V at block size 128"):
+        pp._check_variant(pp.SWEEP_VARIANTS["v_tma"], 128, 128, False)
+    pp._check_variant(pp.SWEEP_VARIANTS["v_tma"], 128, 64, False)  # covered
 
 
 # --- GPU --------------------------------------------------------------------------------------
@@ -452,6 +465,7 @@ def _sweep_variant_names():
     (torch.bfloat16, False, 16, "LHBNC", 4, 128),  # the benchmark's shape
     (torch.float16, True, 32, "LBHNC", 8, 128),
     (torch.bfloat16, True, 16, "LHBNC", 1, 64),
+    (torch.float16, False, 32, "LBHNC", 8, 64),  # standard V in the block-major layout (v_load="tma")
 ], ids=lambda v: str(v).replace("torch.", ""))
 def test_gluon_prefill_sweep_variant(monkeypatch, variant, dtype, interleaved_v, block_size, layout, gqa, head_size):
     """Every context-gather variant of the GPU sweep (``SWEEP_VARIANTS``: load warps, one-op
@@ -463,7 +477,7 @@ def test_gluon_prefill_sweep_variant(monkeypatch, variant, dtype, interleaved_v,
 
     cfg = pp.SWEEP_VARIANTS[variant]
     try:
-        pp._check_variant(cfg, head_size, block_size)
+        pp._check_variant(cfg, head_size, block_size, interleaved_v)
     except ValueError as e:
         pytest.skip(str(e))
     _run_gluon(monkeypatch, [300, 1, 130, 17, 64, 200], [137, 40, 0, 1, 300, 4100], num_heads=8,

@@ -49,6 +49,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 _LOG2E = 1.4426950408889634
+# V_TMA: a row coordinate past any V-cache descriptor (launch() refuses caches of more rows),
+# for pages past the context: TMA fills the box with zeros
+_ROW_PAST_DESCRIPTOR = gl.constexpr(2**31 - 1024)
 CONSUMER_WARPS = gl.constexpr(4)  # a consumer partition: one warpgroup, 64 rows
 
 
@@ -299,6 +302,27 @@ def _gather_v_tail(v_buf, v_head, stride_vt, row0, rows_left,
 
 
 @gluon.jit
+def _tma_vt(vt_buf, vc_desc, bar, bt_row, blk_rows, head_row, ctx_len, key0,
+            BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, MASKED: gl.constexpr):
+    """``V_TMA`` variant of ``_gather_vt`` (standard V interior): a page's V of one head,
+    ``[HEAD, BLOCK_SIZE]``, is contiguous, so it is one TMA box (``vc_desc``: the cache as rows of
+    ``BLOCK_SIZE`` keys; page ``blk`` of this head starts at row ``blk * blk_rows + head_row``)
+    into its column chunk of the ``2 * BLOCK_SIZE``-byte-swizzled ``[HEAD, BLOCK_N]`` tile (the
+    chunks are contiguous in that layout). Completes on ``bar``, whose expect the caller set for
+    the whole tile. ``MASKED``: a page wholly past the context is read at a row past the
+    descriptor, which TMA fills with zeros (its block-table entry is not read)."""
+    for p in gl.static_range(BLOCK_N // BLOCK_SIZE):
+        k0 = key0 + p * BLOCK_SIZE
+        if MASKED:
+            in_ctx = k0 < ctx_len
+            blk = gl.load(bt_row + k0 // BLOCK_SIZE, mask=in_ctx, other=0)
+            row = gl.where(in_ctx, blk * blk_rows + head_row, _ROW_PAST_DESCRIPTOR)
+        else:
+            row = gl.load(bt_row + k0 // BLOCK_SIZE) * blk_rows + head_row
+        tma.async_copy_global_to_shared(vc_desc, [row, 0], bar, vt_buf.slice(p * BLOCK_SIZE, BLOCK_SIZE, dim=1))
+
+
+@gluon.jit
 def _publish_cp_async(bar):
     """Every thread's cp.async so far counts on ``bar`` (each thread's tracking arrive adds a
     pending arrival), then one arrival completes the phase once they have all landed."""
@@ -314,7 +338,7 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
                        BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr,
                        VT_LAYOUT: gl.constexpr, PARTIAL: gl.constexpr, GATHER_TILE_K: gl.constexpr,
                        GATHER_TILE_V: gl.constexpr, JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr,
-                       SPLIT_RELEASE: gl.constexpr):
+                       SPLIT_RELEASE: gl.constexpr, v_fill=None, v_head_row=0, V_TMA: gl.constexpr = False):
     """Context key tile ``j`` into its stage: K and V gathered by cp.async, each published on
     its ready mbarrier. ``PARTIAL`` (the last tile, keys past the context): only the chunks
     and packets that hold context keys are read, and V's stale slots are zeroed once its
@@ -330,7 +354,10 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
     an arrival per load thread: each thread's non-incrementing tracking arrive is its arrival,
     once its packets landed, so no thread barrier publishes a tile; ``SPLIT_RELEASE``, K's
     buffer waits on ``kv_empty`` (released once both consumers' S of the tile is done), V's on
-    ``v_empty`` (once their P V is), not both on ``kv_empty``."""
+    ``v_empty`` (once their P V is), not both on ``kv_empty``; ``V_TMA`` (separate publication
+    only), V by TMA (``_tma_vt``; ``vc_head`` is the V cache's descriptor, ``v_head_row`` this
+    head's row in a page): published by its expect; the partial last tile lands on ``v_fill``
+    first, its stale slots are zeroed, then V is published."""
     s = j % STAGES
     # a fresh mbarrier reads as if its phase before 0 completed: the first round passes
     mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
@@ -349,6 +376,34 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
     vt = v_bufs.index(s)._reinterpret(v_bufs.dtype, [HEAD, BLOCK_N], VT_LAYOUT)
     if SPLIT_RELEASE:
         mbarrier.wait(v_empty.index(s), ((j // STAGES) & 1) ^ 1)
+    if V_TMA:
+        V_BYTES: gl.constexpr = HEAD * BLOCK_N * v_bufs.dtype.primitive_bitwidth // 8
+        blk_rows = stride_vcb // BLOCK_SIZE
+        if PARTIAL:  # at most one a program: v_fill's phase 0
+            mbarrier.expect(v_fill, V_BYTES)
+            _tma_vt(vt, vc_head, v_fill, bt_row, blk_rows, v_head_row, ctx_len, j * BLOCK_N, BLOCK_N, BLOCK_SIZE,
+                    True)
+            mbarrier.wait(v_fill, 0)
+            _zero_stale_v(vt, ctx_len, j * BLOCK_N, BLOCK_N, HEAD, LOAD_WARPS)
+            fence_async_shared()  # this thread's stores before the wgmma's async-proxy reads
+            gl.thread_barrier()
+            mbarrier.arrive(v_ready.index(s), count=1)
+        else:
+            mbarrier.expect(v_ready.index(s), V_BYTES)
+            _tma_vt(vt, vc_head, v_ready.index(s), bt_row, blk_rows, v_head_row, ctx_len, j * BLOCK_N, BLOCK_N,
+                    BLOCK_SIZE, False)
+    else:
+        _load_context_v(vt, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s, BLOCK_N, HEAD, BLOCK_SIZE,
+                        LOAD_WARPS, INTERLEAVED_V, PARTIAL, GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH, k_ready)
+
+
+@gluon.jit
+def _load_context_v(vt, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s,
+                    BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr,
+                    INTERLEAVED_V: gl.constexpr, PARTIAL: gl.constexpr, GATHER_TILE_V: gl.constexpr,
+                    JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr, k_ready):
+    """Context V of tile ``j`` into stage ``s``'s ``[HEAD, BLOCK_N]`` view by cp.async, then its
+    publication (and, ``JOINT_PUBLISH``, K's): ``_load_context_tile``'s gather path."""
     if GATHER_TILE_V:
         _gather_vt_tile(vt, vc_head, bt_row, stride_vcb, ctx_len, j * BLOCK_N,
                         BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, PARTIAL, GATHER_TILE_V == 2)
@@ -386,7 +441,8 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_rea
                     BLOCK_N: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr,
                     BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr,
                     VT_LAYOUT: gl.constexpr, GATHER_TILE_K: gl.constexpr, GATHER_TILE_V: gl.constexpr,
-                    JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr, SPLIT_RELEASE: gl.constexpr):
+                    JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr, SPLIT_RELEASE: gl.constexpr,
+                    v_fill, v_head_row, V_TMA: gl.constexpr):
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
     n_ctx_full = ctx_len // BLOCK_N
@@ -394,12 +450,12 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_rea
         _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row, stride_kcb,
                            stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V,
                            VT_LAYOUT, False, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH,
-                           SPLIT_RELEASE)
+                           SPLIT_RELEASE, v_fill, v_head_row, V_TMA)
     for j in range(n_ctx_full, n_ctx):  # the partial last context tile (at most one)
         _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row, stride_kcb,
                            stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V,
                            VT_LAYOUT, True, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH,
-                           SPLIT_RELEASE)
+                           SPLIT_RELEASE, v_fill, v_head_row, V_TMA)
     for i in range(n_new):  # the new tokens, by TMA
         j = n_ctx + i
         s = j % STAGES
@@ -594,6 +650,16 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty
 
 
 @gluon.jit
+def _v_cache_head(vc_ptr, kv_head, stride_vch, V_TMA: gl.constexpr):
+    """The load partition's V cache: this KV head's base, or (``V_TMA``) the cache's TMA
+    descriptor, the head being a row coordinate."""
+    if V_TMA:
+        return vc_ptr
+    else:
+        return vc_ptr + kv_head * stride_vch
+
+
+@gluon.jit
 def _gluon_prefix_prefill_kernel(
     q_desc, k_desc, v_desc, v_ptr, out_ptr, kc_ptr, vc_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     qk_scale, num_seqs, stride_vt, stride_ot, stride_oh, stride_kcb, stride_kch, stride_vcb, stride_vch, stride_bt,
@@ -602,6 +668,7 @@ def _gluon_prefix_prefill_kernel(
     INTERLEAVED_V: gl.constexpr,
     SHORT_QUERY_MAX: gl.constexpr, GATHER_TILE_K: gl.constexpr, GATHER_TILE_V: gl.constexpr,
     JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr, SPLIT_RELEASE: gl.constexpr,
+    V_TMA: gl.constexpr = False,
 ):
     """Grid ``((num_tokens // BLOCK_M + num_seqs) * NUM_HEADS,)``: program ``pid`` is query
     head ``pid % NUM_HEADS`` (a KV head's query heads adjacent: they share its K/V tiles in
@@ -646,7 +713,9 @@ def _gluon_prefix_prefill_kernel(
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                        instr_shape=[16, HEAD, 16])
-    VT_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD, BLOCK_N], q_desc.dtype)
+    # V_TMA: a page's V box lands in a column chunk of BLOCK_SIZE keys (2 * BLOCK_SIZE bytes)
+    VT_LAYOUT: gl.constexpr = (gl.NVMMASharedLayout(swizzle_byte_width=2 * BLOCK_SIZE, element_bitwidth=16, rank=2)
+                               if V_TMA else gl.NVMMASharedLayout.get_default_for([HEAD, BLOCK_N], q_desc.dtype))
     READY_ARRIVALS: gl.constexpr = LOAD_WARPS * 32 if NOINC_PUBLISH else 1
     # two consumer partitions release each stage
     q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, turn = allocate_pipeline(q_desc, k_desc, v_desc,
@@ -657,14 +726,22 @@ def _gluon_prefix_prefill_kernel(
             mbarrier.init(v_empty.index(i), count=2)
     else:
         v_empty = kv_empty
+    if V_TMA:  # vc_ptr is the V cache's TMA descriptor; the partial last tile lands on v_fill
+        v_head_row = kv_head * (stride_vch // BLOCK_SIZE)
+        v_fill = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(v_fill, count=1)
+    else:  # not used
+        v_head_row = kv_head
+        v_fill = q_bar
 
     gl.warp_specialize([
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, v_empty,
-                           kc_ptr + kv_head * stride_kch, vc_ptr + kv_head * stride_vch, bt_row, stride_kcb,
+                           kc_ptr + kv_head * stride_kch, _v_cache_head(vc_ptr, kv_head, stride_vch, V_TMA),
+                           bt_row, stride_kcb,
                            stride_vcb, v_ptr + kv_head * HEAD, stride_vt, q_start + q_tile_row, head * HEAD,
                            q_start, kv_head * HEAD, ctx_len, q_len, n_ctx, n_new,
                            BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, VT_LAYOUT, GATHER_TILE_K,
-                           GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH, SPLIT_RELEASE)),
+                           GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, V_TMA)),
         (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, v_empty, turn, out_base,
                               stride_ot,
                               q_tile_row, q_len, ctx_len, n_ctx, n_new, qk_scale,
@@ -712,7 +789,10 @@ class GluonPrefillConfig:
       arrivals and the issuing thread makes the rest);
     - ``release``: ``"joint"`` (a stage's K and V are released together, once both consumers'
       P V of the tile is done) or ``"split"`` (K once their S is done, V after P V, as
-      FlashInfer's FA3 does: the load partition may refill K a softmax earlier)."""
+      FlashInfer's FA3 does: the load partition may refill K a softmax earlier);
+    - ``v_load``: ``"gather"`` (V by cp.async, as ``gather`` says) or ``"tma"`` (standard V
+      interior, cache blocks 16 / 32 / 64: a page's V of one head is one TMA box into a
+      ``2 * block_size``-byte-swizzled tile; K stays gathered)."""
 
     block_n: int = 128
     stages: int = 3
@@ -722,6 +802,7 @@ class GluonPrefillConfig:
     gather: str = "chunks"
     publish: str = "separate"
     release: str = "joint"
+    v_load: str = "gather"
 
     def __post_init__(self):
         bad = []
@@ -733,6 +814,10 @@ class GluonPrefillConfig:
             bad.append(f"publish={self.publish!r} (supported: 'separate', 'joint', 'noinc')")
         if self.release not in ("joint", "split"):
             bad.append(f"release={self.release!r} (supported: 'joint', 'split')")
+        if self.v_load not in ("gather", "tma"):
+            bad.append(f"v_load={self.v_load!r} (supported: 'gather', 'tma')")
+        elif self.v_load == "tma" and self.publish != "separate":
+            bad.append(f"v_load='tma' with publish={self.publish!r} (supported: publish='separate')")
         if self.consumer_regs % 8 or not 24 <= self.consumer_regs <= 256:
             bad.append(f"consumer_regs={self.consumer_regs} (a multiple of 8 in 24..256)")
         if not bad:
@@ -782,6 +867,8 @@ SWEEP_VARIANTS = {
     "tile_noinc_split": GluonPrefillConfig(gather="tile", consumer_regs=232, publish="noinc", release="split"),
     "pages": GluonPrefillConfig(gather="pages", consumer_regs=224),
     "pages_noinc": GluonPrefillConfig(gather="pages", consumer_regs=224, publish="noinc"),
+    "v_tma": GluonPrefillConfig(v_load="tma"),
+    "v_tma_split": GluonPrefillConfig(v_load="tma", release="split"),
 }
 
 
@@ -806,20 +893,36 @@ def _variant_constexprs(cfg: GluonPrefillConfig) -> dict:
     return dict(GATHER_TILE_K=2 if pages else cfg.gather in ("tile", "tile_k"),
                 GATHER_TILE_V=2 if pages else cfg.gather == "tile",
                 JOINT_PUBLISH=cfg.publish == "joint", NOINC_PUBLISH=cfg.publish == "noinc",
-                SPLIT_RELEASE=cfg.release == "split")
+                SPLIT_RELEASE=cfg.release == "split", V_TMA=cfg.v_load == "tma")
 
 
 def _options(cfg: GluonPrefillConfig) -> dict:
     return dict(num_warps=cfg.load_warps, maxnreg=cfg.maxnreg)
 
 
-def _check_variant(cfg: GluonPrefillConfig, head_size: int, block_size: int) -> None:
+def _check_variant(cfg: GluonPrefillConfig, head_size: int, block_size: int, interleaved_v: bool = False) -> None:
     """A variant's limits that depend on the launch (the default has none)."""
+    if cfg.v_load == "tma" and (interleaved_v or block_size not in (16, 32, 64)):
+        raise ValueError(f"Gluon prefill: v_load='tma' with {'interleaved' if interleaved_v else 'standard'} V at "
+                         f"block size {block_size}; supported: standard V at block sizes 16, 32, 64")
     chunk = 32 // (head_size // 8) * cfg.load_warps  # _gather_k's keys a chunk
     if cfg.gather == "chunks" and block_size % chunk:
         raise ValueError(f"Gluon prefill: load_warps={cfg.load_warps} with gather='chunks' gathers K in chunks of "
                          f"{chunk} keys at head size {head_size}, more than a block of {block_size}; "
                          f"supported: gather='tile' or 'tile_k', or block sizes that are multiples of {chunk}")
+
+
+def _v_cache_descriptor(vc: torch.Tensor, head_size: int, block_size: int, dtype) -> TensorDescriptor:
+    """``v_load="tma"``: the V cache (``[blocks, kv_heads, head_size, block_size]``, the standard
+    interior, any block and head strides) as rows of ``block_size`` keys, a box of ``head_size``
+    rows: a page's V of one head. Rows past it are read as zeros (pages past the context)."""
+    extent = 1 + sum((n - 1) * st for n, st in zip(vc.shape, vc.stride()))
+    rows = extent // block_size
+    if rows >= _ROW_PAST_DESCRIPTOR.value:
+        raise ValueError(f"Gluon prefill: v_load='tma' addresses the V cache in 32-bit rows: {rows} rows of "
+                         f"{block_size} keys is too many (supported: < {_ROW_PAST_DESCRIPTOR.value})")
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=2 * block_size, element_bitwidth=16, rank=2)
+    return TensorDescriptor(vc, [rows, block_size], [block_size, 1], [head_size, block_size], layout)
 
 
 def launch(output, query, key, value, kc, vc, block_table, seq_lens, query_start_loc, scale: float,
@@ -834,7 +937,7 @@ def launch(output, query, key, value, kc, vc, block_table, seq_lens, query_start
     block_size = kc.shape[3]
     dtype = query.dtype
     if cfg is not DEFAULT_CONFIG:
-        _check_variant(cfg, head_size, block_size)
+        _check_variant(cfg, head_size, block_size, interleaved_v)
     q_layout = _smem_layout((BLOCK_M, head_size), dtype)
     kv_layout = _smem_layout((cfg.block_n, head_size), dtype)
     q_desc = TensorDescriptor(query, [num_tokens, num_heads * head_size], [query.stride(0), 1],
@@ -844,8 +947,10 @@ def launch(output, query, key, value, kc, vc, block_table, seq_lens, query_start
     v_desc = TensorDescriptor(value, [value.shape[0], num_kv_heads * head_size], [value.stride(0), 1],
                               [cfg.block_n, head_size], kv_layout)
     grid = ((num_tokens // BLOCK_M + num_seqs) * num_heads,)
+    # v_load="tma": the kernel's V-cache argument is the cache's TMA descriptor
+    vc_arg = _v_cache_descriptor(vc, head_size, block_size, dtype) if cfg.v_load == "tma" else vc
     _gluon_prefix_prefill_kernel[grid](
-        q_desc, k_desc, v_desc, value, output, kc, vc, block_table, seq_lens, query_start_loc,
+        q_desc, k_desc, v_desc, value, output, kc, vc_arg, block_table, seq_lens, query_start_loc,
         float(scale) * _LOG2E, num_seqs, value.stride(0), output.stride(0), output.stride(1),
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), block_table.stride(0),
         **_constexprs(num_heads, num_heads // num_kv_heads, head_size, block_size, interleaved_v, short_query_max,
