@@ -50,8 +50,8 @@ def _patch(mode: str) -> None:
                                BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr,
                                VT_LAYOUT: gl.constexpr, PARTIAL: gl.constexpr, GATHER_TILE_K: gl.constexpr,
                                GATHER_TILE_V: gl.constexpr, JOINT_PUBLISH: gl.constexpr,
-                               NOINC_PUBLISH: gl.constexpr, SPLIT_RELEASE: gl.constexpr, v_fill=None,
-                               v_head_row=0, V_TMA: gl.constexpr = False):
+                               NOINC_PUBLISH: gl.constexpr, SPLIT_RELEASE: gl.constexpr, v_fill, v_head_row,
+                               V_TMA: gl.constexpr):
             s = j % STAGES
             mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
             mbarrier.arrive(k_ready.index(s), count=1)

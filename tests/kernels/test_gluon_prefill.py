@@ -326,8 +326,10 @@ def test_gluon_prefill_sweep_variants_are_valid_and_default_unchanged():
 
 
 def test_gluon_prefill_variant_refuses_uncovered_block_size_before_any_write():
-    """8 load warps gather K in chunks of 32 keys at head size 64: a 16-token page is refused
-    by launch() with the reason, before the kernel runs; the tile gather covers it."""
+    """A variant that does not cover the launch is refused by launch() with the reason, before
+    the kernel runs: 8 load warps gather K in chunks of 32 keys at head size 64, more than a
+    16-token page (the tile gather covers it); V by TMA takes the standard V interior at
+    blocks 16-64 only."""
     pp = _prefix_prefill()
     from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache, k_view, v_view
 
@@ -335,19 +337,20 @@ def test_gluon_prefill_variant_refuses_uncovered_block_size_before_any_write():
     k, v = (torch.randn(40, 2, 64, dtype=torch.bfloat16) for _ in range(2))
     cache = allocate_kv_cache(KVCacheSpec(16, 2, 64, torch.bfloat16, CacheLayout.LHBNC), 8, "cpu")
     out = cases.poison(torch.empty_like(q))
+
+    def launch(variant, interleaved_v):
+        pp.launch(out, q, k, v, k_view(cache, 2), v_view(cache, 2, interleaved_v),
+                  torch.zeros(1, 8, dtype=torch.int32), torch.tensor([40], dtype=torch.int32),
+                  torch.tensor([0, 40], dtype=torch.int32), 0.125, interleaved_v, 8, cfg=pp.SWEEP_VARIANTS[variant])
+
     with pytest.raises(ValueError, match=r"Gluon prefill: load_warps=8 with gather='chunks' gathers K in chunks of "
                                          r"32 keys at head size 64, more than a block of 16"):
-        pp.launch(out, q, k, v, k_view(cache, 2), v_view(cache, 2, False), torch.zeros(1, 8, dtype=torch.int32),
-                  torch.tensor([40], dtype=torch.int32), torch.tensor([0, 40], dtype=torch.int32), 0.125, False, 8,
-                  cfg=pp.SWEEP_VARIANTS["load8"])
+        launch("load8", False)
     assert torch.isnan(out.float()).all()
     pp._check_variant(pp.SWEEP_VARIANTS["load8_tile"], 64, 16)  # covered
-    # V by TMA: the standard V interior at blocks 16-64 only
     with pytest.raises(ValueError, match=r"v_load='tma' with interleaved V at block size 16; supported: standard V "
                                          r"at block sizes 16, 32, 64"):
-        pp.launch(out, q, k, v, k_view(cache, 2), v_view(cache, 2, True), torch.zeros(1, 8, dtype=torch.int32),
-                  torch.tensor([40], dtype=torch.int32), torch.tensor([0, 40], dtype=torch.int32), 0.125, True, 8,
-                  cfg=pp.SWEEP_VARIANTS["v_tma"])
+        launch("v_tma", True)
     assert torch.isnan(out.float()).all()
     with pytest.raises(ValueError, match=r"v_load='tma' with standard V at block size 128"):
         pp._check_variant(pp.SWEEP_VARIANTS["v_tma"], 128, 128, False)

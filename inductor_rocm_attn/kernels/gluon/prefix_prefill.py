@@ -140,7 +140,7 @@ def _gather_k(k_buf, kc_head, bt_row, stride_kcb, ctx_len, key0,
 @gluon.jit
 def _gather_k_tile(k_buf, kc_head, bt_row, stride_kcb, ctx_len, key0,
                    BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                   LOAD_WARPS: gl.constexpr, MASKED: gl.constexpr, PAGE_MAJOR: gl.constexpr = False):
+                   LOAD_WARPS: gl.constexpr, MASKED: gl.constexpr, PAGE_MAJOR: gl.constexpr):
     """``GATHER_TILE_K`` variant of ``_gather_k``: the whole ``[BLOCK_N, HEAD]`` stage in one
     cp.async op, a thread per key (its page read once, its ``HEAD // 8`` packets at fixed
     offsets from one address). One op per tile: the chunked gather's copies are writes to
@@ -231,7 +231,7 @@ def _gather_vt(vt_buf, vc_head, bt_row, stride_vcb, ctx_len, key0,
 def _gather_vt_tile(vt_buf, vc_head, bt_row, stride_vcb, ctx_len, key0,
                     BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
                     LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr, MASKED: gl.constexpr,
-                    PAGE_MAJOR: gl.constexpr = False):
+                    PAGE_MAJOR: gl.constexpr):
     """``GATHER_TILE_V`` variant of ``_gather_vt``: the whole ``[HEAD, BLOCK_N]`` view in one
     cp.async op (same packets, same per-thread key offsets, no barrier between chunks).
     ``PAGE_MAJOR`` (``gather="pages"``): a warp's lanes on the packets of one page in the page
@@ -338,7 +338,7 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
                        BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr,
                        VT_LAYOUT: gl.constexpr, PARTIAL: gl.constexpr, GATHER_TILE_K: gl.constexpr,
                        GATHER_TILE_V: gl.constexpr, JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr,
-                       SPLIT_RELEASE: gl.constexpr, v_fill=None, v_head_row=0, V_TMA: gl.constexpr = False):
+                       SPLIT_RELEASE: gl.constexpr, v_fill, v_head_row, V_TMA: gl.constexpr):
     """Context key tile ``j`` into its stage: K and V gathered by cp.async, each published on
     its ready mbarrier. ``PARTIAL`` (the last tile, keys past the context): only the chunks
     and packets that hold context keys are read, and V's stale slots are zeroed once its

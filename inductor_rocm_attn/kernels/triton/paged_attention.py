@@ -327,7 +327,8 @@ def _run_gluon(choice: str, *args) -> bool:
     except Exception as e:  # noqa: BLE001 - any build/launch failure (a CUDA fault resurfaces at the Triton launch)
         if choice != "auto":
             raise
-        why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
+        last_line = (str(e).strip().splitlines() or [""])[-1]  # a compiler error's verdict is its last line
+        why = f"{type(e).__name__}: {last_line[:300]}"
         _GLUON_AUTO_FAILURE.append(why)
         warnings.warn(f"paged_attention: the Gluon prefill (the default on sm_90) failed to build or launch "
                       f"({why}); the Triton prefill runs this launch and every later one in this process "
