@@ -2,7 +2,7 @@
 of its context work taken out, so the other side runs alone. Timing only: the outputs of the
 diagnostic kernels are wrong by construction and are not checked (the real kernel is).
 
-    python benchmarks/probe_prefill_bounds.py [--modes real no_load ...] [--context-only] [--out DIR]
+    python benchmarks/probe_prefill_bounds.py [--modes real no_load ...] [--cfg NAME] [--context-only] [--out DIR]
 
 Modes, each in its own process (the kernel module's functions are replaced before its first
 compile, so Triton compiles and caches the diagnostic kernel under its own key):
@@ -13,7 +13,14 @@ compile, so Triton compiles and caches the diagnostic kernel under its own key):
 - ``no_math``: the consumers wait for each stage and release it without their wgmmas (the
   softmax still runs, on zeros): the load partition's rate, with the ping-pong kept;
 - ``no_fence``: the consumers' async-proxy fences left out (the wgmma may read a cp.async
-  stage before its bytes are visible to the async proxy: what the fences cost).
+  stage before its bytes are visible to the async proxy: what the fences cost);
+- ``no_table``: the tile gathers' block-table reads replaced by ``key // block_size`` (no
+  dependent load before a tile's copies: what reading the block table costs; a tile-gather
+  ``--cfg`` such as ``tile_noinc``, whose gathers read pages in ``_k_tile_blocks`` /
+  ``_v_tile_blocks``; the default's chunked gather reads its own).
+
+``--cfg``: the ``GluonPrefillConfig`` of every mode (a ``SWEEP_VARIANTS`` name or
+``field=value,...``, as ``bench_prefill.py --gluon-cfgs``; default: the kernel's default).
 
 Cases: B=32 x 128 new tokens with a 4096-token prefix (the context phase nearly alone) and
 B=4 x 4096 new tokens without a prefix (the dense phase alone); bf16, causal, 32/8 heads,
@@ -29,7 +36,7 @@ import subprocess
 import sys
 
 CASES = [(32, 128, 4096), (4, 4096, 0)]
-MODES = ("real", "no_load", "no_math", "no_fence")
+MODES = ("real", "no_load", "no_math", "no_fence", "no_table")
 
 
 def _patch(mode: str) -> None:
@@ -51,7 +58,7 @@ def _patch(mode: str) -> None:
                                VT_LAYOUT: gl.constexpr, PARTIAL: gl.constexpr, GATHER_TILE_K: gl.constexpr,
                                GATHER_TILE_V: gl.constexpr, JOINT_PUBLISH: gl.constexpr,
                                NOINC_PUBLISH: gl.constexpr, SPLIT_RELEASE: gl.constexpr, v_fill, v_head_row,
-                               V_TMA: gl.constexpr):
+                               V_TMA: gl.constexpr, PREFETCH: gl.constexpr, k_blk, v_blk):
             s = j % STAGES
             mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
             mbarrier.arrive(k_ready.index(s), count=1)
@@ -93,22 +100,39 @@ def _patch(mode: str) -> None:
 
         pp._issue_qk = _issue_qk
         pp._issue_pv = _issue_pv
+    elif mode == "no_table":
+        @gluon.jit
+        def _k_tile_blocks(bt_row, keys, ctx_len, BLOCK_SIZE: gl.constexpr, MASKED: gl.constexpr):
+            return keys // BLOCK_SIZE
+
+        @gluon.jit
+        def _v_tile_blocks(bt_row, keys, ctx_len, BLOCK_SIZE: gl.constexpr, MASKED: gl.constexpr):
+            return gl.max_constancy(keys // BLOCK_SIZE, [8])
+
+        pp._k_tile_blocks = _k_tile_blocks
+        pp._v_tile_blocks = _v_tile_blocks
     elif mode != "real":
         raise ValueError(f"mode {mode!r} (supported: {', '.join(MODES)})")
 
 
-def _child(mode: str, cases) -> None:
-    """One mode over ``cases``: prints one JSON line a case."""
+def _child(mode: str, cases, cfg_spec: str | None) -> None:
+    """One mode over ``cases`` (under ``cfg_spec``): prints one JSON line a case."""
+    import functools
+
     import torch
 
     sys.path.insert(0, os.path.dirname(__file__))
     import bench_prefill as bp
 
     _patch(mode)
+    if cfg_spec:
+        from inductor_rocm_attn.kernels.gluon import prefix_prefill as pp
+
+        pp.launch = functools.partial(pp.launch, cfg=bp.gluon_config(cfg_spec))
     for b, n, p in cases:
         c = bp.PrefillCase(b, n, p, seed=p + 3)
         flops = 4 * b * bp.HQ * bp.D * (n * p + n * (n + 1) / 2)
-        row = dict(mode=mode, B=b, new=n, prefix=p)
+        row = dict(mode=mode, cfg=cfg_spec or "default", B=b, new=n, prefix=p)
         try:
             if mode == "real":
                 q, k, v = c.sdpa_inputs()
@@ -128,11 +152,12 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--context-only", action="store_true", help="only the context-heavy case")
+    ap.add_argument("--cfg", default=None, help="GluonPrefillConfig of every mode (default: the kernel's)")
     ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = ap.parse_args()
     cases = CASES[:1] if args.context_only else CASES
     if args.child:
-        _child(args.child, cases)
+        _child(args.child, cases, args.cfg)
         return
     sys.path.insert(0, os.path.dirname(__file__))
     import torch
@@ -140,7 +165,8 @@ def main():
 
     rows = []
     for mode in args.modes:
-        child = [sys.executable, __file__, "--child", mode] + (["--context-only"] if args.context_only else [])
+        child = [sys.executable, __file__, "--child", mode] + (["--context-only"] if args.context_only else []) \
+            + (["--cfg", args.cfg] if args.cfg else [])
         proc = subprocess.run(child, capture_output=True, text=True)
         got = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
         for r in got:
@@ -149,7 +175,7 @@ def main():
         if proc.returncode or len(got) < len(cases):
             print(f"{mode}: exit {proc.returncode}\n{proc.stderr[-2000:]}", flush=True)
         rows += got
-    print(f"# {torch.cuda.get_device_name()}: Gluon prefill, TFLOP/s (ms)")
+    print(f"# {torch.cuda.get_device_name()}: Gluon prefill ({args.cfg or 'default'}), TFLOP/s (ms)")
     print("| mode | " + " | ".join(f"B={b} new={n} prefix={p}" for b, n, p in cases) + " |")
     print("|---|" + "---|" * len(cases))
     for mode in args.modes:
@@ -159,7 +185,7 @@ def main():
             cells.append("-" if r is None else r.get("error") or f"{r['tflops']:.0f} ({r['ms']:.3f})")
         print(f"| {mode} | " + " | ".join(cells) + " |", flush=True)
     write_json(os.path.join(args.out, f"probe_prefill_bounds_{stamp()}.json"), dict(rows=rows),
-               dtype="bf16", heads="32/8", head_size=128, block_size=16, modes=args.modes,
+               dtype="bf16", heads="32/8", head_size=128, block_size=16, modes=args.modes, cfg=args.cfg or "default",
                timing="CUDA-graph replay, do_bench median; no_load / no_math outputs are wrong by design")
 
 

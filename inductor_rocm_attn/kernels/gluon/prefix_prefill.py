@@ -138,17 +138,10 @@ def _gather_k(k_buf, kc_head, bt_row, stride_kcb, ctx_len, key0,
 
 
 @gluon.jit
-def _gather_k_tile(k_buf, kc_head, bt_row, stride_kcb, ctx_len, key0,
-                   BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                   LOAD_WARPS: gl.constexpr, MASKED: gl.constexpr, PAGE_MAJOR: gl.constexpr):
-    """``GATHER_TILE_K`` variant of ``_gather_k``: the whole ``[BLOCK_N, HEAD]`` stage in one
-    cp.async op, a thread per key (its page read once, its ``HEAD // 8`` packets at fixed
-    offsets from one address). One op per tile: the chunked gather's copies are writes to
-    slices of a dynamically indexed stage, which Triton's shared-memory barrier analysis
-    separates with a thread barrier each. ``MASKED``: keys past the context are zero-filled
-    (their block-table entries are not read). ``PAGE_MAJOR`` (``gather="pages"``): a warp's
-    lanes on consecutive keys of one page first (the page interior's order), so a warp's
-    packets are whole 128-byte lines of one page, not 32-byte pieces of 16 lines."""
+def _k_tile_keys(key0, BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                 LOAD_WARPS: gl.constexpr, PAGE_MAJOR: gl.constexpr):
+    """The keys of the tile from ``key0`` in ``_gather_k_tile``'s layout (a thread per key;
+    ``PAGE_MAJOR``: a warp's lanes on consecutive keys of one page first)."""
     if PAGE_MAJOR:
         TPW_K: gl.constexpr = BLOCK_SIZE if BLOCK_SIZE < 32 else 32
         TPW_C: gl.constexpr = 32 // TPW_K
@@ -157,36 +150,58 @@ def _gather_k_tile(k_buf, kc_head, bt_row, stride_kcb, ctx_len, key0,
     else:
         WARPS_R: gl.constexpr = BLOCK_N // 32 if LOAD_WARPS > BLOCK_N // 32 else LOAD_WARPS
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [WARPS_R, LOAD_WARPS // WARPS_R], [1, 0])
-    keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
+    return key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+
+
+@gluon.jit
+def _k_tile_blocks(bt_row, keys, ctx_len, BLOCK_SIZE: gl.constexpr, MASKED: gl.constexpr):
+    """The block-table entries of ``keys`` (``MASKED``: 0 for keys past the context, whose
+    entries are not read)."""
     if MASKED:
-        ok = keys < ctx_len
-        blk = gl.load(bt_row + keys // BLOCK_SIZE, mask=ok, other=0)
+        return gl.load(bt_row + keys // BLOCK_SIZE, mask=keys < ctx_len, other=0)
     else:
-        blk = gl.load(bt_row + keys // BLOCK_SIZE)
+        return gl.load(bt_row + keys // BLOCK_SIZE)
+
+
+@gluon.jit
+def _gather_k_tile(k_buf, kc_head, keys, blk, stride_kcb, ctx_len,
+                   HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr, MASKED: gl.constexpr):
+    """``GATHER_TILE_K`` variant of ``_gather_k``: the whole ``[BLOCK_N, HEAD]`` stage in one
+    cp.async op, a thread per key (``keys``, ``_k_tile_keys``; ``blk``, their pages,
+    ``_k_tile_blocks``), its ``HEAD // 8`` packets at fixed offsets from one address. One op
+    per tile: the chunked gather's copies are writes to slices of a dynamically indexed stage,
+    which Triton's shared-memory barrier analysis separates with a thread barrier each.
+    ``MASKED``: keys past the context are zero-filled. With ``gather="pages"`` (page-major
+    lanes) a warp's packets are whole 128-byte lines of one page, not 32-byte pieces of 16
+    lines."""
+    layout: gl.constexpr = keys.type.layout.parent
+    cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
     # page interior [HEAD // 8, BLOCK_SIZE, 8]: channel c of slot t at (c // 8) * BLOCK_SIZE * 8 + t * 8 + c % 8
     key_off = blk.to(gl.int64) * stride_kcb + (keys % BLOCK_SIZE) * 8
     offs = gl.expand_dims(key_off, 1) + gl.expand_dims((cols // 8) * (BLOCK_SIZE * 8) + cols % 8, 0)
     if MASKED:
-        async_copy.async_copy_global_to_shared(k_buf, kc_head + offs, mask=gl.expand_dims(ok, 1))
+        async_copy.async_copy_global_to_shared(k_buf, kc_head + offs, mask=gl.expand_dims(keys < ctx_len, 1))
     else:
         async_copy.async_copy_global_to_shared(k_buf, kc_head + offs)
 
 
 @gluon.jit
-def _v_key_offsets(bt_row, stride_vcb, ctx_len, key0, layout: gl.constexpr,
-                   BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                   INTERLEAVED_V: gl.constexpr, MASKED: gl.constexpr):
-    """Per key of the tile: its offset in the V cache (channel 0), and (``MASKED``) whether its
-    16-byte packet (8 keys, one page) holds a context key."""
-    keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    packet_ok = (keys // 8) * 8 < ctx_len
+def _v_tile_blocks(bt_row, keys, ctx_len, BLOCK_SIZE: gl.constexpr, MASKED: gl.constexpr):
+    """The block-table entries of ``keys`` for the V gathers, constant over each 8-key packet
+    (``MASKED``: 0 for packets wholly past the context, whose entries are not read)."""
     if MASKED:
-        blk = gl.load(bt_row + keys // BLOCK_SIZE, mask=packet_ok, other=0)
+        blk = gl.load(bt_row + keys // BLOCK_SIZE, mask=(keys // 8) * 8 < ctx_len, other=0)
     else:
         blk = gl.load(bt_row + keys // BLOCK_SIZE)
     # 8 consecutive keys (a packet) share a page: block sizes are multiples of 8
-    blk = gl.max_constancy(blk, [8])
+    return gl.max_constancy(blk, [8])
+
+
+@gluon.jit
+def _v_key_offsets(keys, blk, stride_vcb, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                   INTERLEAVED_V: gl.constexpr):
+    """Per key of the tile (``keys``, their pages ``blk``, ``_v_tile_blocks``): its offset in
+    the V cache (channel 0)."""
     slot = keys % BLOCK_SIZE
     if INTERLEAVED_V:  # [BLOCK_SIZE // 8, HEAD, 8]
         off = (slot // 8) * (HEAD * 8) + slot % 8
@@ -195,7 +210,7 @@ def _v_key_offsets(bt_row, stride_vcb, ctx_len, key0, layout: gl.constexpr,
     key_off = blk.to(gl.int64) * stride_vcb + off
     # runs of 8 keys are 8 contiguous elements starting 16-byte aligned (page and head strides
     # are multiples of 8, the cache 16-byte aligned): one cp.async packet each
-    return gl.max_contiguous(gl.multiple_of(key_off, [8]), [8]), packet_ok
+    return gl.max_contiguous(gl.multiple_of(key_off, [8]), [8])
 
 
 @gluon.jit
@@ -210,10 +225,10 @@ def _gather_vt(vt_buf, vc_head, bt_row, stride_vcb, ctx_len, key0,
     TPW_R: gl.constexpr = 32 // TPW_C
     CH: gl.constexpr = TPW_R * LOAD_WARPS
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_R, TPW_C], [LOAD_WARPS, 1], [1, 0])
-    key_off, packet_ok = _v_key_offsets(bt_row, stride_vcb, ctx_len, key0, layout, BLOCK_N, HEAD,
-                                        BLOCK_SIZE, INTERLEAVED_V, MASKED)
-    key_off = gl.expand_dims(key_off, 0)
-    packet_ok = gl.expand_dims(packet_ok, 0)
+    keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    key_off = gl.expand_dims(_v_key_offsets(keys, _v_tile_blocks(bt_row, keys, ctx_len, BLOCK_SIZE, MASKED),
+                                            stride_vcb, HEAD, BLOCK_SIZE, INTERLEAVED_V), 0)
+    packet_ok = gl.expand_dims((keys // 8) * 8 < ctx_len, 0)
     chans = gl.arange(0, CH, layout=gl.SliceLayout(1, layout))
     if INTERLEAVED_V:
         CH_STRIDE: gl.constexpr = 8
@@ -228,15 +243,12 @@ def _gather_vt(vt_buf, vc_head, bt_row, stride_vcb, ctx_len, key0,
 
 
 @gluon.jit
-def _gather_vt_tile(vt_buf, vc_head, bt_row, stride_vcb, ctx_len, key0,
-                    BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                    LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr, MASKED: gl.constexpr,
-                    PAGE_MAJOR: gl.constexpr):
-    """``GATHER_TILE_V`` variant of ``_gather_vt``: the whole ``[HEAD, BLOCK_N]`` view in one
-    cp.async op (same packets, same per-thread key offsets, no barrier between chunks).
-    ``PAGE_MAJOR`` (``gather="pages"``): a warp's lanes on the packets of one page in the page
-    interior's order (standard V: a channel's packets, then the next channels; interleaved V:
-    consecutive channels of one packet row), whole 128-byte lines of one page."""
+def _v_tile_keys(key0, BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                 LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr, PAGE_MAJOR: gl.constexpr):
+    """The keys of the tile from ``key0`` in ``_gather_vt_tile``'s layout (a thread per 8-key
+    packet of a channel; ``PAGE_MAJOR``: a warp's lanes on the packets of one page in the
+    page interior's order: standard V, a channel's packets, then the next channels;
+    interleaved V, consecutive channels of one packet row)."""
     if PAGE_MAJOR:
         if INTERLEAVED_V:
             TPW_C: gl.constexpr = 1
@@ -249,8 +261,18 @@ def _gather_vt_tile(vt_buf, vc_head, bt_row, stride_vcb, ctx_len, key0,
         TPW_C: gl.constexpr = BLOCK_N // 8
         TPW_R: gl.constexpr = 32 // TPW_C
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_R, TPW_C], [LOAD_WARPS, 1], [1, 0])
-    key_off, packet_ok = _v_key_offsets(bt_row, stride_vcb, ctx_len, key0, layout, BLOCK_N, HEAD,
-                                        BLOCK_SIZE, INTERLEAVED_V, MASKED)
+    return key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+
+
+@gluon.jit
+def _gather_vt_tile(vt_buf, vc_head, keys, blk, stride_vcb, ctx_len,
+                    HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr, INTERLEAVED_V: gl.constexpr,
+                    MASKED: gl.constexpr):
+    """``GATHER_TILE_V`` variant of ``_gather_vt``: the whole ``[HEAD, BLOCK_N]`` view in one
+    cp.async op (same packets, no barrier between chunks; ``keys``, ``_v_tile_keys``; ``blk``,
+    their pages, ``_v_tile_blocks``)."""
+    layout: gl.constexpr = keys.type.layout.parent
+    key_off = _v_key_offsets(keys, blk, stride_vcb, HEAD, BLOCK_SIZE, INTERLEAVED_V)
     chans = gl.arange(0, HEAD, layout=gl.SliceLayout(1, layout))
     if INTERLEAVED_V:
         CH_STRIDE: gl.constexpr = 8
@@ -258,7 +280,7 @@ def _gather_vt_tile(vt_buf, vc_head, bt_row, stride_vcb, ctx_len, key0,
         CH_STRIDE: gl.constexpr = BLOCK_SIZE
     ptrs = vc_head + (gl.expand_dims(chans * CH_STRIDE, 1) + gl.expand_dims(key_off, 0))
     if MASKED:
-        async_copy.async_copy_global_to_shared(vt_buf, ptrs, mask=gl.expand_dims(packet_ok, 0))
+        async_copy.async_copy_global_to_shared(vt_buf, ptrs, mask=gl.expand_dims((keys // 8) * 8 < ctx_len, 0))
     else:
         async_copy.async_copy_global_to_shared(vt_buf, ptrs)
 
@@ -338,7 +360,8 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
                        BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr,
                        VT_LAYOUT: gl.constexpr, PARTIAL: gl.constexpr, GATHER_TILE_K: gl.constexpr,
                        GATHER_TILE_V: gl.constexpr, JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr,
-                       SPLIT_RELEASE: gl.constexpr, v_fill, v_head_row, V_TMA: gl.constexpr):
+                       SPLIT_RELEASE: gl.constexpr, v_fill, v_head_row, V_TMA: gl.constexpr,
+                       PREFETCH: gl.constexpr, k_blk, v_blk):
     """Context key tile ``j`` into its stage: K and V gathered by cp.async, each published on
     its ready mbarrier. ``PARTIAL`` (the last tile, keys past the context): only the chunks
     and packets that hold context keys are read, and V's stale slots are zeroed once its
@@ -357,13 +380,19 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
     ``v_empty`` (once their P V is), not both on ``kv_empty``; ``V_TMA`` (separate publication
     only), V by TMA (``_tma_vt``; ``vc_head`` is the V cache's descriptor, ``v_head_row`` this
     head's row in a page): published by its expect; the partial last tile lands on ``v_fill``
-    first, its stale slots are zeroed, then V is published."""
+    first, its stale slots are zeroed, then V is published; ``PREFETCH`` (the tile gathers
+    only), the tile's block-table entries were read ahead by ``_load_partition``: ``k_blk`` /
+    ``v_blk`` (``_k_tile_blocks`` / ``_v_tile_blocks`` of the tile, masked)."""
     s = j % STAGES
     # a fresh mbarrier reads as if its phase before 0 completed: the first round passes
     mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
     if GATHER_TILE_K:
-        _gather_k_tile(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N,
-                       BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, PARTIAL, GATHER_TILE_K == 2)
+        keys = _k_tile_keys(j * BLOCK_N, BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, GATHER_TILE_K == 2)
+        if PREFETCH:
+            blk = k_blk
+        else:
+            blk = _k_tile_blocks(bt_row, keys, ctx_len, BLOCK_SIZE, PARTIAL)
+        _gather_k_tile(k_bufs.index(s), kc_head, keys, blk, stride_kcb, ctx_len, HEAD, BLOCK_SIZE, PARTIAL)
     else:
         _gather_k(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N,
                   BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, PARTIAL)
@@ -394,19 +423,25 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
                     BLOCK_SIZE, False)
     else:
         _load_context_v(vt, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s, BLOCK_N, HEAD, BLOCK_SIZE,
-                        LOAD_WARPS, INTERLEAVED_V, PARTIAL, GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH, k_ready)
+                        LOAD_WARPS, INTERLEAVED_V, PARTIAL, GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH, k_ready,
+                        PREFETCH, v_blk)
 
 
 @gluon.jit
 def _load_context_v(vt, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s,
                     BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr,
                     INTERLEAVED_V: gl.constexpr, PARTIAL: gl.constexpr, GATHER_TILE_V: gl.constexpr,
-                    JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr, k_ready):
+                    JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr, k_ready, PREFETCH: gl.constexpr,
+                    v_blk):
     """Context V of tile ``j`` into stage ``s``'s ``[HEAD, BLOCK_N]`` view by cp.async, then its
     publication (and, ``JOINT_PUBLISH``, K's): ``_load_context_tile``'s gather path."""
     if GATHER_TILE_V:
-        _gather_vt_tile(vt, vc_head, bt_row, stride_vcb, ctx_len, j * BLOCK_N,
-                        BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, PARTIAL, GATHER_TILE_V == 2)
+        keys = _v_tile_keys(j * BLOCK_N, BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, GATHER_TILE_V == 2)
+        if PREFETCH:
+            blk = v_blk
+        else:
+            blk = _v_tile_blocks(bt_row, keys, ctx_len, BLOCK_SIZE, PARTIAL)
+        _gather_vt_tile(vt, vc_head, keys, blk, stride_vcb, ctx_len, HEAD, BLOCK_SIZE, INTERLEAVED_V, PARTIAL)
     else:
         _gather_vt(vt, vc_head, bt_row, stride_vcb, ctx_len, j * BLOCK_N,
                    BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, PARTIAL)
@@ -435,6 +470,53 @@ def _load_context_v(vt, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s,
 
 
 @gluon.jit
+def _tile_blocks_ahead(bt_row, ctx_len, j, BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                       LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr, GATHER_TILE_K: gl.constexpr,
+                       GATHER_TILE_V: gl.constexpr):
+    """Context tile ``j``'s block-table entries in the K and V tile gathers' layouts, masked
+    (0 past the context: a tile past it reads nothing)."""
+    k_keys = _k_tile_keys(j * BLOCK_N, BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, GATHER_TILE_K == 2)
+    v_keys = _v_tile_keys(j * BLOCK_N, BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, GATHER_TILE_V == 2)
+    return (_k_tile_blocks(bt_row, k_keys, ctx_len, BLOCK_SIZE, True),
+            _v_tile_blocks(bt_row, v_keys, ctx_len, BLOCK_SIZE, True))
+
+
+@gluon.jit
+def _load_context_prefetched(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row,
+                             stride_kcb, stride_vcb, ctx_len, n_ctx_full, n_ctx,
+                             BLOCK_N: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr,
+                             BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr,
+                             VT_LAYOUT: gl.constexpr, GATHER_TILE_K: gl.constexpr, GATHER_TILE_V: gl.constexpr,
+                             JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr,
+                             SPLIT_RELEASE: gl.constexpr, v_fill, v_head_row, PREFETCH: gl.constexpr):
+    """``PREFETCH`` variant of ``_load_partition``'s context loops (K and V tile gathers): the
+    block-table entries of tile ``j + PREFETCH`` are read before tile ``j``'s copies are issued,
+    so a tile's page reads are not a dependent load behind the previous tile's copies."""
+    kb, vb = _tile_blocks_ahead(bt_row, ctx_len, 0, BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V,
+                                GATHER_TILE_K, GATHER_TILE_V)
+    if PREFETCH == 2:
+        kb1, vb1 = _tile_blocks_ahead(bt_row, ctx_len, 1, BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V,
+                                      GATHER_TILE_K, GATHER_TILE_V)
+    for j in range(n_ctx_full):  # whole context tiles: no masks
+        kn, vn = _tile_blocks_ahead(bt_row, ctx_len, j + PREFETCH, BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS,
+                                    INTERLEAVED_V, GATHER_TILE_K, GATHER_TILE_V)
+        _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row,
+                           stride_kcb, stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS,
+                           INTERLEAVED_V, VT_LAYOUT, False, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH,
+                           NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, False, PREFETCH, kb, vb)
+        if PREFETCH == 2:
+            kb, vb = kb1, vb1
+            kb1, vb1 = kn, vn
+        else:
+            kb, vb = kn, vn
+    for j in range(n_ctx_full, n_ctx):  # the partial last context tile (at most one)
+        _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row,
+                           stride_kcb, stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS,
+                           INTERLEAVED_V, VT_LAYOUT, True, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH,
+                           NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, False, PREFETCH, kb, vb)
+
+
+@gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, v_empty,
                     kc_head, vc_head, bt_row, stride_kcb, stride_vcb, v_head, stride_vt,
                     q_row, q_col, kv_row, kv_col, ctx_len, q_len, n_ctx, n_new,
@@ -442,20 +524,26 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_rea
                     BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr,
                     VT_LAYOUT: gl.constexpr, GATHER_TILE_K: gl.constexpr, GATHER_TILE_V: gl.constexpr,
                     JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr, SPLIT_RELEASE: gl.constexpr,
-                    v_fill, v_head_row, V_TMA: gl.constexpr):
+                    v_fill, v_head_row, V_TMA: gl.constexpr, PREFETCH: gl.constexpr):
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
     n_ctx_full = ctx_len // BLOCK_N
-    for j in range(n_ctx_full):  # whole context tiles: no masks
-        _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row, stride_kcb,
-                           stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V,
-                           VT_LAYOUT, False, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH,
-                           SPLIT_RELEASE, v_fill, v_head_row, V_TMA)
-    for j in range(n_ctx_full, n_ctx):  # the partial last context tile (at most one)
-        _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row, stride_kcb,
-                           stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V,
-                           VT_LAYOUT, True, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH,
-                           SPLIT_RELEASE, v_fill, v_head_row, V_TMA)
+    if PREFETCH:
+        _load_context_prefetched(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row,
+                                 stride_kcb, stride_vcb, ctx_len, n_ctx_full, n_ctx, BLOCK_N, HEAD, STAGES,
+                                 BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, VT_LAYOUT, GATHER_TILE_K, GATHER_TILE_V,
+                                 JOINT_PUBLISH, NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, PREFETCH)
+    else:
+        for j in range(n_ctx_full):  # whole context tiles: no masks
+            _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row,
+                               stride_kcb, stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS,
+                               INTERLEAVED_V, VT_LAYOUT, False, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH,
+                               NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, V_TMA, 0, ctx_len, ctx_len)
+        for j in range(n_ctx_full, n_ctx):  # the partial last context tile (at most one)
+            _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row,
+                               stride_kcb, stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS,
+                               INTERLEAVED_V, VT_LAYOUT, True, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH,
+                               NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, V_TMA, 0, ctx_len, ctx_len)
     for i in range(n_new):  # the new tokens, by TMA
         j = n_ctx + i
         s = j % STAGES
@@ -668,7 +756,7 @@ def _gluon_prefix_prefill_kernel(
     INTERLEAVED_V: gl.constexpr,
     SHORT_QUERY_MAX: gl.constexpr, GATHER_TILE_K: gl.constexpr, GATHER_TILE_V: gl.constexpr,
     JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr, SPLIT_RELEASE: gl.constexpr,
-    V_TMA: gl.constexpr = False,
+    V_TMA: gl.constexpr = False, PREFETCH: gl.constexpr = 0,
 ):
     """Grid ``((num_tokens // BLOCK_M + num_seqs) * NUM_HEADS,)``: program ``pid`` is query
     head ``pid % NUM_HEADS`` (a KV head's query heads adjacent: they share its K/V tiles in
@@ -741,7 +829,8 @@ def _gluon_prefix_prefill_kernel(
                            stride_vcb, v_ptr + kv_head * HEAD, stride_vt, q_start + q_tile_row, head * HEAD,
                            q_start, kv_head * HEAD, ctx_len, q_len, n_ctx, n_new,
                            BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, VT_LAYOUT, GATHER_TILE_K,
-                           GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, V_TMA)),
+                           GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, V_TMA,
+                           PREFETCH)),
         (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, v_empty, turn, out_base,
                               stride_ot,
                               q_tile_row, q_len, ctx_len, n_ctx, n_new, qk_scale,
@@ -792,7 +881,11 @@ class GluonPrefillConfig:
       FlashInfer's FA3 does: the load partition may refill K a softmax earlier);
     - ``v_load``: ``"gather"`` (V by cp.async, as ``gather`` says) or ``"tma"`` (standard V
       interior, cache blocks 16 / 32 / 64: a page's V of one head is one TMA box into a
-      ``2 * block_size``-byte-swizzled tile; K stays gathered)."""
+      ``2 * block_size``-byte-swizzled tile; K stays gathered);
+    - ``prefetch``: 0 (a tile's block-table entries are read when its copies are issued: a
+      dependent load right behind the previous tile's copies), 1 or 2 (read that many tiles
+      ahead, before the current tile's copies; ``gather="tile"`` or ``"pages"`` with V
+      gathered)."""
 
     block_n: int = 128
     stages: int = 3
@@ -803,6 +896,7 @@ class GluonPrefillConfig:
     publish: str = "separate"
     release: str = "joint"
     v_load: str = "gather"
+    prefetch: int = 0
 
     def __post_init__(self):
         bad = []
@@ -818,6 +912,11 @@ class GluonPrefillConfig:
             bad.append(f"v_load={self.v_load!r} (supported: 'gather', 'tma')")
         elif self.v_load == "tma" and self.publish != "separate":
             bad.append(f"v_load='tma' with publish={self.publish!r} (supported: publish='separate')")
+        if self.prefetch not in (0, 1, 2):
+            bad.append(f"prefetch={self.prefetch} (supported: 0, 1, 2)")
+        elif self.prefetch and (self.gather not in ("tile", "pages") or self.v_load != "gather"):
+            bad.append(f"prefetch={self.prefetch} with gather={self.gather!r}, v_load={self.v_load!r} "
+                       f"(supported: gather='tile' or 'pages' with v_load='gather')")
         if self.consumer_regs % 8 or not 24 <= self.consumer_regs <= 256:
             bad.append(f"consumer_regs={self.consumer_regs} (a multiple of 8 in 24..256)")
         if not bad:
@@ -869,6 +968,9 @@ SWEEP_VARIANTS = {
     "pages_noinc": GluonPrefillConfig(gather="pages", consumer_regs=224, publish="noinc"),
     "v_tma": GluonPrefillConfig(v_load="tma"),
     "v_tma_split": GluonPrefillConfig(v_load="tma", release="split"),
+    "tile_pf": GluonPrefillConfig(gather="tile", consumer_regs=232, prefetch=1),
+    "tile_noinc_pf": GluonPrefillConfig(gather="tile", consumer_regs=232, publish="noinc", prefetch=1),
+    "tile_noinc_pf2": GluonPrefillConfig(gather="tile", consumer_regs=224, publish="noinc", prefetch=2),
 }
 
 
@@ -893,7 +995,7 @@ def _variant_constexprs(cfg: GluonPrefillConfig) -> dict:
     return dict(GATHER_TILE_K=2 if pages else cfg.gather in ("tile", "tile_k"),
                 GATHER_TILE_V=2 if pages else cfg.gather == "tile",
                 JOINT_PUBLISH=cfg.publish == "joint", NOINC_PUBLISH=cfg.publish == "noinc",
-                SPLIT_RELEASE=cfg.release == "split", V_TMA=cfg.v_load == "tma")
+                SPLIT_RELEASE=cfg.release == "split", V_TMA=cfg.v_load == "tma", PREFETCH=cfg.prefetch)
 
 
 def _options(cfg: GluonPrefillConfig) -> dict:
