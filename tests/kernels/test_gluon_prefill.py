@@ -290,7 +290,7 @@ def _prefix_prefill():
 @pytest.mark.parametrize("changes,expect", [
     (dict(load_warps=2), "load_warps=2 (supported: 4, 8)"),
     (dict(load_warps=12), "load_warps=12 (supported: 4, 8)"),
-    (dict(gather="rows"), "gather='rows' (supported: 'chunks', 'tile', 'tile_k', 'pages')"),
+    (dict(gather="rows"), "gather='rows' (supported: 'chunks', 'tile', 'tile_k', 'pages', 'lines')"),
     (dict(publish="once"), "publish='once' (supported: 'separate', 'joint', 'noinc')"),
     (dict(release="early"), "release='early' (supported: 'joint', 'split')"),
     (dict(v_load="bulk"), "v_load='bulk' (supported: 'gather', 'tma')"),

@@ -139,14 +139,17 @@ def _gather_k(k_buf, kc_head, bt_row, stride_kcb, ctx_len, key0,
 
 @gluon.jit
 def _k_tile_keys(key0, BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                 LOAD_WARPS: gl.constexpr, PAGE_MAJOR: gl.constexpr):
-    """The keys of the tile from ``key0`` in ``_gather_k_tile``'s layout (a thread per key;
-    ``PAGE_MAJOR``: a warp's lanes on consecutive keys of one page first)."""
-    if PAGE_MAJOR:
+                 LOAD_WARPS: gl.constexpr, LANES: gl.constexpr):
+    """The keys of the tile from ``key0`` in ``_gather_k_tile``'s layout: ``LANES`` 1, a thread
+    per key; 2 (``gather="pages"``), a warp on the keys of one page, lanes on channel packets
+    first; 3 (``gather="lines"``), the same warp tile with lanes on consecutive keys first, the
+    page interior's order: 8 lanes read one 128-byte run (8 keys of a channel packet)."""
+    if LANES >= 2:
         TPW_K: gl.constexpr = BLOCK_SIZE if BLOCK_SIZE < 32 else 32
         TPW_C: gl.constexpr = 32 // TPW_K
         WARPS_C: gl.constexpr = HEAD // 8 // TPW_C if LOAD_WARPS > HEAD // 8 // TPW_C else LOAD_WARPS
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_K, TPW_C], [LOAD_WARPS // WARPS_C, WARPS_C], [1, 0])
+        ORDER: gl.constexpr = [0, 1] if LANES == 3 else [1, 0]
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_K, TPW_C], [LOAD_WARPS // WARPS_C, WARPS_C], ORDER)
     else:
         WARPS_R: gl.constexpr = BLOCK_N // 32 if LOAD_WARPS > BLOCK_N // 32 else LOAD_WARPS
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [WARPS_R, LOAD_WARPS // WARPS_R], [1, 0])
@@ -387,7 +390,7 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
     # a fresh mbarrier reads as if its phase before 0 completed: the first round passes
     mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
     if GATHER_TILE_K:
-        keys = _k_tile_keys(j * BLOCK_N, BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, GATHER_TILE_K == 2)
+        keys = _k_tile_keys(j * BLOCK_N, BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, GATHER_TILE_K)
         if PREFETCH:
             blk = k_blk
         else:
@@ -475,7 +478,7 @@ def _tile_blocks_ahead(bt_row, ctx_len, j, BLOCK_N: gl.constexpr, HEAD: gl.const
                        GATHER_TILE_V: gl.constexpr):
     """Context tile ``j``'s block-table entries in the K and V tile gathers' layouts, masked
     (0 past the context: a tile past it reads nothing)."""
-    k_keys = _k_tile_keys(j * BLOCK_N, BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, GATHER_TILE_K == 2)
+    k_keys = _k_tile_keys(j * BLOCK_N, BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, GATHER_TILE_K)
     v_keys = _v_tile_keys(j * BLOCK_N, BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, GATHER_TILE_V == 2)
     return (_k_tile_blocks(bt_row, k_keys, ctx_len, BLOCK_SIZE, True),
             _v_tile_blocks(bt_row, v_keys, ctx_len, BLOCK_SIZE, True))
@@ -869,7 +872,8 @@ class GluonPrefillConfig:
       thread per key for K: no thread barrier between the chunks, one block-table read a
       thread and tile for K), ``"tile_k"`` (K so, V in chunks) or ``"pages"`` (K and V each one
       op, a warp's lanes in a page's order: whole 128-byte lines of one page a warp, where the
-      others read 32-byte pieces of 8 to 16 lines);
+      others read 32-byte pieces of 8 to 16 lines) or ``"lines"`` (as ``"pages"``, K's lanes on
+      consecutive keys first: every 8 lanes read one 128-byte run);
     - ``publish``: ``"separate"`` (K published once its packets are issued, then V: a thread
       barrier each), ``"joint"`` (one thread barrier publishes both after V is issued) or
       ``"noinc"`` (no thread barrier: the ready mbarriers count an arrival per load thread,
@@ -884,7 +888,7 @@ class GluonPrefillConfig:
       ``2 * block_size``-byte-swizzled tile; K stays gathered);
     - ``prefetch``: 0 (a tile's block-table entries are read when its copies are issued: a
       dependent load right behind the previous tile's copies), 1 or 2 (read that many tiles
-      ahead, before the current tile's copies; ``gather="tile"`` or ``"pages"`` with V
+      ahead, before the current tile's copies; ``gather="tile"``, ``"pages"`` or ``"lines"`` with V
       gathered)."""
 
     block_n: int = 128
@@ -902,8 +906,8 @@ class GluonPrefillConfig:
         bad = []
         if self.load_warps not in (4, 8):
             bad.append(f"load_warps={self.load_warps} (supported: 4, 8)")
-        if self.gather not in ("chunks", "tile", "tile_k", "pages"):
-            bad.append(f"gather={self.gather!r} (supported: 'chunks', 'tile', 'tile_k', 'pages')")
+        if self.gather not in ("chunks", "tile", "tile_k", "pages", "lines"):
+            bad.append(f"gather={self.gather!r} (supported: 'chunks', 'tile', 'tile_k', 'pages', 'lines')")
         if self.publish not in ("separate", "joint", "noinc"):
             bad.append(f"publish={self.publish!r} (supported: 'separate', 'joint', 'noinc')")
         if self.release not in ("joint", "split"):
@@ -914,7 +918,7 @@ class GluonPrefillConfig:
             bad.append(f"v_load='tma' with publish={self.publish!r} (supported: publish='separate')")
         if self.prefetch not in (0, 1, 2):
             bad.append(f"prefetch={self.prefetch} (supported: 0, 1, 2)")
-        elif self.prefetch and (self.gather not in ("tile", "pages") or self.v_load != "gather"):
+        elif self.prefetch and (self.gather not in ("tile", "pages", "lines") or self.v_load != "gather"):
             bad.append(f"prefetch={self.prefetch} with gather={self.gather!r}, v_load={self.v_load!r} "
                        f"(supported: gather='tile' or 'pages' with v_load='gather')")
         if self.consumer_regs % 8 or not 24 <= self.consumer_regs <= 256:
@@ -966,6 +970,9 @@ SWEEP_VARIANTS = {
     "tile_noinc_split": GluonPrefillConfig(gather="tile", consumer_regs=232, publish="noinc", release="split"),
     "pages": GluonPrefillConfig(gather="pages", consumer_regs=224),
     "pages_noinc": GluonPrefillConfig(gather="pages", consumer_regs=224, publish="noinc"),
+    "lines": GluonPrefillConfig(gather="lines", consumer_regs=224),
+    "lines_noinc": GluonPrefillConfig(gather="lines", consumer_regs=224, publish="noinc"),
+    "lines_v_tma": GluonPrefillConfig(gather="lines", consumer_regs=224, v_load="tma"),
     "v_tma": GluonPrefillConfig(v_load="tma"),
     "v_tma_split": GluonPrefillConfig(v_load="tma", release="split"),
     "tile_pf": GluonPrefillConfig(gather="tile", consumer_regs=232, prefetch=1),
@@ -991,9 +998,9 @@ def _constexprs(num_heads: int, gqa: int, head_size: int, block_size: int, inter
 def _variant_constexprs(cfg: GluonPrefillConfig) -> dict:
     """The variant's constexprs (gather, publication, release; ``tests/gluon_sm90_sass.py``
     leaves them out of a specialization's name at the default's values)."""
-    pages = cfg.gather == "pages"  # 2: the tile gathers with page-major lanes
-    return dict(GATHER_TILE_K=2 if pages else cfg.gather in ("tile", "tile_k"),
-                GATHER_TILE_V=2 if pages else cfg.gather == "tile",
+    lanes = {"pages": 2, "lines": 3}.get(cfg.gather)  # the tile gathers with page-major lanes
+    return dict(GATHER_TILE_K=lanes or cfg.gather in ("tile", "tile_k"),
+                GATHER_TILE_V=2 if lanes else cfg.gather == "tile",
                 JOINT_PUBLISH=cfg.publish == "joint", NOINC_PUBLISH=cfg.publish == "noinc",
                 SPLIT_RELEASE=cfg.release == "split", V_TMA=cfg.v_load == "tma", PREFETCH=cfg.prefetch)
 
