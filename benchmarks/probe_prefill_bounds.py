@@ -58,7 +58,8 @@ def _patch(mode: str) -> None:
                                VT_LAYOUT: gl.constexpr, PARTIAL: gl.constexpr, GATHER_TILE_K: gl.constexpr,
                                GATHER_TILE_V: gl.constexpr, JOINT_PUBLISH: gl.constexpr,
                                NOINC_PUBLISH: gl.constexpr, SPLIT_RELEASE: gl.constexpr, v_fill, v_head_row,
-                               V_TMA: gl.constexpr, PREFETCH: gl.constexpr, k_blk, v_blk):
+                               V_TMA: gl.constexpr, PREFETCH: gl.constexpr, k_blk, v_blk,
+                               KT_SWIZZLE: gl.constexpr = 128):
             s = j % STAGES
             mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
             mbarrier.arrive(k_ready.index(s), count=1)
@@ -68,7 +69,7 @@ def _patch(mode: str) -> None:
     elif mode == "no_math":
         @gluon.jit
         def _issue_qk(q_rows, k_bufs, k_ready, j, STAGES: gl.constexpr, FENCE: gl.constexpr,
-                      BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+                      BLOCK_N: gl.constexpr, s_layout: gl.constexpr, KT_SWIZZLE: gl.constexpr = 128):
             ROWS: gl.constexpr = q_rows.shape[0]
             mbarrier.wait(k_ready.index(j % STAGES), (j // STAGES) & 1)
             return gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
@@ -84,12 +85,15 @@ def _patch(mode: str) -> None:
     elif mode == "no_fence":
         @gluon.jit
         def _issue_qk(q_rows, k_bufs, k_ready, j, STAGES: gl.constexpr, FENCE: gl.constexpr,
-                      BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+                      BLOCK_N: gl.constexpr, s_layout: gl.constexpr, KT_SWIZZLE: gl.constexpr = 128):
             ROWS: gl.constexpr = q_rows.shape[0]
             s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
             s = j % STAGES
             mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
-            return warpgroup_mma(q_rows, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            kb = k_bufs.index(s)
+            if FENCE:
+                kb = pp._context_k_buf(kb, KT_SWIZZLE)
+            return warpgroup_mma(q_rows, kb.permute((1, 0)), s_zero, use_acc=False, is_async=True)
 
         @gluon.jit
         def _issue_pv(p, acc, v_bufs, v_ready, j, STAGES: gl.constexpr, VT: gl.constexpr, HEAD: gl.constexpr,

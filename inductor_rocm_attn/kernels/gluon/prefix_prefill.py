@@ -364,7 +364,7 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
                        VT_LAYOUT: gl.constexpr, PARTIAL: gl.constexpr, GATHER_TILE_K: gl.constexpr,
                        GATHER_TILE_V: gl.constexpr, JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr,
                        SPLIT_RELEASE: gl.constexpr, v_fill, v_head_row, V_TMA: gl.constexpr,
-                       PREFETCH: gl.constexpr, k_blk, v_blk):
+                       PREFETCH: gl.constexpr, k_blk, v_blk, KT_SWIZZLE: gl.constexpr = 128):
     """Context key tile ``j`` into its stage: K and V gathered by cp.async, each published on
     its ready mbarrier. ``PARTIAL`` (the last tile, keys past the context): only the chunks
     and packets that hold context keys are read, and V's stale slots are zeroed once its
@@ -395,7 +395,7 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
             blk = k_blk
         else:
             blk = _k_tile_blocks(bt_row, keys, ctx_len, BLOCK_SIZE, PARTIAL)
-        _gather_k_tile(k_bufs.index(s), kc_head, keys, blk, stride_kcb, ctx_len, HEAD, BLOCK_SIZE, PARTIAL)
+        _gather_k_tile(_context_k_buf(k_bufs.index(s), KT_SWIZZLE), kc_head, keys, blk, stride_kcb, ctx_len, HEAD, BLOCK_SIZE, PARTIAL)
     else:
         _gather_k(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N,
                   BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, PARTIAL)
@@ -491,7 +491,8 @@ def _load_context_prefetched(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty
                              BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr,
                              VT_LAYOUT: gl.constexpr, GATHER_TILE_K: gl.constexpr, GATHER_TILE_V: gl.constexpr,
                              JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr,
-                             SPLIT_RELEASE: gl.constexpr, v_fill, v_head_row, PREFETCH: gl.constexpr):
+                             SPLIT_RELEASE: gl.constexpr, v_fill, v_head_row, PREFETCH: gl.constexpr,
+                             KT_SWIZZLE: gl.constexpr = 128):
     """``PREFETCH`` variant of ``_load_partition``'s context loops (K and V tile gathers): the
     block-table entries of tile ``j + PREFETCH`` are read before tile ``j``'s copies are issued,
     so a tile's page reads are not a dependent load behind the previous tile's copies."""
@@ -506,7 +507,8 @@ def _load_context_prefetched(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty
         _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row,
                            stride_kcb, stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS,
                            INTERLEAVED_V, VT_LAYOUT, False, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH,
-                           NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, False, PREFETCH, kb, vb)
+                           NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, False, PREFETCH, kb, vb,
+                           KT_SWIZZLE)
         if PREFETCH == 2:
             kb, vb = kb1, vb1
             kb1, vb1 = kn, vn
@@ -516,7 +518,8 @@ def _load_context_prefetched(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty
         _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row,
                            stride_kcb, stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS,
                            INTERLEAVED_V, VT_LAYOUT, True, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH,
-                           NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, False, PREFETCH, kb, vb)
+                           NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, False, PREFETCH, kb, vb,
+                           KT_SWIZZLE)
 
 
 @gluon.jit
@@ -527,7 +530,8 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_rea
                     BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr,
                     VT_LAYOUT: gl.constexpr, GATHER_TILE_K: gl.constexpr, GATHER_TILE_V: gl.constexpr,
                     JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr, SPLIT_RELEASE: gl.constexpr,
-                    v_fill, v_head_row, V_TMA: gl.constexpr, PREFETCH: gl.constexpr):
+                    v_fill, v_head_row, V_TMA: gl.constexpr, PREFETCH: gl.constexpr,
+                    KT_SWIZZLE: gl.constexpr = 128):
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
     n_ctx_full = ctx_len // BLOCK_N
@@ -535,18 +539,21 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_rea
         _load_context_prefetched(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row,
                                  stride_kcb, stride_vcb, ctx_len, n_ctx_full, n_ctx, BLOCK_N, HEAD, STAGES,
                                  BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, VT_LAYOUT, GATHER_TILE_K, GATHER_TILE_V,
-                                 JOINT_PUBLISH, NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, PREFETCH)
+                                 JOINT_PUBLISH, NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, PREFETCH,
+                                 KT_SWIZZLE)
     else:
         for j in range(n_ctx_full):  # whole context tiles: no masks
             _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row,
                                stride_kcb, stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS,
                                INTERLEAVED_V, VT_LAYOUT, False, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH,
-                               NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, V_TMA, 0, ctx_len, ctx_len)
+                               NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, V_TMA, 0, ctx_len, ctx_len,
+                               KT_SWIZZLE)
         for j in range(n_ctx_full, n_ctx):  # the partial last context tile (at most one)
             _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row,
                                stride_kcb, stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS,
                                INTERLEAVED_V, VT_LAYOUT, True, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH,
-                               NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, V_TMA, 0, ctx_len, ctx_len)
+                               NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, V_TMA, 0, ctx_len, ctx_len,
+                               KT_SWIZZLE)
     for i in range(n_new):  # the new tokens, by TMA
         j = n_ctx + i
         s = j % STAGES
@@ -575,16 +582,32 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_rea
 # --- consumer partitions ---------------------------------------------------------------------
 
 @gluon.jit
+def _context_k_buf(k_buf, KT_SWIZZLE: gl.constexpr):
+    """A stage's K as a context tile lies in it: ``KT_SWIZZLE``-byte swizzled (the new tokens'
+    TMA tiles are 128-byte swizzled). At 32 bytes the 8 keys of a 128-byte line of a K page
+    (one channel packet) land in 256 bytes of shared memory, not in 8 lines."""
+    if KT_SWIZZLE == 128:
+        return k_buf
+    else:
+        return k_buf._reinterpret(k_buf.dtype, k_buf.shape,
+                                  gl.NVMMASharedLayout(swizzle_byte_width=KT_SWIZZLE,
+                                                       element_bitwidth=k_buf.dtype.primitive_bitwidth, rank=2))
+
+
+@gluon.jit
 def _issue_qk(q_rows, k_bufs, k_ready, j, STAGES: gl.constexpr, FENCE: gl.constexpr, BLOCK_N: gl.constexpr,
-              s_layout: gl.constexpr):
-    """S of key tile ``j`` (async) once its K has landed."""
+              s_layout: gl.constexpr, KT_SWIZZLE: gl.constexpr = 128):
+    """S of key tile ``j`` (async) once its K has landed. ``FENCE``: a context tile (cp.async),
+    whose K lies ``KT_SWIZZLE``-byte swizzled (``_context_k_buf``)."""
     ROWS: gl.constexpr = q_rows.shape[0]
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)  # not read (use_acc=False)
     s = j % STAGES
     mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+    kb = k_bufs.index(s)
     if FENCE:  # filled by cp.async (generic proxy): visible to the wgmma's async proxy
         fence_async_shared()
-    return warpgroup_mma(q_rows, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        kb = _context_k_buf(kb, KT_SWIZZLE)
+    return warpgroup_mma(q_rows, kb.permute((1, 0)), s_zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -646,7 +669,8 @@ def _p_operand(p, DTYPE: gl.constexpr, o_layout: gl.constexpr):
 def _phase(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_i, l_i, acc, base, n_tiles, n_plain,
            rows, cap, qk_scale, DTYPE: gl.constexpr, VT: gl.constexpr, BLOCK_N: gl.constexpr,
            HEAD: gl.constexpr, STAGES: gl.constexpr, PHASE0: gl.constexpr, VT_LAYOUT: gl.constexpr,
-           s_layout: gl.constexpr, o_layout: gl.constexpr, SPLIT_RELEASE: gl.constexpr):
+           s_layout: gl.constexpr, o_layout: gl.constexpr, SPLIT_RELEASE: gl.constexpr,
+           KT_SWIZZLE: gl.constexpr = 128):
     """Key tiles ``base .. base + n_tiles`` of one kind (context: ``VT``, or new tokens), the
     first ``n_plain`` unmasked: the first tile's S and softmax alone, then tile j's S in
     flight with tile j-1's P V, then the last P V drained. Stage and phase counters run over
@@ -656,7 +680,7 @@ def _phase(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_
     FENCE: gl.constexpr = VT
     # tile 0 masked (exact for a whole tile too)
     _my_turn(turn.index(PHASE0 ^ 1), base, PHASE0)
-    qk = _issue_qk(q_rows, k_bufs, k_ready, base, STAGES, FENCE, BLOCK_N, s_layout)
+    qk = _issue_qk(q_rows, k_bufs, k_ready, base, STAGES, FENCE, BLOCK_N, s_layout, KT_SWIZZLE)
     mbarrier.arrive(turn.index(PHASE0), count=1)
     qk, _ = warpgroup_mma_wait(0, deps=(qk, q_rows))
     if SPLIT_RELEASE:  # S done: this consumer is through with the tile's K
@@ -668,12 +692,14 @@ def _phase(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_
         m_i, l_i, acc, p = _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_i,
                                          l_i, acc,
                                          p, base, i, rows, cap, qk_scale, DTYPE, False, VT, BLOCK_N, HEAD,
-                                         STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE)
+                                         STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE,
+                                         KT_SWIZZLE)
     for i in range(gl.maximum(n_plain, 1), n_tiles):
         m_i, l_i, acc, p = _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_i,
                                          l_i, acc,
                                          p, base, i, rows, cap, qk_scale, DTYPE, True, VT, BLOCK_N, HEAD,
-                                         STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE)
+                                         STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE,
+                                         KT_SWIZZLE)
     last = base + n_tiles - 1
     acc = _issue_pv(p, acc, v_bufs, v_ready, last, STAGES, VT, HEAD, BLOCK_N, VT_LAYOUT)
     acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p, v_bufs.index(last % STAGES)))
@@ -685,12 +711,13 @@ def _phase(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_
 def _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_i, l_i, acc, p, base, i, rows,
                   cap, qk_scale, DTYPE: gl.constexpr, MASK: gl.constexpr, VT: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD: gl.constexpr, STAGES: gl.constexpr, PHASE0: gl.constexpr, VT_LAYOUT: gl.constexpr,
-                  s_layout: gl.constexpr, o_layout: gl.constexpr, SPLIT_RELEASE: gl.constexpr):
+                  s_layout: gl.constexpr, o_layout: gl.constexpr, SPLIT_RELEASE: gl.constexpr,
+                  KT_SWIZZLE: gl.constexpr = 128):
     """Tile j = base + i: its S and tile j-1's P V in flight together; its softmax runs while
     P V of j-1 is still on the tensor cores (FA3's intra-warpgroup overlap)."""
     j = base + i
     _my_turn(turn.index(PHASE0 ^ 1), j, PHASE0)
-    qk = _issue_qk(q_rows, k_bufs, k_ready, j, STAGES, VT, BLOCK_N, s_layout)
+    qk = _issue_qk(q_rows, k_bufs, k_ready, j, STAGES, VT, BLOCK_N, s_layout, KT_SWIZZLE)
     acc = _issue_pv(p, acc, v_bufs, v_ready, j - 1, STAGES, VT, HEAD, BLOCK_N, VT_LAYOUT)
     mbarrier.arrive(turn.index(PHASE0), count=1)
     qk, _ = warpgroup_mma_wait(1, deps=(qk, q_rows))  # groups retire in order: S of j is done
@@ -710,7 +737,8 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty
                        q_tile_row, q_len, ctx_len, n_ctx, n_new, qk_scale,
                        ROWS: gl.constexpr, ROW_OFF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        HEAD: gl.constexpr, STAGES: gl.constexpr, VT_LAYOUT: gl.constexpr,
-                       s_layout: gl.constexpr, o_layout: gl.constexpr, SPLIT_RELEASE: gl.constexpr):
+                       s_layout: gl.constexpr, o_layout: gl.constexpr, SPLIT_RELEASE: gl.constexpr,
+                       KT_SWIZZLE: gl.constexpr = 128):
     """Rows ``q_tile_row + ROW_OFF .. + ROWS`` of the row block: the context phase, the
     new-token phase, the normalized output stored (rows past the sequence are not). The two
     consumer partitions take turns issuing their wgmmas (``turn``: the first warpgroup waits
@@ -728,11 +756,13 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty
         m_i, l_i, acc = _phase(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_i, l_i, acc,
                                0, n_ctx,
                                ctx_len // BLOCK_N, rows, ctx_len - 1, qk_scale, DTYPE, True,
-                               BLOCK_N, HEAD, STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE)
+                               BLOCK_N, HEAD, STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE,
+                               KT_SWIZZLE)
     m_i, l_i, acc = _phase(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_i, l_i, acc,
                            n_ctx, n_new,
                            q_tile_row // BLOCK_N, rows, 0, qk_scale, DTYPE, False,
-                           BLOCK_N, HEAD, STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE)
+                           BLOCK_N, HEAD, STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE,
+                           KT_SWIZZLE)
     acc = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
     r = q_tile_row + ROW_OFF + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
@@ -759,7 +789,7 @@ def _gluon_prefix_prefill_kernel(
     INTERLEAVED_V: gl.constexpr,
     SHORT_QUERY_MAX: gl.constexpr, GATHER_TILE_K: gl.constexpr, GATHER_TILE_V: gl.constexpr,
     JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr, SPLIT_RELEASE: gl.constexpr,
-    V_TMA: gl.constexpr = False, PREFETCH: gl.constexpr = 0,
+    V_TMA: gl.constexpr = False, PREFETCH: gl.constexpr = 0, KT_SWIZZLE: gl.constexpr = 128,
 ):
     """Grid ``((num_tokens // BLOCK_M + num_seqs) * NUM_HEADS,)``: program ``pid`` is query
     head ``pid % NUM_HEADS`` (a KV head's query heads adjacent: they share its K/V tiles in
@@ -833,16 +863,17 @@ def _gluon_prefix_prefill_kernel(
                            q_start, kv_head * HEAD, ctx_len, q_len, n_ctx, n_new,
                            BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, VT_LAYOUT, GATHER_TILE_K,
                            GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, V_TMA,
-                           PREFETCH)),
+                           PREFETCH, KT_SWIZZLE)),
         (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, v_empty, turn, out_base,
                               stride_ot,
                               q_tile_row, q_len, ctx_len, n_ctx, n_new, qk_scale,
-                              ROWS, 0, BLOCK_M, BLOCK_N, HEAD, STAGES, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE)),
+                              ROWS, 0, BLOCK_M, BLOCK_N, HEAD, STAGES, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE,
+                              KT_SWIZZLE)),
         (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, v_empty, turn, out_base,
                               stride_ot,
                               q_tile_row, q_len, ctx_len, n_ctx, n_new, qk_scale,
                               ROWS, ROWS, BLOCK_M, BLOCK_N, HEAD, STAGES, VT_LAYOUT, s_layout, o_layout,
-                              SPLIT_RELEASE)),
+                              SPLIT_RELEASE, KT_SWIZZLE)),
     ], [CONSUMER_WARPS, CONSUMER_WARPS], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -889,7 +920,10 @@ class GluonPrefillConfig:
     - ``prefetch``: 0 (a tile's block-table entries are read when its copies are issued: a
       dependent load right behind the previous tile's copies), 1 or 2 (read that many tiles
       ahead, before the current tile's copies; ``gather="tile"``, ``"pages"`` or ``"lines"`` with V
-      gathered)."""
+      gathered);
+    - ``k_swizzle``: 128 (a context tile's K lies in its stage 128-byte swizzled, as the new
+      tokens' TMA tiles) or 32 (32-byte swizzled: the 8 keys a 128-byte line of a K page holds
+      land in 256 bytes of shared memory, not in 8 separate lines; the tile gathers)."""
 
     block_n: int = 128
     stages: int = 3
@@ -901,6 +935,7 @@ class GluonPrefillConfig:
     release: str = "joint"
     v_load: str = "gather"
     prefetch: int = 0
+    k_swizzle: int = 128
 
     def __post_init__(self):
         bad = []
@@ -921,6 +956,11 @@ class GluonPrefillConfig:
         elif self.prefetch and (self.gather not in ("tile", "pages", "lines") or self.v_load != "gather"):
             bad.append(f"prefetch={self.prefetch} with gather={self.gather!r}, v_load={self.v_load!r} "
                        f"(supported: gather='tile' or 'pages' with v_load='gather')")
+        if self.k_swizzle not in (128, 32):
+            bad.append(f"k_swizzle={self.k_swizzle} (supported: 128, 32)")
+        elif self.k_swizzle != 128 and self.gather not in ("tile", "tile_k", "pages", "lines"):
+            bad.append(f"k_swizzle={self.k_swizzle} with gather={self.gather!r} (supported: the tile gathers "
+                       f"'tile', 'tile_k', 'pages', 'lines')")
         if self.consumer_regs % 8 or not 24 <= self.consumer_regs <= 256:
             bad.append(f"consumer_regs={self.consumer_regs} (a multiple of 8 in 24..256)")
         if not bad:
@@ -973,6 +1013,9 @@ SWEEP_VARIANTS = {
     "lines": GluonPrefillConfig(gather="lines", consumer_regs=224),
     "lines_noinc": GluonPrefillConfig(gather="lines", consumer_regs=224, publish="noinc"),
     "lines_v_tma": GluonPrefillConfig(gather="lines", consumer_regs=224, v_load="tma"),
+    "lines_k32": GluonPrefillConfig(gather="lines", consumer_regs=224, k_swizzle=32),
+    "lines_k32_noinc": GluonPrefillConfig(gather="lines", consumer_regs=224, k_swizzle=32, publish="noinc"),
+    "lines_k32_v_tma": GluonPrefillConfig(gather="lines", consumer_regs=224, k_swizzle=32, v_load="tma"),
     "v_tma": GluonPrefillConfig(v_load="tma"),
     "v_tma_split": GluonPrefillConfig(v_load="tma", release="split"),
     "tile_pf": GluonPrefillConfig(gather="tile", consumer_regs=232, prefetch=1),
@@ -1002,7 +1045,8 @@ def _variant_constexprs(cfg: GluonPrefillConfig) -> dict:
     return dict(GATHER_TILE_K=lanes or cfg.gather in ("tile", "tile_k"),
                 GATHER_TILE_V=2 if lanes else cfg.gather == "tile",
                 JOINT_PUBLISH=cfg.publish == "joint", NOINC_PUBLISH=cfg.publish == "noinc",
-                SPLIT_RELEASE=cfg.release == "split", V_TMA=cfg.v_load == "tma", PREFETCH=cfg.prefetch)
+                SPLIT_RELEASE=cfg.release == "split", V_TMA=cfg.v_load == "tma", PREFETCH=cfg.prefetch,
+                KT_SWIZZLE=cfg.k_swizzle)
 
 
 def _options(cfg: GluonPrefillConfig) -> dict:
