@@ -13,11 +13,7 @@ compile, so Triton compiles and caches the diagnostic kernel under its own key):
 - ``no_math``: the consumers wait for each stage and release it without their wgmmas (the
   softmax still runs, on zeros): the load partition's rate, with the ping-pong kept;
 - ``no_fence``: the consumers' async-proxy fences left out (the wgmma may read a cp.async
-  stage before its bytes are visible to the async proxy: what the fences cost);
-- ``no_table``: the tile gathers' block-table reads replaced by ``key // block_size`` (no
-  dependent load before a tile's copies: what reading the block table costs; a tile-gather
-  ``--cfg`` such as ``tile_noinc``, whose gathers read pages in ``_k_tile_blocks`` /
-  ``_v_tile_blocks``; the default's chunked gather reads its own).
+  stage before its bytes are visible to the async proxy: what the fences cost).
 
 ``--cfg``: the ``GluonPrefillConfig`` of every mode (a ``SWEEP_VARIANTS`` name or
 ``field=value,...``, as ``bench_prefill.py --gluon-cfgs``; default: the kernel's default).
@@ -36,7 +32,7 @@ import subprocess
 import sys
 
 CASES = [(32, 128, 4096), (4, 4096, 0)]
-MODES = ("real", "no_load", "no_math", "no_fence", "no_table")
+MODES = ("real", "no_load", "no_math", "no_fence")
 
 
 def _patch(mode: str) -> None:
@@ -58,8 +54,7 @@ def _patch(mode: str) -> None:
                                VT_LAYOUT: gl.constexpr, PARTIAL: gl.constexpr, GATHER_TILE_K: gl.constexpr,
                                GATHER_TILE_V: gl.constexpr, JOINT_PUBLISH: gl.constexpr,
                                NOINC_PUBLISH: gl.constexpr, SPLIT_RELEASE: gl.constexpr, v_fill, v_head_row,
-                               V_TMA: gl.constexpr, PREFETCH: gl.constexpr, k_blk, v_blk,
-                               KT_SWIZZLE: gl.constexpr = 128):
+                               V_TMA: gl.constexpr):
             s = j % STAGES
             mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
             mbarrier.arrive(k_ready.index(s), count=1)
@@ -69,7 +64,7 @@ def _patch(mode: str) -> None:
     elif mode == "no_math":
         @gluon.jit
         def _issue_qk(q_rows, k_bufs, k_ready, j, STAGES: gl.constexpr, FENCE: gl.constexpr,
-                      BLOCK_N: gl.constexpr, s_layout: gl.constexpr, KT_SWIZZLE: gl.constexpr = 128):
+                      BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
             ROWS: gl.constexpr = q_rows.shape[0]
             mbarrier.wait(k_ready.index(j % STAGES), (j // STAGES) & 1)
             return gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
@@ -85,15 +80,12 @@ def _patch(mode: str) -> None:
     elif mode == "no_fence":
         @gluon.jit
         def _issue_qk(q_rows, k_bufs, k_ready, j, STAGES: gl.constexpr, FENCE: gl.constexpr,
-                      BLOCK_N: gl.constexpr, s_layout: gl.constexpr, KT_SWIZZLE: gl.constexpr = 128):
+                      BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
             ROWS: gl.constexpr = q_rows.shape[0]
             s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
             s = j % STAGES
             mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
-            kb = k_bufs.index(s)
-            if FENCE:
-                kb = pp._context_k_buf(kb, KT_SWIZZLE)
-            return warpgroup_mma(q_rows, kb.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            return warpgroup_mma(q_rows, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
 
         @gluon.jit
         def _issue_pv(p, acc, v_bufs, v_ready, j, STAGES: gl.constexpr, VT: gl.constexpr, HEAD: gl.constexpr,
@@ -104,17 +96,6 @@ def _patch(mode: str) -> None:
 
         pp._issue_qk = _issue_qk
         pp._issue_pv = _issue_pv
-    elif mode == "no_table":
-        @gluon.jit
-        def _k_tile_blocks(bt_row, keys, ctx_len, BLOCK_SIZE: gl.constexpr, MASKED: gl.constexpr):
-            return keys // BLOCK_SIZE
-
-        @gluon.jit
-        def _v_tile_blocks(bt_row, keys, ctx_len, BLOCK_SIZE: gl.constexpr, MASKED: gl.constexpr):
-            return gl.max_constancy(keys // BLOCK_SIZE, [8])
-
-        pp._k_tile_blocks = _k_tile_blocks
-        pp._v_tile_blocks = _v_tile_blocks
     elif mode != "real":
         raise ValueError(f"mode {mode!r} (supported: {', '.join(MODES)})")
 
@@ -129,7 +110,7 @@ def _child(mode: str, cases, cfg_spec: str | None) -> None:
     import bench_prefill as bp
 
     _patch(mode)
-    if cfg_spec:
+    if cfg_spec:  # before the first launch: paged_attention's launcher binds pp.launch then
         from inductor_rocm_attn.kernels.gluon import prefix_prefill as pp
 
         pp.launch = functools.partial(pp.launch, cfg=bp.gluon_config(cfg_spec))

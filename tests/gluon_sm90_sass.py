@@ -246,8 +246,7 @@ def compare(found: dict, base_dir: str, subset: bool = False) -> int:
 
 # the self-check's change: the partial context tile's V packets would include the packet that
 # starts at the context's end (a one-character change of the load partition's masked path)
-_MUTATION = ("    packet_ok = gl.expand_dims((keys // 8) * 8 < ctx_len, 0)\n",
-             "    packet_ok = gl.expand_dims((keys // 8) * 8 <= ctx_len, 0)\n")
+_MUTATION = ("    packet_ok = (keys // 8) * 8 < ctx_len\n", "    packet_ok = (keys // 8) * 8 <= ctx_len\n")
 
 
 def _module_copy(source: str, name: str, tmp: str):

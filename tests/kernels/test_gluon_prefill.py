@@ -290,17 +290,11 @@ def _prefix_prefill():
 @pytest.mark.parametrize("changes,expect", [
     (dict(load_warps=2), "load_warps=2 (supported: 4, 8)"),
     (dict(load_warps=12), "load_warps=12 (supported: 4, 8)"),
-    (dict(gather="rows"), "gather='rows' (supported: 'chunks', 'tile', 'tile_k', 'pages', 'lines')"),
+    (dict(gather="rows"), "gather='rows' (supported: 'chunks', 'tile', 'tile_k', 'pages')"),
     (dict(publish="once"), "publish='once' (supported: 'separate', 'joint', 'noinc')"),
     (dict(release="early"), "release='early' (supported: 'joint', 'split')"),
     (dict(v_load="bulk"), "v_load='bulk' (supported: 'gather', 'tma')"),
     (dict(v_load="tma", publish="noinc"), "v_load='tma' with publish='noinc' (supported: publish='separate')"),
-    (dict(prefetch=3), "prefetch=3 (supported: 0, 1, 2)"),
-    (dict(prefetch=1), "prefetch=1 with gather='chunks', v_load='gather' (supported: gather='tile' or 'pages' "
-                       "with v_load='gather')"),
-    (dict(prefetch=1, gather="tile", v_load="tma"), "prefetch=1 with gather='tile', v_load='tma'"),
-    (dict(k_swizzle=64), "k_swizzle=64 (supported: 128, 32)"),
-    (dict(k_swizzle=32), "k_swizzle=32 with gather='chunks' (supported: the tile gathers"),
     (dict(consumer_regs=236), "consumer_regs=236 (a multiple of 8 in 24..256)"),
     (dict(load_warps=8), "maxnreg=168: 16 warps x 32 x 168 registers exceed 65536"),
     (dict(load_warps=8, maxnreg=128), "consumer_regs=240 with maxnreg=128 leaves the 8 load warps 16 registers"),
@@ -325,9 +319,8 @@ def test_gluon_prefill_sweep_variants_are_valid_and_default_unchanged():
     assert pp._options(pp.DEFAULT_CONFIG) == dict(num_warps=4, maxnreg=168)
     assert pp._variant_constexprs(pp.DEFAULT_CONFIG) == dict(GATHER_TILE_K=False, GATHER_TILE_V=False,
                                                              JOINT_PUBLISH=False, NOINC_PUBLISH=False,
-                                                             SPLIT_RELEASE=False, V_TMA=False, PREFETCH=0,
-                                                             KT_SWIZZLE=128)
-    assert (pp.DEFAULT_CONFIG.v_load, pp.DEFAULT_CONFIG.prefetch, pp.DEFAULT_CONFIG.k_swizzle) == ("gather", 0, 128)
+                                                             SPLIT_RELEASE=False, V_TMA=False)
+    assert pp.DEFAULT_CONFIG.v_load == "gather"
     for name, cfg in pp.SWEEP_VARIANTS.items():
         assert cfg.load_regs() >= 24 and (cfg.load_warps + 8) * 32 * cfg.maxnreg <= 65536, name
 

@@ -138,73 +138,55 @@ def _gather_k(k_buf, kc_head, bt_row, stride_kcb, ctx_len, key0,
 
 
 @gluon.jit
-def _k_tile_keys(key0, BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                 LOAD_WARPS: gl.constexpr, LANES: gl.constexpr):
-    """The keys of the tile from ``key0`` in ``_gather_k_tile``'s layout: ``LANES`` 1, a thread
-    per key; 2 (``gather="pages"``), a warp on the keys of one page, lanes on channel packets
-    first; 3 (``gather="lines"``), the same warp tile with lanes on consecutive keys first, the
-    page interior's order: 8 lanes read one 128-byte run (8 keys of a channel packet)."""
-    if LANES >= 2:
+def _gather_k_tile(k_buf, kc_head, bt_row, stride_kcb, ctx_len, key0,
+                   BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                   LOAD_WARPS: gl.constexpr, MASKED: gl.constexpr, PAGE_MAJOR: gl.constexpr):
+    """``GATHER_TILE_K`` variant of ``_gather_k``: the whole ``[BLOCK_N, HEAD]`` stage in one
+    cp.async op, a thread per key (its page read once, its ``HEAD // 8`` packets at fixed
+    offsets from one address). One op per tile: the chunked gather's copies are writes to
+    slices of a dynamically indexed stage, which Triton's shared-memory barrier analysis
+    separates with a thread barrier each. ``MASKED``: keys past the context are zero-filled
+    (their block-table entries are not read). ``PAGE_MAJOR`` (``gather="pages"``): a warp's
+    lanes on consecutive keys of one page first (the page interior's order), so a warp's
+    packets are whole 128-byte lines of one page, not 32-byte pieces of 16 lines."""
+    if PAGE_MAJOR:
         TPW_K: gl.constexpr = BLOCK_SIZE if BLOCK_SIZE < 32 else 32
         TPW_C: gl.constexpr = 32 // TPW_K
         WARPS_C: gl.constexpr = HEAD // 8 // TPW_C if LOAD_WARPS > HEAD // 8 // TPW_C else LOAD_WARPS
-        ORDER: gl.constexpr = [0, 1] if LANES == 3 else [1, 0]
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_K, TPW_C], [LOAD_WARPS // WARPS_C, WARPS_C], ORDER)
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_K, TPW_C], [LOAD_WARPS // WARPS_C, WARPS_C], [1, 0])
     else:
         WARPS_R: gl.constexpr = BLOCK_N // 32 if LOAD_WARPS > BLOCK_N // 32 else LOAD_WARPS
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [WARPS_R, LOAD_WARPS // WARPS_R], [1, 0])
-    return key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-
-
-@gluon.jit
-def _k_tile_blocks(bt_row, keys, ctx_len, BLOCK_SIZE: gl.constexpr, MASKED: gl.constexpr):
-    """The block-table entries of ``keys`` (``MASKED``: 0 for keys past the context, whose
-    entries are not read)."""
-    if MASKED:
-        return gl.load(bt_row + keys // BLOCK_SIZE, mask=keys < ctx_len, other=0)
-    else:
-        return gl.load(bt_row + keys // BLOCK_SIZE)
-
-
-@gluon.jit
-def _gather_k_tile(k_buf, kc_head, keys, blk, stride_kcb, ctx_len,
-                   HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr, MASKED: gl.constexpr):
-    """``GATHER_TILE_K`` variant of ``_gather_k``: the whole ``[BLOCK_N, HEAD]`` stage in one
-    cp.async op, a thread per key (``keys``, ``_k_tile_keys``; ``blk``, their pages,
-    ``_k_tile_blocks``), its ``HEAD // 8`` packets at fixed offsets from one address. One op
-    per tile: the chunked gather's copies are writes to slices of a dynamically indexed stage,
-    which Triton's shared-memory barrier analysis separates with a thread barrier each.
-    ``MASKED``: keys past the context are zero-filled. With ``gather="pages"`` (page-major
-    lanes) a warp's packets are whole 128-byte lines of one page, not 32-byte pieces of 16
-    lines."""
-    layout: gl.constexpr = keys.type.layout.parent
+    keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
+    if MASKED:
+        ok = keys < ctx_len
+        blk = gl.load(bt_row + keys // BLOCK_SIZE, mask=ok, other=0)
+    else:
+        blk = gl.load(bt_row + keys // BLOCK_SIZE)
     # page interior [HEAD // 8, BLOCK_SIZE, 8]: channel c of slot t at (c // 8) * BLOCK_SIZE * 8 + t * 8 + c % 8
     key_off = blk.to(gl.int64) * stride_kcb + (keys % BLOCK_SIZE) * 8
     offs = gl.expand_dims(key_off, 1) + gl.expand_dims((cols // 8) * (BLOCK_SIZE * 8) + cols % 8, 0)
     if MASKED:
-        async_copy.async_copy_global_to_shared(k_buf, kc_head + offs, mask=gl.expand_dims(keys < ctx_len, 1))
+        async_copy.async_copy_global_to_shared(k_buf, kc_head + offs, mask=gl.expand_dims(ok, 1))
     else:
         async_copy.async_copy_global_to_shared(k_buf, kc_head + offs)
 
 
 @gluon.jit
-def _v_tile_blocks(bt_row, keys, ctx_len, BLOCK_SIZE: gl.constexpr, MASKED: gl.constexpr):
-    """The block-table entries of ``keys`` for the V gathers, constant over each 8-key packet
-    (``MASKED``: 0 for packets wholly past the context, whose entries are not read)."""
+def _v_key_offsets(bt_row, stride_vcb, ctx_len, key0, layout: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                   INTERLEAVED_V: gl.constexpr, MASKED: gl.constexpr):
+    """Per key of the tile: its offset in the V cache (channel 0), and (``MASKED``) whether its
+    16-byte packet (8 keys, one page) holds a context key."""
+    keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    packet_ok = (keys // 8) * 8 < ctx_len
     if MASKED:
-        blk = gl.load(bt_row + keys // BLOCK_SIZE, mask=(keys // 8) * 8 < ctx_len, other=0)
+        blk = gl.load(bt_row + keys // BLOCK_SIZE, mask=packet_ok, other=0)
     else:
         blk = gl.load(bt_row + keys // BLOCK_SIZE)
     # 8 consecutive keys (a packet) share a page: block sizes are multiples of 8
-    return gl.max_constancy(blk, [8])
-
-
-@gluon.jit
-def _v_key_offsets(keys, blk, stride_vcb, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                   INTERLEAVED_V: gl.constexpr):
-    """Per key of the tile (``keys``, their pages ``blk``, ``_v_tile_blocks``): its offset in
-    the V cache (channel 0)."""
+    blk = gl.max_constancy(blk, [8])
     slot = keys % BLOCK_SIZE
     if INTERLEAVED_V:  # [BLOCK_SIZE // 8, HEAD, 8]
         off = (slot // 8) * (HEAD * 8) + slot % 8
@@ -213,7 +195,7 @@ def _v_key_offsets(keys, blk, stride_vcb, HEAD: gl.constexpr, BLOCK_SIZE: gl.con
     key_off = blk.to(gl.int64) * stride_vcb + off
     # runs of 8 keys are 8 contiguous elements starting 16-byte aligned (page and head strides
     # are multiples of 8, the cache 16-byte aligned): one cp.async packet each
-    return gl.max_contiguous(gl.multiple_of(key_off, [8]), [8])
+    return gl.max_contiguous(gl.multiple_of(key_off, [8]), [8]), packet_ok
 
 
 @gluon.jit
@@ -228,10 +210,10 @@ def _gather_vt(vt_buf, vc_head, bt_row, stride_vcb, ctx_len, key0,
     TPW_R: gl.constexpr = 32 // TPW_C
     CH: gl.constexpr = TPW_R * LOAD_WARPS
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_R, TPW_C], [LOAD_WARPS, 1], [1, 0])
-    keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    key_off = gl.expand_dims(_v_key_offsets(keys, _v_tile_blocks(bt_row, keys, ctx_len, BLOCK_SIZE, MASKED),
-                                            stride_vcb, HEAD, BLOCK_SIZE, INTERLEAVED_V), 0)
-    packet_ok = gl.expand_dims((keys // 8) * 8 < ctx_len, 0)
+    key_off, packet_ok = _v_key_offsets(bt_row, stride_vcb, ctx_len, key0, layout, BLOCK_N, HEAD,
+                                        BLOCK_SIZE, INTERLEAVED_V, MASKED)
+    key_off = gl.expand_dims(key_off, 0)
+    packet_ok = gl.expand_dims(packet_ok, 0)
     chans = gl.arange(0, CH, layout=gl.SliceLayout(1, layout))
     if INTERLEAVED_V:
         CH_STRIDE: gl.constexpr = 8
@@ -246,12 +228,15 @@ def _gather_vt(vt_buf, vc_head, bt_row, stride_vcb, ctx_len, key0,
 
 
 @gluon.jit
-def _v_tile_keys(key0, BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                 LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr, PAGE_MAJOR: gl.constexpr):
-    """The keys of the tile from ``key0`` in ``_gather_vt_tile``'s layout (a thread per 8-key
-    packet of a channel; ``PAGE_MAJOR``: a warp's lanes on the packets of one page in the
-    page interior's order: standard V, a channel's packets, then the next channels;
-    interleaved V, consecutive channels of one packet row)."""
+def _gather_vt_tile(vt_buf, vc_head, bt_row, stride_vcb, ctx_len, key0,
+                    BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                    LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr, MASKED: gl.constexpr,
+                    PAGE_MAJOR: gl.constexpr):
+    """``GATHER_TILE_V`` variant of ``_gather_vt``: the whole ``[HEAD, BLOCK_N]`` view in one
+    cp.async op (same packets, same per-thread key offsets, no barrier between chunks).
+    ``PAGE_MAJOR`` (``gather="pages"``): a warp's lanes on the packets of one page in the page
+    interior's order (standard V: a channel's packets, then the next channels; interleaved V:
+    consecutive channels of one packet row), whole 128-byte lines of one page."""
     if PAGE_MAJOR:
         if INTERLEAVED_V:
             TPW_C: gl.constexpr = 1
@@ -264,18 +249,8 @@ def _v_tile_keys(key0, BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl
         TPW_C: gl.constexpr = BLOCK_N // 8
         TPW_R: gl.constexpr = 32 // TPW_C
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_R, TPW_C], [LOAD_WARPS, 1], [1, 0])
-    return key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-
-
-@gluon.jit
-def _gather_vt_tile(vt_buf, vc_head, keys, blk, stride_vcb, ctx_len,
-                    HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr, INTERLEAVED_V: gl.constexpr,
-                    MASKED: gl.constexpr):
-    """``GATHER_TILE_V`` variant of ``_gather_vt``: the whole ``[HEAD, BLOCK_N]`` view in one
-    cp.async op (same packets, no barrier between chunks; ``keys``, ``_v_tile_keys``; ``blk``,
-    their pages, ``_v_tile_blocks``)."""
-    layout: gl.constexpr = keys.type.layout.parent
-    key_off = _v_key_offsets(keys, blk, stride_vcb, HEAD, BLOCK_SIZE, INTERLEAVED_V)
+    key_off, packet_ok = _v_key_offsets(bt_row, stride_vcb, ctx_len, key0, layout, BLOCK_N, HEAD,
+                                        BLOCK_SIZE, INTERLEAVED_V, MASKED)
     chans = gl.arange(0, HEAD, layout=gl.SliceLayout(1, layout))
     if INTERLEAVED_V:
         CH_STRIDE: gl.constexpr = 8
@@ -283,7 +258,7 @@ def _gather_vt_tile(vt_buf, vc_head, keys, blk, stride_vcb, ctx_len,
         CH_STRIDE: gl.constexpr = BLOCK_SIZE
     ptrs = vc_head + (gl.expand_dims(chans * CH_STRIDE, 1) + gl.expand_dims(key_off, 0))
     if MASKED:
-        async_copy.async_copy_global_to_shared(vt_buf, ptrs, mask=gl.expand_dims((keys // 8) * 8 < ctx_len, 0))
+        async_copy.async_copy_global_to_shared(vt_buf, ptrs, mask=gl.expand_dims(packet_ok, 0))
     else:
         async_copy.async_copy_global_to_shared(vt_buf, ptrs)
 
@@ -363,8 +338,7 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
                        BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr,
                        VT_LAYOUT: gl.constexpr, PARTIAL: gl.constexpr, GATHER_TILE_K: gl.constexpr,
                        GATHER_TILE_V: gl.constexpr, JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr,
-                       SPLIT_RELEASE: gl.constexpr, v_fill, v_head_row, V_TMA: gl.constexpr,
-                       PREFETCH: gl.constexpr, k_blk, v_blk, KT_SWIZZLE: gl.constexpr = 128):
+                       SPLIT_RELEASE: gl.constexpr, v_fill, v_head_row, V_TMA: gl.constexpr):
     """Context key tile ``j`` into its stage: K and V gathered by cp.async, each published on
     its ready mbarrier. ``PARTIAL`` (the last tile, keys past the context): only the chunks
     and packets that hold context keys are read, and V's stale slots are zeroed once its
@@ -383,19 +357,13 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
     ``v_empty`` (once their P V is), not both on ``kv_empty``; ``V_TMA`` (separate publication
     only), V by TMA (``_tma_vt``; ``vc_head`` is the V cache's descriptor, ``v_head_row`` this
     head's row in a page): published by its expect; the partial last tile lands on ``v_fill``
-    first, its stale slots are zeroed, then V is published; ``PREFETCH`` (the tile gathers
-    only), the tile's block-table entries were read ahead by ``_load_partition``: ``k_blk`` /
-    ``v_blk`` (``_k_tile_blocks`` / ``_v_tile_blocks`` of the tile, masked)."""
+    first, its stale slots are zeroed, then V is published."""
     s = j % STAGES
     # a fresh mbarrier reads as if its phase before 0 completed: the first round passes
     mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
     if GATHER_TILE_K:
-        keys = _k_tile_keys(j * BLOCK_N, BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, GATHER_TILE_K)
-        if PREFETCH:
-            blk = k_blk
-        else:
-            blk = _k_tile_blocks(bt_row, keys, ctx_len, BLOCK_SIZE, PARTIAL)
-        _gather_k_tile(_context_k_buf(k_bufs.index(s), KT_SWIZZLE), kc_head, keys, blk, stride_kcb, ctx_len, HEAD, BLOCK_SIZE, PARTIAL)
+        _gather_k_tile(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N,
+                       BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, PARTIAL, GATHER_TILE_K == 2)
     else:
         _gather_k(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N,
                   BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, PARTIAL)
@@ -426,25 +394,19 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
                     BLOCK_SIZE, False)
     else:
         _load_context_v(vt, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s, BLOCK_N, HEAD, BLOCK_SIZE,
-                        LOAD_WARPS, INTERLEAVED_V, PARTIAL, GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH, k_ready,
-                        PREFETCH, v_blk)
+                        LOAD_WARPS, INTERLEAVED_V, PARTIAL, GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH, k_ready)
 
 
 @gluon.jit
 def _load_context_v(vt, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s,
                     BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr,
                     INTERLEAVED_V: gl.constexpr, PARTIAL: gl.constexpr, GATHER_TILE_V: gl.constexpr,
-                    JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr, k_ready, PREFETCH: gl.constexpr,
-                    v_blk):
+                    JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr, k_ready):
     """Context V of tile ``j`` into stage ``s``'s ``[HEAD, BLOCK_N]`` view by cp.async, then its
     publication (and, ``JOINT_PUBLISH``, K's): ``_load_context_tile``'s gather path."""
     if GATHER_TILE_V:
-        keys = _v_tile_keys(j * BLOCK_N, BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, GATHER_TILE_V == 2)
-        if PREFETCH:
-            blk = v_blk
-        else:
-            blk = _v_tile_blocks(bt_row, keys, ctx_len, BLOCK_SIZE, PARTIAL)
-        _gather_vt_tile(vt, vc_head, keys, blk, stride_vcb, ctx_len, HEAD, BLOCK_SIZE, INTERLEAVED_V, PARTIAL)
+        _gather_vt_tile(vt, vc_head, bt_row, stride_vcb, ctx_len, j * BLOCK_N,
+                        BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, PARTIAL, GATHER_TILE_V == 2)
     else:
         _gather_vt(vt, vc_head, bt_row, stride_vcb, ctx_len, j * BLOCK_N,
                    BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, PARTIAL)
@@ -473,56 +435,6 @@ def _load_context_v(vt, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s,
 
 
 @gluon.jit
-def _tile_blocks_ahead(bt_row, ctx_len, j, BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                       LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr, GATHER_TILE_K: gl.constexpr,
-                       GATHER_TILE_V: gl.constexpr):
-    """Context tile ``j``'s block-table entries in the K and V tile gathers' layouts, masked
-    (0 past the context: a tile past it reads nothing)."""
-    k_keys = _k_tile_keys(j * BLOCK_N, BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, GATHER_TILE_K)
-    v_keys = _v_tile_keys(j * BLOCK_N, BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, GATHER_TILE_V == 2)
-    return (_k_tile_blocks(bt_row, k_keys, ctx_len, BLOCK_SIZE, True),
-            _v_tile_blocks(bt_row, v_keys, ctx_len, BLOCK_SIZE, True))
-
-
-@gluon.jit
-def _load_context_prefetched(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row,
-                             stride_kcb, stride_vcb, ctx_len, n_ctx_full, n_ctx,
-                             BLOCK_N: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr,
-                             BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr,
-                             VT_LAYOUT: gl.constexpr, GATHER_TILE_K: gl.constexpr, GATHER_TILE_V: gl.constexpr,
-                             JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr,
-                             SPLIT_RELEASE: gl.constexpr, v_fill, v_head_row, PREFETCH: gl.constexpr,
-                             KT_SWIZZLE: gl.constexpr = 128):
-    """``PREFETCH`` variant of ``_load_partition``'s context loops (K and V tile gathers): the
-    block-table entries of tile ``j + PREFETCH`` are read before tile ``j``'s copies are issued,
-    so a tile's page reads are not a dependent load behind the previous tile's copies."""
-    kb, vb = _tile_blocks_ahead(bt_row, ctx_len, 0, BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V,
-                                GATHER_TILE_K, GATHER_TILE_V)
-    if PREFETCH == 2:
-        kb1, vb1 = _tile_blocks_ahead(bt_row, ctx_len, 1, BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V,
-                                      GATHER_TILE_K, GATHER_TILE_V)
-    for j in range(n_ctx_full):  # whole context tiles: no masks
-        kn, vn = _tile_blocks_ahead(bt_row, ctx_len, j + PREFETCH, BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS,
-                                    INTERLEAVED_V, GATHER_TILE_K, GATHER_TILE_V)
-        _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row,
-                           stride_kcb, stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS,
-                           INTERLEAVED_V, VT_LAYOUT, False, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH,
-                           NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, False, PREFETCH, kb, vb,
-                           KT_SWIZZLE)
-        if PREFETCH == 2:
-            kb, vb = kb1, vb1
-            kb1, vb1 = kn, vn
-        else:
-            kb, vb = kn, vn
-    for j in range(n_ctx_full, n_ctx):  # the partial last context tile (at most one)
-        _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row,
-                           stride_kcb, stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS,
-                           INTERLEAVED_V, VT_LAYOUT, True, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH,
-                           NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, False, PREFETCH, kb, vb,
-                           KT_SWIZZLE)
-
-
-@gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, v_empty,
                     kc_head, vc_head, bt_row, stride_kcb, stride_vcb, v_head, stride_vt,
                     q_row, q_col, kv_row, kv_col, ctx_len, q_len, n_ctx, n_new,
@@ -530,30 +442,20 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_rea
                     BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr, INTERLEAVED_V: gl.constexpr,
                     VT_LAYOUT: gl.constexpr, GATHER_TILE_K: gl.constexpr, GATHER_TILE_V: gl.constexpr,
                     JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr, SPLIT_RELEASE: gl.constexpr,
-                    v_fill, v_head_row, V_TMA: gl.constexpr, PREFETCH: gl.constexpr,
-                    KT_SWIZZLE: gl.constexpr = 128):
+                    v_fill, v_head_row, V_TMA: gl.constexpr):
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
     n_ctx_full = ctx_len // BLOCK_N
-    if PREFETCH:
-        _load_context_prefetched(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row,
-                                 stride_kcb, stride_vcb, ctx_len, n_ctx_full, n_ctx, BLOCK_N, HEAD, STAGES,
-                                 BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, VT_LAYOUT, GATHER_TILE_K, GATHER_TILE_V,
-                                 JOINT_PUBLISH, NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, PREFETCH,
-                                 KT_SWIZZLE)
-    else:
-        for j in range(n_ctx_full):  # whole context tiles: no masks
-            _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row,
-                               stride_kcb, stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS,
-                               INTERLEAVED_V, VT_LAYOUT, False, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH,
-                               NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, V_TMA, 0, ctx_len, ctx_len,
-                               KT_SWIZZLE)
-        for j in range(n_ctx_full, n_ctx):  # the partial last context tile (at most one)
-            _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row,
-                               stride_kcb, stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS,
-                               INTERLEAVED_V, VT_LAYOUT, True, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH,
-                               NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, V_TMA, 0, ctx_len, ctx_len,
-                               KT_SWIZZLE)
+    for j in range(n_ctx_full):  # whole context tiles: no masks
+        _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row, stride_kcb,
+                           stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V,
+                           VT_LAYOUT, False, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH,
+                           SPLIT_RELEASE, v_fill, v_head_row, V_TMA)
+    for j in range(n_ctx_full, n_ctx):  # the partial last context tile (at most one)
+        _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_head, vc_head, bt_row, stride_kcb,
+                           stride_vcb, ctx_len, j, BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V,
+                           VT_LAYOUT, True, GATHER_TILE_K, GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH,
+                           SPLIT_RELEASE, v_fill, v_head_row, V_TMA)
     for i in range(n_new):  # the new tokens, by TMA
         j = n_ctx + i
         s = j % STAGES
@@ -582,32 +484,16 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_rea
 # --- consumer partitions ---------------------------------------------------------------------
 
 @gluon.jit
-def _context_k_buf(k_buf, KT_SWIZZLE: gl.constexpr):
-    """A stage's K as a context tile lies in it: ``KT_SWIZZLE``-byte swizzled (the new tokens'
-    TMA tiles are 128-byte swizzled). At 32 bytes the 8 keys of a 128-byte line of a K page
-    (one channel packet) land in 256 bytes of shared memory, not in 8 lines."""
-    if KT_SWIZZLE == 128:
-        return k_buf
-    else:
-        return k_buf._reinterpret(k_buf.dtype, k_buf.shape,
-                                  gl.NVMMASharedLayout(swizzle_byte_width=KT_SWIZZLE,
-                                                       element_bitwidth=k_buf.dtype.primitive_bitwidth, rank=2))
-
-
-@gluon.jit
 def _issue_qk(q_rows, k_bufs, k_ready, j, STAGES: gl.constexpr, FENCE: gl.constexpr, BLOCK_N: gl.constexpr,
-              s_layout: gl.constexpr, KT_SWIZZLE: gl.constexpr = 128):
-    """S of key tile ``j`` (async) once its K has landed. ``FENCE``: a context tile (cp.async),
-    whose K lies ``KT_SWIZZLE``-byte swizzled (``_context_k_buf``)."""
+              s_layout: gl.constexpr):
+    """S of key tile ``j`` (async) once its K has landed."""
     ROWS: gl.constexpr = q_rows.shape[0]
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)  # not read (use_acc=False)
     s = j % STAGES
     mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
-    kb = k_bufs.index(s)
     if FENCE:  # filled by cp.async (generic proxy): visible to the wgmma's async proxy
         fence_async_shared()
-        kb = _context_k_buf(kb, KT_SWIZZLE)
-    return warpgroup_mma(q_rows, kb.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    return warpgroup_mma(q_rows, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -669,8 +555,7 @@ def _p_operand(p, DTYPE: gl.constexpr, o_layout: gl.constexpr):
 def _phase(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_i, l_i, acc, base, n_tiles, n_plain,
            rows, cap, qk_scale, DTYPE: gl.constexpr, VT: gl.constexpr, BLOCK_N: gl.constexpr,
            HEAD: gl.constexpr, STAGES: gl.constexpr, PHASE0: gl.constexpr, VT_LAYOUT: gl.constexpr,
-           s_layout: gl.constexpr, o_layout: gl.constexpr, SPLIT_RELEASE: gl.constexpr,
-           KT_SWIZZLE: gl.constexpr = 128):
+           s_layout: gl.constexpr, o_layout: gl.constexpr, SPLIT_RELEASE: gl.constexpr):
     """Key tiles ``base .. base + n_tiles`` of one kind (context: ``VT``, or new tokens), the
     first ``n_plain`` unmasked: the first tile's S and softmax alone, then tile j's S in
     flight with tile j-1's P V, then the last P V drained. Stage and phase counters run over
@@ -680,7 +565,7 @@ def _phase(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_
     FENCE: gl.constexpr = VT
     # tile 0 masked (exact for a whole tile too)
     _my_turn(turn.index(PHASE0 ^ 1), base, PHASE0)
-    qk = _issue_qk(q_rows, k_bufs, k_ready, base, STAGES, FENCE, BLOCK_N, s_layout, KT_SWIZZLE)
+    qk = _issue_qk(q_rows, k_bufs, k_ready, base, STAGES, FENCE, BLOCK_N, s_layout)
     mbarrier.arrive(turn.index(PHASE0), count=1)
     qk, _ = warpgroup_mma_wait(0, deps=(qk, q_rows))
     if SPLIT_RELEASE:  # S done: this consumer is through with the tile's K
@@ -692,14 +577,12 @@ def _phase(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_
         m_i, l_i, acc, p = _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_i,
                                          l_i, acc,
                                          p, base, i, rows, cap, qk_scale, DTYPE, False, VT, BLOCK_N, HEAD,
-                                         STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE,
-                                         KT_SWIZZLE)
+                                         STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE)
     for i in range(gl.maximum(n_plain, 1), n_tiles):
         m_i, l_i, acc, p = _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_i,
                                          l_i, acc,
                                          p, base, i, rows, cap, qk_scale, DTYPE, True, VT, BLOCK_N, HEAD,
-                                         STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE,
-                                         KT_SWIZZLE)
+                                         STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE)
     last = base + n_tiles - 1
     acc = _issue_pv(p, acc, v_bufs, v_ready, last, STAGES, VT, HEAD, BLOCK_N, VT_LAYOUT)
     acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p, v_bufs.index(last % STAGES)))
@@ -711,13 +594,12 @@ def _phase(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_
 def _overlap_step(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_i, l_i, acc, p, base, i, rows,
                   cap, qk_scale, DTYPE: gl.constexpr, MASK: gl.constexpr, VT: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD: gl.constexpr, STAGES: gl.constexpr, PHASE0: gl.constexpr, VT_LAYOUT: gl.constexpr,
-                  s_layout: gl.constexpr, o_layout: gl.constexpr, SPLIT_RELEASE: gl.constexpr,
-                  KT_SWIZZLE: gl.constexpr = 128):
+                  s_layout: gl.constexpr, o_layout: gl.constexpr, SPLIT_RELEASE: gl.constexpr):
     """Tile j = base + i: its S and tile j-1's P V in flight together; its softmax runs while
     P V of j-1 is still on the tensor cores (FA3's intra-warpgroup overlap)."""
     j = base + i
     _my_turn(turn.index(PHASE0 ^ 1), j, PHASE0)
-    qk = _issue_qk(q_rows, k_bufs, k_ready, j, STAGES, VT, BLOCK_N, s_layout, KT_SWIZZLE)
+    qk = _issue_qk(q_rows, k_bufs, k_ready, j, STAGES, VT, BLOCK_N, s_layout)
     acc = _issue_pv(p, acc, v_bufs, v_ready, j - 1, STAGES, VT, HEAD, BLOCK_N, VT_LAYOUT)
     mbarrier.arrive(turn.index(PHASE0), count=1)
     qk, _ = warpgroup_mma_wait(1, deps=(qk, q_rows))  # groups retire in order: S of j is done
@@ -737,8 +619,7 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty
                        q_tile_row, q_len, ctx_len, n_ctx, n_new, qk_scale,
                        ROWS: gl.constexpr, ROW_OFF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        HEAD: gl.constexpr, STAGES: gl.constexpr, VT_LAYOUT: gl.constexpr,
-                       s_layout: gl.constexpr, o_layout: gl.constexpr, SPLIT_RELEASE: gl.constexpr,
-                       KT_SWIZZLE: gl.constexpr = 128):
+                       s_layout: gl.constexpr, o_layout: gl.constexpr, SPLIT_RELEASE: gl.constexpr):
     """Rows ``q_tile_row + ROW_OFF .. + ROWS`` of the row block: the context phase, the
     new-token phase, the normalized output stored (rows past the sequence are not). The two
     consumer partitions take turns issuing their wgmmas (``turn``: the first warpgroup waits
@@ -756,13 +637,11 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty
         m_i, l_i, acc = _phase(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_i, l_i, acc,
                                0, n_ctx,
                                ctx_len // BLOCK_N, rows, ctx_len - 1, qk_scale, DTYPE, True,
-                               BLOCK_N, HEAD, STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE,
-                               KT_SWIZZLE)
+                               BLOCK_N, HEAD, STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE)
     m_i, l_i, acc = _phase(q_rows, k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, turn, m_i, l_i, acc,
                            n_ctx, n_new,
                            q_tile_row // BLOCK_N, rows, 0, qk_scale, DTYPE, False,
-                           BLOCK_N, HEAD, STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE,
-                           KT_SWIZZLE)
+                           BLOCK_N, HEAD, STAGES, PHASE0, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE)
     acc = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
     r = q_tile_row + ROW_OFF + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
@@ -789,7 +668,7 @@ def _gluon_prefix_prefill_kernel(
     INTERLEAVED_V: gl.constexpr,
     SHORT_QUERY_MAX: gl.constexpr, GATHER_TILE_K: gl.constexpr, GATHER_TILE_V: gl.constexpr,
     JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr, SPLIT_RELEASE: gl.constexpr,
-    V_TMA: gl.constexpr = False, PREFETCH: gl.constexpr = 0, KT_SWIZZLE: gl.constexpr = 128,
+    V_TMA: gl.constexpr = False,
 ):
     """Grid ``((num_tokens // BLOCK_M + num_seqs) * NUM_HEADS,)``: program ``pid`` is query
     head ``pid % NUM_HEADS`` (a KV head's query heads adjacent: they share its K/V tiles in
@@ -862,18 +741,16 @@ def _gluon_prefix_prefill_kernel(
                            stride_vcb, v_ptr + kv_head * HEAD, stride_vt, q_start + q_tile_row, head * HEAD,
                            q_start, kv_head * HEAD, ctx_len, q_len, n_ctx, n_new,
                            BLOCK_N, HEAD, STAGES, BLOCK_SIZE, LOAD_WARPS, INTERLEAVED_V, VT_LAYOUT, GATHER_TILE_K,
-                           GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, V_TMA,
-                           PREFETCH, KT_SWIZZLE)),
+                           GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH, SPLIT_RELEASE, v_fill, v_head_row, V_TMA)),
         (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, v_empty, turn, out_base,
                               stride_ot,
                               q_tile_row, q_len, ctx_len, n_ctx, n_new, qk_scale,
-                              ROWS, 0, BLOCK_M, BLOCK_N, HEAD, STAGES, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE,
-                              KT_SWIZZLE)),
+                              ROWS, 0, BLOCK_M, BLOCK_N, HEAD, STAGES, VT_LAYOUT, s_layout, o_layout, SPLIT_RELEASE)),
         (_compute_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, v_empty, turn, out_base,
                               stride_ot,
                               q_tile_row, q_len, ctx_len, n_ctx, n_new, qk_scale,
                               ROWS, ROWS, BLOCK_M, BLOCK_N, HEAD, STAGES, VT_LAYOUT, s_layout, o_layout,
-                              SPLIT_RELEASE, KT_SWIZZLE)),
+                              SPLIT_RELEASE)),
     ], [CONSUMER_WARPS, CONSUMER_WARPS], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -903,8 +780,7 @@ class GluonPrefillConfig:
       thread per key for K: no thread barrier between the chunks, one block-table read a
       thread and tile for K), ``"tile_k"`` (K so, V in chunks) or ``"pages"`` (K and V each one
       op, a warp's lanes in a page's order: whole 128-byte lines of one page a warp, where the
-      others read 32-byte pieces of 8 to 16 lines) or ``"lines"`` (as ``"pages"``, K's lanes on
-      consecutive keys first: every 8 lanes read one 128-byte run);
+      others read 32-byte pieces of 8 to 16 lines);
     - ``publish``: ``"separate"`` (K published once its packets are issued, then V: a thread
       barrier each), ``"joint"`` (one thread barrier publishes both after V is issued) or
       ``"noinc"`` (no thread barrier: the ready mbarriers count an arrival per load thread,
@@ -916,14 +792,7 @@ class GluonPrefillConfig:
       FlashInfer's FA3 does: the load partition may refill K a softmax earlier);
     - ``v_load``: ``"gather"`` (V by cp.async, as ``gather`` says) or ``"tma"`` (standard V
       interior, cache blocks 16 / 32 / 64: a page's V of one head is one TMA box into a
-      ``2 * block_size``-byte-swizzled tile; K stays gathered);
-    - ``prefetch``: 0 (a tile's block-table entries are read when its copies are issued: a
-      dependent load right behind the previous tile's copies), 1 or 2 (read that many tiles
-      ahead, before the current tile's copies; ``gather="tile"``, ``"pages"`` or ``"lines"`` with V
-      gathered);
-    - ``k_swizzle``: 128 (a context tile's K lies in its stage 128-byte swizzled, as the new
-      tokens' TMA tiles) or 32 (32-byte swizzled: the 8 keys a 128-byte line of a K page holds
-      land in 256 bytes of shared memory, not in 8 separate lines; the tile gathers)."""
+      ``2 * block_size``-byte-swizzled tile; K stays gathered)."""
 
     block_n: int = 128
     stages: int = 3
@@ -934,15 +803,13 @@ class GluonPrefillConfig:
     publish: str = "separate"
     release: str = "joint"
     v_load: str = "gather"
-    prefetch: int = 0
-    k_swizzle: int = 128
 
     def __post_init__(self):
         bad = []
         if self.load_warps not in (4, 8):
             bad.append(f"load_warps={self.load_warps} (supported: 4, 8)")
-        if self.gather not in ("chunks", "tile", "tile_k", "pages", "lines"):
-            bad.append(f"gather={self.gather!r} (supported: 'chunks', 'tile', 'tile_k', 'pages', 'lines')")
+        if self.gather not in ("chunks", "tile", "tile_k", "pages"):
+            bad.append(f"gather={self.gather!r} (supported: 'chunks', 'tile', 'tile_k', 'pages')")
         if self.publish not in ("separate", "joint", "noinc"):
             bad.append(f"publish={self.publish!r} (supported: 'separate', 'joint', 'noinc')")
         if self.release not in ("joint", "split"):
@@ -951,16 +818,6 @@ class GluonPrefillConfig:
             bad.append(f"v_load={self.v_load!r} (supported: 'gather', 'tma')")
         elif self.v_load == "tma" and self.publish != "separate":
             bad.append(f"v_load='tma' with publish={self.publish!r} (supported: publish='separate')")
-        if self.prefetch not in (0, 1, 2):
-            bad.append(f"prefetch={self.prefetch} (supported: 0, 1, 2)")
-        elif self.prefetch and (self.gather not in ("tile", "pages", "lines") or self.v_load != "gather"):
-            bad.append(f"prefetch={self.prefetch} with gather={self.gather!r}, v_load={self.v_load!r} "
-                       f"(supported: gather='tile' or 'pages' with v_load='gather')")
-        if self.k_swizzle not in (128, 32):
-            bad.append(f"k_swizzle={self.k_swizzle} (supported: 128, 32)")
-        elif self.k_swizzle != 128 and self.gather not in ("tile", "tile_k", "pages", "lines"):
-            bad.append(f"k_swizzle={self.k_swizzle} with gather={self.gather!r} (supported: the tile gathers "
-                       f"'tile', 'tile_k', 'pages', 'lines')")
         if self.consumer_regs % 8 or not 24 <= self.consumer_regs <= 256:
             bad.append(f"consumer_regs={self.consumer_regs} (a multiple of 8 in 24..256)")
         if not bad:
@@ -1010,17 +867,8 @@ SWEEP_VARIANTS = {
     "tile_noinc_split": GluonPrefillConfig(gather="tile", consumer_regs=232, publish="noinc", release="split"),
     "pages": GluonPrefillConfig(gather="pages", consumer_regs=224),
     "pages_noinc": GluonPrefillConfig(gather="pages", consumer_regs=224, publish="noinc"),
-    "lines": GluonPrefillConfig(gather="lines", consumer_regs=224),
-    "lines_noinc": GluonPrefillConfig(gather="lines", consumer_regs=224, publish="noinc"),
-    "lines_v_tma": GluonPrefillConfig(gather="lines", consumer_regs=224, v_load="tma"),
-    "lines_k32": GluonPrefillConfig(gather="lines", consumer_regs=224, k_swizzle=32),
-    "lines_k32_noinc": GluonPrefillConfig(gather="lines", consumer_regs=224, k_swizzle=32, publish="noinc"),
-    "lines_k32_v_tma": GluonPrefillConfig(gather="lines", consumer_regs=224, k_swizzle=32, v_load="tma"),
     "v_tma": GluonPrefillConfig(v_load="tma"),
     "v_tma_split": GluonPrefillConfig(v_load="tma", release="split"),
-    "tile_pf": GluonPrefillConfig(gather="tile", consumer_regs=232, prefetch=1),
-    "tile_noinc_pf": GluonPrefillConfig(gather="tile", consumer_regs=232, publish="noinc", prefetch=1),
-    "tile_noinc_pf2": GluonPrefillConfig(gather="tile", consumer_regs=224, publish="noinc", prefetch=2),
 }
 
 
@@ -1041,12 +889,11 @@ def _constexprs(num_heads: int, gqa: int, head_size: int, block_size: int, inter
 def _variant_constexprs(cfg: GluonPrefillConfig) -> dict:
     """The variant's constexprs (gather, publication, release; ``tests/gluon_sm90_sass.py``
     leaves them out of a specialization's name at the default's values)."""
-    lanes = {"pages": 2, "lines": 3}.get(cfg.gather)  # the tile gathers with page-major lanes
-    return dict(GATHER_TILE_K=lanes or cfg.gather in ("tile", "tile_k"),
-                GATHER_TILE_V=2 if lanes else cfg.gather == "tile",
+    pages = cfg.gather == "pages"  # 2: the tile gathers with page-major lanes
+    return dict(GATHER_TILE_K=2 if pages else cfg.gather in ("tile", "tile_k"),
+                GATHER_TILE_V=2 if pages else cfg.gather == "tile",
                 JOINT_PUBLISH=cfg.publish == "joint", NOINC_PUBLISH=cfg.publish == "noinc",
-                SPLIT_RELEASE=cfg.release == "split", V_TMA=cfg.v_load == "tma", PREFETCH=cfg.prefetch,
-                KT_SWIZZLE=cfg.k_swizzle)
+                SPLIT_RELEASE=cfg.release == "split", V_TMA=cfg.v_load == "tma")
 
 
 def _options(cfg: GluonPrefillConfig) -> dict:
