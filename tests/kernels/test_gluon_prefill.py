@@ -295,6 +295,10 @@ def _prefix_prefill():
     (dict(release="early"), "release='early' (supported: 'joint', 'split')"),
     (dict(v_load="bulk"), "v_load='bulk' (supported: 'gather', 'tma')"),
     (dict(v_load="tma", publish="noinc"), "v_load='tma' with publish='noinc' (supported: publish='separate')"),
+    (dict(k_load="lds"), "k_load='lds' (supported: 'cp_async', 'regs')"),
+    (dict(k_load="regs", publish="joint"), "k_load='regs' with publish='joint', release='joint' (supported: "
+                                           "publish='separate', release='joint')"),
+    (dict(k_load="regs", release="split"), "k_load='regs' with publish='separate', release='split'"),
     (dict(consumer_regs=236), "consumer_regs=236 (a multiple of 8 in 24..256)"),
     (dict(load_warps=8), "maxnreg=168: 16 warps x 32 x 168 registers exceed 65536"),
     (dict(load_warps=8, maxnreg=128), "consumer_regs=240 with maxnreg=128 leaves the 8 load warps 16 registers"),
@@ -320,7 +324,7 @@ def test_gluon_prefill_sweep_variants_are_valid_and_default_unchanged():
     assert pp._variant_constexprs(pp.DEFAULT_CONFIG) == dict(GATHER_TILE_K=False, GATHER_TILE_V=False,
                                                              JOINT_PUBLISH=False, NOINC_PUBLISH=False,
                                                              SPLIT_RELEASE=False, V_TMA=False)
-    assert pp.DEFAULT_CONFIG.v_load == "gather"
+    assert (pp.DEFAULT_CONFIG.v_load, pp.DEFAULT_CONFIG.k_load) == ("gather", "cp_async")
     for name, cfg in pp.SWEEP_VARIANTS.items():
         assert cfg.load_regs() >= 24 and (cfg.load_warps + 8) * 32 * cfg.maxnreg <= 65536, name
 

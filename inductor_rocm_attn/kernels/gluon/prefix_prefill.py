@@ -174,6 +174,40 @@ def _gather_k_tile(k_buf, kc_head, bt_row, stride_kcb, ctx_len, key0,
 
 
 @gluon.jit
+def _load_k_regs(k_buf, kc_head, bt_row, stride_kcb, ctx_len, key0,
+                 BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                 LOAD_WARPS: gl.constexpr, MASKED: gl.constexpr):
+    """``k_load="regs"`` variant of ``_gather_k``: K of context keys key0 .. key0 + BLOCK_N into
+    the ``[BLOCK_N, HEAD]`` stage through registers, 16 * ``LOAD_WARPS`` keys a pass. A warp's
+    16-byte loads cover 16 consecutive keys of two channel packets: whole 128-byte runs of a
+    page (cp.async of the same packets costs twice the L2 sectors and 8x the shared-memory
+    wavefronts: Nsight Compute, docs/performance.md); its stores, 8 lanes on 8 consecutive
+    rows of one 16-byte column of the 128-byte-swizzled tile, hit distinct banks. ``MASKED``:
+    keys past the context are zeros. The caller publishes the stage (generic-proxy stores)."""
+    SUB: gl.constexpr = 16 * LOAD_WARPS
+    gl.static_assert(BLOCK_N % SUB == 0, "whole passes a tile")
+    gl.static_assert(BLOCK_SIZE % 16 == 0, "16 consecutive keys lie in one page")
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [LOAD_WARPS, 1], [0, 1])
+    cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
+    # page interior [HEAD // 8, BLOCK_SIZE, 8]: channel c of slot t at (c // 8) * BLOCK_SIZE * 8 + t * 8 + c % 8
+    col_off = gl.expand_dims((cols // 8) * (BLOCK_SIZE * 8) + cols % 8, 0)
+    for c in gl.static_range(BLOCK_N // SUB):
+        keys = key0 + c * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, layout))
+        if MASKED:
+            ok = keys < ctx_len
+            blk = gl.load(bt_row + keys // BLOCK_SIZE, mask=ok, other=0)
+        else:
+            blk = gl.load(bt_row + keys // BLOCK_SIZE)
+        offs = gl.expand_dims(blk.to(gl.int64) * stride_kcb + (keys % BLOCK_SIZE) * 8, 1) + col_off
+        offs = gl.max_contiguous(gl.multiple_of(offs, [1, 8]), [1, 8])
+        if MASKED:
+            vals = gl.load(kc_head + offs, mask=gl.expand_dims(ok, 1), other=0.0)
+        else:
+            vals = gl.load(kc_head + offs)
+        k_buf.slice(c * SUB, SUB).store(vals)
+
+
+@gluon.jit
 def _v_key_offsets(bt_row, stride_vcb, ctx_len, key0, layout: gl.constexpr,
                    BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
                    INTERLEAVED_V: gl.constexpr, MASKED: gl.constexpr):
@@ -361,6 +395,16 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
     s = j % STAGES
     # a fresh mbarrier reads as if its phase before 0 completed: the first round passes
     mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+    if GATHER_TILE_K == 3:  # K through registers (k_load="regs"): V issued first, K published last
+        _load_context_v_any(v_bufs, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s, BLOCK_N, HEAD, BLOCK_SIZE,
+                            LOAD_WARPS, INTERLEAVED_V, VT_LAYOUT, PARTIAL, GATHER_TILE_V, v_fill, v_head_row, V_TMA,
+                            k_ready)
+        _load_k_regs(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N, BLOCK_N, HEAD, BLOCK_SIZE,
+                     LOAD_WARPS, PARTIAL)
+        fence_async_shared()  # this thread's stores before the wgmma's async-proxy reads
+        gl.thread_barrier()
+        mbarrier.arrive(k_ready.index(s), count=1)
+        return
     if GATHER_TILE_K:
         _gather_k_tile(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N,
                        BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS, PARTIAL, GATHER_TILE_K == 2)
@@ -373,9 +417,27 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
         async_copy.mbarrier_arrive(k_ready.index(s))  # this thread's K packets (and earlier ones)
     else:
         _publish_cp_async(k_ready.index(s))
-    vt = v_bufs.index(s)._reinterpret(v_bufs.dtype, [HEAD, BLOCK_N], VT_LAYOUT)
     if SPLIT_RELEASE:
         mbarrier.wait(v_empty.index(s), ((j // STAGES) & 1) ^ 1)
+    if V_TMA:
+        _load_context_v_any(v_bufs, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s, BLOCK_N, HEAD, BLOCK_SIZE,
+                            LOAD_WARPS, INTERLEAVED_V, VT_LAYOUT, PARTIAL, GATHER_TILE_V, v_fill, v_head_row, V_TMA,
+                            k_ready)
+    else:
+        vt = v_bufs.index(s)._reinterpret(v_bufs.dtype, [HEAD, BLOCK_N], VT_LAYOUT)
+        _load_context_v(vt, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s, BLOCK_N, HEAD, BLOCK_SIZE,
+                        LOAD_WARPS, INTERLEAVED_V, PARTIAL, GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH, k_ready)
+
+
+@gluon.jit
+def _load_context_v_any(v_bufs, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s,
+                        BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr,
+                        INTERLEAVED_V: gl.constexpr, VT_LAYOUT: gl.constexpr, PARTIAL: gl.constexpr,
+                        GATHER_TILE_V: gl.constexpr, v_fill, v_head_row, V_TMA: gl.constexpr, k_ready):
+    """Context V of tile ``j`` into stage ``s`` and its publication, separately from K: by TMA
+    (``V_TMA``: published by its expect; the partial last tile lands on ``v_fill`` first, its
+    stale slots are zeroed, then V is published) or gathered (``_load_context_v``)."""
+    vt = v_bufs.index(s)._reinterpret(v_bufs.dtype, [HEAD, BLOCK_N], VT_LAYOUT)
     if V_TMA:
         V_BYTES: gl.constexpr = HEAD * BLOCK_N * v_bufs.dtype.primitive_bitwidth // 8
         blk_rows = stride_vcb // BLOCK_SIZE
@@ -394,7 +456,7 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
                     BLOCK_SIZE, False)
     else:
         _load_context_v(vt, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s, BLOCK_N, HEAD, BLOCK_SIZE,
-                        LOAD_WARPS, INTERLEAVED_V, PARTIAL, GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH, k_ready)
+                        LOAD_WARPS, INTERLEAVED_V, PARTIAL, GATHER_TILE_V, False, False, k_ready)
 
 
 @gluon.jit
@@ -792,7 +854,11 @@ class GluonPrefillConfig:
       FlashInfer's FA3 does: the load partition may refill K a softmax earlier);
     - ``v_load``: ``"gather"`` (V by cp.async, as ``gather`` says) or ``"tma"`` (standard V
       interior, cache blocks 16 / 32 / 64: a page's V of one head is one TMA box into a
-      ``2 * block_size``-byte-swizzled tile; K stays gathered)."""
+      ``2 * block_size``-byte-swizzled tile; K stays gathered);
+    - ``k_load``: ``"cp_async"`` (K gathered as ``gather`` says) or ``"regs"`` (K through
+      registers, ``_load_k_regs``: whole 128-byte runs of a page a warp's loads, conflict-free
+      stores; V issued first, K published after its stores; cache blocks that are multiples of
+      16, ``publish="separate"``, ``release="joint"``)."""
 
     block_n: int = 128
     stages: int = 3
@@ -803,6 +869,7 @@ class GluonPrefillConfig:
     publish: str = "separate"
     release: str = "joint"
     v_load: str = "gather"
+    k_load: str = "cp_async"
 
     def __post_init__(self):
         bad = []
@@ -818,6 +885,11 @@ class GluonPrefillConfig:
             bad.append(f"v_load={self.v_load!r} (supported: 'gather', 'tma')")
         elif self.v_load == "tma" and self.publish != "separate":
             bad.append(f"v_load='tma' with publish={self.publish!r} (supported: publish='separate')")
+        if self.k_load not in ("cp_async", "regs"):
+            bad.append(f"k_load={self.k_load!r} (supported: 'cp_async', 'regs')")
+        elif self.k_load == "regs" and (self.publish != "separate" or self.release != "joint"):
+            bad.append(f"k_load='regs' with publish={self.publish!r}, release={self.release!r} "
+                       f"(supported: publish='separate', release='joint')")
         if self.consumer_regs % 8 or not 24 <= self.consumer_regs <= 256:
             bad.append(f"consumer_regs={self.consumer_regs} (a multiple of 8 in 24..256)")
         if not bad:
@@ -869,6 +941,8 @@ SWEEP_VARIANTS = {
     "pages_noinc": GluonPrefillConfig(gather="pages", consumer_regs=224, publish="noinc"),
     "v_tma": GluonPrefillConfig(v_load="tma"),
     "v_tma_split": GluonPrefillConfig(v_load="tma", release="split"),
+    "k_regs": GluonPrefillConfig(k_load="regs", consumer_regs=224),
+    "k_regs_v_tma": GluonPrefillConfig(k_load="regs", consumer_regs=224, v_load="tma"),
 }
 
 
@@ -890,7 +964,8 @@ def _variant_constexprs(cfg: GluonPrefillConfig) -> dict:
     """The variant's constexprs (gather, publication, release; ``tests/gluon_sm90_sass.py``
     leaves them out of a specialization's name at the default's values)."""
     pages = cfg.gather == "pages"  # 2: the tile gathers with page-major lanes
-    return dict(GATHER_TILE_K=2 if pages else cfg.gather in ("tile", "tile_k"),
+    k_tile = 3 if cfg.k_load == "regs" else 2 if pages else cfg.gather in ("tile", "tile_k")
+    return dict(GATHER_TILE_K=k_tile,
                 GATHER_TILE_V=2 if pages else cfg.gather == "tile",
                 JOINT_PUBLISH=cfg.publish == "joint", NOINC_PUBLISH=cfg.publish == "noinc",
                 SPLIT_RELEASE=cfg.release == "split", V_TMA=cfg.v_load == "tma")
@@ -905,8 +980,10 @@ def _check_variant(cfg: GluonPrefillConfig, head_size: int, block_size: int, int
     if cfg.v_load == "tma" and (interleaved_v or block_size not in (16, 32, 64)):
         raise ValueError(f"Gluon prefill: v_load='tma' with {'interleaved' if interleaved_v else 'standard'} V at "
                          f"block size {block_size}; supported: standard V at block sizes 16, 32, 64")
+    if cfg.k_load == "regs" and block_size % 16:
+        raise ValueError(f"Gluon prefill: k_load='regs' at block size {block_size}; supported: multiples of 16")
     chunk = 32 // (head_size // 8) * cfg.load_warps  # _gather_k's keys a chunk
-    if cfg.gather == "chunks" and block_size % chunk:
+    if cfg.k_load == "cp_async" and cfg.gather == "chunks" and block_size % chunk:
         raise ValueError(f"Gluon prefill: load_warps={cfg.load_warps} with gather='chunks' gathers K in chunks of "
                          f"{chunk} keys at head size {head_size}, more than a block of {block_size}; "
                          f"supported: gather='tile' or 'tile_k', or block sizes that are multiples of {chunk}")
