@@ -396,9 +396,9 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
     # a fresh mbarrier reads as if its phase before 0 completed: the first round passes
     mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
     if GATHER_TILE_K == 3:  # K through registers (k_load="regs"): V issued first, K published last
-        _load_context_v_any(v_bufs, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s, BLOCK_N, HEAD, BLOCK_SIZE,
-                            LOAD_WARPS, INTERLEAVED_V, VT_LAYOUT, PARTIAL, GATHER_TILE_V, v_fill, v_head_row, V_TMA,
-                            k_ready)
+        _load_tile_v(v_bufs, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s, BLOCK_N, HEAD, BLOCK_SIZE,
+                     LOAD_WARPS, INTERLEAVED_V, VT_LAYOUT, PARTIAL, GATHER_TILE_V, False, False, v_fill, v_head_row,
+                     V_TMA, k_ready)
         _load_k_regs(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N, BLOCK_N, HEAD, BLOCK_SIZE,
                      LOAD_WARPS, PARTIAL)
         fence_async_shared()  # this thread's stores before the wgmma's async-proxy reads
@@ -419,24 +419,20 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
         _publish_cp_async(k_ready.index(s))
     if SPLIT_RELEASE:
         mbarrier.wait(v_empty.index(s), ((j // STAGES) & 1) ^ 1)
-    if V_TMA:
-        _load_context_v_any(v_bufs, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s, BLOCK_N, HEAD, BLOCK_SIZE,
-                            LOAD_WARPS, INTERLEAVED_V, VT_LAYOUT, PARTIAL, GATHER_TILE_V, v_fill, v_head_row, V_TMA,
-                            k_ready)
-    else:
-        vt = v_bufs.index(s)._reinterpret(v_bufs.dtype, [HEAD, BLOCK_N], VT_LAYOUT)
-        _load_context_v(vt, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s, BLOCK_N, HEAD, BLOCK_SIZE,
-                        LOAD_WARPS, INTERLEAVED_V, PARTIAL, GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH, k_ready)
+    _load_tile_v(v_bufs, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s, BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS,
+                 INTERLEAVED_V, VT_LAYOUT, PARTIAL, GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH, v_fill, v_head_row,
+                 V_TMA, k_ready)
 
 
 @gluon.jit
-def _load_context_v_any(v_bufs, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s,
-                        BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr,
-                        INTERLEAVED_V: gl.constexpr, VT_LAYOUT: gl.constexpr, PARTIAL: gl.constexpr,
-                        GATHER_TILE_V: gl.constexpr, v_fill, v_head_row, V_TMA: gl.constexpr, k_ready):
-    """Context V of tile ``j`` into stage ``s`` and its publication, separately from K: by TMA
-    (``V_TMA``: published by its expect; the partial last tile lands on ``v_fill`` first, its
-    stale slots are zeroed, then V is published) or gathered (``_load_context_v``)."""
+def _load_tile_v(v_bufs, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s,
+                 BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr, LOAD_WARPS: gl.constexpr,
+                 INTERLEAVED_V: gl.constexpr, VT_LAYOUT: gl.constexpr, PARTIAL: gl.constexpr,
+                 GATHER_TILE_V: gl.constexpr, JOINT_PUBLISH: gl.constexpr, NOINC_PUBLISH: gl.constexpr, v_fill,
+                 v_head_row, V_TMA: gl.constexpr, k_ready):
+    """Context V of tile ``j`` into stage ``s`` and its publication: by TMA (``V_TMA``: published
+    by its expect; the partial last tile lands on ``v_fill`` first, its stale slots are zeroed,
+    then V is published) or gathered (``_load_context_v``)."""
     vt = v_bufs.index(s)._reinterpret(v_bufs.dtype, [HEAD, BLOCK_N], VT_LAYOUT)
     if V_TMA:
         V_BYTES: gl.constexpr = HEAD * BLOCK_N * v_bufs.dtype.primitive_bitwidth // 8
@@ -456,7 +452,7 @@ def _load_context_v_any(v_bufs, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j
                     BLOCK_SIZE, False)
     else:
         _load_context_v(vt, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s, BLOCK_N, HEAD, BLOCK_SIZE,
-                        LOAD_WARPS, INTERLEAVED_V, PARTIAL, GATHER_TILE_V, False, False, k_ready)
+                        LOAD_WARPS, INTERLEAVED_V, PARTIAL, GATHER_TILE_V, JOINT_PUBLISH, NOINC_PUBLISH, k_ready)
 
 
 @gluon.jit
