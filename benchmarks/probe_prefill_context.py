@@ -1,12 +1,14 @@
 """Where the Gluon prefill's prefix case loses time (sm_90): its context phase against its
 dense phase and FlashInfer FA3, repeated in one process.
 
-    python benchmarks/probe_prefill_context.py [--cfgs default tile_noinc ...] [--reps 3]
+    python benchmarks/probe_prefill_context.py [--cfgs default tile_noinc ...] [--reps 3] [--no-identity]
 
 Cases (bf16, causal, 32/8 heads, d=128, block 16): B=4 x 4096 new tokens with a 4096-token
 prefix (the bench's), the same with the pages contiguous (an identity block table: whether
 the random page placement costs), B=32 x 128 new tokens with a 4096-token prefix (almost all
 of the work in the context phase), and B=4 x 4096 without a prefix (the dense phase alone).
+``--no-identity`` leaves out the contiguous-pages case (no run so far has told it from random
+pages).
 Each Gluon config (``prefix_prefill.SWEEP_VARIANTS`` names) is checked against SDPA on a
 NaN-poisoned output, then timed ``--reps`` times, the configs interleaved (the spread of one
 config across reps is the run's noise); FlashInfer FA3 (``--peers``, its prebuilt modules:
@@ -39,6 +41,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cfgs", nargs="+", default=["default", "load8", "tile_noinc", "tile_joint"])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-identity", action="store_true", help="leave out the contiguous-pages case")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     from inductor_rocm_attn.kernels.gluon import prefix_prefill as pp
@@ -50,6 +53,8 @@ def main():
     print(f"# {dev}, torch {torch.__version__}", flush=True)
     rows = []
     for b, n, p, placement in CASES:
+        if args.no_identity and placement == "identity":
+            continue
         c = bp.PrefillCase(b, n, p, seed=p + 3)
         if placement == "identity":
             c.block_table = torch.arange(c.block_table.numel(), dtype=torch.int32,
