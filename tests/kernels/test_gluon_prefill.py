@@ -295,7 +295,7 @@ def _prefix_prefill():
     (dict(release="early"), "release='early' (supported: 'joint', 'split')"),
     (dict(v_load="bulk"), "v_load='bulk' (supported: 'gather', 'tma')"),
     (dict(v_load="tma", publish="noinc"), "v_load='tma' with publish='noinc' (supported: publish='separate')"),
-    (dict(k_load="lds"), "k_load='lds' (supported: 'cp_async', 'regs')"),
+    (dict(k_load="lds"), "k_load='lds' (supported: 'cp_async', 'regs', 'regs32')"),
     (dict(k_load="regs", publish="joint"), "k_load='regs' with publish='joint', release='joint' (supported: "
                                            "publish='separate', release='joint')"),
     (dict(k_load="regs", release="split"), "k_load='regs' with publish='separate', release='split'"),

@@ -176,18 +176,18 @@ def _gather_k_tile(k_buf, kc_head, bt_row, stride_kcb, ctx_len, key0,
 @gluon.jit
 def _load_k_regs(k_buf, kc_head, bt_row, stride_kcb, ctx_len, key0,
                  BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                 LOAD_WARPS: gl.constexpr, MASKED: gl.constexpr):
+                 LOAD_WARPS: gl.constexpr, MASKED: gl.constexpr, SUB: gl.constexpr):
     """``k_load="regs"`` variant of ``_gather_k``: K of context keys key0 .. key0 + BLOCK_N into
-    the ``[BLOCK_N, HEAD]`` stage through registers, 16 * ``LOAD_WARPS`` keys a pass. A warp's
+    the ``[BLOCK_N, HEAD]`` stage through registers, ``SUB`` keys a pass (32 or 64). A warp's
     16-byte loads cover 16 consecutive keys of two channel packets: whole 128-byte runs of a
     page (cp.async of the same packets costs twice the L2 sectors and 8x the shared-memory
     wavefronts: Nsight Compute, docs/performance.md); its stores, 8 lanes on 8 consecutive
     rows of one 16-byte column of the 128-byte-swizzled tile, hit distinct banks. ``MASKED``:
     keys past the context are zeros. The caller publishes the stage (generic-proxy stores)."""
-    SUB: gl.constexpr = 16 * LOAD_WARPS
-    gl.static_assert(BLOCK_N % SUB == 0, "whole passes a tile")
+    WARPS_K: gl.constexpr = SUB // 16  # warps along the keys, the others along the channels
+    gl.static_assert(BLOCK_N % SUB == 0 and LOAD_WARPS % WARPS_K == 0, "whole passes a tile")
     gl.static_assert(BLOCK_SIZE % 16 == 0, "16 consecutive keys lie in one page")
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [LOAD_WARPS, 1], [0, 1])
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [WARPS_K, LOAD_WARPS // WARPS_K], [0, 1])
     cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
     # page interior [HEAD // 8, BLOCK_SIZE, 8]: channel c of slot t at (c // 8) * BLOCK_SIZE * 8 + t * 8 + c % 8
     col_off = gl.expand_dims((cols // 8) * (BLOCK_SIZE * 8) + cols % 8, 0)
@@ -395,12 +395,12 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
     s = j % STAGES
     # a fresh mbarrier reads as if its phase before 0 completed: the first round passes
     mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
-    if GATHER_TILE_K == 3:  # K through registers (k_load="regs"): V issued first, K published last
+    if GATHER_TILE_K >= 3:  # K through registers (k_load "regs" / "regs32"): V issued first, K published last
         _load_tile_v(v_bufs, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s, BLOCK_N, HEAD, BLOCK_SIZE,
                      LOAD_WARPS, INTERLEAVED_V, VT_LAYOUT, PARTIAL, GATHER_TILE_V, False, False, v_fill, v_head_row,
                      V_TMA, k_ready)
         _load_k_regs(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N, BLOCK_N, HEAD, BLOCK_SIZE,
-                     LOAD_WARPS, PARTIAL)
+                     LOAD_WARPS, PARTIAL, 64 if GATHER_TILE_K == 3 else 32)
         fence_async_shared()  # this thread's stores before the wgmma's async-proxy reads
         gl.thread_barrier()
         mbarrier.arrive(k_ready.index(s), count=1)
@@ -851,10 +851,10 @@ class GluonPrefillConfig:
     - ``v_load``: ``"gather"`` (V by cp.async, as ``gather`` says) or ``"tma"`` (standard V
       interior, cache blocks 16 / 32 / 64: a page's V of one head is one TMA box into a
       ``2 * block_size``-byte-swizzled tile; K stays gathered);
-    - ``k_load``: ``"cp_async"`` (K gathered as ``gather`` says) or ``"regs"`` (K through
-      registers, ``_load_k_regs``: whole 128-byte runs of a page a warp's loads, conflict-free
-      stores; V issued first, K published after its stores; cache blocks that are multiples of
-      16, ``publish="separate"``, ``release="joint"``)."""
+    - ``k_load``: ``"cp_async"`` (K gathered as ``gather`` says), ``"regs"`` or ``"regs32"`` (K
+      through registers, ``_load_k_regs``, 64 or 32 keys a pass: whole 128-byte runs of a page
+      a warp's loads, conflict-free stores; V issued first, K published after its stores;
+      cache blocks that are multiples of 16, ``publish="separate"``, ``release="joint"``)."""
 
     block_n: int = 128
     stages: int = 3
@@ -881,10 +881,10 @@ class GluonPrefillConfig:
             bad.append(f"v_load={self.v_load!r} (supported: 'gather', 'tma')")
         elif self.v_load == "tma" and self.publish != "separate":
             bad.append(f"v_load='tma' with publish={self.publish!r} (supported: publish='separate')")
-        if self.k_load not in ("cp_async", "regs"):
-            bad.append(f"k_load={self.k_load!r} (supported: 'cp_async', 'regs')")
-        elif self.k_load == "regs" and (self.publish != "separate" or self.release != "joint"):
-            bad.append(f"k_load='regs' with publish={self.publish!r}, release={self.release!r} "
+        if self.k_load not in ("cp_async", "regs", "regs32"):
+            bad.append(f"k_load={self.k_load!r} (supported: 'cp_async', 'regs', 'regs32')")
+        elif self.k_load != "cp_async" and (self.publish != "separate" or self.release != "joint"):
+            bad.append(f"k_load={self.k_load!r} with publish={self.publish!r}, release={self.release!r} "
                        f"(supported: publish='separate', release='joint')")
         if self.consumer_regs % 8 or not 24 <= self.consumer_regs <= 256:
             bad.append(f"consumer_regs={self.consumer_regs} (a multiple of 8 in 24..256)")
@@ -937,7 +937,7 @@ SWEEP_VARIANTS = {
     "pages_noinc": GluonPrefillConfig(gather="pages", consumer_regs=224, publish="noinc"),
     "v_tma": GluonPrefillConfig(v_load="tma"),
     "v_tma_split": GluonPrefillConfig(v_load="tma", release="split"),
-    "k_regs": GluonPrefillConfig(k_load="regs", consumer_regs=224),
+    "k_regs": GluonPrefillConfig(k_load="regs32", consumer_regs=224),  # 64 keys a pass spill with V gathered
     "k_regs_v_tma": GluonPrefillConfig(k_load="regs", consumer_regs=224, v_load="tma"),
 }
 
@@ -960,7 +960,7 @@ def _variant_constexprs(cfg: GluonPrefillConfig) -> dict:
     """The variant's constexprs (gather, publication, release; ``tests/gluon_sm90_sass.py``
     leaves them out of a specialization's name at the default's values)."""
     pages = cfg.gather == "pages"  # 2: the tile gathers with page-major lanes
-    k_tile = 3 if cfg.k_load == "regs" else 2 if pages else cfg.gather in ("tile", "tile_k")
+    k_tile = {"regs": 3, "regs32": 4}.get(cfg.k_load) or (2 if pages else cfg.gather in ("tile", "tile_k"))
     return dict(GATHER_TILE_K=k_tile,
                 GATHER_TILE_V=2 if pages else cfg.gather == "tile",
                 JOINT_PUBLISH=cfg.publish == "joint", NOINC_PUBLISH=cfg.publish == "noinc",
@@ -976,8 +976,8 @@ def _check_variant(cfg: GluonPrefillConfig, head_size: int, block_size: int, int
     if cfg.v_load == "tma" and (interleaved_v or block_size not in (16, 32, 64)):
         raise ValueError(f"Gluon prefill: v_load='tma' with {'interleaved' if interleaved_v else 'standard'} V at "
                          f"block size {block_size}; supported: standard V at block sizes 16, 32, 64")
-    if cfg.k_load == "regs" and block_size % 16:
-        raise ValueError(f"Gluon prefill: k_load='regs' at block size {block_size}; supported: multiples of 16")
+    if cfg.k_load != "cp_async" and block_size % 16:
+        raise ValueError(f"Gluon prefill: k_load={cfg.k_load!r} at block size {block_size}; supported: multiples of 16")
     chunk = 32 // (head_size // 8) * cfg.load_warps  # _gather_k's keys a chunk
     if cfg.k_load == "cp_async" and cfg.gather == "chunks" and block_size % chunk:
         raise ValueError(f"Gluon prefill: load_warps={cfg.load_warps} with gather='chunks' gathers K in chunks of "
