@@ -27,6 +27,8 @@ differ (a diff of the instruction text, addresses and encodings left out) and th
 change; exit 4 when any differs, is missing or is new. ``--quick``: one specialization per
 head size and V interior (the runtime cases' bases), compared with those of the base only.
 ``--self-check``: the fingerprint tells a changed kernel from an unchanged copy (``self_check``).
+``--variant NAME``: every case under that ``SWEEP_VARIANTS`` config (the cases it does not cover
+are skipped), e.g. to show a refactor left ``v_tma``'s code unchanged too.
 
 Run without ``TRITON_INTERPRET``; exit 3 when this machine cannot compile for sm_90 (no
 ptxas, no Gluon). The full matrix (52 specializations) takes 4 to 6 minutes of ptxas on a
@@ -101,7 +103,8 @@ def case_label(c: dict) -> str:
 
 
 def launch_case(pp, dtype, head_size: int, interleaved_v: bool, block_size: int, layout: str, gqa: int,
-                short_query_max: int, num_seqs: int = 2, table_width: int = 32, index_dtype=torch.int32):
+                short_query_max: int, num_seqs: int = 2, table_width: int = 32, index_dtype=torch.int32,
+                cfg=None):
     """``pp.launch`` of a varlen batch with these properties on CPU tensors (the kernel call
     intercepted by ``specialize_launch``; values are placeholders, shapes/strides are real)."""
     from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache, k_view, v_view
@@ -116,7 +119,7 @@ def launch_case(pp, dtype, head_size: int, interleaved_v: bool, block_size: int,
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=index_dtype)
     pp.launch(torch.empty_like(q), q, k, v, k_view(cache, hkv), v_view(cache, hkv, interleaved_v),
               torch.zeros(num_seqs, table_width, dtype=index_dtype), qsl[1:] - qsl[:-1] + 50, qsl,
-              head_size ** -0.5, interleaved_v, short_query_max)
+              head_size ** -0.5, interleaved_v, short_query_max, **({} if cfg is None else dict(cfg=cfg)))
 
 
 def spec_name(fn, sig: dict, consts: dict, attrs: dict, options) -> str:
@@ -159,16 +162,24 @@ def fingerprint(kernel, name: str) -> tuple[dict, list[str]]:
                 setmaxnreg=setmaxnreg_budgets(kernel.asm["ptx"])), lines
 
 
-def collect(todo: list[dict], module=None, log=print) -> dict[str, dict]:
+def collect(todo: list[dict], module=None, log=print, variant: str | None = None) -> dict[str, dict]:
     """Compile every case's specialization once: name -> fingerprint, its cases' labels and
-    (under ``"_sass"``) its SASS lines. ``module``: the kernel module (default: the library's)."""
+    (under ``"_sass"``) its SASS lines. ``module``: the kernel module (default: the library's).
+    ``variant``: a ``SWEEP_VARIANTS`` name to launch every case under (a case it does not
+    cover, refused by ``launch()``, is skipped and said)."""
     if module is None:
         from inductor_rocm_attn.kernels.gluon import prefix_prefill as module
     fn = module._gluon_prefix_prefill_kernel
+    cfg = None if variant is None else module.SWEEP_VARIANTS[variant]
     found: dict[str, dict] = {}
     for c in todo:
         t0 = time.time()
-        kernel, (sig, consts, attrs, options), _ = specialize_launch(module, lambda: launch_case(module, **c))
+        try:
+            kernel, (sig, consts, attrs, options), _ = specialize_launch(
+                module, lambda: launch_case(module, **c, cfg=cfg))
+        except ValueError as e:  # the variant does not cover this case
+            log(f"skip  {case_label(c)}: {e}")
+            continue
         name = spec_name(fn, sig, consts, attrs, options)
         if name in found:
             found[name]["cases"].append(case_label(c))
@@ -302,13 +313,15 @@ def main() -> int:
     ap.add_argument("--save", metavar="DIR", help="write the fingerprints and SASS listings to DIR")
     ap.add_argument("--compare", metavar="DIR", help="compare with a --save directory")
     ap.add_argument("--quick", action="store_true", help="one specialization per head size and V interior")
+    ap.add_argument("--variant", metavar="NAME",
+                    help="launch every case under this SWEEP_VARIANTS config (default: the kernel's default)")
     ap.add_argument("--self-check", action="store_true",
                     help="check that the fingerprint tells a changed kernel from an unchanged copy (one case)")
     args = ap.parse_args()
     try:
         from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
 
-        from inductor_rocm_attn.kernels.gluon import prefix_prefill  # noqa: F401
+        from inductor_rocm_attn.kernels.gluon import prefix_prefill
     except Exception as e:  # noqa: BLE001 - no Gluon here at all
         print(f"SKIP: the Gluon prefill does not import: {type(e).__name__}: {e}")
         return 3
@@ -318,7 +331,10 @@ def main() -> int:
         return 3
     if args.self_check:
         return self_check()
-    found = collect(cases(args.quick), log=lambda s: print(s, flush=True))
+    if args.variant is not None and args.variant not in prefix_prefill.SWEEP_VARIANTS:
+        print(f"--variant {args.variant!r}: not a SWEEP_VARIANTS name ({', '.join(prefix_prefill.SWEEP_VARIANTS)})")
+        return 2
+    found = collect(cases(args.quick), log=lambda s: print(s, flush=True), variant=args.variant)
     print(f"{len(found)} specializations compiled")
     if args.save:
         save(found, args.save)

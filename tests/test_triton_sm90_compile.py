@@ -59,12 +59,13 @@ def test_gluon_prefix_prefill_compiles_for_sm90_without_spills():
 
 def test_gluon_prefix_prefill_sweep_variants_compile_for_sm90_without_spills():
     """The GPU sweep's context-gather variants that change the load partition most (the one-op
-    tile gather at 4 and 8 load warps, joint K/V publication) compile for sm_90 at the
-    benchmark's shape with no spills and 16-byte packets (about 40 s of ptxas; all of them at
-    every shape: ``gluon_sm90_compile.py --variants``, minutes)."""
+    tile gather at 4 and 8 load warps, joint K/V publication, K through registers with V by
+    TMA) compile for sm_90 at the benchmark's shape with no spills and 16-byte packets (about
+    50 s of ptxas; all of them at every shape: ``gluon_sm90_compile.py --variants``, minutes)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     _run_compile_script(os.path.join(os.path.dirname(__file__), "gluon_sm90_compile.py"), "--variants", "tile",
-                        "load8", "load8_tile_joint", "--bench-shape-only", timeout=600, pythonpath=True)
+                        "load8", "load8_tile_joint", "k_regs_v_tma", "--bench-shape-only", timeout=600,
+                        pythonpath=True)
 
 
 def test_gluon_sass_check_tells_a_changed_kernel():
