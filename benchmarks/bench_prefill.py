@@ -35,6 +35,7 @@ Writes benchmarks/results/prefill_<date>.json and .md (or --out DIR).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -229,33 +230,43 @@ def gluon_config(spec: str):
     return dataclasses.replace(pp.DEFAULT_CONFIG, **changes)
 
 
-def gluon_cfg_rows(c: PrefillCase, ref, flops: float, specs: list[str], out: list) -> None:
-    """The Gluon prefill under each config of ``specs`` (``gluon_config``) on the case: the
-    launch ``paged_attention`` makes, with the config; output NaN-poisoned, checked against
-    SDPA, then timed. Appends one row a config to ``out``."""
+@contextlib.contextmanager
+def gluon_launch_config(cfg, launches: list | None = None):
+    """Inside: every Gluon prefill launch ``paged_attention`` makes runs under ``cfg`` (a
+    ``GluonPrefillConfig``), each one appended to ``launches`` when given; the library's
+    launcher is back on exit."""
     import importlib
 
     pa_mod = importlib.import_module("inductor_rocm_attn.kernels.triton.paged_attention")
     real = pa_mod._gluon_launch
+
+    def launch(*a, **k):
+        if launches is not None:
+            launches.append(1)
+        return real()(*a, **k, cfg=cfg)
+
+    pa_mod._gluon_launch = lambda: launch
+    try:
+        yield
+    finally:
+        pa_mod._gluon_launch = real
+
+
+def gluon_cfg_rows(c: PrefillCase, ref, flops: float, specs: list[str], out: list) -> None:
+    """The Gluon prefill under each config of ``specs`` (``gluon_config``) on the case: the
+    launch ``paged_attention`` makes, with the config; output NaN-poisoned, checked against
+    SDPA, then timed. Appends one row a config to ``out``."""
     for spec in specs:
         row = dict(prefix=c.prefix, cfg=spec)
         try:
             cfg = gluon_config(spec)
             row["config"] = dataclasses.asdict(cfg)
             launches = []
-
-            def launch(*a, _cfg=cfg, **k):
-                launches.append(1)
-                return real()(*a, **k, cfg=_cfg)
-
-            pa_mod._gluon_launch = lambda: launch
-            try:
+            with gluon_launch_config(cfg, launches):
                 err = row["rel_err_vs_sdpa"] = checked_gluon_run(c, ref)
                 if not launches:  # the Triton prefill ran: not a timing of this config
                     raise RuntimeError("the Gluon prefill did not run")
                 t = graph_time_ms(lambda: c.run(prefill_kernel="gluon"))
-            finally:
-                pa_mod._gluon_launch = real
         except Exception as e:  # noqa: BLE001 - a config that cannot build, run or match is a result
             row["error"] = f"{type(e).__name__}: {e}"[:300]
             print(f"  gluon cfg {spec}: {row['error']}", flush=True)

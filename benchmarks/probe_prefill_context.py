@@ -19,7 +19,6 @@ config across reps is the run's noise); FlashInfer FA3 (``--peers``, its prebuil
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 
@@ -46,8 +45,6 @@ def main():
     args = ap.parse_args()
     from inductor_rocm_attn.kernels.gluon import prefix_prefill as pp
 
-    pa_mod = importlib.import_module("inductor_rocm_attn.kernels.triton.paged_attention")
-    real = pa_mod._gluon_launch
     cfgs = {name: bp.gluon_config(name) for name in args.cfgs}
     dev = torch.cuda.get_device_name()
     print(f"# {dev}, torch {torch.__version__}", flush=True)
@@ -68,15 +65,13 @@ def main():
                    gluon_tflops={name: [] for name in cfgs}, errors={})
         for _ in range(args.reps):
             for name, cfg in cfgs.items():
-                pa_mod._gluon_launch = lambda _cfg=cfg: (lambda *a, **kw: real()(*a, **kw, cfg=_cfg))
                 try:
-                    row["errors"][name] = bp.checked_gluon_run(c, ref)
-                    t = bp.graph_time_ms(lambda: c.run(prefill_kernel="gluon"))
+                    with bp.gluon_launch_config(cfg):
+                        row["errors"][name] = bp.checked_gluon_run(c, ref)
+                        t = bp.graph_time_ms(lambda: c.run(prefill_kernel="gluon"))
                     row["gluon_tflops"][name].append(flops / (t * 1e-3) / 1e12)
                 except Exception as e:  # noqa: BLE001 - a config that fails is a result
                     row["errors"][name] = f"{type(e).__name__}: {e}"[:300]
-                finally:
-                    pa_mod._gluon_launch = real
         rows.append(row)
         fa3 = row["fa3_tflops"]
         print(f"B={b} new={n} prefix={p} {placement}: FA3 {fa3 or float('nan'):.0f} | " + " | ".join(

@@ -6,8 +6,8 @@ loses time (per-instruction stall samples of the load and consumer partitions).
         --section WarpStateStats --section MemoryWorkloadAnalysis -o prefill \
         python3 benchmarks/profile_prefill_ncu.py --batch 32 --new 128 --prefix 4096
 
-``--gluon-cfgs default tile_noinc_pf`` profiles each config in turn (one launch each, in
-that order, then FA3). Each output is NaN-poisoned and checked against SDPA before the profiled launches (two
+``--gluon-cfgs default v_tma`` profiles each config in turn (one launch each, in that order,
+then FA3). Each output is NaN-poisoned and checked against SDPA before the profiled launches (two
 warm-ups each, outside the range, so the profiled launch is compiled and cached). FA3 needs
 FlashInfer's wheels and prebuilt modules (``benchmarks/peers.py``); without them only the
 Gluon prefill is profiled, and the script says so.
@@ -16,7 +16,6 @@ Gluon prefill is profiled, and the script says so.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 
@@ -39,25 +38,15 @@ def main():
     q, k, v = c.sdpa_inputs()
     ref = bp.sdpa_causal(q, k, v, c.scale)
     del q, k, v
-    import importlib
-
-    pa_mod = importlib.import_module("inductor_rocm_attn.kernels.triton.paged_attention")
-    real = pa_mod._gluon_launch()
     launches = []
     for spec in args.gluon_cfgs:
         cfg = bp.gluon_config(spec)
 
         def run(_cfg=cfg):  # the launch paged_attention makes, under this config
-            pa_mod._gluon_launch = lambda: functools.partial(real, cfg=_cfg)
-            try:
+            with bp.gluon_launch_config(_cfg):
                 c.run(prefill_kernel="gluon")
-            finally:
-                pa_mod._gluon_launch = lambda: real
-        pa_mod._gluon_launch = lambda _cfg=cfg: functools.partial(real, cfg=_cfg)
-        try:
+        with bp.gluon_launch_config(cfg):
             print(f"gluon {spec}: rel err {bp.checked_gluon_run(c, ref):.2e}", flush=True)
-        finally:
-            pa_mod._gluon_launch = lambda: real
         launches.append(run)
     if not args.no_peer:
         from peers import PeerUnavailable

@@ -359,6 +359,12 @@ def test_gluon_prefill_variant_refuses_uncovered_block_size_before_any_write():
     with pytest.raises(ValueError, match=r"v_load='tma' with standard V at block size 128"):
         pp._check_variant(pp.SWEEP_VARIANTS["v_tma"], 128, 128, False)
     pp._check_variant(pp.SWEEP_VARIANTS["v_tma"], 128, 64, False)  # covered
+    # V by TMA addresses the cache in 32-bit rows of block-size keys: a larger cache is refused
+    # (launch() builds this descriptor before the kernel runs)
+    huge = torch.empty((2 ** 27, 8, 128, 16), dtype=torch.bfloat16, device="meta")  # 2^37 rows of 16 keys
+    with pytest.raises(ValueError, match=r"v_load='tma' addresses the V cache in 32-bit rows: 137438953472 rows "
+                                         r"of 16 keys is too many \(supported: < 2147482624\)"):
+        pp._v_cache_descriptor(huge, 128, 16)
 
 
 # --- GPU --------------------------------------------------------------------------------------

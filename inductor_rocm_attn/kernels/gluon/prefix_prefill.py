@@ -146,9 +146,10 @@ def _gather_k_tile(k_buf, kc_head, bt_row, stride_kcb, ctx_len, key0,
     offsets from one address). One op per tile: the chunked gather's copies are writes to
     slices of a dynamically indexed stage, which Triton's shared-memory barrier analysis
     separates with a thread barrier each. ``MASKED``: keys past the context are zero-filled
-    (their block-table entries are not read). ``PAGE_MAJOR`` (``gather="pages"``): a warp's
-    lanes on consecutive keys of one page first (the page interior's order), so a warp's
-    packets are whole 128-byte lines of one page, not 32-byte pieces of 16 lines."""
+    (their block-table entries are not read). ``PAGE_MAJOR`` (``gather="pages"``): a warp on
+    the keys of one page (16 at block 16), its lanes on two channel packets of a key first, so
+    a warp's 512 bytes are two 256-byte runs of one page (Nsight Compute still counts each
+    copy at 32 L2 sectors a warp instruction, as the other K gathers: docs/performance.md)."""
     if PAGE_MAJOR:
         TPW_K: gl.constexpr = BLOCK_SIZE if BLOCK_SIZE < 32 else 32
         TPW_C: gl.constexpr = 32 // TPW_K
@@ -270,7 +271,7 @@ def _gather_vt_tile(vt_buf, vc_head, bt_row, stride_vcb, ctx_len, key0,
     cp.async op (same packets, same per-thread key offsets, no barrier between chunks).
     ``PAGE_MAJOR`` (``gather="pages"``): a warp's lanes on the packets of one page in the page
     interior's order (standard V: a channel's packets, then the next channels; interleaved V:
-    consecutive channels of one packet row), whole 128-byte lines of one page."""
+    consecutive channels of one packet row), whole 128-byte runs of one page."""
     if PAGE_MAJOR:
         if INTERLEAVED_V:
             TPW_C: gl.constexpr = 1
@@ -391,7 +392,9 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
     ``v_empty`` (once their P V is), not both on ``kv_empty``; ``V_TMA`` (separate publication
     only), V by TMA (``_tma_vt``; ``vc_head`` is the V cache's descriptor, ``v_head_row`` this
     head's row in a page): published by its expect; the partial last tile lands on ``v_fill``
-    first, its stale slots are zeroed, then V is published."""
+    first, its stale slots are zeroed, then V is published; ``GATHER_TILE_K`` 3 / 4
+    (``k_load="regs"`` / ``"regs32"``), V issued first, then K through registers
+    (``_load_k_regs``, 64 / 32 keys a pass), published after its stores."""
     s = j % STAGES
     # a fresh mbarrier reads as if its phase before 0 completed: the first round passes
     mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
@@ -837,8 +840,8 @@ class GluonPrefillConfig:
       cp.async op each), ``"tile"`` (K and V each one cp.async op for the whole tile, a
       thread per key for K: no thread barrier between the chunks, one block-table read a
       thread and tile for K), ``"tile_k"`` (K so, V in chunks) or ``"pages"`` (K and V each one
-      op, a warp's lanes in a page's order: whole 128-byte lines of one page a warp, where the
-      others read 32-byte pieces of 8 to 16 lines);
+      op, a warp on one page: whole 128-byte runs of it, where the others read 32-byte pieces
+      of 8 to 16 lines; its K copies cost the same L2 sectors as the others', ncu);
     - ``publish``: ``"separate"`` (K published once its packets are issued, then V: a thread
       barrier each), ``"joint"`` (one thread barrier publishes both after V is issued) or
       ``"noinc"`` (no thread barrier: the ready mbarriers count an arrival per load thread,
@@ -958,7 +961,8 @@ def _constexprs(num_heads: int, gqa: int, head_size: int, block_size: int, inter
 
 def _variant_constexprs(cfg: GluonPrefillConfig) -> dict:
     """The variant's constexprs (gather, publication, release; ``tests/gluon_sm90_sass.py``
-    leaves them out of a specialization's name at the default's values)."""
+    leaves them out of a specialization's name at the default's values). ``GATHER_TILE_K``: 0
+    chunks, 1 one op a tile, 2 page-major lanes, 3 / 4 through registers, 64 / 32 keys a pass."""
     pages = cfg.gather == "pages"  # 2: the tile gathers with page-major lanes
     k_tile = {"regs": 3, "regs32": 4}.get(cfg.k_load) or (2 if pages else cfg.gather in ("tile", "tile_k"))
     return dict(GATHER_TILE_K=k_tile,
@@ -985,7 +989,7 @@ def _check_variant(cfg: GluonPrefillConfig, head_size: int, block_size: int, int
                          f"supported: gather='tile' or 'tile_k', or block sizes that are multiples of {chunk}")
 
 
-def _v_cache_descriptor(vc: torch.Tensor, head_size: int, block_size: int, dtype) -> TensorDescriptor:
+def _v_cache_descriptor(vc: torch.Tensor, head_size: int, block_size: int) -> TensorDescriptor:
     """``v_load="tma"``: the V cache (``[blocks, kv_heads, head_size, block_size]``, the standard
     interior, any block and head strides) as rows of ``block_size`` keys, a box of ``head_size``
     rows: a page's V of one head. Rows past it are read as zeros (pages past the context)."""
@@ -1021,7 +1025,7 @@ def launch(output, query, key, value, kc, vc, block_table, seq_lens, query_start
                               [cfg.block_n, head_size], kv_layout)
     grid = ((num_tokens // BLOCK_M + num_seqs) * num_heads,)
     # v_load="tma": the kernel's V-cache argument is the cache's TMA descriptor
-    vc_arg = _v_cache_descriptor(vc, head_size, block_size, dtype) if cfg.v_load == "tma" else vc
+    vc_arg = _v_cache_descriptor(vc, head_size, block_size) if cfg.v_load == "tma" else vc
     _gluon_prefix_prefill_kernel[grid](
         q_desc, k_desc, v_desc, value, output, kc, vc_arg, block_table, seq_lens, query_start_loc,
         float(scale) * _LOG2E, num_seqs, value.stride(0), output.stride(0), output.stride(1),
