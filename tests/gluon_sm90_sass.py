@@ -166,11 +166,13 @@ def collect(todo: list[dict], module=None, log=print, variant: str | None = None
     """Compile every case's specialization once: name -> fingerprint, its cases' labels and
     (under ``"_sass"``) its SASS lines. ``module``: the kernel module (default: the library's).
     ``variant``: a ``SWEEP_VARIANTS`` name to launch every case under (a case it does not
-    cover, refused by ``launch()``, is skipped and said)."""
+    cover, refused by ``launch()``, is skipped and said); None: ``DEFAULT_CONFIG`` (V gathered)
+    at every case, not ``launch()``'s own choice (``default_config``: V by TMA where the cache
+    allows it), so fingerprints compare with those of kernels before that choice."""
     if module is None:
         from inductor_rocm_attn.kernels.gluon import prefix_prefill as module
     fn = module._gluon_prefix_prefill_kernel
-    cfg = None if variant is None else module.SWEEP_VARIANTS[variant]
+    cfg = module.DEFAULT_CONFIG if variant is None else module.SWEEP_VARIANTS[variant]
     found: dict[str, dict] = {}
     for c in todo:
         t0 = time.time()
