@@ -392,6 +392,10 @@ def test_gluon_prefill_default_config_takes_v_by_tma_where_the_cache_allows_it()
     kv = torch.empty((fits // 2 + 1, 2, 8, 128, 16), dtype=torch.bfloat16, device="meta")
     assert pp.default_config(kv[:, 1], 16, False) is pp.DEFAULT_CONFIG
     assert pp.default_config(kv[: fits // 4, 1], 16, False) is pp.V_TMA_CONFIG
+    # block strides that are not whole rows of keys cannot be addressed by row
+    odd = torch.empty((64 * 8 * 128 * 16 + 64 * 8,), dtype=torch.bfloat16, device="meta")
+    assert pp.default_config(odd.as_strided((64, 8, 128, 16), (8 * 128 * 16 + 8, 128 * 16, 16, 1)), 16,
+                             False) is pp.DEFAULT_CONFIG
 
 
 # --- GPU --------------------------------------------------------------------------------------

@@ -954,8 +954,11 @@ V_TMA_CONFIG = SWEEP_VARIANTS["v_tma"]
 def default_config(vc: torch.Tensor, block_size: int, interleaved_v: bool) -> GluonPrefillConfig:
     """The config a launch without one runs: ``V_TMA_CONFIG`` for the standard V interior at
     cache blocks 16 / 32 / 64 whose V cache fits the descriptor's 32-bit rows, else
-    ``DEFAULT_CONFIG`` (V gathered by cp.async)."""
-    if interleaved_v or block_size not in (16, 32, 64) or _v_cache_rows(vc, block_size) >= _ROW_PAST_DESCRIPTOR.value:
+    ``DEFAULT_CONFIG`` (V gathered by cp.async). The kernel addresses a page's V of one head as a
+    row of the descriptor, so block and head strides must be whole rows (``v_view``'s are; the
+    16-byte alignment TMA needs is the eligibility's)."""
+    if (interleaved_v or block_size not in (16, 32, 64) or vc.stride(0) % block_size or vc.stride(1) % block_size
+            or _v_cache_rows(vc, block_size) >= _ROW_PAST_DESCRIPTOR.value):
         return DEFAULT_CONFIG
     return V_TMA_CONFIG
 
