@@ -53,6 +53,7 @@ from inductor_rocm_attn.kernels.triton.configs import PrefillConfig, prefill_con
 from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache, dense_kv  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
+IV = False  # interleaved V interior (--interleaved-v: the layout the fused cache writers switch to)
 DTYPE = torch.bfloat16
 # A/B variants of the tuned config: fields of PrefillConfig replaced (lazy-rescale margins
 # "margin" = context and dense margin, causal row blocks longest first, the new tokens' K/V
@@ -110,7 +111,7 @@ class PrefillCase:
     def run(self, **kw):
         paged_attention(self.out, self.query, self.key, self.value, self.kv_cache, self.qsl,
                         self.seq_lens, self.block_table, self.scale, self.one, self.one, True, -1,
-                        None, None, 0.0, False, None, max_query_len=self.n,
+                        None, None, 0.0, IV, None, max_query_len=self.n,
                         max_seq_len=self.n + self.prefix, **kw)
 
     def sdpa_inputs(self):
@@ -120,7 +121,7 @@ class PrefillCase:
         k_new = self.key.view(b, n, HKV, D)
         v_new = self.value.view(b, n, HKV, D)
         if p:
-            kd, vd = dense_kv(self.kv_cache, HKV, False)
+            kd, vd = dense_kv(self.kv_cache, HKV, IV)
             bt = self.block_table[:, : p // BS].long()
             k_new = torch.cat([kd[bt].reshape(b, p, HKV, D), k_new], 1)
             v_new = torch.cat([vd[bt].reshape(b, p, HKV, D), v_new], 1)
@@ -145,7 +146,7 @@ _UNAVAILABLE_SEEN: set[str] = set()
 def flashinfer_prefill_peers(c: PrefillCase, ref, flops: float, row: dict):
     """FlashInfer's paged prefill on the case's values (prefix pages plus the new tokens
     written into its pages), checked against SDPA and timed; fills ``row``."""
-    pages = nhd_pages(c.kv_cache, HKV, False)
+    pages = nhd_pages(c.kv_cache, HKV, IV)
     write_tokens(pages, c.block_table, c.prefix, c.key, c.value)
     lens = [c.n + c.prefix] * c.b
     for be in FLASHINFER_BACKENDS:
@@ -278,7 +279,7 @@ def gluon_cfg_rows(c: PrefillCase, ref, flops: float, specs: list[str], out: lis
 
 
 def main():
-    global HQ, HKV, D, BS
+    global HQ, HKV, D, BS, IV
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--new", type=int, default=4096)
@@ -303,13 +304,15 @@ def main():
                     help=f"head size (default {D}; e.g. 512 for Gemma4's full-attention layers)")
     ap.add_argument("--block-size", type=int, default=BS, choices=(16, 32, 64, 128),
                     help=f"cache block size (default {BS}; FlashInfer's prebuilt modules are for 16 only)")
+    ap.add_argument("--interleaved-v", action="store_true",
+                    help="the interleaved V interior (what a layer whose cache write is fused reads)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     if any(p % args.block_size for p in args.prefix):
         ap.error(f"--prefix {args.prefix}: each must be a multiple of --block-size {args.block_size}")
     if args.kv_heads < 1 or args.q_heads % args.kv_heads:
         ap.error(f"--q-heads {args.q_heads} is not a multiple of --kv-heads {args.kv_heads}")
-    HQ, HKV, D, BS = args.q_heads, args.kv_heads, args.head_size, args.block_size
+    HQ, HKV, D, BS, IV = args.q_heads, args.kv_heads, args.head_size, args.block_size, args.interleaved_v
     sweep_cfgs = [tuple(int(x) for x in c.split(",")) for c in args.cfgs] if args.cfgs else SWEEP
     gluon_specs = list(args.gluon_cfgs)
     if "all" in gluon_specs:
@@ -405,7 +408,7 @@ def main():
                       f"{flops / (t * 1e-3) / 1e12:4.0f} TFLOP/s  err {s_err:.1e}", flush=True)
         del c, q, k, v, ref
         torch.cuda.empty_cache()
-    meta = dict(dtype="bf16", heads=f"{HQ}/{HKV}", head_size=D, block_size=BS, causal=True,
+    meta = dict(dtype="bf16", heads=f"{HQ}/{HKV}", head_size=D, block_size=BS, interleaved_v=IV, causal=True,
                 kernels=args.kernels, peers=args.peers,
                 flashinfer=flashinfer_version() if "flashinfer" in args.peers else None,
                 sdpa_dense_anchor_ms=t_anchor, sdpa_dense_anchor_tflops=anchor_tfs,
@@ -414,11 +417,12 @@ def main():
     name = f"prefill_{stamp()}" + (f"_hq{HQ}" if HQ != 32 else "") + (f"_hkv{HKV}" if HKV != 8 else "")
     name += f"_d{D}" if D != 128 else ""
     name += f"_bs{BS}" if BS != 16 else ""
+    name += "_iv" if IV else ""
     meta = write_json(os.path.join(args.out, name + ".json"),
                       dict(rows=rows, sweep=sweep, variants=variants, gluon_cfgs=gluon_cfgs), **meta)["meta"]
     lines = [f"# Prefix prefill, {dev} ({meta['date']})", "",
              f"`{meta['command']}`; torch {meta['torch']}, triton {meta['triton']}; bf16, causal, "
-             f"heads {HQ}/{HKV}, d={D}, block {BS}, B={b}, {n} new tokens; {meta['timing']}. "
+             f"heads {HQ}/{HKV}, d={D}, block {BS}{', interleaved V' if IV else ''}, B={b}, {n} new tokens; {meta['timing']}. "
              f"SDPA dense causal anchor ({HQ} heads, N={n}): {anchor_tfs:.0f} TFLOP/s.", "",
              "| prefix | Triton ms | Triton TFLOP/s | SDPA same case ms | SDPA TFLOP/s | Triton / SDPA dense anchor "
              "| FlashInfer fa3 ms | fa3 TFLOP/s | Triton / fa3 | FlashInfer fa2 TFLOP/s "

@@ -2,8 +2,10 @@
 dense phase and FlashInfer FA3, repeated in one process.
 
     python benchmarks/probe_prefill_context.py [--cfgs default tile_noinc ...] [--reps 3] [--no-identity]
+        [--interleaved-v] [--block-size 16]
 
-Cases (bf16, causal, 32/8 heads, d=128, block 16): B=4 x 4096 new tokens with a 4096-token
+Cases (bf16, causal, 32/8 heads, d=128, block 16 unless ``--block-size``, standard V unless
+``--interleaved-v``): B=4 x 4096 new tokens with a 4096-token
 prefix (the bench's), the same with the pages contiguous (an identity block table: whether
 the random page placement costs), B=32 x 128 new tokens with a 4096-token prefix (almost all
 of the work in the context phase), and B=4 x 4096 without a prefix (the dense phase alone).
@@ -41,8 +43,11 @@ def main():
     ap.add_argument("--cfgs", nargs="+", default=["default", "load8", "tile_noinc", "tile_joint"])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-identity", action="store_true", help="leave out the contiguous-pages case")
+    ap.add_argument("--interleaved-v", action="store_true", help="the interleaved V interior")
+    ap.add_argument("--block-size", type=int, default=bp.BS, choices=(16, 32, 64, 128))
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
+    bp.IV, bp.BS = args.interleaved_v, args.block_size
     from inductor_rocm_attn.kernels.gluon import prefix_prefill as pp
 
     cfgs = {name: bp.gluon_config(name) for name in args.cfgs}
@@ -80,7 +85,7 @@ def main():
         del c, q, k, v, ref
         torch.cuda.empty_cache()
     write_json(os.path.join(args.out, f"probe_prefill_context_{stamp()}.json"), dict(rows=rows),
-               dtype="bf16", heads=f"{bp.HQ}/{bp.HKV}", head_size=bp.D, block_size=bp.BS,
+               dtype="bf16", heads=f"{bp.HQ}/{bp.HKV}", head_size=bp.D, block_size=bp.BS, interleaved_v=bp.IV,
                configs={name: str(cfg) for name, cfg in cfgs.items()}, timing="CUDA-graph replay, do_bench median",
                gluon_default=str(pp.DEFAULT_CONFIG))
 

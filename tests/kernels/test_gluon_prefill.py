@@ -367,31 +367,33 @@ def test_gluon_prefill_variant_refuses_uncovered_block_size_before_any_write():
         pp._v_cache_descriptor(huge, 128, 16)
 
 
-def test_gluon_prefill_default_config_takes_v_by_tma_where_the_cache_allows_it():
-    """launch() without a config runs ``default_config``'s: V by TMA for the standard V interior
-    at blocks 16 / 32 / 64 with a V cache under the descriptor's 32-bit rows; V gathered
-    (``DEFAULT_CONFIG``) for interleaved V, other block sizes and larger caches."""
+def test_gluon_prefill_default_config_takes_k_regs_v_tma_where_the_cache_allows_it():
+    """launch() without a config runs ``default_config``'s: K through registers and V by TMA for
+    the standard V interior at blocks 16 / 32 / 64 with a V cache under the descriptor's 32-bit
+    rows; K and V gathered (``DEFAULT_CONFIG``) for interleaved V, other block sizes, larger
+    caches and strides that are not whole rows."""
     pp = _prefix_prefill()
 
     def vc(blocks, block_size, head_size=128, kv_heads=8):
         return torch.empty((blocks, kv_heads, head_size, block_size), dtype=torch.bfloat16, device="meta")
 
     for bs in (16, 32, 64):
-        assert pp.default_config(vc(64, bs), bs, False) is pp.V_TMA_CONFIG
+        assert pp.default_config(vc(64, bs), bs, False) is pp.K_REGS_V_TMA_CONFIG
         assert pp.default_config(vc(64, bs), bs, True) is pp.DEFAULT_CONFIG
     for bs in (8, 128, 256):
         assert pp.default_config(vc(64, bs), bs, False) is pp.DEFAULT_CONFIG
-    assert pp.V_TMA_CONFIG.v_load == "tma" and pp.DEFAULT_CONFIG.v_load == "gather"
+    assert (pp.K_REGS_V_TMA_CONFIG.k_load, pp.K_REGS_V_TMA_CONFIG.v_load) == ("regs", "tma")
+    assert (pp.DEFAULT_CONFIG.k_load, pp.DEFAULT_CONFIG.v_load) == ("cp_async", "gather")
     # the descriptor takes fewer than 2^31 - 1024 rows of 16 keys (a page's V of one head is 128
     # rows, 1024 a page over 8 KV heads): one page more than fits gathers V
     fits = (pp._ROW_PAST_DESCRIPTOR.value - 1) // (8 * 128)
-    assert pp.default_config(vc(fits, 16), 16, False) is pp.V_TMA_CONFIG
+    assert pp.default_config(vc(fits, 16), 16, False) is pp.K_REGS_V_TMA_CONFIG
     assert pp.default_config(vc(fits + 1, 16), 16, False) is pp.DEFAULT_CONFIG
     # a cache viewed out of a larger allocation (its block stride spans K and V, say) counts its
     # extent, as the descriptor does: half the blocks at twice the stride do not fit either
     kv = torch.empty((fits // 2 + 1, 2, 8, 128, 16), dtype=torch.bfloat16, device="meta")
     assert pp.default_config(kv[:, 1], 16, False) is pp.DEFAULT_CONFIG
-    assert pp.default_config(kv[: fits // 4, 1], 16, False) is pp.V_TMA_CONFIG
+    assert pp.default_config(kv[: fits // 4, 1], 16, False) is pp.K_REGS_V_TMA_CONFIG
     # block strides that are not whole rows of keys cannot be addressed by row
     odd = torch.empty((64 * 8 * 128 * 16 + 64 * 8,), dtype=torch.bfloat16, device="meta")
     assert pp.default_config(odd.as_strided((64, 8, 128, 16), (8 * 128 * 16 + 8, 128 * 16, 16, 1)), 16,

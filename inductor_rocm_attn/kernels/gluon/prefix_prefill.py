@@ -945,22 +945,24 @@ SWEEP_VARIANTS = {
 }
 
 
-# V by TMA (a page's V of one head one box) where the cache allows it: measured faster on the
-# prefix case (H100, B=4 x 4096 + 4096 prefix: 444-446 against 397-404 TFLOP/s) and even without
-# a prefix; the gathered V of DEFAULT_CONFIG serves the rest (``default_config``).
-V_TMA_CONFIG = SWEEP_VARIANTS["v_tma"]
+# K through registers (whole 128-byte runs of a page a warp load) and V by TMA (a page's V of
+# one head one box), where the cache allows it: measured on an H100 (B=4 x 4096 new tokens +
+# 4096-token prefix, block 16) at 499 TFLOP/s against 395-429 for DEFAULT_CONFIG and FA3's 495,
+# the context-heavy case (B=32 x 128 + 4096) at 382-384 against 311; the dense phase unchanged.
+# DEFAULT_CONFIG (K and V gathered by cp.async) serves the rest (``default_config``).
+K_REGS_V_TMA_CONFIG = SWEEP_VARIANTS["k_regs_v_tma"]
 
 
 def default_config(vc: torch.Tensor, block_size: int, interleaved_v: bool) -> GluonPrefillConfig:
-    """The config a launch without one runs: ``V_TMA_CONFIG`` for the standard V interior at
-    cache blocks 16 / 32 / 64 whose V cache fits the descriptor's 32-bit rows, else
-    ``DEFAULT_CONFIG`` (V gathered by cp.async). The kernel addresses a page's V of one head as a
-    row of the descriptor, so block and head strides must be whole rows (``v_view``'s are; the
-    16-byte alignment TMA needs is the eligibility's)."""
+    """The config a launch without one runs: ``K_REGS_V_TMA_CONFIG`` for the standard V interior
+    at cache blocks 16 / 32 / 64 whose V cache fits the descriptor's 32-bit rows, else
+    ``DEFAULT_CONFIG``. The kernel addresses a page's V of one head as a row of the descriptor,
+    so block and head strides must be whole rows (``v_view``'s are; the 16-byte alignment TMA
+    needs is the eligibility's)."""
     if (interleaved_v or block_size not in (16, 32, 64) or vc.stride(0) % block_size or vc.stride(1) % block_size
             or _v_cache_rows(vc, block_size) >= _ROW_PAST_DESCRIPTOR.value):
         return DEFAULT_CONFIG
-    return V_TMA_CONFIG
+    return K_REGS_V_TMA_CONFIG
 
 
 @functools.cache
