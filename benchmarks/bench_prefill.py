@@ -215,9 +215,12 @@ def gluon_prefill_row(c: PrefillCase, ref, flops: float, row: dict) -> None:
 
 def gluon_config(spec: str):
     """A ``GluonPrefillConfig`` from a ``SWEEP_VARIANTS`` name or ``field=value,...`` changes of
-    the default (values converted to the field's type)."""
+    ``DEFAULT_CONFIG`` (values converted to the field's type); ``"auto"``: None, the launcher's
+    own choice (``prefix_prefill.default_config``), timed among the configs."""
     from inductor_rocm_attn.kernels.gluon import prefix_prefill as pp
 
+    if spec == "auto":
+        return None
     if spec in pp.SWEEP_VARIANTS:
         return pp.SWEEP_VARIANTS[spec]
     types = {f.name: type(getattr(pp.DEFAULT_CONFIG, f.name)) for f in dataclasses.fields(pp.GluonPrefillConfig)}
@@ -225,7 +228,7 @@ def gluon_config(spec: str):
     for item in spec.split(","):
         name, eq, value = item.partition("=")
         if not eq or name not in types:
-            raise ValueError(f"--gluon-cfgs: {spec!r} is neither a variant ({', '.join(pp.SWEEP_VARIANTS)}) nor "
+            raise ValueError(f"--gluon-cfgs: {spec!r} is neither 'auto', a variant ({', '.join(pp.SWEEP_VARIANTS)}) nor "
                              f"field=value changes of GluonPrefillConfig (fields: {', '.join(types)})")
         changes[name] = types[name](value)
     return dataclasses.replace(pp.DEFAULT_CONFIG, **changes)
@@ -234,7 +237,7 @@ def gluon_config(spec: str):
 @contextlib.contextmanager
 def gluon_launch_config(cfg, launches: list | None = None):
     """Inside: every Gluon prefill launch ``paged_attention`` makes runs under ``cfg`` (a
-    ``GluonPrefillConfig``), each one appended to ``launches`` when given; the library's
+    ``GluonPrefillConfig``; None: the launcher's ``default_config``), each one appended to ``launches`` when given; the library's
     launcher is back on exit."""
     import importlib
 
@@ -261,7 +264,7 @@ def gluon_cfg_rows(c: PrefillCase, ref, flops: float, specs: list[str], out: lis
         row = dict(prefix=c.prefix, cfg=spec)
         try:
             cfg = gluon_config(spec)
-            row["config"] = dataclasses.asdict(cfg)
+            row["config"] = dataclasses.asdict(cfg) if cfg is not None else "auto"
             launches = []
             with gluon_launch_config(cfg, launches):
                 err = row["rel_err_vs_sdpa"] = checked_gluon_run(c, ref)
@@ -294,7 +297,8 @@ def main():
                          "default on sm_90; triton always runs: it is the reference row)")
     ap.add_argument("--gluon-cfgs", nargs="+", default=[], metavar="NAME|FIELD=VALUE,...",
                     help="also time the Gluon prefill under these configs (names of prefix_prefill.SWEEP_VARIANTS, "
-                         "'all' for every one, or field=value changes of GluonPrefillConfig), each checked "
+                         "'all' for every one, 'auto' for the launcher's own choice, or field=value changes of "
+                         "GluonPrefillConfig's DEFAULT_CONFIG), each checked "
                          "against SDPA first (NVIDIA sm_90)")
     ap.add_argument("--peers", nargs="*", default=[], choices=("flashinfer",),
                     help="also time these peers on every case (same values, their own layout)")
