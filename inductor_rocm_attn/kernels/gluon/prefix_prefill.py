@@ -12,10 +12,12 @@ Per program, FA3-style (``benchmarks/probe_prefill_gluon.py`` measured the struc
 dense part: 508 TFLOP/s against SDPA's 504 on an H100):
 
 - a load partition (``LOAD_WARPS`` warps) brings Q by TMA, then every key tile into a ring
-  of ``STAGES`` shared-memory stages: first the cached context, gathered page by page with
-  cp.async (16-byte packets: a K packet is 8 channels of one token, a row chunk of the
-  ``[keys, D]`` tile; a V packet is 8 tokens of one channel, so context V fills a
-  ``[D, keys]`` tile, the stage's bytes reinterpreted), then the new tokens by TMA from
+  of ``STAGES`` shared-memory stages: first the cached context, page by page (16-byte
+  packets: a K packet is 8 channels of one token, a row chunk of the ``[keys, D]`` tile; a V
+  packet is 8 tokens of one channel, so context V fills a ``[D, keys]`` tile, the stage's
+  bytes reinterpreted), gathered by cp.async (``DEFAULT_CONFIG``) or, for the standard V
+  interior, K through registers and V a TMA box a page (``K_REGS_V_TMA_CONFIG``; which one
+  a launch runs: ``default_config``), then the new tokens by TMA from
   ``key``/``value`` (``[keys, D]``). A stage's K and V each have a ready mbarrier, the stage
   one empty mbarrier (one arrival per consumer partition). cp.async arrivals are tracked on
   the ready mbarrier (``async_copy.mbarrier_arrive``); the last context tile, when partial,
