@@ -293,7 +293,8 @@ def _prefix_prefill():
     (dict(gather="rows"), "gather='rows' (supported: 'chunks', 'tile', 'tile_k', 'pages')"),
     (dict(publish="once"), "publish='once' (supported: 'separate', 'joint', 'noinc')"),
     (dict(release="early"), "release='early' (supported: 'joint', 'split')"),
-    (dict(v_load="bulk"), "v_load='bulk' (supported: 'gather', 'tma')"),
+    (dict(v_load="bulk"), "v_load='bulk' (supported: 'gather', 'tma', 'regs', 'regs32')"),
+    (dict(v_load="regs"), "v_load='regs' with k_load='cp_async' (supported: k_load='regs' or 'regs32')"),
     (dict(v_load="tma", publish="noinc"), "v_load='tma' with publish='noinc' (supported: publish='separate')"),
     (dict(k_load="lds"), "k_load='lds' (supported: 'cp_async', 'regs', 'regs32')"),
     (dict(k_load="regs", publish="joint"), "k_load='regs' with publish='joint', release='joint' (supported: "
@@ -359,6 +360,10 @@ def test_gluon_prefill_variant_refuses_uncovered_block_size_before_any_write():
     with pytest.raises(ValueError, match=r"v_load='tma' with standard V at block size 128"):
         pp._check_variant(pp.SWEEP_VARIANTS["v_tma"], 128, 128, False)
     pp._check_variant(pp.SWEEP_VARIANTS["v_tma"], 128, 64, False)  # covered
+    with pytest.raises(ValueError, match=r"v_load='regs' with standard V; supported: interleaved V"):
+        launch("kv_regs", False)
+    assert torch.isnan(out.float()).all()
+    pp._check_variant(pp.SWEEP_VARIANTS["kv_regs"], 128, 16, True)  # covered
     # V by TMA addresses the cache in 32-bit rows of block-size keys: a larger cache is refused
     # (launch() builds this descriptor before the kernel runs)
     huge = torch.empty((2 ** 27, 8, 128, 16), dtype=torch.bfloat16, device="meta")  # 2^37 rows of 16 keys

@@ -211,6 +211,38 @@ def _load_k_regs(k_buf, kc_head, bt_row, stride_kcb, ctx_len, key0,
 
 
 @gluon.jit
+def _load_vt_regs(vt_buf, vc_head, bt_row, stride_vcb, ctx_len, key0,
+                  BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                  LOAD_WARPS: gl.constexpr, MASKED: gl.constexpr, SUB: gl.constexpr):
+    """``v_load="regs"`` variant of ``_gather_vt`` (interleaved V interior only): V of context
+    keys key0 .. key0 + BLOCK_N into the ``[HEAD, BLOCK_N]`` view through registers, ``SUB``
+    channels a pass (32 or 64). A warp's 16 lanes on 16 consecutive channels of one 8-key
+    packet read 256 contiguous bytes of a page (the interleaved interior keeps a packet's
+    channels together), two packets a warp instruction; its stores, 8 lanes on 8 consecutive
+    rows of one 16-byte column of the 128-byte-swizzled tile, hit distinct banks. ``MASKED``:
+    keys past the context are zeros (no stale slot reaches the tile). The caller publishes."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [1, LOAD_WARPS], [0, 1])
+    key_off, packet_ok = _v_key_offsets(bt_row, stride_vcb, ctx_len, key0, layout, BLOCK_N, HEAD,
+                                        BLOCK_SIZE, True, MASKED)
+    key_off = gl.expand_dims(key_off, 0)
+    if MASKED:
+        keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        key_ok = gl.expand_dims(keys < ctx_len, 0)
+        packet_ok = gl.expand_dims(packet_ok, 0)
+    chans = gl.arange(0, SUB, layout=gl.SliceLayout(1, layout))
+    for c in gl.static_range(HEAD // SUB):
+        # interleaved page interior [BLOCK_SIZE // 8, HEAD, 8]: channel d of slot t at (t // 8) * HEAD * 8 + d * 8 + t % 8
+        offs = gl.expand_dims((c * SUB + chans) * 8, 1) + key_off
+        offs = gl.max_contiguous(gl.multiple_of(offs, [1, 8]), [1, 8])
+        if MASKED:
+            vals = gl.load(vc_head + offs, mask=packet_ok, other=0.0)
+            vals = gl.where(key_ok, vals, gl.zeros_like(vals))  # the packet the context ends in
+        else:
+            vals = gl.load(vc_head + offs)
+        vt_buf.slice(c * SUB, SUB).store(vals)
+
+
+@gluon.jit
 def _v_key_offsets(bt_row, stride_vcb, ctx_len, key0, layout: gl.constexpr,
                    BLOCK_N: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr,
                    INTERLEAVED_V: gl.constexpr, MASKED: gl.constexpr):
@@ -396,10 +428,25 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
     head's row in a page): published by its expect; the partial last tile lands on ``v_fill``
     first, its stale slots are zeroed, then V is published; ``GATHER_TILE_K`` 3 / 4
     (``k_load="regs"`` / ``"regs32"``), V issued first, then K through registers
-    (``_load_k_regs``, 64 / 32 keys a pass), published after its stores."""
+    (``_load_k_regs``, 64 / 32 keys a pass), published after its stores; ``GATHER_TILE_V`` 3 / 4
+    (``v_load="regs"`` / ``"regs32"``, with K through registers): K loaded and published, then
+    V through registers (``_load_vt_regs``, 64 / 32 channels a pass), published after its stores."""
     s = j % STAGES
     # a fresh mbarrier reads as if its phase before 0 completed: the first round passes
     mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+    if GATHER_TILE_V >= 3:  # K and V through registers (v_load "regs" / "regs32"): K published, then V
+        _load_k_regs(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N, BLOCK_N, HEAD, BLOCK_SIZE,
+                     LOAD_WARPS, PARTIAL, 64 if GATHER_TILE_K == 3 else 32)
+        fence_async_shared()  # this thread's stores before the wgmma's async-proxy reads
+        gl.thread_barrier()
+        mbarrier.arrive(k_ready.index(s), count=1)
+        vt = v_bufs.index(s)._reinterpret(v_bufs.dtype, [HEAD, BLOCK_N], VT_LAYOUT)
+        _load_vt_regs(vt, vc_head, bt_row, stride_vcb, ctx_len, j * BLOCK_N, BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS,
+                      PARTIAL, 64 if GATHER_TILE_V == 3 else 32)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(v_ready.index(s), count=1)
+        return
     if GATHER_TILE_K >= 3:  # K through registers (k_load "regs" / "regs32"): V issued first, K published last
         _load_tile_v(v_bufs, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s, BLOCK_N, HEAD, BLOCK_SIZE,
                      LOAD_WARPS, INTERLEAVED_V, VT_LAYOUT, PARTIAL, GATHER_TILE_V, False, False, v_fill, v_head_row,
@@ -855,7 +902,9 @@ class GluonPrefillConfig:
       FlashInfer's FA3 does: the load partition may refill K a softmax earlier);
     - ``v_load``: ``"gather"`` (V by cp.async, as ``gather`` says) or ``"tma"`` (standard V
       interior, cache blocks 16 / 32 / 64: a page's V of one head is one TMA box into a
-      ``2 * block_size``-byte-swizzled tile; K stays gathered);
+      ``2 * block_size``-byte-swizzled tile), ``"regs"`` or ``"regs32"`` (interleaved V
+      interior, with K through registers: ``_load_vt_regs``, 64 or 32 channels a pass, after
+      K is published);
     - ``k_load``: ``"cp_async"`` (K gathered as ``gather`` says), ``"regs"`` or ``"regs32"`` (K
       through registers, ``_load_k_regs``, 64 or 32 keys a pass: whole 128-byte runs of a page
       a warp's loads, conflict-free stores; V issued first, K published after its stores;
@@ -882,10 +931,12 @@ class GluonPrefillConfig:
             bad.append(f"publish={self.publish!r} (supported: 'separate', 'joint', 'noinc')")
         if self.release not in ("joint", "split"):
             bad.append(f"release={self.release!r} (supported: 'joint', 'split')")
-        if self.v_load not in ("gather", "tma"):
-            bad.append(f"v_load={self.v_load!r} (supported: 'gather', 'tma')")
+        if self.v_load not in ("gather", "tma", "regs", "regs32"):
+            bad.append(f"v_load={self.v_load!r} (supported: 'gather', 'tma', 'regs', 'regs32')")
         elif self.v_load == "tma" and self.publish != "separate":
             bad.append(f"v_load='tma' with publish={self.publish!r} (supported: publish='separate')")
+        elif self.v_load in ("regs", "regs32") and self.k_load == "cp_async":
+            bad.append(f"v_load={self.v_load!r} with k_load='cp_async' (supported: k_load='regs' or 'regs32')")
         if self.k_load not in ("cp_async", "regs", "regs32"):
             bad.append(f"k_load={self.k_load!r} (supported: 'cp_async', 'regs', 'regs32')")
         elif self.k_load != "cp_async" and (self.publish != "separate" or self.release != "joint"):
@@ -944,6 +995,10 @@ SWEEP_VARIANTS = {
     "v_tma_split": GluonPrefillConfig(v_load="tma", release="split"),
     "k_regs": GluonPrefillConfig(k_load="regs32", consumer_regs=224),  # 64 keys a pass spill with V gathered
     "k_regs_v_tma": GluonPrefillConfig(k_load="regs", consumer_regs=224, v_load="tma"),
+    # interleaved V: K and V through registers (64-key / 64-channel passes spill 24 bytes at
+    # consumer_regs=224: 216 leaves the load partition 72 registers)
+    "kv_regs": GluonPrefillConfig(k_load="regs", v_load="regs", consumer_regs=216),
+    "kv_regs32": GluonPrefillConfig(k_load="regs32", v_load="regs32", consumer_regs=224),
 }
 
 
@@ -984,11 +1039,13 @@ def _constexprs(num_heads: int, gqa: int, head_size: int, block_size: int, inter
 def _variant_constexprs(cfg: GluonPrefillConfig) -> dict:
     """The variant's constexprs (gather, publication, release; ``tests/gluon_sm90_sass.py``
     leaves them out of a specialization's name at the default's values). ``GATHER_TILE_K``: 0
-    chunks, 1 one op a tile, 2 page-major lanes, 3 / 4 through registers, 64 / 32 keys a pass."""
+    chunks, 1 one op a tile, 2 page-major lanes, 3 / 4 through registers, 64 / 32 keys a pass;
+    ``GATHER_TILE_V`` the same for V (3 / 4: 64 / 32 channels a pass)."""
     pages = cfg.gather == "pages"  # 2: the tile gathers with page-major lanes
     k_tile = {"regs": 3, "regs32": 4}.get(cfg.k_load) or (2 if pages else cfg.gather in ("tile", "tile_k"))
+    v_tile = {"regs": 3, "regs32": 4}.get(cfg.v_load) or (2 if pages else cfg.gather == "tile")
     return dict(GATHER_TILE_K=k_tile,
-                GATHER_TILE_V=2 if pages else cfg.gather == "tile",
+                GATHER_TILE_V=v_tile,
                 JOINT_PUBLISH=cfg.publish == "joint", NOINC_PUBLISH=cfg.publish == "noinc",
                 SPLIT_RELEASE=cfg.release == "split", V_TMA=cfg.v_load == "tma")
 
@@ -1002,6 +1059,8 @@ def _check_variant(cfg: GluonPrefillConfig, head_size: int, block_size: int, int
     if cfg.v_load == "tma" and (interleaved_v or block_size not in (16, 32, 64)):
         raise ValueError(f"Gluon prefill: v_load='tma' with {'interleaved' if interleaved_v else 'standard'} V at "
                          f"block size {block_size}; supported: standard V at block sizes 16, 32, 64")
+    if cfg.v_load in ("regs", "regs32") and not interleaved_v:
+        raise ValueError(f"Gluon prefill: v_load={cfg.v_load!r} with standard V; supported: interleaved V")
     if cfg.k_load != "cp_async" and block_size % 16:
         raise ValueError(f"Gluon prefill: k_load={cfg.k_load!r} at block size {block_size}; supported: multiples of 16")
     chunk = 32 // (head_size // 8) * cfg.load_warps  # _gather_k's keys a chunk
