@@ -89,6 +89,8 @@ def cases(quick: bool = False) -> list[dict]:
             base = dict(dtype=torch.bfloat16, head_size=head_size, interleaved_v=interleaved_v, block_size=16,
                         layout="LHBNC", gqa=4, short_query_max=1)
             out.append(base)
+            if quick and not interleaved_v:  # V by TMA's rows from an int64 block table (32-bit TMA coordinates)
+                out.append(dict(base, index_dtype=torch.int64))
             if not quick:
                 out += [dict(base, num_seqs=1), dict(base, table_width=33), dict(base, num_seqs=1, table_width=33),
                         dict(base, index_dtype=torch.int64)]

@@ -68,6 +68,15 @@ def test_gluon_prefix_prefill_sweep_variants_compile_for_sm90_without_spills():
                         pythonpath=True)
 
 
+def test_gluon_prefill_k_regs_v_tma_compiles_for_sm90_at_both_index_dtypes():
+    """The launcher's standard-V config (K through registers, V by TMA) compiles for sm_90 at
+    the quick cases, an int64 block table among them: TMA's row coordinate is 32-bit, so a row
+    computed from int64 block ids must be narrowed (about 20 s of ptxas)."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    _run_compile_script(os.path.join(os.path.dirname(__file__), "gluon_sm90_sass.py"), "--variant", "k_regs_v_tma",
+                        "--quick", timeout=300, pythonpath=True)
+
+
 def test_gluon_sass_check_tells_a_changed_kernel():
     """``gluon_sm90_sass.py``'s fingerprint (what its ``--compare`` calls identical) equals the
     library kernel's for an unchanged copy of the module in another file, and differs for a

@@ -375,8 +375,8 @@ def test_gluon_prefill_variant_refuses_uncovered_block_size_before_any_write():
 def test_gluon_prefill_default_config_takes_k_regs_v_tma_where_the_cache_allows_it():
     """launch() without a config runs ``default_config``'s: K through registers and V by TMA for
     the standard V interior at blocks 16 / 32 / 64 with a V cache under the descriptor's 32-bit
-    rows; K and V gathered (``DEFAULT_CONFIG``) for interleaved V, other block sizes, larger
-    caches and strides that are not whole rows."""
+    rows and an int32 block table; K and V gathered (``DEFAULT_CONFIG``) for interleaved V,
+    other block sizes, int64 block tables, larger caches and strides that are not whole rows."""
     pp = _prefix_prefill()
 
     def vc(blocks, block_size, head_size=128, kv_heads=8):
@@ -387,6 +387,9 @@ def test_gluon_prefill_default_config_takes_k_regs_v_tma_where_the_cache_allows_
         assert pp.default_config(vc(64, bs), bs, True) is pp.DEFAULT_CONFIG
     for bs in (8, 128, 256):
         assert pp.default_config(vc(64, bs), bs, False) is pp.DEFAULT_CONFIG
+    # int64 block tables gather (that specialization has not run on a GPU yet)
+    assert pp.default_config(vc(64, 16), 16, False, torch.int64) is pp.DEFAULT_CONFIG
+    assert pp.default_config(vc(64, 16), 16, False, torch.int32) is pp.K_REGS_V_TMA_CONFIG
     assert (pp.K_REGS_V_TMA_CONFIG.k_load, pp.K_REGS_V_TMA_CONFIG.v_load) == ("regs", "tma")
     assert (pp.DEFAULT_CONFIG.k_load, pp.DEFAULT_CONFIG.v_load) == ("cp_async", "gather")
     # the descriptor takes fewer than 2^31 - 1024 rows of 16 keys (a page's V of one head is 128
@@ -512,13 +515,15 @@ def _sweep_variant_names():
 
 @hopper_only
 @pytest.mark.parametrize("variant", _sweep_variant_names())
-@pytest.mark.parametrize("dtype,interleaved_v,block_size,layout,gqa,head_size", [
-    (torch.bfloat16, False, 16, "LHBNC", 4, 128),  # the benchmark's shape
-    (torch.float16, True, 32, "LBHNC", 8, 128),
-    (torch.bfloat16, True, 16, "LHBNC", 1, 64),
-    (torch.float16, False, 32, "LBHNC", 8, 64),  # standard V in the block-major layout (v_load="tma")
+@pytest.mark.parametrize("dtype,interleaved_v,block_size,layout,gqa,head_size,index_dtype", [
+    (torch.bfloat16, False, 16, "LHBNC", 4, 128, torch.int32),  # the benchmark's shape
+    (torch.float16, True, 32, "LBHNC", 8, 128, torch.int32),
+    (torch.bfloat16, True, 16, "LHBNC", 1, 64, torch.int32),
+    (torch.float16, False, 32, "LBHNC", 8, 64, torch.int32),  # standard V in the block-major layout (v_load="tma")
+    (torch.bfloat16, False, 64, "LHBNC", 4, 128, torch.int64),  # V by TMA rows from an int64 block table
 ], ids=lambda v: str(v).replace("torch.", ""))
-def test_gluon_prefill_sweep_variant(monkeypatch, variant, dtype, interleaved_v, block_size, layout, gqa, head_size):
+def test_gluon_prefill_sweep_variant(monkeypatch, variant, dtype, interleaved_v, block_size, layout, gqa, head_size,
+                                     index_dtype):
     """Every context-gather variant of the GPU sweep (``SWEEP_VARIANTS``: load warps, one-op
     tile gather, joint or per-thread K/V publication, K released before V) against the float64 oracle: prefixes ending inside a
     page, on a page edge, inside a key tile and 4100 keys long (the ring wraps many times),
@@ -533,7 +538,7 @@ def test_gluon_prefill_sweep_variant(monkeypatch, variant, dtype, interleaved_v,
         pytest.skip(str(e))
     _run_gluon(monkeypatch, [300, 1, 130, 17, 64, 200], [137, 40, 0, 1, 300, 4100], num_heads=8,
                num_kv_heads=8 // gqa, head_size=head_size, block_size=block_size, dtype=dtype, layout=layout,
-               interleaved_v=interleaved_v, cfg=cfg)
+               interleaved_v=interleaved_v, index_dtype=index_dtype, cfg=cfg)
 
 
 @hopper_only

@@ -379,7 +379,9 @@ def _tma_vt(vt_buf, vc_desc, bar, bt_row, blk_rows, head_row, ctx_len, key0,
     into its column chunk of the ``2 * BLOCK_SIZE``-byte-swizzled ``[HEAD, BLOCK_N]`` tile (the
     chunks are contiguous in that layout). Completes on ``bar``, whose expect the caller set for
     the whole tile. ``MASKED``: a page wholly past the context is read at a row past the
-    descriptor, which TMA fills with zeros (its block-table entry is not read)."""
+    descriptor, which TMA fills with zeros (its block-table entry is not read). TMA takes 32-bit
+    coordinates: the row is one (``launch`` refuses caches of 2^31 rows), also from an int64
+    block table."""
     for p in gl.static_range(BLOCK_N // BLOCK_SIZE):
         k0 = key0 + p * BLOCK_SIZE
         if MASKED:
@@ -388,7 +390,8 @@ def _tma_vt(vt_buf, vc_desc, bar, bt_row, blk_rows, head_row, ctx_len, key0,
             row = gl.where(in_ctx, blk * blk_rows + head_row, _ROW_PAST_DESCRIPTOR)
         else:
             row = gl.load(bt_row + k0 // BLOCK_SIZE) * blk_rows + head_row
-        tma.async_copy_global_to_shared(vc_desc, [row, 0], bar, vt_buf.slice(p * BLOCK_SIZE, BLOCK_SIZE, dim=1))
+        tma.async_copy_global_to_shared(vc_desc, [row.to(gl.int32), 0], bar,
+                                        vt_buf.slice(p * BLOCK_SIZE, BLOCK_SIZE, dim=1))
 
 
 @gluon.jit
@@ -1010,13 +1013,16 @@ SWEEP_VARIANTS = {
 K_REGS_V_TMA_CONFIG = SWEEP_VARIANTS["k_regs_v_tma"]
 
 
-def default_config(vc: torch.Tensor, block_size: int, interleaved_v: bool) -> GluonPrefillConfig:
+def default_config(vc: torch.Tensor, block_size: int, interleaved_v: bool,
+                   index_dtype: torch.dtype = torch.int32) -> GluonPrefillConfig:
     """The config a launch without one runs: ``K_REGS_V_TMA_CONFIG`` for the standard V interior
-    at cache blocks 16 / 32 / 64 whose V cache fits the descriptor's 32-bit rows, else
-    ``DEFAULT_CONFIG``. The kernel addresses a page's V of one head as a row of the descriptor,
-    so block and head strides must be whole rows (``v_view``'s are; the 16-byte alignment TMA
-    needs is the eligibility's)."""
-    if (interleaved_v or block_size not in (16, 32, 64) or vc.stride(0) % block_size or vc.stride(1) % block_size
+    at cache blocks 16 / 32 / 64 whose V cache fits the descriptor's 32-bit rows, with an int32
+    block table, else ``DEFAULT_CONFIG``. The kernel addresses a page's V of one head as a row
+    of the descriptor, so block and head strides must be whole rows (``v_view``'s are; the
+    16-byte alignment TMA needs is the eligibility's). int64 block tables keep the gathered
+    config: their specialization of ``K_REGS_V_TMA_CONFIG`` has not run on a GPU yet."""
+    if (interleaved_v or block_size not in (16, 32, 64) or index_dtype != torch.int32
+            or vc.stride(0) % block_size or vc.stride(1) % block_size
             or _v_cache_rows(vc, block_size) >= _ROW_PAST_DESCRIPTOR.value):
         return DEFAULT_CONFIG
     return K_REGS_V_TMA_CONFIG
@@ -1099,7 +1105,7 @@ def launch(output, query, key, value, kc, vc, block_table, seq_lens, query_start
     block_size = kc.shape[3]
     dtype = query.dtype
     if cfg is None:
-        cfg = default_config(vc, block_size, interleaved_v)
+        cfg = default_config(vc, block_size, interleaved_v, block_table.dtype)
     elif cfg is not DEFAULT_CONFIG:
         _check_variant(cfg, head_size, block_size, interleaved_v)
     q_layout = _smem_layout((BLOCK_M, head_size), dtype)
