@@ -28,7 +28,10 @@ change; exit 4 when any differs, is missing or is new. ``--quick``: one speciali
 head size and V interior (the runtime cases' bases), compared with those of the base only.
 ``--self-check``: the fingerprint tells a changed kernel from an unchanged copy (``self_check``).
 ``--variant NAME``: every case under that ``SWEEP_VARIANTS`` config (the cases it does not cover
-are skipped), e.g. to show a refactor left ``v_tma``'s code unchanged too.
+are skipped), e.g. to show a refactor left ``v_tma``'s code unchanged too; ``--variant auto``:
+what ``launch()`` runs without a config (``default_config``: K through registers and V by TMA
+for standard V at blocks 16-64, ``DEFAULT_CONFIG`` elsewhere). Without it, ``DEFAULT_CONFIG``
+at every case.
 
 Run without ``TRITON_INTERPRET``; exit 3 when this machine cannot compile for sm_90 (no
 ptxas, no Gluon). The full matrix (52 specializations) takes 4 to 6 minutes of ptxas on a
@@ -168,13 +171,15 @@ def collect(todo: list[dict], module=None, log=print, variant: str | None = None
     """Compile every case's specialization once: name -> fingerprint, its cases' labels and
     (under ``"_sass"``) its SASS lines. ``module``: the kernel module (default: the library's).
     ``variant``: a ``SWEEP_VARIANTS`` name to launch every case under (a case it does not
-    cover, refused by ``launch()``, is skipped and said); None: ``DEFAULT_CONFIG`` (V gathered)
+    cover, refused by ``launch()``, is skipped and said; ``"auto"``: ``launch()``'s own choice,
+    ``default_config``, at every case); None: ``DEFAULT_CONFIG`` (V gathered)
     at every case, not ``launch()``'s own choice (``default_config``: V by TMA where the cache
     allows it), so fingerprints compare with those of kernels before that choice."""
     if module is None:
         from inductor_rocm_attn.kernels.gluon import prefix_prefill as module
     fn = module._gluon_prefix_prefill_kernel
-    cfg = module.DEFAULT_CONFIG if variant is None else module.SWEEP_VARIANTS[variant]
+    cfg = (module.DEFAULT_CONFIG if variant is None else None if variant == "auto"
+           else module.SWEEP_VARIANTS[variant])
     found: dict[str, dict] = {}
     for c in todo:
         t0 = time.time()
@@ -318,7 +323,8 @@ def main() -> int:
     ap.add_argument("--compare", metavar="DIR", help="compare with a --save directory")
     ap.add_argument("--quick", action="store_true", help="one specialization per head size and V interior")
     ap.add_argument("--variant", metavar="NAME",
-                    help="launch every case under this SWEEP_VARIANTS config (default: the kernel's default)")
+                    help="launch every case under this SWEEP_VARIANTS config, or 'auto': launch()'s own choice "
+                         "(default: DEFAULT_CONFIG)")
     ap.add_argument("--self-check", action="store_true",
                     help="check that the fingerprint tells a changed kernel from an unchanged copy (one case)")
     args = ap.parse_args()
@@ -335,8 +341,9 @@ def main() -> int:
         return 3
     if args.self_check:
         return self_check()
-    if args.variant is not None and args.variant not in prefix_prefill.SWEEP_VARIANTS:
-        print(f"--variant {args.variant!r}: not a SWEEP_VARIANTS name ({', '.join(prefix_prefill.SWEEP_VARIANTS)})")
+    if args.variant not in (None, "auto", *prefix_prefill.SWEEP_VARIANTS):
+        print(f"--variant {args.variant!r}: neither 'auto' nor a SWEEP_VARIANTS name "
+              f"({', '.join(prefix_prefill.SWEEP_VARIANTS)})")
         return 2
     found = collect(cases(args.quick), log=lambda s: print(s, flush=True), variant=args.variant)
     print(f"{len(found)} specializations compiled")
