@@ -86,7 +86,7 @@ def main():
         torch.cuda.empty_cache()
     write_json(os.path.join(args.out, f"probe_prefill_context_{stamp()}.json"), dict(rows=rows),
                dtype="bf16", heads=f"{bp.HQ}/{bp.HKV}", head_size=bp.D, block_size=bp.BS, interleaved_v=bp.IV,
-               configs={name: str(cfg) for name, cfg in cfgs.items()}, timing="CUDA-graph replay, do_bench median",
+               configs={name: str(cfg) if cfg is not None else "auto: default_config's choice" for name, cfg in cfgs.items()}, timing="CUDA-graph replay, do_bench median",
                gluon_default=str(pp.DEFAULT_CONFIG))
 
 

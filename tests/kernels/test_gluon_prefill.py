@@ -408,6 +408,34 @@ def test_gluon_prefill_default_config_takes_k_regs_v_tma_where_the_cache_allows_
                              False) is pp.DEFAULT_CONFIG
 
 
+def test_gluon_prefill_launch_without_a_config_runs_default_configs_choice(monkeypatch):
+    """launch() with no config launches ``default_config``'s variant (its constexprs reach the
+    kernel): K through registers and V by TMA for standard V with an int32 block table, the
+    gathered kernel for interleaved V and for an int64 table (the kernel call intercepted: no GPU)."""
+    pp = _prefix_prefill()
+    from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache, k_view, v_view
+
+    launched = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append(kw)
+
+    monkeypatch.setattr(pp, "_gluon_prefix_prefill_kernel", Kernel())
+    q = torch.randn(40, 4, 64, dtype=torch.bfloat16)
+    k, v = (torch.randn(40, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    cache = allocate_kv_cache(KVCacheSpec(16, 2, 64, torch.bfloat16, CacheLayout.LHBNC), 8, "cpu")
+    for interleaved_v, index_dtype, want in ((False, torch.int32, pp.K_REGS_V_TMA_CONFIG),
+                                             (True, torch.int32, pp.DEFAULT_CONFIG),
+                                             (False, torch.int64, pp.DEFAULT_CONFIG)):
+        pp.launch(torch.empty_like(q), q, k, v, k_view(cache, 2), v_view(cache, 2, interleaved_v),
+                  torch.zeros(1, 8, dtype=index_dtype), torch.tensor([40], dtype=index_dtype),
+                  torch.tensor([0, 40], dtype=index_dtype), 0.125, interleaved_v, 8)
+        got = {name: launched[-1][name] for name in pp._variant_constexprs(want)}
+        assert got == pp._variant_constexprs(want), (interleaved_v, index_dtype)
+        assert launched[-1]["CONSUMER_REGS"] == want.consumer_regs
+
+
 # --- GPU --------------------------------------------------------------------------------------
 
 def _run_gluon(monkeypatch, query_lens, context_lens, *, num_heads=8, num_kv_heads=2, head_size=128,

@@ -395,6 +395,15 @@ def _tma_vt(vt_buf, vc_desc, bar, bt_row, blk_rows, head_row, ctx_len, key0,
 
 
 @gluon.jit
+def _publish_stores(bar):
+    """The load partition's stores to a stage (generic proxy) published on ``bar``: each
+    thread's fenced for the wgmma's async-proxy reads, all of them before the one arrival."""
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
 def _publish_cp_async(bar):
     """Every thread's cp.async so far counts on ``bar`` (each thread's tracking arrive adds a
     pending arrival), then one arrival completes the phase once they have all landed."""
@@ -440,15 +449,11 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
     if GATHER_TILE_V >= 3:  # K and V through registers (v_load "regs" / "regs32"): K published, then V
         _load_k_regs(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N, BLOCK_N, HEAD, BLOCK_SIZE,
                      LOAD_WARPS, PARTIAL, 64 if GATHER_TILE_K == 3 else 32)
-        fence_async_shared()  # this thread's stores before the wgmma's async-proxy reads
-        gl.thread_barrier()
-        mbarrier.arrive(k_ready.index(s), count=1)
+        _publish_stores(k_ready.index(s))
         vt = v_bufs.index(s)._reinterpret(v_bufs.dtype, [HEAD, BLOCK_N], VT_LAYOUT)
         _load_vt_regs(vt, vc_head, bt_row, stride_vcb, ctx_len, j * BLOCK_N, BLOCK_N, HEAD, BLOCK_SIZE, LOAD_WARPS,
                       PARTIAL, 64 if GATHER_TILE_V == 3 else 32)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(v_ready.index(s), count=1)
+        _publish_stores(v_ready.index(s))
         return
     if GATHER_TILE_K >= 3:  # K through registers (k_load "regs" / "regs32"): V issued first, K published last
         _load_tile_v(v_bufs, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s, BLOCK_N, HEAD, BLOCK_SIZE,
@@ -456,9 +461,7 @@ def _load_context_tile(k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_empty, kc_h
                      V_TMA, k_ready)
         _load_k_regs(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N, BLOCK_N, HEAD, BLOCK_SIZE,
                      LOAD_WARPS, PARTIAL, 64 if GATHER_TILE_K == 3 else 32)
-        fence_async_shared()  # this thread's stores before the wgmma's async-proxy reads
-        gl.thread_barrier()
-        mbarrier.arrive(k_ready.index(s), count=1)
+        _publish_stores(k_ready.index(s))
         return
     if GATHER_TILE_K:
         _gather_k_tile(k_bufs.index(s), kc_head, bt_row, stride_kcb, ctx_len, j * BLOCK_N,
@@ -498,9 +501,7 @@ def _load_tile_v(v_bufs, v_ready, vc_head, bt_row, stride_vcb, ctx_len, j, s,
                     True)
             mbarrier.wait(v_fill, 0)
             _zero_stale_v(vt, ctx_len, j * BLOCK_N, BLOCK_N, HEAD, LOAD_WARPS)
-            fence_async_shared()  # this thread's stores before the wgmma's async-proxy reads
-            gl.thread_barrier()
-            mbarrier.arrive(v_ready.index(s), count=1)
+            _publish_stores(v_ready.index(s))
         else:
             mbarrier.expect(v_ready.index(s), V_BYTES)
             _tma_vt(vt, vc_head, v_ready.index(s), bt_row, blk_rows, v_head_row, ctx_len, j * BLOCK_N, BLOCK_N,
