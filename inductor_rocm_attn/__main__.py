@@ -68,7 +68,8 @@ def _prefill_kernel() -> str:
     return (f"the Gluon prefill where it covers the launch (16-bit caches, head "
             f"{'/'.join(map(str, eligibility.HEAD_SIZES))}, block sizes {blocks}, causal, no window, soft cap, "
             f"ALiBi, sinks or output scale; its context K through registers and V by TMA for the standard V "
-            f"interior at blocks 16/32/64, both gathered by cp.async otherwise), the Triton prefill elsewhere "
+            f"interior at blocks 16/32/64, K and V through registers for the interleaved one, both gathered by "
+            f"cp.async otherwise), the Triton prefill elsewhere "
             f"(ROCM_ATTN_PREFILL_KERNEL={choice})")
 
 

@@ -30,7 +30,8 @@ head size and V interior (the runtime cases' bases), compared with those of the 
 ``--variant NAME``: every case under that ``SWEEP_VARIANTS`` config (the cases it does not cover
 are skipped), e.g. to show a refactor left ``v_tma``'s code unchanged too; ``--variant auto``:
 what ``launch()`` runs without a config (``default_config``: K through registers and V by TMA
-for standard V at blocks 16-64, ``DEFAULT_CONFIG`` elsewhere). Without it, ``DEFAULT_CONFIG``
+for standard V at blocks 16-64, K and V through registers for interleaved V, ``DEFAULT_CONFIG``
+elsewhere). Without it, ``DEFAULT_CONFIG``
 at every case.
 
 Run without ``TRITON_INTERPRET``; exit 3 when this machine cannot compile for sm_90 (no
@@ -174,7 +175,8 @@ def collect(todo: list[dict], module=None, log=print, variant: str | None = None
     cover, refused by ``launch()``, is skipped and said; ``"auto"``: ``launch()``'s own choice,
     ``default_config``, at every case); None: ``DEFAULT_CONFIG`` (V gathered)
     at every case, not ``launch()``'s own choice (``default_config``: V by TMA where the cache
-    allows it), so fingerprints compare with those of kernels before that choice."""
+    allows it, registers for interleaved V), so fingerprints compare with those of kernels
+    before that choice."""
     if module is None:
         from inductor_rocm_attn.kernels.gluon import prefix_prefill as module
     fn = module._gluon_prefix_prefill_kernel

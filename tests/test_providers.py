@@ -110,6 +110,7 @@ def test_info_says_which_prefill_kernel_runs(monkeypatch):
     line = _prefill_kernel()
     assert line.startswith("the Gluon prefill where it covers the launch") and "block sizes 16/32/64/128" in line
     assert "K through registers and V by TMA for the standard V interior at blocks 16/32/64" in line
+    assert "K and V through registers for the interleaved one" in line
     monkeypatch.setattr(eligibility, "auto_problem", lambda block_size: "Triton 9.9.0 (tested with 3.6.x)")
     assert _prefill_kernel() == ("the Triton prefill (ROCM_ATTN_PREFILL_KERNEL=auto; the Gluon prefill: "
                                  "Triton 9.9.0 (tested with 3.6.x))")

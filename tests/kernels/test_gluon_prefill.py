@@ -372,11 +372,12 @@ def test_gluon_prefill_variant_refuses_uncovered_block_size_before_any_write():
         pp._v_cache_descriptor(huge, 128, 16)
 
 
-def test_gluon_prefill_default_config_takes_k_regs_v_tma_where_the_cache_allows_it():
+def test_gluon_prefill_default_config_takes_the_register_and_tma_loads_where_the_cache_allows_them():
     """launch() without a config runs ``default_config``'s: K through registers and V by TMA for
     the standard V interior at blocks 16 / 32 / 64 with a V cache under the descriptor's 32-bit
-    rows and an int32 block table; K and V gathered (``DEFAULT_CONFIG``) for interleaved V,
-    other block sizes, int64 block tables, larger caches and strides that are not whole rows."""
+    rows (either index dtype); K and V through registers for the interleaved V interior at block
+    sizes that are multiples of 16; K and V gathered (``DEFAULT_CONFIG``) for other block
+    sizes, larger caches and strides that are not whole rows."""
     pp = _prefix_prefill()
 
     def vc(blocks, block_size, head_size=128, kv_heads=8):
@@ -384,12 +385,16 @@ def test_gluon_prefill_default_config_takes_k_regs_v_tma_where_the_cache_allows_
 
     for bs in (16, 32, 64):
         assert pp.default_config(vc(64, bs), bs, False) is pp.K_REGS_V_TMA_CONFIG
-        assert pp.default_config(vc(64, bs), bs, True) is pp.DEFAULT_CONFIG
+    for bs in (16, 32, 64, 128):
+        assert pp.default_config(vc(64, bs), bs, True) is pp.KV_REGS_CONFIG
+        assert pp.default_config(vc(64, bs), bs, True, torch.int64) is pp.KV_REGS_CONFIG
+    assert pp.default_config(vc(64, 8), 8, True) is pp.DEFAULT_CONFIG
+    assert pp.default_config(vc(64, 24), 24, True) is pp.DEFAULT_CONFIG
     for bs in (8, 128, 256):
         assert pp.default_config(vc(64, bs), bs, False) is pp.DEFAULT_CONFIG
-    # int64 block tables gather (that specialization has not run on a GPU yet)
-    assert pp.default_config(vc(64, 16), 16, False, torch.int64) is pp.DEFAULT_CONFIG
-    assert pp.default_config(vc(64, 16), 16, False, torch.int32) is pp.K_REGS_V_TMA_CONFIG
+    # int64 block tables take the same configs (V by TMA narrows its rows to 32 bits)
+    assert pp.default_config(vc(64, 16), 16, False, torch.int64) is pp.K_REGS_V_TMA_CONFIG
+    assert (pp.KV_REGS_CONFIG.k_load, pp.KV_REGS_CONFIG.v_load) == ("regs", "regs")
     assert (pp.K_REGS_V_TMA_CONFIG.k_load, pp.K_REGS_V_TMA_CONFIG.v_load) == ("regs", "tma")
     assert (pp.DEFAULT_CONFIG.k_load, pp.DEFAULT_CONFIG.v_load) == ("cp_async", "gather")
     # the descriptor takes fewer than 2^31 - 1024 rows of 16 keys (a page's V of one head is 128
@@ -410,8 +415,8 @@ def test_gluon_prefill_default_config_takes_k_regs_v_tma_where_the_cache_allows_
 
 def test_gluon_prefill_launch_without_a_config_runs_default_configs_choice(monkeypatch):
     """launch() with no config launches ``default_config``'s variant (its constexprs reach the
-    kernel): K through registers and V by TMA for standard V with an int32 block table, the
-    gathered kernel for interleaved V and for an int64 table (the kernel call intercepted: no GPU)."""
+    kernel): K through registers and V by TMA for standard V, K and V through registers for
+    interleaved V, at either index dtype (the kernel call intercepted: no GPU)."""
     pp = _prefix_prefill()
     from inductor_rocm_attn.layout import CacheLayout, KVCacheSpec, allocate_kv_cache, k_view, v_view
 
@@ -426,8 +431,9 @@ def test_gluon_prefill_launch_without_a_config_runs_default_configs_choice(monke
     k, v = (torch.randn(40, 2, 64, dtype=torch.bfloat16) for _ in range(2))
     cache = allocate_kv_cache(KVCacheSpec(16, 2, 64, torch.bfloat16, CacheLayout.LHBNC), 8, "cpu")
     for interleaved_v, index_dtype, want in ((False, torch.int32, pp.K_REGS_V_TMA_CONFIG),
-                                             (True, torch.int32, pp.DEFAULT_CONFIG),
-                                             (False, torch.int64, pp.DEFAULT_CONFIG)):
+                                             (True, torch.int32, pp.KV_REGS_CONFIG),
+                                             (True, torch.int64, pp.KV_REGS_CONFIG),
+                                             (False, torch.int64, pp.K_REGS_V_TMA_CONFIG)):
         pp.launch(torch.empty_like(q), q, k, v, k_view(cache, 2), v_view(cache, 2, interleaved_v),
                   torch.zeros(1, 8, dtype=index_dtype), torch.tensor([40], dtype=index_dtype),
                   torch.tensor([0, 40], dtype=index_dtype), 0.125, interleaved_v, 8)

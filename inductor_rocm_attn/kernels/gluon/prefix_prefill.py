@@ -16,8 +16,9 @@ dense part: 508 TFLOP/s against SDPA's 504 on an H100):
   packets: a K packet is 8 channels of one token, a row chunk of the ``[keys, D]`` tile; a V
   packet is 8 tokens of one channel, so context V fills a ``[D, keys]`` tile, the stage's
   bytes reinterpreted), gathered by cp.async (``DEFAULT_CONFIG``) or, for the standard V
-  interior, K through registers and V a TMA box a page (``K_REGS_V_TMA_CONFIG``; which one
-  a launch runs: ``default_config``), then the new tokens by TMA from
+  interior, K through registers and V a TMA box a page (``K_REGS_V_TMA_CONFIG``), for the
+  interleaved one K and V through registers (``KV_REGS_CONFIG``; which one a launch runs:
+  ``default_config``), then the new tokens by TMA from
   ``key``/``value`` (``[keys, D]``). A stage's K and V each have a ready mbarrier, the stage
   one empty mbarrier (one arrival per consumer partition). cp.async arrivals are tracked on
   the ready mbarrier (``async_copy.mbarrier_arrive``); the last context tile, when partial,
@@ -1012,18 +1013,26 @@ SWEEP_VARIANTS = {
 # the context-heavy case (B=32 x 128 + 4096) at 382-384 against 311; the dense phase unchanged.
 # DEFAULT_CONFIG (K and V gathered by cp.async) serves the rest (``default_config``).
 K_REGS_V_TMA_CONFIG = SWEEP_VARIANTS["k_regs_v_tma"]
+# Interleaved V (the layout a fused cache write leaves): K and V both through registers (V's
+# lanes on 16 consecutive channels of one 8-key packet, 256 contiguous bytes a half-warp):
+# H100 420-424 TFLOP/s on the 4096-prefix case against 357-366 gathered, context-heavy 311-312
+# against 255. Triton 3.6 has no TMA box for the interleaved interior (16-byte inner dimension).
+KV_REGS_CONFIG = SWEEP_VARIANTS["kv_regs"]
 
 
 def default_config(vc: torch.Tensor, block_size: int, interleaved_v: bool,
                    index_dtype: torch.dtype = torch.int32) -> GluonPrefillConfig:
-    """The config a launch without one runs: ``K_REGS_V_TMA_CONFIG`` for the standard V interior
-    at cache blocks 16 / 32 / 64 whose V cache fits the descriptor's 32-bit rows, with an int32
-    block table, else ``DEFAULT_CONFIG``. The kernel addresses a page's V of one head as a row
-    of the descriptor, so block and head strides must be whole rows (``v_view``'s are; the
-    16-byte alignment TMA needs is the eligibility's). int64 block tables keep the gathered
-    config: their specialization of ``K_REGS_V_TMA_CONFIG`` has not run on a GPU yet."""
-    if (interleaved_v or block_size not in (16, 32, 64) or index_dtype != torch.int32
-            or vc.stride(0) % block_size or vc.stride(1) % block_size
+    """The config a launch without one runs. Interleaved V at block sizes that are multiples of
+    16: ``KV_REGS_CONFIG`` (K and V through registers). Standard V at cache blocks 16 / 32 / 64
+    whose V cache fits the descriptor's 32-bit rows: ``K_REGS_V_TMA_CONFIG`` (the kernel addresses
+    a page's V of one head as a row of the descriptor, so block and head strides must be whole
+    rows: ``v_view``'s are; the 16-byte alignment TMA needs is the eligibility's). Else
+    ``DEFAULT_CONFIG`` (both gathered by cp.async). ``index_dtype`` does not change the choice:
+    TMA rows are narrowed to 32 bits, which the row bound guarantees."""
+    del index_dtype  # both index dtypes run every config (GPU matrix: int64 rows of each)
+    if interleaved_v:
+        return KV_REGS_CONFIG if block_size % 16 == 0 else DEFAULT_CONFIG
+    if (block_size not in (16, 32, 64) or vc.stride(0) % block_size or vc.stride(1) % block_size
             or _v_cache_rows(vc, block_size) >= _ROW_PAST_DESCRIPTOR.value):
         return DEFAULT_CONFIG
     return K_REGS_V_TMA_CONFIG
