@@ -132,6 +132,7 @@ def piecewise_child(args) -> None:
         compile_s=st.trace_s + st.compile_s, trace_s=st.trace_s,
         trace_loaded=st.trace_loaded, build_s=st.compile_s, capture_s=st.capture_s, captures=st.num_captures,
         precompile_s=st.precompile_s, precompiled_kernels=st.precompiled_kernels,
+        precompile_times=st.precompile_times,
         unique_compiles=st.num_unique_compiles, process_s=time.time() - t_process,
         region_calls=getattr(st, "region_calls", None), region_subgraphs=getattr(st, "region_subgraphs", None),
         cache=dict(counters["aot_autograd"]) | dict((k, v) for k, v in counters["inductor"].items()

@@ -81,3 +81,29 @@ def test_default_threads_and_availability(monkeypatch):
     assert 1 <= precompile.default_compile_threads() <= 16
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert "TRITON_INTERPRET=1" in precompile.available()
+
+
+def test_each_compile_is_timed_under_its_kernels_name(monkeypatch):
+    """``done["compiles"]``: one (kernel name, start, seconds) per distinct compile submitted
+    (the launch that submits names it), so a cold capture can say which compile bounds it."""
+    import time
+
+    from triton.runtime._async_compile import active_mode
+
+    def run(self, *args, grid, warmup, **kwargs):  # what Triton's run does in async mode
+        mode = active_mode.get()
+        assert warmup and mode is not None
+        mode.submit(("key", self.__name__, kwargs.get("v")), lambda: time.sleep(0.05) or self.__name__,
+                    lambda kernel: None)
+
+    monkeypatch.setattr(triton_jit.JITFunction, "run", run)
+    a = types.SimpleNamespace(module=OURS.module, __name__="_decode_kernel")
+    b = types.SimpleNamespace(module=OURS.module, __name__="_reduce_kernel")
+    with precompile.parallel_compiles(2) as done:
+        for kernel, v in ((a, 1), (b, 1), (a, 1), (a, 2)):  # (a, 1) again: compiled once
+            triton_jit.JITFunction.run(kernel, grid=(1,), warmup=False, v=v)
+    assert done["kernels"] == 3
+    names = sorted(name for name, _, _ in done["compiles"])
+    assert names == ["_decode_kernel", "_decode_kernel", "_reduce_kernel"]
+    for _, start, seconds in done["compiles"]:
+        assert 0 <= start < 5 and 0.04 <= seconds < 5

@@ -56,6 +56,8 @@ class CompileStats:
     capture_s: float = 0.0  # the precompile's time included
     precompile_s: float = 0.0  # Triton kernels compiled in parallel before capture
     precompiled_kernels: int = 0
+    # (kernel, start s, seconds) per precompiled kernel, longest first
+    precompile_times: list[tuple] = dataclasses.field(default_factory=list)
     plugin_active: bool = False
     num_stand_ins: int = 0
     piece_groups: list[list[str]] = dataclasses.field(default_factory=list)

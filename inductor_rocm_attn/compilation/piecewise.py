@@ -467,8 +467,11 @@ class PiecewiseRunner:
                     self.split_gm(*self._args(size))
         self.stats.precompile_s = time.perf_counter() - t0
         self.stats.precompiled_kernels = done["kernels"]
+        self.stats.precompile_times = sorted(done["compiles"], key=lambda c: -c[2])
+        longest = (f" (longest {self.stats.precompile_times[0][0]} {self.stats.precompile_times[0][2]:.1f} s)"
+                   if self.stats.precompile_times else "")
         self._say(f"compiled {done['kernels']} Triton kernels on {threads} threads in "
-                  f"{self.stats.precompile_s:.1f} s")
+                  f"{self.stats.precompile_s:.1f} s{longest}")
 
     def _whole_step_shapes(self) -> list[StepShape]:
         return step_shapes(self.capture_sizes, self.buffers.max_num_seqs,

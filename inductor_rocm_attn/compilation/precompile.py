@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
@@ -60,7 +61,9 @@ def parallel_compiles(threads: int) -> Iterator[dict]:
     only submits the kernel's compile to a pool of ``threads`` threads, and launches nothing;
     leaving the block waits for every compile and installs the kernels. Other kernels launch
     as usual. Yields a dict whose ``"kernels"`` is, after the block, the number of distinct
-    compiles submitted.
+    compiles submitted and ``"compiles"`` one ``(kernel name, start s, seconds)`` each (start
+    from the block's entry; a compile that failed is left out), which tells the compile that
+    bounds the block.
 
     Other threads launch as usual meanwhile (the flag is thread-local, and Triton's async
     compile mode is a context variable). Not reentrant. A compile that fails is left to
@@ -77,10 +80,12 @@ def parallel_compiles(threads: int) -> Iterator[dict]:
         # that do not run would cache an arbitrary config. It runs (and compiles) as usual.
         ours = getattr(self, "module", "").startswith(_OUR_PACKAGE)
         warmup = warmup or (ours and getattr(_compiling, "active", False))
+        _compiling.kernel = getattr(self, "__name__", "?")  # names what this launch submits
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
-    result: dict = {"kernels": 0}
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="triton-compile") as pool:
+    result: dict = {"kernels": 0, "compiles": []}
+    t0 = time.perf_counter()
+    with _TimedPool(threads, result["compiles"], t0) as pool:
         mode = AsyncCompileMode(pool, ignore_errors=True)
         JITFunction.run = run_or_compile
         try:
@@ -94,3 +99,23 @@ def parallel_compiles(threads: int) -> Iterator[dict]:
             if JITFunction.run is run_or_compile:  # else another block replaced it since
                 JITFunction.run = run
             result["kernels"] = len(mode.future_kernels)
+
+
+class _TimedPool(ThreadPoolExecutor):
+    """The compile pool; each compile it runs appends ``(kernel, start, seconds)`` to
+    ``times`` (the kernel named by the submitting launch, ``_compiling.kernel``)."""
+
+    def __init__(self, threads: int, times: list, t0: float):
+        super().__init__(max_workers=threads, thread_name_prefix="triton-compile")
+        self._times, self._t0 = times, t0
+
+    def submit(self, fn, /, *args, **kwargs):
+        name = getattr(_compiling, "kernel", "?")
+
+        def timed():
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self._times.append((name, round(start - self._t0, 3), round(time.perf_counter() - start, 3)))
+            return out
+
+        return super().submit(timed)
