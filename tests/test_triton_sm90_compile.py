@@ -68,6 +68,17 @@ def test_gluon_prefix_prefill_sweep_variants_compile_for_sm90_without_spills():
                         pythonpath=True)
 
 
+def test_gluon_prefill_interleaved_v_default_compiles_for_sm90_without_spills():
+    """The launcher's interleaved-V config (``KV_REGS_CONFIG``: K and V through registers, the
+    load partition at 72 registers) compiles for sm_90 at both interleaved shapes of the
+    compile check (fp16 d128 block 32 GQA 8, bf16 d64 block 16 GQA 1) with no spills and
+    within sm_90's shared memory (about 12 s of ptxas): its 64-key / 64-channel passes spill
+    at consumer_regs=224, so a change to either budget shows here before a GPU run."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    _run_compile_script(os.path.join(os.path.dirname(__file__), "gluon_sm90_compile.py"), "--variants", "kv_regs",
+                        timeout=300, pythonpath=True)
+
+
 def test_gluon_prefill_k_regs_v_tma_compiles_for_sm90_at_both_index_dtypes():
     """The launcher's standard-V config (K through registers, V by TMA) compiles for sm_90 at
     the quick cases, an int64 block table among them: TMA's row coordinate is 32-bit, so a row
