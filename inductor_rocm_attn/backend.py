@@ -266,7 +266,8 @@ class RocmAttentionImpl:
     ``sinks``: ``[num_heads]`` per-head logit of a virtual zero-value token (every path).
     ``causal``: the layer's value (None: True for DECODER, False otherwise); a step's
     ``AttentionMetadata.causal`` overrides it for DECODER layers, as in the seed.
-    ``q_scale``: must be 1.0 for an fp8 query (checked when such a query arrives).
+    ``q_scale``: must be 1.0 for an fp8 query (checked when such a query arrives); with any
+    other query it is ignored, as in the seed, and the first such call warns.
     ``kv_sharing_target_layer_name``: this layer owns no cache and writes nothing; it reads
     the named layer's cache, V interior and scales at run time.
     """
@@ -298,6 +299,7 @@ class RocmAttentionImpl:
         self.logits_soft_cap = float(logits_soft_cap or 0.0)
         self.sinks = sinks
         self.q_scale = float(q_scale)
+        self._q_scale_warned = False
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         if causal is None:
             causal = self.attn_type == AttentionType.DECODER
@@ -428,11 +430,18 @@ class RocmAttentionImpl:
         return ("partial_rotary",) if cos_sin_cache.shape[-1] < self.head_size else ()
 
     def _check_query_scale(self, query: torch.Tensor, op: str) -> None:
-        if self.q_scale != 1.0 and is_fp8_dtype(query.dtype):
+        if self.q_scale == 1.0:
+            return
+        if is_fp8_dtype(query.dtype):
             raise NotImplementedError(
                 f"{op}: a q_scale of {self.q_scale} with an fp8 query ({query.dtype}) is not "
                 "supported (as in the seed); an fp8 query needs q_scale 1.0"
             )
+        if not self._q_scale_warned:  # the seed ignores it for such a query: say so, once a layer
+            self._q_scale_warned = True
+            warnings.warn(f"{op}: q_scale {self.q_scale} is ignored for a {query.dtype} query (it would scale an "
+                          "fp8 query, which needs q_scale 1.0 here, as in the seed); build the layer with "
+                          "q_scale=1.0", stacklevel=3)
 
     def check_fp8_query(self, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
         """What this layer's attention refuses of an fp8 ``query`` whatever the step (its

@@ -271,6 +271,7 @@ def _qk_norm_rope_and_cache(qkv, q_weight, k_weight, eps, positions, cos_sin_cac
     validation.check_scales(op, k_scale=k_scale, v_scale=v_scale)
     _check_qk_outputs(op, qkv, q_out, k_out, num_heads, num_kv_heads, head_size)
     validation.check_kv_cache(op, kv_cache, num_kv_heads, head_size)
+    validation.check_unit_scales_without_fp8(op, kv_cache, k_scale=k_scale, v_scale=v_scale)
     validation.check_slot_mapping(op, slot_mapping, kv_cache, qkv.shape[0])
     # q_out / k_out may be qkv's own q / k slices (each program reads its head before writing it)
     validation.check_written(op, dict(q_out=q_out, k_out=k_out, kv_cache=kv_cache), {})
@@ -383,6 +384,7 @@ def _rms_norm(input, weight, eps):
 
 @_fake("rms_norm")
 def _rms_norm_fake(input, weight, eps):
+    validation.check_same_device("rocm_attn.rms_norm", input=input, weight=weight)
     return torch.empty_like(input)
 
 
@@ -395,13 +397,15 @@ def _static_scaled_fp8_quant(input, scale, out_dtype):
 
 @_fake("static_scaled_fp8_quant")
 def _static_scaled_fp8_quant_fake(input, scale, out_dtype):
+    validation.check_same_device("rocm_attn.static_scaled_fp8_quant", input=input, scale=scale)
     return torch.empty_like(input, dtype=out_dtype)
 
 
 # === layer level ============================================================================
 
-# The cache updates' fake kernels refuse an output_scale on another device than their tensors
-# (a meta scale dispatches the call to them), as the kernel-level fakes refuse a mix.
+# The layer-level fake kernels refuse tensors on more than one device, as the kernel-level
+# fakes do: one argument on the meta device dispatches a real call to the fake kernel, which
+# would otherwise return without writing the cache or the output.
 
 
 def _token(like: torch.Tensor) -> torch.Tensor:
@@ -463,7 +467,8 @@ def _unified_kv_cache_update(key, value, layer_name, output_scale=None):
 
 @_fake("unified_kv_cache_update")
 def _unified_kv_cache_update_fake(key, value, layer_name, output_scale=None):
-    validation.check_same_device("rocm_attn.unified_kv_cache_update", key=key, output_scale=output_scale)
+    validation.check_same_device("rocm_attn.unified_kv_cache_update", key=key, value=value,
+                                 output_scale=output_scale)
     return _token(key)
 
 
@@ -476,7 +481,11 @@ def _unified_attention_with_output(query, key, value, output, layer_name, kv_cac
 
 
 @_fake("unified_attention_with_output")
-def _unified_attention_with_output_fake(*args, **kwargs):
+def _unified_attention_with_output_fake(query, key, value, output, layer_name, kv_cache_dependency=None,
+                                        output_scale=None):
+    validation.check_same_device("rocm_attn.unified_attention_with_output", query=query, key=key, value=value,
+                                 output=output, kv_cache_dependency=kv_cache_dependency,
+                                 output_scale=output_scale)
     return None
 
 
@@ -496,7 +505,8 @@ def _unified_rope_and_kv_cache_update(positions, query, key, value, cos_sin_cach
 @_fake("unified_rope_and_kv_cache_update")
 def _unified_rope_and_kv_cache_update_fake(positions, query, key, value, cos_sin_cache, is_neox, layer_name,
                                            output_scale=None):
-    validation.check_same_device("rocm_attn.unified_rope_and_kv_cache_update", key=key, output_scale=output_scale)
+    validation.check_same_device("rocm_attn.unified_rope_and_kv_cache_update", positions=positions, query=query,
+                                 key=key, value=value, cos_sin_cache=cos_sin_cache, output_scale=output_scale)
     return _token(key)
 
 
@@ -523,7 +533,8 @@ def _unified_qk_norm_rope_and_kv_cache_update(qkv, q_weight, k_weight, eps, posi
 def _unified_qk_norm_rope_and_kv_cache_update_fake(qkv, q_weight, k_weight, eps, positions,
                                                    cos_sin_cache, is_neox, num_heads, num_kv_heads,
                                                    head_size, layer_name, output_scale=None):
-    validation.check_same_device("rocm_attn.unified_qk_norm_rope_and_kv_cache_update", qkv=qkv,
+    validation.check_same_device("rocm_attn.unified_qk_norm_rope_and_kv_cache_update", qkv=qkv, q_weight=q_weight,
+                                 k_weight=k_weight, positions=positions, cos_sin_cache=cos_sin_cache,
                                  output_scale=output_scale)
     t = qkv.shape[0]
     k = qkv.new_empty(t, num_kv_heads, head_size)
@@ -543,8 +554,8 @@ def _unified_rope_cos_sin_and_kv_cache_update(query, key, value, cos, sin, is_ne
 @_fake("unified_rope_cos_sin_and_kv_cache_update")
 def _unified_rope_cos_sin_and_kv_cache_update_fake(query, key, value, cos, sin, is_neox, layer_name,
                                                    output_scale=None):
-    validation.check_same_device("rocm_attn.unified_rope_cos_sin_and_kv_cache_update", key=key,
-                                 output_scale=output_scale)
+    validation.check_same_device("rocm_attn.unified_rope_cos_sin_and_kv_cache_update", query=query, key=key,
+                                 value=value, cos=cos, sin=sin, output_scale=output_scale)
     return _token(key)
 
 
@@ -568,7 +579,8 @@ def _unified_qk_norm_rope_cos_sin_and_kv_cache_update_fake(query, key, value, q_
                                                            sin, is_neox, layer_name, gemma_norm=False,
                                                            norm_after_rope=False, output_scale=None,
                                                            gemma4_norm=False):
-    validation.check_same_device("rocm_attn.unified_qk_norm_rope_cos_sin_and_kv_cache_update", key=key,
+    validation.check_same_device("rocm_attn.unified_qk_norm_rope_cos_sin_and_kv_cache_update", query=query,
+                                 key=key, value=value, q_weight=q_weight, k_weight=k_weight, cos=cos, sin=sin,
                                  output_scale=output_scale)
     return _token(key)
 

@@ -904,3 +904,52 @@ def warnings_as_errors():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         yield
+
+
+def _meta(t):
+    return t.to("meta")
+
+
+@pytest.mark.parametrize("op", ["kv_update", "attention", "rope", "rope_cos_sin", "qk_norm_rope",
+                                "qk_norm_rope_cos_sin", "rms_norm", "fp8_quant"])
+def test_layer_ops_refuse_one_argument_on_the_meta_device(op):
+    """One tensor on the meta device sends a real call to the op's fake kernel, which must
+    refuse the mix (as the kernel-level fakes do) instead of returning without writing the
+    cache, rotating q / k or writing the output (``rms_norm`` / the fp8 quant: uninitialized
+    memory)."""
+    R = torch.ops.rocm_attn
+    layer = ira.Attention(H, D, num_kv_heads=HKV, layer_name="meta_mix", block_size=BS)
+    ira.bind_kv_caches(torch.nn.ModuleDict({"a": layer}), num_blocks=4, dtype=torch.float32)
+    md = ira.build_attention_metadata([3], [0], [[0]], BS)
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(3, h, D, generator=g) for h in (H, HKV, HKV))
+    cos, sin = torch.randn(3, D, generator=g), torch.randn(3, D, generator=g)
+    w = torch.ones(D)
+    out = torch.full((3, H, D), float("nan"))
+    calls = {
+        "kv_update": ("unified_kv_cache_update", lambda: R.unified_kv_cache_update(k, _meta(v), "meta_mix")),
+        "attention": ("unified_attention_with_output",
+                      lambda: R.unified_attention_with_output(_meta(q), k, v, out, "meta_mix")),
+        "rope": ("unified_rope_and_kv_cache_update",
+                 lambda: R.unified_rope_and_kv_cache_update(torch.arange(3), q, k, v, _meta(torch.randn(32, D)),
+                                                            True, "meta_mix")),
+        "rope_cos_sin": ("unified_rope_cos_sin_and_kv_cache_update",
+                         lambda: R.unified_rope_cos_sin_and_kv_cache_update(q, k, v, _meta(cos), sin, True,
+                                                                            "meta_mix")),
+        "qk_norm_rope": ("unified_qk_norm_rope_and_kv_cache_update",
+                         lambda: R.unified_qk_norm_rope_and_kv_cache_update(
+                             torch.cat([q, k, v], 1).reshape(3, -1), _meta(w), w, 1e-6, torch.arange(3),
+                             torch.randn(32, D), True, H, HKV, D, "meta_mix")),
+        "qk_norm_rope_cos_sin": ("unified_qk_norm_rope_cos_sin_and_kv_cache_update",
+                                 lambda: R.unified_qk_norm_rope_cos_sin_and_kv_cache_update(
+                                     q, k, v, w, _meta(w), 1e-6, cos, sin, True, "meta_mix")),
+        "rms_norm": ("rms_norm", lambda: R.rms_norm(q, _meta(w), 1e-6)),
+        "fp8_quant": ("static_scaled_fp8_quant",
+                      lambda: R.static_scaled_fp8_quant(q, _meta(torch.ones(1)), torch.float8_e4m3fn)),
+    }
+    name, call = calls[op]
+    before = snapshot(layer.kv_cache, q, k, out)
+    with ira.set_forward_context(md), pytest.raises(
+            ValueError, match=rf"rocm_attn\.{name}: all tensors must be on one device, got .* on meta"):
+        call()
+    assert unchanged(before, layer.kv_cache, q, k, out), "a refused call wrote"

@@ -119,6 +119,23 @@ def test_fp8_query_refused_before_the_cache_update_writes(q_scale, match):
     assert unchanged(before, s.layer.kv_cache), "the cache update wrote before the attention refused the query"
 
 
+def test_q_scale_with_a_query_that_is_not_fp8_warns_that_it_is_ignored():
+    """The seed ignores ``q_scale`` for a 16/32-bit query (it would scale an fp8 one): the
+    layer's first such step says so, later steps do not repeat it, and the result is the
+    unscaled one."""
+    plain = stepped_layer("state_q1")
+    with pytest.warns(UserWarning, match=r"q_scale 2\.0 is ignored for a torch\.float32 query"):
+        scaled = stepped_layer("state_q2", q_scale=2.0)  # its first step
+    q, k, v = qkv(scaled.num_tokens, scaled.g)
+    outs = []
+    for s in (plain, scaled):
+        with ira.set_forward_context(s.md), warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            outs.append(s.layer(q, k, v))
+        assert not any("q_scale" in str(w.message) for w in seen), "warned again after the first step"
+    assert torch.equal(outs[0], outs[1])
+
+
 # --- a compiled graph with the fp8 output quant fused into the attention (output_scale) -------------
 
 
@@ -550,6 +567,25 @@ def test_transformers_poison_flag_must_be_a_bool(who):
     with pytest.raises(TypeError, match=rf"{who}: poison must be True or False, got 'False'"):
         (PagedCache if who == "PagedCache" else eager_runner)(model, num_blocks=4, poison="False")
     assert dict(model.model._forward_pre_hooks) == hooks
+
+
+def test_eager_runner_refuses_metadata_that_is_not_its_latest_prepare():
+    """As ``PiecewiseRunner``: an older step's metadata (a forgotten ``prepare()``) or one built
+    by hand would write that step's slots again, over the keys and values cached there since."""
+    from inductor_rocm_attn.integrations.transformers_runner import eager_runner
+
+    r = eager_runner(_tiny_transformers_model(), num_blocks=8)
+    cache = next(iter(r.layers.values())).kv_cache
+    prefill = r.prepare([3], [0], [[0]])
+    r(torch.tensor([11, 12, 13]), prefill)
+    decode = r.prepare([1], [3], [[0]])
+    r(torch.tensor([14]), decode)
+    before = snapshot(cache)
+    for md in (prefill, ira.build_attention_metadata([3], [0], [[0]], r.block_size)):
+        with pytest.raises(ValueError, match=r"EagerRunner: the metadata is not the latest runner\.prepare\(\.\.\.\)'s"):
+            r(torch.tensor([50, 51, 52]), md)
+        assert unchanged(before, cache), "a refused step wrote the cache"
+    r(torch.tensor([15]), r.prepare([1], [4], [[0]]))  # the next prepared step runs
 
 
 # --- fused RoPE layer ops: the query must be the layer's heads, on every call -----------------------

@@ -412,6 +412,16 @@ def _check_supported_attention(module, who: str) -> None:
                                   "only equal head sizes are supported (one head_size for the K and V cache)")
 
 
+def _step_module(model: torch.nn.Module, decoder: torch.nn.Module) -> torch.nn.Module:
+    """The module whose forward plans a step: the base model when it wraps the decoder (a
+    multimodal model, Gemma3ForConditionalGeneration: it gets generate's 2-D padding mask and
+    passes the decoder a dict of per-layer-type masks), else the decoder."""
+    base = getattr(model, "base_model", None)
+    if isinstance(base, torch.nn.Module) and base is not decoder and any(m is decoder for m in base.modules()):
+        return base
+    return decoder
+
+
 def _decoder(model: torch.nn.Module) -> torch.nn.Module:
     """The decoder stack: ``get_decoder()``, unless that is a leaf module (ModernBERT-decoder
     names its output projection ``decoder``, which ``get_decoder()`` returns): then the base model."""
@@ -440,9 +450,11 @@ def check_model(model: torch.nn.Module, who: str) -> None:
         how = (f"; it builds its attention modules from transformers' {table[0]} (keys {', '.join(table[1])}), so "
                f'loading it with attn_implementation="{ATTN_IMPLEMENTATION}" raises KeyError in transformers'
                if table else "")
-        raise ValueError(f"{who}: {type(model).__name__} does not route attention through transformers' "
-                         f"AttentionInterface (_supports_attention_backend is False){how}; supported: models "
-                         "whose attention modules call ALL_ATTENTION_FUNCTIONS (README, 'With transformers')")
+        raise ValueError(f"{who}: transformers marks {type(model).__name__} as not supporting attention backends "
+                         f"(_supports_attention_backend is False: its attention is not promised to reach a backend "
+                         f"registered in the AttentionInterface with what it needs){how}; supported: models "
+                         "transformers marks as supporting them, whose attention modules call ALL_ATTENTION_FUNCTIONS "
+                         "(README, 'With transformers')")
     impl = getattr(model.config, "_attn_implementation", None)
     if impl != ATTN_IMPLEMENTATION:
         raise ValueError(f"{who}: the model uses attn_implementation={impl!r}; load it with "
@@ -664,6 +676,7 @@ class PagedCache(Cache):
             layer.kv_cache[self._null_block].zero_()
         self._allocator = BlockAllocator(num_blocks, block_size)
         self._decoder = weakref.ref(decoder)
+        self._step_module = weakref.ref(_step_module(model, decoder))  # what plans a step (its forward hook)
         self._built_for = model_placement(decoder)
         self._lengths: list[int] = []  # real (cached) tokens of each row
         # Each row's key in the allocator: rows exchange their blocks (reorder, select) by
@@ -680,7 +693,7 @@ class PagedCache(Cache):
         self.last_metadata: AttentionMetadata | None = None
         # (row lengths, tokens seen, metadata, mask columns) before the step
         self._before_step = ([], 0, None, None)
-        _install_hooks(decoder)
+        _install_hooks(self._step_module())
 
     # --- what transformers asks a cache ---
 
@@ -885,9 +898,14 @@ class PagedCache(Cache):
         x = input_ids if input_ids is not None else inputs_embeds
         if x is None:
             raise ValueError("PagedCache.begin_step: needs input_ids or inputs_embeds")
-        if x.dim() < 2:
-            raise ValueError(f"PagedCache.begin_step: input_ids must be [batch, new tokens] (inputs_embeds "
-                             f"[batch, new tokens, hidden]), got {tuple(x.shape)}")
+        name, rank = ("input_ids", 2) if input_ids is not None else ("inputs_embeds", 3)
+        if not isinstance(x, torch.Tensor) or x.dim() != rank:  # else planned on the wrong dims, failing later
+            raise ValueError(f"PagedCache.begin_step: {name} must be a {rank}-D tensor, [batch, new tokens"
+                             f"{', hidden' if rank == 3 else ''}], got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+            raise ValueError(f"PagedCache.begin_step: attention_mask must be a 2-D tensor [batch, seen + new] "
+                             f"(1: token, 0: padding), got {type(attention_mask).__name__}")
         b, t = x.shape[0], x.shape[1]
         if b == 0 or t == 0:  # nothing to plan (the planning would fail on empty reductions)
             raise ValueError(f"PagedCache.begin_step: a step needs at least one row and one new token, got "
@@ -1040,19 +1058,20 @@ class PagedCache(Cache):
                 qls.append(ql), ctxs.append(ctx), tables.append(table), pads.append(pad)
         return build_attention_metadata(qls, ctxs, tables, self.block_size, self._device, padding=pads)
 
-    def _begin_from_forward(self, decoder, args, kwargs):
+    def _begin_from_forward(self, module, args, kwargs):
+        """``module``: the hooked one (``_step_module``: the decoder, or the base model wrapping it)."""
         if self._step is not None:  # planned by the caller (begin_step): run inside it
             self._step_from_hook = False
             return None
-        if decoder is not self._decoder():
+        if module is not self._step_module():
             raise ValueError("PagedCache: this cache was built for another model instance (e.g. the original of "
                              "a copy.deepcopy); build one PagedCache per model")
-        impl = getattr(decoder.config, "_attn_implementation", None)
+        impl = getattr(self._decoder().config, "_attn_implementation", None)
         if impl != ATTN_IMPLEMENTATION:
             raise ValueError(f"PagedCache: the model now uses attn_implementation={impl!r}; PagedCache only works "
                              f'with "{ATTN_IMPLEMENTATION}"')
         if len(args) > 1:  # bind positional inputs by name, pass everything on as keywords
-            names = _positional_names(type(decoder))
+            names = _positional_names(type(module))
             kwargs = {**dict(zip(names, args)), **kwargs}
             args = ()
         elif args:

@@ -197,6 +197,7 @@ class EagerRunner:
         # generate() refuses longer sequences: positions a learned position embedding lacks
         self.max_model_len = learned_position_limit(model)
         self.step_s = 0.0  # wall time of the last step
+        self._prepared: AttentionMetadata | None = None  # the latest prepare()'s metadata
 
     def prepare(self, query_lens: Sequence[int], context_lens: Sequence[int],
                 block_tables: Sequence[Sequence[int]], *, whole_step: bool | str = True) -> AttentionMetadata:
@@ -215,6 +216,7 @@ class EagerRunner:
             limit = getattr(self, limit_name)
             if limit is not None and got > limit:
                 raise ValueError(f"EagerRunner.prepare: the step has {got} {what}, more than {limit_name}={limit}")
+        self._prepared = md
         return md
 
     def replays_whole_step(self, metadata: AttentionMetadata) -> bool:
@@ -235,6 +237,11 @@ class EagerRunner:
         if not isinstance(metadata, AttentionMetadata):  # None failed as an AttributeError on .positions
             raise TypeError(f"EagerRunner: metadata must be runner.prepare(...)'s AttentionMetadata, got "
                             f"{type(metadata).__name__}")
+        if metadata is not self._prepared:
+            # as PiecewiseRunner: an older step's (or a hand-built) metadata would write its
+            # slots again, over the keys and values cached there since
+            raise ValueError("EagerRunner: the metadata is not the latest runner.prepare(...)'s; prepare each step "
+                             "right before running it")
         n = metadata.positions.shape[0]
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"EagerRunner: input_ids must be a 1-D tensor of token ids, got {type(input_ids).__name__}")

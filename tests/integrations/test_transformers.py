@@ -69,6 +69,13 @@ MORE_CONFIGS = {
     # sliding_window on every module, passed only on its sliding layers; NoPE full layers
     "exaone4": lambda: transformers.Exaone4Config(**_SMALL, num_key_value_heads=2, head_dim=32, sliding_window=6,
                                                   sliding_window_pattern=2),
+    # Gemma 3 as released (AutoModelForCausalLM builds Gemma3ForConditionalGeneration): its base
+    # model gets generate's 2-D mask and hands the language model a dict of per-layer-type masks
+    "gemma3_multimodal": lambda: transformers.Gemma3Config(
+        text_config=dict(_SMALL, num_key_value_heads=2, head_dim=32, sliding_window=6,
+                         layer_types=["sliding_attention", "full_attention"]),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14)),
     # q multiplied by module.scaling in the module, scaling=1.0 passed; learned positions
     "opt": lambda: transformers.OPTConfig(vocab_size=256, hidden_size=128, ffn_dim=256, num_hidden_layers=2,
                                           num_attention_heads=4, max_position_embeddings=128, word_embed_proj_dim=128,
@@ -606,9 +613,11 @@ def test_models_computing_their_own_attention_are_refused_by_name(name):
         with pytest.raises(KeyError, match="rocm_attn"):
             transformers.AutoModelForCausalLM.from_config(_OWN_ATTENTION[name](), attn_implementation="rocm_attn")
     model = transformers.AutoModelForCausalLM.from_config(_OWN_ATTENTION[name](), attn_implementation="eager").eval()
-    why = (rf"{type(model).__name__} does not route attention through transformers' AttentionInterface .*"
+    why = (rf"transformers marks {type(model).__name__} as not supporting attention backends "
+           r"\(_supports_attention_backend is False.*"
            + (rf"{_TABLES[name]} .*raises KeyError in transformers.*" if name in _TABLES else "")
-           + r"supported: models whose attention modules call ALL_ATTENTION_FUNCTIONS")
+           + r"supported: models transformers marks as supporting them, whose attention modules call "
+             r"ALL_ATTENTION_FUNCTIONS")
     with pytest.raises(ValueError, match=rf"PagedCache: {why}"):
         PagedCache(model, num_blocks=4)
     for make in (eager_runner, compile_transformers):
