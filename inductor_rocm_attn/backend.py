@@ -310,6 +310,9 @@ class RocmAttentionImpl:
         # when it moved (a 16-bit cache reads no scale).
         self._reads_scales = kv_cache_dtype.startswith("fp8")
         self._scales_checked = -1
+        # The sinks / ALiBi slopes are the caller's tensors (a model's parameter, loaded later):
+        # their version when their values were last checked (here, by the config check).
+        self._per_head_checked = self._per_head_version()
         # The metadata of the last step this layer wrote its cache for: a layer sharing the cache
         # reads it only after this layer wrote the same step.
         self._written_step = None
@@ -497,8 +500,13 @@ class RocmAttentionImpl:
         """The step's cache write (``rocm_attn.unified_kv_cache_update``): checks the step's
         metadata against the cache, as the attention will read it, before writing.
         ``output_scale``: the scale of the fp8 quant fused into this layer's attention (None:
-        not fused), checked before the write."""
+        not fused), checked before the write. A layer without a cache of its own (KV-sharing,
+        encoder) writes nothing, but its key and value are still checked: the layer's heads."""
         if not self.uses_kv_cache:
+            if key.dim() != 3 or value.dim() != 3:
+                key, value = self._kv_rows(_KV_UPDATE_OP, key, value)
+            step_checks.check_layer_kv(_KV_UPDATE_OP, key, value, key.device, key.shape[0], self.num_kv_heads,
+                                       self.head_size)
             return
         key, value, t = self._checked_step(_KV_UPDATE_OP, layer, key, value, kv_cache, attn_metadata)
         if output_scale is not None:
@@ -511,6 +519,8 @@ class RocmAttentionImpl:
         buffers = layer._buffers  # skips nn.Module.__getattr__
         if self._reads_scales:
             self.check_scales_changed(_KV_UPDATE_OP, buffers)
+        if self.sinks is not None or self.alibi_slopes is not None:  # the attention's, before the write
+            self.check_per_head_changed(_KV_UPDATE_OP)
         k_scale, v_scale = buffers["_k_scale"], buffers["_v_scale"]
         sig = self._signature("reshape_and_cache", key, kv_cache, t)
         fn = self._kernels.get(sig)
@@ -556,6 +566,8 @@ class RocmAttentionImpl:
         buffers = layer._buffers  # skips nn.Module.__getattr__
         if self._reads_scales:
             self.check_scales_changed(op, buffers)
+        if self.sinks is not None or self.alibi_slopes is not None:
+            self.check_per_head_changed(op)
         k_scale, v_scale = buffers["_k_scale"], buffers["_v_scale"]
         slot_mapping = attn_metadata.slot_mapping
         sig = self._signature("rope_and_cache", query, kv_cache, t, rot_dim)
@@ -603,6 +615,8 @@ class RocmAttentionImpl:
                 _check_output_scale(op, output_scale, qkv, "qkv")
             if self._reads_scales:
                 self.check_scales_changed(op, layer._buffers)
+            if self.sinks is not None or self.alibi_slopes is not None:
+                self.check_per_head_changed(op)
 
         def check_all():
             validation.check_qk_norm_rope(op, qkv, q_weight, k_weight, positions, cos_sin_cache,
@@ -675,6 +689,8 @@ class RocmAttentionImpl:
                 _check_output_scale(name, output_scale, key, "key")
             if self._reads_scales:
                 self.check_scales_changed(name, layer._buffers)
+            if self.sinks is not None or self.alibi_slopes is not None:
+                self.check_per_head_changed(name)
         device = kv_cache.device if write else value.device
         step_checks.check_cos_sin_call(name, query, key, value, cos, sin, device)
         step_checks.check_heads(name, "query", query, self.num_heads, self.head_size, t)
@@ -824,6 +840,8 @@ class RocmAttentionImpl:
             )
             feats = self._features_of_step[causal, prefill] + (("output_scale",) if output_scale is not None else ())
             fn = self._resolve(sig, "paged_attention", query, kv_cache, n, feats, interleaved_v, caller=op)
+        if self.sinks is not None or self.alibi_slopes is not None:
+            self.check_per_head_changed(op)
         if unwritten and get_forward_context().layers is None:
             # A KV-sharing layer reads the keys its target wrote this step. Checked outside a
             # runner only: a runner's graph replays run no Python, so keep no record of the write.
@@ -836,6 +854,8 @@ class RocmAttentionImpl:
 
     def _encoder_forward(self, query, key, value, attn_metadata, output, output_scale):
         self._check_query_scale(query, _ATTN_OP)
+        if self.sinks is not None or self.alibi_slopes is not None:
+            self.check_per_head_changed(_ATTN_OP)
         try:
             out = torch.ops.rocm_attn.encoder_attention(
                 query, key, value, attn_metadata.query_start_loc, attn_metadata.max_query_len,
@@ -848,6 +868,18 @@ class RocmAttentionImpl:
             out = torch.ops.rocm_attn.static_scaled_fp8_quant(out, output_scale, output.dtype)
         output[: out.shape[0]].copy_(out)
         return output
+
+    def _per_head_version(self) -> int:
+        return sum(t._version for t in (self.alibi_slopes, self.sinks) if t is not None)
+
+    def check_per_head_changed(self, op: str) -> None:
+        """Sinks / ALiBi slopes changed in place since their values were checked (weights loaded
+        after the layer was built): NaN / +inf sinks or non-finite slopes turn every row NaN,
+        silently. Two version reads a call; the values are read as ``check_per_head_values`` reads them."""
+        version = self._per_head_version()
+        if version != self._per_head_checked:
+            validation.check_per_head_values(op, self.alibi_slopes, self.sinks)
+            self._per_head_checked = version
 
     def _alibi(self, like: torch.Tensor):
         if self.alibi_slopes is not None and self.alibi_slopes.device != like.device:

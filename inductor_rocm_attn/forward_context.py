@@ -120,7 +120,9 @@ def get_layer(name: str) -> "Attention":
 
 
 def registered_layers() -> dict[str, "Attention"]:
-    return dict(_LAYERS)
+    # items() skips entries collected meanwhile; dict(_LAYERS) looks keys up again and can
+    # raise KeyError for a layer the garbage collector frees between the two
+    return dict(_LAYERS.items())
 
 
 def get_forward_context() -> ForwardContext:

@@ -16,7 +16,7 @@ from .backend import RocmAttentionImpl, note_cache_bound
 from .cache_holds import check_free
 from .capabilities import AttentionType, check_block_size, check_head_size, check_model_dtype
 from .config_checks import check_cache_scales
-from .forward_context import SLOT_PREFIX, latest_copy_name, register_copy, register_layer
+from .forward_context import SLOT_PREFIX, latest_copy_name, register_copy, register_layer, registered_layers
 from .layout import CacheLayout, allocate_kv_cache, as_cache_layout, as_device
 from .validation import check_bool, check_channel_stride, check_positive_int, check_scales
 
@@ -116,6 +116,7 @@ class Attention(nn.Module):
                             f"bind_kv_caches or allocate_kv_cache), got {type(value).__name__}")
         if name == "kv_cache" and "kv_cache" in self.__dict__:
             check_free(f"Attention {self.__dict__.get('layer_name', '')!r}: binding a KV cache", [self], rebind=True)
+            _check_cache_not_written_by_another(self, value)
         super().__setattr__(name, value)
         if name == "kv_cache":  # resolved kernels and captured graphs were checked against the old cache
             note_cache_bound()
@@ -264,6 +265,34 @@ def bind_kv_caches(model: nn.Module, num_blocks: int, dtype: torch.dtype,
         if layer.layer_name in caches:
             layer.kv_cache = caches[layer.layer_name]
     return caches
+
+
+def _memory_range(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[first, past the last)`` that ``t``'s elements span (strides >= 0)."""
+    span = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+    return t.data_ptr(), t.data_ptr() + span * t.element_size()
+
+
+def _check_cache_not_written_by_another(layer: Attention, cache: torch.Tensor) -> None:
+    """A cache ``layer`` writes must not share memory with another registered layer's: each
+    would overwrite the other's keys and values in the slots both write (a layer that reads
+    another's cache names it in ``kv_sharing_target_layer_name`` and holds none itself)."""
+    impl = layer.__dict__.get("impl")
+    if impl is None or not impl.uses_kv_cache or not cache.numel() or cache.device.type == "meta":
+        return
+    lo, hi = _memory_range(cache)
+    for other in list(registered_layers().values()):
+        held = other.__dict__.get("kv_cache")
+        if (other is layer or held is None or not held.numel() or held.device != cache.device
+                or not other.impl.uses_kv_cache):
+            continue
+        olo, ohi = _memory_range(held)
+        if lo < ohi and olo < hi:
+            raise ValueError(
+                f"Attention {layer.__dict__.get('layer_name', '')!r}: this KV cache shares memory with the cache of "
+                f"layer {other.layer_name!r}; two layers writing one cache overwrite each other's keys and values. "
+                f"Give each layer its own cache (bind_kv_caches), or build the reading layer with "
+                f"kv_sharing_target_layer_name={other.layer_name!r} (it then holds no cache of its own)")
 
 
 def _check_shared_scales(layer: Attention, target: Attention) -> None:

@@ -221,6 +221,8 @@ def _rotary_embedding_fake(positions, query, key, head_size, cos_sin_cache, is_n
 def _rope_and_cache(positions, query, key, value, kv_cache, slot_mapping, cos_sin_cache, is_neox,
                     k_scale, v_scale, interleaved_v=False):
     op = "rocm_attn.rope_and_cache"
+    if value.dim() != 3:  # the head size is read from it
+        raise ValueError(f"{op}: value must be [num_tokens, num_kv_heads, head_size], got {tuple(value.shape)}")
     head_size = value.shape[-1]
     validation.check_rotary(op, positions, query, key, head_size, cos_sin_cache)
     # query and key [T, H, D] or [T, H * D] (check_rotary); the cache write reads the key by heads
@@ -271,7 +273,6 @@ def _qk_norm_rope_and_cache(qkv, q_weight, k_weight, eps, positions, cos_sin_cac
     validation.check_scales(op, k_scale=k_scale, v_scale=v_scale)
     _check_qk_outputs(op, qkv, q_out, k_out, num_heads, num_kv_heads, head_size)
     validation.check_kv_cache(op, kv_cache, num_kv_heads, head_size)
-    validation.check_unit_scales_without_fp8(op, kv_cache, k_scale=k_scale, v_scale=v_scale)
     validation.check_slot_mapping(op, slot_mapping, kv_cache, qkv.shape[0])
     # q_out / k_out may be qkv's own q / k slices (each program reads its head before writing it)
     validation.check_written(op, dict(q_out=q_out, k_out=k_out, kv_cache=kv_cache), {})

@@ -87,8 +87,9 @@ def _check_step(op: str, md, num_tokens: int, device: torch.device, num_blocks: 
     has_cache = num_blocks is not None
     where = "the KV cache" if has_cache else "the query"
     if has_cache and md.block_size != block_size:
+        got = md.block_size if type(md.block_size) is int else f"{md.block_size!r} (a {type(md.block_size).__name__})"
         raise ValueError(
-            f"{op}: metadata built for block_size {md.block_size}, but the layer's KV cache has block_size "
+            f"{op}: metadata built for block_size {got}, but the layer's KV cache has block_size "
             f"{block_size}; build the step's metadata with block_size={block_size}"
         )
     # A step planned by the builder is checked in two parts: what does not depend on the layer

@@ -379,20 +379,6 @@ def check_scales(op: str, **scales: torch.Tensor | None) -> None:
             check_positive_finite(op, name, float(s.reshape(())))
 
 
-def check_unit_scales_without_fp8(op: str, kv_cache: torch.Tensor, **scales: torch.Tensor | None) -> None:
-    """The per-tensor cache scales apply to an fp8 cache only: with a 16/32-bit cache a scale
-    other than 1.0 would be ignored, silently (the ``Attention`` layer refuses it when built).
-    Read where index tensors are (``check_scales``)."""
-    if is_fp8_dtype(kv_cache.dtype):
-        return
-    for name, s in scales.items():
-        if s is not None and s.numel() == 1 and index_checks_on(s.device):
-            value = float(s.reshape(()))
-            if value != 1.0:
-                raise ValueError(f"{op}: {name}={value!r} with a {kv_cache.dtype} cache; the cache scales apply only to "
-                                 "an fp8 cache (pass 1.0, or an fp8 kv_cache)")
-
-
 def check_cache_write(op: str, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
     check_same_device(op, key=key, value=value, kv_cache=kv_cache, slot_mapping=slot_mapping,
@@ -407,7 +393,6 @@ def check_cache_write(op: str, key: torch.Tensor, value: torch.Tensor, kv_cache:
         raise ValueError(f"{op}: key dtype {key.dtype} != value dtype {value.dtype}")
     check_kv_cache(op, kv_cache, key.shape[1], key.shape[2])
     check_scales(op, k_scale=k_scale, v_scale=v_scale)
-    check_unit_scales_without_fp8(op, kv_cache, k_scale=k_scale, v_scale=v_scale)
     check_slot_mapping(op, slot_mapping, kv_cache, key.shape[0])
 
 
@@ -644,7 +629,6 @@ def check_paged_attention(
     check_per_head(op, "sinks", sinks, num_heads)
     check_per_head_values(op, alibi_slopes, sinks)
     check_scales(op, k_scale=k_scale, v_scale=v_scale, output_scale=output_scale)
-    check_unit_scales_without_fp8(op, kv_cache, k_scale=k_scale, v_scale=v_scale)
     for name, hint in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
         if hint is not None and (not isinstance(hint, int) or hint < 0):
             raise ValueError(f"{op}: {name} must be an int >= 0, got {hint!r}")

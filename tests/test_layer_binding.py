@@ -94,3 +94,25 @@ def test_step_layer_table_values_must_be_attention_layers(entry):
             with ctx():
                 pass
     assert ira.get_forward_context().layers is None
+
+
+def test_two_writing_layers_cannot_share_one_cache():
+    """Binding a layer to memory another registered layer writes (the same cache, or a view
+    overlapping it) is refused: each would overwrite the other's keys and values. A view of
+    the same allocation that does not overlap is fine; a layer that reads another's cache
+    names it in kv_sharing_target_layer_name and holds none."""
+    import inductor_rocm_attn as ira
+
+    a = ira.Attention(4, 64, num_kv_heads=2, layer_name="share_a", block_size=16)
+    b = ira.Attention(4, 64, num_kv_heads=2, layer_name="share_b", block_size=16)
+    ira.bind_kv_caches(torch.nn.ModuleList([a, b]), 4, torch.float32)
+    own_b = b.kv_cache
+    with pytest.raises(ValueError, match=r"Attention 'share_b': this KV cache shares memory with the cache of layer "
+                                         r"'share_a'.*kv_sharing_target_layer_name='share_a'"):
+        b.kv_cache = a.kv_cache
+    assert b.kv_cache is own_b
+    with pytest.raises(ValueError, match=r"shares memory with the cache of layer 'share_a'"):
+        b.kv_cache = a.kv_cache[1:]  # a view inside it
+    two = torch.empty((2,) + tuple(a.kv_cache.shape), dtype=a.kv_cache.dtype)
+    a.kv_cache, b.kv_cache = two[0], two[1]  # halves of one allocation, apart
+    assert b.kv_cache.data_ptr() != a.kv_cache.data_ptr()

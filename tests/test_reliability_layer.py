@@ -953,3 +953,39 @@ def test_layer_ops_refuse_one_argument_on_the_meta_device(op):
             ValueError, match=rf"rocm_attn\.{name}: all tensors must be on one device, got .* on meta"):
         call()
     assert unchanged(before, layer.kv_cache, q, k, out), "a refused call wrote"
+
+
+def test_cache_update_of_a_layer_without_a_cache_checks_its_key_and_value():
+    """A KV-sharing layer writes nothing, but a key / value that is not its heads is still a
+    caller's mistake: refused by name, as the fused writers refuse it on such a layer."""
+    target = ira.Attention(H, D, num_kv_heads=HKV, layer_name="nocache_target", block_size=BS)
+    shared = ira.Attention(H, D, num_kv_heads=HKV, layer_name="nocache_shared", block_size=BS,
+                           kv_sharing_target_layer_name="nocache_target")
+    ira.bind_kv_caches(torch.nn.ModuleList([target, shared]), 4, torch.float32)
+    before = snapshot(target.kv_cache)
+    with ira.set_forward_context(ira.build_attention_metadata([3], [0], [[0]], BS)):
+        torch.ops.rocm_attn.unified_kv_cache_update(torch.randn(3, HKV, D), torch.randn(3, HKV, D), "nocache_shared")
+        with pytest.raises(ValueError, match=r"rocm_attn\.unified_kv_cache_update: key and value must be \[num_tokens, "
+                                             rf"num_kv_heads, head_size\] = \[3, {HKV}, {D}\], got \(3, 7, 5\)"):
+            torch.ops.rocm_attn.unified_kv_cache_update(torch.randn(3, 7, 5), torch.randn(3, 7, 5), "nocache_shared")
+        with pytest.raises(ValueError, match=r"rocm_attn\.unified_kv_cache_update: value must be \[num_tokens, "):
+            torch.ops.rocm_attn.unified_kv_cache_update(torch.randn(3, HKV, D), torch.randn(9), "nocache_shared")
+    assert unchanged(before, target.kv_cache)
+
+
+def test_metadata_block_size_of_another_type_is_named():
+    s = stepped_layer()
+    md = _replace(s.md, block_size=str(BS))
+    _rejected(s, md, rf"metadata built for block_size '{BS}' \(a str\), but the layer's KV cache has block_size {BS}")
+
+
+@pytest.mark.parametrize("name, bad", [("sinks", float("inf")), ("sinks", float("nan")),
+                                       ("alibi_slopes", float("nan"))])
+def test_per_head_tensors_changed_in_place_are_checked_again(name, bad):
+    """Sinks / ALiBi slopes are the caller's tensors (a model's parameter, loaded after the
+    layer was built): values refused at construction are refused when they arrive in place
+    later, before the step's cache update writes."""
+    per_head = torch.zeros(H) if name == "sinks" else torch.full((H,), 0.5)
+    s = stepped_layer(f"per_head_{name}", **{name: per_head})
+    getattr(s.layer.impl, name).fill_(bad)
+    _rejected(s, s.md, rf"{name} must (not hold NaN or \+inf|be finite)")

@@ -296,34 +296,6 @@ def test_reshape_and_cache_zero_scale():
     assert unchanged(before, c.kv_cache)
 
 
-@pytest.mark.parametrize("op", ["reshape_and_cache", "paged_attention", "qk_norm_rope_and_cache"])
-@pytest.mark.parametrize("name", ["k_scale", "v_scale"])
-def test_cache_scales_other_than_one_need_an_fp8_cache(op, name):
-    """A per-tensor cache scale other than 1.0 with a 16/32-bit cache would be ignored (the
-    scales dequantize an fp8 cache only): refused, as the Attention layer refuses it."""
-    c = _case()
-    scales = dict(k_scale=c.k_scale, v_scale=c.v_scale)
-    scales[name] = torch.tensor([4.0])
-    out = poison(torch.empty_like(c.query))
-    before = snapshot(c.kv_cache, out)
-    with pytest.raises(ValueError, match=rf"rocm_attn\.{op}: {name}=4\.0 with a torch\.float32 cache; the cache "
-                                         r"scales apply only to an fp8 cache"):
-        if op == "reshape_and_cache":
-            torch.ops.rocm_attn.reshape_and_cache(c.key, c.value, c.kv_cache, c.slot_mapping, scales["k_scale"],
-                                                  scales["v_scale"], False)
-        elif op == "paged_attention":
-            torch.ops.rocm_attn.paged_attention(**_attn_args(c, output=out, **scales))
-        else:
-            t, hq, hkv = c.query.shape[0], c.query.shape[1], c.key.shape[1]
-            qkv = torch.cat([c.query, c.key, c.value], 1).reshape(t, -1)
-            w = torch.ones(D)
-            torch.ops.rocm_attn.qk_norm_rope_and_cache(
-                qkv, w, w, 1e-6, torch.zeros(t, dtype=torch.long), torch.randn(8, D), True, c.kv_cache,
-                c.slot_mapping, scales["k_scale"], scales["v_scale"], False, hq, hkv, D,
-                torch.empty(t, hq, D), torch.empty(t, hkv, D))
-    assert unchanged(before, c.kv_cache, out)
-
-
 @pytest.mark.parametrize("name", ["sinks", "alibi_slopes"])
 def test_paged_attention_per_head_tensors(name):
     """The kernels read head h of sinks / ALiBi slopes at offset h: a strided view would give
@@ -763,3 +735,14 @@ def test_a_tensor_at_the_cache_s_address_is_refused():
             call()
         assert unchanged(before, c.kv_cache), name
     _attn_rejected(c, rf"rocm_attn\.paged_attention: {same}", output=alias)
+
+
+def test_rope_and_cache_value_that_is_not_heads_is_named():
+    c = _case()
+    t = c.query.shape[0]
+    before = snapshot(c.kv_cache)
+    with pytest.raises(ValueError, match=r"rocm_attn\.rope_and_cache: value must be \[num_tokens, num_kv_heads, "
+                                         r"head_size\], got \(\)"):
+        torch.ops.rocm_attn.rope_and_cache(torch.zeros(t, dtype=torch.long), c.query, c.key, torch.tensor(1.0),
+                                           c.kv_cache, c.slot_mapping, torch.randn(8, D), True, c.k_scale, c.v_scale)
+    assert unchanged(before, c.kv_cache)

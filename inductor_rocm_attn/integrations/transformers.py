@@ -412,14 +412,15 @@ def _check_supported_attention(module, who: str) -> None:
                                   "only equal head sizes are supported (one head_size for the K and V cache)")
 
 
-def _step_module(model: torch.nn.Module, decoder: torch.nn.Module) -> torch.nn.Module:
-    """The module whose forward plans a step: the base model when it wraps the decoder (a
-    multimodal model, Gemma3ForConditionalGeneration: it gets generate's 2-D padding mask and
-    passes the decoder a dict of per-layer-type masks), else the decoder."""
+def _step_modules(model: torch.nn.Module, decoder: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    """The modules whose forward plans a step (the outermost one called does): the decoder,
+    and the base model when it wraps the decoder. A multimodal wrapper's base model
+    (Gemma3ForConditionalGeneration's) gets generate's 2-D padding mask and hands the decoder a
+    dict of per-layer-type masks; OPT's head calls its decoder past the base model."""
     base = getattr(model, "base_model", None)
     if isinstance(base, torch.nn.Module) and base is not decoder and any(m is decoder for m in base.modules()):
-        return base
-    return decoder
+        return base, decoder
+    return (decoder,)
 
 
 def _decoder(model: torch.nn.Module) -> torch.nn.Module:
@@ -676,7 +677,7 @@ class PagedCache(Cache):
             layer.kv_cache[self._null_block].zero_()
         self._allocator = BlockAllocator(num_blocks, block_size)
         self._decoder = weakref.ref(decoder)
-        self._step_module = weakref.ref(_step_module(model, decoder))  # what plans a step (its forward hook)
+        self._step_modules = [weakref.ref(m) for m in _step_modules(model, decoder)]  # their forward hooks plan steps
         self._built_for = model_placement(decoder)
         self._lengths: list[int] = []  # real (cached) tokens of each row
         # Each row's key in the allocator: rows exchange their blocks (reorder, select) by
@@ -690,10 +691,12 @@ class PagedCache(Cache):
         self._columns: torch.Tensor | None = None
         self._step = None  # the active step's forward context
         self._step_from_hook = False
+        self._hook_depth = 0  # hooked forwards inside the step a hook planned (a wrapper's, then its decoder's)
         self.last_metadata: AttentionMetadata | None = None
         # (row lengths, tokens seen, metadata, mask columns) before the step
         self._before_step = ([], 0, None, None)
-        _install_hooks(self._step_module())
+        for ref in self._step_modules:
+            _install_hooks(ref())
 
     # --- what transformers asks a cache ---
 
@@ -1059,11 +1062,12 @@ class PagedCache(Cache):
         return build_attention_metadata(qls, ctxs, tables, self.block_size, self._device, padding=pads)
 
     def _begin_from_forward(self, module, args, kwargs):
-        """``module``: the hooked one (``_step_module``: the decoder, or the base model wrapping it)."""
-        if self._step is not None:  # planned by the caller (begin_step): run inside it
-            self._step_from_hook = False
-            return None
-        if module is not self._step_module():
+        """``module``: the hooked one (``_step_modules``: the decoder, or the base model wrapping it)."""
+        if self._step is not None:
+            if self._step_from_hook:  # the decoder inside a wrapper whose forward planned the step
+                self._hook_depth += 1
+            return None  # else planned by the caller (begin_step): run inside it
+        if not any(module is ref() for ref in self._step_modules):
             raise ValueError("PagedCache: this cache was built for another model instance (e.g. the original of "
                              "a copy.deepcopy); build one PagedCache per model")
         impl = getattr(self._decoder().config, "_attn_implementation", None)
@@ -1085,14 +1089,17 @@ class PagedCache(Cache):
                                  attention_mask=kwargs.get("attention_mask"),
                                  position_ids=kwargs.get("position_ids"))
         self._step_from_hook = True
+        self._hook_depth = 1
         if inject is not None:
             kwargs["position_ids"] = inject
         return args, kwargs
 
     def _end_from_forward(self, failed: bool):
         if self._step_from_hook:
-            self._step_from_hook = False
-            self.end_step(discard=failed)
+            self._hook_depth -= 1
+            if self._hook_depth == 0:  # the forward that planned the step returns
+                self._step_from_hook = False
+                self.end_step(discard=failed)
 
 
 def _positional_names(cls) -> list[str]:

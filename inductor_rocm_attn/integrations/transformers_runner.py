@@ -237,6 +237,7 @@ class EagerRunner:
         if not isinstance(metadata, AttentionMetadata):  # None failed as an AttributeError on .positions
             raise TypeError(f"EagerRunner: metadata must be runner.prepare(...)'s AttentionMetadata, got "
                             f"{type(metadata).__name__}")
+        check_free("EagerRunner", self.layers.values())  # metadata built before a generate began
         if metadata is not self._prepared:
             # as PiecewiseRunner: an older step's (or a hand-built) metadata would write its
             # slots again, over the keys and values cached there since
@@ -250,7 +251,6 @@ class EagerRunner:
                              f"expected [{n}]")
         check_token_ids("EagerRunner", input_ids, self.vocab_size)
         self.check_parameters()
-        check_free("EagerRunner", self.layers.values())  # metadata built before a generate began
         with set_forward_context(metadata, layers=self.layers):
             out = self.forward(input_ids.to(self.device), metadata.positions)
         self.step_s = time.perf_counter() - t0

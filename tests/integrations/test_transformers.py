@@ -309,7 +309,7 @@ def test_rejected_first_step_leaves_the_cache_without_a_batch():
         ours(torch.ones(2, 4, dtype=torch.long), attention_mask=torch.ones(2, 5), past_key_values=cache)
     with pytest.raises(MemoryError, match=r"this step needs 4 more blocks, 1 free of 1"):
         ours(torch.ones(2, 17, dtype=torch.long), past_key_values=cache)
-    with pytest.raises(ValueError, match=r"PagedCache\.begin_step: input_ids must be \[batch, new tokens\]"):
+    with pytest.raises(ValueError, match=r"PagedCache\.begin_step: input_ids must be a 2-D tensor, \[batch, new tokens\]"):
         cache.begin_step(torch.ones(3, dtype=torch.long))
     assert cache.batch_size == -1 and cache.row_lengths() == [] and cache.get_seq_length() == 0
     assert written_slots(cache) == [0, 0]
