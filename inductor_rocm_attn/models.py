@@ -221,6 +221,8 @@ class TinyDecoder(nn.Module):
 
             check_tensor_parallel("TinyDecoder", tp, optional=True)
         self.cfg = cfg
+        # the positions the RoPE table holds: compile_piecewise keeps max_model_len within them
+        self.max_positions = cfg.max_position
         name = name or f"model{next(_NAME_COUNTER)}"
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, f"{name}.layers.{i}.attn", tp)

@@ -577,3 +577,39 @@ def test_a_trace_cache_that_cannot_be_written_warns_and_builds_from_the_trace(tm
                                    trace_cache=str(tmp_path))
     assert not runner.stats.trace_loaded and runner.stats.num_unique_compiles > 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_steps_the_compiled_pieces_cannot_run_as_traced_are_refused(compiled):
+    """A model switched to training mode after an eval-mode compile was served without its
+    dropouts; input_ids on a device the runner cannot copy from failed inside the copy; a step
+    over max_num_tokens was named after the buffers, not the call. Each refused before the
+    step, and the next step runs."""
+    runner, model, _, _ = compiled
+    md = runner.prepare([2], [0], [[0]])
+    model.train()
+    try:
+        with pytest.raises(ValueError, match=r"PiecewiseRunner: the model is in training mode now, but it was "
+                                             r"compiled in eval mode .*call model\.eval\(\)"):
+            runner(torch.tensor([3, 4]), md)
+        with pytest.raises(ValueError, match=r"PiecewiseRunner: the model is in training mode now"):
+            runner.check_parameters()
+    finally:
+        model.eval()
+    with pytest.raises(ValueError, match=r"PiecewiseRunner: input_ids are on meta; pass them on the CPU"):
+        runner(torch.tensor([3, 4], device="meta"), md)
+    with pytest.raises(ValueError, match=rf"PiecewiseRunner\.prepare: the step has {runner.max_num_tokens + 1} "
+                                         rf"tokens, more than max_num_tokens={runner.max_num_tokens}"):
+        runner.prepare([runner.max_num_tokens + 1], [0], [list(range(8))])
+    md = runner.prepare([2], [0], [[0]])
+    assert torch.isfinite(runner(torch.tensor([3, 4]), md)).all()
+
+
+def test_max_model_len_past_the_models_positions_is_refused():
+    """TinyDecoder's RoPE table holds max_position rows: a max_model_len past them compiled and
+    planned steps whose positions read outside the table (on a GPU graph replay, unchecked)."""
+    cfg = qwen3_config(num_layers=1)
+    cfg.max_position = 32
+    model, _ = decoder_pair(cfg, num_blocks=8)
+    with pytest.raises(ValueError, match=r"compile_piecewise: max_model_len 64 is more than the 32 positions "
+                                         r"TinyDecoder embeds \(its max_positions"):
+        compile_piecewise(model, capture_sizes=[1, 2], max_model_len=64)

@@ -579,6 +579,40 @@ def test_trace_key_covers_values_dynamo_bakes_in():
     assert key(scaled(2.0)) == key(scaled(2.0))
 
 
+def test_trace_key_covers_what_the_traced_forward_closes_over():
+    """The traced ``forward=`` itself: two forwards of one code that differ only in a value
+    they close over, a default or a partial's bound argument got one key (the code's), so a
+    later start loaded the other's trace and served its values, silently."""
+    import functools
+
+    from inductor_rocm_attn.compilation import trace_cache as tc
+
+    m = torch.nn.Linear(4, 4)
+
+    def key(forward):
+        return tc.trace_key(m, [], forward, {})[0]
+
+    def scaled(s):
+        return lambda ids, pos: m(ids) * s
+
+    def with_default(ids, pos, s=2.0):
+        return m(ids) * s
+
+    def with_default3(ids, pos, s=3.0):
+        return m(ids) * s
+    with_default3.__code__ = with_default.__code__.replace(co_consts=with_default.__code__.co_consts)
+    with_default3.__defaults__ = (3.0,)
+
+    def f(ids, pos, s):
+        return m(ids) * s
+
+    for a, b in ((scaled(1.0), scaled(2.0)), (with_default, with_default3),
+                 (functools.partial(f, s=1.0), functools.partial(f, s=2.0))):
+        assert key(a) == key(a) and key(a) != key(b), (a, b)
+    assert key(scaled(2.0)) == key(scaled(2.0)) and key(functools.partial(f, s=1.0)) == key(functools.partial(f, s=1.0))
+    assert key(functools.partial(f, s=1.0)) != key(functools.partial(with_default, s=1.0))  # the code too
+
+
 def test_generate_refuses_a_second_generate_on_the_same_caches():
     """A generate() started from on_step (or another thread) on the same runner handed out the
     same block ids as the running one and overwrote its cached tokens, silently."""

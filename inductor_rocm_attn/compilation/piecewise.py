@@ -98,6 +98,7 @@ class PiecewiseRunner:
                  forward: Callable | None = None, layers: Mapping[str, Any] | None = None,
                  progress: Callable[[str], None] | None = None, trace_cache: Any = None):
         self.model = model
+        self._compiled_training = bool(getattr(model, "training", False))
         self.vocab_size = vocab_size_of(model)  # token ids are checked against it
         self._prepared: AttentionMetadata | None = None  # the latest prepare()'s metadata
         self.forward = forward
@@ -172,8 +173,18 @@ class PiecewiseRunner:
         the compile (``model.to(...)``, ``load_state_dict(..., assign=True)``, a new
         ``Parameter``): the pieces and graphs would read the old tensors, or the new memory as
         the old dtype. Each step checks the first and last of them; ``capture()`` and
-        ``generate`` all of them."""
+        ``generate`` all of them. Also the model's training mode, as at the compile."""
+        self._check_mode()
         _check_tensors(self._tensor_refs)
+
+    def _check_mode(self) -> None:
+        # The pieces were traced in one mode: a model.train() after an eval-mode compile would
+        # be served without its dropouts (and the other way round), silently.
+        if getattr(self.model, "training", self._compiled_training) is not self._compiled_training:
+            now = "training" if self.model.training else "eval"
+            raise ValueError(f"PiecewiseRunner: the model is in {now} mode now, but it was compiled in "
+                             f"{'training' if self._compiled_training else 'eval'} mode (the compiled pieces run it "
+                             f"as traced); call model.{'train' if self._compiled_training else 'eval'}()")
 
     # --- compile --------------------------------------------------------------------------
 
@@ -234,6 +245,9 @@ class PiecewiseRunner:
         except TypeError:  # an entry that is not an int: the builder's error names it
             build_attention_metadata(query_lens, context_lens, block_tables, self.block_size)
             raise
+        if n > self.max_num_tokens:  # else the buffers' own error, naming them rather than this call
+            raise ValueError(f"PiecewiseRunner.prepare: the step has {n} tokens, more than "
+                             f"max_num_tokens={self.max_num_tokens}")
         if longest > self.max_model_len:  # learned positions past it index outside the embedding
             raise ValueError(f"PiecewiseRunner.prepare: the step has a sequence of {longest} tokens, more than "
                              f"max_model_len={self.max_model_len}")
@@ -255,12 +269,21 @@ class PiecewiseRunner:
 
     def _checked_max_model_len(self, max_model_len: int | None) -> int:
         """``max_model_len``, or its default (``DEFAULT_MAX_MODEL_LEN`` tokens, at most what the
-        bound caches hold); one given that is more than the caches hold is refused: no sequence
-        could reach it, and the whole-step decode graphs would plan their KV splits for it."""
+        bound caches hold and the model's ``max_positions``); one given that is more than the
+        caches hold is refused: no sequence could reach it, and the whole-step decode graphs would
+        plan their KV splits for it; one past the model's ``max_positions`` too."""
         blocks = self._num_cache_blocks()
         capacity = None if blocks is None else blocks * self.block_size
+        # A model that says how many positions it embeds (``max_positions``: a RoPE table's rows):
+        # a step past them reads outside the table, and a graph replay runs no check that could see it.
+        positions = getattr(self.model, "max_positions", None)
+        positions = positions if is_int(positions) and positions > 0 else None
         if max_model_len is None:
-            return DEFAULT_MAX_MODEL_LEN if capacity is None else min(DEFAULT_MAX_MODEL_LEN, capacity)
+            return min(x for x in (DEFAULT_MAX_MODEL_LEN, capacity, positions) if x is not None)
+        if positions is not None and max_model_len > positions:
+            raise ValueError(f"compile_piecewise: max_model_len {max_model_len} is more than the {positions} positions "
+                             f"{type(self.model).__name__} embeds (its max_positions: a RoPE table's rows); pass "
+                             f"max_model_len <= {positions}")
         if capacity is not None and max_model_len > capacity:
             raise ValueError(f"compile_piecewise: max_model_len {max_model_len} is more than the bound KV caches hold "
                              f"({blocks} blocks x block_size {self.block_size} = {capacity} tokens, the smallest "
@@ -320,7 +343,11 @@ class PiecewiseRunner:
         if input_ids.dim() != 1 or input_ids.shape[0] not in (n, size):
             raise ValueError(f"PiecewiseRunner: input_ids {tuple(input_ids.shape)} for a step of {n} tokens: "
                              f"expected [{n}]" + (f" (or [{size}], padded)" if size != n else ""))
+        if input_ids.device.type != "cpu" and input_ids.device != self.input_ids.device:  # copied into its buffer
+            where = "" if self.input_ids.device.type == "cpu" else f" or on {self.input_ids.device}, the model's device"
+            raise ValueError(f"PiecewiseRunner: input_ids are on {input_ids.device}; pass them on the CPU{where}")
         check_token_ids("PiecewiseRunner", input_ids, self.vocab_size)
+        self._check_mode()
         _check_tensors(self._sentinels)
         if use_graphs and self._captured_caches is not None and cache_epoch() != self._captured_epoch:
             self._check_cache_states()
@@ -614,7 +641,8 @@ def compile_piecewise(
             without graphs (default ``max(capture_sizes)``).
         max_model_len: longest sequence (block-table width; whole-step decode graphs plan
             their KV splits for it); at most what the bound caches hold (blocks x block size:
-            more is refused); default: 4096, or the caches' capacity where that is less.
+            more is refused) and, for a model with ``max_positions`` (``TinyDecoder``: its RoPE
+            table's rows), at most that; default: 4096, or the least of those bounds.
         use_cuda_graphs: default: when the model's parameters are on a CUDA/HIP device.
         plugin: run the plugin's passes in the piece compiles (default: on; False: off; a
             post pass the user installed runs either way).

@@ -197,6 +197,19 @@ def _plain(v: Any, depth: int = 0) -> Any:
     return [cls, _plain({k: a for k, a in attrs.items() if not k.startswith("_")}, depth + 1)]
 
 
+def _forward_digest(forward: Callable | None) -> Any:
+    """The traced ``forward=``: its code, and the values Dynamo bakes into the trace with it,
+    those it closes over, its defaults and, for a ``functools.partial``, the bound arguments
+    (the code alone served one forward's trace to another that differs only in them)."""
+    if forward is None:
+        return ""
+    fn = forward
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    code = getattr(fn, "__code__", None)
+    return [_code_digest(code) if code is not None else "", _plain(forward)]
+
+
 def _attributes(obj: Any) -> dict[str, Any]:
     out = {}
     for k, v in sorted(vars(obj).items()):
@@ -287,7 +300,7 @@ def trace_key(model: torch.nn.Module, layers: Iterable[Any], forward: Callable |
     for layer in layers:
         layer_desc.append((getattr(layer, "layer_name", None), type(layer).__qualname__, _attributes(layer),
                            _attributes(layer.impl) if hasattr(layer, "impl") else None))
-    code = _code_digest(forward.__code__) if forward is not None and hasattr(forward, "__code__") else ""
+    code = _forward_digest(forward)
     desc = json.dumps(dict(
         format=_FORMAT, torch=torch.__version__, triton=triton.__version__, python=sys.version,
         package=_package_digest(), modules=modules, tensors=tensors, layers=layer_desc,
