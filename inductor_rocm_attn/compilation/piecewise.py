@@ -280,15 +280,15 @@ class PiecewiseRunner:
         positions = positions if is_int(positions) and positions > 0 else None
         if max_model_len is None:
             return min(x for x in (DEFAULT_MAX_MODEL_LEN, capacity, positions) if x is not None)
-        if positions is not None and max_model_len > positions:
-            raise ValueError(f"compile_piecewise: max_model_len {max_model_len} is more than the {positions} positions "
-                             f"{type(self.model).__name__} embeds (its max_positions: a RoPE table's rows); pass "
-                             f"max_model_len <= {positions}")
         if capacity is not None and max_model_len > capacity:
             raise ValueError(f"compile_piecewise: max_model_len {max_model_len} is more than the bound KV caches hold "
                              f"({blocks} blocks x block_size {self.block_size} = {capacity} tokens, the smallest "
                              f"layer cache); pass max_model_len <= {capacity} (or leave it out: "
                              f"min({DEFAULT_MAX_MODEL_LEN}, {capacity})) or bind larger caches")
+        if positions is not None and max_model_len > positions:
+            raise ValueError(f"compile_piecewise: max_model_len {max_model_len} is more than the {positions} positions "
+                             f"{type(self.model).__name__} embeds (its max_positions: a RoPE table's rows); pass "
+                             f"max_model_len <= {positions}")
         return max_model_len
 
     def _num_cache_blocks(self) -> int | None:
