@@ -281,7 +281,7 @@ def _check_cache_not_written_by_another(layer: Attention, cache: torch.Tensor) -
     if impl is None or not impl.uses_kv_cache or not cache.numel() or cache.device.type == "meta":
         return
     lo, hi = _memory_range(cache)
-    for other in list(registered_layers().values()):
+    for other in registered_layers().values():  # a copy: the registry may change meanwhile
         held = other.__dict__.get("kv_cache")
         if (other is layer or held is None or not held.numel() or held.device != cache.device
                 or not other.impl.uses_kv_cache):

@@ -107,3 +107,22 @@ def test_each_compile_is_timed_under_its_kernels_name(monkeypatch):
     assert names == ["_decode_kernel", "_decode_kernel", "_reduce_kernel"]
     for _, start, seconds in done["compiles"]:
         assert 0 <= start < 5 and 0.04 <= seconds < 5
+
+
+@pytest.mark.parametrize("device, warms", [("cuda", True), ("cpu", False)])
+def test_gpu_compiles_start_inductors_workers_before_the_trace(monkeypatch, device, warms):
+    """Our backend calls compile_fx directly, and Inductor compiles in the calling process
+    until its worker pool is ready: a runner of a GPU model starts the pool before it traces
+    (a CPU one does not: measured slower on a 2-core machine). Without it the cold build
+    compiled the first piece's kernels one after another."""
+    import torch
+    import torch._inductor.async_compile as async_compile
+
+    from inductor_rocm_attn.compilation import build
+
+    order = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: order.append("warm"))
+    monkeypatch.setattr(build, "_compile_model", lambda runner, t: order.append("trace"))
+    runner = types.SimpleNamespace(device=torch.device(device), max_num_tokens=8)
+    build.compile_model(runner)
+    assert order == (["warm", "trace"] if warms else ["trace"])

@@ -311,6 +311,12 @@ def test_rejected_first_step_leaves_the_cache_without_a_batch():
         ours(torch.ones(2, 17, dtype=torch.long), past_key_values=cache)
     with pytest.raises(ValueError, match=r"PagedCache\.begin_step: input_ids must be a 2-D tensor, \[batch, new tokens\]"):
         cache.begin_step(torch.ones(3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"PagedCache\.begin_step: inputs_embeds must be a 3-D tensor, "
+                                         r"\[batch, new tokens, hidden\], got \(4, 64\)"):
+        cache.begin_step(inputs_embeds=torch.ones(4, 64))  # planned as 4 rows of 64 tokens before
+    with pytest.raises(ValueError, match=r"PagedCache\.begin_step: attention_mask must be a 2-D tensor "
+                                         r"\[batch, seen \+ new\] \(1: token, 0: padding\), got dict"):
+        cache.begin_step(torch.ones(1, 4, dtype=torch.long), attention_mask={"full_attention": None})
     assert cache.batch_size == -1 and cache.row_lengths() == [] and cache.get_seq_length() == 0
     assert written_slots(cache) == [0, 0]
     ours(torch.ones(1, 4, dtype=torch.long), past_key_values=cache)  # a batch of one is the first batch
